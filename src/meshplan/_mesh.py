@@ -1,0 +1,95 @@
+"""The active mesh, and applying a ``PartitionSpec`` to a value on Auto or Explicit meshes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from meshplan._errors import LogicalNamesError, MeshError
+
+__all__ = ["active_mesh", "apply_spec"]
+
+
+def _legacy_mesh() -> Mesh | None:
+    """The mesh of a legacy ``with mesh:`` block (JAX keeps it apart from ``jax.set_mesh``)."""
+    try:
+        from jax._src.mesh import thread_resources
+    except ImportError:  # pragma: no cover - a JAX without the legacy context
+        return None
+    mesh = thread_resources.env.physical_mesh
+    return None if mesh.empty else mesh
+
+
+def active_mesh() -> Any:
+    """The mesh in effect: ``jax.set_mesh(...)``'s, else a legacy ``with mesh:``'s, else None.
+
+    Example:
+        >>> import meshplan
+        >>> meshplan.active_mesh() is None
+        True
+    """
+    abstract = jax.sharding.get_abstract_mesh()
+    if not abstract.empty:
+        return abstract
+    return _legacy_mesh()
+
+
+def _axis_types(mesh: Any) -> tuple[Any, ...]:
+    return tuple(getattr(mesh, "axis_types", ()) or ())
+
+
+def check_rank(spec: PartitionSpec, shape: tuple[int, ...], what: str, *, exact: bool) -> None:
+    """Raises when ``spec`` has more entries than ``shape`` has dimensions (or differs, if exact)."""
+    n = len(spec)
+    if n > len(shape) or (exact and n != len(shape)):
+        raise LogicalNamesError(
+            f"{what} gives {n} axis names {tuple(spec)!r} for an array of rank {len(shape)} "
+            f"(shape {tuple(shape)}).\nGive exactly one name (or None) per dimension."
+        )
+
+
+def _fill_unconstrained(value: Any, spec: PartitionSpec) -> PartitionSpec:
+    """Explicit meshes have no 'unconstrained': keep the value's current sharding there."""
+    if not any(e is PartitionSpec.UNCONSTRAINED for e in spec):
+        return spec
+    current = tuple(jax.typeof(value).sharding.spec)
+    current = current + (None,) * (len(spec) - len(current))
+    return PartitionSpec(
+        *(c if e is PartitionSpec.UNCONSTRAINED else e for e, c in zip(spec, current, strict=False))
+    )
+
+
+def apply_spec(value: Any, spec: PartitionSpec, mesh: Any = None, *, what: str = "value") -> Any:
+    """Constrains ``value`` to ``spec`` on ``mesh`` (or the active mesh).
+
+    On a mesh whose axes are ``Auto`` this is ``jax.lax.with_sharding_constraint``;
+    on one whose axes are ``Explicit`` it is ``jax.sharding.reshard``. With no mesh
+    given and none active, the value is returned unchanged.
+    """
+    abstract = jax.sharding.get_abstract_mesh()
+    if mesh is not None:
+        target, named = mesh, isinstance(mesh, Mesh)
+    elif not abstract.empty:
+        target, named = abstract, False  # JAX resolves a bare spec against the context mesh
+    else:
+        target, named = _legacy_mesh(), True
+        if target is None:
+            return value
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        check_rank(spec, tuple(shape), what, exact=False)
+    types = set(_axis_types(target))
+    if types <= {AxisType.Auto}:
+        sharding = NamedSharding(target, spec) if named else spec
+        return jax.lax.with_sharding_constraint(value, sharding)
+    if types == {AxisType.Explicit}:
+        spec = _fill_unconstrained(value, spec)
+        return jax.sharding.reshard(value, NamedSharding(target, spec) if named else spec)
+    raise MeshError(
+        f"Cannot constrain {what} to {spec} on a mesh with mixed axis types "
+        f"{dict(zip(target.axis_names, _axis_types(target), strict=True))}.\n"
+        f"Use a mesh whose axes are all Auto or all Explicit "
+        f"(jax.make_mesh(..., axis_types=(AxisType.Explicit,) * n))."
+    )

@@ -1,0 +1,158 @@
+"""From a tree of boxed or abstract values to the ``PartitionSpec``/``NamedSharding`` trees
+that ``jax.jit`` takes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshplan._boxes import Partitioned, is_box
+from meshplan._errors import LogicalNamesError, MeshError, MeshplanError, problem_message
+from meshplan._rules import logical_to_mesh_axes
+
+__all__ = [
+    "get_partition_spec",
+    "get_sharding",
+    "logical_to_mesh",
+    "logical_to_mesh_sharding",
+]
+
+_REPLICATED = PartitionSpec()
+
+
+def _leaf_spec(x: Any) -> PartitionSpec | None:
+    if is_box(x):
+        return x.get_partition_spec()
+    if hasattr(x, "shape"):
+        return _REPLICATED
+    return None
+
+
+def _map_collecting(fn: Callable[[Any], Any], tree: Any, is_leaf: Callable[[Any], bool]) -> Any:
+    """``tree_map`` that, when a leaf fails, walks again by path and raises once for all."""
+    try:
+        return jax.tree_util.tree_map(fn, tree, is_leaf=is_leaf)
+    except (ValueError, TypeError, KeyError):
+        pass
+    problems: list[str] = []
+    first: BaseException | None = None
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
+        try:
+            fn(leaf)
+        except (ValueError, TypeError, KeyError) as e:
+            first = first or e
+            problems.append(f"{jax.tree_util.keystr(path)}: {str(e).splitlines()[0]}")
+    error = MeshError if isinstance(first, MeshError) else LogicalNamesError
+    if isinstance(first, MeshplanError) and not isinstance(first, LogicalNamesError | MeshError):
+        error = type(first)
+    fix = str(first).splitlines()[-1] if first and "\n" in str(first) else "See the messages above."
+    raise error(problem_message(f"{len(problems)} leaves cannot be partitioned:", problems, fix))
+
+
+def _named(mesh: Any, spec: PartitionSpec, cache: dict[PartitionSpec, NamedSharding]) -> Any:
+    sharding = cache.get(spec)
+    if sharding is None:
+        missing = [a for e in spec for a in _axes(e) if a not in mesh.axis_names]
+        if missing:
+            raise MeshError(
+                f"spec {spec} names mesh axes {tuple(missing)!r} that the mesh "
+                f"{dict(mesh.shape)} does not have.\nUse the mesh's axis names "
+                f"{tuple(mesh.axis_names)!r}, or map logical names with rules."
+            )
+        sharding = cache[spec] = NamedSharding(mesh, spec)
+    return sharding
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    if isinstance(entry, str):
+        return (entry,)
+    if isinstance(entry, tuple):
+        return entry
+    return ()
+
+
+def get_partition_spec(tree: Any) -> Any:
+    """Tree of ``PartitionSpec``s for a tree of boxed, array or abstract leaves.
+
+    A box gives its own spec (logical names for logical boxes); an unboxed leaf
+    with a ``.shape`` (arrays, ``jax.ShapeDtypeStruct``) gives ``PartitionSpec()``;
+    any other leaf gives ``None``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> tree = {"w": meshplan.Partitioned(jnp.ones((4, 8)), ("data", None)),
+        ...         "step": jnp.zeros(()), "name": "adam"}
+        >>> meshplan.get_partition_spec(tree)
+        {'name': None, 'step': P(), 'w': P('data', None)}
+    """
+    return _map_collecting(_leaf_spec, tree, is_box)
+
+
+def get_sharding(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+    """Tree of ``NamedSharding``s on ``mesh``, by the same walk as :func:`get_partition_spec`.
+
+    Non-array leaves (such as a ``TrainState``'s ``apply_fn``) give ``None``.
+    Logical boxes are mapped through their own or the active rules.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+        >>> tree = {"w": meshplan.Partitioned(jax.ShapeDtypeStruct((4, 8), jnp.float32),
+        ...                                   (None, "model"))}
+        >>> meshplan.get_sharding(tree, mesh)["w"].spec
+        P(None, 'model')
+    """
+    cache: dict[PartitionSpec, NamedSharding] = {}
+
+    def leaf(x: Any) -> Any:
+        if is_box(x):
+            if type(x) is Partitioned:
+                return _named(mesh, x._checked_spec(), cache)
+            return x.get_sharding(mesh)
+        spec = _leaf_spec(x)
+        return None if spec is None else _named(mesh, spec, cache)
+
+    return _map_collecting(leaf, tree, is_box)
+
+
+def logical_to_mesh(tree: Any, rules: Any = None) -> Any:
+    """:func:`logical_to_mesh_axes` over a tree of logical ``PartitionSpec``s.
+
+    Example:
+        >>> import meshplan
+        >>> from jax.sharding import PartitionSpec as P
+        >>> meshplan.logical_to_mesh({"w": P("embed", "hidden"), "step": P()},
+        ...                          (("hidden", "model"),))
+        {'step': P(), 'w': P(None, 'model')}
+    """
+    return _map_collecting(
+        lambda x: logical_to_mesh_axes(x, rules),
+        tree,
+        lambda x: isinstance(x, PartitionSpec),
+    )
+
+
+def logical_to_mesh_sharding(tree: Any, mesh: jax.sharding.Mesh, rules: Any = None) -> Any:
+    """Tree of logical ``PartitionSpec``s to a tree of ``NamedSharding``s on ``mesh``.
+
+    Example:
+        >>> import jax, meshplan
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+        >>> out = meshplan.logical_to_mesh_sharding({"w": P("embed", "hidden")}, mesh,
+        ...                                        (("hidden", "model"),))
+        >>> out["w"].spec
+        P(None, 'model')
+    """
+    cache: dict[PartitionSpec, NamedSharding] = {}
+
+    def leaf(x: Any) -> Any:
+        if not isinstance(x, PartitionSpec):
+            return x  # None stays None
+        return _named(mesh, logical_to_mesh_axes(x, rules), cache)
+
+    return _map_collecting(leaf, tree, lambda x: isinstance(x, PartitionSpec))
+

@@ -1,0 +1,1 @@
+"""Subcommands of the ``meshplan`` command line (see :mod:`meshplan.cli`)."""
