@@ -54,10 +54,9 @@ def _values_equal(a: Any, b: Any) -> bool:
     if a is b:
         return True
     if isinstance(a, jax.ShapeDtypeStruct) or isinstance(b, jax.ShapeDtypeStruct):
-        return (
-            getattr(a, "shape", None) == getattr(b, "shape", None)
-            and getattr(a, "dtype", None) == getattr(b, "dtype", None)
-        )
+        return getattr(a, "shape", None) == getattr(b, "shape", None) and getattr(
+            a, "dtype", None
+        ) == getattr(b, "dtype", None)
     if hasattr(a, "shape") and hasattr(b, "shape"):
         try:
             return bool(np.array_equal(np.asarray(a), np.asarray(b)))

@@ -38,9 +38,7 @@ def _is_logical_spec(x: Any) -> bool:
     )
 
 
-def _constrain_one(
-    spec: Any, x: Any, *, rules: Any, mesh: Any, fallback: RulesFallback
-) -> Any:
+def _constrain_one(spec: Any, x: Any, *, rules: Any, mesh: Any, fallback: RulesFallback) -> Any:
     if spec is None:
         return x
     resolved = resolve(spec, rules)

@@ -26,9 +26,9 @@ __all__ = [
     "set_logical_axis_rules",
 ]
 
-MeshAxes: TypeAlias = str | tuple[str, ...] | None | Any
+MeshAxes: TypeAlias = str | tuple[str, ...] | Any | None
 LogicalRules: TypeAlias = Sequence[tuple[str, MeshAxes]]
-LogicalNames: TypeAlias = Sequence[str | None | Any]
+LogicalNames: TypeAlias = Sequence[str | Any | None]
 
 UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
 
@@ -127,9 +127,8 @@ def normalize_rules(rules: Any) -> tuple[tuple[str, MeshAxes], ...]:
     if isinstance(rules, tuple) and all(
         type(r) is tuple and len(r) == 2 and type(r[0]) is str and _is_mesh_axis_entry(r[1])
         for r in rules
-    ):
-        if all(not isinstance(r[1], list) for r in rules):
-            return rules  # the common, already-normal case: no copy
+    ) and all(not isinstance(r[1], list) for r in rules):
+        return rules  # the common, already-normal case: no copy
     fix = "Give rules as a sequence of pairs, e.g. (('batch', 'data'), ('hidden', 'model'))."
     if isinstance(rules, dict):
         raise RulesError(

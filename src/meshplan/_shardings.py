@@ -155,4 +155,3 @@ def logical_to_mesh_sharding(tree: Any, mesh: jax.sharding.Mesh, rules: Any = No
         return _named(mesh, logical_to_mesh_axes(x, rules), cache)
 
     return _map_collecting(leaf, tree, lambda x: isinstance(x, PartitionSpec))
-

@@ -27,8 +27,8 @@ __all__ = [
     "LogicalDotReluDot",
     "LogicalMLP",
     "init_fn",
-    "make_train_step",
     "make_infer_step",
+    "make_train_step",
 ]
 
 LOGICAL_RULES = (("batch", "data"), ("hidden", "model"))
