@@ -1,0 +1,24 @@
+"""The README's quick start runs as written."""
+
+import re
+from pathlib import Path
+
+README = Path(__file__).parent.parent / "README.md"
+
+
+def test_readme_quick_start_runs_and_shards_w2_by_rows():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert blocks, "the README has a python quick start"
+    namespace: dict = {}
+    exec(compile(blocks[0], str(README), "exec"), namespace)
+    params = namespace["params"]["params"]
+    w2 = params["W2"]
+    assert type(w2).__name__ == "Partitioned"
+    assert w2.names == ("model", None)
+    assert str(w2.value.sharding.spec) == "P('model', None)"
+    assert params["Dense_0"]["kernel"].value.sharding.spec[1] == "model"
+
+
+def test_readme_gives_the_two_commands():
+    text = README.read_text()
+    assert "make demo" in text and "make test" in text
