@@ -149,6 +149,28 @@ class Partitioned(AxisMetadata[A], Generic[A]):
         """``NamedSharding(mesh, spec)``."""
         return NamedSharding(mesh, self._checked_spec())
 
+    def replace(self, **updates: Any) -> Partitioned[A]:
+        """A copy with some fields replaced, as Flax's ``struct`` dataclasses offer."""
+        return dataclasses.replace(self, **updates)
+
+    def to_nnx_metadata(self) -> dict[str, Any]:
+        """The box's fields as ``flax.nnx.Variable`` metadata (``names`` -> ``out_sharding``)."""
+        metadata = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        metadata["out_sharding"] = metadata.pop("names")
+        if "rules" in metadata:
+            metadata["sharding_rules"] = metadata.pop("rules")
+        return metadata
+
+    @classmethod
+    def from_nnx_metadata(cls, metadata: dict[str, Any]) -> Partitioned[Any]:
+        """The inverse of :meth:`to_nnx_metadata`; unknown keys are ignored."""
+        metadata = dict(metadata)
+        metadata["names"] = metadata.pop("out_sharding")
+        if "sharding_rules" in metadata:
+            metadata["rules"] = metadata.pop("sharding_rules")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in metadata.items() if k in fields})
+
     def _checked_spec(self) -> PartitionSpec:
         spec = self.get_partition_spec()
         shape = getattr(self.value, "shape", None)
