@@ -14,6 +14,7 @@ from meshplan._boxes import (
     with_logical_partitioning,
     with_partitioning,
 )
+from meshplan._checkpoint import Checkpointer, CheckpointMetadata, Restored, restore
 from meshplan._constraints import RulesFallback, explicit_out_sharding, with_logical_constraint
 from meshplan._errors import (
     CheckpointError,
@@ -44,12 +45,15 @@ __version__ = "0.1.0"
 __all__ = [
     "PARTITION_NAME",
     "CheckpointError",
+    "CheckpointMetadata",
+    "Checkpointer",
     "LogicalNamesError",
     "LogicallyPartitioned",
     "MeshError",
     "MeshplanError",
     "Partitioned",
     "PartitioningUnspecifiedError",
+    "Restored",
     "RulesError",
     "RulesFallback",
     "ShardingValidationError",
@@ -64,6 +68,7 @@ __all__ = [
     "logical_to_mesh_axes",
     "logical_to_mesh_sharding",
     "replace_boxed",
+    "restore",
     "set_logical_axis_rules",
     "unbox",
     "with_logical_constraint",
