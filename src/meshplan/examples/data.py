@@ -1,0 +1,301 @@
+"""Byte-level text data that every machine has: the Python standard library's own source.
+
+The corpus is read as bytes (a vocabulary of 256) and split into train and
+validation *by file*, deterministically: a file goes to validation when the
+SHA-1 of its relative path falls in the validation fraction, so the same
+files land on the same side on every run and every machine with the same
+Python. Batches are windows at offsets drawn from ``(seed, step)`` alone, so
+a run resumed at step ``k`` sees exactly the batches it would have seen, and
+:func:`shard_batch` places them on a mesh with
+``jax.make_array_from_process_local_data`` (each process passes its own rows).
+
+Example:
+    >>> from meshplan.examples.data import ByteCorpus
+    >>> corpus = ByteCorpus.from_stdlib(max_bytes=200_000)
+    >>> batch = corpus.batch_at("train", step=0, seed=0, batch=4, seq_len=32)
+    >>> batch.shape, batch.dtype.name
+    ((4, 33), 'int32')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import sysconfig
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+import meshplan
+from meshplan._errors import MeshplanError
+
+__all__ = ["ByteCorpus", "DataError", "shard_batch"]
+
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "node_modules"}
+_SPLITS = ("train", "valid")
+
+
+class DataError(MeshplanError, ValueError):
+    """A data path with no text, a split too short for the sequence length, or a
+    batch that cannot be split over the mesh."""
+
+
+def _hash_fraction(relpath: str) -> float:
+    """A number in [0, 1) fixed by the file's relative path (POSIX separators)."""
+    digest = hashlib.sha1(relpath.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def _is_text(data: bytes) -> bool:
+    """No NUL byte and valid UTF-8 in the first 8 KiB (cut at a character boundary)."""
+    head = data[:8192]
+    if b"\0" in head:
+        return False
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.start >= len(head) - 3  # a multi-byte character cut at the end
+    return True
+
+
+def _walk(root: Path, suffixes: tuple[str, ...] | None) -> list[Path]:
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
+        for name in sorted(filenames):
+            if name.startswith("."):
+                continue
+            if suffixes is None or name.endswith(suffixes):
+                files.append(Path(dirpath) / name)
+    return files
+
+
+@dataclasses.dataclass(frozen=True)
+class ByteCorpus:
+    """Train and validation bytes of a text corpus.
+
+    Attributes:
+        train: The training bytes, ``uint8[n_train]`` (files joined by newlines).
+        valid: The validation bytes, ``uint8[n_valid]``.
+        source: Where the bytes came from (a path).
+        train_files: Relative paths of the training files.
+        valid_files: Relative paths of the validation files.
+    """
+
+    train: np.ndarray
+    valid: np.ndarray
+    source: str
+    train_files: tuple[str, ...] = ()
+    valid_files: tuple[str, ...] = ()
+
+    # -- construction -------------------------------------------------------
+
+    @classmethod
+    def from_stdlib(
+        cls, max_bytes: int | None = 8_000_000, valid_fraction: float = 0.1
+    ) -> ByteCorpus:
+        """The ``.py`` files of the running Python's standard library.
+
+        Files are taken in the order of the hash of their path (a fixed,
+        well-mixed sample) until ``max_bytes`` are read; ``site-packages`` is
+        left out.
+
+        Example:
+            >>> from meshplan.examples.data import ByteCorpus
+            >>> corpus = ByteCorpus.from_stdlib(max_bytes=100_000)
+            >>> set(corpus.train_files).isdisjoint(corpus.valid_files)
+            True
+
+        Args:
+            max_bytes: Stop reading after about this many bytes (``None``: all).
+            valid_fraction: Share of files (by hash of path) for validation.
+        """
+        root = Path(sysconfig.get_paths()["stdlib"])
+        return cls._from_files(root, _walk(root, (".py",)), max_bytes, valid_fraction)
+
+    @classmethod
+    def from_path(
+        cls, path: str | os.PathLike[str], max_bytes: int | None = None, valid_fraction: float = 0.1
+    ) -> ByteCorpus:
+        """Every text file under a folder, or one text file.
+
+        Binary files (a NUL byte or invalid UTF-8 near the start) and hidden
+        files are skipped. A single file, or a folder whose files all fall on
+        one side of the split, is split by bytes instead: the last
+        ``valid_fraction`` of the bytes is validation.
+
+        Raises:
+            DataError: the path does not exist or holds no text.
+        """
+        root = Path(path)
+        if not root.exists():
+            raise DataError(
+                f"Data path {os.fspath(path)!r} does not exist.\n"
+                f"Give a folder of text files or a text file (or leave --data out to use the "
+                f"Python standard library)."
+            )
+        files = [root] if root.is_file() else _walk(root, None)
+        return cls._from_files(root, files, max_bytes, valid_fraction)
+
+    @classmethod
+    def _from_files(
+        cls, root: Path, files: Iterable[Path], max_bytes: int | None, valid_fraction: float
+    ) -> ByteCorpus:
+        if not 0.0 < valid_fraction < 1.0:
+            raise ValueError(f"valid_fraction must be in (0, 1), got {valid_fraction}.")
+        base = root.parent if root.is_file() else root
+        # The split is fixed by one hash of the path, the reading order by another, so
+        # that a byte budget takes a well-mixed sample of files on both sides.
+        entries = sorted(
+            (_hash_fraction("order:" + rel), _hash_fraction(rel), rel, p)
+            for p in files
+            for rel in [p.relative_to(base).as_posix()]
+        )
+        budget = {
+            "train": None if max_bytes is None else max_bytes * (1.0 - valid_fraction),
+            "valid": None if max_bytes is None else max_bytes * valid_fraction,
+        }
+        chunks: dict[str, list[bytes]] = {"train": [], "valid": []}
+        names: dict[str, list[str]] = {"train": [], "valid": []}
+        read = {"train": 0, "valid": 0}
+        for _, h, rel, p in entries:
+            split = "valid" if h < valid_fraction else "train"
+            limit = budget[split]
+            if limit is not None and read[split] >= limit:
+                if all(budget[s] is not None and read[s] >= budget[s] for s in _SPLITS):
+                    break
+                continue
+            try:
+                data = p.read_bytes()
+            except OSError:
+                continue
+            if not data or not _is_text(data):
+                continue
+            chunks[split].append(data)
+            names[split].append(rel)
+            read[split] += len(data) + 1
+        if not chunks["train"] and not chunks["valid"]:
+            raise DataError(
+                f"No text found under {os.fspath(root)!r}: no readable, non-empty text file"
+                f"{' ending in .py' if root == Path(sysconfig.get_paths()['stdlib']) else ''}.\n"
+                f"Give a folder containing text files (.py, .txt, .md, ...) or a text file."
+            )
+        if not chunks["train"] or not chunks["valid"]:  # one file, or all on one side
+            joined = np.frombuffer(b"\n".join(chunks["train"] + chunks["valid"]), np.uint8)
+            cut = int(len(joined) * (1.0 - valid_fraction))
+            all_names = tuple(names["train"] + names["valid"])
+            return cls(joined[:cut].copy(), joined[cut:].copy(), os.fspath(root), all_names, ())
+        return cls(
+            np.frombuffer(b"\n".join(chunks["train"]), np.uint8).copy(),
+            np.frombuffer(b"\n".join(chunks["valid"]), np.uint8).copy(),
+            os.fspath(root),
+            tuple(names["train"]),
+            tuple(names["valid"]),
+        )
+
+    # -- batches ------------------------------------------------------------
+
+    def split(self, name: str) -> np.ndarray:
+        """The bytes of ``'train'`` or ``'valid'``."""
+        if name not in _SPLITS:
+            raise ValueError(f"split must be 'train' or 'valid', got {name!r}.")
+        return self.train if name == "train" else self.valid
+
+    def batch_at(self, split: str, step: int, seed: int, batch: int, seq_len: int) -> np.ndarray:
+        """The batch of ``step``: ``int32[batch, seq_len + 1]`` windows of the split.
+
+        The offsets depend only on ``(seed, split, step)``, so any process, and a
+        run resumed at ``step``, computes the same batch.
+
+        Example:
+            >>> import numpy as np
+            >>> from meshplan.examples.data import ByteCorpus
+            >>> corpus = ByteCorpus.from_stdlib(max_bytes=100_000)
+            >>> a = corpus.batch_at("train", 7, seed=1, batch=2, seq_len=16)
+            >>> bool(np.array_equal(a, corpus.batch_at("train", 7, seed=1, batch=2, seq_len=16)))
+            True
+
+        Raises:
+            DataError: the split is shorter than ``seq_len + 1`` bytes.
+        """
+        data = self.split(split)
+        window = seq_len + 1
+        if len(data) < window:
+            raise DataError(
+                f"The {split} split of {self.source!r} has {len(data)} bytes, fewer than one "
+                f"window of seq_len + 1 = {window}.\nUse a shorter sequence length or more text."
+            )
+        rng = np.random.default_rng([seed, _SPLITS.index(split), step])
+        starts = rng.integers(0, len(data) - window + 1, size=batch)
+        return data[starts[:, None] + np.arange(window)].astype(np.int32)
+
+    def __repr__(self) -> str:
+        return (
+            f"ByteCorpus(source={self.source!r}, train={len(self.train):,} bytes in "
+            f"{len(self.train_files)} files, valid={len(self.valid):,} bytes in "
+            f"{len(self.valid_files)} files)"
+        )
+
+
+def _mesh_axes(entry: Any) -> tuple[str, ...]:
+    if isinstance(entry, str):
+        return (entry,)
+    if isinstance(entry, tuple):
+        return entry
+    return ()
+
+
+def shard_batch(tokens: np.ndarray, mesh: jax.sharding.Mesh, rules: Any) -> jax.Array:
+    """Places a global batch ``[batch, length]`` on ``mesh`` as ``('batch', 'length')``.
+
+    Every process passes the same global batch (:meth:`ByteCorpus.batch_at` is
+    deterministic); each keeps the rows and columns its devices hold and hands
+    them to ``jax.make_array_from_process_local_data``.
+
+    Example:
+        >>> import jax, numpy as np
+        >>> from meshplan.examples.data import shard_batch
+        >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+        >>> x = shard_batch(np.zeros((8, 5), np.int32), mesh, (("batch", "data"),))
+        >>> x.sharding.spec
+        P('data', None)
+
+    Raises:
+        DataError: the batch size (or length) does not divide by the number of
+            devices it is split over.
+    """
+    spec = meshplan.logical_to_mesh_axes(("batch", "length"), rules)
+    for dim, (what, entry) in enumerate(zip(("batch", "length"), spec, strict=True)):
+        axes = _mesh_axes(entry)
+        missing = [a for a in axes if a not in mesh.shape]
+        if missing:
+            raise meshplan.MeshError(
+                f"The rules put {what!r} on mesh axes {axes!r}, but the mesh "
+                f"{dict(mesh.shape)} has no axis {missing[0]!r}.\n"
+                f"Use rules written for this mesh's axes {tuple(mesh.axis_names)!r}."
+            )
+        ways = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+        if tokens.shape[dim] % ways:
+            sizes = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
+            good = ways * max(1, round(tokens.shape[dim] / ways))
+            raise DataError(
+                f"A {what} of {tokens.shape[dim]} cannot be split over mesh axes {axes!r} "
+                f"({sizes}: {ways} devices).\nUse a {what} that is a multiple of {ways} "
+                f"(e.g. {good}), or rules that split {what!r} over fewer mesh axes."
+            )
+    sharding = NamedSharding(mesh, spec)
+    index_map = sharding.addressable_devices_indices_map(tokens.shape)
+    local = []
+    for dim in range(tokens.ndim):
+        starts = [idx[dim].start or 0 for idx in index_map.values()]
+        stops = [
+            tokens.shape[dim] if idx[dim].stop is None else idx[dim].stop
+            for idx in index_map.values()
+        ]
+        local.append(slice(min(starts), max(stops)))
+    return jax.make_array_from_process_local_data(sharding, tokens[tuple(local)], tokens.shape)

@@ -1,0 +1,288 @@
+"""Built-in layouts: logical axis rules for a mesh with axes ``('data', 'model')``.
+
+Each layout is a plain tuple of ``(logical_name, mesh_axes)`` rules that covers
+every name of the Transformer's vocabulary (``batch``, ``length``, ``embed``,
+``heads``, ``kv``, ``mlp``, ``vocab``, ``layer``; see
+:mod:`meshplan.examples.transformer`). Rules are applied in order, so
+``batch`` comes first: an activation named ``('batch', 'length', 'embed')``
+gives its mesh axes to ``batch``, and ``embed`` (which a parameter may shard
+over the same axes) stays whole in activations.
+
+Pick one by name (:func:`get_layout`), or write your own in a ``.py`` file
+(defining ``RULES``) or a ``.json`` file (a list of ``[name, axes]`` pairs).
+
+Example:
+    >>> import meshplan, meshplan.layouts
+    >>> rules = meshplan.layouts.get_layout("fsdp_tp")
+    >>> meshplan.logical_to_mesh_axes(("embed", "mlp"), rules)
+    P('data', 'model')
+    >>> meshplan.logical_to_mesh_axes(("batch", "length", "embed"), rules)
+    P('data', None, None)
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import itertools
+import json
+import os
+import runpy
+import sys
+from typing import Any
+
+from meshplan._errors import RulesError
+from meshplan._rules import normalize_rules
+
+__all__ = [
+    "LAYOUTS",
+    "data_parallel",
+    "fsdp",
+    "fsdp_tp",
+    "get_layout",
+    "guide",
+    "list_layouts",
+    "tensor_parallel",
+]
+
+Rules = tuple[tuple[str, Any], ...]
+
+data_parallel: Rules = (
+    ("batch", ("data", "model")),
+    ("length", None),
+    ("embed", None),
+    ("heads", None),
+    ("kv", None),
+    ("mlp", None),
+    ("vocab", None),
+    ("layer", None),
+)
+"""Data parallel: the batch split over all devices, every parameter replicated.
+
+Shards ``batch`` over ``('data', 'model')`` (all 8 devices of a 2x4 mesh);
+every parameter and optimizer state is whole on every device, and gradients
+are all-reduced each step. Pick it when the model and its Adam state fit on
+one device several times over: it is the simplest layout and moves the fewest
+bytes for small models. The batch must be a multiple of the device count.
+"""
+
+fsdp: Rules = (
+    ("batch", ("data", "model")),
+    ("embed", ("data", "model")),
+    ("length", None),
+    ("heads", None),
+    ("kv", None),
+    ("mlp", None),
+    ("vocab", None),
+    ("layer", None),
+)
+"""Fully sharded data parallel (ZeRO-3): batch and parameters split over all devices.
+
+Shards ``batch`` over ``('data', 'model')`` as :data:`data_parallel` does, and
+every parameter's ``embed`` dimension over the same axes, so each device keeps
+1/8 of the parameters and of the optimizer state. Parameters are all-gathered
+before use and gradients reduce-scattered. Pick it when parameters plus
+optimizer state no longer fit one device but activations do. ``embed_dim``
+and the batch must be multiples of the device count.
+"""
+
+tensor_parallel: Rules = (
+    ("batch", "data"),
+    ("heads", "model"),
+    ("mlp", "model"),
+    ("vocab", "model"),
+    ("length", None),
+    ("embed", None),
+    ("kv", None),
+    ("layer", None),
+)
+"""Tensor parallel (Megatron-style): heads, MLP and vocabulary split over ``model``.
+
+Shards ``batch`` over ``data`` only, and the ``heads``, ``mlp`` and ``vocab``
+dimensions of parameters and activations over ``model``: each block needs one
+all-reduce of activations in the forward pass per attention and per MLP.
+Parameters are replicated over ``data``. Pick it for wide layers (large
+``mlp_dim``/``heads``) on fast interconnect, or when the batch per device
+would be too small for data parallel. ``num_heads``, ``mlp_dim`` and
+``vocab_size`` must be multiples of the ``model`` axis size.
+"""
+
+fsdp_tp: Rules = (
+    ("batch", "data"),
+    ("embed", "data"),
+    ("heads", "model"),
+    ("mlp", "model"),
+    ("vocab", "model"),
+    ("length", None),
+    ("kv", None),
+    ("layer", None),
+)
+"""FSDP over ``data`` combined with tensor parallel over ``model`` (2-D sharding).
+
+Shards ``batch`` and the parameters' ``embed`` dimension over ``data`` and
+``heads``, ``mlp`` and ``vocab`` over ``model``: every weight matrix is split
+over all devices (``('embed', 'mlp')`` becomes ``P('data', 'model')``), and
+activations are split by batch over ``data`` and by heads/MLP over ``model``.
+Pick it for the largest models: per-device state is as small as with
+:data:`fsdp`, with less gathering of parameters per step.
+"""
+
+guide: Rules = (("batch", "data"), ("hidden", "model"))
+"""The guide's rules, for its MLP demo: ``batch`` over ``data``, ``hidden`` over ``model``.
+
+They do not cover the Transformer's vocabulary; use them with
+:mod:`meshplan.examples.mlp`.
+"""
+
+LAYOUTS: dict[str, Rules] = {
+    "data_parallel": data_parallel,
+    "fsdp": fsdp,
+    "tensor_parallel": tensor_parallel,
+    "fsdp_tp": fsdp_tp,
+    "guide": guide,
+}
+"""The built-in layouts by name."""
+
+
+def _attribute_docs() -> dict[str, str]:
+    """The docstrings written under each module-level layout constant."""
+    try:
+        tree = ast.parse(inspect.getsource(sys.modules[__name__]))
+    except (OSError, TypeError):  # no source available (e.g. a frozen build)
+        return {}
+    docs: dict[str, str] = {}
+    body = tree.body
+    for node, after in itertools.pairwise(body):
+        target = None
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            target = node.target.id
+        elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            target = node.targets[0].id
+        if (
+            target in LAYOUTS
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[target] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+def list_layouts() -> list[tuple[str, str]]:
+    """The built-in layouts as ``(name, one-line description)`` pairs, for the CLI.
+
+    Example:
+        >>> import meshplan.layouts
+        >>> [name for name, _ in meshplan.layouts.list_layouts()]
+        ['data_parallel', 'fsdp', 'tensor_parallel', 'fsdp_tp', 'guide']
+    """
+    docs = _attribute_docs()
+    return [(name, docs.get(name, "").split("\n", 1)[0]) for name in LAYOUTS]
+
+
+def describe_layout(name: str) -> str:
+    """The full description of a built-in layout (its docstring)."""
+    return _attribute_docs().get(name, "")
+
+
+def _file_error(path: str, problem: str, fix: str) -> RulesError:
+    return RulesError(f"Cannot read rules from {path!r}: {problem}\n{fix}")
+
+
+def _axes_from_json(entry: Any) -> Any:
+    if entry is None or isinstance(entry, str):
+        return entry
+    if isinstance(entry, list) and all(isinstance(a, str) for a in entry):
+        return tuple(entry)
+    raise TypeError(entry)
+
+
+def _load_json(path: str) -> Rules:
+    fix = 'Write a list of [name, axes] pairs, e.g. [["batch", "data"], ["mlp", "model"], ["embed", null]].'
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise _file_error(
+            path, f"not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}).", fix
+        ) from None
+    if not isinstance(data, list):
+        raise _file_error(path, f"the top level is a JSON {type(data).__name__}, not a list.", fix)
+    rules = []
+    problems = []
+    for i, pair in enumerate(data):
+        if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)):
+            problems.append(f"entry {i}: {json.dumps(pair)} is not a [name, axes] pair")
+            continue
+        try:
+            rules.append((pair[0], _axes_from_json(pair[1])))
+        except TypeError:
+            problems.append(
+                f"entry {i}: the axes {json.dumps(pair[1])} are not a string, a list of strings or null"
+            )
+    if problems:
+        raise _file_error(path, "; ".join(problems) + ".", fix)
+    return tuple(rules)
+
+
+def _load_py(path: str) -> Rules:
+    fix = "Define RULES = (('batch', 'data'), ('mlp', 'model'), ...) at the top level of the file."
+    try:
+        namespace = runpy.run_path(path)
+    except Exception as e:
+        raise _file_error(path, f"running it raised {type(e).__name__}: {e}", fix) from e
+    for key in ("RULES", "rules"):
+        if key in namespace:
+            return namespace[key]
+    raise _file_error(path, "it defines neither RULES nor rules.", fix)
+
+
+def get_layout(name_or_path: str | os.PathLike[str]) -> Rules:
+    """Rules by built-in name, or from a ``.py`` file (``RULES``) or a ``.json`` file.
+
+    Example:
+        >>> import meshplan.layouts
+        >>> meshplan.layouts.get_layout("guide")
+        (('batch', 'data'), ('hidden', 'model'))
+
+    Args:
+        name_or_path: A name from :data:`LAYOUTS`, or the path of a Python file
+            defining ``RULES`` (or ``rules``), or of a JSON file holding a list
+            of ``[name, axes]`` pairs (axes a string, a list of strings, or null).
+
+    Returns:
+        The rules, validated, as a tuple of pairs.
+
+    Raises:
+        RulesError: an unknown name (the message lists the built-in ones), or
+            a file that is missing, unreadable or does not hold valid rules.
+    """
+    text = os.fspath(name_or_path)
+    if text in LAYOUTS:
+        return LAYOUTS[text]
+    is_path = text.endswith((".py", ".json")) or os.sep in text or os.path.exists(text)
+    if not is_path:
+        names = ", ".join(LAYOUTS)
+        raise RulesError(
+            f"Unknown layout {text!r}. Built-in layouts: {names}.\n"
+            f"Pick one of those, or give the path of a .py file defining RULES or of a "
+            f".json file of [name, axes] pairs."
+        )
+    if not os.path.isfile(text):
+        raise _file_error(
+            text,
+            "no such file." if not os.path.exists(text) else "it is not a file.",
+            f"Give a built-in layout ({', '.join(LAYOUTS)}) or the path of a .py or .json rules file.",
+        )
+    if text.endswith(".json"):
+        rules: Any = _load_json(text)
+    elif text.endswith(".py"):
+        rules = _load_py(text)
+    else:
+        raise _file_error(
+            text, "rules files must end in .py or .json.", "Rename it, or convert it to JSON."
+        )
+    try:
+        return normalize_rules(rules)
+    except RulesError as e:
+        raise RulesError(f"Cannot read rules from {text!r}: {e}") from None
