@@ -14,6 +14,7 @@ from meshplan._boxes import (
     with_logical_partitioning,
     with_partitioning,
 )
+from meshplan._check import Problem, check
 from meshplan._checkpoint import Checkpointer, CheckpointMetadata, Restored, restore
 from meshplan._constraints import RulesFallback, explicit_out_sharding, with_logical_constraint
 from meshplan._errors import (
@@ -27,6 +28,7 @@ from meshplan._errors import (
     UnmatchedLogicalAxisError,
 )
 from meshplan._mesh import active_mesh
+from meshplan._plan import Plan, explain
 from meshplan._rules import (
     get_logical_axis_rules,
     logical_axis_rules,
@@ -53,12 +55,16 @@ __all__ = [
     "MeshplanError",
     "Partitioned",
     "PartitioningUnspecifiedError",
+    "Plan",
+    "Problem",
     "Restored",
     "RulesError",
     "RulesFallback",
     "ShardingValidationError",
     "UnmatchedLogicalAxisError",
     "active_mesh",
+    "check",
+    "explain",
     "explicit_out_sharding",
     "get_logical_axis_rules",
     "get_partition_spec",

@@ -91,11 +91,14 @@ def get_partition_spec(tree: Any) -> Any:
     return _map_collecting(_leaf_spec, tree, is_box)
 
 
-def get_sharding(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+def get_sharding(tree: Any, mesh: jax.sharding.Mesh, *, strict: bool = False) -> Any:
     """Tree of ``NamedSharding``s on ``mesh``, by the same walk as :func:`get_partition_spec`.
 
     Non-array leaves (such as a ``TrainState``'s ``apply_fn``) give ``None``.
-    Logical boxes are mapped through their own or the active rules.
+    Logical boxes are mapped through their own or the active rules. With
+    ``strict=True`` the tree is first checked as :func:`meshplan.check` does,
+    and every error (a size that does not divide, an unknown mesh axis, ...)
+    is raised at once as a ``ShardingValidationError`` naming each path.
 
     Example:
         >>> import jax, jax.numpy as jnp, meshplan
@@ -105,6 +108,10 @@ def get_sharding(tree: Any, mesh: jax.sharding.Mesh) -> Any:
         >>> meshplan.get_sharding(tree, mesh)["w"].spec
         P(None, 'model')
     """
+    if strict:
+        from meshplan._check import check
+
+        check(tree, mesh, strict=True)
     cache: dict[PartitionSpec, NamedSharding] = {}
 
     def leaf(x: Any) -> Any:
@@ -135,8 +142,16 @@ def logical_to_mesh(tree: Any, rules: Any = None) -> Any:
     )
 
 
-def logical_to_mesh_sharding(tree: Any, mesh: jax.sharding.Mesh, rules: Any = None) -> Any:
+def logical_to_mesh_sharding(
+    tree: Any, mesh: jax.sharding.Mesh, rules: Any = None, *, strict: bool = False
+) -> Any:
     """Tree of logical ``PartitionSpec``s to a tree of ``NamedSharding``s on ``mesh``.
+
+    With ``strict=True`` the specs and rules are first checked as
+    :func:`meshplan.check` does (rules that are not pairs, rules naming mesh
+    axes the mesh lacks, ...; the specs carry no sizes, so divisibility is
+    not checked) and every error is raised at once as a
+    ``ShardingValidationError``.
 
     Example:
         >>> import jax, meshplan
@@ -147,6 +162,10 @@ def logical_to_mesh_sharding(tree: Any, mesh: jax.sharding.Mesh, rules: Any = No
         >>> out["w"].spec
         P(None, 'model')
     """
+    if strict:
+        from meshplan._check import check_specs
+
+        check_specs(tree, mesh, rules, strict=True)
     cache: dict[PartitionSpec, NamedSharding] = {}
 
     def leaf(x: Any) -> Any:
