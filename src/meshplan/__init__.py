@@ -18,6 +18,7 @@ from meshplan._check import Problem, check
 from meshplan._checkpoint import Checkpointer, CheckpointMetadata, Restored, restore
 from meshplan._constraints import RulesFallback, explicit_out_sharding, with_logical_constraint
 from meshplan._errors import (
+    ArgumentError,
     CheckpointError,
     LogicalNamesError,
     MeshError,
@@ -46,6 +47,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PARTITION_NAME",
+    "ArgumentError",
     "CheckpointError",
     "CheckpointMetadata",
     "Checkpointer",

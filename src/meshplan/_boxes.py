@@ -18,7 +18,7 @@ import numpy as np
 from flax.core.meta import AxisMetadata
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshplan._errors import LogicalNamesError, PartitioningUnspecifiedError
+from meshplan._errors import ArgumentError, LogicalNamesError, PartitioningUnspecifiedError
 from meshplan._mesh import active_mesh, apply_spec, check_rank
 from meshplan._rules import normalize_names, normalize_rules
 
@@ -265,13 +265,16 @@ def is_box(x: Any) -> bool:
 
 def _check_initializer_args(fn: Any, names: Any, who: str) -> None:
     if not callable(fn) and callable(names):
-        raise TypeError(
+        raise ArgumentError(
             f"{who}(fn, names) got the arguments swapped: fn={fn!r} is not callable and "
             f"names={names!r} is.\nCall {who}(initializer, names), e.g. "
             f"{who}(nn.initializers.lecun_normal(), (None, 'model'))."
         )
     if not callable(fn):
-        raise TypeError(f"{who} needs an initializer function, got {fn!r}.")
+        raise ArgumentError(
+            f"{who} needs an initializer function as its first argument, got {fn!r}.\n"
+            f"Pass an initializer, e.g. {who}(nn.initializers.lecun_normal(), names)."
+        )
     _check_names(names, who)
 
 

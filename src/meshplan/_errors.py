@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 __all__ = [
+    "ArgumentError",
     "CheckpointError",
     "LogicalNamesError",
     "MeshError",
@@ -26,6 +27,10 @@ __all__ = [
 
 class MeshplanError(Exception):
     """Base class of every error meshplan raises."""
+
+
+class ArgumentError(MeshplanError, TypeError):
+    """An argument of the wrong kind, e.g. ``with_partitioning(names, fn)`` with the two swapped."""
 
 
 class RulesError(MeshplanError, ValueError):

@@ -49,7 +49,9 @@ def _map_collecting(fn: Callable[[Any], Any], tree: Any, is_leaf: Callable[[Any]
     if isinstance(first, MeshplanError) and not isinstance(first, LogicalNamesError | MeshError):
         error = type(first)
     fix = str(first).splitlines()[-1] if first and "\n" in str(first) else "See the messages above."
-    raise error(problem_message(f"{len(problems)} leaves cannot be partitioned:", problems, fix))
+    n = len(problems)
+    header = f"{n} lea{'f' if n == 1 else 'ves'} cannot be partitioned:"
+    raise error(problem_message(header, problems, fix))
 
 
 def _named(mesh: Any, spec: PartitionSpec, cache: dict[PartitionSpec, NamedSharding]) -> Any:
