@@ -50,6 +50,14 @@ def check_rank(spec: PartitionSpec, shape: tuple[int, ...], what: str, *, exact:
         )
 
 
+def _spec_axes(entry: Any) -> tuple[str, ...]:
+    if isinstance(entry, str):
+        return (entry,)
+    if isinstance(entry, tuple):
+        return entry
+    return ()
+
+
 def _fill_unconstrained(value: Any, spec: PartitionSpec) -> PartitionSpec:
     """Explicit meshes have no 'unconstrained': keep the value's current sharding there."""
     if not any(e is PartitionSpec.UNCONSTRAINED for e in spec):
@@ -80,6 +88,13 @@ def apply_spec(value: Any, spec: PartitionSpec, mesh: Any = None, *, what: str =
     shape = getattr(value, "shape", None)
     if shape is not None:
         check_rank(spec, tuple(shape), what, exact=False)
+    missing = [a for e in spec for a in _spec_axes(e) if a not in target.axis_names]
+    if missing:
+        raise MeshError(
+            f"Cannot constrain {what} to {spec}: the mesh {dict(target.shape)} has no axis "
+            f"{', '.join(map(repr, missing))}.\nUse the mesh's axis names "
+            f"{tuple(target.axis_names)!r}, or map logical names to them with rules."
+        )
     types = set(_axis_types(target))
     if types <= {AxisType.Auto}:
         sharding = NamedSharding(target, spec) if named else spec

@@ -64,6 +64,13 @@ def _named(mesh: Any, spec: PartitionSpec, cache: dict[PartitionSpec, NamedShard
                 f"{dict(mesh.shape)} does not have.\nUse the mesh's axis names "
                 f"{tuple(mesh.axis_names)!r}, or map logical names with rules."
             )
+        named = [a for e in spec for a in _axes(e)]
+        twice = sorted({a for a in named if named.count(a) > 1})
+        if twice:
+            raise MeshError(
+                f"spec {spec} puts mesh axis {', '.join(map(repr, twice))} on more than one "
+                f"dimension.\nUse each mesh axis for at most one dimension of an array."
+            )
         sharding = cache[spec] = NamedSharding(mesh, spec)
     return sharding
 
