@@ -447,7 +447,8 @@ class Transformer(nn.Module):
         head_names = ("embed", "vocab")
         head = self.param(
             "head",
-            meshplan.with_logical_partitioning(_dense_init((0,), (1,)), head_names),
+            # Small logits at init: the loss starts near log(vocab_size).
+            meshplan.with_logical_partitioning(nn.initializers.normal(0.02), head_names),
             (cfg.embed_dim, cfg.vocab_size),
         )
         logits_names = ("batch", "length", "vocab")
