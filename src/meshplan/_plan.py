@@ -526,7 +526,7 @@ class Plan:
     def __repr__(self) -> str:
         t = self.totals["all"]
         return (
-            f"<Plan of {t.leaves} leaves on {self.mesh.describe()}: {_human(t.bytes)} in all, "
+            f"<Plan of {t.leaves} lea{'f' if t.leaves == 1 else 'ves'} on {self.mesh.describe()}: {_human(t.bytes)} in all, "
             f"{_human(t.max_device_bytes)} on the fullest device>"
         )
 
@@ -706,7 +706,8 @@ def _build_layout(
 
     for d in dims:
         if not d.divides:
-            where = f"dim {d.index}" + (f" ({d.name!r})" if isinstance(d.name, str) else "")
+            named = kind == "logical" and isinstance(d.name, str)
+            where = f"dim {d.index}" + (f" ({d.name!r})" if named else "")
             issues.append(
                 (
                     "indivisible",

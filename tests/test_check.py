@@ -1,0 +1,280 @@
+"""meshplan.check: every problem at once, with path, message and fix; strict mode."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import meshplan
+from meshplan.examples.mlp import LOGICAL_RULES, LogicalMLP, init_fn
+
+MESH = {"data": 2, "model": 4}
+
+
+def sds(*shape: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def logical(*shape: int, names) -> meshplan.LogicallyPartitioned:
+    return meshplan.LogicallyPartitioned(sds(*shape), names)
+
+
+def mesh_box(*shape: int, names) -> meshplan.Partitioned:
+    return meshplan.Partitioned(sds(*shape), names)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+# Each case: a tree and rules with exactly one problem of interest, and what the
+# problem must say: (severity, code, path, fragments of message + fix).
+CASES = {
+    "indivisible": (
+        {"params": {"w": logical(1000, 6, names=("embed", "hidden"))}},
+        (("embed", "data"), ("hidden", "model")),
+        ("error", "indivisible", "params/w", ["dim 1 ('hidden') of size 6", "by 4", "Pad dim 1 to 8"]),
+    ),
+    "indivisible-tuple": (
+        {"params": {"w": logical(12, names=("embed",))}},
+        (("embed", ("data", "model")),),
+        ("error", "indivisible", "params/w", ["size 12 does not divide by 8", "'data'×'model' of sizes 2×4", "Pad dim 0 to 16"]),
+    ),
+    "rank": (
+        {"params": {"w": mesh_box(8, 8, 8, names=("model", None))}},
+        (),
+        ("error", "rank", "params/w", ["2 axis names", "rank 3", "(8, 8, 8)", "one name (or None) per dimension"]),
+    ),
+    "unknown-mesh-axis": (
+        {"params": {"w": mesh_box(8, 8, names=("modle", None))}},
+        (),
+        ("error", "unknown-axis", "params/w", ["'modle'", "{'data': 2, 'model': 4}", "Did you mean 'model'?"]),
+    ),
+    "axis-on-two-dims": (
+        {"params": {"w": mesh_box(8, 8, names=(("data", "model"), "model"))}},
+        (),
+        ("error", "duplicate-axis", "params/w", ["mesh axis 'model' is used by dims 0 and 1", "at most one dimension"]),
+    ),
+    "rule-not-a-pair": (
+        {"params": {"w": logical(8, 8, names=("embed", "hidden"))}},
+        (("hidden", "model"), ("embed",)),
+        ("error", "bad-rule", "rules[1]", ["('embed',) is not a (name, mesh_axes) pair", "e.g. ('hidden', 'model')"]),
+    ),
+    "rules-a-dict": (
+        {"params": {"w": logical(8, 8, names=("embed", "hidden"))}},
+        {"hidden": "model"},
+        ("error", "bad-rule", "rules", ["got a dict", "tuple(rules.items())"]),
+    ),
+    "rules-a-flat-pair": (
+        {"params": {"w": logical(8, 8, names=("embed", "hidden"))}},
+        ("hidden", "model"),
+        ("error", "bad-rule", "rules", ["single flat pair", "(('hidden', 'model'),)"]),
+    ),
+    "rule-unknown-mesh-axis": (
+        {"params": {"w": logical(8, 8, names=("embed", "hidden"))}},
+        (("embed", "data"), ("hidden", "modle")),
+        ("error", "rule-unknown-axis", "rules[1]", ["('hidden', 'modle')", "names mesh axis 'modle'", "places 1 leaf: params/w", "Did you mean 'model'?"]),
+    ),
+    "no-rules-at-all": (
+        {"params": {"w": logical(8, 8, names=("embed", "hidden"))}},
+        (),
+        ("error", "no-rules", "params/w", ["no rules are given or active", "logical_axis_rules(rules)"]),
+    ),
+    "name-without-rule": (
+        {"params": {"w": logical(8, 8, names=("embed", "hidden")), "v": logical(8, names=("hidden",))}},
+        (("embed", "data"), ("mlp", "model")),
+        ("warning", "no-rule", "params/v", ["'hidden' is placed by no rule", "replicated in 2 leaves", "Add a rule for 'hidden'"]),
+    ),
+    "name-whose-rules-were-skipped": (
+        {"params": {"w": logical(8, 8, names=("embed", "hidden"))}},
+        (("embed", "model"), ("hidden", "model")),
+        ("warning", "no-rule", "params/w", ["'hidden' is placed by no rule (rule 1 named it but was skipped)"]),
+    ),
+    "dead-rule": (
+        {"params": {"w": logical(8, 8, names=("embed", "hidden"))}},
+        (("embed", "data"), ("hidden", "model"), ("vocab", "model")),
+        ("warning", "dead-rule", "rules[2]", ["('vocab', 'model') is never used", "no array dimension is named 'vocab'", "for activations"]),
+    ),
+    "shadowed-rule": (
+        {"params": {"w": logical(8, 8, names=("embed", "hidden"))}},
+        (("embed", "data"), ("hidden", "model"), ("embed", "model")),
+        ("warning", "dead-rule", "rules[2]", ["('embed', 'model') is never used", "named 'embed' in 1 leaf (params/w) and was skipped each time"]),
+    ),
+    "idle-mesh-axis": (
+        {"params": {"w": logical(8, 8, names=("embed", "hidden"))}},
+        (("embed", None), ("hidden", "model")),
+        ("warning", "idle-axis", "mesh/data", ["'data' (size 2) shards no array", "same bytes", "('embed', 'data')"]),
+    ),
+    "large-replicated": (
+        {"params": {"w": mesh_box(1024, 512, names=(None, None)), "b": mesh_box(4, names=("model",))}},
+        (),
+        ("warning", "replicated", "params/w", ["2.00 MiB array (1024, 512) float32 is fully replicated", "each of the 8 devices", "Name a mesh axis"]),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_check_finds(case):
+    tree, rules, (severity, code, path, fragments) = CASES[case]
+    problems = meshplan.check(tree, MESH, rules)
+    found = [p for p in problems if p.code == code]
+    assert found, f"no {code!r} problem in {problems}"
+    problem = found[0]
+    assert (problem.severity, problem.path) == (severity, path)
+    text = f"{problem.message}. {problem.fix}"
+    for fragment in fragments:
+        assert fragment in text
+
+
+def test_a_clean_plan_has_no_problems(mesh):
+    tree = {"params": {"w": logical(8, 8, names=("embed", "hidden"))}, "step": sds()}
+    assert meshplan.check(tree, mesh, (("embed", "data"), ("hidden", "model"))) == []
+
+
+def test_errors_come_before_warnings():
+    tree = {"params": {"a": logical(6, 8, names=("x", "y")), "b": logical(8, names=("z",))}}
+    problems = meshplan.check(tree, MESH, (("x", "model"), ("unused", None)))
+    severities = [p.severity for p in problems]
+    assert severities == sorted(severities)  # 'error' < 'warning'
+    assert {p.code for p in problems} == {"indivisible", "no-rule", "dead-rule", "idle-axis"}
+
+
+def test_each_failing_leaf_is_listed():
+    tree = {"params": {f"w{i}": logical(6, names=("x",)) for i in range(3)}}
+    problems = meshplan.check(tree, MESH, (("x", "model"),))
+    assert [p.path for p in problems if p.code == "indivisible"] == [
+        "params/w0",
+        "params/w1",
+        "params/w2",
+    ]
+
+
+def test_replicated_threshold():
+    tree = {"params": {"w": mesh_box(64, 64, names=(None, None))}}  # 16 KiB
+    assert not [p for p in meshplan.check(tree, MESH) if p.code == "replicated"]
+    low = meshplan.check(tree, MESH, replicated_threshold_bytes=16 * 1024)
+    assert [p.path for p in low if p.code == "replicated"] == ["params/w"]
+
+
+def test_mesh_of_one_device_replicates_nothing_worth_reporting():
+    tree = {"params": {"w": mesh_box(2048, 2048, names=(None, None))}}
+    assert meshplan.check(tree, {"data": 1}) == []
+
+
+def test_guide_plan_warnings(mesh):
+    state = jax.eval_shape(
+        functools.partial(init_fn, model=LogicalMLP(2, 64, False), optimizer=optax.adam(1e-3)),
+        jax.random.key(0),
+        sds(8, 64),
+    )
+    problems = meshplan.check(state, mesh, LOGICAL_RULES)
+    assert [(p.severity, p.code, p.path) for p in problems] == [
+        ("warning", "no-rule", "params/LogicalDotReluDot_0/Dense_0/kernel"),
+        ("warning", "dead-rule", "rules[0]"),  # 'batch' names activations only
+        ("warning", "idle-axis", "mesh/data"),  # the guide's params are not split over data
+    ]
+
+
+def test_plan_problems_equal_check(mesh):
+    tree = {"params": {"w": logical(6, 8, names=("x", "y"))}}
+    rules = (("x", "model"),)
+    assert meshplan.explain(tree, mesh, rules).problems == meshplan.check(tree, mesh, rules)
+
+
+def test_problem_str_and_dict():
+    (problem,) = [
+        p for p in meshplan.check({"w": logical(6, names=("x",))}, MESH, (("x", "model"),))
+        if p.code == "indivisible"
+    ]  # fmt: skip
+    assert str(problem).startswith("error: w: dim 0 ('x') of size 6 does not divide by 4")
+    assert problem.to_dict() == {
+        "severity": "error",
+        "code": "indivisible",
+        "path": "w",
+        "message": problem.message,
+        "fix": problem.fix,
+    }
+
+
+# ---------------------------------------------------------------------------
+# strict
+# ---------------------------------------------------------------------------
+
+
+def test_strict_raises_one_error_listing_every_path(mesh):
+    tree = {
+        "params": {
+            "a": logical(6, 8, names=("x", "y")),
+            "b": mesh_box(8, 8, names=("modle", None)),
+            "c": logical(8, names=("y",)),
+        }
+    }
+    with pytest.raises(meshplan.ShardingValidationError) as info:
+        meshplan.check(tree, mesh, (("x", "model"), ("y", "dta")), strict=True)
+    message = str(info.value)
+    first, *rest = message.splitlines()
+    assert first == (
+        "The sharding plan has 3 errors. The mesh has shape {'data': 2, 'model': 4}, "
+        "axis names ('data', 'model') (8 devices):"
+    )
+    bullets = [line for line in rest if line.startswith("  * ")]
+    assert [b.split(":")[0] for b in bullets] == ["  * params/a", "  * params/b", "  * rules[1]"]
+    fix_at = rest.index("To fix:")
+    assert fix_at > max(rest.index(b) for b in bullets)
+    assert "Pad dim 0 to 8" in message and "Did you mean 'model'?" in message
+    assert isinstance(info.value, ValueError) and isinstance(info.value, meshplan.MeshplanError)
+    assert {p.path for p in info.value.problems} >= {"params/a", "params/b", "rules[1]"}
+
+
+def test_strict_ignores_warnings(mesh):
+    tree = {"params": {"w": logical(8, 8, names=("embed", "hidden"))}}
+    problems = meshplan.check(tree, mesh, (("hidden", "model"), ("vocab", None)), strict=True)
+    assert {p.severity for p in problems} == {"warning"}
+
+
+def test_strict_message_is_capped_for_huge_trees():
+    tree = {"params": {f"w{i:03d}": logical(6, names=("x",)) for i in range(100)}}
+    with pytest.raises(meshplan.ShardingValidationError, match=r"and 60 more \(meshplan\.check"):
+        meshplan.check(tree, MESH, (("x", "model"),), strict=True)
+
+
+def test_get_sharding_strict(mesh):
+    tree = {"params": {"w": mesh_box(6, 8, names=("model", None))}}
+    assert meshplan.get_sharding(tree, mesh)["params"]["w"].spec == P("model", None)  # Flax: fine
+    with pytest.raises(meshplan.ShardingValidationError, match=r"params/w: dim 0 .* size 6"):
+        meshplan.get_sharding(tree, mesh, strict=True)
+
+
+def test_get_sharding_strict_uses_active_rules(mesh):
+    tree = {"params": {"w": logical(8, 8, names=("embed", "hidden"))}}
+    with meshplan.logical_axis_rules((("hidden", "model"),)):
+        out = meshplan.get_sharding(tree, mesh, strict=True)
+    assert out["params"]["w"].spec == P(None, "model")
+    with pytest.raises(meshplan.ShardingValidationError, match="no rules are given or active"):
+        meshplan.get_sharding(tree, mesh, strict=True)
+
+
+def test_logical_to_mesh_sharding_strict(mesh):
+    specs = {"w": P("embed", "hidden"), "step": P()}
+    rules = (("embed", "data"), ("hidden", "modle"))
+    with pytest.raises(
+        meshplan.ShardingValidationError, match=r"rules\[1\].*'modle'.*places 1 leaf: w"
+    ):
+        meshplan.logical_to_mesh_sharding(specs, mesh, rules, strict=True)
+    good = meshplan.logical_to_mesh_sharding(specs, mesh, (("hidden", "model"),), strict=True)
+    assert good["w"].spec == P(None, "model")
+
+
+def test_logical_to_mesh_sharding_strict_lists_every_bad_rule(mesh):
+    with pytest.raises(meshplan.ShardingValidationError) as info:
+        meshplan.logical_to_mesh_sharding(
+            {"w": P("embed")}, mesh, (("embed",), ("x", 3), ("embed", "data")), strict=True
+        )
+    assert "rules[0]" in str(info.value) and "rules[1]" in str(info.value)

@@ -1,0 +1,129 @@
+"""``meshplan plan``: table, JSON, PNG, rule files, and --strict exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from meshplan import cli
+from meshplan.commands import plan as plan_command
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``python -m meshplan.cli plan ...`` in a fresh process (its own device count)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["COLUMNS"] = "200"
+    return subprocess.run(
+        [sys.executable, "-m", "meshplan.cli", "plan", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
+
+
+def test_plan_with_png_from_a_fresh_process(tmp_path):
+    png = tmp_path / "plan.png"
+    result = run_cli("--mesh", "2x4", "--rules", "guide", "--png", str(png))
+    assert result.returncode == 0, result.stderr
+    assert "params/LogicalDotReluDot_0/Dense_0/kernel" in result.stdout
+    assert "P(None, 'model')" in result.stdout
+    assert "fullest device" in result.stdout
+    assert f"Wrote {png}" in result.stdout
+    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 20_000
+
+
+def test_strict_errors_exit_non_zero_listing_the_problems():
+    # 1024 does not divide by 3: every hidden dimension is an error.
+    result = run_cli("--mesh", "2x3", "--depth", "1024", "--layers", "1", "--strict")
+    assert result.returncode == 1
+    assert "The sharding plan has 6 errors" in result.stderr
+    assert "{'data': 2, 'model': 3}" in result.stderr
+    assert (
+        "params/LogicalDotReluDot_0/Dense_0/kernel: dim 1 ('hidden') of size 1024" in result.stderr
+    )
+    assert "Pad dim 1 to 1026" in result.stderr
+
+
+def test_json_output(capsys):
+    assert cli.main(["plan", "--json", "--depth", "64", "--layers", "2"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["rules_name"] == "guide"
+    assert data["plan"]["schema"] == "meshplan.plan/1"
+    assert data["plan"]["mesh"]["shape"] == {"data": 2, "model": 4}
+    specs = {leaf["path"]: leaf["spec"] for leaf in data["plan"]["leaves"]}
+    assert specs["params/LogicalDotReluDot_1/W2"] == ["model", None]
+    assert {p["code"] for p in data["problems"]} == {"no-rule", "dead-rule", "idle-axis"}
+
+
+def test_strict_without_errors_exits_zero(capsys):
+    assert cli.main(["plan", "--strict", "--depth", "64", "--layers", "1"]) == 0
+    assert "0 errors" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("suffix", [".json", ".py"])
+def test_rules_from_a_file(tmp_path, capsys, suffix):
+    path = tmp_path / f"rules{suffix}"
+    if suffix == ".json":
+        path.write_text(json.dumps([["embed", "data"], ["hidden", "model"]]))
+    else:
+        path.write_text("RULES = (('embed', 'data'), ('hidden', 'model'))\n")
+    assert cli.main(["plan", "--json", "--depth", "64", "--layers", "1", "--rules", str(path)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    kernel = next(x for x in data["plan"]["leaves"] if x["path"].endswith("Dense_0/kernel"))
+    assert kernel["spec"] == ["data", "model"]
+    assert data["problems"] == []
+
+
+def test_strict_with_a_bad_rule_file(tmp_path, capsys):
+    path = tmp_path / "typo.json"
+    path.write_text(json.dumps([["embed", "data"], ["hidden", "modle"]]))
+    code = cli.main(["plan", "--strict", "--depth", "64", "--layers", "1", "--rules", str(path)])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "rules[1]: rule 1 ('hidden', 'modle') names mesh axis 'modle'" in captured.err
+    assert "Did you mean 'model'?" in captured.err
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--mesh", "2by4"], "Cannot read the mesh '2by4'"),
+        (["--mesh", "2x2x2"], "Name them with --axes"),
+        (["--mesh", "2x4", "--axes", "data"], "one distinct name per axis"),
+        (["--rules", "no_such_layout"], "no_such_layout"),
+    ],
+)
+def test_bad_command_lines_exit_2(capsys, args, fragment):
+    assert cli.main(["plan", *args]) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_three_axis_mesh(capsys):
+    code = cli.main(
+        ["plan", "--json", "--mesh", "2x2x2", "--axes", "data,fsdp,model", "--depth", "64",
+         "--layers", "1"]
+    )  # fmt: skip
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["plan"]["mesh"]["shape"] == {"data": 2, "fsdp": 2, "model": 2}
+
+
+def test_transformer_plan(capsys):
+    pytest.importorskip("meshplan.examples.transformer")
+    assert cli.main(["plan", "--model", "transformer", "--rules", "fsdp_tp", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"].startswith("Transformer")
+    assert data["plan"]["totals"]["params"]["leaves"] > 0
+    assert not [p for p in data["problems"] if p["severity"] == "error"]
+
+
+def test_parse_mesh_defaults():
+    assert plan_command.parse_mesh("2x4", None) == {"data": 2, "model": 4}
+    assert plan_command.parse_mesh("8", None) == {"data": 8, "model": 1}
+    assert plan_command.parse_mesh("4×2", None) == {"data": 4, "model": 2}
