@@ -76,6 +76,7 @@ def find_problems(
         errors.append(Problem("error", path, message, fix, "bad-rule"))
 
     # Leaves that share a layout share their analysis.
+    leaf_errors: list[Problem] = []
     groups: dict[int, tuple[Any, list[str]]] = {}
     for leaf in plan.leaves:
         entry = groups.get(id(leaf._layout))
@@ -95,7 +96,7 @@ def find_problems(
     for layout, paths in groups.values():
         for code, message, fix in layout.issues:
             for path in paths:
-                errors.append(Problem("error", path, message, fix, code))
+                leaf_errors.append(Problem("error", path, message, fix, code))
         only_unmatched = layout.kind == "logical" and all(
             d.status in ("no-rule", "unnamed") for d in layout.dims
         )
@@ -119,6 +120,10 @@ def find_problems(
         ):
             for path in paths:
                 warnings.append(_replicated(path, layout, mesh))
+
+    if leaf_errors:  # in tree order, like the table
+        order = {leaf.path: i for i, leaf in enumerate(plan.leaves)}
+        errors.extend(sorted(leaf_errors, key=lambda p: order[p.path]))
 
     if logical_without_rules:
         paths = logical_without_rules
