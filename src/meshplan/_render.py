@@ -136,6 +136,9 @@ def _parts(plan: Plan, full: bool, max_rows: int, wide: bool) -> list[Any]:
             _why_text(leaf),
         ]
         table.add_row(*cells, style=_GROUP_STYLE.get(leaf.group, ""))
+    if not rows:
+        table.caption = "(no array leaves)"
+        table.caption_justify = "left"
     if hidden:
         rest = sum(leaf.bytes for leaf in plan.leaves) - sum(leaf.bytes for leaf in rows)
         table.caption = (
@@ -315,16 +318,19 @@ def _draw_bars(ax: Any, plan: Plan, colors: list[Any]) -> None:
     ideal = totals["all"].ideal_bytes / scale
     ax.axhline(ideal, color=_INK, lw=1, ls="--")
     ax.text(n - 0.5, ideal, " ideal", va="bottom", ha="right", fontsize=8, color=_INK)
-    ax.set_xticks(list(xs), [str(d) for d in plan.mesh.device_ids], fontsize=8)
-    for tick, color in zip(ax.get_xticklabels(), colors, strict=True):
-        tick.set_color(color)
+    step = max(1, math.ceil(n / 16))  # at most 16 labels
+    shown = list(xs)[::step]
+    ax.set_xticks(shown, [str(plan.mesh.device_ids[k]) for k in shown], fontsize=8)
+    for tick, k in zip(ax.get_xticklabels(), shown, strict=True):
+        tick.set_color(colors[k])
         tick.set_fontweight("bold")
     ax.set_xlabel("device", fontsize=9, color=_MUTED)
     ax.set_ylabel(unit, fontsize=9, color=_MUTED)
     ax.tick_params(axis="y", labelsize=8, colors=_MUTED)
     ax.spines[["top", "right"]].set_visible(False)
     ax.set_ylim(0, max([*bottom, ideal]) * 1.18 or 1)
-    ax.legend(fontsize=8, frameon=False, loc="upper left", ncols=3)
+    if any(bottom):
+        ax.legend(fontsize=8, frameon=False, loc="upper left", ncols=3)
     ax.set_title("memory per device", fontsize=10, loc="left", color=_INK)
 
 
@@ -478,7 +484,7 @@ def save_png(plan: Plan, path: Any, *, top: int = 6, title: str | None = None) -
         1 + tile_rows, 1, height_ratios=heights, top=1 - head / fig_h, bottom=0.03,
         left=0.05, right=0.97, hspace=0.45,
     )  # fmt: skip
-    top_gs = gs[0].subgridspec(1, 2, width_ratios=[max(cols, 2) * 1.0, 4.0], wspace=0.18)
+    top_gs = gs[0].subgridspec(1, 2, width_ratios=[min(max(cols, 2), 8) * 1.0, 4.0], wspace=0.18)
     _draw_mesh(fig.add_subplot(top_gs[0]), plan, colors)
     _draw_bars(fig.add_subplot(top_gs[1]), plan, colors)
     if n_tiles:
