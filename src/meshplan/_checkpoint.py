@@ -560,11 +560,8 @@ def restore(
             for key, info in metadata.arrays.items()
         }
     )
-    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
-    with ocp.CheckpointManager(p, options=options) as manager:
-        restored = manager.restore(
-            metadata.step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target)})
-        )[_STATE]
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(p / str(metadata.step) / _STATE, target)
     boxed = {}
     for key, value in _unnest(restored):
         info = metadata.arrays[key]

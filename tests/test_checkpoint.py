@@ -1,0 +1,235 @@
+"""meshplan.restore and Checkpointer: any mesh, no target tree, bit-identical arrays."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import meshplan
+from meshplan._checkpoint import flatten_state, latest_step, read_metadata
+from meshplan._train import (
+    TrainSettings,
+    abstract_train_state,
+    make_mesh,
+    make_optimizer,
+    state_shardings,
+)
+from meshplan.examples.transformer import Transformer, config_from_name
+from meshplan.layouts import data_parallel, fsdp, fsdp_tp, tensor_parallel
+
+CONFIG = config_from_name("tiny", num_layers=2, embed_dim=32, mlp_dim=64, num_heads=4, max_len=32)
+SETTINGS = TrainSettings(seq_len=16, seed=3)
+
+
+def _state(mesh, rules):
+    """A TrainState of the tiny Transformer with non-trivial optimizer moments."""
+    model = Transformer(CONFIG)
+    tx = make_optimizer(SETTINGS)
+    abstract = abstract_train_state(model, tx, SETTINGS)
+    shardings = state_shardings(abstract, mesh, rules)
+
+    def init(key):
+        params = model.init(key, jnp.zeros((1, 16), jnp.int32))["params"]
+        from flax.training import train_state
+
+        state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+        grads = jax.tree.map(lambda p: jnp.sin(p) * 1e-2, state.params)
+        return state.apply_gradients(grads=grads)
+
+    with jax.set_mesh(mesh), meshplan.logical_axis_rules(rules):
+        state = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
+    return state, abstract
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A checkpoint saved from a 2x4 mesh with fsdp_tp, at step 7."""
+    folder = tmp_path_factory.mktemp("ckpt")
+    mesh = make_mesh((2, 4))
+    state, abstract = _state(mesh, fsdp_tp)
+    with meshplan.Checkpointer(folder) as ckpt:
+        assert ckpt.save(7, state, rules=fsdp_tp, config=CONFIG.to_dict(), extra={"note": "hello"})
+    raw = {k: np.asarray(v) for k, (v, _) in flatten_state(state).items()}
+    return folder, raw, abstract
+
+
+@pytest.mark.parametrize(
+    ("shape", "rules"),
+    [
+        ((2, 4), fsdp_tp),
+        ((4, 2), data_parallel),
+        ((4, 2), fsdp_tp),
+        ((8, 1), fsdp),
+        ((2, 4), tensor_parallel),
+        (None, None),  # one device, the saved rules
+    ],
+    ids=["2x4-fsdp_tp", "4x2-data_parallel", "4x2-fsdp_tp", "8x1-fsdp", "2x4-tp", "1-device"],
+)
+def test_restore_onto_any_mesh_is_bit_identical(saved, shape, rules):
+    folder, raw, _ = saved
+    mesh = None if shape is None else make_mesh(shape)
+    state, meta = meshplan.restore(folder, mesh, rules)
+    restored = meshplan.Restored(state, meta).arrays()
+    assert restored.keys() == raw.keys()
+    for key, value in restored.items():
+        assert value.dtype == raw[key].dtype, key
+        np.testing.assert_array_equal(np.asarray(value), raw[key], err_msg=key)
+        want_rules = rules if rules is not None else fsdp_tp
+        names = meta.arrays[key].names
+        want = P() if names is None else meshplan.logical_to_mesh_axes(names, want_rules)
+        assert value.sharding.spec == want, key
+        if mesh is None:
+            assert len(value.sharding.device_set) == 1
+        else:
+            assert value.sharding.mesh == mesh
+
+
+def test_restore_reboxes_with_saved_logical_names(saved):
+    folder, _, _ = saved
+    state, meta = meshplan.restore(folder, make_mesh((4, 2)), data_parallel)
+    kernel = state["params"]["layers"]["mlp"]["wi"]
+    assert isinstance(kernel, meshplan.LogicallyPartitioned)
+    assert kernel.names == ("layer", "embed", "mlp")
+    assert kernel.value.shape == (2, 32, 64)
+    # Adam's moments keep their parameter's names; counters are plain arrays.
+    flat = meshplan.Restored(state, meta).arrays()
+    mu_key = next(k for k in flat if k.endswith("mu/layers/mlp/wi"))
+    assert meta.arrays[mu_key].names == ("layer", "embed", "mlp")
+    assert isinstance(state["step"], jax.Array)
+    assert int(state["step"]) == 1
+
+
+def test_metadata_holds_everything_needed_without_model_code(saved):
+    folder, raw, _ = saved
+    meta = read_metadata(folder)
+    assert meta.step == 7
+    assert meta.config == CONFIG.to_dict()
+    assert meta.rules == fsdp_tp
+    assert meta.mesh_shape == {"data": 2, "model": 4}
+    assert meta.axis_names == ("data", "model")
+    assert meta.meshplan_version == meshplan.__version__
+    assert meta.extra == {"note": "hello"}
+    assert set(meta.arrays) == set(raw)
+    info = meta.arrays["params/embed"]
+    assert (info.shape, info.dtype, info.names) == ((256, 32), "float32", ("vocab", "embed"))
+    # The JSON on disk is plain and readable.
+    data = json.loads((folder / "7" / "meshplan" / "metadata").read_text())
+    assert data["format"] == "meshplan-checkpoint"
+    assert data["arrays"]["params/embed"]["names"] == ["vocab", "embed"]
+
+
+def test_into_fills_an_abstract_train_state(saved):
+    folder, raw, abstract = saved
+    mesh = make_mesh((4, 2))
+    restored = meshplan.restore(folder, mesh, data_parallel)
+    state = restored.into(abstract)
+    assert type(state) is type(abstract)
+    for key, (value, box) in flatten_state(state).items():
+        np.testing.assert_array_equal(np.asarray(value), raw[key], err_msg=key)
+        abstract_box = flatten_state(abstract)[key][1]
+        assert (box is None) == (abstract_box is None)
+        if box is not None:
+            assert box.names == abstract_box.names
+
+
+def test_into_rejects_a_different_model(saved):
+    folder, _, _ = saved
+    other = Transformer(
+        config_from_name("tiny", num_layers=3, embed_dim=32, mlp_dim=64, max_len=32)
+    )
+    abstract = abstract_train_state(other, make_optimizer(SETTINGS), SETTINGS)
+    restored = meshplan.restore(folder)
+    with pytest.raises(meshplan.CheckpointError) as e:
+        restored.into(abstract)
+    message = str(e.value)
+    assert "params/layers/mlp/wi: checkpoint shape (2, 32, 64), this model (3, 32, 64)" in message
+    assert "  * " in message
+    assert message.splitlines()[-1].startswith("Use the model config the checkpoint was saved")
+
+
+def test_mesh_that_cannot_split_an_array_is_a_clear_error(saved):
+    folder, _, _ = saved
+    mesh = make_mesh((2, 4))
+    with pytest.raises(meshplan.CheckpointError) as e:
+        meshplan.restore(folder, make_mesh((1, 8)), (("heads", "model"),))  # 4 heads over 8
+    message = str(e.value)
+    assert "params/layers/attention/query: dimension 2 of size 4 ('heads')" in message
+    assert "does not divide over mesh axes ('model',) of total size 8" in message
+    with pytest.raises(meshplan.CheckpointError, match=r"mesh axes \['tensor'\]"):
+        meshplan.restore(folder, mesh, (("heads", "tensor"),))
+
+
+def test_steps_rotation_and_incomplete_steps(tmp_path):
+    tree = {"w": meshplan.LogicallyPartitioned(jnp.arange(8.0), ("embed",)), "n": jnp.int32(1)}
+    with meshplan.Checkpointer(tmp_path, max_to_keep=2) as ckpt:
+        for step in (1, 2, 3):
+            assert ckpt.save(step, tree, rules=())
+        ckpt.wait()
+        assert ckpt.all_steps() == [2, 3]
+        assert not ckpt.save(3, tree)  # an existing step is not overwritten
+    # A save killed midway leaves a tmp folder; it is never restored.
+    (tmp_path / "4.orbax-checkpoint-tmp").mkdir()
+    assert latest_step(tmp_path) == 3
+    assert meshplan.restore(tmp_path).metadata.step == 3
+    assert meshplan.restore(tmp_path, step=2).metadata.step == 2
+    with pytest.raises(meshplan.CheckpointError, match=r"no complete checkpoint at step=4"):
+        meshplan.restore(tmp_path, step=4)
+    # Opening the folder again removes the leftover.
+    meshplan.Checkpointer(tmp_path).close()
+    assert not (tmp_path / "4.orbax-checkpoint-tmp").exists()
+
+
+def test_mesh_axis_boxes_and_plain_arrays_round_trip(tmp_path):
+    mesh = make_mesh((2, 4))
+    w = jax.device_put(
+        jnp.arange(32.0).reshape(4, 8), jax.sharding.NamedSharding(mesh, P(None, "model"))
+    )
+    tree = {"w": meshplan.Partitioned(w, (None, "model")), "b": jnp.ones(3)}
+    with meshplan.Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(0, tree)
+    state, meta = meshplan.restore(tmp_path, make_mesh((4, 2)))
+    assert isinstance(state["w"], meshplan.Partitioned)
+    assert not isinstance(state["w"], meshplan.LogicallyPartitioned)
+    assert state["w"].value.sharding.spec == P(None, "model")
+    assert state["b"].sharding.spec == P()
+    np.testing.assert_array_equal(state["w"].value, np.arange(32.0).reshape(4, 8))
+    assert meta.rules == ()
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (lambda p: p / "missing", "it does not exist"),
+        (lambda p: p, "it is empty"),
+        (
+            lambda p: (p / "notes.txt").write_text("hi") and p,
+            "holds no step folders, only: notes.txt",
+        ),
+        (
+            lambda p: (p / "3.orbax-checkpoint-tmp").mkdir() or p,
+            "holds only incomplete steps ['3.orbax-checkpoint-tmp']",
+        ),
+    ],
+    ids=["missing", "empty", "junk", "incomplete-only"],
+)
+def test_not_a_checkpoint_is_a_clear_error(tmp_path, make, expected):
+    folder = make(tmp_path)
+    with pytest.raises(meshplan.CheckpointError) as e:
+        meshplan.restore(folder)
+    message = str(e.value)
+    assert expected in message
+    assert "--ckpt-dir" in message.splitlines()[-1]
+
+
+def test_plain_orbax_checkpoint_is_not_a_meshplan_checkpoint(tmp_path):
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(tmp_path) as manager:
+        manager.save(5, args=ocp.args.Composite(state=ocp.args.StandardSave({"a": jnp.ones(2)})))
+    with pytest.raises(meshplan.CheckpointError, match="has no 'meshplan' metadata item"):
+        meshplan.restore(tmp_path)
