@@ -1,0 +1,261 @@
+"""``meshplan train``: train the byte-level Transformer on a mesh, with resumable checkpoints.
+
+Checks every input before any work (one bullet per problem, then the fix),
+shows the plan's per-device memory, then a progress bar with the loss and
+tokens per second, validation losses as they come, and a final summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from meshplan.commands.devices import use_cpu_devices
+
+HELP = (
+    "Train the byte-level Transformer on a device mesh, with checkpoints that resume on any mesh."
+)
+
+_SETTINGS = {
+    # flag dest -> TrainSettings field
+    "steps": "steps",
+    "batch": "batch",
+    "seq": "seq_len",
+    "lr": "lr",
+    "warmup": "warmup",
+    "weight_decay": "weight_decay",
+    "seed": "seed",
+    "eval_every": "eval_every",
+    "eval_batches": "eval_batches",
+    "ckpt_every": "ckpt_every",
+}
+_MODEL = {
+    # flag dest -> TransformerConfig field
+    "layers": "num_layers",
+    "heads": "num_heads",
+    "embed": "embed_dim",
+    "mlp": "mlp_dim",
+    "max_len": "max_len",
+    "positions": "positions",
+    "dtype": "dtype",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    run = parser.add_argument_group("run")
+    run.add_argument("--mesh", default="2x4", help="DATAxMODEL mesh sizes (default 2x4)")
+    run.add_argument(
+        "--rules",
+        default="fsdp_tp",
+        help="layout: data_parallel, fsdp, tensor_parallel, fsdp_tp, or a .py/.json rules "
+        "file (default fsdp_tp)",
+    )
+    run.add_argument(
+        "--devices", type=int, default=8, help="emulated CPU devices (default 8; CPU only)"
+    )
+    run.add_argument(
+        "--data", default=None, help="folder or file of text (default: Python's stdlib)"
+    )
+    run.add_argument("--ckpt-dir", default=None, help="checkpoint folder (default: no checkpoints)")
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest complete checkpoint in --ckpt-dir, on this mesh and layout",
+    )
+    train = parser.add_argument_group(
+        "training (when resuming, omitted values come from the checkpoint)"
+    )
+    train.add_argument("--steps", type=int, help="train up to this step (default 300)")
+    train.add_argument("--batch", type=int, help="sequences per step (default 32)")
+    train.add_argument("--seq", type=int, help="bytes per sequence (default 128)")
+    train.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
+    train.add_argument("--warmup", type=int, help="warm-up steps (default 30)")
+    train.add_argument("--weight-decay", type=float, help="AdamW weight decay (default 0.01)")
+    train.add_argument("--seed", type=int, help="seed of init and batches (default 0)")
+    train.add_argument("--eval-every", type=int, help="evaluate every E steps (default 50)")
+    train.add_argument("--eval-batches", type=int, help="validation batches (default 4)")
+    train.add_argument("--ckpt-every", type=int, help="checkpoint every K steps (default 100)")
+    model = parser.add_argument_group(
+        "model (default: the checkpoint's config when resuming, else tiny)"
+    )
+    model.add_argument("--config", choices=("tiny", "small"), help="preset model size")
+    model.add_argument("--layers", type=int, help="number of Transformer blocks")
+    model.add_argument("--heads", type=int, help="attention heads")
+    model.add_argument("--embed", type=int, help="model width")
+    model.add_argument("--mlp", type=int, help="MLP hidden width")
+    model.add_argument("--max-len", type=int, help="longest sequence")
+    model.add_argument("--positions", choices=("rope", "learned"), help="position encoding")
+    model.add_argument("--dtype", choices=("float32", "bfloat16"), help="activation dtype")
+    model.add_argument(
+        "--no-scan",
+        dest="scan_layers",
+        action="store_false",
+        default=None,
+        help="stack blocks with a for-loop instead of nn.scan",
+    )
+    model.add_argument(
+        "--remat", action="store_true", default=None, help="rematerialise block activations"
+    )
+
+
+def _request(args: argparse.Namespace) -> Any:
+    from meshplan._train import TrainRequest
+
+    overrides = {field: getattr(args, dest) for dest, field in _MODEL.items()}
+    overrides["scan_layers"] = args.scan_layers
+    overrides["remat"] = args.remat
+    settings = {field: getattr(args, dest) for dest, field in _SETTINGS.items()}
+    return TrainRequest(
+        mesh=args.mesh,
+        rules=args.rules,
+        config=args.config,
+        overrides={k: v for k, v in overrides.items() if v is not None},
+        data=args.data,
+        ckpt_dir=args.ckpt_dir,
+        resume=args.resume,
+        settings={k: v for k, v in settings.items() if v is not None},
+    )
+
+
+def print_error(error: Exception) -> None:
+    """Prints a meshplan error to stderr, as its message (no traceback, no markup)."""
+    err = Console(stderr=True)
+    err.print(Text("error: ", style="bold red") + Text(str(error)), soft_wrap=True)
+
+
+def _header(console: Console, trainer: Any) -> None:
+    from meshplan._train import describe_bytes
+
+    config = trainer.model.config
+    s = trainer.settings
+    summary = trainer.plan_summary()
+    corpus = trainer.corpus
+    mesh = "x".join(str(v) for v in summary["mesh"].values())
+    lines = [
+        f"[bold]meshplan train[/bold]: Transformer of {config.num_layers} "
+        f"layer{'s' * (config.num_layers != 1)}, embed {config.embed_dim}, "
+        f"{config.num_heads} heads, mlp {config.mlp_dim} ({summary['parameters']:,} parameters)",
+        f"on a {mesh} mesh {tuple(trainer.mesh.axis_names)} with layout "
+        f"[bold]{summary['layout']}[/bold]; batch {s.batch} x {s.seq_len} bytes, "
+        f"lr {s.lr:g}, seed {s.seed}",
+        f"data: {escape(corpus.source)} ({len(corpus.train):,} train / {len(corpus.valid):,} valid bytes)",
+    ]
+    if trainer.resume_from is not None:
+        meta = trainer.resume_from
+        saved_mesh = "x".join(str(v) for v in meta.mesh_shape.values()) or "?"
+        lines.append(
+            f"resuming from step {meta.step} of {escape(str(trainer.ckpt_dir))} (saved on {saved_mesh} "
+            f"with {meta.extra.get('layout') or 'its rules'}) onto {mesh} with "
+            f"{summary['layout']}"
+        )
+    for line in lines:
+        console.print(line, soft_wrap=True)
+    table = Table(title=f"Plan per device ({summary['source']})", title_justify="left")
+    table.add_column("state")
+    table.add_column("largest per device", justify="right")
+    table.add_column("all devices, one copy", justify="right")
+    table.add_row(
+        "parameters",
+        describe_bytes(summary["params_per_device"]),
+        describe_bytes(summary["params_total"]),
+    )
+    table.add_row(
+        "parameters + AdamW state",
+        describe_bytes(summary["state_per_device"]),
+        describe_bytes(summary["state_total"]),
+    )
+    console.print(table)
+
+
+def _summary(console: Console, trainer: Any, result: Any) -> None:
+    table = Table(title="Summary", title_justify="left", show_header=False)
+    table.add_column("what")
+    table.add_column("value")
+    table.add_row("steps", f"{result.start_step} -> {result.end_step}")
+    table.add_row("time", f"{result.seconds:.1f} s")
+    table.add_row("tokens/s", f"{result.tokens_per_second:,.0f}")
+    if result.losses:
+        last = max(result.losses)
+        table.add_row("final train loss", f"{result.losses[last]:.3f} nats/byte (step {last})")
+    if result.best_valid is not None:
+        step, loss = result.best_valid
+        table.add_row("best valid loss", f"{loss:.3f} nats/byte (step {step})")
+    if trainer.ckpt_dir is not None:
+        from meshplan._checkpoint import latest_step
+
+        table.add_row(
+            "checkpoint", f"{trainer.ckpt_dir} (latest step {latest_step(trainer.ckpt_dir)})"
+        )
+    console.print(table)
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 120))
+    use_cpu_devices(args.devices)
+    from meshplan._errors import MeshplanError
+    from meshplan._train import prepare
+
+    try:
+        trainer = prepare(_request(args))
+    except MeshplanError as e:
+        print_error(e)
+        return 2
+    _header(console, trainer)
+
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    progress = Progress(
+        TextColumn("[bold]train[/bold]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[tps]} tok/s"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )
+    task = None
+
+    def on_step(step: int, loss: float, tps: float) -> None:
+        progress.update(task, completed=step, loss=f"{loss:.3f}", tps=f"{tps:,.0f}" if tps else "-")
+
+    def on_eval(step: int, loss: float) -> None:
+        progress.console.print(f"step {step:>5}  valid loss {loss:.3f} nats/byte")
+
+    try:
+        with progress:
+            task = progress.add_task(
+                "train",
+                total=trainer.settings.steps,
+                completed=trainer.resume_from.step if trainer.resume_from else 0,
+                loss="-",
+                tps="-",
+            )
+            result = trainer.run(on_step=on_step, on_eval=on_eval)
+    except KeyboardInterrupt:
+        trainer.close()
+        from meshplan._checkpoint import latest_step
+
+        last = latest_step(trainer.ckpt_dir) if trainer.ckpt_dir else None
+        console.print(
+            f"interrupted at step {trainer.step}; latest complete checkpoint: {last}"
+            + (f" (resume with --resume --ckpt-dir {trainer.ckpt_dir})" if last else "")
+        )
+        return 130
+    trainer.close()
+    _summary(console, trainer, result)
+    return 0
