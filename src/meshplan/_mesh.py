@@ -81,6 +81,14 @@ def apply_spec(value: Any, spec: PartitionSpec, mesh: Any = None, *, what: str =
         target, named = mesh, isinstance(mesh, Mesh)
     elif not abstract.empty:
         target, named = abstract, False  # JAX resolves a bare spec against the context mesh
+        if not isinstance(value, jax.core.Tracer):
+            # Outside jit a bare spec fails on a single-device value: use the concrete mesh.
+            try:
+                concrete = jax.sharding.get_mesh()
+            except ValueError:  # under a trace (jit, eval_shape) with a constant value
+                concrete = None
+            if concrete is not None and not concrete.empty:
+                target, named = concrete, True
     else:
         target, named = _legacy_mesh(), True
         if target is None:
