@@ -174,7 +174,7 @@ class Partitioned(AxisMetadata[A], Generic[A]):
     def _checked_spec(self) -> PartitionSpec:
         spec = self.get_partition_spec()
         shape = getattr(self.value, "shape", None)
-        if shape is not None:
+        if shape is not None and len(spec) != len(shape):  # describe the box only on error
             check_rank(spec, tuple(shape), self._what(), exact=True)
         return spec
 

@@ -113,6 +113,10 @@ def logical_axis_rules(rules: LogicalRules) -> Iterator[None]:
 # --------------------------------------------------------------------------
 
 
+_last_normal_rules: list[Any] = [None]
+"""The last rule tuple found normal: the same object again needs no second check."""
+
+
 def _is_mesh_axis_entry(axes: Any) -> bool:
     if axes is None or axes is UNCONSTRAINED or isinstance(axes, str):
         return True
@@ -124,10 +128,17 @@ def normalize_rules(rules: Any) -> tuple[tuple[str, MeshAxes], ...]:
 
     Lists of mesh axes become tuples. Every problem is reported at once.
     """
-    if isinstance(rules, tuple) and all(
-        type(r) is tuple and len(r) == 2 and type(r[0]) is str and _is_mesh_axis_entry(r[1])
-        for r in rules
-    ) and all(not isinstance(r[1], list) for r in rules):
+    if rules is _last_normal_rules[0]:
+        return rules  # validated already (a normal rule tuple is deeply immutable)
+    if (
+        isinstance(rules, tuple)
+        and all(
+            type(r) is tuple and len(r) == 2 and type(r[0]) is str and _is_mesh_axis_entry(r[1])
+            for r in rules
+        )
+        and all(not isinstance(r[1], list) for r in rules)
+    ):
+        _last_normal_rules[0] = rules
         return rules  # the common, already-normal case: no copy
     fix = "Give rules as a sequence of pairs, e.g. (('batch', 'data'), ('hidden', 'model'))."
     if isinstance(rules, dict):
@@ -174,6 +185,17 @@ def _is_dim_entry(name: Any) -> bool:
 
 def normalize_names(names: Any, *, what: str = "array_dim_names") -> tuple[Any, ...]:
     """Validates one array's axis names and returns them as a tuple."""
+    if type(names) is tuple:  # fast path: a tuple of distinct str, None or UNCONSTRAINED
+        seen: set[str] = set()
+        for n in names:
+            if type(n) is str:
+                if n in seen:
+                    break
+                seen.add(n)
+            elif n is not None and n is not UNCONSTRAINED:
+                break
+        else:
+            return names
     if isinstance(names, str):
         raise LogicalNamesError(
             f"{what} must be a tuple with one axis name per dimension, got the bare string "
@@ -194,7 +216,7 @@ def normalize_names(names: Any, *, what: str = "array_dim_names") -> tuple[Any, 
             f"Each entry must be a name (str), a tuple of names, None or "
             f"PartitionSpec.UNCONSTRAINED."
         )
-    seen: set[str] = set()
+    seen = set()
     dups = [n for n in names if isinstance(n, str) and (n in seen or seen.add(n))]
     if dups:
         raise LogicalNamesError(
@@ -242,17 +264,19 @@ def _resolve(
     names: tuple[Any, ...], rules: tuple[tuple[str, MeshAxes], ...], trace: list | None
 ) -> tuple[Any, ...]:
     result: list[Any] = [UNASSIGNED if isinstance(n, str) else n for n in names]
+    used = {a for r in result for a in _axes_of(r)}  # mesh axes held by some dimension
     for rule_index, (rule_name, rule_axes) in enumerate(rules):
         if rule_name not in names:
             continue
         pos = names.index(rule_name)
         wanted = _axes_of(rule_axes)
-        taken_by = tuple(i for i, r in enumerate(result) if set(_axes_of(r)) & set(wanted))
-        if result[pos] is UNASSIGNED and not taken_by:
+        if result[pos] is UNASSIGNED and used.isdisjoint(wanted):
             result[pos] = rule_axes
+            used.update(wanted)
             if trace is not None:
                 trace[pos]["rule_index"] = rule_index
         elif trace is not None:
+            taken_by = tuple(i for i, r in enumerate(result) if set(_axes_of(r)) & set(wanted))
             if result[pos] is not UNASSIGNED:
                 reason = "dimension already assigned"
             elif len(wanted) > 1 and not all(
@@ -300,7 +324,8 @@ def to_partition_spec(resolved: Sequence[Any]) -> PartitionSpec:
 
 @functools.lru_cache(maxsize=8192)
 def _mesh_axes_cached(names: tuple[Any, ...], rules: tuple[Any, ...]) -> PartitionSpec:
-    return to_partition_spec(_resolve_cached(names, rules))
+    # Not through _resolve_cached: a miss here would miss there too, and fill it for nothing.
+    return to_partition_spec(_resolve(normalize_names(names), normalize_rules(rules), None))
 
 
 def logical_to_mesh_axes(

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshplan._boxes import Partitioned, is_box
+from meshplan._boxes import LogicallyPartitioned, Partitioned, is_box
 from meshplan._errors import LogicalNamesError, MeshError, MeshplanError, problem_message
 from meshplan._rules import logical_to_mesh_axes
 
@@ -21,6 +21,9 @@ __all__ = [
 ]
 
 _REPLICATED = PartitionSpec()
+
+
+_OWN_BOXES = (Partitioned, LogicallyPartitioned)  # exact types: spec is PartitionSpec(*names)
 
 
 def _leaf_spec(x: Any) -> PartitionSpec | None:
@@ -97,7 +100,17 @@ def get_partition_spec(tree: Any) -> Any:
         >>> meshplan.get_partition_spec(tree)
         {'name': None, 'step': P(), 'w': P('data', None)}
     """
-    return _map_collecting(_leaf_spec, tree, is_box)
+    specs: dict[tuple[Any, ...], PartitionSpec] = {}  # boxes with equal names share one spec
+
+    def leaf(x: Any) -> PartitionSpec | None:
+        if type(x) in _OWN_BOXES:
+            spec = specs.get(x.names)
+            if spec is None:
+                spec = specs[x.names] = x.get_partition_spec()
+            return spec
+        return _leaf_spec(x)
+
+    return _map_collecting(leaf, tree, is_box)
 
 
 def get_sharding(tree: Any, mesh: jax.sharding.Mesh, *, strict: bool = False) -> Any:
@@ -122,11 +135,18 @@ def get_sharding(tree: Any, mesh: jax.sharding.Mesh, *, strict: bool = False) ->
 
         check(tree, mesh, strict=True)
     cache: dict[PartitionSpec, NamedSharding] = {}
+    by_names: dict[tuple[Any, ...], NamedSharding] = {}  # checked already: skip the spec
 
     def leaf(x: Any) -> Any:
         if is_box(x):
             if type(x) is Partitioned:
-                return _named(mesh, x._checked_spec(), cache)
+                shape = getattr(x.value, "shape", None)
+                if shape is None or len(shape) == len(x.names):
+                    sharding = by_names.get(x.names)
+                    if sharding is not None:
+                        return sharding
+                sharding = by_names[x.names] = _named(mesh, x._checked_spec(), cache)
+                return sharding
             return x.get_sharding(mesh)
         spec = _leaf_spec(x)
         return None if spec is None else _named(mesh, spec, cache)
