@@ -67,7 +67,15 @@ def _leaves_word(n: int) -> str:
 def find_problems(
     plan: Plan, replicated_threshold_bytes: int = DEFAULT_REPLICATED_THRESHOLD
 ) -> list[Problem]:
-    """Every problem of ``plan``: errors first, then warnings, each in tree/rule order."""
+    """Every problem of ``plan``: errors first, then warnings, each in tree/rule order.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> from meshplan._check import find_problems
+        >>> tree = {"w": meshplan.Partitioned(jax.ShapeDtypeStruct((6,), jnp.float32), ("x",))}
+        >>> [p.code for p in find_problems(meshplan.explain(tree, {"x": 4}))]
+        ['indivisible']
+    """
     errors: list[Problem] = []
     warnings: list[Problem] = []
     mesh = plan.mesh
@@ -245,7 +253,13 @@ def _replicated(path: str, layout: Any, mesh: MeshInfo) -> Problem:
 
 
 def raise_for_errors(problems: Sequence[Problem], mesh: MeshInfo) -> None:
-    """Raises one :class:`ShardingValidationError` listing every error, if there are any."""
+    """Raises one :class:`ShardingValidationError` listing every error, if there are any.
+
+    Example:
+        >>> from meshplan._check import Problem, raise_for_errors
+        >>> from meshplan._plan import mesh_info
+        >>> raise_for_errors([Problem("warning", "w", "m", "f", "replicated")], mesh_info({"x": 2}))
+    """
     errors = [p for p in problems if p.severity == "error"]
     if not errors:
         return
@@ -324,7 +338,15 @@ def check(
 
 
 def check_specs(tree: Any, mesh: Any, rules: Any = None, *, strict: bool = False) -> list[Problem]:
-    """:func:`check` for a tree of logical ``PartitionSpec``s (no shapes, so no sizes)."""
+    """:func:`check` for a tree of logical ``PartitionSpec``s (no shapes, so no sizes).
+
+    Example:
+        >>> import meshplan
+        >>> from jax.sharding import PartitionSpec as P
+        >>> from meshplan._check import check_specs
+        >>> [p.path for p in check_specs({"w": P("embed")}, {"data": 2}, (("embed", "dta"),))]
+        ['rules[0]', 'mesh/data']
+    """
     plan = explain_specs(tree, mesh, rules)
     problems = find_problems(plan)
     if strict:

@@ -506,6 +506,16 @@ class Plan:
     def table(self, full: bool = False, max_rows: int = 24) -> Any:
         """A ``rich`` renderable: the per-leaf table, totals and problems.
 
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> from meshplan._render import to_text
+            >>> tree = {f"w{i}": meshplan.Partitioned(
+            ...     jax.ShapeDtypeStruct((8, 4 * (i + 1)), jnp.float32), ("model", None))
+            ...     for i in range(30)}
+            >>> text = to_text(meshplan.explain(tree, {"model": 4}).table(max_rows=2))
+            >>> "w29" in text, "w0 " in text, "… and 28 smaller leaves" in text
+            (True, False, True)
+
         Args:
             full: Show every leaf. Otherwise a tree of more than ``max_rows``
                 leaves shows its ``max_rows`` largest (per device), in tree order.
@@ -531,7 +541,16 @@ class Plan:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """The plan as plain data, in the stable schema ``meshplan.plan/1`` (docs/plan.md)."""
+        """The plan as plain data, in the stable schema ``meshplan.plan/1`` (docs/plan.md).
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> tree = {"w": meshplan.Partitioned(jax.ShapeDtypeStruct((8, 4), jnp.float32),
+            ...                                   ("model", None))}
+            >>> data = meshplan.explain(tree, {"model": 4}).to_dict()
+            >>> data["schema"], data["leaves"][0]["spec"], data["totals"]["all"]["device_bytes"]
+            ('meshplan.plan/1', ['model', None], [32, 32, 32, 32])
+        """
         return {
             "schema": SCHEMA,
             "mesh": {
@@ -549,7 +568,13 @@ class Plan:
         }
 
     def to_json(self, indent: int | None = 2) -> str:
-        """:meth:`to_dict` as a JSON string."""
+        """:meth:`to_dict` as a JSON string.
+
+        Example:
+            >>> import json, meshplan
+            >>> json.loads(meshplan.explain({}, {"data": 2}).to_json())["mesh"]["shape"]
+            {'data': 2}
+        """
         return json.dumps(self.to_dict(), indent=indent)
 
     def save_png(self, path: Any, *, top: int = 6, title: str | None = None) -> None:
@@ -557,6 +582,15 @@ class Plan:
         parameters as tiles coloured by the devices that hold them.
 
         Headless (matplotlib's Agg canvas); needs no display.
+
+        Example:
+            >>> import os, tempfile, jax, jax.numpy as jnp, meshplan
+            >>> tree = {"params": {"w": meshplan.Partitioned(
+            ...     jax.ShapeDtypeStruct((64, 32), jnp.float32), (None, "model"))}}
+            >>> path = os.path.join(tempfile.mkdtemp(), "plan.png")
+            >>> meshplan.explain(tree, {"data": 2, "model": 4}).save_png(path)
+            >>> open(path, "rb").read(4)
+            b'\x89PNG'
         """
         from meshplan._render import save_png
 
@@ -787,6 +821,15 @@ def shard_holders(leaf: LeafPlan, mesh: MeshInfo) -> dict[tuple[int, ...], list[
     """For each piece of ``leaf`` (by its index along every dimension), the devices holding it.
 
     Device ids are ``mesh.device_ids``. Used to draw the plan.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> from meshplan._plan import shard_holders
+        >>> tree = {"w": meshplan.Partitioned(jax.ShapeDtypeStruct((8, 4), jnp.float32),
+        ...                                   (None, "model"))}
+        >>> plan = meshplan.explain(tree, {"data": 2, "model": 2})
+        >>> shard_holders(plan["w"], plan.mesh)
+        {(0, 0): [0, 2], (0, 1): [1, 3]}
     """
     idx = np.stack([_shard_index(d, mesh) for d in leaf.dims], axis=1) if leaf.dims else None
     holders: dict[tuple[int, ...], list[int]] = {}

@@ -180,7 +180,13 @@ def _parts(plan: Plan, full: bool, max_rows: int, wide: bool) -> list[Any]:
 
 
 def to_text(renderable: Any, width: int = 180) -> str:
-    """Renders ``renderable`` to plain text (no colour codes)."""
+    """Renders ``renderable`` to plain text (no colour codes).
+
+    Example:
+        >>> from meshplan._render import to_text
+        >>> print(to_text("[bold]hi[/]"), end="")
+        hi
+    """
     from rich.console import Console
 
     out = io.StringIO()

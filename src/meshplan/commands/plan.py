@@ -68,7 +68,13 @@ class _UsageError(Exception):
 
 
 def parse_mesh(text: str, axes: str | None) -> dict[str, int]:
-    """``'2x4'`` -> ``{'data': 2, 'model': 4}``; ``'8'`` -> ``{'data': 8, 'model': 1}``."""
+    """``'2x4'`` -> ``{'data': 2, 'model': 4}``; ``'8'`` -> ``{'data': 8, 'model': 1}``.
+
+    Example:
+        >>> from meshplan.commands.plan import parse_mesh
+        >>> parse_mesh("2x4", None), parse_mesh("2x2x2", "data,fsdp,model")
+        ({'data': 2, 'model': 4}, {'data': 2, 'fsdp': 2, 'model': 2})
+    """
     parts = str(text).lower().replace("×", "x").split("x")
     try:
         sizes = [int(p) for p in parts]
@@ -99,7 +105,13 @@ def parse_mesh(text: str, axes: str | None) -> dict[str, int]:
 
 
 def load_rules(spec: str | None, model: str) -> tuple[str, Any]:
-    """``(label, rules)`` from a built-in name or a file; falls back to the guide's rules."""
+    """``(label, rules)`` from a built-in name or a file; falls back to the guide's rules.
+
+    Example:
+        >>> from meshplan.commands.plan import load_rules
+        >>> load_rules(None, "mlp")
+        ('guide', (('batch', 'data'), ('hidden', 'model')))
+    """
     from meshplan._errors import RulesError
 
     if spec is None:
