@@ -140,7 +140,7 @@ def test_a_clean_plan_has_no_problems(mesh):
 
 def test_errors_come_before_warnings():
     tree = {"params": {"a": logical(6, 8, names=("x", "y")), "b": logical(8, names=("z",))}}
-    problems = meshplan.check(tree, MESH, (("x", "model"), ("unused", None)))
+    problems = meshplan.check(tree, MESH, (("x", "model"), ("unused", "data")))
     severities = [p.severity for p in problems]
     assert severities == sorted(severities)  # 'error' < 'warning'
     assert {p.code for p in problems} == {"indivisible", "no-rule", "dead-rule", "idle-axis"}
@@ -278,3 +278,10 @@ def test_logical_to_mesh_sharding_strict_lists_every_bad_rule(mesh):
             {"w": P("embed")}, mesh, (("embed",), ("x", 3), ("embed", "data")), strict=True
         )
     assert "rules[0]" in str(info.value) and "rules[1]" in str(info.value)
+
+
+def test_an_unused_rule_to_none_is_not_a_dead_rule():
+    tree = {"params": {"w": logical(8, 8, names=("embed", "hidden"))}}
+    rules = (("embed", "data"), ("hidden", "model"), ("length", None), ("vocab", "model"))
+    dead = [p.path for p in meshplan.check(tree, MESH, rules) if p.code == "dead-rule"]
+    assert dead == ["rules[3]"]

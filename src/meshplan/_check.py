@@ -185,7 +185,7 @@ def find_problems(
 
     if any_logical:
         for i, (name, axes) in zip(index_map, rules, strict=True):
-            if placed.get(i):
+            if placed.get(i) or axes is None:  # an unused ('name', None) changes nothing
                 continue
             seen = skipped.get(i)
             if seen:
