@@ -116,10 +116,12 @@ def test_resume_with_a_config_of_other_shapes(trained, tmp_path, capsys):
         assert main([*args, "--ckpt-dir", str(folder)]) == 0
         capsys.readouterr()
     err = _bad(["train", "--resume", "--ckpt-dir", str(folder), "--embed", "64"], capsys)
-    assert "does not fit the model: params/embed: checkpoint shape (256, 32), this model" in err
-    assert "Resume with the saved config" in err
+    assert "model config embed_dim: the checkpoint has 32, this run asks for 64" in err
+    assert "do not fit the model, e.g. params/embed: checkpoint shape (256, 32), this model" in err
+    assert "Resume with the checkpoint's config" in err
     err = _bad(["train", "--resume", "--ckpt-dir", str(folder), "--config", "small"], capsys)
-    assert "does not fit the model" in err
+    assert "model config num_layers: the checkpoint has 1, this run asks for 6" in err
+    assert "do not fit the model" in err
 
 
 def test_errors_exit_nonzero_without_traceback_in_a_real_process(tmp_path):

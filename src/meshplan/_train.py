@@ -41,10 +41,12 @@ from meshplan._checkpoint import (
     Checkpointer,
     CheckpointMetadata,
     compatibility_problems,
+    flatten_state,
+    latest_step,
     read_metadata,
     restore,
 )
-from meshplan._errors import MeshError, MeshplanError, problem_message
+from meshplan._errors import CheckpointError, MeshError, MeshplanError, problem_message
 from meshplan._rules import logical_axis_rules, logical_to_mesh_axes
 from meshplan._shardings import get_partition_spec, logical_to_mesh_sharding
 
@@ -301,6 +303,136 @@ def _resolve_config(request: TrainRequest, stored: CheckpointMetadata | None) ->
     return dataclasses.replace(TransformerConfig.from_dict(stored.config), **request.overrides)
 
 
+def _check_checkpoint_dir(
+    request: TrainRequest, problems: _Problems
+) -> tuple[Path | None, CheckpointMetadata | None]:
+    """The checkpoint folder, and its latest metadata when resuming."""
+    ckpt_dir = Path(request.ckpt_dir).absolute() if request.ckpt_dir else None
+    if request.resume and ckpt_dir is None:
+        problems.add(
+            MeshplanError,
+            "--resume needs the checkpoint folder to resume from",
+            "Pass --ckpt-dir DIR with --resume.",
+        )
+    elif request.resume:
+        try:
+            return ckpt_dir, read_metadata(ckpt_dir)  # type: ignore[arg-type]
+        except MeshplanError as e:
+            problems.add_error(e)
+    elif ckpt_dir is not None and (last := latest_step(ckpt_dir)) is not None:
+        problems.add(
+            CheckpointError,
+            f"--ckpt-dir {str(ckpt_dir)!r} already holds checkpoints (latest step {last})",
+            "Pass --resume to continue that run, or a new --ckpt-dir to start another.",
+        )
+    return ckpt_dir, None
+
+
+def _resolve_settings(
+    request: TrainRequest, stored: CheckpointMetadata | None, problems: _Problems
+) -> TrainSettings:
+    """The defaults, overridden by the checkpoint's settings, overridden by the request's."""
+    stored_train = (stored.extra.get("train") or {}) if stored else {}
+    settings = TrainSettings.from_dict(
+        {**TrainSettings().to_dict(), **stored_train, **request.settings}
+    )
+    for name in ("steps", "batch", "seq_len", "eval_batches"):
+        if getattr(settings, name) < 1:
+            problems.add(
+                MeshplanError,
+                f"{name} must be positive, got {getattr(settings, name)}",
+                "Pass positive --steps, --batch, --seq and --eval-batches.",
+            )
+    if stored is not None and settings.steps < stored.step:
+        problems.add(
+            MeshplanError,
+            f"--steps {settings.steps} is before the checkpoint's step {stored.step}",
+            f"Pass --steps greater than {stored.step} to train further.",
+        )
+    return settings
+
+
+def _check_config(
+    request: TrainRequest,
+    stored: CheckpointMetadata | None,
+    settings: TrainSettings,
+    problems: _Problems,
+) -> Any:
+    try:
+        config = _resolve_config(request, stored)
+    except (ValueError, TypeError) as e:
+        problems.add(
+            MeshplanError, f"model config: {e}", "Use --config tiny|small with valid size flags."
+        )
+        return None
+    if settings.seq_len > config.max_len:
+        problems.add(
+            MeshplanError,
+            f"--seq {settings.seq_len} exceeds the model's max_len={config.max_len}",
+            f"Use --seq {config.max_len} or less, or a larger --max-len.",
+        )
+    return config
+
+
+def _check_batch(
+    request: TrainRequest, settings: TrainSettings, mesh: Mesh, rules: Any, problems: _Problems
+) -> None:
+    axes = _mesh_axes(logical_to_mesh_axes(_BATCH_NAMES, rules)[0])
+    parts = math.prod(mesh.shape[a] for a in axes if a in mesh.shape) if axes else 1
+    if settings.batch % parts:
+        good = (settings.batch // parts + 1) * parts
+        problems.add(
+            MeshplanError,
+            f"--batch {settings.batch} does not split over the {parts} devices that "
+            f"--rules {request.rules} shard 'batch' over (mesh axes {axes} of the "
+            f"{request.mesh} mesh)",
+            f"Use a --batch that is a multiple of {parts} (e.g. {good}), or a mesh and "
+            f"rules that split 'batch' over fewer devices.",
+        )
+
+
+def _check_state(
+    request: TrainRequest,
+    config: Any,
+    abstract: Any,
+    stored: CheckpointMetadata | None,
+    mesh: Mesh | None,
+    rules: Any,
+    problems: _Problems,
+) -> None:
+    """The checkpoint fits the model's shapes; the layout can split every parameter."""
+    if stored is not None:
+        mismatch = compatibility_problems(stored, abstract)
+        if mismatch:
+            saved = stored.config or {}
+            fields = [
+                f"{name}: the checkpoint has {saved[name]!r}, this run asks for {value!r}"
+                for name, value in config.to_dict().items()
+                if name in saved and saved[name] != value
+            ]
+            for line in fields:
+                problems.add(CheckpointError, f"model config {line}", "")
+            problems.add(
+                CheckpointError,
+                f"so {len(mismatch)} of the checkpoint's {len(stored.arrays)} arrays (step "
+                f"{stored.step}) do not fit the model, e.g. {mismatch[0]}",
+                "Resume with the checkpoint's config: leave out --config and the model size "
+                "flags (or repeat the ones it was trained with), or train into a new --ckpt-dir.",
+            )
+    if mesh is not None and rules is not None:
+        shapes = {
+            k: (tuple(v.shape), None if b is None else tuple(b.names))
+            for k, (v, b) in flatten_state(abstract.params).items()
+        }
+        for line in _split_problems(shapes, mesh, rules)[:6]:
+            problems.add(
+                MeshError,
+                f"--rules {request.rules} on the {request.mesh} mesh: params/{line}",
+                "Pick a layout that leaves that dimension whole (e.g. data_parallel), a mesh "
+                "whose axes divide it, or model sizes that are multiples of the mesh axes.",
+            )
+
+
 def prepare(request: TrainRequest) -> Trainer:
     """Checks everything in ``request`` and returns a :class:`Trainer` ready to run.
 
@@ -309,6 +441,9 @@ def prepare(request: TrainRequest) -> Trainer:
     not divide, model dimensions the layout cannot split, a ``--data`` path
     with no text, a checkpoint folder that is empty or not a meshplan
     checkpoint, and a model config whose shapes differ from the checkpoint's.
+
+    When resuming, settings and the model config the request leaves out
+    (``None``) come from the checkpoint.
 
     Raises:
         MeshplanError: (the class of the first problem) one bullet per
@@ -323,136 +458,36 @@ def prepare(request: TrainRequest) -> Trainer:
         ...     print(str(e).splitlines()[0])
         meshplan train cannot start:
     """
+    from meshplan.examples.transformer import Transformer
     from meshplan.layouts import get_layout
 
     problems = _Problems()
-
-    rules = None
+    rules = mesh = None
     try:
         rules = get_layout(request.rules)
     except MeshplanError as e:
         problems.add_error(e)
-
-    mesh = None
     try:
         mesh = make_mesh(parse_mesh(request.mesh))
     except MeshplanError as e:
         problems.add_error(e)
-
-    ckpt_dir = Path(request.ckpt_dir).absolute() if request.ckpt_dir else None
-    stored: CheckpointMetadata | None = None
-    if request.resume:
-        if ckpt_dir is None:
-            problems.add(
-                MeshplanError,
-                "--resume needs the checkpoint folder to resume from",
-                "Pass --ckpt-dir DIR with --resume.",
-            )
-        else:
-            try:
-                stored = read_metadata(ckpt_dir)
-            except MeshplanError as e:
-                problems.add_error(e)
-    elif ckpt_dir is not None and ckpt_dir.is_dir():
-        from meshplan._checkpoint import latest_step
-
-        last = latest_step(ckpt_dir)
-        if last is not None:
-            from meshplan._errors import CheckpointError
-
-            problems.add(
-                CheckpointError,
-                f"--ckpt-dir {str(ckpt_dir)!r} already holds checkpoints (latest step {last})",
-                "Pass --resume to continue that run, or a new --ckpt-dir to start another.",
-            )
-
-    stored_train = (stored.extra.get("train") or {}) if stored else {}
-    settings = TrainSettings.from_dict(
-        {**TrainSettings().to_dict(), **stored_train, **request.settings}
-    )
-    for name in ("steps", "batch", "seq_len", "eval_batches"):
-        if getattr(settings, name) < 1:
-            problems.add(
-                MeshplanError, f"{name} must be positive, got {getattr(settings, name)}", ""
-            )
-    if stored is not None and settings.steps < stored.step:
-        problems.add(
-            MeshplanError,
-            f"--steps {settings.steps} is before the checkpoint's step {stored.step}",
-            f"Pass --steps greater than {stored.step} to train further.",
-        )
-
-    config = None
-    try:
-        config = _resolve_config(request, stored)
-    except (ValueError, TypeError) as e:
-        problems.add(
-            MeshplanError,
-            f"model config: {e}",
-            "Use --config tiny|small with valid size flags.",
-        )
-    if config is not None and settings.seq_len > config.max_len:
-        problems.add(
-            MeshplanError,
-            f"--seq {settings.seq_len} exceeds the model's max_len={config.max_len}",
-            f"Use --seq {config.max_len} or less, or a larger --max-len.",
-        )
-
+    ckpt_dir, stored = _check_checkpoint_dir(request, problems)
+    settings = _resolve_settings(request, stored, problems)
+    config = _check_config(request, stored, settings, problems)
     if mesh is not None and rules is not None:
-        spec = logical_to_mesh_axes(_BATCH_NAMES, rules)
-        axes = _mesh_axes(spec[0])
-        parts = math.prod(mesh.shape[a] for a in axes if a in mesh.shape) if axes else 1
-        if settings.batch % parts:
-            good = (settings.batch // parts + 1) * parts
-            problems.add(
-                MeshplanError,
-                f"--batch {settings.batch} does not split over the {parts} devices that "
-                f"--rules {request.rules} shard 'batch' over (mesh axes {axes} of the "
-                f"{request.mesh} mesh)",
-                f"Use a --batch that is a multiple of {parts} (e.g. {good}), or a mesh whose "
-                f"{'x'.join(axes)} size divides {settings.batch}.",
-            )
-
-    data_path = request.data if request.data is not None else stored_train.get("data")
-    corpus = _load_corpus(data_path, problems)
-
-    abstract = None
+        _check_batch(request, settings, mesh, rules, problems)
+    data = request.data
+    if data is not None:
+        data = str(Path(data).absolute())
+    elif stored is not None:
+        data = (stored.extra.get("train") or {}).get("data")
+    corpus = _load_corpus(data, problems)
     if config is not None:
-        from meshplan.examples.transformer import Transformer
-
-        model = Transformer(config)
-        abstract = abstract_train_state(model, make_optimizer(settings), settings)
-        if stored is not None:
-            mismatch = compatibility_problems(stored, abstract)
-            if mismatch:
-                from meshplan._errors import CheckpointError
-
-                shown = mismatch[:6] + ([f"... and {len(mismatch) - 6} more"] * (len(mismatch) > 6))
-                saved = ", ".join(f"{k}={v}" for k, v in (stored.config or {}).items())
-                for line in shown:
-                    problems.add(
-                        CheckpointError,
-                        f"checkpoint step {stored.step} does not fit the model: {line}",
-                        f"Resume with the saved config (drop --config and size flags; it was "
-                        f"{saved}), or train into a new --ckpt-dir.",
-                    )
-        if mesh is not None and rules is not None:
-            from meshplan._checkpoint import flatten_state
-
-            shapes = {
-                k: (tuple(v.shape), None if b is None else tuple(b.names))
-                for k, (v, b) in flatten_state(abstract.params).items()
-            }
-            for line in _split_problems(shapes, mesh, rules)[:6]:
-                problems.add(
-                    MeshError,
-                    f"--rules {request.rules} on the {request.mesh} mesh: params/{line}",
-                    "Pick a layout that leaves that dimension whole (e.g. data_parallel), a mesh "
-                    "whose axes divide it, or model sizes that are multiples of the mesh axes.",
-                )
+        abstract = abstract_train_state(Transformer(config), make_optimizer(settings), settings)
+        _check_state(request, config, abstract, stored, mesh, rules, problems)
 
     problems.raise_if_any("meshplan train cannot start:")
-    assert mesh is not None and rules is not None and config is not None and abstract is not None
+    assert mesh is not None and config is not None
     return Trainer(
         model=Transformer(config),
         mesh=mesh,
@@ -462,7 +497,7 @@ def prepare(request: TrainRequest) -> Trainer:
         ckpt_dir=ckpt_dir,
         resume_from=stored,
         layout_name=str(request.rules),
-        data=data_path,
+        data=data,
     )
 
 
@@ -614,9 +649,10 @@ class Trainer:
             ),
             "source": "meshplan shard sizes",
         }
-        try:
-            from meshplan._plan import explain
-        except ImportError:  # pragma: no cover - the plan module is optional here
+        import meshplan
+
+        explain = getattr(meshplan, "explain", None)
+        if explain is None:  # pragma: no cover - a build without the plan module
             return summary
         try:
             totals = explain(self.abstract, self.mesh, self.rules).totals

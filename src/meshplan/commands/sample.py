@@ -17,17 +17,24 @@ HELP = "Generate text from a `meshplan train` checkpoint (greedy, or sampled wit
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ckpt-dir", required=True, help="checkpoint folder of `meshplan train`")
+    parser.add_argument(
+        "--ckpt-dir", required=True, metavar="DIR", help="checkpoint folder of `meshplan train`"
+    )
     parser.add_argument("--prompt", default="def ", help='text to continue (default "def ")')
-    parser.add_argument("--length", type=int, default=300, help="bytes to generate (default 300)")
+    parser.add_argument(
+        "--length", type=int, default=300, metavar="N", help="bytes to generate (default 300)"
+    )
     parser.add_argument(
         "--temperature",
         type=float,
         default=0.5,
+        metavar="T",
         help="0 picks the likeliest byte (greedy); higher samples more freely (default 0.5)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    parser.add_argument(
+        "--seed", type=int, default=0, metavar="S", help="sampling seed (default 0)"
+    )
+    parser.add_argument("--step", type=int, metavar="N", help="checkpoint step (default: latest)")
 
 
 def generate(
@@ -48,14 +55,16 @@ def generate(
     after the last byte does not matter).
 
     Example:
-        >>> import jax, jax.numpy as jnp
+        >>> import jax, jax.numpy as jnp, meshplan
         >>> from meshplan.examples.transformer import Transformer, config_from_name
         >>> from meshplan.commands.sample import generate
         >>> model = Transformer(config_from_name("tiny", num_layers=1, embed_dim=16,
         ...                                      mlp_dim=16, max_len=16))
-        >>> params = model.init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))["params"]
-        >>> len(generate(model, params, b"def ", 5))
-        5
+        >>> shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 16), jnp.int32))
+        >>> params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+        ...                       meshplan.unbox(shapes["params"]))  # an untrained model
+        >>> list(generate(model, params, b"def ", 5))  # equal logits: greedy picks byte 0
+        [0, 0, 0, 0, 0]
     """
     import jax
     import jax.numpy as jnp
@@ -120,5 +129,8 @@ def run(args: argparse.Namespace) -> int:
     except (meshplan.MeshplanError, ValueError) as e:
         print_error(e)
         return 2
-    console.print(Text(args.prompt, style="bold") + Text(text.decode("utf-8", errors="replace")))
+    console.print(
+        Text(args.prompt, style="bold") + Text(text.decode("utf-8", errors="replace")),
+        soft_wrap=True,
+    )
     return 0

@@ -48,20 +48,19 @@ _MODEL = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     run = parser.add_argument_group("run")
-    run.add_argument("--mesh", default="2x4", help="DATAxMODEL mesh sizes (default 2x4)")
+    run.add_argument("--mesh", default="2x4", metavar="DxM", help="mesh sizes (default 2x4)")
     run.add_argument(
         "--rules",
         default="fsdp_tp",
-        help="layout: data_parallel, fsdp, tensor_parallel, fsdp_tp, or a .py/.json rules "
-        "file (default fsdp_tp)",
+        metavar="LAYOUT",
+        help="data_parallel, fsdp, tensor_parallel, fsdp_tp, or a .py/.json rules file "
+        "(default fsdp_tp)",
     )
     run.add_argument(
-        "--devices", type=int, default=8, help="emulated CPU devices (default 8; CPU only)"
+        "--devices", type=int, default=8, metavar="N", help="emulated CPU devices (default 8)"
     )
-    run.add_argument(
-        "--data", default=None, help="folder or file of text (default: Python's stdlib)"
-    )
-    run.add_argument("--ckpt-dir", default=None, help="checkpoint folder (default: no checkpoints)")
+    run.add_argument("--data", metavar="PATH", help="text folder or file (default: the stdlib)")
+    run.add_argument("--ckpt-dir", metavar="DIR", help="checkpoint folder (default: none)")
     run.add_argument(
         "--resume",
         action="store_true",
@@ -70,25 +69,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train = parser.add_argument_group(
         "training (when resuming, omitted values come from the checkpoint)"
     )
-    train.add_argument("--steps", type=int, help="train up to this step (default 300)")
-    train.add_argument("--batch", type=int, help="sequences per step (default 32)")
-    train.add_argument("--seq", type=int, help="bytes per sequence (default 128)")
-    train.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
-    train.add_argument("--warmup", type=int, help="warm-up steps (default 30)")
-    train.add_argument("--weight-decay", type=float, help="AdamW weight decay (default 0.01)")
-    train.add_argument("--seed", type=int, help="seed of init and batches (default 0)")
-    train.add_argument("--eval-every", type=int, help="evaluate every E steps (default 50)")
-    train.add_argument("--eval-batches", type=int, help="validation batches (default 4)")
-    train.add_argument("--ckpt-every", type=int, help="checkpoint every K steps (default 100)")
+    for flag, kind, metavar, text in (
+        ("--steps", int, "N", "train up to step N (default 300)"),
+        ("--batch", int, "B", "sequences per step (default 32)"),
+        ("--seq", int, "L", "bytes per sequence (default 128)"),
+        ("--lr", float, "LR", "peak learning rate (default 3e-3)"),
+        ("--warmup", int, "N", "warm-up steps (default 30)"),
+        ("--weight-decay", float, "WD", "AdamW weight decay (default 0.01)"),
+        ("--seed", int, "S", "seed of the initial parameters and the batches (default 0)"),
+        ("--eval-every", int, "E", "evaluate every E steps; 0: at the end (default 50)"),
+        ("--eval-batches", int, "N", "validation batches per evaluation (default 4)"),
+        ("--ckpt-every", int, "K", "checkpoint every K steps and at the end (default 100)"),
+    ):
+        train.add_argument(flag, type=kind, metavar=metavar, help=text)
     model = parser.add_argument_group(
         "model (default: the checkpoint's config when resuming, else tiny)"
     )
     model.add_argument("--config", choices=("tiny", "small"), help="preset model size")
-    model.add_argument("--layers", type=int, help="number of Transformer blocks")
-    model.add_argument("--heads", type=int, help="attention heads")
-    model.add_argument("--embed", type=int, help="model width")
-    model.add_argument("--mlp", type=int, help="MLP hidden width")
-    model.add_argument("--max-len", type=int, help="longest sequence")
+    for flag, text in (
+        ("--layers", "Transformer blocks"),
+        ("--heads", "attention heads"),
+        ("--embed", "model width"),
+        ("--mlp", "MLP hidden width"),
+        ("--max-len", "longest sequence"),
+    ):
+        model.add_argument(flag, type=int, metavar="N", help=text)
     model.add_argument("--positions", choices=("rope", "learned"), help="position encoding")
     model.add_argument("--dtype", choices=("float32", "bfloat16"), help="activation dtype")
     model.add_argument(
