@@ -14,7 +14,8 @@ from meshplan._boxes import (
     with_logical_partitioning,
     with_partitioning,
 )
-from meshplan._check import Problem, check
+from meshplan._check import check
+from meshplan._check_problems import Problem
 from meshplan._checkpoint import Checkpointer, CheckpointMetadata, Restored, restore
 from meshplan._constraints import RulesFallback, explicit_out_sharding, with_logical_constraint
 from meshplan._errors import (
@@ -29,7 +30,8 @@ from meshplan._errors import (
     UnmatchedLogicalAxisError,
 )
 from meshplan._mesh import active_mesh
-from meshplan._plan import Plan, explain
+from meshplan._plan import explain
+from meshplan._plan_object import Plan
 from meshplan._rules import (
     get_logical_axis_rules,
     logical_axis_rules,

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from meshplan._plan import Plan, _human
+from meshplan._plan_object import Plan
+from meshplan._plan_text import count_text, human_bytes
 
 __all__ = ["UPDATE_ENV", "assert_plan_matches", "diff_snapshots", "snapshot"]
 
@@ -68,38 +70,32 @@ def snapshot(plan: Plan) -> dict[str, Any]:
 
 def _dumps(snap: dict[str, Any]) -> str:
     """JSON with one leaf per line (stable, diff-friendly)."""
-
-    def one(value: Any) -> str:
-        return json.dumps(value, separators=(", ", ": "))
-
-    lines = ["{"]
-    lines.append(f'  "schema": {one(snap["schema"])},')
-    lines.append(f'  "mesh": {one(snap["mesh"])},')
     rules = snap["rules"]
-    if rules is None:
-        lines.append('  "rules": null,')
-    else:
-        lines.append('  "rules": [')
-        lines.extend(
-            f"    {one(r)}{',' if i < len(rules) - 1 else ''}" for i, r in enumerate(rules)
-        )
-        lines.append("  ],")
-    leaves = list(snap["leaves"].items())
-    lines.append('  "leaves": {')
-    lines.extend(
-        f"    {one(path)}: {one(leaf)}{',' if i < len(leaves) - 1 else ''}"
-        for i, (path, leaf) in enumerate(leaves)
-    )
-    lines.append("  },")
-    totals = list(snap["totals"].items())
-    lines.append('  "totals": {')
-    lines.extend(
-        f"    {one(g)}: {one(t)}{',' if i < len(totals) - 1 else ''}"
-        for i, (g, t) in enumerate(totals)
-    )
-    lines.append("  }")
-    lines.append("}")
+    rules_text = "null" if rules is None else _block("[", map(_one_line, rules), "]")
+    lines = [
+        "{",
+        f'  "schema": {_one_line(snap["schema"])},',
+        f'  "mesh": {_one_line(snap["mesh"])},',
+        f'  "rules": {rules_text},',
+        f'  "leaves": {_block("{", _members(snap["leaves"]), "}")},',
+        f'  "totals": {_block("{", _members(snap["totals"]), "}")}',
+        "}",
+    ]
     return "\n".join(lines) + "\n"
+
+
+def _one_line(value: Any) -> str:
+    return json.dumps(value, separators=(", ", ": "))
+
+
+def _members(mapping: dict[str, Any]) -> list[str]:
+    return [f"{_one_line(key)}: {_one_line(value)}" for key, value in mapping.items()]
+
+
+def _block(opening: str, entries: Iterable[str], closing: str) -> str:
+    """A JSON list or object inside the snapshot's top level: one entry per line."""
+    body = ",\n".join(f"    {entry}" for entry in entries)
+    return f"{opening}\n{body}\n  {closing}" if body else f"{opening}\n  {closing}"
 
 
 def _spec(entries: Any) -> str:
@@ -118,7 +114,7 @@ def _fmt_field(field: str, value: Any) -> str:
     if field == "spec":
         return _spec(value)
     if field == "bytes_per_device":
-        return _human(value)
+        return human_bytes(value)
     if isinstance(value, list):
         return "(" + ", ".join(str(v) for v in value) + ")"
     return str(value)
@@ -163,7 +159,7 @@ def diff_snapshots(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         for field, label in (("max_device_bytes", "fullest device"), ("bytes", "in all")):
             if before.get(field) != totals.get(field) and before.get(field) is not None:
                 lines.append(
-                    f"totals[{group}]: {label} {_human(before[field])} -> {_human(totals[field])}"
+                    f"totals[{group}]: {label} {human_bytes(before[field])} -> {human_bytes(totals[field])}"
                 )
     return lines
 
@@ -232,6 +228,6 @@ def assert_plan_matches(
     body = "\n".join(f"  * {line}" for line in shown)
     raise AssertionError(
         f"The sharding plan differs from the snapshot {str(path)!r} "
-        f"({len(lines)} change{'s' if len(lines) != 1 else ''}):\n{body}\n"
+        f"({count_text(len(lines), 'change')}):\n{body}\n"
         f"If the change is intended, rerun with {UPDATE_ENV}=1 to rewrite the snapshot."
     )

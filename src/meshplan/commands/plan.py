@@ -17,9 +17,6 @@ HELP = (
     "under a rule set, and check the plan (--json, --png, --strict)."
 )
 
-GUIDE_RULES = (("batch", "data"), ("hidden", "model"))
-"""The guide's rules, for the MLP; used when :mod:`meshplan.layouts` is not there."""
-
 _DEFAULT_AXES = ("data", "model")
 
 
@@ -105,47 +102,18 @@ def parse_mesh(text: str, axes: str | None) -> dict[str, int]:
 
 
 def load_rules(spec: str | None, model: str) -> tuple[str, Any]:
-    """``(label, rules)`` from a built-in name or a file; falls back to the guide's rules.
+    """``(label, rules)`` from a built-in layout name or a rules file (:mod:`meshplan.layouts`).
 
     Example:
         >>> from meshplan.commands.plan import load_rules
         >>> load_rules(None, "mlp")
         ('guide', (('batch', 'data'), ('hidden', 'model')))
     """
-    from meshplan._errors import RulesError
+    from meshplan.layouts import get_layout
 
     if spec is None:
         spec = "fsdp_tp" if model == "transformer" else "guide"
-    try:
-        import meshplan.layouts as layouts
-    except ImportError:
-        layouts = None
-    if layouts is not None:
-        return spec, layouts.get_layout(spec)
-    if spec == "guide":
-        return spec, GUIDE_RULES
-    if spec.endswith(".json"):
-        try:
-            with open(spec, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise RulesError(f"Cannot read rules from {spec!r}: {e}.\nGive a JSON list of "
-                             f"[name, axes] pairs.") from None  # fmt: skip
-        rules = [(n, tuple(a) if isinstance(a, list) else a) for n, a in data]
-        return spec, tuple(rules)
-    if spec.endswith(".py"):
-        import runpy
-
-        namespace = runpy.run_path(spec)
-        if "RULES" not in namespace:
-            raise RulesError(
-                f"{spec!r} defines no RULES.\nDefine RULES = (('batch', 'data'), ...)."
-            )
-        return spec, namespace["RULES"]
-    raise RulesError(
-        f"Unknown rule set {spec!r}: only 'guide' is built in here.\nGive 'guide', or the "
-        f"path of a .py file defining RULES or of a .json file of [name, axes] pairs."
-    )
+    return spec, get_layout(spec)
 
 
 def abstract_state(args: argparse.Namespace, console: Console) -> tuple[str, Any]:
