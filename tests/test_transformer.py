@@ -215,3 +215,12 @@ def test_sequence_longer_than_max_len_is_an_error():
     model = Transformer(CONFIG)
     with pytest.raises(ValueError, match="exceeds max_len"):
         jax.eval_shape(lambda: model.init(jax.random.key(0), tokens(length=CONFIG.max_len + 1)))
+
+
+def test_bfloat16_activations_still_give_float32_logits_and_params():
+    model = Transformer(dataclasses.replace(CONFIG, dtype="bfloat16"))
+    x = tokens()
+    params = jax.jit(model.init)(jax.random.key(0), x)["params"]
+    assert {a.dtype for a in jax.tree.leaves(meshplan.unbox(params))} == {jnp.dtype("float32")}
+    logits = jax.jit(model.apply)({"params": params}, x)
+    assert logits.dtype == jnp.float32 and np.isfinite(np.asarray(logits)).all()
