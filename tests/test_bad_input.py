@@ -20,22 +20,11 @@ from jax.sharding import PartitionSpec as P
 
 import meshplan
 from meshplan.testing import assert_plan_matches
+from trees import logical, mesh_box
 
 INIT = nn.initializers.lecun_normal()
 MESH = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 MIXED = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Explicit))
-
-
-def sds(*shape: int) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, jnp.float32)
-
-
-def logical(*shape: int, names) -> meshplan.LogicallyPartitioned:
-    return meshplan.LogicallyPartitioned(sds(*shape), names)
-
-
-def mesh_box(*shape: int, names) -> meshplan.Partitioned:
-    return meshplan.Partitioned(sds(*shape), names)
 
 
 def _scan_without_partition_name():

@@ -11,27 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshplan
-
-
-@pytest.fixture(scope="module")
-def auto_mesh():
-    return Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
-
-
-@pytest.fixture(scope="module")
-def explicit_mesh():
-    return jax.make_mesh((2, 4), ("data", "model"))
-
-
-@pytest.fixture(autouse=True)
-def _no_active_rules():
-    meshplan.set_logical_axis_rules(())
-    yield
-    meshplan.set_logical_axis_rules(())
 
 
 def _box(names=(None, "model"), shape=(4, 8), cls=meshplan.Partitioned, **kw):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import optax
 import pytest
 from jax.sharding import AxisType
@@ -13,20 +12,9 @@ from jax.sharding import PartitionSpec as P
 
 import meshplan
 from meshplan.examples.mlp import LOGICAL_RULES, LogicalMLP, init_fn
+from trees import logical, mesh_box, sds
 
 MESH = {"data": 2, "model": 4}
-
-
-def sds(*shape: int) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, jnp.float32)
-
-
-def logical(*shape: int, names) -> meshplan.LogicallyPartitioned:
-    return meshplan.LogicallyPartitioned(sds(*shape), names)
-
-
-def mesh_box(*shape: int, names) -> meshplan.Partitioned:
-    return meshplan.Partitioned(sds(*shape), names)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshplan
@@ -18,26 +18,9 @@ from meshplan import RulesFallback
 RULES = (("batch", "data"), ("embed", "model"))
 
 
-@pytest.fixture(scope="module")
-def auto_mesh():
-    return Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
-
-
-@pytest.fixture(scope="module")
-def explicit_mesh():
-    return jax.make_mesh((2, 4), ("data", "model"))
-
-
 @pytest.fixture(params=["auto", "explicit"])
 def mesh(request, auto_mesh, explicit_mesh):
     return auto_mesh if request.param == "auto" else explicit_mesh
-
-
-@pytest.fixture(autouse=True)
-def _no_active_rules():
-    meshplan.set_logical_axis_rules(())
-    yield
-    meshplan.set_logical_axis_rules(())
 
 
 def _x(shape=(8, 16)):

@@ -25,13 +25,6 @@ def mesh():
     return Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
 
 
-@pytest.fixture(autouse=True)
-def _no_active_rules():
-    meshplan.set_logical_axis_rules(())
-    yield
-    meshplan.set_logical_axis_rules(())
-
-
 class Block(nn.Module):
     """A dense layer annotated with meshplan (or, for the oracle, with Flax)."""
 

@@ -186,13 +186,6 @@ def test_repeated_calls_give_equal_specs_for_equal_inputs():
 # --------------------------------------------------------------------------
 
 
-@pytest.fixture(autouse=True)
-def _no_active_rules():
-    meshplan.set_logical_axis_rules(())
-    yield
-    meshplan.set_logical_axis_rules(())
-
-
 def test_active_rules_default_to_empty_tuple():
     seen = []
     thread = threading.Thread(target=lambda: seen.append(meshplan.get_logical_axis_rules()))

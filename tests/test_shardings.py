@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshplan
@@ -98,21 +98,9 @@ def _flat(tree):
     return [(jax.tree_util.keystr(path), leaf) for path, leaf in leaves]
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
-
-
-@pytest.fixture(scope="module")
-def explicit_mesh():
-    return jax.make_mesh((2, 4), ("data", "model"))
-
-
-@pytest.fixture(autouse=True)
-def _no_active_rules():
-    meshplan.set_logical_axis_rules(())
-    yield
-    meshplan.set_logical_axis_rules(())
+@pytest.fixture
+def mesh(auto_mesh):
+    return auto_mesh
 
 
 SCAN = pytest.mark.parametrize("use_scan", [False, True], ids=["loop", "scan"])
