@@ -116,7 +116,7 @@ def load_rules(spec: str | None, model: str) -> tuple[str, Any]:
     return spec, get_layout(spec)
 
 
-def abstract_state(args: argparse.Namespace, console: Console) -> tuple[str, Any]:
+def abstract_state(args: argparse.Namespace) -> tuple[str, Any]:
     """``(description, abstract TrainState)`` of the chosen model, with Adam."""
     import functools
 
@@ -126,25 +126,19 @@ def abstract_state(args: argparse.Namespace, console: Console) -> tuple[str, Any
     from flax.training import train_state
 
     if args.model == "transformer":
-        try:
-            from meshplan.examples.transformer import Transformer, config_from_name
-        except ImportError:
-            console.print(
-                "[yellow]The Transformer example is not available in this version; "
-                "showing the MLP.[/]"
+        from meshplan.examples.transformer import Transformer, config_from_name
+
+        config = config_from_name(args.size)
+        model = Transformer(config)
+
+        def init(key: jax.Array) -> train_state.TrainState:
+            tokens = jnp.zeros((1, min(config.max_len, 8)), jnp.int32)
+            params = model.init(key, tokens)["params"]
+            return train_state.TrainState.create(
+                apply_fn=model.apply, params=params, tx=optax.adam(1e-3)
             )
-        else:
-            config = config_from_name(args.size)
-            model = Transformer(config)
 
-            def init(key: jax.Array) -> train_state.TrainState:
-                tokens = jnp.zeros((1, min(config.max_len, 8)), jnp.int32)
-                params = model.init(key, tokens)["params"]
-                return train_state.TrainState.create(
-                    apply_fn=model.apply, params=params, tx=optax.adam(1e-3)
-                )
-
-            return f"Transformer ({args.size})", jax.eval_shape(init, jax.random.key(0))
+        return f"Transformer ({args.size})", jax.eval_shape(init, jax.random.key(0))
 
     from meshplan.examples.mlp import LogicalMLP, init_fn
 
@@ -194,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     except (meshplan.MeshplanError, OSError) as e:
         err.print(f"[red]error:[/] {e}", highlight=False)
         return 2
-    what, state = abstract_state(args, err if args.json else out)
+    what, state = abstract_state(args)
     plan = meshplan.explain(state, _mesh_for(shape), rules)
     problems = plan.problems
 
