@@ -11,14 +11,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import meshplan
-from meshplan._checkpoint import flatten_state, latest_step, read_metadata
-from meshplan._train import (
-    TrainSettings,
-    abstract_train_state,
-    make_mesh,
-    make_optimizer,
-    state_shardings,
-)
+from meshplan._checkpoint_folder import latest_step, read_metadata
+from meshplan._checkpoint_tree import flatten_state
+from meshplan._train_mesh import make_mesh
+from meshplan._train_settings import TrainSettings, make_optimizer
+from meshplan._train_state import abstract_train_state, state_shardings
 from meshplan.examples.transformer import Transformer, config_from_name
 from meshplan.layouts import data_parallel, fsdp, fsdp_tp, tensor_parallel
 

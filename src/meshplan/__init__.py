@@ -16,7 +16,9 @@ from meshplan._boxes import (
 )
 from meshplan._check import check
 from meshplan._check_problems import Problem
-from meshplan._checkpoint import Checkpointer, CheckpointMetadata, Restored, restore
+from meshplan._checkpoint import Checkpointer
+from meshplan._checkpoint_metadata import CheckpointMetadata
+from meshplan._checkpoint_restore import Restored, restore
 from meshplan._constraints import RulesFallback, explicit_out_sharding, with_logical_constraint
 from meshplan._errors import (
     ArgumentError,

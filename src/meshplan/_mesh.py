@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from meshplan._errors import LogicalNamesError, MeshError
+from meshplan._rules import mesh_axes_of
 
 __all__ = ["active_mesh", "apply_spec"]
 
@@ -40,6 +43,40 @@ def _axis_types(mesh: Any) -> tuple[Any, ...]:
     return tuple(getattr(mesh, "axis_types", ()) or ())
 
 
+def split_count(entry: Any, sizes: Mapping[str, int]) -> int:
+    """How many parts the mesh axes of one ``PartitionSpec`` entry cut a dimension into.
+
+    Example:
+        >>> from meshplan._mesh import split_count
+        >>> split_count(("data", "model"), {"data": 2, "model": 4}), split_count(None, {})
+        (8, 1)
+    """
+    return math.prod(sizes[a] for a in mesh_axes_of(entry))
+
+
+def uneven_dimensions(
+    shape: tuple[int, ...], spec: Any, sizes: Mapping[str, int]
+) -> list[tuple[int, tuple[str, ...], int]]:
+    """``(dimension, mesh axes, parts)`` of every dimension ``spec`` cannot split evenly.
+
+    Dimensions mapped to an axis that ``sizes`` lacks are left to the caller.
+
+    Example:
+        >>> from meshplan._mesh import uneven_dimensions
+        >>> uneven_dimensions((6, 8), ("model", "data"), {"data": 2, "model": 4})
+        [(0, ('model',), 4)]
+    """
+    out = []
+    for dim, (size, entry) in enumerate(zip(shape, tuple(spec), strict=False)):
+        axes = mesh_axes_of(entry)
+        if any(a not in sizes for a in axes):
+            continue
+        parts = split_count(entry, sizes)
+        if size % parts:
+            out.append((dim, axes, parts))
+    return out
+
+
 def check_rank(spec: PartitionSpec, shape: tuple[int, ...], what: str, *, exact: bool) -> None:
     """Raises when ``spec`` has more entries than ``shape`` has dimensions (or differs, if exact)."""
     n = len(spec)
@@ -48,14 +85,6 @@ def check_rank(spec: PartitionSpec, shape: tuple[int, ...], what: str, *, exact:
             f"{what} gives {n} axis names {tuple(spec)!r} for an array of rank {len(shape)} "
             f"(shape {tuple(shape)}).\nGive exactly one name (or None) per dimension."
         )
-
-
-def _spec_axes(entry: Any) -> tuple[str, ...]:
-    if isinstance(entry, str):
-        return (entry,)
-    if isinstance(entry, tuple):
-        return entry
-    return ()
 
 
 def _fill_unconstrained(value: Any, spec: PartitionSpec) -> PartitionSpec:
@@ -96,7 +125,7 @@ def apply_spec(value: Any, spec: PartitionSpec, mesh: Any = None, *, what: str =
     shape = getattr(value, "shape", None)
     if shape is not None:
         check_rank(spec, tuple(shape), what, exact=False)
-    missing = [a for e in spec for a in _spec_axes(e) if a not in target.axis_names]
+    missing = [a for e in spec for a in mesh_axes_of(e) if a not in target.axis_names]
     if missing:
         raise MeshError(
             f"Cannot constrain {what} to {spec}: the mesh {dict(target.shape)} has no axis "

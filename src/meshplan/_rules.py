@@ -232,12 +232,26 @@ def normalize_names(names: Any, *, what: str = "array_dim_names") -> tuple[Any, 
 # --------------------------------------------------------------------------
 
 
-def _axes_of(entry: Any) -> tuple[str, ...]:
+def mesh_axes_of(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one ``PartitionSpec`` entry, as a tuple (empty when unsharded).
+
+    Example:
+        >>> from jax.sharding import PartitionSpec
+        >>> from meshplan._rules import mesh_axes_of
+        >>> mesh_axes_of("model"), mesh_axes_of(("data", "model")), mesh_axes_of(None)
+        (('model',), ('data', 'model'), ())
+        >>> mesh_axes_of(PartitionSpec.UNCONSTRAINED)
+        ()
+    """
     if isinstance(entry, str):
         return (entry,)
     if isinstance(entry, tuple):
         return entry
     return ()  # None, UNCONSTRAINED, UNASSIGNED
+
+
+# The name _plan_layout.py and _check_problems.py import (they are being refactored apart).
+_axes_of = mesh_axes_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,23 +278,23 @@ def _resolve(
     names: tuple[Any, ...], rules: tuple[tuple[str, MeshAxes], ...], trace: list | None
 ) -> tuple[Any, ...]:
     result: list[Any] = [UNASSIGNED if isinstance(n, str) else n for n in names]
-    used = {a for r in result for a in _axes_of(r)}  # mesh axes held by some dimension
+    used = {a for r in result for a in mesh_axes_of(r)}  # mesh axes held by some dimension
     for rule_index, (rule_name, rule_axes) in enumerate(rules):
         if rule_name not in names:
             continue
         pos = names.index(rule_name)
-        wanted = _axes_of(rule_axes)
+        wanted = mesh_axes_of(rule_axes)
         if result[pos] is UNASSIGNED and used.isdisjoint(wanted):
             result[pos] = rule_axes
             used.update(wanted)
             if trace is not None:
                 trace[pos]["rule_index"] = rule_index
         elif trace is not None:
-            taken_by = tuple(i for i, r in enumerate(result) if set(_axes_of(r)) & set(wanted))
+            taken_by = tuple(i for i, r in enumerate(result) if set(mesh_axes_of(r)) & set(wanted))
             if result[pos] is not UNASSIGNED:
                 reason = "dimension already assigned"
             elif len(wanted) > 1 and not all(
-                any(a in _axes_of(result[i]) for i in taken_by) for a in wanted
+                any(a in mesh_axes_of(result[i]) for i in taken_by) for a in wanted
             ):
                 reason = "tuple partly taken"
             else:

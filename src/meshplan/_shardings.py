@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshplan._boxes import LogicallyPartitioned, Partitioned, is_box
 from meshplan._errors import LogicalNamesError, MeshError, MeshplanError, problem_message
-from meshplan._rules import logical_to_mesh_axes
+from meshplan._rules import logical_to_mesh_axes, mesh_axes_of
 
 __all__ = [
     "get_partition_spec",
@@ -60,14 +60,14 @@ def _map_collecting(fn: Callable[[Any], Any], tree: Any, is_leaf: Callable[[Any]
 def _named(mesh: Any, spec: PartitionSpec, cache: dict[PartitionSpec, NamedSharding]) -> Any:
     sharding = cache.get(spec)
     if sharding is None:
-        missing = [a for e in spec for a in _axes(e) if a not in mesh.axis_names]
+        missing = [a for e in spec for a in mesh_axes_of(e) if a not in mesh.axis_names]
         if missing:
             raise MeshError(
                 f"spec {spec} names mesh axes {tuple(missing)!r} that the mesh "
                 f"{dict(mesh.shape)} does not have.\nUse the mesh's axis names "
                 f"{tuple(mesh.axis_names)!r}, or map logical names with rules."
             )
-        named = [a for e in spec for a in _axes(e)]
+        named = [a for e in spec for a in mesh_axes_of(e)]
         twice = sorted({a for a in named if named.count(a) > 1})
         if twice:
             raise MeshError(
@@ -76,14 +76,6 @@ def _named(mesh: Any, spec: PartitionSpec, cache: dict[PartitionSpec, NamedShard
             )
         sharding = cache[spec] = NamedSharding(mesh, spec)
     return sharding
-
-
-def _axes(entry: Any) -> tuple[str, ...]:
-    if isinstance(entry, str):
-        return (entry,)
-    if isinstance(entry, tuple):
-        return entry
-    return ()
 
 
 def get_partition_spec(tree: Any) -> Any:

@@ -109,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _request(args: argparse.Namespace) -> Any:
-    from meshplan._train import TrainRequest
+    from meshplan._train_request import TrainRequest
 
     overrides = {field: getattr(args, dest) for dest, field in _MODEL.items()}
     overrides["scan_layers"] = args.scan_layers
@@ -134,7 +134,7 @@ def print_error(error: Exception) -> None:
 
 
 def _header(console: Console, trainer: Any) -> None:
-    from meshplan._train import describe_bytes
+    from meshplan._train_state import describe_bytes
 
     config = trainer.model.config
     s = trainer.settings
@@ -191,7 +191,7 @@ def _summary(console: Console, trainer: Any, result: Any) -> None:
         step, loss = result.best_valid
         table.add_row("best valid loss", f"{loss:.3f} nats/byte (step {step})")
     if trainer.ckpt_dir is not None:
-        from meshplan._checkpoint import latest_step
+        from meshplan._checkpoint_folder import latest_step
 
         table.add_row(
             "checkpoint", f"{trainer.ckpt_dir} (latest step {latest_step(trainer.ckpt_dir)})"
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         console = Console(width=max(console.width, 120))
     use_cpu_devices(args.devices)
     from meshplan._errors import MeshplanError
-    from meshplan._train import prepare
+    from meshplan._train_request import prepare
 
     try:
         trainer = prepare(_request(args))
@@ -253,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
             result = trainer.run(on_step=on_step, on_eval=on_eval)
     except KeyboardInterrupt:
         trainer.close()
-        from meshplan._checkpoint import latest_step
+        from meshplan._checkpoint_folder import latest_step
 
         last = latest_step(trainer.ckpt_dir) if trainer.ckpt_dir else None
         console.print(
