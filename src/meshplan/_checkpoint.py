@@ -29,9 +29,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
 from jax.sharding import Mesh
 
-from meshplan._checkpoint_folder import META_ITEM, STATE_ITEM, complete_steps
+from meshplan._checkpoint_folder import (
+    META_ITEM,
+    STATE_ITEM,
+    complete_steps,
+    remove_incomplete_steps,
+)
 from meshplan._checkpoint_metadata import CheckpointMetadata
 from meshplan._checkpoint_tree import flatten_state, nest
 from meshplan._errors import CheckpointError
@@ -79,10 +85,13 @@ class Checkpointer:
                 f"Cannot save checkpoints into {str(self.directory)!r}: it is a file.\n"
                 f"Pass a folder path (it is created if missing)."
             )
+        if jax.process_index() == 0:
+            # Orbax's own clean-up (cleanup_tmp_directories) runs in the background and
+            # may not be done when the manager is closed; this one is done on return.
+            remove_incomplete_steps(self.directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             create=True,
-            cleanup_tmp_directories=True,
             enable_async_checkpointing=async_save,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 from meshplan._checkpoint_metadata import CheckpointMetadata
@@ -23,6 +24,7 @@ __all__ = [
     "complete_steps",
     "latest_step",
     "read_metadata",
+    "remove_incomplete_steps",
 ]
 
 STATE_ITEM = "state"
@@ -46,6 +48,24 @@ def complete_steps(path: Path) -> list[int]:
 
 def _incomplete_steps(path: Path) -> list[str]:
     return sorted(c.name for c in path.iterdir() if TMP_SUFFIX in c.name)
+
+
+def remove_incomplete_steps(path: Path) -> list[str]:
+    """Deletes what saves killed midway left in ``path``; returns the names removed.
+
+    Example:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from meshplan._checkpoint_folder import remove_incomplete_steps
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> (folder / "4.orbax-checkpoint-tmp").mkdir()
+        >>> remove_incomplete_steps(folder), list(folder.iterdir())
+        (['4.orbax-checkpoint-tmp'], [])
+    """
+    names = _incomplete_steps(path) if path.is_dir() else []
+    for name in names:
+        shutil.rmtree(path / name, ignore_errors=True)
+    return names
 
 
 def _check_folder(path: Path) -> list[int]:
