@@ -51,8 +51,13 @@ def make_mesh(shape: tuple[int, int], devices: Any = None) -> Mesh:
         >>> dict(make_mesh((4, 2)).shape)
         {'data': 4, 'model': 2}
 
+    With several processes (``jax.distributed``) the mesh must use every
+    device of every process; ``jax.devices()`` lists them by process, so the
+    first mesh axis splits over processes first.
+
     Raises:
-        MeshError: there are fewer devices than the mesh needs.
+        MeshError: there are fewer devices than the mesh needs, or, with
+            several processes, the mesh leaves some devices out.
     """
     devices = list(jax.devices() if devices is None else devices)
     size = math.prod(shape)
@@ -61,5 +66,13 @@ def make_mesh(shape: tuple[int, int], devices: Any = None) -> Mesh:
             f"The mesh {shape[0]}x{shape[1]} needs {size} devices, but there are only "
             f"{len(devices)} ({devices[0].platform}).\nUse a smaller mesh, or more devices "
             f"(meshplan train --devices {size} emulates them on the CPU)."
+        )
+    if jax.process_count() > 1 and size < len(devices):
+        processes, local = jax.process_count(), jax.local_device_count()
+        raise MeshError(
+            f"The mesh {shape[0]}x{shape[1]} uses {size} of the {len(devices)} devices, but "
+            f"with {processes} processes it must use all of them ({local} per process), so "
+            f"that every process holds part of it.\nUse a mesh of {len(devices)} devices "
+            f"(e.g. --mesh {processes}x{local}), or fewer processes."
         )
     return Mesh(np.array(devices[:size]).reshape(shape), MESH_AXES)

@@ -8,6 +8,8 @@ tokens per second, validation losses as they come, and a final summary.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 from typing import Any
 
 from rich.console import Console
@@ -57,7 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default fsdp_tp)",
     )
     run.add_argument(
-        "--devices", type=int, default=8, metavar="N", help="emulated CPU devices (default 8)"
+        "--devices",
+        type=int,
+        default=8,
+        metavar="N",
+        help="emulated CPU devices: of this process, or with --processes of all (default 8)",
     )
     run.add_argument("--data", metavar="PATH", help="text folder or file (default: the stdlib)")
     run.add_argument("--ckpt-dir", metavar="DIR", help="checkpoint folder (default: none)")
@@ -66,6 +72,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="continue from the latest complete checkpoint in --ckpt-dir, on this mesh and layout",
     )
+    run.add_argument(
+        "--metrics", metavar="FILE", help="append each loss to FILE as JSON lines (process 0)"
+    )
+    procs = parser.add_argument_group(
+        "several processes (a mesh over every device of every process)"
+    )
+    procs.add_argument(
+        "--processes",
+        type=int,
+        metavar="N",
+        help="run N worker processes on this machine, over loopback, sharing --devices",
+    )
+    procs.add_argument(
+        "--coordinator", metavar="HOST:PORT", help="process 0's address (on each host)"
+    )
+    procs.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
+    procs.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1")
     train = parser.add_argument_group(
         "training (when resuming, omitted values come from the checkpoint)"
     )
@@ -199,19 +222,58 @@ def _summary(console: Console, trainer: Any, result: Any) -> None:
     console.print(table)
 
 
-def run(args: argparse.Namespace) -> int:
+class _MetricsLog(contextlib.AbstractContextManager):
+    """Appends each record to ``path`` as one JSON line; does nothing without a path."""
+
+    def __init__(self, path: str | None) -> None:
+        self._file = None if path is None else open(path, "a", buffering=1)  # noqa: SIM115
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def _console(main: bool) -> Console:
+    if not main:
+        return Console(quiet=True)  # process 0 speaks for a multi-process run
     console = Console()
-    if not console.is_terminal:
-        console = Console(width=max(console.width, 120))
-    use_cpu_devices(args.devices)
+    return console if console.is_terminal else Console(width=max(console.width, 120))
+
+
+def run(args: argparse.Namespace) -> int:
     from meshplan._errors import MeshplanError
+
+    if args.processes is not None:
+        from meshplan.commands.train_processes import launch_workers
+
+        return launch_workers(args)
+    use_cpu_devices(args.devices)
+    try:
+        from meshplan.commands.train_processes import join_if_asked
+
+        group = join_if_asked(args)
+    except MeshplanError as e:
+        print_error(e)
+        return 2
+    import jax
+
     from meshplan._train_request import prepare
 
+    console = _console(jax.process_index() == 0)
     try:
         trainer = prepare(_request(args))
     except MeshplanError as e:
         print_error(e)
         return 2
+    if group is not None:
+        console.print(
+            f"processes: {group.num_processes} (coordinator {group.coordinator}), "
+            f"{jax.local_device_count()} devices each; this is process 0's output"
+        )
     _header(console, trainer)
 
     from rich.progress import (
@@ -235,14 +297,18 @@ def run(args: argparse.Namespace) -> int:
     )
     task = None
 
+    log = _MetricsLog(args.metrics if jax.process_index() == 0 else None)
+
     def on_step(step: int, loss: float, tps: float) -> None:
         progress.update(task, completed=step, loss=f"{loss:.3f}", tps=f"{tps:,.0f}" if tps else "-")
+        log({"step": step, "loss": loss})
 
     def on_eval(step: int, loss: float) -> None:
         progress.console.print(f"step {step:>5}  valid loss {loss:.3f} nats/byte")
+        log({"step": step, "valid_loss": loss})
 
     try:
-        with progress:
+        with progress, log:
             task = progress.add_task(
                 "train",
                 total=trainer.settings.steps,
