@@ -73,7 +73,7 @@ def _assert_close(got: dict[int, float], want: dict[int, float], steps) -> None:
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_and_their_checkpoint_resumes_in_one(one_process, tmp_path):
+def test_two_processes_match_one_and_their_checkpoint_resumes_in_one(one_process, tmp_path, capsys):
     folder, reference = one_process
     run, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
     proc = _train(
@@ -101,12 +101,15 @@ def test_two_processes_match_one_and_their_checkpoint_resumes_in_one(one_process
     for key, value in one.arrays().items():
         np.testing.assert_allclose(np.asarray(two.arrays()[key]), np.asarray(value), atol=1e-5)
 
-    # ... and one process resumes it, with the losses of the uninterrupted run.
-    trainer = prepare(TrainRequest(ckpt_dir=str(run), resume=True, settings={"steps": 6}))
-    resumed = trainer.run()
-    trainer.close()
-    assert resumed.start_step == 4
-    _assert_close(resumed.losses, reference.losses, (5, 6))
+    # ... and one process (this one) resumes it, with the losses of the uninterrupted run.
+    resumed = tmp_path / "resumed.jsonl"
+    args = ["--resume", "--ckpt-dir", str(run), "--steps", "6", "--metrics", str(resumed)]
+    assert main(["train", *args]) == 0
+    out = capsys.readouterr().out
+    assert f"resuming from step 4 of {run} (saved on 2x4 with fsdp_tp by 2 processes)" in out
+    losses, _ = _metrics(resumed)
+    assert sorted(losses) == [5, 6]
+    _assert_close(losses, reference.losses, (5, 6))
 
 
 @pytest.mark.slow

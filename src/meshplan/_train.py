@@ -231,6 +231,7 @@ class Trainer:
         extra = {
             "train": {**self.settings.to_dict(), "data": self.data},
             "layout": self.layout_name,
+            "processes": jax.process_count(),
             "best_valid": list(self.best_valid) if self.best_valid else None,
         }
         return self._checkpointer.save(

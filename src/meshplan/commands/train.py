@@ -176,9 +176,11 @@ def _header(console: Console, trainer: Any) -> None:
     if trainer.resume_from is not None:
         meta = trainer.resume_from
         saved_mesh = "x".join(str(v) for v in meta.mesh_shape.values()) or "?"
+        saved_by = int(meta.extra.get("processes") or 1)
         lines.append(
             f"resuming from step {meta.step} of {escape(str(trainer.ckpt_dir))} (saved on {saved_mesh} "
-            f"with {meta.extra.get('layout') or 'its rules'}) onto {mesh} with "
+            f"with {meta.extra.get('layout') or 'its rules'}"
+            f"{f' by {saved_by} processes' if saved_by > 1 else ''}) onto {mesh} with "
             f"{summary['layout']}"
         )
     for line in lines:
@@ -274,6 +276,11 @@ def run(args: argparse.Namespace) -> int:
             f"processes: {group.num_processes} (coordinator {group.coordinator}), "
             f"{jax.local_device_count()} devices each; this is process 0's output"
         )
+    if jax.process_index() != 0:
+        Console(stderr=True).print(
+            f"process {jax.process_index()} of {jax.process_count()}: training; process 0 "
+            f"prints the progress and the summary"
+        )
     _header(console, trainer)
 
     from rich.progress import (
@@ -329,4 +336,8 @@ def run(args: argparse.Namespace) -> int:
         return 130
     trainer.close()
     _summary(console, trainer, result)
+    if jax.process_index() != 0:
+        Console(stderr=True).print(
+            f"process {jax.process_index()} of {jax.process_count()}: done at step {trainer.step}"
+        )
     return 0
