@@ -38,8 +38,8 @@ def _map_collecting(fn: Callable[[Any], Any], tree: Any, is_leaf: Callable[[Any]
     """``tree_map`` that, when a leaf fails, walks again by path and raises once for all."""
     try:
         return jax.tree_util.tree_map(fn, tree, is_leaf=is_leaf)
-    except (ValueError, TypeError, KeyError):
-        pass
+    except (ValueError, TypeError, KeyError) as e:
+        original = e
     problems: list[str] = []
     first: BaseException | None = None
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
@@ -48,6 +48,8 @@ def _map_collecting(fn: Callable[[Any], Any], tree: Any, is_leaf: Callable[[Any]
         except (ValueError, TypeError, KeyError) as e:
             first = first or e
             problems.append(f"{jax.tree_util.keystr(path)}: {str(e).splitlines()[0]}")
+    if not problems:  # no single leaf fails: the error is not about a leaf, so keep it as it is
+        raise original
     error = MeshError if isinstance(first, MeshError) else LogicalNamesError
     if isinstance(first, MeshplanError) and not isinstance(first, LogicalNamesError | MeshError):
         error = type(first)
@@ -55,6 +57,17 @@ def _map_collecting(fn: Callable[[Any], Any], tree: Any, is_leaf: Callable[[Any]
     n = len(problems)
     header = f"{n} lea{'f' if n == 1 else 'ves'} cannot be partitioned:"
     raise error(problem_message(header, problems, fix))
+
+
+def _logical_spec(x: Any) -> PartitionSpec:
+    """``x`` if it is a ``PartitionSpec``; otherwise an error saying what to pass instead."""
+    if isinstance(x, PartitionSpec):
+        return x
+    raise LogicalNamesError(
+        f"expected a logical PartitionSpec (or None) at each leaf, got "
+        f"{type(x).__name__}: {x!r}.\nPass meshplan.get_partition_spec(tree) for a tree of "
+        f"boxes or arrays, or write each leaf as PartitionSpec('embed', ...), not a tuple."
+    )
 
 
 def _named(mesh: Any, spec: PartitionSpec, cache: dict[PartitionSpec, NamedSharding]) -> Any:
@@ -157,7 +170,7 @@ def logical_to_mesh(tree: Any, rules: Any = None) -> Any:
         {'step': P(), 'w': P(None, 'model')}
     """
     return _map_collecting(
-        lambda x: logical_to_mesh_axes(x, rules),
+        lambda x: logical_to_mesh_axes(_logical_spec(x), rules),
         tree,
         lambda x: isinstance(x, PartitionSpec),
     )
@@ -189,9 +202,7 @@ def logical_to_mesh_sharding(
         check_specs(tree, mesh, rules, strict=True)
     cache: dict[PartitionSpec, NamedSharding] = {}
 
-    def leaf(x: Any) -> Any:
-        if not isinstance(x, PartitionSpec):
-            return x  # None stays None
-        return _named(mesh, logical_to_mesh_axes(x, rules), cache)
+    def leaf(x: Any) -> Any:  # None is an empty subtree: it stays None
+        return _named(mesh, logical_to_mesh_axes(_logical_spec(x), rules), cache)
 
     return _map_collecting(leaf, tree, lambda x: isinstance(x, PartitionSpec))
