@@ -191,7 +191,14 @@ class Partitioned(AxisMetadata[A], Generic[A]):
             if f.name != "value"
         ) and _values_equal(self.value, other.value)
 
-    __hash__ = None  # type: ignore[assignment]  # holds arrays
+    def __hash__(self) -> int:
+        # Consistent with __eq__, and with Flax's boxes: abstract values hash by shape and
+        # dtype; concrete arrays are unhashable (TypeError), as jax.Array itself is.
+        value = self.value
+        if isinstance(value, jax.ShapeDtypeStruct):
+            value = (value.shape, value.dtype)
+        meta = tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "value")
+        return hash((type(self), meta, value))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
