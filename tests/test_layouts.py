@@ -149,6 +149,13 @@ def test_each_layout_docstring_says_when_to_pick_it(name):
     assert "Pick it" in layouts.describe_layout(name)
 
 
+def test_describe_layout_of_an_unknown_name_lists_the_built_in_ones():
+    # It used to return "" for any name it did not know.
+    with pytest.raises(meshplan.RulesError, match="Unknown layout 'zero3'") as info:
+        layouts.describe_layout("zero3")
+    assert all(name in str(info.value) for name in layouts.LAYOUTS)
+
+
 def test_guide_layout_is_the_guides_rules():
     assert layouts.get_layout("guide") == (("batch", "data"), ("hidden", "model"))
 

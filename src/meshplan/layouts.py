@@ -181,7 +181,22 @@ def list_layouts() -> list[tuple[str, str]]:
 
 
 def describe_layout(name: str) -> str:
-    """The full description of a built-in layout (its docstring)."""
+    """The full description of a built-in layout (its docstring).
+
+    Example:
+        >>> import meshplan.layouts
+        >>> "Pick it" in meshplan.layouts.describe_layout("fsdp")
+        True
+        >>> meshplan.layouts.describe_layout("zero3")
+        Traceback (most recent call last):
+        ...
+        meshplan._errors.RulesError: Unknown layout 'zero3'. Built-in layouts: ...
+    """
+    if name not in LAYOUTS:
+        raise RulesError(
+            f"Unknown layout {name!r}. Built-in layouts: {', '.join(LAYOUTS)}.\n"
+            f"Pick one of those (meshplan.layouts.list_layouts() describes each)."
+        )
     return _attribute_docs().get(name, "")
 
 
