@@ -213,7 +213,10 @@ def test_bad_configs_say_what_is_wrong(make, message):
 
 def test_sequence_longer_than_max_len_is_an_error():
     model = Transformer(CONFIG)
-    with pytest.raises(ValueError, match="exceeds max_len"):
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)Sequence length 17 .*exceeds max_len=16.*Feed at most 16 tokens.*max_len >= 17",
+    ):
         jax.eval_shape(lambda: model.init(jax.random.key(0), tokens(length=CONFIG.max_len + 1)))
 
 

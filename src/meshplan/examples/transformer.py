@@ -402,7 +402,11 @@ class Transformer(nn.Module):
         dtype = cfg.compute_dtype
         length = tokens.shape[1]
         if length > cfg.max_len:
-            raise ValueError(f"Sequence length {length} exceeds max_len={cfg.max_len}.")
+            raise ValueError(
+                f"Sequence length {length} (tokens of shape {tuple(tokens.shape)}) exceeds "
+                f"max_len={cfg.max_len}.\nFeed at most {cfg.max_len} tokens per row, or use a "
+                f"TransformerConfig with max_len >= {length}."
+            )
         tokens = _constrain(tokens, ("batch", "length"))
         embed_names = ("batch", "length", "embed")
 
