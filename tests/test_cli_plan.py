@@ -115,11 +115,13 @@ def test_three_axis_mesh(capsys):
 
 
 def test_transformer_plan(capsys):
-    pytest.importorskip("meshplan.examples.transformer")
+    # The Transformer example always exists: a failing import must fail here, not skip.
     assert cli.main(["plan", "--model", "transformer", "--rules", "fsdp_tp", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["model"].startswith("Transformer")
     assert data["plan"]["totals"]["params"]["leaves"] > 0
+    specs = {leaf["path"]: leaf["spec"] for leaf in data["plan"]["leaves"]}
+    assert specs["params/layers/mlp/wi"] == [None, "data", "model"]  # fsdp_tp's promise
     assert not [p for p in data["problems"] if p["severity"] == "error"]
 
 
