@@ -60,8 +60,13 @@ def _values_equal(a: Any, b: Any) -> bool:
     if hasattr(a, "shape") and hasattr(b, "shape"):
         try:
             return bool(np.array_equal(np.asarray(a), np.asarray(b)))
-        except Exception:  # tracers and other values that cannot be read
-            return False
+        except (TypeError, RuntimeError, jax.errors.ConcretizationTypeError) as e:
+            raise TypeError(
+                f"Cannot compare boxes whose values cannot be read here (shape "
+                f"{getattr(a, 'shape', None)}): {type(e).__name__}. Inside jax.jit, or for "
+                f"arrays spread over several processes, compare .names and the values "
+                f"with jnp.array_equal instead of ==."
+            ) from e
     return bool(a == b)
 
 

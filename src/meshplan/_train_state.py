@@ -27,7 +27,6 @@ __all__ = [
     "BATCH_NAMES",
     "abstract_train_state",
     "batch_sharding",
-    "describe_bytes",
     "init_fn",
     "per_device_bytes",
     "plan_summary",
@@ -118,21 +117,6 @@ def plan_summary(
         summary["params_per_device"] = int(totals["params"].max_device_bytes)
         summary["state_per_device"] = int(totals["all"].max_device_bytes)
         summary["source"] = "meshplan.explain"
-    except Exception:  # the summary is informative only: never stop a run for it
-        pass
+    except Exception as e:  # the summary is informative only: never stop a run for it
+        summary["source"] = f"shard sizes (meshplan.explain failed: {type(e).__name__}: {e})"
     return summary
-
-
-def describe_bytes(n: float) -> str:
-    """``1536`` -> ``'1.5 KiB'``.
-
-    Example:
-        >>> from meshplan._train_state import describe_bytes
-        >>> describe_bytes(1536), describe_bytes(3 * 2**20)
-        ('1.5 KiB', '3.0 MiB')
-    """
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover

@@ -157,7 +157,7 @@ def print_error(error: Exception) -> None:
 
 
 def _header(console: Console, trainer: Any) -> None:
-    from meshplan._train_state import describe_bytes
+    from meshplan._plan_text import human_bytes
 
     config = trainer.model.config
     s = trainer.settings
@@ -191,13 +191,13 @@ def _header(console: Console, trainer: Any) -> None:
     table.add_column("all devices, one copy", justify="right")
     table.add_row(
         "parameters",
-        describe_bytes(summary["params_per_device"]),
-        describe_bytes(summary["params_total"]),
+        human_bytes(summary["params_per_device"]),
+        human_bytes(summary["params_total"]),
     )
     table.add_row(
         "parameters + AdamW state",
-        describe_bytes(summary["state_per_device"]),
-        describe_bytes(summary["state_total"]),
+        human_bytes(summary["state_per_device"]),
+        human_bytes(summary["state_total"]),
     )
     console.print(table)
 
@@ -331,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
         last = latest_step(trainer.ckpt_dir) if trainer.ckpt_dir else None
         console.print(
             f"interrupted at step {trainer.step}; latest complete checkpoint: {last}"
-            + (f" (resume with --resume --ckpt-dir {trainer.ckpt_dir})" if last else "")
+            + (f" (resume with --resume --ckpt-dir {trainer.ckpt_dir})" if last is not None else "")
         )
         return 130
     trainer.close()
