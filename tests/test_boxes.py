@@ -466,3 +466,13 @@ def test_replace_boxed_structure_mismatch_raises():
     # JAX's structure error, which names the keys that differ (not a meshplan error).
     with pytest.raises(ValueError, match=r"(?s)key path.*Dense_0.*bias.*logical"):
         meshplan.replace_boxed(_params(), {"W2": jnp.zeros((8, 4))})
+
+
+def test_comparing_boxes_of_traced_values_raises_a_clear_error():
+    box = meshplan.Partitioned(jnp.ones((2, 2)), (None, None))
+
+    def compare(value):
+        return box == box.replace_boxed(value)
+
+    with pytest.raises(TypeError, match=r"jnp\.array_equal"):
+        jax.jit(compare)(jnp.ones((2, 2)))
