@@ -103,7 +103,17 @@ class Partitioned(AxisMetadata[A], Generic[A]):
     # -- the AxisMetadata protocol ------------------------------------------
 
     def unbox(self, apply_constraint: bool = True) -> A:
-        """Returns the value, constrained to its partitioning when a mesh is active."""
+        """Returns the value, constrained to its partitioning when a mesh is active.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> box = meshplan.Partitioned(jnp.ones((8, 4)), ("data", None))
+            >>> box.unbox().shape  # no mesh active: the value as it is
+            (8, 4)
+            >>> with jax.set_mesh(jax.make_mesh((2, 4), ("data", "model"))):
+            ...     print(box.unbox().sharding.spec)
+            P('data', None)
+        """
         if apply_constraint and (self.mesh is not None or active_mesh() is not None):
             return apply_spec(self.value, self._checked_spec(), self.mesh, what=self._what())
         return self.value
@@ -123,7 +133,14 @@ class Partitioned(AxisMetadata[A], Generic[A]):
         return params[PARTITION_NAME]
 
     def add_axis(self, index: int, params: dict[Any, Any]) -> Partitioned[A]:
-        """Inserts the transform's partition name at ``index`` (``nn.scan``/``nn.vmap``)."""
+        """Inserts the transform's partition name at ``index`` (``nn.scan``/``nn.vmap``).
+
+        Example:
+            >>> import jax.numpy as jnp, meshplan
+            >>> box = meshplan.Partitioned(jnp.ones((4, 8)), (None, "model"))
+            >>> box.add_axis(0, {meshplan.PARTITION_NAME: "layer"}).names
+            ('layer', None, 'model')
+        """
         name = self._partition_name(params)
         names = list(self.names)
         while len(names) < index:
@@ -132,7 +149,14 @@ class Partitioned(AxisMetadata[A], Generic[A]):
         return dataclasses.replace(self, names=tuple(names))
 
     def remove_axis(self, index: int, params: dict[Any, Any]) -> Partitioned[A]:
-        """Removes the axis :meth:`add_axis` inserted; its exact inverse."""
+        """Removes the axis :meth:`add_axis` inserted; its exact inverse.
+
+        Example:
+            >>> import jax.numpy as jnp, meshplan
+            >>> box = meshplan.Partitioned(jnp.ones((2, 4, 8)), ("layer", None, "model"))
+            >>> box.remove_axis(0, {meshplan.PARTITION_NAME: "layer"}).names
+            (None, 'model')
+        """
         name = self._partition_name(params)
         names = list(self.names)
         if index >= len(names) or names[index] != name:
