@@ -144,7 +144,18 @@ class LogicalMLP(nn.Module):
 def init_fn(
     key: jax.Array, x: jax.Array, model: nn.Module, optimizer: optax.GradientTransformation
 ) -> train_state.TrainState:
-    """The guide's ``init_fn``: a ``TrainState`` whose params are boxed."""
+    """The guide's ``init_fn``: a ``TrainState`` whose params are boxed.
+
+    Example:
+        >>> import functools, jax, jax.numpy as jnp, optax
+        >>> from meshplan.examples.mlp import MLP, init_fn
+        >>> model = MLP(num_layers=1, depth=16, use_scan=False)
+        >>> x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+        >>> state = jax.eval_shape(functools.partial(init_fn, model=model,
+        ...                        optimizer=optax.adam(1e-3)), jax.random.key(0), x)
+        >>> state.params["DotReluDot_0"]["W2"].names
+        ('model', None)
+    """
     variables = model.init(key, x)
     return train_state.TrainState.create(
         apply_fn=model.apply, params=variables["params"], tx=optimizer

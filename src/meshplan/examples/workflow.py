@@ -103,6 +103,15 @@ def run_variant(variant: Variant, mesh: Mesh, *, steps: int = 3) -> VariantResul
     The state sharding comes from ``jax.eval_shape`` of ``init_fn``: with
     :func:`meshplan.get_sharding` for mesh-axis names, with
     :func:`meshplan.logical_to_mesh_sharding` for logical ones.
+
+    Example:
+        >>> from meshplan.examples.workflow import Variant, make_mesh, run_variant
+        >>> result = run_variant(Variant(use_scan=True, logical=True, num_layers=2, depth=64),
+        ...                      make_mesh((2, 4)), steps=1)
+        >>> result.layer["W2"].names, result.layer["W2"].value.sharding.spec
+        (('layer', 'hidden', 'embed'), P(None, 'model', None))
+        >>> result.output.shape, result.output.sharding.spec
+        ((8, 64), P('data', None))
     """
     model = variant.model()
     optimizer = optax.adam(learning_rate=1e-3)
@@ -138,12 +147,23 @@ def run_variant(variant: Variant, mesh: Mesh, *, steps: int = 3) -> VariantResul
 
 
 def median_ms(result: VariantResult) -> float:
-    """Median step time of a variant, in milliseconds."""
+    """Median step time of a variant, in milliseconds (see :func:`run_variant`)."""
     return statistics.median(result.step_ms)
 
 
 def state_arrays(state: Any) -> dict[str, Any]:
-    """The raw arrays of a ``TrainState``: what a checkpoint stores."""
+    """The raw arrays of a ``TrainState``: what a checkpoint stores.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, meshplan
+        >>> from flax.training import train_state
+        >>> from meshplan.examples.workflow import state_arrays
+        >>> params = {"w": meshplan.Partitioned(jnp.ones((2, 2)), (None, "model"))}
+        >>> state = train_state.TrainState.create(apply_fn=None, params=params,
+        ...                                       tx=optax.sgd(0.1))
+        >>> type(state_arrays(state)["params"]["w"]).__name__
+        'ArrayImpl'
+    """
     return {
         "params": meshplan.unbox(state.params),
         "opt_state": meshplan.unbox(state.opt_state),
@@ -185,7 +205,14 @@ def restore_on_mesh(path: Path, abstract_state: Any, target_sharding: Any) -> An
 
 
 def trees_equal(a: Any, b: Any) -> bool:
-    """Whether two trees of arrays hold bit-identical values."""
+    """Whether two trees of arrays hold bit-identical values.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from meshplan.examples.workflow import trees_equal
+        >>> trees_equal({"a": jnp.ones(3)}, {"a": jnp.ones(3)}), trees_equal([1.0], [2.0])
+        (True, False)
+    """
     leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
     return len(leaves_a) == len(leaves_b) and all(
         np.array_equal(np.asarray(x), np.asarray(y))
