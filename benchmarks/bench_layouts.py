@@ -38,12 +38,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
 import json
-import re
 import statistics
 import subprocess
 import sys
 import time
-from collections import Counter
 from typing import Any
 
 import jax
@@ -53,90 +51,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import meshplan
 import meshplan.layouts
+from meshplan._hlo import collective_bytes
 from meshplan.examples.data import ByteCorpus, shard_batch
 from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
 
 LAYOUT_NAMES = ("data_parallel", "fsdp", "tensor_parallel", "fsdp_tp")
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-}  # fmt: skip
 MiB = 2**20
-
-
-# ---------------------------------------------------------------------------
-# Collectives in compiled HLO
-# ---------------------------------------------------------------------------
-
-_HEADER = re.compile(r"^(ENTRY\s+)?%([^\s(]+)\s*\(.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([^\s=]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\(([^)]*)\)(.*)$")
-_ARRAY = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
-
-
-def _type_bytes(type_text: str) -> int:
-    total = 0
-    for dtype, dims in _ARRAY.findall(type_text):
-        if dtype not in DTYPE_BYTES:
-            continue
-        total += DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-    return total
-
-
-def collective_bytes(hlo: str) -> tuple[int, Counter[str]]:
-    """Per-device operand bytes of the collectives one run of ``hlo`` executes.
-
-    Collectives in a ``while`` body count once per trip (``known_trip_count``),
-    in computations reached through ``calls=``/``to_apply=`` as often as their caller.
-    """
-    computations: dict[str, list[tuple[str, str, str, list[str], str]]] = {}
-    types: dict[str, str] = {}
-    entry, current = None, None
-    for line in hlo.splitlines():
-        header = _HEADER.match(line)
-        if header:
-            current = header.group(2)
-            computations[current] = []
-            if header.group(1):
-                entry = current
-            continue
-        if current is None:
-            continue
-        instr = _INSTR.match(line)
-        if instr:
-            name, type_text, op, args, rest = instr.groups()
-            types[name] = type_text
-            operands = re.findall(r"%([^\s,)]+)", args)
-            computations[current].append((name, type_text, op, operands, rest))
-    multiplier: Counter[str] = Counter()
-
-    def visit(comp: str, times: int) -> None:
-        multiplier[comp] += times
-        for _, _, op, _, rest in computations.get(comp, ()):
-            trips = 1
-            if op == "while":
-                found = re.search(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', rest)
-                trips = int(found.group(1)) if found else 1
-                body = re.search(r"body=%([^\s,]+)", rest)
-                if body:
-                    visit(body.group(1), times * trips)
-                continue
-            for callee in re.findall(r"(?:calls|to_apply)=%([^\s,]+)", rest):
-                if callee in computations:
-                    visit(callee, times)
-
-    if entry is not None:
-        visit(entry, 1)
-    total, by_kind = 0, Counter()
-    for comp, instrs in computations.items():
-        for _, _, op, operands, _ in instrs:
-            kind = op.removesuffix("-start")
-            if kind not in COLLECTIVES or op.endswith("-done"):
-                continue
-            nbytes = sum(_type_bytes(types.get(o, "")) for o in operands) * multiplier[comp]
-            total += nbytes
-            by_kind[kind] += nbytes
-    return total, by_kind
 
 
 # ---------------------------------------------------------------------------
@@ -183,7 +103,8 @@ def prepare_layout(name: str, model: Transformer, mesh: Mesh, args: argparse.Nam
         compiled = jitted.lower(abstract, tokens_abstract).compile()
         compile_s = time.perf_counter() - t0
         memory = compiled.memory_analysis()
-        comm, by_kind = collective_bytes(compiled.as_text())
+        by_kind = collective_bytes(compiled.as_text())
+        comm = sum(by_kind.values())
         state = jax.jit(init, out_shardings=shardings)()
         device0 = mesh.devices.flat[0]
         state_bytes = sum(

@@ -1,0 +1,108 @@
+"""Collectives in compiled HLO: the bytes each device sends into them per run.
+
+Used by :func:`meshplan.search_layouts` (``measure=True``) and by
+``benchmarks/bench_layouts.py``. The parser reads the text of
+``jax.jit(f).lower(...).compile().as_text()``: it is a best-effort reading of
+XLA's HLO text format, not an XLA API.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+__all__ = ["COLLECTIVES", "DTYPE_BYTES", "collective_bytes"]
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+"""The collective kinds counted, in the order :func:`collective_bytes` returns them."""
+
+DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+"""Bytes per element of HLO element types."""
+
+_HEADER = re.compile(r"^(ENTRY\s+)?%([^\s(]+)\s*\(.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([^\s=]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\(([^)]*)\)(.*)$")
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
+
+
+def _type_bytes(type_text: str) -> int:
+    total = 0
+    for dtype, dims in _ARRAY.findall(type_text):
+        if dtype in DTYPE_BYTES:
+            total += DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+    """Per-device operand bytes of the collectives one run of ``hlo_text`` executes, by kind.
+
+    Collectives in a ``while`` body count once per trip (``known_trip_count``,
+    e.g. ``nn.scan``'s layers), in computations reached through
+    ``calls=``/``to_apply=`` as often as their caller. Async pairs
+    (``all-gather-start``/``-done``) count once.
+
+    Example:
+        >>> from meshplan._hlo import collective_bytes
+        >>> hlo = '''
+        ... ENTRY %main (p: f32[4,8]) -> f32[4,8] {
+        ...   %p = f32[4,8]{1,0} parameter(0)
+        ...   ROOT %ar = f32[4,8]{1,0} all-reduce(%p), replica_groups={{0,1}}, to_apply=%add
+        ... }
+        ... '''
+        >>> collective_bytes(hlo)["all-reduce"]
+        128
+
+    Args:
+        hlo_text: The text of a compiled (or lowered) HLO module.
+
+    Returns:
+        ``{kind: bytes}`` for every kind of :data:`COLLECTIVES` (0 when absent).
+    """
+    computations: dict[str, list[tuple[str, list[str], str]]] = {}
+    types: dict[str, str] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            current = header.group(2)
+            computations[current] = []
+            if header.group(1):
+                entry = current
+            continue
+        if current is None:
+            continue
+        instr = _INSTR.match(line)
+        if instr:
+            name, type_text, op, args, rest = instr.groups()
+            types[name] = type_text
+            operands = re.findall(r"%([^\s,)]+)", args)
+            computations[current].append((op, operands, rest))
+    multiplier: dict[str, int] = {}
+
+    def visit(comp: str, times: int) -> None:
+        multiplier[comp] = multiplier.get(comp, 0) + times
+        for op, _, rest in computations.get(comp, ()):
+            if op == "while":
+                found = re.search(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', rest)
+                trips = int(found.group(1)) if found else 1
+                body = re.search(r"body=%([^\s,]+)", rest)
+                if body:
+                    visit(body.group(1), times * trips)
+                continue
+            for callee in re.findall(r"(?:calls|to_apply)=%([^\s,]+)", rest):
+                if callee in computations:
+                    visit(callee, times)
+
+    if entry is not None:
+        visit(entry, 1)
+    by_kind = dict.fromkeys(COLLECTIVES, 0)
+    for comp, instrs in computations.items():
+        for op, operands, _ in instrs:
+            kind = op.removesuffix("-start")
+            if kind not in by_kind or op.endswith("-done"):
+                continue
+            nbytes = sum(_type_bytes(types.get(o, "")) for o in operands)
+            by_kind[kind] += nbytes * multiplier.get(comp, 0)
+    return by_kind
