@@ -119,7 +119,15 @@ class Partitioned(AxisMetadata[A], Generic[A]):
         return self.value
 
     def replace_boxed(self, val: Any) -> Partitioned[Any]:
-        """The same box around a new value."""
+        """The same box around a new value.
+
+        Example:
+            >>> import jax.numpy as jnp, meshplan
+            >>> box = meshplan.Partitioned(jnp.ones((4, 8)), (None, "model"))
+            >>> new = box.replace_boxed(jnp.zeros((4, 8)))
+            >>> new.names, float(new.value.sum())
+            ((None, 'model'), 0.0)
+        """
         return dataclasses.replace(self, value=val)
 
     def _partition_name(self, params: dict[Any, Any]) -> Any:
@@ -171,19 +179,52 @@ class Partitioned(AxisMetadata[A], Generic[A]):
     # -- partitioning -------------------------------------------------------
 
     def get_partition_spec(self) -> PartitionSpec:
-        """``PartitionSpec(*names)``."""
+        """``PartitionSpec(*names)``.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> box = meshplan.Partitioned(
+            ...     jax.ShapeDtypeStruct((8, 4, 2), jnp.float32), ("data", None, ("data", "model")))
+            >>> box.get_partition_spec()
+            P('data', None, ('data', 'model'))
+        """
         return PartitionSpec(*self.names)
 
     def get_sharding(self, mesh: jax.sharding.Mesh) -> NamedSharding:
-        """``NamedSharding(mesh, spec)``."""
+        """``NamedSharding(mesh, spec)``.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> box = meshplan.Partitioned(
+            ...     jax.ShapeDtypeStruct((8, 4), jnp.float32), ("data", None))
+            >>> box.get_sharding(jax.make_mesh((2, 4), ("data", "model"))).spec
+            P('data', None)
+        """
         return NamedSharding(mesh, self._checked_spec())
 
     def replace(self, **updates: Any) -> Partitioned[A]:
-        """A copy with some fields replaced, as Flax's ``struct`` dataclasses offer."""
+        """A copy with some fields replaced, as Flax's ``struct`` dataclasses offer.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> box = meshplan.Partitioned(
+            ...     jax.ShapeDtypeStruct((8, 4), jnp.float32), ("data", None))
+            >>> box.replace(names=(None, "model")).names
+            (None, 'model')
+        """
         return dataclasses.replace(self, **updates)
 
     def to_nnx_metadata(self) -> dict[str, Any]:
-        """The box's fields as ``flax.nnx.Variable`` metadata (``names`` -> ``out_sharding``)."""
+        """The box's fields as ``flax.nnx.Variable`` metadata (``names`` -> ``out_sharding``).
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> box = meshplan.Partitioned(
+            ...     jax.ShapeDtypeStruct((4, 8), jnp.float32), (None, "model"))
+            >>> box.to_nnx_metadata()
+            {'value': ShapeDtypeStruct(shape=(4, 8), dtype=float32), 'mesh': None,
+             'out_sharding': (None, 'model')}
+        """
         metadata = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         metadata["out_sharding"] = metadata.pop("names")
         if "rules" in metadata:
@@ -192,7 +233,16 @@ class Partitioned(AxisMetadata[A], Generic[A]):
 
     @classmethod
     def from_nnx_metadata(cls, metadata: dict[str, Any]) -> Partitioned[Any]:
-        """The inverse of :meth:`to_nnx_metadata`; unknown keys are ignored."""
+        """The inverse of :meth:`to_nnx_metadata`; unknown keys are ignored.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> value = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+            >>> metadata = {"value": value, "out_sharding": (None, "model"), "eager_sharding": True}
+            >>> meshplan.Partitioned.from_nnx_metadata(metadata)
+            Partitioned(value=ShapeDtypeStruct(shape=(4, 8), dtype=float32), names=(None, 'model'),
+                        mesh=None)
+        """
         metadata = dict(metadata)
         metadata["names"] = metadata.pop("out_sharding")
         if "sharding_rules" in metadata:
@@ -256,7 +306,18 @@ class LogicallyPartitioned(Partitioned[A]):
                 object.__setattr__(self, "rules", rules)
 
     def unbox(self, apply_constraint: bool = True) -> A:
-        """Returns the value, constrained through the rules when a mesh is active."""
+        """Returns the value, constrained through the rules when a mesh is active.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> box = meshplan.LogicallyPartitioned(
+            ...     jnp.ones((8, 4)), ("batch", "embed"), rules=(("batch", "data"),))
+            >>> box.unbox().shape  # no mesh active: the value as it is
+            (8, 4)
+            >>> with jax.set_mesh(jax.make_mesh((2, 4), ("data", "model"))):
+            ...     print(box.unbox().sharding.spec)
+            P('data', None)
+        """
         if apply_constraint and (self.mesh is not None or active_mesh() is not None):
             from meshplan._constraints import with_logical_constraint
 
@@ -272,6 +333,15 @@ class LogicallyPartitioned(Partitioned[A]):
         Flax builds ``NamedSharding(mesh, logical_names)`` here, which fails.
         meshplan resolves the names through the rules, and says what to do
         when there are none.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> box = meshplan.LogicallyPartitioned(
+            ...     jax.ShapeDtypeStruct((8, 16), jnp.float32), ("batch", "embed"))
+            >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+            >>> with meshplan.logical_axis_rules((("batch", "data"), ("embed", "model"))):
+            ...     print(box.get_sharding(mesh).spec)
+            P('data', 'model')
         """
         from meshplan._rules import get_logical_axis_rules, logical_to_mesh_axes
 

@@ -61,13 +61,14 @@ class Checkpointer:
 
     Example:
         >>> import tempfile, jax.numpy as jnp, meshplan
-        >>> folder = tempfile.mkdtemp()
-        >>> with meshplan.Checkpointer(folder, max_to_keep=2) as ckpt:
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     ckpt = meshplan.Checkpointer(folder, max_to_keep=2)
         ...     for step in (1, 2, 3):
         ...         _ = ckpt.save(step, {"step": jnp.int32(step)})
-        ...     ckpt.wait()
-        ...     ckpt.all_steps()
-        [2, 3]
+        ...     ckpt.wait()  # the last save is now complete on disk
+        ...     print(ckpt.all_steps(), ckpt.latest_step())
+        ...     ckpt.close()  # or use the Checkpointer as a context manager
+        [2, 3] 3
     """
 
     def __init__(
@@ -115,6 +116,15 @@ class Checkpointer:
             mesh: The run's mesh (default: the mesh of the first sharded array).
             config: The model config as a JSON-serialisable dict.
             extra: More JSON-serialisable data to store (e.g. training settings).
+
+        Example:
+            >>> import tempfile, jax.numpy as jnp, meshplan
+            >>> with tempfile.TemporaryDirectory() as folder:
+            ...     with meshplan.Checkpointer(folder, async_save=False) as ckpt:
+            ...         print(ckpt.save(5, {"w": jnp.ones(2)}, config={"layers": 2}))
+            ...         print(ckpt.save(5, {"w": jnp.zeros(2)}))  # step 5 exists
+            True
+            False
         """
         import orbax.checkpoint as ocp
 
@@ -138,20 +148,62 @@ class Checkpointer:
         )
 
     def all_steps(self) -> list[int]:
-        """The complete steps on disk, oldest first (a save still running is not among them)."""
+        """The complete steps on disk, oldest first (a save still running is not among them).
+
+        Example:
+            >>> import tempfile, jax.numpy as jnp, meshplan
+            >>> with tempfile.TemporaryDirectory() as folder:
+            ...     with meshplan.Checkpointer(folder, async_save=False) as ckpt:
+            ...         print(ckpt.all_steps())
+            ...         for step in (20, 10):
+            ...             _ = ckpt.save(step, {"w": jnp.ones(2)})
+            ...         print(ckpt.all_steps())
+            []
+            [10, 20]
+        """
         return complete_steps(self.directory) if self.directory.is_dir() else []
 
     def latest_step(self) -> int | None:
-        """The latest complete step on disk, or ``None``."""
+        """The latest complete step on disk, or ``None``.
+
+        Example:
+            >>> import tempfile, meshplan
+            >>> with tempfile.TemporaryDirectory() as folder:
+            ...     with meshplan.Checkpointer(folder) as ckpt:
+            ...         print(ckpt.latest_step())  # an empty folder
+            None
+        """
         steps = self.all_steps()
         return steps[-1] if steps else None
 
     def wait(self) -> None:
-        """Blocks until the save in progress (if any) is complete on disk."""
+        """Blocks until the save in progress (if any) is complete on disk.
+
+        Example:
+            >>> import tempfile, jax.numpy as jnp, meshplan
+            >>> with tempfile.TemporaryDirectory() as folder:
+            ...     with meshplan.Checkpointer(folder) as ckpt:
+            ...         _ = ckpt.save(1, {"w": jnp.ones(2)})  # returns while writing
+            ...         ckpt.wait()
+            ...         print(ckpt.latest_step())
+            1
+        """
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Waits for the save in progress, then releases Orbax's resources."""
+        """Waits for the save in progress, then releases Orbax's resources.
+
+        Leaving a ``with Checkpointer(...)`` block calls it.
+
+        Example:
+            >>> import tempfile, jax.numpy as jnp, meshplan
+            >>> with tempfile.TemporaryDirectory() as folder:
+            ...     ckpt = meshplan.Checkpointer(folder)
+            ...     _ = ckpt.save(1, {"w": jnp.ones(2)})
+            ...     ckpt.close()
+            ...     print(meshplan.restore(folder).metadata.step)
+            1
+        """
         self._manager.close()
 
     def __enter__(self) -> Checkpointer:

@@ -108,6 +108,14 @@ class CheckpointMetadata:
         config: The model config as a dict (``None`` if none was given).
         extra: Anything else the saver stored (training settings, best loss, ...).
         meshplan_version: The meshplan version that wrote it.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> w = meshplan.LogicallyPartitioned(jnp.ones((2, 4)), ("embed", "mlp"))
+        >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+        >>> meta = meshplan.CheckpointMetadata.describe(3, {"w": w}, mesh=mesh)
+        >>> meta.step, meta.arrays["w"].shape, meta.arrays["w"].names, meta.mesh_shape
+        (3, (2, 4), ('embed', 'mlp'), {'data': 2, 'model': 4})
     """
 
     step: int
@@ -120,7 +128,14 @@ class CheckpointMetadata:
 
     @property
     def axis_names(self) -> tuple[str, ...]:
-        """The saving mesh's axis names, in order."""
+        """The saving mesh's axis names, in order.
+
+        Example:
+            >>> import meshplan
+            >>> meta = meshplan.CheckpointMetadata(0, {}, mesh_shape={"data": 2, "model": 4})
+            >>> meta.axis_names
+            ('data', 'model')
+        """
         return tuple(self.mesh_shape)
 
     @classmethod
@@ -171,7 +186,17 @@ class CheckpointMetadata:
         )
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-serialisable dict, marked with :data:`FORMAT`."""
+        """A JSON-serialisable dict, marked with :data:`FORMAT`.
+
+        Example:
+            >>> import json, meshplan
+            >>> meta = meshplan.CheckpointMetadata(step=7, arrays={}, mesh_shape={"data": 8})
+            >>> data = meta.to_json()
+            >>> data["format"], data["step"], data["mesh"]
+            ('meshplan-checkpoint', 7, {'axis_names': ['data'], 'shape': [8]})
+            >>> meshplan.CheckpointMetadata.from_json(json.loads(json.dumps(data))) == meta
+            True
+        """
         return {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,

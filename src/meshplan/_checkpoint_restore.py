@@ -98,13 +98,34 @@ class Restored(NamedTuple):
             box come back in one (same names, no rules or mesh attached, value
             sharded on the restore mesh); the others as plain ``jax.Array``.
         metadata: The :class:`CheckpointMetadata` stored beside the arrays.
+
+    Example:
+        >>> import tempfile, jax.numpy as jnp, meshplan
+        >>> tree = {"params": {"w": meshplan.LogicallyPartitioned(jnp.ones((2, 4)),
+        ...                                                      ("embed", "mlp"))},
+        ...         "step": jnp.int32(3)}
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     with meshplan.Checkpointer(folder) as ckpt:
+        ...         _ = ckpt.save(3, tree)
+        ...     state, metadata = meshplan.restore(folder)
+        >>> state["params"]["w"].names, int(state["step"]), metadata.step
+        (('embed', 'mlp'), 3, 3)
     """
 
     state: dict[str, Any]
     metadata: CheckpointMetadata
 
     def arrays(self) -> dict[str, jax.Array]:
-        """Every raw array keyed by its path (``"params/Embed_0/embedding"``)."""
+        """Every raw array keyed by its path (``"params/Embed_0/embedding"``).
+
+        Example:
+            >>> import jax.numpy as jnp, meshplan
+            >>> state = {"params": {"w": meshplan.LogicallyPartitioned(jnp.ones((2, 4)),
+            ...                                                       ("embed", "mlp"))}}
+            >>> restored = meshplan.Restored(state, meshplan.CheckpointMetadata.describe(0, state))
+            >>> {path: array.shape for path, array in restored.arrays().items()}
+            {'params/w': (2, 4)}
+        """
         return {k: (v.value if is_box(v) else v) for k, v in unnest(self.state)}
 
     def into(self, template: Any) -> Any:
@@ -115,6 +136,16 @@ class Restored(NamedTuple):
         Raises:
             CheckpointError: listing every path whose shape or dtype differs, or
                 that one side has and the other lacks.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> state = {"w": meshplan.LogicallyPartitioned(jnp.ones((2, 4)), ("embed", "mlp"))}
+            >>> restored = meshplan.Restored(state, meshplan.CheckpointMetadata.describe(0, state))
+            >>> template = {"w": meshplan.Partitioned(
+            ...     jax.ShapeDtypeStruct((2, 4), jnp.float32), (None, "model"))}
+            >>> out = restored.into(template)
+            >>> out["w"].names, float(out["w"].value.sum())
+            ((None, 'model'), 8.0)
         """
         problems = compatibility_problems(self.metadata, template)
         if problems:

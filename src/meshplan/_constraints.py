@@ -16,7 +16,21 @@ __all__ = ["RulesFallback", "with_logical_constraint"]
 
 
 class RulesFallback(enum.Enum):
-    """What a constraint does when a logical name matches no rule."""
+    """What a constraint does when a logical name matches no rule.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> x, rules = jnp.ones((8, 4)), (("batch", "data"),)  # no rule for 'embed'
+        >>> with jax.set_mesh(jax.make_mesh((2, 4), ("data", "model"))):
+        ...     print(meshplan.with_logical_constraint(x, ("batch", "embed"), rules).sharding.spec)
+        ...     try:
+        ...         meshplan.with_logical_constraint(
+        ...             x, ("batch", "embed"), rules, fallback=meshplan.RulesFallback.RAISE_ERROR)
+        ...     except meshplan.UnmatchedLogicalAxisError as e:
+        ...         print(str(e).splitlines()[0])
+        P('data', None)
+        Axis names ('batch', 'embed') did not match a rule: ('embed',) has no rule in ...
+    """
 
     AXIS_IS_UNSHARDED = "axis_is_unsharded"
     """Treat the dimension as unsharded (``None``)."""

@@ -28,6 +28,16 @@ class Plan:
     documented JSON, ``plan.save_png(path)`` a picture, and ``plan.problems``
     what :func:`meshplan.check` reports.
 
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> tree = {"params": {"w": meshplan.LogicallyPartitioned(
+        ...     jax.ShapeDtypeStruct((8, 16), jnp.float32), ("embed", "mlp"))}}
+        >>> plan = meshplan.explain(tree, {"data": 2, "model": 4}, (("mlp", "model"),))
+        >>> plan
+        <Plan of 1 leaf on data=2 × model=4 (8 devices): 512 B in all, 128 B on the fullest device>
+        >>> len(plan), plan["params/w"].spec, [p.code for p in plan.problems]
+        (1, P(None, 'model'), ['no-rule', 'idle-axis'])
+
     Attributes:
         mesh: The mesh's :class:`MeshInfo`.
         rules: The rules the plan used (``None`` when there were none).
@@ -75,7 +85,14 @@ class Plan:
 
     @property
     def problems(self) -> list[Problem]:
-        """What :func:`meshplan.check` reports for this plan (default threshold)."""
+        """What :func:`meshplan.check` reports for this plan (default threshold).
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> tree = {"w": meshplan.Partitioned(jax.ShapeDtypeStruct((6,), jnp.float32), ("x",))}
+            >>> [(p.severity, p.path, p.code) for p in meshplan.explain(tree, {"x": 4}).problems]
+            [('error', 'w', 'indivisible')]
+        """
         if self._problems is None:
             self._problems = find_problems(self)
         return self._problems
