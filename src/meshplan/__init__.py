@@ -40,6 +40,7 @@ from meshplan._rules import (
     logical_to_mesh_axes,
     set_logical_axis_rules,
 )
+from meshplan._search import SearchResult, search_layouts
 from meshplan._shardings import (
     get_partition_spec,
     get_sharding,
@@ -66,6 +67,7 @@ __all__ = [
     "Restored",
     "RulesError",
     "RulesFallback",
+    "SearchResult",
     "ShardingValidationError",
     "UnmatchedLogicalAxisError",
     "active_mesh",
@@ -81,6 +83,7 @@ __all__ = [
     "logical_to_mesh_sharding",
     "replace_boxed",
     "restore",
+    "search_layouts",
     "set_logical_axis_rules",
     "unbox",
     "with_logical_constraint",

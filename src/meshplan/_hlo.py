@@ -1,7 +1,7 @@
 """Collectives in compiled HLO: the bytes each device sends into them per run.
 
-Used by :func:`meshplan.search_layouts` (``measure=True``) and by
-``benchmarks/bench_layouts.py``. The parser reads the text of
+Used by :func:`meshplan.search_layouts` (``measure=True``, through
+:func:`measure_step`) and by ``benchmarks/bench_layouts.py``. The parser reads the text of
 ``jax.jit(f).lower(...).compile().as_text()``: it is a best-effort reading of
 XLA's HLO text format, not an XLA API.
 """
@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import math
 import re
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
 
-__all__ = ["COLLECTIVES", "DTYPE_BYTES", "collective_bytes"]
+__all__ = ["COLLECTIVES", "DTYPE_BYTES", "collective_bytes", "measure_step"]
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 """The collective kinds counted, in the order :func:`collective_bytes` returns them."""
@@ -106,3 +109,54 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
             nbytes = sum(_type_bytes(types.get(o, "")) for o in operands)
             by_kind[kind] += nbytes * multiplier.get(comp, 0)
     return by_kind
+
+
+def measure_step(
+    step_fn: Callable[[Any, Any], Any],
+    state: Any,
+    example_batch: Any,
+    mesh_shape: Mapping[str, int],
+    rules: Any,
+) -> dict[str, Any]:
+    """Compiles ``step_fn(state, batch)`` under ``rules`` and reports what XLA says of it.
+
+    The mesh has ``mesh_shape``'s axes (Auto, on the first devices); the state
+    is sharded by its logical names, every batch array by ``('batch', None, ...)``.
+    Nothing runs: ``state`` and ``example_batch`` may be abstract.
+
+    Returns:
+        ``collectives`` (bytes by kind, non-zero ones), ``collective_bytes``
+        (their sum), ``xla_argument_bytes`` and ``xla_temp_bytes`` (of
+        ``memory_analysis()``, ``None`` when the backend gives none) and
+        ``compile_seconds``.
+    """
+    import jax
+    from jax.sharding import AxisType, NamedSharding
+
+    from meshplan._rules import logical_axis_rules, logical_to_mesh_axes
+    from meshplan._shardings import get_partition_spec, logical_to_mesh_sharding
+
+    shape, n = tuple(mesh_shape.values()), math.prod(mesh_shape.values())
+    auto = (AxisType.Auto,) * len(shape)
+    mesh = jax.make_mesh(shape, tuple(mesh_shape), devices=jax.devices()[:n], axis_types=auto)
+    with jax.set_mesh(mesh), logical_axis_rules(rules):
+        shardings = logical_to_mesh_sharding(get_partition_spec(state), mesh, rules)
+        batch_shardings = jax.tree.map(
+            lambda x: NamedSharding(
+                mesh, logical_to_mesh_axes(("batch",) + (None,) * (x.ndim - 1), rules)
+            ),
+            example_batch,
+        )
+        t0 = time.perf_counter()
+        jitted = jax.jit(step_fn, in_shardings=(shardings, batch_shardings))
+        compiled = jitted.lower(state, example_batch).compile()
+        seconds = time.perf_counter() - t0
+    kinds = collective_bytes(compiled.as_text())
+    memory = compiled.memory_analysis()
+    return {
+        "collectives": {k: v for k, v in kinds.items() if v},
+        "collective_bytes": sum(kinds.values()),
+        "xla_argument_bytes": getattr(memory, "argument_size_in_bytes", None),
+        "xla_temp_bytes": getattr(memory, "temp_size_in_bytes", None),
+        "compile_seconds": round(seconds, 2),
+    }
