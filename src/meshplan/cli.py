@@ -16,6 +16,7 @@ from collections.abc import Sequence
 COMMANDS = {
     "demo": "meshplan.commands.demo",
     "plan": "meshplan.commands.plan",
+    "search": "meshplan.commands.search",
     "train": "meshplan.commands.train",
     "sample": "meshplan.commands.sample",
 }

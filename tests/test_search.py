@@ -1,0 +1,163 @@
+"""``meshplan.search_layouts`` and ``meshplan search``: rejection, ranking, budget, measuring."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import meshplan
+import meshplan.layouts
+from meshplan import cli
+from meshplan.examples.mlp import LogicalMLP, init_fn
+
+
+def boxed(shape: tuple[int, ...], names: tuple[str, ...]) -> meshplan.LogicallyPartitioned:
+    return meshplan.LogicallyPartitioned(jax.ShapeDtypeStruct(shape, jnp.float32), names)
+
+
+def big_params() -> dict:
+    """One 4 MiB matrix and a bias: FSDP can split both over any 8-device mesh."""
+    return {"params": {"w": boxed((1024, 1024), ("embed", "mlp")), "b": boxed((1024,), ("embed",))}}
+
+
+def test_a_dimension_the_mesh_does_not_divide_is_rejected_with_the_reason():
+    result = meshplan.search_layouts({"params": {"w": boxed((1024, 6), ("embed", "mlp"))}}, 4)
+    row = result.row("1x4", "tensor_parallel")
+    assert row.status == "rejected" and row.rank is None and row.bytes_per_device is None
+    assert row.reason == (
+        "params/w: dim 1 ('mlp') of size 6 does not divide by 4 (mesh axis 'model' of size 4)"
+    )
+    assert result.row("2x2", "tensor_parallel").status == "ok"  # 6 splits over model=2
+    statuses = [r.status for r in result.rows]
+    assert statuses == sorted(statuses)  # the ok rows first, then the rejected ones
+    assert "rejected: params/w: dim 1 ('mlp') of size 6" in str(result)
+
+
+def test_a_batch_that_does_not_divide_over_the_batch_axes_is_rejected():
+    result = meshplan.search_layouts(big_params(), 4, batch=2)
+    for mesh in ("1x4", "2x2", "4x1"):  # data_parallel splits the batch over all 4 devices
+        row = result.row(mesh, "data_parallel")
+        assert row.status == "rejected"
+        assert row.reason.startswith("batch 2 does not divide by the 4 devices 'batch' is split")
+    assert result.row("2x2", "tensor_parallel").status == "ok"  # batch over data=2 only
+    assert result.row("4x1", "tensor_parallel").status == "rejected"
+
+
+def test_fsdp_ranks_before_data_parallel_for_big_parameters():
+    result = meshplan.search_layouts(big_params(), 8, batch=32)
+    assert (result.best.layout, result.best.mesh_text, result.best.rank) == ("fsdp", "1x8", 1)
+    for mesh in ("1x8", "2x4", "4x2", "8x1"):
+        fsdp, dp = result.row(mesh, "fsdp"), result.row(mesh, "data_parallel")
+        assert fsdp.bytes_per_device * 8 == dp.bytes_per_device == (1024 * 1024 + 1024) * 4
+        assert fsdp.rank < dp.rank
+    ok = [r for r in result.rows if r.status == "ok"]
+    assert [r.rank for r in ok] == list(range(1, len(ok) + 1))
+    assert [r.bytes_per_device for r in ok] == sorted(r.bytes_per_device for r in ok)
+
+
+def test_the_communication_estimate_follows_the_layout():
+    result = meshplan.search_layouts(big_params(), 8)
+    param_bytes = (1024 * 1024 + 1024) * 4
+    # Data parallel: every gradient all-reduced, nothing gathered, no activation traffic.
+    assert result.row("2x4", "data_parallel").comm == {
+        "all-gather": 0, "gradient-reduce": param_bytes, "activations": 0
+    }  # fmt: skip
+    # FSDP: the 1/8 shards gathered, the whole gradient reduced.
+    assert result.row("2x4", "fsdp").comm == {
+        "all-gather": param_bytes // 8, "gradient-reduce": param_bytes, "activations": 0
+    }  # fmt: skip
+    # Tensor parallel: activation all-reduces are unknown statically.
+    tp = result.row("2x4", "tensor_parallel")
+    assert tp.comm["activations"] is None and "activations n/a" in tp.comm_text
+    # On 8x1 the model axis has size 1: fsdp_tp is plain FSDP over data, fully known.
+    assert result.row("8x1", "fsdp_tp").comm["activations"] == 0
+
+
+def test_a_memory_budget_puts_what_does_not_fit_last_and_best_fits():
+    budget = 1 << 20  # FSDP's 0.5 MiB fits, data parallel's 4 MiB does not
+    result = meshplan.search_layouts(big_params(), 8, memory_budget_bytes=budget)
+    assert result.best.fits and result.best.bytes_per_device <= budget
+    dp = result.row("2x4", "data_parallel")
+    assert dp.status == "ok" and dp.fits is False
+    assert dp.reason == "over the budget by 3.00 MiB"
+    ok = [r for r in result.rows if r.status == "ok"]
+    fits = [r.fits for r in ok]
+    assert fits == sorted(fits, reverse=True) and True in fits and False in fits
+    nothing = meshplan.search_layouts(big_params(), 8, memory_budget_bytes=1024)
+    assert nothing.best is None
+    assert "best: none" in str(nothing)
+    assert nothing.to_dict()["best"] is None
+
+
+def test_to_dict_is_plain_json():
+    result = meshplan.search_layouts(big_params(), 4, batch=8, memory_budget_bytes=2 << 20)
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["schema"] == "meshplan.search/1"
+    assert (data["devices"], data["batch"], data["memory_budget_bytes"]) == (4, 8, 2 << 20)
+    assert data["best"]["mesh_text"] == "1x4" and data["best"]["layout"] == "fsdp"
+    assert data["best"]["rules"][0] == ["batch", ["data", "model"]]
+    assert data["best"]["mesh"] == {"data": 1, "model": 4}
+
+
+def test_cli_search_prints_the_ranked_table_and_the_best(capsys):
+    assert cli.main(["search", "--model", "transformer", "--size", "tiny", "--devices", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "Transformer (tiny)" in out and "8 devices, batch 32" in out
+    assert "best: 1x8 fsdp (673.88 KiB/device, comm est. 1.97 MiB/step)" in out
+    assert "rejected: params/layers/attention/key: dim 2 ('heads') of size 4" in out
+
+
+def test_cli_search_json_with_a_budget(capsys):
+    argv = ["search", "--size", "tiny", "--devices", "8", "--batch", "32", "--budget", "1MiB"]
+    assert cli.main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"] == "Transformer (tiny)" and data["memory_budget_bytes"] == 1 << 20
+    assert (data["best"]["mesh_text"], data["best"]["layout"]) == ("1x8", "fsdp")
+    rows = {(r["mesh_text"], r["layout"]): r for r in data["rows"]}
+    assert len(rows) == 16
+    assert rows["1x8", "fsdp_tp"]["status"] == "rejected"
+    assert rows["2x4", "data_parallel"]["fits"] is False
+    assert rows["2x4", "data_parallel"]["comm"]["gradient-reduce"] == 460_032 * 4
+
+
+def test_cli_search_exits_1_when_nothing_fits_and_2_on_a_bad_budget(capsys):
+    assert cli.main(["search", "--devices", "8", "--budget", "1KiB"]) == 1
+    assert "best: none" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["search", "--budget", "lots"])
+    assert exit_info.value.code == 2
+    assert "cannot read the size 'lots'" in capsys.readouterr().err
+
+
+def test_measure_compiles_the_step_and_finds_the_data_parallel_all_reduce():
+    model = LogicalMLP(num_layers=1, depth=64, use_scan=False)
+    x = jax.ShapeDtypeStruct((8, 64), jnp.float32)
+    init = functools.partial(init_fn, model=model, optimizer=optax.adam(1e-3))
+    state = jax.eval_shape(init, jax.random.key(0), x)
+
+    def step(state, x):
+        grads = jax.grad(lambda p: state.apply_fn({"params": p}, x).sum())(state.params)
+        return state.apply_gradients(grads=grads)
+
+    layouts = {"data_parallel": meshplan.layouts.data_parallel}
+    result = meshplan.search_layouts(
+        state, 8, layouts, measure=True, step_fn=step, example_batch=x, top_k=1
+    )
+    assert result.batch == 8  # taken from the example batch
+    first, second = result.rows[0], result.rows[1]
+    assert first.measured is not None and second.measured is None
+    param_bytes = 2 * 64 * 64 * 4
+    assert first.comm["gradient-reduce"] == param_bytes
+    assert first.measured["collectives"]["all-reduce"] >= param_bytes
+    assert first.measured["xla_argument_bytes"] > 0
+    assert "measured comm" in str(result)
+
+
+def test_measure_needs_a_step_and_an_example_batch():
+    with pytest.raises(meshplan.ArgumentError, match="step_fn= and example_batch="):
+        meshplan.search_layouts(big_params(), 8, measure=True)
