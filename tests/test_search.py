@@ -13,7 +13,11 @@ import pytest
 import meshplan
 import meshplan.layouts
 from meshplan import cli
+from meshplan._hlo import measure_step
+from meshplan._train_settings import TrainSettings
+from meshplan._train_state import abstract_train_state
 from meshplan.examples.mlp import LogicalMLP, init_fn
+from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
 
 
 def boxed(shape: tuple[int, ...], names: tuple[str, ...]) -> meshplan.LogicallyPartitioned:
@@ -161,3 +165,25 @@ def test_measure_compiles_the_step_and_finds_the_data_parallel_all_reduce():
 def test_measure_needs_a_step_and_an_example_batch():
     with pytest.raises(meshplan.ArgumentError, match="step_fn= and example_batch="):
         meshplan.search_layouts(big_params(), 8, measure=True)
+
+
+def test_measuring_several_layouts_in_one_process_traces_each_under_its_own_rules():
+    # JAX's trace cache does not know meshplan's active rules: a step traced under fsdp
+    # must not be reused, with fsdp's activation constraints, for fsdp_tp on the same mesh.
+    model = Transformer(config_from_name("tiny", num_layers=1))
+    tx = optax.adam(1e-3)
+    state = abstract_train_state(model, tx, TrainSettings(batch=8, seq_len=16))
+    tokens = jax.ShapeDtypeStruct((8, 17), jnp.int32)
+
+    def make_step():
+        def step(state, tokens):
+            return state.apply_gradients(grads=jax.grad(loss_fn)(state.params, tokens, model))
+
+        return step
+
+    mesh = {"data": 2, "model": 4}
+    step = make_step()
+    measure_step(step, state, tokens, mesh, meshplan.layouts.fsdp)
+    after_fsdp = measure_step(step, state, tokens, mesh, meshplan.layouts.fsdp_tp)
+    fresh = measure_step(make_step(), state, tokens, mesh, meshplan.layouts.fsdp_tp)
+    assert after_fsdp["collectives"] == fresh["collectives"]

@@ -147,8 +147,14 @@ def measure_step(
             ),
             example_batch,
         )
+
+        # A new function each time: JAX's trace cache does not know the active rules,
+        # so reusing step_fn would reuse constraints traced under another layout.
+        def step(state: Any, batch: Any) -> Any:
+            return step_fn(state, batch)
+
         t0 = time.perf_counter()
-        jitted = jax.jit(step_fn, in_shardings=(shardings, batch_shardings))
+        jitted = jax.jit(step, in_shardings=(shardings, batch_shardings))
         compiled = jitted.lower(state, example_batch).compile()
         seconds = time.perf_counter() - t0
     kinds = collective_bytes(compiled.as_text())
