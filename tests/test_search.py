@@ -82,6 +82,18 @@ def test_the_communication_estimate_follows_the_layout():
     assert result.row("8x1", "fsdp_tp").comm["activations"] == 0
 
 
+def test_an_idle_mesh_axis_is_noted_and_ranks_after_real_parallelism():
+    # Only 'embed' names: tensor_parallel splits nothing over 'model', and on 1x8 its
+    # batch goes over data=1: the 8 devices all do the same work, with no communication.
+    result = meshplan.search_layouts({"params": {"b": boxed((1024,), ("embed",))}}, 8)
+    idle, dp = result.row("1x8", "tensor_parallel"), result.row("1x8", "data_parallel")
+    assert idle.idle_axes == ("model",) and idle.comm["gradient-reduce"] == 0
+    assert idle.reason == "idle 'model': its 8 positions do the same work"
+    assert idle.bytes_per_device == dp.bytes_per_device and idle.rank > dp.rank
+    assert dp.idle_axes == () and dp.reason == ""
+    assert "idle 'model'" in str(result)
+
+
 def test_a_memory_budget_puts_what_does_not_fit_last_and_best_fits():
     budget = 1 << 20  # FSDP's 0.5 MiB fits, data parallel's 4 MiB does not
     result = meshplan.search_layouts(big_params(), 8, memory_budget_bytes=budget)

@@ -2,19 +2,19 @@
 
 A candidate (mesh shape, layout) is *rejected* when :func:`meshplan.check` finds
 an error or the batch does not divide by the devices ``'batch'`` is split over.
-The others rank by: within the memory budget, then state bytes on the fullest
-device (``explain``), then communication, a *static estimate* in bytes per step
-per device, counted as operands (as :func:`meshplan._hlo.collective_bytes` does)
-over the plan's ``params`` group. With ``B`` the mesh axes (size > 1) of
-``'batch'``: ``all-gather`` is the shard of each parameter split over ``B``
-(FSDP gathers it before use); ``gradient-reduce`` (if ``B`` is not empty) is each
+The others rank by: within the budget, then state bytes on the fullest device
+(``explain``), then whether a mesh axis is *idle* (splits neither the batch nor
+a parameter: its devices repeat the same work), then communication: a *static
+estimate*, bytes per step per device counted as operands (as
+:func:`meshplan._hlo.collective_bytes` does), from the plan's ``params``. With
+``B`` the mesh axes (size > 1) of ``'batch'``: ``all-gather`` is the shard of
+each parameter split over ``B`` (FSDP); ``gradient-reduce`` (if ``B``) is each
 parameter as a device computes with it, its shard times its FSDP split;
 ``activations`` is 0 unless a parameter is split over an axis outside ``B``
-(tensor parallelism, whose activation all-reduces depend on the model's code:
-``None``, "n/a"; at equal memory such a candidate ranks after a known one).
-Optimizer state never moves. ``measure=True`` compiles a step for the first
-``top_k`` and records its HLO collectives and XLA ``memory_analysis()``; among
-those the measured bytes replace the estimate in the ranking.
+(tensor parallelism: its activation all-reduces depend on the model's code, so
+``None``, "n/a", ranked after a known estimate). Optimizer state never moves.
+``measure=True`` compiles a step for the first ``top_k`` and records its HLO
+collectives and XLA ``memory_analysis()``; among those, measured bytes rank.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 
-from meshplan._errors import ArgumentError, MeshError, MeshplanError
+from meshplan._errors import ArgumentError, MeshError
 from meshplan._hlo import measure_step
 from meshplan._plan import explain
 from meshplan._plan_text import human_bytes
@@ -57,7 +57,7 @@ def mesh_shapes(devices: int, n_axes: int = 2) -> list[tuple[int, ...]]:
 class SearchRow:
     """One candidate: a mesh shape (``mesh``, axis sizes) under a layout (``layout``, ``rules``).
 
-    ``status``: ``'ok'`` or ``'rejected'`` (``reason``: why, or how far over the budget);
+    ``status``: ``'ok'`` or ``'rejected'`` (``reason``: why; else notes: idle axes, over budget);
     ``comm``: the estimate; ``measured``: :func:`meshplan._hlo.measure_step`'s; ``rank``: 1 is best.
     """
 
@@ -71,6 +71,7 @@ class SearchRow:
     params_bytes_per_device: int | None = None
     comm: dict[str, int | None] | None = None
     measured: dict[str, Any] | None = None
+    idle_axes: tuple[str, ...] = ()
     rank: int | None = None
 
     @property
@@ -87,7 +88,8 @@ class SearchRow:
     def _sort_key(self) -> tuple[Any, ...]:
         c, m = self.comm or {}, self.measured
         comm = m["collective_bytes"] if m else c["all-gather"] + c["gradient-reduce"]  # type: ignore[operator]
-        return (not self.fits, self.bytes_per_device, not m and c["activations"] is None, comm)
+        unknown = not m and c["activations"] is None
+        return (not self.fits, self.bytes_per_device, bool(self.idle_axes), unknown, comm)
 
     def __str__(self) -> str:
         if self.status != "ok":
@@ -165,7 +167,7 @@ class SearchResult:
             measured = [human_bytes(m[k]) if m.get(k) is not None else "-" for k in keys]
             cells = [str(r.rank), r.mesh_text, r.layout, human_bytes(r.bytes_per_device or 0)]
             cells += [r.comm_text, *measured[:n_measured]]
-            table.add_row(*cells, "" if r.fits else f"[yellow]{r.reason}[/]")
+            table.add_row(*cells, f"[yellow]{r.reason}[/]" if r.reason else "")
         best = self.best
         return Group(table, f"best: {best}" if best else "best: none (no candidate is ok and fits)")
 
@@ -188,17 +190,18 @@ class SearchResult:
                 "best": best, "rows": [r.to_dict() for r in self.rows]}  # fmt: skip
 
 
-def _estimate(plan: Any, batch_axes: tuple[str, ...], sizes: Mapping[str, int]) -> dict:
-    """The static communication estimate (see the module docstring)."""
+def _estimate(plan: Any, batch_axes: tuple[str, ...], sizes: Mapping[str, int]) -> tuple:
+    """The static communication estimate (module docstring), and the idle mesh axes."""
     data_axes = {a for a in batch_axes if sizes[a] > 1}
-    gather, reduce, tensor_parallel = 0, 0, False
+    gather, reduce, used = 0, 0, set(data_axes)
     for leaf in (leaf for leaf in plan.leaves if leaf.group == "params"):
         axes = [a for e in leaf.spec for a in mesh_axes_of(e) if sizes.get(a, 1) > 1]
         fsdp = math.prod(sizes[a] for a in axes if a in data_axes)
         gather += leaf.bytes_per_device if fsdp > 1 else 0
         reduce += leaf.bytes_per_device * fsdp if data_axes else 0
-        tensor_parallel |= any(a not in data_axes for a in axes)
-    return {"all-gather": gather, "gradient-reduce": reduce, "activations": None if tensor_parallel else 0}  # fmt: skip
+        used.update(axes)
+    comm = {"all-gather": gather, "gradient-reduce": reduce, "activations": None if used - data_axes else 0}  # fmt: skip
+    return comm, tuple(a for a in sizes if sizes[a] > 1 and a not in used)
 
 
 def _evaluate(row: SearchRow, state: Any, batch: int | None, budget: int | None) -> None:
@@ -216,10 +219,12 @@ def _evaluate(row: SearchRow, state: Any, batch: int | None, budget: int | None)
         return
     row.bytes_per_device = plan.totals["all"].max_device_bytes
     row.params_bytes_per_device = plan.totals["params"].max_device_bytes
-    row.comm = _estimate(plan, axes, row.mesh)
+    row.comm, row.idle_axes = _estimate(plan, axes, row.mesh)
     row.fits = budget is None or row.bytes_per_device <= budget
+    notes = [f"idle {a!r}: its {row.mesh[a]} positions do the same work" for a in row.idle_axes]
     if not row.fits:
-        row.reason = f"over the budget by {human_bytes(row.bytes_per_device - budget)}"  # type: ignore[operator]
+        notes.append(f"over the budget by {human_bytes(row.bytes_per_device - budget)}")  # type: ignore[operator]
+    row.reason = "; ".join(notes)
 
 
 def search_layouts(
@@ -273,20 +278,15 @@ def search_layouts(
     if measure and (step_fn is None or example_batch is None):
         raise ArgumentError("measure=True compiles a step: pass step_fn= and example_batch=.")
     if measure and jax.device_count() < devices:
-        raise MeshError(
-            f"Measuring needs {devices} devices; JAX has {jax.device_count()}.\nSet "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={devices} before JAX starts."
-        )
+        fix = f"Set XLA_FLAGS=--xla_force_host_platform_device_count={devices} before JAX starts."
+        raise MeshError(f"Measuring needs {devices} devices; JAX has {jax.device_count()}.\n{fix}")
     rows = [
         SearchRow(dict(zip(axis_names, shape, strict=True)), name, rules)
         for shape in mesh_shapes(devices, len(axis_names))
         for name, rules in layouts.items()
     ]
     for row in rows:
-        try:
-            _evaluate(row, abstract_state, batch, memory_budget_bytes)
-        except MeshplanError as e:  # rules that cannot be read at all
-            row.status, row.reason = "rejected", str(e).splitlines()[0]
+        _evaluate(row, abstract_state, batch, memory_budget_bytes)
     ok = sorted((r for r in rows if r.status == "ok"), key=SearchRow._sort_key)
     if measure:
         for row in ok[:top_k]:
