@@ -166,7 +166,11 @@ CATALOGUE = {
     "get_sharding on a mesh axis the mesh lacks": (
         lambda: meshplan.get_sharding({"w": mesh_box(8, 8, names=("modle", None))}, MESH),
         meshplan.MeshError,
-        [r"\['w'\]", r"\('modle',\)", r"Use the mesh's axis names \('data', 'model'\)"],
+        [
+            r"\['w'\]",
+            r"no axis 'modle'",
+            r"Did you mean 'model'\? Use the mesh's axis names \('data', 'model'\)",
+        ],
     ),
     "get_sharding with names longer than the rank": (
         lambda: meshplan.get_sharding({"w": mesh_box(8, 8, 8, names=("model", None))}, MESH),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -98,6 +99,33 @@ def _fill_unconstrained(value: Any, spec: PartitionSpec) -> PartitionSpec:
     )
 
 
+def check_axes_exist(spec: PartitionSpec, mesh: Any, context: str) -> None:
+    """Raises :class:`MeshError` when ``spec`` names mesh axes that ``mesh`` lacks.
+
+    Example:
+        >>> import jax
+        >>> from jax.sharding import PartitionSpec as P
+        >>> from meshplan._mesh import check_axes_exist
+        >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+        >>> check_axes_exist(P("data", "model"), mesh, "spec")  # fine: returns None
+        >>> check_axes_exist(P("modle"), mesh, "spec")
+        Traceback (most recent call last):
+        ...
+        meshplan._errors.MeshError: spec: the mesh {'data': 2, 'model': 4} has no axis 'modle'.
+        Did you mean 'model'? Use the mesh's axis names ('data', 'model'), or map logical names to them with rules.
+    """
+    missing = [a for e in spec for a in mesh_axes_of(e) if a not in mesh.axis_names]
+    if missing:
+        guess = [g for a in missing for g in difflib.get_close_matches(a, mesh.axis_names, n=1)]
+        raise MeshError(
+            f"{context}: the mesh {dict(mesh.shape)} has no axis "
+            f"{', '.join(map(repr, missing))}.\n"
+            + (f"Did you mean {guess[0]!r}? " if guess else "")
+            + f"Use the mesh's axis names {tuple(mesh.axis_names)!r}, or map logical names "
+            f"to them with rules."
+        )
+
+
 def apply_spec(value: Any, spec: PartitionSpec, mesh: Any = None, *, what: str = "value") -> Any:
     """Constrains ``value`` to ``spec`` on ``mesh`` (or the active mesh).
 
@@ -125,13 +153,7 @@ def apply_spec(value: Any, spec: PartitionSpec, mesh: Any = None, *, what: str =
     shape = getattr(value, "shape", None)
     if shape is not None:
         check_rank(spec, tuple(shape), what, exact=False)
-    missing = [a for e in spec for a in mesh_axes_of(e) if a not in target.axis_names]
-    if missing:
-        raise MeshError(
-            f"Cannot constrain {what} to {spec}: the mesh {dict(target.shape)} has no axis "
-            f"{', '.join(map(repr, missing))}.\nUse the mesh's axis names "
-            f"{tuple(target.axis_names)!r}, or map logical names to them with rules."
-        )
+    check_axes_exist(spec, target, f"Cannot constrain {what} to {spec}")
     types = set(_axis_types(target))
     if types <= {AxisType.Auto}:
         sharding = NamedSharding(target, spec) if named else spec

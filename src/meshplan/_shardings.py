@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshplan._boxes import LogicallyPartitioned, Partitioned, is_box
 from meshplan._errors import LogicalNamesError, MeshError, MeshplanError, problem_message
+from meshplan._mesh import check_axes_exist
 from meshplan._rules import logical_to_mesh_axes, mesh_axes_of
 
 __all__ = [
@@ -73,13 +74,7 @@ def _logical_spec(x: Any) -> PartitionSpec:
 def _named(mesh: Any, spec: PartitionSpec, cache: dict[PartitionSpec, NamedSharding]) -> Any:
     sharding = cache.get(spec)
     if sharding is None:
-        missing = [a for e in spec for a in mesh_axes_of(e) if a not in mesh.axis_names]
-        if missing:
-            raise MeshError(
-                f"spec {spec} names mesh axes {tuple(missing)!r} that the mesh "
-                f"{dict(mesh.shape)} does not have.\nUse the mesh's axis names "
-                f"{tuple(mesh.axis_names)!r}, or map logical names with rules."
-            )
+        check_axes_exist(spec, mesh, f"spec {spec}")
         named = [a for e in spec for a in mesh_axes_of(e)]
         twice = sorted({a for a in named if named.count(a) > 1})
         if twice:
