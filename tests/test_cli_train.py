@@ -89,6 +89,15 @@ def test_bad_input_is_refused_before_any_work(tmp_path, capsys, extra, expected,
     assert not folder.exists()  # nothing was started
 
 
+def test_rules_that_shard_the_batch_over_a_missing_mesh_axis(tmp_path, capsys):
+    rules = tmp_path / "rules.json"
+    rules.write_text('[["batch", "dp"], ["embed", "data"], ["mlp", "model"]]')
+    err = _bad(["train", *FAST, *TINY, "--rules", str(rules)], capsys)
+    assert "meshplan train cannot start:\n  * " in err
+    assert "shard 'batch' over mesh axis 'dp'" in err
+    assert "Map 'batch' to the mesh's axes" in err
+
+
 def test_data_path_with_no_text(tmp_path, capsys):
     empty = tmp_path / "texts"
     empty.mkdir()

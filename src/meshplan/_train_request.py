@@ -198,7 +198,18 @@ def _check_batch(
 ) -> None:
     entry = logical_to_mesh_axes(BATCH_NAMES, rules)[0]
     axes = mesh_axes_of(entry)
-    parts = split_count(tuple(a for a in axes if a in mesh.shape), mesh.shape)
+    missing = [a for a in axes if a not in mesh.shape]
+    if missing:
+        problems.add(
+            MeshError,
+            f"--rules {request.rules} shard 'batch' over mesh axis "
+            f"{', '.join(map(repr, missing))}, which the {request.mesh} mesh "
+            f"{tuple(mesh.axis_names)} does not have",
+            f"Map 'batch' to the mesh's axes {tuple(mesh.axis_names)}, e.g. "
+            f"('batch', {mesh.axis_names[0]!r}).",
+        )
+        return
+    parts = split_count(axes, mesh.shape)
     if settings.batch % parts:
         good = (settings.batch // parts + 1) * parts
         problems.add(
