@@ -30,6 +30,8 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/bench_core.py
+	$(VENV)/bin/python benchmarks/bench_plan.py
+	$(VENV)/bin/python benchmarks/bench_layouts.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
