@@ -193,3 +193,44 @@ def test_all_problems_are_reported_together(tmp_path):
     assert len(bullets) == 2  # the layout and the data; batch needs a valid layout to check
     assert "Unknown layout 'nope'" in bullets[0]
     assert "does not exist" in bullets[1]
+
+
+def test_every_parameter_the_layout_cannot_split_is_named(tmp_path):
+    rules = tmp_path / "rules.json"
+    rules.write_text('[["batch", "data"], ["embed", "model"]]')
+    overrides = {**TINY, "embed_dim": 36, "num_heads": 2}
+    message = _problems(_request(overrides=overrides, mesh="1x8", rules=str(rules)))
+    bullets = [line for line in message.splitlines() if line.startswith("  * ")]
+    shown = [b for b in bullets if "does not split over mesh axes ('model',)" in b]
+    assert len(shown) == 6
+    more = bullets[-1]
+    assert (
+        more.startswith("  * and ")
+        and "more parameters with a dimension that does not split: params/" in more
+    )
+    count = int(more.split()[2])
+    assert len(more.split(": ", 1)[1].split(", ")) == count  # each one named, none dropped
+
+
+def test_rules_that_shard_the_token_length_are_refused_before_any_work(tmp_path):
+    rules = tmp_path / "rules.json"
+    rules.write_text('[["batch", "data"], ["length", "model"]]')
+    message = _problems(_request(rules=str(rules)))
+    assert (
+        "--seq 32 gives token windows of 33 (the model reads 32 bytes and predicts the " in message
+    )
+    assert "do not split over the 4 devices that --rules" in message
+    assert "shard 'length' over (mesh axes ('model',) of the 2x4 mesh)" in message
+    assert "Leave 'length' unsharded: ('length', None) in the rules." in message
+    rules.write_text('[["batch", "data"], ["length", "seq"]]')
+    message = _problems(_request(rules=str(rules)))
+    assert "shard 'length' over mesh axis 'seq', which the 2x4 mesh" in message
+
+
+def test_data_shorter_than_one_window_is_refused_before_any_work(tmp_path):
+    text = tmp_path / "short.txt"
+    text.write_text("x = 1\n" * 30)  # 180 bytes: the validation split holds 18
+    message = _problems(_request(data=str(text)))
+    assert f"The valid split of '{text}' has 18 bytes, fewer than one window" in message
+    assert "seq_len + 1 = 33" in message
+    assert "Use a shorter sequence length (--seq) or more text." in message

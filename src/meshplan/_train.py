@@ -91,6 +91,8 @@ class Trainer:
         settings: The resolved :class:`TrainSettings`.
         step: The current step (host-side counter).
         state: The sharded ``TrainState`` (after :meth:`start`).
+        tx: The optimizer; ``abstract``: ``jax.eval_shape`` of the state (both
+            built here unless given, as :func:`prepare` does).
     """
 
     def __init__(
@@ -106,6 +108,8 @@ class Trainer:
         layout_name: str = "",
         data: str | None = None,
         max_to_keep: int = 3,
+        tx: Any = None,
+        abstract: Any = None,
     ) -> None:
         self.model = model
         self.mesh = mesh
@@ -117,8 +121,11 @@ class Trainer:
         self.layout_name = layout_name
         self.data = data
         self.max_to_keep = max_to_keep
-        self.tx = make_optimizer(settings)
-        self.abstract = abstract_train_state(model, self.tx, settings)
+        # prepare() has built both to check the request: not traced a second time.
+        self.tx = make_optimizer(settings) if tx is None else tx
+        self.abstract = (
+            abstract_train_state(model, self.tx, settings) if abstract is None else abstract
+        )
         self.shardings = state_shardings(self.abstract, mesh, rules)
         self.batch_sharding = batch_sharding(mesh, rules)
         self.state: Any = None
@@ -145,7 +152,7 @@ class Trainer:
     def plan_summary(self) -> dict[str, Any]:
         """Parameter count and per-device bytes of the parameters and of the whole state.
 
-        Uses :func:`meshplan.explain` when it is available, else sums the shards.
+        From :func:`meshplan.explain` (see :func:`meshplan._train_state.plan_summary`).
         """
         return plan_summary(self.abstract, self.shardings, self.mesh, self.rules, self.layout_name)
 

@@ -196,30 +196,59 @@ def _check_config(
 def _check_batch(
     request: TrainRequest, settings: TrainSettings, mesh: Mesh, rules: Any, problems: _Problems
 ) -> None:
-    entry = logical_to_mesh_axes(BATCH_NAMES, rules)[0]
-    axes = mesh_axes_of(entry)
-    missing = [a for a in axes if a not in mesh.shape]
-    if missing:
-        problems.add(
-            MeshError,
-            f"--rules {request.rules} shard 'batch' over mesh axis "
-            f"{', '.join(map(repr, missing))}, which the {request.mesh} mesh "
-            f"{tuple(mesh.axis_names)} does not have",
-            f"Map 'batch' to the mesh's axes {tuple(mesh.axis_names)}, e.g. "
-            f"('batch', {mesh.axis_names[0]!r}).",
+    """A batch of tokens, ``[batch, seq_len + 1]``, splits over the mesh axes the rules give."""
+    spec = logical_to_mesh_axes(BATCH_NAMES, rules)
+    sizes = (settings.batch, settings.seq_len + 1)
+    for name, entry, size in zip(BATCH_NAMES, spec, sizes, strict=True):
+        axes = mesh_axes_of(entry)
+        missing = [a for a in axes if a not in mesh.shape]
+        if missing:
+            problems.add(
+                MeshError,
+                f"--rules {request.rules} shard {name!r} over mesh axis "
+                f"{', '.join(map(repr, missing))}, which the {request.mesh} mesh "
+                f"{tuple(mesh.axis_names)} does not have",
+                f"Map {name!r} to the mesh's axes {tuple(mesh.axis_names)}, e.g. "
+                f"({name!r}, {mesh.axis_names[0]!r}).",
+            )
+            continue
+        parts = split_count(axes, mesh.shape)
+        if size % parts == 0:
+            continue
+        where = (
+            f"the {parts} devices that --rules {request.rules} shard {name!r} over (mesh axes "
+            f"{axes} of the {request.mesh} mesh)"
         )
-        return
-    parts = split_count(axes, mesh.shape)
-    if settings.batch % parts:
-        good = (settings.batch // parts + 1) * parts
-        problems.add(
-            MeshplanError,
-            f"--batch {settings.batch} does not split over the {parts} devices that "
-            f"--rules {request.rules} shard 'batch' over (mesh axes {axes} of the "
-            f"{request.mesh} mesh)",
-            f"Use a --batch that is a multiple of {parts} (e.g. {good}), or a mesh and "
-            f"rules that split 'batch' over fewer devices.",
-        )
+        if name == "batch":
+            good = (settings.batch // parts + 1) * parts
+            problems.add(
+                MeshplanError,
+                f"--batch {settings.batch} does not split over {where}",
+                f"Use a --batch that is a multiple of {parts} (e.g. {good}), or a mesh and "
+                f"rules that split 'batch' over fewer devices.",
+            )
+        else:
+            problems.add(
+                MeshplanError,
+                f"--seq {settings.seq_len} gives token windows of {size} (the model reads "
+                f"{settings.seq_len} bytes and predicts the next), which do not split over {where}",
+                "Leave 'length' unsharded: ('length', None) in the rules.",
+            )
+
+
+def _check_corpus(corpus: Any, settings: TrainSettings, problems: _Problems) -> None:
+    """Both splits hold at least one window of ``seq_len + 1`` bytes."""
+    from meshplan.examples.data import DataError
+
+    for split in ("train", "valid"):
+        try:
+            corpus.check_window(split, settings.seq_len)
+        except DataError as e:
+            problems.add_error(e)
+
+
+_SHOWN = 6
+"""Parameters the layout cannot split shown in full; the rest are listed by path."""
 
 
 def _check_state(
@@ -255,12 +284,21 @@ def _check_state(
             k: (tuple(v.shape), None if b is None else tuple(b.names))
             for k, (v, b) in flatten_state(abstract.params).items()
         }
-        for line in _split_problems(shapes, mesh, rules)[:6]:
+        uneven = _split_problems(shapes, mesh, rules)
+        fix = (
+            "Pick a layout that leaves that dimension whole (e.g. data_parallel), a mesh "
+            "whose axes divide it, or model sizes that are multiples of the mesh axes."
+        )
+        for line in uneven[:_SHOWN]:
+            problems.add(
+                MeshError, f"--rules {request.rules} on the {request.mesh} mesh: params/{line}", fix
+            )
+        if len(uneven) > _SHOWN:
+            rest = ", ".join("params/" + line.split(":")[0] for line in uneven[_SHOWN:])
             problems.add(
                 MeshError,
-                f"--rules {request.rules} on the {request.mesh} mesh: params/{line}",
-                "Pick a layout that leaves that dimension whole (e.g. data_parallel), a mesh "
-                "whose axes divide it, or model sizes that are multiples of the mesh axes.",
+                f"and {len(uneven) - _SHOWN} more parameters with a dimension that does not split: {rest}",
+                fix,
             )
 
 
@@ -268,9 +306,9 @@ def prepare(request: TrainRequest) -> Trainer:
     """Checks everything in ``request`` and returns a :class:`Trainer` ready to run.
 
     Every problem found is reported together, before any array is created:
-    an unknown layout, a mesh larger than the devices, a batch the mesh does
-    not divide, model dimensions the layout cannot split, a ``--data`` path
-    with no text, a checkpoint folder that is empty or not a meshplan
+    an unknown layout, a mesh larger than the devices, a batch (or token
+    length) the mesh does not divide, model dimensions the layout cannot split,
+    a ``--data`` path with no text or a split shorter than one sequence, a checkpoint folder that is empty or not a meshplan
     checkpoint, and a model config whose shapes differ from the checkpoint's.
 
     When resuming, settings and the model config the request leaves out
@@ -313,14 +351,20 @@ def prepare(request: TrainRequest) -> Trainer:
     elif stored is not None:
         data = (stored.extra.get("train") or {}).get("data")
     corpus = _load_corpus(data, problems)
+    if corpus is not None:
+        _check_corpus(corpus, settings, problems)
+    model = tx = abstract = None
     if config is not None:
-        abstract = abstract_train_state(Transformer(config), make_optimizer(settings), settings)
+        model, tx = Transformer(config), make_optimizer(settings)
+        abstract = abstract_train_state(model, tx, settings)
         _check_state(request, config, abstract, stored, mesh, rules, problems)
 
     problems.raise_if_any("meshplan train cannot start:")
-    assert mesh is not None and config is not None
+    assert mesh is not None and model is not None
     return Trainer(
-        model=Transformer(config),
+        model=model,
+        tx=tx,
+        abstract=abstract,
         mesh=mesh,
         rules=rules,
         settings=settings,

@@ -47,9 +47,6 @@ class TrainSettings:
     eval_batches: int = 4
     ckpt_every: int = 100
 
-    # Settings that change which batches or updates a step sees.
-    TRAJECTORY = ("batch", "seq_len", "lr", "warmup", "weight_decay", "seed")
-
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict."""
         return dataclasses.asdict(self)

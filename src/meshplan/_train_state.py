@@ -94,29 +94,30 @@ def plan_summary(
 ) -> dict[str, Any]:
     """Parameter count and per-device bytes of the parameters and of the whole state.
 
-    Uses :func:`meshplan.explain` when it is available, else sums the shards.
+    From :func:`meshplan.explain`; should it fail, from the shard sizes, with
+    its error in ``source``.
     """
+    from meshplan._plan import explain
+
     params = abstract.params
     summary: dict[str, Any] = {
         "mesh": dict(mesh.shape),
         "layout": layout,
         "parameters": sum(math.prod(x.shape) for x in jax.tree.leaves(params)),
         "params_total": _total_bytes(params),
-        "params_per_device": per_device_bytes(params, shardings.params),
-        "state_per_device": per_device_bytes(abstract, shardings),
         "state_total": _total_bytes(abstract),
-        "source": "meshplan shard sizes",
     }
-    import meshplan
-
-    explain = getattr(meshplan, "explain", None)
-    if explain is None:  # pragma: no cover - a build without the plan module
-        return summary
     try:
         totals = explain(abstract, mesh, rules).totals
-        summary["params_per_device"] = int(totals["params"].max_device_bytes)
-        summary["state_per_device"] = int(totals["all"].max_device_bytes)
-        summary["source"] = "meshplan.explain"
+        per_device = {
+            "params_per_device": int(totals["params"].max_device_bytes),
+            "state_per_device": int(totals["all"].max_device_bytes),
+            "source": "meshplan.explain",
+        }
     except Exception as e:  # the summary is informative only: never stop a run for it
-        summary["source"] = f"shard sizes (meshplan.explain failed: {type(e).__name__}: {e})"
-    return summary
+        per_device = {
+            "params_per_device": per_device_bytes(params, shardings.params),
+            "state_per_device": per_device_bytes(abstract, shardings),
+            "source": f"shard sizes (meshplan.explain failed: {type(e).__name__}: {e})",
+        }
+    return {**summary, **per_device}

@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding
 
 import meshplan
 from meshplan._errors import MeshplanError
+from meshplan._rules import mesh_axes_of
 
 __all__ = ["ByteCorpus", "DataError", "shard_batch"]
 
@@ -206,6 +207,32 @@ class ByteCorpus:
             raise ValueError(f"split must be 'train' or 'valid', got {name!r}.")
         return self.train if name == "train" else self.valid
 
+    def check_window(self, split: str, seq_len: int) -> np.ndarray:
+        """The bytes of ``split``; raises unless they hold one window of ``seq_len + 1``.
+
+        Example:
+            >>> import numpy as np
+            >>> from meshplan.examples.data import ByteCorpus, DataError
+            >>> corpus = ByteCorpus(np.zeros(100, np.uint8), np.zeros(20, np.uint8), "x")
+            >>> try:
+            ...     corpus.check_window("valid", 32)
+            ... except DataError as e:
+            ...     print(str(e).splitlines()[0])
+            The valid split of 'x' has 20 bytes, fewer than one window of seq_len + 1 = 33.
+
+        Raises:
+            DataError: the split is shorter than ``seq_len + 1`` bytes.
+        """
+        data = self.split(split)
+        window = seq_len + 1
+        if len(data) < window:
+            raise DataError(
+                f"The {split} split of {self.source!r} has {len(data)} bytes, fewer than one "
+                f"window of seq_len + 1 = {window}.\nUse a shorter sequence length (--seq) or "
+                f"more text."
+            )
+        return data
+
     def batch_at(self, split: str, step: int, seed: int, batch: int, seq_len: int) -> np.ndarray:
         """The batch of ``step``: ``int32[batch, seq_len + 1]`` windows of the split.
 
@@ -223,13 +250,8 @@ class ByteCorpus:
         Raises:
             DataError: the split is shorter than ``seq_len + 1`` bytes.
         """
-        data = self.split(split)
+        data = self.check_window(split, seq_len)
         window = seq_len + 1
-        if len(data) < window:
-            raise DataError(
-                f"The {split} split of {self.source!r} has {len(data)} bytes, fewer than one "
-                f"window of seq_len + 1 = {window}.\nUse a shorter sequence length or more text."
-            )
         rng = np.random.default_rng([seed, _SPLITS.index(split), step])
         starts = rng.integers(0, len(data) - window + 1, size=batch)
         return data[starts[:, None] + np.arange(window)].astype(np.int32)
@@ -240,14 +262,6 @@ class ByteCorpus:
             f"{len(self.train_files)} files, valid={len(self.valid):,} bytes in "
             f"{len(self.valid_files)} files)"
         )
-
-
-def _mesh_axes(entry: Any) -> tuple[str, ...]:
-    if isinstance(entry, str):
-        return (entry,)
-    if isinstance(entry, tuple):
-        return entry
-    return ()
 
 
 def shard_batch(tokens: np.ndarray, mesh: jax.sharding.Mesh, rules: Any) -> jax.Array:
@@ -271,7 +285,7 @@ def shard_batch(tokens: np.ndarray, mesh: jax.sharding.Mesh, rules: Any) -> jax.
     """
     spec = meshplan.logical_to_mesh_axes(("batch", "length"), rules)
     for dim, (what, entry) in enumerate(zip(("batch", "length"), spec, strict=True)):
-        axes = _mesh_axes(entry)
+        axes = mesh_axes_of(entry)
         missing = [a for a in axes if a not in mesh.shape]
         if missing:
             raise meshplan.MeshError(
