@@ -230,3 +230,19 @@ def test_plain_orbax_checkpoint_is_not_a_meshplan_checkpoint(tmp_path):
         manager.save(5, args=ocp.args.Composite(state=ocp.args.StandardSave({"a": jnp.ones(2)})))
     with pytest.raises(meshplan.CheckpointError, match="has no 'meshplan' metadata item"):
         meshplan.restore(tmp_path)
+
+
+def test_damaged_metadata_is_a_clear_error(tmp_path):
+    with meshplan.Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(2, {"w": jnp.ones(2)})
+    meta_file = tmp_path / "2" / "meshplan" / "metadata"
+    data = json.loads(meta_file.read_text())
+    del data["arrays"]
+    meta_file.write_text(json.dumps(data))
+    with pytest.raises(meshplan.CheckpointError) as e:
+        meshplan.restore(tmp_path)
+    message = str(e.value)
+    assert (
+        f"'{tmp_path}' (step 2): its meshplan metadata is damaged (KeyError: 'arrays')" in message
+    )
+    assert message.splitlines()[-1].startswith("Restore an earlier step (step=...)")

@@ -57,10 +57,11 @@ def remove_incomplete_steps(path: Path) -> list[str]:
         >>> import tempfile
         >>> from pathlib import Path
         >>> from meshplan._checkpoint_folder import remove_incomplete_steps
-        >>> folder = Path(tempfile.mkdtemp())
-        >>> (folder / "4.orbax-checkpoint-tmp").mkdir()
-        >>> remove_incomplete_steps(folder), list(folder.iterdir())
-        (['4.orbax-checkpoint-tmp'], [])
+        >>> with tempfile.TemporaryDirectory() as name:
+        ...     folder = Path(name)
+        ...     (folder / "4.orbax-checkpoint-tmp").mkdir()
+        ...     print(remove_incomplete_steps(folder), list(folder.iterdir()))
+        ['4.orbax-checkpoint-tmp'] []
     """
     names = _incomplete_steps(path) if path.is_dir() else []
     for name in names:

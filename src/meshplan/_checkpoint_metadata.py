@@ -236,12 +236,20 @@ class CheckpointMetadata:
                 f"{FORMAT_VERSION}.\nUpgrade meshplan to restore it."
             )
         mesh = data.get("mesh") or {}
-        return cls(
-            step=int(data["step"]),
-            arrays={k: ArrayInfo.from_json(v) for k, v in data["arrays"].items()},
-            rules=_rules_from_json(data.get("rules") or ()),
-            mesh_shape=dict(zip(mesh.get("axis_names", ()), mesh.get("shape", ()), strict=True)),
-            config=data.get("config"),
-            extra=dict(data.get("extra") or {}),
-            meshplan_version=str(data.get("meshplan_version", "")),
-        )
+        try:
+            return cls(
+                step=int(data["step"]),
+                arrays={k: ArrayInfo.from_json(v) for k, v in data["arrays"].items()},
+                rules=_rules_from_json(data.get("rules") or ()),
+                mesh_shape=dict(
+                    zip(mesh.get("axis_names", ()), mesh.get("shape", ()), strict=True)
+                ),
+                config=data.get("config"),
+                extra=dict(data.get("extra") or {}),
+                meshplan_version=str(data.get("meshplan_version", "")),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointError(
+                f"{where}: its meshplan metadata is damaged ({type(e).__name__}: {e}).\n"
+                f"Restore an earlier step (step=...), or train into a new --ckpt-dir."
+            ) from e

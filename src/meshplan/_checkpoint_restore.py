@@ -229,12 +229,11 @@ def restore(
         >>> import tempfile, jax, jax.numpy as jnp, meshplan
         >>> tree = {"w": meshplan.LogicallyPartitioned(jnp.arange(8.0).reshape(2, 4),
         ...                                           ("embed", "mlp"))}
-        >>> folder = tempfile.mkdtemp()
-        >>> with meshplan.Checkpointer(folder) as ckpt:
-        ...     ckpt.save(1, tree, rules=(("mlp", "model"),))
-        True
         >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
-        >>> state, meta = meshplan.restore(folder, mesh)
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     with meshplan.Checkpointer(folder) as ckpt:
+        ...         _ = ckpt.save(1, tree, rules=(("mlp", "model"),))
+        ...     state, meta = meshplan.restore(folder, mesh)
         >>> state["w"].names, state["w"].value.sharding.spec, meta.step
         (('embed', 'mlp'), P(None, 'model'), 1)
     """
