@@ -52,6 +52,16 @@ def test_a_batch_that_does_not_divide_over_the_batch_axes_is_rejected():
     assert result.row("4x1", "tensor_parallel").status == "rejected"
 
 
+def test_rules_that_split_the_batch_over_an_axis_the_mesh_lacks_are_rejected():
+    rules = (("batch", "dp"), ("embed", "data"))
+    result = meshplan.search_layouts(big_params(), 4, {"mine": rules}, batch=6)
+    for mesh in ("1x4", "2x2", "4x1"):
+        row = result.row(mesh, "mine")
+        assert row.status == "rejected" and row.rank is None
+        assert row.reason.startswith("rules[0]: rule 0 ('batch', 'dp') names mesh axis 'dp'")
+    assert result.best is None
+
+
 def test_fsdp_ranks_before_data_parallel_for_big_parameters():
     result = meshplan.search_layouts(big_params(), 8, batch=32)
     assert (result.best.layout, result.best.mesh_text, result.best.rank) == ("fsdp", "1x8", 1)
@@ -195,7 +205,9 @@ def test_measuring_several_layouts_in_one_process_traces_each_under_its_own_rule
 
     mesh = {"data": 2, "model": 4}
     step = make_step()
-    measure_step(step, state, tokens, mesh, meshplan.layouts.fsdp)
+    fsdp = measure_step(step, state, tokens, mesh, meshplan.layouts.fsdp)
     after_fsdp = measure_step(step, state, tokens, mesh, meshplan.layouts.fsdp_tp)
     fresh = measure_step(make_step(), state, tokens, mesh, meshplan.layouts.fsdp_tp)
+    # The layouts move different bytes, so a reused trace would show here.
+    assert fsdp["collectives"] != fresh["collectives"]
     assert after_fsdp["collectives"] == fresh["collectives"]

@@ -212,7 +212,7 @@ def _evaluate(row: SearchRow, state: Any, batch: int | None, budget: int | None)
         row.status, row.reason = "rejected", f"{errors[0].path}: {errors[0].message}{more}"
         return
     entry = logical_to_mesh_axes(("batch",), row.rules)[0]
-    axes = tuple(a for a in mesh_axes_of(entry) if a in row.mesh)
+    axes = mesh_axes_of(entry)  # check() has rejected rules naming axes the mesh lacks
     parts = math.prod(row.mesh[a] for a in axes)
     if batch is not None and batch % parts:
         row.status, row.reason = "rejected", f"batch {batch} does not divide by the {parts} devices 'batch' is split over (mesh axes {axes})"  # fmt: skip

@@ -105,7 +105,11 @@ def run(args: argparse.Namespace) -> int:
     out = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 180)
     err = Console(file=sys.stderr, width=None if sys.stderr.isatty() else 180)
     if args.devices < 1 or args.batch < 1:
-        err.print("[red]error:[/] --devices and --batch must be positive.", highlight=False)
+        err.print(
+            f"[red]error:[/] --devices and --batch must be positive, got --devices "
+            f"{args.devices} --batch {args.batch}.\nPass --devices N and --batch B of at least 1.",
+            highlight=False,
+        )
         return 2
     if args.measure:
         use_cpu_devices(max(8, args.devices))
