@@ -133,6 +133,20 @@ def test_resume_with_a_config_of_other_shapes(trained, tmp_path, capsys):
     assert "do not fit the model" in err
 
 
+def test_sample_says_when_the_prompt_is_longer_than_the_context(trained, capsys):
+    folder, args = trained
+    if not folder.exists():
+        assert main([*args, "--ckpt-dir", str(folder)]) == 0
+    capsys.readouterr()
+    base = ["sample", "--ckpt-dir", str(folder), "--length", "2", "--temperature", "0"]
+    assert main([*base, "--prompt", "x" * 16]) == 0  # exactly the context (--seq 16)
+    assert "note:" not in capsys.readouterr().err
+    assert main([*base, "--prompt", "x" * 20]) == 0
+    err = capsys.readouterr().err
+    assert "note: the prompt is 20 bytes, longer than the model's context of 16 bytes" in err
+    assert "it continues from the last 16 bytes only" in err
+
+
 def test_errors_exit_nonzero_without_traceback_in_a_real_process(tmp_path):
     proc = subprocess.run(
         [

@@ -37,6 +37,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step", type=int, metavar="N", help="checkpoint step (default: latest)")
 
 
+def context_window(max_len: int, window: int | None = None) -> int:
+    """The most bytes the model sees to predict the next: ``window``, at most ``max_len``.
+
+    Example:
+        >>> from meshplan.commands.sample import context_window
+        >>> context_window(64), context_window(64, window=32), context_window(64, window=128)
+        (64, 32, 64)
+    """
+    return min(window or max_len, max_len)
+
+
 def generate(
     model: Any,
     params: Any,
@@ -50,7 +61,8 @@ def generate(
 
     Each byte is predicted from the last ``window`` bytes at most (default the
     model's ``max_len``; pass the training sequence length, the longest context
-    the model has learned), padded to a fixed shape so that one compiled
+    the model has learned; :func:`context_window`), so a longer prompt is read
+    from its last ``window`` bytes only (``meshplan sample`` says so), padded to a fixed shape so that one compiled
     forward pass serves every position (the model is causal, so the padding
     after the last byte does not matter).
 
@@ -75,7 +87,7 @@ def generate(
             f"length and temperature must be >= 0, got {length=}, {temperature=}.\n"
             f"Pass --length N and --temperature T >= 0."
         )
-    longest = min(window or model.config.max_len, model.config.max_len)
+    longest = context_window(model.config.max_len, window)
     window = min(longest, max(len(prompt), 1) + length)
     tokens = list(prompt) or [ord("\n")]
 
@@ -123,6 +135,15 @@ def run(args: argparse.Namespace) -> int:
             f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature:g}'}[/dim]"
         )
         seq_len = (metadata.extra.get("train") or {}).get("seq_len")
+        window = context_window(model.config.max_len, seq_len)
+        if len(prompt) > window:
+            Console(stderr=True).print(
+                f"note: the prompt is {len(prompt)} bytes, longer than the model's context of "
+                f"{window} bytes (the training --seq): it continues from the last {window} "
+                f"bytes only.",
+                highlight=False,
+                soft_wrap=True,
+            )
         text = generate(
             model, params, prompt, args.length, args.temperature, args.seed, window=seq_len
         )

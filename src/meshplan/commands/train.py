@@ -325,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
             )
             result = trainer.run(on_step=on_step, on_eval=on_eval)
     except KeyboardInterrupt:
-        trainer.close()
+        trainer.close()  # the save in progress completes: it is the latest checkpoint
         from meshplan._checkpoint_folder import latest_step
 
         last = latest_step(trainer.ckpt_dir) if trainer.ckpt_dir else None
@@ -334,7 +334,8 @@ def run(args: argparse.Namespace) -> int:
             + (f" (resume with --resume --ckpt-dir {trainer.ckpt_dir})" if last is not None else "")
         )
         return 130
-    trainer.close()
+    finally:
+        trainer.close()  # any other error: let the save in progress reach the disk first
     _summary(console, trainer, result)
     if jax.process_index() != 0:
         Console(stderr=True).print(
