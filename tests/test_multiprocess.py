@@ -200,13 +200,14 @@ def test_a_killed_worker_stops_the_run_with_a_message(tmp_path):
     [
         (["--processes", "3"], "--devices 8 does not split over --processes 3"),
         (["--processes", "2", "--process-id", "1"], "--process-id are for running one process"),
+        (["--processes", "2", "--process-id", "0"], "--process-id are for running one process"),
         (["--coordinator", "127.0.0.1:1"], "--num-processes is missing"),
         (
             ["--coordinator", "nohost", "--num-processes", "2", "--process-id", "2"],
             "--process-id 2 is not in 0..1",
         ),
     ],
-    ids=["devices", "both-ways", "missing", "bad-values"],
+    ids=["devices", "both-ways", "both-ways-id-0", "missing", "bad-values"],
 )
 def test_multiprocess_flags_that_do_not_fit(capsys, args, expected):
     assert main(["train", *args]) == 2

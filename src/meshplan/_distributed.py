@@ -152,7 +152,7 @@ def join(group: ProcessGroup, timeout_seconds: int = 120) -> None:
             process_id=group.process_id,
             initialization_timeout=timeout_seconds,
         )
-    except Exception as e:  # JAX raises RuntimeError/XlaRuntimeError/ValueError here
+    except (RuntimeError, ValueError) as e:  # JaxRuntimeError is a RuntimeError
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DistributedError(
             f"Process {group.process_id} of {group.num_processes} could not join the run "

@@ -70,7 +70,8 @@ def worker_env(local_devices: int, base: dict[str, str] | None = None) -> dict[s
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    with contextlib.suppress(Exception):
+    # No libc or no prctl: the worker runs without the parent-death signal.
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 

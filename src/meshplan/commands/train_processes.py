@@ -60,7 +60,9 @@ def _check_launch(args: argparse.Namespace) -> list[str]:
         problems.append(
             f"--devices {args.devices} does not split over --processes {args.processes}"
         )
-    given = [f for f in ("coordinator", "num_processes", "process_id") if getattr(args, f)]
+    given = [
+        f for f in ("coordinator", "num_processes", "process_id") if getattr(args, f) is not None
+    ]
     if given:
         problems.append(
             f"--processes starts the processes itself; {', '.join(map(_flag, given))} "
