@@ -186,7 +186,9 @@ def _kill_during_save(folder: Path) -> tuple[list[int], list[str]]:
     """Starts a run saving every step; SIGKILLs it while a save is in progress."""
     cmd = [*_CLI, "train", "--steps", "400", "--eval-every", "0"]
     cmd += ["--ckpt-every", "1", "--ckpt-dir", str(folder), "--mesh", "2x4", *FAST, *TINY]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = folder.parent / f"{folder.name}.stderr"  # a file, not a pipe: it cannot fill up
+    with open(log, "wb") as stderr:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr)
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and proc.poll() is None:
@@ -195,7 +197,7 @@ def _kill_during_save(folder: Path) -> tuple[list[int], list[str]]:
                 proc.wait(timeout=30)
                 return _complete(folder), _in_progress(folder)
             time.sleep(0.001)
-        raise AssertionError(f"no save seen in progress; stderr: {proc.stderr.read()[-2000:]!r}")
+        raise AssertionError(f"no save seen in progress; stderr: {log.read_text()[-2000:]!r}")
     finally:
         if proc.poll() is None:
             proc.kill()
