@@ -158,11 +158,13 @@ def _children(pid: int) -> dict[int, str]:
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the workers through /proc")
 def test_a_killed_worker_stops_the_run_with_a_message(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    launcher = subprocess.Popen(
-        [*_TRAIN, "--processes", "2", "--steps", "100000", "--eval-every", "0", *FAST, *TINY,
-         "--metrics", str(metrics)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
+    out_log, err_log = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with open(out_log, "wb") as out, open(err_log, "wb") as errs:  # files cannot fill and block
+        launcher = subprocess.Popen(
+            [*_TRAIN, "--processes", "2", "--steps", "100000", "--eval-every", "0", *FAST, *TINY,
+             "--metrics", str(metrics)],
+            stdout=out, stderr=errs, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
     workers: dict[int, str] = {}
     try:
         deadline = time.monotonic() + 120
@@ -174,7 +176,7 @@ def test_a_killed_worker_stops_the_run_with_a_message(tmp_path):
         assert len(workers) == 2, workers
         victim = next(pid for pid, cmd in workers.items() if "--process-id 1" in cmd)
         os.kill(victim, signal.SIGKILL)
-        _, err = launcher.communicate(timeout=60)
+        launcher.wait(timeout=60)
     finally:
         if launcher.poll() is None:  # its workers die with it (PR_SET_PDEATHSIG)
             launcher.kill()
@@ -183,6 +185,7 @@ def test_a_killed_worker_stops_the_run_with_a_message(tmp_path):
             if _cmdline(pid) == cmd:
                 os.kill(pid, signal.SIGKILL)
     assert launcher.returncode != 0
+    err = err_log.read_text()
     assert (
         "error: worker process 1 of 2 was killed by SIGKILL; stopped the other (process 0)" in err
     )
