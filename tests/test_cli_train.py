@@ -77,8 +77,10 @@ def _bad(args: list[str], capsys) -> str:
         (["--mesh", "2x8"], "needs 16 devices, but there are only 8", "Use a smaller mesh"),
         (["--mesh", "two"], "Cannot read the mesh 'two'", "Write it like 2x4"),
         (["--seq", "100"], "--seq 100 exceeds the model's max_len=64", "Use --seq 64 or less"),
+        (["--eval-every", "-5"], "--eval-every must be 0 or more, got -5", "Pass --eval-every 0"),
+        (["--ckpt-every", "-1"], "--ckpt-every must be 0 or more, got -1", "Pass --ckpt-every 0"),
     ],
-    ids=["rules", "batch", "mesh-size", "mesh-text", "seq"],
+    ids=["rules", "batch", "mesh-size", "mesh-text", "seq", "eval-every", "ckpt-every"],
 )
 def test_bad_input_is_refused_before_any_work(tmp_path, capsys, extra, expected, fix):
     folder = tmp_path / "run"

@@ -162,6 +162,14 @@ def _resolve_settings(
                 f"{name} must be positive, got {getattr(settings, name)}",
                 "Pass positive --steps, --batch, --seq and --eval-batches.",
             )
+    for name, flag in (("eval_every", "--eval-every"), ("ckpt_every", "--ckpt-every"),
+                       ("warmup", "--warmup")):  # fmt: skip
+        if getattr(settings, name) < 0:
+            problems.add(
+                MeshplanError,
+                f"{flag} must be 0 or more, got {getattr(settings, name)}",
+                f"Pass {flag} 0 (only at the end) or a positive number of steps.",
+            )
     if stored is not None and settings.steps < stored.step:
         problems.add(
             MeshplanError,
