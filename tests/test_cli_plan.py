@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from meshplan import cli
-from meshplan.commands import plan as plan_command
+from meshplan._train_mesh import parse_mesh_shape
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -126,6 +126,6 @@ def test_transformer_plan(capsys):
 
 
 def test_parse_mesh_defaults():
-    assert plan_command.parse_mesh("2x4", None) == {"data": 2, "model": 4}
-    assert plan_command.parse_mesh("8", None) == {"data": 8, "model": 1}
-    assert plan_command.parse_mesh("4×2", None) == {"data": 4, "model": 2}
+    assert parse_mesh_shape("2x4", None) == {"data": 2, "model": 4}
+    assert parse_mesh_shape("8", None) == {"data": 8, "model": 1}
+    assert parse_mesh_shape("4×2", None) == {"data": 4, "model": 2}

@@ -11,10 +11,56 @@ from jax.sharding import Mesh
 
 from meshplan._errors import MeshError
 
-__all__ = ["MESH_AXES", "make_mesh", "parse_mesh"]
+__all__ = ["MESH_AXES", "make_mesh", "parse_mesh", "parse_mesh_shape"]
 
 MESH_AXES = ("data", "model")
 """Axis names of every mesh ``meshplan train`` builds (the layouts' axes)."""
+
+
+def parse_mesh_shape(text: str, axes: str | None = None) -> dict[str, int]:
+    """``"2x4"`` -> ``{'data': 2, 'model': 4}``: mesh axis sizes from command-line text.
+
+    One size means ``DATAx1``. Without ``axes`` the names are ``('data', 'model')``;
+    ``axes`` (``"data,fsdp,model"``) names any number of axes.
+
+    Example:
+        >>> from meshplan._train_mesh import parse_mesh_shape
+        >>> parse_mesh_shape("2x4"), parse_mesh_shape("8"), parse_mesh_shape("4×2")
+        ({'data': 2, 'model': 4}, {'data': 8, 'model': 1}, {'data': 4, 'model': 2})
+        >>> parse_mesh_shape("2x2x2", "data,fsdp,model")
+        {'data': 2, 'fsdp': 2, 'model': 2}
+
+    Raises:
+        MeshError: the sizes are not positive integers separated by ``x``, or
+            ``axes`` does not give one distinct name per size.
+    """
+    parts = str(text).lower().replace("×", "x").split("x")
+    try:
+        sizes = [int(p) for p in parts]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise MeshError(
+            f"Cannot read the mesh {text!r}: expected positive axis sizes separated by 'x'.\n"
+            f"Write it like 2x4, 4x2, 8 or 2x2x2 (the last with --axes a,b,c)."
+        )
+    if axes is None:
+        if len(sizes) == 1:
+            sizes.append(1)
+        if len(sizes) != len(MESH_AXES):
+            raise MeshError(
+                f"The mesh {text!r} has {len(sizes)} axes; the default names are "
+                f"{MESH_AXES}.\nName them with --axes, e.g. --axes data,fsdp,model."
+            )
+        names = MESH_AXES
+    else:
+        names = tuple(a.strip() for a in axes.split(",") if a.strip())
+        if len(names) != len(sizes) or len(set(names)) != len(names):
+            raise MeshError(
+                f"--axes {axes!r} gives {len(names)} distinct names for the {len(sizes)} "
+                f"mesh axes of {text!r}.\nGive one distinct name per axis."
+            )
+    return dict(zip(names, sizes, strict=True))
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
@@ -26,21 +72,10 @@ def parse_mesh(text: str) -> tuple[int, int]:
         ((2, 4), (8, 1))
 
     Raises:
-        MeshError: ``text`` is not ``DATAxMODEL`` with positive integers.
+        MeshError: as :func:`parse_mesh_shape`.
     """
-    parts = str(text).lower().replace("×", "x").split("x")
-    try:
-        sizes = tuple(int(p) for p in parts)
-    except ValueError:
-        sizes = ()
-    if len(sizes) == 1:
-        sizes = (sizes[0], 1)
-    if len(sizes) != 2 or min(sizes) < 1:
-        raise MeshError(
-            f"Cannot read the mesh {text!r}: expected DATAxMODEL sizes of the mesh axes "
-            f"{MESH_AXES}.\nWrite it like 2x4, 4x2, 8x1 or 1x1."
-        )
-    return sizes[0], sizes[1]
+    data, model = parse_mesh_shape(text).values()
+    return data, model
 
 
 def make_mesh(shape: tuple[int, int], devices: Any = None) -> Mesh:

@@ -10,14 +10,14 @@ from typing import Any
 
 from rich.console import Console
 
+from meshplan._errors import MeshError
+from meshplan._train_mesh import parse_mesh_shape
 from meshplan.commands.devices import use_cpu_devices
 
 HELP = (
     "Show where every parameter and optimizer state of an example model goes on a mesh "
     "under a rule set, and check the plan (--json, --png, --strict)."
 )
-
-_DEFAULT_AXES = ("data", "model")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,47 +58,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="exit with status 1, listing the problems, when the check finds errors",
     )
-
-
-class _UsageError(Exception):
-    """A bad command line: printed, exit status 2."""
-
-
-def parse_mesh(text: str, axes: str | None) -> dict[str, int]:
-    """``'2x4'`` -> ``{'data': 2, 'model': 4}``; ``'8'`` -> ``{'data': 8, 'model': 1}``.
-
-    Example:
-        >>> from meshplan.commands.plan import parse_mesh
-        >>> parse_mesh("2x4", None), parse_mesh("2x2x2", "data,fsdp,model")
-        ({'data': 2, 'model': 4}, {'data': 2, 'fsdp': 2, 'model': 2})
-    """
-    parts = str(text).lower().replace("×", "x").split("x")
-    try:
-        sizes = [int(p) for p in parts]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        raise _UsageError(
-            f"Cannot read the mesh {text!r}: expected axis sizes separated by 'x'.\n"
-            f"Write it like 2x4, 4x2, 8 or 2x2x2 (the last with --axes a,b,c)."
-        )
-    if axes is None:
-        if len(sizes) == 1:
-            sizes.append(1)
-        if len(sizes) != 2:
-            raise _UsageError(
-                f"The mesh {text!r} has {len(sizes)} axes; the default names are "
-                f"{_DEFAULT_AXES}.\nName them with --axes, e.g. --axes data,fsdp,model."
-            )
-        names = _DEFAULT_AXES
-    else:
-        names = tuple(a.strip() for a in axes.split(",") if a.strip())
-        if len(names) != len(sizes) or len(set(names)) != len(names):
-            raise _UsageError(
-                f"--axes {axes!r} gives {len(names)} distinct names for the {len(sizes)} "
-                f"mesh axes of {text!r}.\nGive one distinct name per axis."
-            )
-    return dict(zip(names, sizes, strict=True))
 
 
 def load_rules(spec: str | None, model: str) -> tuple[str, Any]:
@@ -174,8 +133,8 @@ def run(args: argparse.Namespace) -> int:
     out = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 180)
     err = Console(file=sys.stderr, width=None if sys.stderr.isatty() else 180)
     try:
-        shape = parse_mesh(args.mesh, args.axes)
-    except _UsageError as e:
+        shape = parse_mesh_shape(args.mesh, args.axes)
+    except MeshError as e:
         err.print(f"[red]error:[/] {e}", highlight=False)
         return 2
     use_cpu_devices(max(8, math.prod(shape.values())))
