@@ -130,10 +130,11 @@ class Checkpointer:
 
         if step in self._manager.all_steps():
             return False
-        metadata = CheckpointMetadata.describe(
-            step, state, rules=rules, mesh=mesh, config=config, extra=extra
+        flat = flatten_state(state)
+        metadata = CheckpointMetadata.from_flat(
+            step, flat, rules=rules, mesh=mesh, config=config, extra=extra
         )
-        raw = nest({key: value for key, (value, _) in flatten_state(state).items()})
+        raw = nest({key: value for key, (value, _) in flat.items()})
         return bool(
             self._manager.save(
                 int(step),

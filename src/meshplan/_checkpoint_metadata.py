@@ -162,9 +162,33 @@ class CheckpointMetadata:
             >>> meta.step, meta.arrays["w"].names, meta.rules
             (3, ('embed', 'mlp'), (('mlp', 'model'),))
         """
+        return cls.from_flat(
+            step, flatten_state(state), rules=rules, mesh=mesh, config=config, extra=extra
+        )
+
+    @classmethod
+    def from_flat(
+        cls,
+        step: int,
+        flat: Mapping[str, tuple[Any, Any]],
+        *,
+        rules: Any = None,
+        mesh: Mesh | None = None,
+        config: Mapping[str, Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> CheckpointMetadata:
+        """:meth:`describe` for a state already flattened by ``flatten_state``.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> from meshplan._checkpoint_metadata import CheckpointMetadata
+            >>> from meshplan._checkpoint_tree import flatten_state
+            >>> meta = CheckpointMetadata.from_flat(1, flatten_state({"b": jnp.zeros(3)}))
+            >>> meta.arrays["b"].shape, meta.arrays["b"].names
+            ((3,), None)
+        """
         from meshplan import __version__
 
-        flat = flatten_state(state)
         mesh = mesh if mesh is not None else _mesh_of(flat)
         arrays = {
             key: ArrayInfo(
