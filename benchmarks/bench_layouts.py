@@ -51,7 +51,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import meshplan
 import meshplan.layouts
-from meshplan._hlo import collective_bytes
+from meshplan._search.hlo import collective_bytes
 from meshplan.examples.data import ByteCorpus, shard_batch
 from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
 

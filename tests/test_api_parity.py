@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshplan
-from meshplan._shardings import _map_collecting
+from meshplan._spmd.shardings import _map_collecting
 
 RULES = (("batch", "data"), ("embed", "model"))
 

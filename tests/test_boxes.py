@@ -402,7 +402,7 @@ def test_unbox_strips_every_box():
     raw = meshplan.unbox(_params())
     assert not any(
         isinstance(x, nn.meta.AxisMetadata)
-        for x in jax.tree_util.tree_leaves(raw, is_leaf=meshplan._boxes.is_box)
+        for x in jax.tree_util.tree_leaves(raw, is_leaf=meshplan._spmd.boxes.is_box)
     )
     assert jax.tree_util.tree_structure(raw) == jax.tree_util.tree_structure(
         {"Dense_0": {"kernel": 0}, "W2": 0, "logical": 0, "bias": 0}

@@ -11,13 +11,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import meshplan
-from meshplan._checkpoint_folder import latest_step, read_metadata
-from meshplan._checkpoint_tree import flatten_state
-from meshplan._train_mesh import make_mesh
-from meshplan._train_settings import TrainSettings, make_optimizer
-from meshplan._train_state import abstract_train_state, state_shardings
+from meshplan._checkpoint.folder import latest_step, read_metadata
+from meshplan._checkpoint.tree import flatten_state
 from meshplan.examples.transformer import Transformer, config_from_name
 from meshplan.layouts import data_parallel, fsdp, fsdp_tp, tensor_parallel
+from meshplan.train.mesh import make_mesh
+from meshplan.train.settings import TrainSettings, make_optimizer
+from meshplan.train.state import abstract_train_state, state_shardings
 
 CONFIG = config_from_name("tiny", num_layers=2, embed_dim=32, mlp_dim=64, num_heads=4, max_len=32)
 SETTINGS = TrainSettings(seq_len=16, seed=3)

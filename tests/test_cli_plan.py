@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from meshplan import cli
-from meshplan._train_mesh import parse_mesh_shape
+from meshplan.train.mesh import parse_mesh_shape
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

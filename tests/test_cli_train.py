@@ -233,13 +233,13 @@ def test_sigkill_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_pat
     assert resumed.metadata.step == target
 
     # Nothing else was lost: the same as a run that was never interrupted.
-    from meshplan._train_request import TrainRequest, prepare
+    from meshplan.cli.train_request import TrainRequest, prepare
 
     settings = {"steps": target, "batch": 8, "seq_len": 16, "eval_every": 0, "eval_batches": 2}
     overrides = {"num_layers": 1, "embed_dim": 32, "mlp_dim": 64, "max_len": 64}
     trainer = prepare(TrainRequest(mesh="2x4", overrides=overrides, settings=settings))
     trainer.run()
-    from meshplan._checkpoint_tree import flatten_state
+    from meshplan._checkpoint.tree import flatten_state
 
     arrays = resumed.arrays()
     for key, (value, _) in flatten_state(trainer.state).items():

@@ -355,7 +355,7 @@ def test_long_trees_are_summarised(mesh):
     short = str(plan)
     assert "w099" in short and "w000" not in short  # the largest are kept
     assert "76 smaller leaves" in short and "plan.table(full=True)" in short
-    from meshplan._render import to_text
+    from meshplan._plan.render.table import to_text
 
     full = to_text(plan.table(full=True))
     assert all(f"w{i:03d}" in full for i in range(100))

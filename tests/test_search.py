@@ -13,11 +13,11 @@ import pytest
 import meshplan
 import meshplan.layouts
 from meshplan import cli
-from meshplan._hlo import measure_step
-from meshplan._train_settings import TrainSettings
-from meshplan._train_state import abstract_train_state
+from meshplan._search.hlo import measure_step
 from meshplan.examples.mlp import LogicalMLP, init_fn
 from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
+from meshplan.train.settings import TrainSettings
+from meshplan.train.state import abstract_train_state
 
 
 def boxed(shape: tuple[int, ...], names: tuple[str, ...]) -> meshplan.LogicallyPartitioned:

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import meshplan
-from meshplan._train_mesh import parse_mesh
-from meshplan._train_request import TrainRequest, prepare
-from meshplan._train_settings import TrainSettings
+from meshplan.cli.train_request import TrainRequest, prepare
+from meshplan.train.mesh import parse_mesh
+from meshplan.train.settings import TrainSettings
 
 # The tiniest model that still learns: one block of width 32.
 TINY = {"num_layers": 1, "embed_dim": 32, "mlp_dim": 64, "num_heads": 4, "max_len": 64}
@@ -28,7 +28,7 @@ def _request(tmp_path=None, **kw) -> TrainRequest:
 
 
 def _params(trainer) -> dict[str, np.ndarray]:
-    from meshplan._checkpoint_tree import flatten_state
+    from meshplan._checkpoint.tree import flatten_state
 
     return {k: np.asarray(v) for k, (v, _) in flatten_state(trainer.state.params).items()}
 

@@ -89,7 +89,7 @@ def test_forward_gives_float32_logits_sharded_by_the_layout(layout, mesh_kind):
 def test_every_parameter_is_logically_partitioned_with_vocabulary_names(scan_layers):
     model = Transformer(dataclasses.replace(CONFIG, scan_layers=scan_layers))
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens())["params"])
-    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=meshplan._boxes.is_box)
+    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=meshplan._spmd.boxes.is_box)
     assert len(leaves) > 10
     for path, box in leaves:
         where = jax.tree_util.keystr(path)

@@ -5,21 +5,9 @@ same names and signatures (switch by changing an import), plus the tools to
 see, check and search partition plans.
 """
 
-from meshplan._boxes import (
-    PARTITION_NAME,
-    LogicallyPartitioned,
-    Partitioned,
-    replace_boxed,
-    unbox,
-    with_logical_partitioning,
-    with_partitioning,
-)
-from meshplan._check import check
-from meshplan._check_problems import Problem
-from meshplan._checkpoint import Checkpointer
-from meshplan._checkpoint_metadata import CheckpointMetadata
-from meshplan._checkpoint_restore import Restored, restore
-from meshplan._constraints import RulesFallback, explicit_out_sharding, with_logical_constraint
+from meshplan._checkpoint.checkpointer import Checkpointer
+from meshplan._checkpoint.metadata import CheckpointMetadata
+from meshplan._checkpoint.restore import Restored, restore
 from meshplan._errors import (
     ArgumentError,
     CheckpointError,
@@ -31,17 +19,29 @@ from meshplan._errors import (
     ShardingValidationError,
     UnmatchedLogicalAxisError,
 )
-from meshplan._mesh import active_mesh
-from meshplan._plan import explain
-from meshplan._plan_object import Plan
-from meshplan._rules import (
+from meshplan._plan.check import check
+from meshplan._plan.explain import explain
+from meshplan._plan.plan import Plan
+from meshplan._plan.problems import Problem
+from meshplan._search.search import SearchResult, search_layouts
+from meshplan._spmd.boxes import (
+    PARTITION_NAME,
+    LogicallyPartitioned,
+    Partitioned,
+    replace_boxed,
+    unbox,
+    with_logical_partitioning,
+    with_partitioning,
+)
+from meshplan._spmd.constraints import RulesFallback, explicit_out_sharding, with_logical_constraint
+from meshplan._spmd.mesh import active_mesh
+from meshplan._spmd.rules import (
     get_logical_axis_rules,
     logical_axis_rules,
     logical_to_mesh_axes,
     set_logical_axis_rules,
 )
-from meshplan._search import SearchResult, search_layouts
-from meshplan._shardings import (
+from meshplan._spmd.shardings import (
     get_partition_spec,
     get_sharding,
     logical_to_mesh,

@@ -32,7 +32,7 @@ import sys
 from typing import Any
 
 from meshplan._errors import RulesError
-from meshplan._rules import normalize_rules
+from meshplan._spmd.rules import normalize_rules
 
 __all__ = [
     "LAYOUTS",

@@ -23,8 +23,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from meshplan._plan_object import Plan
-from meshplan._plan_text import count_text, human_bytes
+from meshplan._plan.plan import Plan
+from meshplan._text import count_text, human_bytes
 
 __all__ = ["UPDATE_ENV", "assert_plan_matches", "diff_snapshots", "snapshot"]
 

@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding
 
 import meshplan
 from meshplan._errors import MeshplanError
-from meshplan._rules import mesh_axes_of
+from meshplan._spmd.rules import mesh_axes_of
 
 __all__ = ["ByteCorpus", "DataError", "shard_batch"]
 

@@ -55,7 +55,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 import meshplan
-from meshplan._mesh import apply_spec
+from meshplan._spmd.mesh import apply_spec
 
 __all__ = [
     "AXIS_NAMES",

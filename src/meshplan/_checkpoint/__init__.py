@@ -1,0 +1,1 @@
+"""Orbax checkpoints that store logical names and restore onto any mesh."""

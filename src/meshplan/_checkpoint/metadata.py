@@ -1,0 +1,279 @@
+"""The JSON stored beside a checkpoint's arrays: what is needed to restore without model code.
+
+For every array: its shape, dtype and axis names (logical or mesh), keyed by
+its path; for the run: the step, the model config, the rules and the mesh
+shape, anything else the saver adds, and the meshplan version. The JSON is
+marked with :data:`FORMAT` so a folder that is not meshplan's is recognised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from meshplan._checkpoint.tree import flatten_state
+from meshplan._errors import CheckpointError
+from meshplan._spmd.boxes import LogicallyPartitioned
+from meshplan._spmd.rules import get_logical_axis_rules, normalize_rules
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "ArrayInfo", "CheckpointMetadata"]
+
+FORMAT = "meshplan-checkpoint"
+"""Value of the ``format`` field that marks meshplan's metadata."""
+
+FORMAT_VERSION = 1
+"""The newest metadata layout this meshplan reads and writes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayInfo:
+    """What a checkpoint knows about one array.
+
+    Attributes:
+        shape: The array's global shape.
+        dtype: Its dtype name (``"float32"``).
+        names: One axis name (or ``None``) per dimension, or ``None`` for an
+            array that was saved unboxed (replicated on restore).
+        logical: ``True`` when ``names`` are logical names (mapped through
+            rules), ``False`` when they are mesh axis names.
+
+    Example:
+        >>> from meshplan._checkpoint.metadata import ArrayInfo
+        >>> info = ArrayInfo((256, 32), "float32", ("vocab", "embed"))
+        >>> ArrayInfo.from_json(info.to_json()) == info
+        True
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    names: tuple[str | None, ...] | None = None
+    logical: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable dict."""
+        return {
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "names": None if self.names is None else list(self.names),
+            "logical": self.logical,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ArrayInfo:
+        """The inverse of :meth:`to_json`."""
+        names = data.get("names")
+        return cls(
+            shape=tuple(int(d) for d in data["shape"]),
+            dtype=str(data["dtype"]),
+            names=None if names is None else tuple(_name_from_json(n) for n in names),
+            logical=bool(data.get("logical", True)),
+        )
+
+
+def _name_from_json(name: Any) -> Any:
+    return tuple(name) if isinstance(name, list) else name
+
+
+def _rules_to_json(rules: Any) -> list[list[Any]]:
+    return [[name, list(axes) if isinstance(axes, tuple) else axes] for name, axes in rules]
+
+
+def _rules_from_json(rules: Any) -> tuple[tuple[str, Any], ...]:
+    return normalize_rules(
+        tuple((name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in rules)
+    )
+
+
+def _mesh_of(flat: Mapping[str, tuple[Any, Any]]) -> Any:
+    for value, _ in flat.values():
+        sharding = getattr(value, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return sharding.mesh
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointMetadata:
+    """The JSON stored beside a checkpoint's arrays.
+
+    Attributes:
+        step: The training step the checkpoint was saved at.
+        arrays: :class:`ArrayInfo` of every array, keyed by its path.
+        rules: The logical axis rules of the run that saved it.
+        mesh_shape: Mesh axis name to size, in the mesh's order (``{}`` if unknown).
+        config: The model config as a dict (``None`` if none was given).
+        extra: Anything else the saver stored (training settings, best loss, ...).
+        meshplan_version: The meshplan version that wrote it.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> w = meshplan.LogicallyPartitioned(jnp.ones((2, 4)), ("embed", "mlp"))
+        >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+        >>> meta = meshplan.CheckpointMetadata.describe(3, {"w": w}, mesh=mesh)
+        >>> meta.step, meta.arrays["w"].shape, meta.arrays["w"].names, meta.mesh_shape
+        (3, (2, 4), ('embed', 'mlp'), {'data': 2, 'model': 4})
+    """
+
+    step: int
+    arrays: dict[str, ArrayInfo]
+    rules: tuple[tuple[str, Any], ...] = ()
+    mesh_shape: dict[str, int] = dataclasses.field(default_factory=dict)
+    config: dict[str, Any] | None = None
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    meshplan_version: str = ""
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        """The saving mesh's axis names, in order.
+
+        Example:
+            >>> import meshplan
+            >>> meta = meshplan.CheckpointMetadata(0, {}, mesh_shape={"data": 2, "model": 4})
+            >>> meta.axis_names
+            ('data', 'model')
+        """
+        return tuple(self.mesh_shape)
+
+    @classmethod
+    def describe(
+        cls,
+        step: int,
+        state: Any,
+        *,
+        rules: Any = None,
+        mesh: Mesh | None = None,
+        config: Mapping[str, Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> CheckpointMetadata:
+        """The metadata of saving ``state`` (boxed or raw arrays) as ``step``.
+
+        ``rules`` default to the active ones, ``mesh`` to the mesh of the first
+        sharded array.
+
+        Example:
+            >>> import jax.numpy as jnp, meshplan
+            >>> from meshplan._checkpoint.metadata import CheckpointMetadata
+            >>> w = meshplan.LogicallyPartitioned(jnp.ones((2, 4)), ("embed", "mlp"))
+            >>> meta = CheckpointMetadata.describe(3, {"w": w}, rules=(("mlp", "model"),))
+            >>> meta.step, meta.arrays["w"].names, meta.rules
+            (3, ('embed', 'mlp'), (('mlp', 'model'),))
+        """
+        return cls.from_flat(
+            step, flatten_state(state), rules=rules, mesh=mesh, config=config, extra=extra
+        )
+
+    @classmethod
+    def from_flat(
+        cls,
+        step: int,
+        flat: Mapping[str, tuple[Any, Any]],
+        *,
+        rules: Any = None,
+        mesh: Mesh | None = None,
+        config: Mapping[str, Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> CheckpointMetadata:
+        """:meth:`describe` for a state already flattened by ``flatten_state``.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> from meshplan._checkpoint.metadata import CheckpointMetadata
+            >>> from meshplan._checkpoint.tree import flatten_state
+            >>> meta = CheckpointMetadata.from_flat(1, flatten_state({"b": jnp.zeros(3)}))
+            >>> meta.arrays["b"].shape, meta.arrays["b"].names
+            ((3,), None)
+        """
+        from meshplan import __version__
+
+        mesh = mesh if mesh is not None else _mesh_of(flat)
+        arrays = {
+            key: ArrayInfo(
+                shape=tuple(int(d) for d in value.shape),
+                dtype=str(np.dtype(value.dtype)),
+                names=None if box is None else tuple(box.names),
+                logical=box is None or isinstance(box, LogicallyPartitioned),
+            )
+            for key, (value, box) in flat.items()
+        }
+        return cls(
+            step=int(step),
+            arrays=arrays,
+            rules=normalize_rules(rules) if rules is not None else get_logical_axis_rules(),
+            mesh_shape={} if mesh is None else {k: int(v) for k, v in mesh.shape.items()},
+            config=None if config is None else dict(config),
+            extra=dict(extra or {}),
+            meshplan_version=__version__,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable dict, marked with :data:`FORMAT`.
+
+        Example:
+            >>> import json, meshplan
+            >>> meta = meshplan.CheckpointMetadata(step=7, arrays={}, mesh_shape={"data": 8})
+            >>> data = meta.to_json()
+            >>> data["format"], data["step"], data["mesh"]
+            ('meshplan-checkpoint', 7, {'axis_names': ['data'], 'shape': [8]})
+            >>> meshplan.CheckpointMetadata.from_json(json.loads(json.dumps(data))) == meta
+            True
+        """
+        return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "meshplan_version": self.meshplan_version,
+            "step": self.step,
+            "config": self.config,
+            "rules": _rules_to_json(self.rules),
+            "mesh": {"axis_names": list(self.mesh_shape), "shape": list(self.mesh_shape.values())},
+            "arrays": {k: v.to_json() for k, v in self.arrays.items()},
+            "extra": self.extra,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "checkpoint") -> CheckpointMetadata:
+        """The inverse of :meth:`to_json`; raises :class:`CheckpointError` on anything else.
+
+        Example:
+            >>> import meshplan
+            >>> from meshplan._checkpoint.metadata import CheckpointMetadata
+            >>> try:
+            ...     CheckpointMetadata.from_json({"format": "other"}, "'/tmp/run' (step 3)")
+            ... except meshplan.CheckpointError as e:
+            ...     print(str(e).splitlines()[0])
+            '/tmp/run' (step 3) is not a meshplan checkpoint: its 'meshplan' item is not meshplan metadata, got format='other'.
+        """
+        if not isinstance(data, Mapping) or data.get("format") != FORMAT:
+            raise CheckpointError(
+                f"{where} is not a meshplan checkpoint: its 'meshplan' item is not meshplan "
+                f"metadata, got format={data.get('format') if isinstance(data, Mapping) else None!r}."
+                f"\nPoint at a folder written by `meshplan train` or meshplan.Checkpointer."
+            )
+        if int(data.get("format_version", 0)) > FORMAT_VERSION:
+            raise CheckpointError(
+                f"{where} was written by a newer meshplan "
+                f"({data.get('meshplan_version')!r}, format_version="
+                f"{data.get('format_version')}), this one reads format_version "
+                f"{FORMAT_VERSION}.\nUpgrade meshplan to restore it."
+            )
+        mesh = data.get("mesh") or {}
+        try:
+            return cls(
+                step=int(data["step"]),
+                arrays={k: ArrayInfo.from_json(v) for k, v in data["arrays"].items()},
+                rules=_rules_from_json(data.get("rules") or ()),
+                mesh_shape=dict(
+                    zip(mesh.get("axis_names", ()), mesh.get("shape", ()), strict=True)
+                ),
+                config=data.get("config"),
+                extra=dict(data.get("extra") or {}),
+                meshplan_version=str(data.get("meshplan_version", "")),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointError(
+                f"{where}: its meshplan metadata is damaged ({type(e).__name__}: {e}).\n"
+                f"Restore an earlier step (step=...), or train into a new --ckpt-dir."
+            ) from e

@@ -1,0 +1,264 @@
+"""Restoring a checkpoint onto any mesh, with no model code and no target tree.
+
+:func:`restore` reads the metadata first, maps each array's logical names
+through the rules you give (or the saved ones) to a ``NamedSharding`` on the
+mesh you give, and asks Orbax to read every array straight into that sharding.
+So a run saved on a 2x4 mesh with one layout restores onto 4x2, 8x1 or a
+single device with another, bit for bit, and a run saved by several processes
+restores in one (or the other way round).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshplan._checkpoint.folder import STATE_ITEM, read_metadata
+from meshplan._checkpoint.metadata import CheckpointMetadata
+from meshplan._checkpoint.tree import flatten_state, nest, path_of, unnest
+from meshplan._errors import CheckpointError, problem_message
+from meshplan._spmd.boxes import LogicallyPartitioned, Partitioned, is_box
+from meshplan._spmd.mesh import split_count
+from meshplan._spmd.rules import logical_to_mesh_axes, mesh_axes_of, normalize_rules
+
+__all__ = ["Restored", "compatibility_problems", "restore", "target_shardings"]
+
+
+def _single_device_mesh(axis_names: tuple[str, ...]) -> Mesh:
+    names = axis_names or ("data", "model")
+    return Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(names)), names)
+
+
+def target_shardings(
+    metadata: CheckpointMetadata, mesh: Mesh, rules: Any = None
+) -> dict[str, NamedSharding]:
+    """The ``NamedSharding`` of every saved array on ``mesh``, from its stored names.
+
+    Logical names go through ``rules`` (default: the rules saved with the
+    checkpoint); arrays saved unboxed are replicated.
+
+    Raises:
+        CheckpointError: listing every array whose names use an axis ``mesh``
+            lacks, or whose dimension the mesh axes do not divide.
+    """
+    rules = metadata.rules if rules is None else normalize_rules(rules)
+    sizes = dict(mesh.shape)
+    problems: list[str] = []
+    out: dict[str, NamedSharding] = {}
+    for key, info in metadata.arrays.items():
+        if info.names is None:
+            spec = PartitionSpec()
+        elif info.logical:
+            spec = logical_to_mesh_axes(info.names, rules)
+        else:
+            spec = PartitionSpec(*info.names)
+        bad = False
+        for dim, (size, entry) in enumerate(zip(info.shape, tuple(spec), strict=False)):
+            axes = mesh_axes_of(entry)
+            missing = [a for a in axes if a not in sizes]
+            if missing:
+                problems.append(
+                    f"{key}: dimension {dim} maps to mesh axes {missing} that the mesh "
+                    f"{sizes} lacks"
+                )
+                bad = True
+                continue
+            parts = split_count(entry, sizes)
+            if size % parts:
+                problems.append(
+                    f"{key}: dimension {dim} of size {size} ({info.names[dim]!r}) does not "
+                    f"divide over mesh axes {axes} of total size {parts}"
+                )
+                bad = True
+        if not bad:
+            out[key] = NamedSharding(mesh, spec)
+    if problems:
+        raise CheckpointError(
+            problem_message(
+                f"Cannot lay the checkpoint's arrays out on the mesh {sizes} with these rules:",
+                problems,
+                "Use a mesh whose axes divide these dimensions, or rules that leave them "
+                "unsharded (e.g. data_parallel).",
+            )
+        )
+    return out
+
+
+class Restored(NamedTuple):
+    """What :func:`restore` returns; unpacks as ``state, metadata = restore(...)``.
+
+    Attributes:
+        state: Nested dicts keyed by the saved tree's path parts (``state["params"]
+            ["Embed_0"]["embedding"]``). Arrays saved from a ``LogicallyPartitioned``
+            box come back in one (same names, no rules or mesh attached, value
+            sharded on the restore mesh); the others as plain ``jax.Array``.
+        metadata: The :class:`CheckpointMetadata` stored beside the arrays.
+
+    Example:
+        >>> import tempfile, jax.numpy as jnp, meshplan
+        >>> tree = {"params": {"w": meshplan.LogicallyPartitioned(jnp.ones((2, 4)),
+        ...                                                      ("embed", "mlp"))},
+        ...         "step": jnp.int32(3)}
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     with meshplan.Checkpointer(folder) as ckpt:
+        ...         _ = ckpt.save(3, tree)
+        ...     state, metadata = meshplan.restore(folder)
+        >>> state["params"]["w"].names, int(state["step"]), metadata.step
+        (('embed', 'mlp'), 3, 3)
+    """
+
+    state: dict[str, Any]
+    metadata: CheckpointMetadata
+
+    def arrays(self) -> dict[str, jax.Array]:
+        """Every raw array keyed by its path (``"params/Embed_0/embedding"``).
+
+        Example:
+            >>> import jax.numpy as jnp, meshplan
+            >>> state = {"params": {"w": meshplan.LogicallyPartitioned(jnp.ones((2, 4)),
+            ...                                                       ("embed", "mlp"))}}
+            >>> restored = meshplan.Restored(state, meshplan.CheckpointMetadata.describe(0, state))
+            >>> {path: array.shape for path, array in restored.arrays().items()}
+            {'params/w': (2, 4)}
+        """
+        return {k: (v.value if is_box(v) else v) for k, v in unnest(self.state)}
+
+    def into(self, template: Any) -> Any:
+        """``template`` (e.g. an abstract ``TrainState``) with the restored arrays in it.
+
+        Boxes of ``template`` keep their own metadata and get the restored value.
+
+        Raises:
+            CheckpointError: listing every path whose shape or dtype differs, or
+                that one side has and the other lacks.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> state = {"w": meshplan.LogicallyPartitioned(jnp.ones((2, 4)), ("embed", "mlp"))}
+            >>> restored = meshplan.Restored(state, meshplan.CheckpointMetadata.describe(0, state))
+            >>> template = {"w": meshplan.Partitioned(
+            ...     jax.ShapeDtypeStruct((2, 4), jnp.float32), (None, "model"))}
+            >>> out = restored.into(template)
+            >>> out["w"].names, float(out["w"].value.sum())
+            ((None, 'model'), 8.0)
+        """
+        problems = compatibility_problems(self.metadata, template)
+        if problems:
+            raise CheckpointError(
+                problem_message(
+                    f"The checkpoint (step {self.metadata.step}) does not fit this state:",
+                    problems,
+                    "Use the model config the checkpoint was saved with, or a new checkpoint "
+                    "folder.",
+                )
+            )
+        arrays = self.arrays()
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(template, is_leaf=is_box)
+        new = []
+        for path, leaf in leaves:
+            key = path_of(path)
+            if is_box(leaf):
+                new.append(leaf.replace_boxed(arrays[key]))
+            elif hasattr(leaf, "shape"):
+                new.append(arrays[key])
+            else:
+                new.append(leaf)
+        return jax.tree_util.tree_unflatten(treedef, new)
+
+
+def compatibility_problems(metadata: CheckpointMetadata, template: Any) -> list[str]:
+    """One line per array whose shape/dtype differs between ``template`` and the checkpoint.
+
+    ``template`` may be abstract (``jax.eval_shape`` output). An empty list
+    means :meth:`Restored.into` will succeed.
+    """
+    problems = []
+    flat = flatten_state(template)
+    for key, (value, _) in flat.items():
+        info = metadata.arrays.get(key)
+        if info is None:
+            problems.append(f"{key}: shape {tuple(value.shape)} is not in the checkpoint")
+            continue
+        shape, dtype = tuple(value.shape), str(np.dtype(value.dtype))
+        if shape != info.shape:
+            problems.append(f"{key}: checkpoint shape {info.shape}, this model {shape}")
+        elif dtype != info.dtype:
+            problems.append(f"{key}: checkpoint dtype {info.dtype}, this model {dtype}")
+    problems += [
+        f"{key}: shape {info.shape} is in the checkpoint but not in this model"
+        for key, info in metadata.arrays.items()
+        if key not in flat
+    ]
+    return problems
+
+
+def restore(
+    path: str | os.PathLike[str],
+    mesh: Mesh | None = None,
+    rules: Any = None,
+    step: int | None = None,
+) -> Restored:
+    """Restores a meshplan checkpoint onto ``mesh`` with ``rules``: no target tree, no model.
+
+    The target sharding of every array comes from the logical names stored
+    with it, mapped through ``rules``; Orbax reads each array straight into
+    that sharding, whatever mesh and rules the checkpoint was saved with.
+
+    Args:
+        path: The checkpoint folder (``meshplan train --ckpt-dir``).
+        mesh: The mesh to restore onto. ``None`` uses one device (a mesh of
+            size 1 with the saved axis names).
+        rules: Logical axis rules for ``mesh``; ``None`` uses the saved ones.
+        step: The step to restore; ``None`` for the latest complete one.
+
+    Returns:
+        :class:`Restored` ``(state, metadata)``: nested dicts of arrays (boxed
+        as ``LogicallyPartitioned`` where they were saved boxed) and the
+        :class:`CheckpointMetadata`.
+
+    Raises:
+        CheckpointError: the folder is missing, empty, not a meshplan
+            checkpoint, lacks ``step``, or the mesh cannot hold its arrays.
+
+    Example:
+        >>> import tempfile, jax, jax.numpy as jnp, meshplan
+        >>> tree = {"w": meshplan.LogicallyPartitioned(jnp.arange(8.0).reshape(2, 4),
+        ...                                           ("embed", "mlp"))}
+        >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     with meshplan.Checkpointer(folder) as ckpt:
+        ...         _ = ckpt.save(1, tree, rules=(("mlp", "model"),))
+        ...     state, meta = meshplan.restore(folder, mesh)
+        >>> state["w"].names, state["w"].value.sharding.spec, meta.step
+        (('embed', 'mlp'), P(None, 'model'), 1)
+    """
+    import orbax.checkpoint as ocp
+
+    p = Path(path).absolute()
+    metadata = read_metadata(p, step)
+    if mesh is None:
+        mesh = _single_device_mesh(metadata.axis_names)
+    shardings = target_shardings(metadata, mesh, rules)
+    target = nest(
+        {
+            key: jax.ShapeDtypeStruct(info.shape, np.dtype(info.dtype), sharding=shardings[key])
+            for key, info in metadata.arrays.items()
+        }
+    )
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(p / str(metadata.step) / STATE_ITEM, target)
+    boxed = {}
+    for key, value in unnest(restored):
+        info = metadata.arrays[key]
+        if info.names is None:
+            boxed[key] = value
+        elif info.logical:
+            boxed[key] = LogicallyPartitioned(value, info.names)
+        else:
+            boxed[key] = Partitioned(value, info.names)
+    return Restored(nest(boxed), metadata)

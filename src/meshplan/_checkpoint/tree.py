@@ -1,0 +1,108 @@
+"""Arrays by their path in a tree: how checkpoints name what they store.
+
+A checkpoint keys every array by the parts of its path in the saved tree joined
+with ``/`` (``params/Embed_0/embedding``, ``opt_state/1/0/mu/...``), so it can
+be restored as nested dicts with no model code, or put back into a tree of the
+same structure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+
+from meshplan._errors import CheckpointError
+from meshplan._spmd.boxes import is_box
+
+__all__ = ["flatten_state", "nest", "path_of", "unnest"]
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            name = str(getattr(key, attr))
+            break
+    else:  # pragma: no cover - a key type JAX may add later
+        name = str(key)
+    if "/" in name or not name:
+        raise CheckpointError(
+            f"Cannot save a tree whose key {name!r} is empty or contains '/', got {key=}.\n"
+            f"Rename the module or dict key: '/' separates path parts in checkpoints."
+        )
+    return name
+
+
+def path_of(keys: Any) -> str:
+    """The checkpoint key of a JAX key path: its parts joined with ``/``.
+
+    Example:
+        >>> import jax
+        >>> from meshplan._checkpoint.tree import path_of
+        >>> [path_of(p) for p, _ in jax.tree_util.tree_flatten_with_path({"a": [1, 2]})[0]]
+        ['a/0', 'a/1']
+    """
+    return "/".join(_key_name(k) for k in keys)
+
+
+def flatten_state(tree: Any) -> dict[str, tuple[Any, Any]]:
+    """Every array of ``tree`` by its path: ``{"params/w": (value, box_or_None)}``.
+
+    Boxes (``LogicallyPartitioned``, ``Partitioned``) are leaves here, so the
+    second element carries their axis names; unboxed arrays give ``None``.
+
+    Example:
+        >>> import jax.numpy as jnp, meshplan
+        >>> from meshplan._checkpoint.tree import flatten_state
+        >>> tree = {"params": {"w": meshplan.LogicallyPartitioned(jnp.ones((2, 4)),
+        ...                                                      ("embed", "mlp"))},
+        ...         "step": jnp.int32(0)}
+        >>> {k: (v.shape, b and b.names) for k, (v, b) in flatten_state(tree).items()}
+        {'params/w': ((2, 4), ('embed', 'mlp')), 'step': ((), None)}
+    """
+    out: dict[str, tuple[Any, Any]] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]:
+        key = path_of(path)
+        if is_box(leaf):
+            value = leaf.value
+            while is_box(value):
+                value = value.value
+            out[key] = (value, leaf)
+        elif hasattr(leaf, "shape"):
+            out[key] = (leaf, None)
+    return out
+
+
+def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"a/b": x}`` -> ``{"a": {"b": x}}``.
+
+    Example:
+        >>> from meshplan._checkpoint.tree import nest
+        >>> nest({"params/w": 1, "params/b": 2, "step": 3})
+        {'params': {'w': 1, 'b': 2}, 'step': 3}
+    """
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, last = key.split("/")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return out
+
+
+def unnest(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """The inverse of :func:`nest`: ``(path, leaf)`` pairs of nested dicts.
+
+    Example:
+        >>> from meshplan._checkpoint.tree import unnest
+        >>> list(unnest({"params": {"w": 1}, "step": 3}))
+        [('params/w', 1), ('step', 3)]
+    """
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            yield from unnest(value, path + "/")
+        else:
+            yield path, value

@@ -1,0 +1,1 @@
+"""Sharding plans: explain (records), check (problems) and the renderers (table, JSON, PNG)."""

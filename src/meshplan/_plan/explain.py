@@ -1,0 +1,232 @@
+"""Sharding plans: where each array of a tree goes on a mesh, why, and what it costs.
+
+:func:`explain` walks a tree the way :func:`meshplan.get_sharding` does and
+records, for every array leaf, the rule that placed each dimension (and the
+rules that named it but were skipped), the resulting mesh spec, the shard each
+device holds and the bytes that costs. A :class:`Plan` prints as a table,
+serialises to a stable JSON schema (``docs/plan.md``) and draws itself as a
+PNG; :func:`meshplan.check` turns it into a list of problems.
+
+This module is the walk: leaf kinds, paths and groups, and one layout per
+distinct (kind, names, shape, dtype, rules). The records are in
+``_plan_leaves``, the per-leaf layout in ``_plan_layout``, the :class:`Plan`
+object in ``_plan_object``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
+
+from meshplan._errors import RulesError
+from meshplan._plan.layout import build_layout
+from meshplan._plan.plan import Plan
+from meshplan._plan.records import LeafLayout, LeafPlan
+from meshplan._spmd.boxes import LogicallyPartitioned, is_box
+from meshplan._spmd.mesh_info import MeshInfo, mesh_info
+from meshplan._spmd.rules import get_logical_axis_rules, normalize_rules
+
+__all__ = ["explain", "explain_specs"]
+
+
+def _lenient_rules(
+    rules: Any,
+) -> tuple[tuple[tuple[str, Any], ...], tuple[int, ...], list[tuple[str, str, str]]]:
+    """Valid rules, their indices in the given sequence, and one problem per invalid rule."""
+    try:
+        normal = normalize_rules(rules)
+        return normal, tuple(range(len(normal))), []
+    except RulesError as e:
+        whole = str(e)
+    if not isinstance(rules, tuple | list) or any(
+        line.startswith("Logical axis rules look like") for line in whole.splitlines()
+    ):
+        head, _, fix = whole.partition("\n")
+        return (
+            (),
+            (),
+            [("rules", head.rstrip("."), fix or "Give rules as a sequence of (name, axes) pairs.")],
+        )
+    valid, index, problems = [], [], []
+    for i, rule in enumerate(rules):
+        try:
+            (one,) = normalize_rules((rule,))
+        except RulesError as e:
+            lines = str(e).splitlines()
+            msg = next((ln.strip(" *") for ln in lines if ln.strip().startswith("*")), lines[0])
+            msg = msg.removeprefix("rule 0: ")
+            problems.append(
+                (
+                    f"rules[{i}]",
+                    msg,
+                    "Each rule is a (logical_name, mesh_axes) pair, e.g. ('hidden', 'model').",
+                )
+            )
+            continue
+        valid.append(one)
+        index.append(i)
+    return tuple(valid), tuple(index), problems
+
+
+def _mesh_and_rules(
+    mesh: Any, rules: Any
+) -> tuple[MeshInfo, tuple[tuple[str, Any], ...], tuple[int, ...], list[tuple[str, str, str]]]:
+    """The mesh's :class:`MeshInfo`, and :func:`_lenient_rules` of ``rules`` (else the active ones)."""
+    info = mesh_info(mesh)
+    if rules is None:
+        rules = get_logical_axis_rules()
+    return (info, *_lenient_rules(rules))
+
+
+def _key_str(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        value = getattr(key, attr, None)
+        if value is not None:
+            return str(value)
+    return str(key)
+
+
+_GROUP_OF_PART = {"opt_state": "optimizer", "params": "params"}
+
+
+def _unwrap(box: Any) -> tuple[str, Any, Any, Any]:
+    """``(kind, names, value, own_rules)`` of a box, however nested."""
+    value = getattr(box, "value", None)
+    while is_box(value):
+        value = getattr(value, "value", None)
+    names = getattr(box, "names", None)
+    if names is None:
+        return "unboxed", None, value, None
+    if isinstance(names, PartitionSpec):
+        names = tuple(names)
+    elif not isinstance(names, tuple):
+        names = tuple(names) if isinstance(names, list) else names
+    logical = isinstance(box, LogicallyPartitioned) or type(box).__name__ == "LogicallyPartitioned"
+    return ("logical" if logical else "mesh"), names, value, getattr(box, "rules", None)
+
+
+def explain(tree: Any, mesh: Any, rules: Any = None) -> Plan:
+    """Explains where every array leaf of ``tree`` goes on ``mesh``, why, and what it costs.
+
+    ``tree`` is anything :func:`meshplan.get_partition_spec` accepts: boxed
+    parameters, an abstract ``TrainState`` from ``jax.eval_shape``, Optax
+    state. Logical boxes are mapped through their own rules, else ``rules``,
+    else the active rules; mesh-axis boxes use their names as the spec;
+    unboxed arrays are replicated (as :func:`meshplan.get_sharding` does).
+    Non-array leaves are skipped. Leaves are grouped by path: under
+    ``opt_state`` as ``'optimizer'``, else under ``params`` (or boxed) as
+    ``'params'``, else ``'other'``.
+
+    ``explain`` never raises on a bad tree: problems are recorded for
+    :func:`meshplan.check` (and shown when the plan is printed).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+        >>> tree = {"params": {"w": meshplan.LogicallyPartitioned(
+        ...     jax.ShapeDtypeStruct((1024, 512), jnp.float32), ("embed", "hidden"))}}
+        >>> plan = meshplan.explain(tree, mesh, (("hidden", "model"),))
+        >>> leaf = plan["params/w"]
+        >>> leaf.spec, leaf.shard_shape, leaf.bytes_per_device, leaf.replication
+        (P(None, 'model'), (1024, 128), 524288, 2)
+        >>> print(leaf.why)
+        dim 0 'embed': no rule for 'embed': replicated
+        dim 1 'hidden': rule 0 ('hidden', 'model'): split 4 ways
+        >>> plan.totals["all"].max_device_bytes, plan.totals["all"].ideal_bytes
+        (524288, 262144)
+
+    Args:
+        tree: A pytree of boxes, arrays or ``jax.ShapeDtypeStruct``s.
+        mesh: A ``jax.sharding.Mesh``, an ``AbstractMesh``, or a mapping of
+            axis sizes such as ``{"data": 2, "model": 4}``.
+        rules: Logical axis rules; ``None`` uses the active ones.
+
+    Returns:
+        A :class:`Plan`.
+
+    Raises:
+        MeshError: ``mesh`` is not a mesh.
+    """
+    info, rules, index_map, rule_problems = _mesh_and_rules(mesh, rules)
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)
+
+    cache: dict[Any, LeafLayout] = {}
+    key_text: dict[Any, str] = {}
+    leaves: list[LeafPlan] = []
+    skipped = 0
+    for keypath, leaf in flat:
+        if is_box(leaf):
+            kind, names, value, own_rules = _unwrap(leaf)
+        else:
+            kind, names, value, own_rules = "unboxed", None, leaf, None
+        shape = getattr(value, "shape", None)
+        if shape is None:
+            skipped += 1
+            continue
+        dtype = getattr(value, "dtype", None)
+        if not isinstance(shape, tuple):
+            shape = tuple(shape)
+        key = (kind, names, shape, dtype, own_rules)
+        try:
+            layout = cache.get(key)
+        except TypeError:  # unhashable names
+            key, layout = None, None
+        if layout is None:
+            if own_rules is not None and kind == "logical":
+                r, m, _ = _lenient_rules(own_rules)
+            else:
+                r, m = rules, index_map
+            layout = build_layout(kind, names, shape, dtype, r, m, info)
+            if key is not None:
+                cache[key] = layout
+        parts = []
+        group = None
+        for k in keypath:
+            try:
+                text = key_text[k]
+            except KeyError:
+                text = key_text[k] = _key_str(k)
+            except TypeError:
+                text = _key_str(k)
+            parts.append(text)
+            if group is None:
+                group = _GROUP_OF_PART.get(text)
+        if group is None:
+            group = "params" if kind != "unboxed" else "other"
+        leaves.append(LeafPlan("/".join(parts), group, layout))
+
+    return Plan(
+        info,
+        rules if rules or rule_problems else None,
+        leaves,
+        skipped,
+        rule_problems,
+        index_map,
+    )
+
+
+def explain_specs(tree: Any, mesh: Any, rules: Any = None) -> Plan:
+    """A plan for a tree of *logical* ``PartitionSpec``s (no shapes: no bytes, no divisibility).
+
+    Used by ``logical_to_mesh_sharding(..., strict=True)``.
+    """
+    info, rules, index_map, rule_problems = _mesh_and_rules(mesh, rules)
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+    leaves = []
+    cache: dict[Any, LeafLayout] = {}
+    for keypath, spec in flat:
+        if not isinstance(spec, PartitionSpec):
+            continue
+        names = tuple(spec)
+        layout = cache.get(names)
+        if layout is None:
+            layout = cache[names] = build_layout(
+                "logical", names, None, None, rules, index_map, info
+            )
+        path = "/".join(_key_str(k) for k in keypath)
+        leaves.append(LeafPlan(path, "other", layout))
+    return Plan(info, rules, leaves, 0, rule_problems, index_map)

@@ -1,0 +1,265 @@
+"""Finding the problems of a sharding plan: every one at once, each with its path and its fix."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from meshplan._spmd.mesh_info import MeshInfo, axis_names_fix
+from meshplan._spmd.rules import _axes_of
+from meshplan._text import axes_text, count_text, human_bytes, rule_text
+
+if TYPE_CHECKING:
+    from meshplan._plan.plan import Plan
+    from meshplan._plan.records import LeafLayout
+
+__all__ = ["DEFAULT_REPLICATED_THRESHOLD", "Problem", "find_problems"]
+
+DEFAULT_REPLICATED_THRESHOLD = 1 << 20
+"""Arrays of at least this many bytes that every device holds whole are reported (1 MiB)."""
+
+_MAX_PATHS_NAMED = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One problem with a sharding plan.
+
+    Attributes:
+        severity: ``'error'`` (``jax.jit`` would fail, or the plan is not
+            what was written) or ``'warning'`` (valid, but probably not meant:
+            memory spent on replication, rules that do nothing).
+        path: Where: a leaf path (``'params/Dense_0/kernel'``), ``'rules[2]'``,
+            ``'rules'`` or ``'mesh/data'``.
+        message: What is wrong, with the names, sizes and axes involved.
+        fix: How to fix it.
+        code: A stable identifier of the kind of problem (see ``docs/plan.md``).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> tree = {"w": meshplan.Partitioned(jax.ShapeDtypeStruct((6,), jnp.float32), ("x",))}
+        >>> problem = meshplan.explain(tree, {"x": 4}).problems[0]
+        >>> problem.severity, problem.path, problem.code
+        ('error', 'w', 'indivisible')
+        >>> print(problem)
+        error: w: dim 0 of size 6 does not divide by 4 (mesh axis 'x' of size 4). Pad dim 0
+        to 8 (the nearest multiple of 4), or map it to mesh axes whose size divides 6.
+    """
+
+    severity: str
+    path: str
+    message: str
+    fix: str
+    code: str
+
+    def __str__(self) -> str:
+        return f"{self.severity}: {self.path}: {self.message}. {self.fix}"
+
+    def to_dict(self) -> dict[str, str]:
+        """``{'severity', 'code', 'path', 'message', 'fix'}``.
+
+        Example:
+            >>> import meshplan
+            >>> problem = meshplan.Problem(
+            ...     "warning", "mesh/data", "mesh axis 'data' shards no array",
+            ...     "Map a logical name to 'data'.", "idle-axis")
+            >>> problem.to_dict()
+            {'severity': 'warning', 'code': 'idle-axis', 'path': 'mesh/data',
+             'message': "mesh axis 'data' shards no array", 'fix': "Map a logical name to 'data'."}
+        """
+        return {
+            "severity": self.severity,
+            "code": self.code,
+            "path": self.path,
+            "message": self.message,
+            "fix": self.fix,
+        }
+
+
+def _leaves_text(n: int) -> str:
+    return count_text(n, "leaf", "leaves")
+
+
+def _paths_text(paths: Sequence[str]) -> str:
+    shown = ", ".join(paths[:_MAX_PATHS_NAMED])
+    more = len(paths) - _MAX_PATHS_NAMED
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def find_problems(
+    plan: Plan, replicated_threshold_bytes: int = DEFAULT_REPLICATED_THRESHOLD
+) -> list[Problem]:
+    """Every problem of ``plan``: errors first, then warnings, each in tree/rule order.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> from meshplan._plan.problems import find_problems
+        >>> tree = {"w": meshplan.Partitioned(jax.ShapeDtypeStruct((6,), jnp.float32), ("x",))}
+        >>> [p.code for p in find_problems(meshplan.explain(tree, {"x": 4}))]
+        ['indivisible']
+    """
+    errors: list[Problem] = []
+    warnings: list[Problem] = []
+    mesh = plan.mesh
+
+    for path, message, fix in plan._rule_problems:
+        errors.append(Problem("error", path, message, fix, "bad-rule"))
+
+    # Leaves that share a layout share their analysis.
+    leaf_errors: list[Problem] = []
+    groups: dict[int, tuple[LeafLayout, list[str]]] = {}
+    for leaf in plan.leaves:
+        entry = groups.get(id(leaf._layout))
+        if entry is None:
+            groups[id(leaf._layout)] = (leaf._layout, [leaf.path])
+        else:
+            entry[1].append(leaf.path)
+
+    rules = plan.rules or ()
+    index_map = plan._rule_index_map
+    placed = dict.fromkeys(index_map, 0)
+    skipped: dict[int, list[str]] = {}
+    rule_paths: dict[int, list[str]] = {}
+    unmatched: dict[str, list[str]] = {}
+    used_axes: set[str] = set()
+    logical_without_rules: list[str] = []
+    for layout, paths in groups.values():
+        for code, message, fix in layout.issues:
+            for path in paths:
+                leaf_errors.append(Problem("error", path, message, fix, code))
+        only_unmatched = layout.kind == "logical" and all(
+            d.status in ("no-rule", "unnamed") for d in layout.dims
+        )
+        if only_unmatched and not rules and any(d.status == "no-rule" for d in layout.dims):
+            logical_without_rules.extend(paths)
+            continue
+        for d in layout.dims:
+            used_axes.update(a for a in d.mesh_axes if mesh.shape.get(a, 1) > 1)
+            if d.status == "rule" and d.rule_index in placed:
+                placed[d.rule_index] += len(paths)
+                rule_paths.setdefault(d.rule_index, []).extend(paths)
+            for s in d.skipped:
+                skipped.setdefault(s.rule_index, []).extend(paths)
+            if d.status == "no-rule":
+                unmatched.setdefault(d.name, []).extend(paths)
+        if (
+            layout.shape is not None
+            and mesh.size > 1
+            and layout.replication == mesh.size
+            and layout.bytes >= replicated_threshold_bytes
+        ):
+            for path in paths:
+                warnings.append(_replicated(path, layout, mesh))
+
+    if leaf_errors:  # in tree order, like the table
+        order = {leaf.path: i for i, leaf in enumerate(plan.leaves)}
+        errors.extend(sorted(leaf_errors, key=lambda p: order[p.path]))
+
+    if logical_without_rules:
+        paths = logical_without_rules
+        errors.append(
+            Problem(
+                "error",
+                paths[0],
+                f"{_leaves_text(len(paths))} ({_paths_text(paths)}) have logical axis names "
+                f"but no rules are given or active, so every logical dimension is replicated",
+                "Pass rules=..., or call inside `with meshplan.logical_axis_rules(rules):`.",
+                "no-rules",
+            )
+        )
+
+    for i, (name, axes) in zip(index_map, rules, strict=True):
+        missing = tuple(a for a in _axes_of(axes) if a not in mesh.shape)
+        if missing:
+            users = rule_paths.get(i, [])
+            used = f" (it places {_leaves_text(len(users))}: {_paths_text(users)})" if users else ""
+            errors.append(
+                Problem(
+                    "error",
+                    f"rules[{i}]",
+                    f"{rule_text(i, (name, axes))} names mesh axis {axes_text(missing)}, which "
+                    f"the mesh {mesh.shape} does not have{used}",
+                    axis_names_fix(missing, mesh),
+                    "rule-unknown-axis",
+                )
+            )
+
+    any_logical = any(layout.kind == "logical" for layout, _ in groups.values())
+    for name, paths in unmatched.items():
+        skips = sorted(
+            {f"rule {s.rule_index}" for layout, ps in groups.values() for d in layout.dims
+             if d.name == name for s in d.skipped}
+        )  # fmt: skip
+        why = f" ({', '.join(skips)} named it but {'was' if len(skips) == 1 else 'were'} skipped)"
+        warnings.append(
+            Problem(
+                "warning",
+                paths[0],
+                f"logical name {name!r} is placed by no rule{why if skips else ''}: it is "
+                f"replicated in {_leaves_text(len(paths))} ({_paths_text(paths)})",
+                f"Add a rule for {name!r} (e.g. ({name!r}, {mesh.axis_names[-1]!r}) if it is "
+                f"free), or ({name!r}, None) to keep it whole on purpose.",
+                "no-rule",
+            )
+        )
+
+    if any_logical:
+        for i, (name, axes) in zip(index_map, rules, strict=True):
+            if placed.get(i) or axes is None:  # an unused ('name', None) changes nothing
+                continue
+            seen = skipped.get(i)
+            if seen:
+                message = (
+                    f"{rule_text(i, (name, axes))} is never used: it named {name!r} in "
+                    f"{_leaves_text(len(seen))} ({_paths_text(seen)}) and was skipped each time"
+                )
+            else:
+                message = (
+                    f"{rule_text(i, (name, axes))} is never used: no array dimension is "
+                    f"named {name!r}"
+                )
+            warnings.append(
+                Problem(
+                    "warning",
+                    f"rules[{i}]",
+                    message,
+                    "Remove it, or keep it if it is meant for activations "
+                    "(with_logical_constraint).",
+                    "dead-rule",
+                )
+            )
+
+    if plan.leaves:
+        for axis, size in mesh.shape.items():
+            if size > 1 and axis not in used_axes:
+                warnings.append(
+                    Problem(
+                        "warning",
+                        f"mesh/{axis}",
+                        f"mesh axis {axis!r} (size {size}) shards no array: the {size} "
+                        f"positions along it hold the same bytes",
+                        f"Map a logical name to {axis!r} in the rules (e.g. FSDP: "
+                        f"('embed', {axis!r})), or keep it if {axis!r} only splits the batch.",
+                        "idle-axis",
+                    )
+                )
+    return errors + warnings
+
+
+def _replicated(path: str, layout: LeafLayout, mesh: MeshInfo) -> Problem:
+    named = [d for d in layout.dims if d.status == "no-rule"]
+    if named:
+        hint = f"Add a rule for {', '.join(repr(d.name) for d in named)}."
+    elif layout.kind == "unboxed":
+        hint = "Box it (with_partitioning / with_logical_partitioning) to shard a dimension."
+    else:
+        hint = "Name a mesh axis (or a logical name with a rule) for one of its dimensions."
+    return Problem(
+        "warning",
+        path,
+        f"{human_bytes(layout.bytes)} array {layout.shape} {layout.dtype} is fully replicated: "
+        f"each of the {mesh.size} devices holds all of it",
+        hint,
+        "replicated",
+    )

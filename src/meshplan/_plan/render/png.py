@@ -1,0 +1,77 @@
+"""A plan as a PNG (matplotlib, headless): mesh and memory on top, the largest tiles below."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from meshplan._plan.render.colors import INK, MUTED, device_colors
+from meshplan._plan.render.png_mesh import draw_memory_bars, draw_mesh, grid_shape
+from meshplan._plan.render.png_tiles import draw_tiles, largest_layouts
+from meshplan._text import count_text, human_bytes
+
+if TYPE_CHECKING:
+    from meshplan._plan.plan import Plan
+
+__all__ = ["write_png"]
+
+
+def write_png(plan: Plan, path: Any, *, top: int = 6, title: str | None = None) -> None:
+    """Draws ``plan`` into a PNG at ``path`` (see :meth:`Plan.save_png`)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    colors = device_colors(plan.mesh.size)
+    rows, cols, _, _ = grid_shape(plan)
+    largest = largest_layouts(plan, top)
+    n_tiles = len(largest)
+    tile_cols = min(max(n_tiles, 1), 4)
+    tile_rows = math.ceil(n_tiles / tile_cols) if n_tiles else 0
+
+    fig_w = max(11.0, 2.9 * tile_cols)
+    mesh_h = max(2.6, min(1.15 * rows + 0.9, 6.0))
+    head = 1.25
+    fig_h = head + mesh_h + 3.2 * tile_rows
+    fig = Figure(figsize=(fig_w, fig_h), dpi=110, facecolor="white")
+    FigureCanvasAgg(fig)
+    heights = [mesh_h] + [3.2] * tile_rows
+    gs = fig.add_gridspec(
+        1 + tile_rows, 1, height_ratios=heights, top=1 - head / fig_h, bottom=0.03,
+        left=0.05, right=0.97, hspace=0.45,
+    )  # fmt: skip
+    top_gs = gs[0].subgridspec(1, 2, width_ratios=[min(max(cols, 2), 8) * 1.0, 4.0], wspace=0.18)
+    draw_mesh(fig.add_subplot(top_gs[0]), plan, colors)
+    draw_memory_bars(fig.add_subplot(top_gs[1]), plan, colors)
+    if n_tiles:
+        for r in range(tile_rows):
+            row_gs = gs[1 + r].subgridspec(1, tile_cols, wspace=0.25)
+            for c in range(tile_cols):
+                k = r * tile_cols + c
+                if k < n_tiles:
+                    leaf, count = largest[k]
+                    draw_tiles(fig.add_subplot(row_gs[c]), leaf, count, plan, colors)
+
+    t = plan.totals["all"]
+    heading = title or "Sharding plan"
+    fig.text(0.05, 1 - 0.32 / fig_h, f"{heading} · mesh {plan.mesh.describe()}",
+             fontsize=14, weight="bold", color=INK)  # fmt: skip
+    n_err = sum(p.severity == "error" for p in plan.problems)
+    status = f" · {count_text(n_err, 'error')}" if n_err else ""
+    fig.text(
+        0.05, 1 - 0.6 / fig_h,
+        f"{t.leaves} arrays, {human_bytes(t.bytes)} in all · fullest device "
+        f"{human_bytes(t.max_device_bytes)} · ideal {human_bytes(t.ideal_bytes)} "
+        f"({t.efficiency:.0%} spread){status}",
+        fontsize=10, color=INK,
+    )  # fmt: skip
+    if n_tiles:
+        fig.text(
+            0.05, 1 - 0.82 / fig_h,
+            "Below: the largest parameters, cut into the pieces the devices hold; each piece "
+            "is coloured by its device (striped when several devices hold the same piece).",
+            fontsize=8.5, color=MUTED, style="italic",
+        )  # fmt: skip
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", facecolor="white")

@@ -1,0 +1,119 @@
+"""The top of a plan picture: the mesh as a grid of devices with their memory, and a bar chart."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from meshplan._plan.render.colors import GROUP_COLORS, INK, MUTED
+from meshplan._plan.totals import GROUPS
+from meshplan._text import human_bytes
+
+if TYPE_CHECKING:
+    from meshplan._plan.plan import Plan
+
+__all__ = ["draw_memory_bars", "draw_mesh", "grid_shape"]
+
+
+def grid_shape(plan: Plan) -> tuple[int, int, str, str]:
+    """Mesh drawn as rows × columns: the first axis down, the others across."""
+    names, sizes = plan.mesh.axis_names, plan.mesh.axis_sizes
+    if len(sizes) == 0:
+        return 1, 1, "", ""
+    if len(sizes) == 1:
+        return 1, sizes[0], "", names[0]
+    return sizes[0], math.prod(sizes[1:]), names[0], " × ".join(names[1:])
+
+
+def draw_mesh(ax: Any, plan: Plan, colors: list[Any]) -> None:
+    """The devices as a grid, each with its id, its bytes and a bar of them by group."""
+    from matplotlib.patches import FancyBboxPatch, Rectangle
+
+    rows, cols, row_name, col_name = grid_shape(plan)
+    totals = plan.totals
+    full = max(totals["all"].max_device_bytes, 1)
+    ax.set_xlim(-0.15, cols + 0.05)
+    ax.set_ylim(rows + 0.05, -0.35)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    for k, dev in enumerate(plan.mesh.device_ids):
+        r, c = divmod(k, cols)
+        x, y = c + 0.06, r + 0.06
+        w, h = 0.88, 0.88
+        ax.add_patch(
+            FancyBboxPatch(
+                (x, y), w, h, boxstyle="round,pad=0,rounding_size=0.06",
+                facecolor=(*colors[k][:3], 0.13), edgecolor=colors[k], linewidth=2.2,
+            )
+        )  # fmt: skip
+        nbytes = totals["all"].device_bytes[k]
+        if cols <= 8:
+            ax.text(x + 0.07, y + 0.2, f"device {dev}", fontsize=9, weight="bold", color=INK)
+            ax.text(x + 0.07, y + 0.43, human_bytes(nbytes), fontsize=9, color=INK)
+        else:  # small cells: the id only (the bar chart has the bytes)
+            ax.text(x + w / 2, y + 0.35, str(dev), fontsize=max(5.0, 9 * 8 / cols),
+                    weight="bold", color=INK, ha="center", va="center")  # fmt: skip
+        # memory bar: stacked by group, full width = the fullest device
+        bx, by, bw, bh = x + 0.07, y + 0.6, w - 0.14, 0.14
+        ax.add_patch(Rectangle((bx, by), bw, bh, facecolor="white", edgecolor="#bbbbbb", lw=0.6))
+        offset = 0.0
+        for group in GROUPS:
+            part = totals[group].device_bytes[k] / full * bw
+            if part > 0:
+                ax.add_patch(
+                    Rectangle((bx + offset, by), part, bh, facecolor=GROUP_COLORS[group], lw=0)
+                )
+            offset += part
+        ideal = totals["all"].ideal_bytes / full * bw
+        ax.plot([bx + ideal, bx + ideal], [by - 0.03, by + bh + 0.03], color=INK, lw=1)
+    if col_name:
+        ax.annotate(
+            "", xy=(cols - 0.05, -0.12), xytext=(0.06, -0.12),
+            arrowprops={"arrowstyle": "->", "color": MUTED, "lw": 1},
+        )  # fmt: skip
+        ax.text(cols / 2, -0.2, f"{col_name} ({cols})", ha="center", fontsize=9, color=MUTED)
+    if row_name:
+        ax.annotate(
+            "", xy=(-0.06, rows - 0.05), xytext=(-0.06, 0.06),
+            arrowprops={"arrowstyle": "->", "color": MUTED, "lw": 1},
+        )  # fmt: skip
+        ax.text(-0.1, rows / 2, f"{row_name} ({rows})", rotation=90, va="center", ha="right",
+                fontsize=9, color=MUTED)  # fmt: skip
+
+
+def draw_memory_bars(ax: Any, plan: Plan, colors: list[Any]) -> None:
+    """Bytes per device, stacked by group, against the ideal (an even split)."""
+    totals = plan.totals
+    n = plan.mesh.size
+    xs = range(n)
+    bottom = [0.0] * n
+    scale, unit = _unit(totals["all"].max_device_bytes)
+    for group in GROUPS:
+        values = [b / scale for b in totals[group].device_bytes]
+        if any(values):
+            ax.bar(xs, values, bottom=bottom, color=GROUP_COLORS[group], width=0.72, label=group)
+            bottom = [a + b for a, b in zip(bottom, values, strict=True)]
+    ideal = totals["all"].ideal_bytes / scale
+    ax.axhline(ideal, color=INK, lw=1, ls="--")
+    ax.text(n - 0.5, ideal, " ideal", va="bottom", ha="right", fontsize=8, color=INK)
+    step = max(1, math.ceil(n / 16))  # at most 16 labels
+    shown = list(xs)[::step]
+    ax.set_xticks(shown, [str(plan.mesh.device_ids[k]) for k in shown], fontsize=8)
+    for tick, k in zip(ax.get_xticklabels(), shown, strict=True):
+        tick.set_color(colors[k])
+        tick.set_fontweight("bold")
+    ax.set_xlabel("device", fontsize=9, color=MUTED)
+    ax.set_ylabel(unit, fontsize=9, color=MUTED)
+    ax.tick_params(axis="y", labelsize=8, colors=MUTED)
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.set_ylim(0, max([*bottom, ideal]) * 1.18 or 1)
+    if any(bottom):
+        ax.legend(fontsize=8, frameon=False, loc="upper left", ncols=3)
+    ax.set_title("memory per device", fontsize=10, loc="left", color=INK)
+
+
+def _unit(n: int) -> tuple[float, str]:
+    for scale, unit in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if n >= scale:
+            return float(scale), unit
+    return 1.0, "bytes"

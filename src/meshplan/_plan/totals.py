@@ -1,0 +1,87 @@
+"""Totals of a plan: bytes in all and on each device, for every leaf and by group."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from meshplan._plan.render.json_dict import totals_to_dict
+
+if TYPE_CHECKING:
+    from meshplan._plan.records import LeafPlan
+
+__all__ = ["GROUPS", "Totals", "group_totals"]
+
+GROUPS = ("params", "optimizer", "other")
+"""Groups that totals are split by (see :func:`meshplan.explain` for how leaves are classified)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Totals:
+    """Bytes of a group of leaves, in all and per device.
+
+    Attributes:
+        leaves: How many array leaves.
+        bytes: Bytes of all the arrays (one copy of each).
+        device_bytes: Bytes each device holds, in mesh order.
+        max_device_bytes: Bytes on the fullest device.
+        ideal_bytes: ``bytes / number of devices``, rounded up: the fullest
+            device's bytes under a perfect split with no replication.
+    """
+
+    leaves: int
+    bytes: int
+    device_bytes: tuple[int, ...]
+    max_device_bytes: int
+    ideal_bytes: int
+
+    @property
+    def efficiency(self) -> float:
+        """``ideal_bytes / max_device_bytes``: 1.0 when nothing is replicated or uneven."""
+        return 1.0 if self.max_device_bytes == 0 else self.ideal_bytes / self.max_device_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``totals[group]`` entry of the JSON schema."""
+        return totals_to_dict(self)
+
+
+def group_totals(leaves: Sequence[LeafPlan], n_devices: int) -> dict[str, Totals]:
+    """:class:`Totals` for ``'all'`` and for each group in :data:`GROUPS`, in that order.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> from meshplan._plan.totals import group_totals
+        >>> tree = {"params": {"w": meshplan.Partitioned(
+        ...     jax.ShapeDtypeStruct((6,), jnp.float32), ("x",))}}
+        >>> plan = meshplan.explain(tree, {"x": 4})
+        >>> group_totals(plan.leaves, 4)["params"].device_bytes
+        (8, 8, 8, 0)
+    """
+    acc = {g: [0, 0, 0, np.zeros(n_devices, dtype=np.int64)] for g in GROUPS}
+    for leaf in leaves:  # leaves, bytes, bytes on every device (even), per device (uneven)
+        a = acc[leaf.group]
+        lay = leaf._layout
+        a[0] += 1
+        a[1] += lay.bytes
+        if lay.device_bytes is None:
+            a[2] += lay.bytes_per_device
+        else:
+            a[3] += lay.device_bytes
+    groups = {g: (c, b, uneven + even) for g, (c, b, even, uneven) in acc.items()}
+    everything = (
+        sum(c for c, _, _ in groups.values()),
+        sum(b for _, b, _ in groups.values()),
+        sum(d for _, _, d in groups.values()),
+    )
+    return {
+        "all": _make_totals(*everything, n_devices),
+        **{g: _make_totals(*groups[g], n_devices) for g in GROUPS},
+    }
+
+
+def _make_totals(count: int, nbytes: int, device_bytes: np.ndarray, n: int) -> Totals:
+    dev = tuple(int(b) for b in device_bytes)
+    return Totals(count, int(nbytes), dev, max(dev, default=0), -(-int(nbytes) // n))

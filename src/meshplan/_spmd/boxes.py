@@ -1,0 +1,518 @@
+"""Metadata boxes: a value plus one axis name per dimension.
+
+``Partitioned`` carries mesh axis names, ``LogicallyPartitioned`` logical ones.
+Both are pytree nodes whose only child is the value (names, mesh and rules are
+static), and both implement Flax's ``AxisMetadata`` protocol, so
+``nn.Module.param``, ``nn.scan`` and ``nn.vmap`` handle them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import jax
+import numpy as np
+from flax.core.meta import AxisMetadata
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshplan._errors import ArgumentError, LogicalNamesError, PartitioningUnspecifiedError
+from meshplan._spmd.mesh import active_mesh, apply_spec, check_rank
+from meshplan._spmd.rules import normalize_names, normalize_rules
+
+__all__ = [
+    "PARTITION_NAME",
+    "LogicallyPartitioned",
+    "Partitioned",
+    "is_box",
+    "replace_boxed",
+    "unbox",
+    "with_logical_partitioning",
+    "with_partitioning",
+]
+
+A = TypeVar("A")
+
+PARTITION_NAME = "partition_name"
+"""Key of ``metadata_params`` in ``nn.scan``/``nn.vmap`` naming the axis they add."""
+
+
+def _check_names(names: Any, cls_name: str) -> tuple[Any, ...]:
+    if type(names) is tuple and all(n is None or type(n) is str for n in names):
+        return names  # fast path: the common case, already normal
+    if names is None:
+        raise LogicalNamesError(
+            f"{cls_name} needs one axis name (or None) per dimension, got names=None.\n"
+            f"For a replicated value give (None,) * value.ndim, or leave the value unboxed."
+        )
+    return normalize_names(names, what=f"{cls_name} names")
+
+
+def _values_equal(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, jax.ShapeDtypeStruct) or isinstance(b, jax.ShapeDtypeStruct):
+        return getattr(a, "shape", None) == getattr(b, "shape", None) and getattr(
+            a, "dtype", None
+        ) == getattr(b, "dtype", None)
+    if hasattr(a, "shape") and hasattr(b, "shape"):
+        try:
+            return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+        except (TypeError, RuntimeError, jax.errors.ConcretizationTypeError) as e:
+            raise TypeError(
+                f"Cannot compare boxes whose values cannot be read here (shape "
+                f"{getattr(a, 'shape', None)}): {type(e).__name__}. Inside jax.jit, or for "
+                f"arrays spread over several processes, compare .names and the values "
+                f"with jnp.array_equal instead of ==."
+            ) from e
+    return bool(a == b)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Partitioned(AxisMetadata[A], Generic[A]):
+    """A value with one mesh axis name (or ``None``) per dimension.
+
+    The easiest way to create one is :func:`with_partitioning` around a
+    parameter initializer. ``jax.tree_util`` sees the value as the only child.
+
+    Example:
+        >>> import jax.numpy as jnp, meshplan
+        >>> box = meshplan.Partitioned(jnp.zeros((4, 8)), (None, "model"))
+        >>> box.get_partition_spec()
+        P(None, 'model')
+        >>> jax.tree_util.tree_leaves(box)[0].shape
+        (4, 8)
+
+    Attributes:
+        value: The wrapped value (an array, a ``jax.ShapeDtypeStruct``, ...).
+        names: One mesh axis name, tuple of names, or ``None`` per dimension.
+        mesh: The mesh to shard on; ``None`` uses the active one.
+    """
+
+    value: Any
+    names: tuple[Any, ...]
+    mesh: jax.sharding.Mesh | None = None
+
+    def __post_init__(self) -> None:
+        names = _check_names(self.names, type(self).__name__)
+        if names is not self.names:
+            object.__setattr__(self, "names", names)
+
+    # -- the AxisMetadata protocol ------------------------------------------
+
+    def unbox(self, apply_constraint: bool = True) -> A:
+        """Returns the value, constrained to its partitioning when a mesh is active.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> box = meshplan.Partitioned(jnp.ones((8, 4)), ("data", None))
+            >>> box.unbox().shape  # no mesh active: the value as it is
+            (8, 4)
+            >>> with jax.set_mesh(jax.make_mesh((2, 4), ("data", "model"))):
+            ...     print(box.unbox().sharding.spec)
+            P('data', None)
+        """
+        if apply_constraint and (self.mesh is not None or active_mesh() is not None):
+            return apply_spec(self.value, self._checked_spec(), self.mesh, what=self._what())
+        return self.value
+
+    def replace_boxed(self, val: Any) -> Partitioned[Any]:
+        """The same box around a new value.
+
+        Example:
+            >>> import jax.numpy as jnp, meshplan
+            >>> box = meshplan.Partitioned(jnp.ones((4, 8)), (None, "model"))
+            >>> new = box.replace_boxed(jnp.zeros((4, 8)))
+            >>> new.names, float(new.value.sum())
+            ((None, 'model'), 0.0)
+        """
+        return dataclasses.replace(self, value=val)
+
+    def _partition_name(self, params: dict[Any, Any]) -> Any:
+        if PARTITION_NAME not in params:
+            raise PartitioningUnspecifiedError(
+                f"nn.scan/nn.vmap is adding an axis to {self._what()}, but its metadata_params "
+                f"do not name that axis (got metadata_params={params!r}).\n"
+                f"Pass metadata_params={{meshplan.PARTITION_NAME: 'layer'}} (or None for an "
+                f"unsharded axis) to the transform."
+            )
+        return params[PARTITION_NAME]
+
+    def add_axis(self, index: int, params: dict[Any, Any]) -> Partitioned[A]:
+        """Inserts the transform's partition name at ``index`` (``nn.scan``/``nn.vmap``).
+
+        Example:
+            >>> import jax.numpy as jnp, meshplan
+            >>> box = meshplan.Partitioned(jnp.ones((4, 8)), (None, "model"))
+            >>> box.add_axis(0, {meshplan.PARTITION_NAME: "layer"}).names
+            ('layer', None, 'model')
+        """
+        name = self._partition_name(params)
+        names = list(self.names)
+        while len(names) < index:
+            names.append(None)
+        names.insert(index, name)
+        return dataclasses.replace(self, names=tuple(names))
+
+    def remove_axis(self, index: int, params: dict[Any, Any]) -> Partitioned[A]:
+        """Removes the axis :meth:`add_axis` inserted; its exact inverse.
+
+        Example:
+            >>> import jax.numpy as jnp, meshplan
+            >>> box = meshplan.Partitioned(jnp.ones((2, 4, 8)), ("layer", None, "model"))
+            >>> box.remove_axis(0, {meshplan.PARTITION_NAME: "layer"}).names
+            (None, 'model')
+        """
+        name = self._partition_name(params)
+        names = list(self.names)
+        if index >= len(names) or names[index] != name:
+            raise LogicalNamesError(
+                f"Cannot remove axis {index} named {name!r} from {self._what()}: "
+                f"that position holds {names[index] if index < len(names) else 'nothing'!r}.\n"
+                f"remove_axis must undo the add_axis of the same transform."
+            )
+        del names[index]
+        return dataclasses.replace(self, names=tuple(names))
+
+    # -- partitioning -------------------------------------------------------
+
+    def get_partition_spec(self) -> PartitionSpec:
+        """``PartitionSpec(*names)``.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> box = meshplan.Partitioned(
+            ...     jax.ShapeDtypeStruct((8, 4, 2), jnp.float32), ("data", None, ("data", "model")))
+            >>> box.get_partition_spec()
+            P('data', None, ('data', 'model'))
+        """
+        return PartitionSpec(*self.names)
+
+    def get_sharding(self, mesh: jax.sharding.Mesh) -> NamedSharding:
+        """``NamedSharding(mesh, spec)``.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> box = meshplan.Partitioned(
+            ...     jax.ShapeDtypeStruct((8, 4), jnp.float32), ("data", None))
+            >>> box.get_sharding(jax.make_mesh((2, 4), ("data", "model"))).spec
+            P('data', None)
+        """
+        return NamedSharding(mesh, self._checked_spec())
+
+    def replace(self, **updates: Any) -> Partitioned[A]:
+        """A copy with some fields replaced, as Flax's ``struct`` dataclasses offer.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> box = meshplan.Partitioned(
+            ...     jax.ShapeDtypeStruct((8, 4), jnp.float32), ("data", None))
+            >>> box.replace(names=(None, "model")).names
+            (None, 'model')
+        """
+        return dataclasses.replace(self, **updates)
+
+    def to_nnx_metadata(self) -> dict[str, Any]:
+        """The box's fields as ``flax.nnx.Variable`` metadata (``names`` -> ``out_sharding``).
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> box = meshplan.Partitioned(
+            ...     jax.ShapeDtypeStruct((4, 8), jnp.float32), (None, "model"))
+            >>> box.to_nnx_metadata()
+            {'value': ShapeDtypeStruct(shape=(4, 8), dtype=float32), 'mesh': None,
+             'out_sharding': (None, 'model')}
+        """
+        metadata = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        metadata["out_sharding"] = metadata.pop("names")
+        if "rules" in metadata:
+            metadata["sharding_rules"] = metadata.pop("rules")
+        return metadata
+
+    @classmethod
+    def from_nnx_metadata(cls, metadata: dict[str, Any]) -> Partitioned[Any]:
+        """The inverse of :meth:`to_nnx_metadata`; unknown keys are ignored.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> value = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+            >>> metadata = {"value": value, "out_sharding": (None, "model"), "eager_sharding": True}
+            >>> meshplan.Partitioned.from_nnx_metadata(metadata)
+            Partitioned(value=ShapeDtypeStruct(shape=(4, 8), dtype=float32), names=(None, 'model'),
+                        mesh=None)
+        """
+        metadata = dict(metadata)
+        metadata["names"] = metadata.pop("out_sharding")
+        if "sharding_rules" in metadata:
+            metadata["rules"] = metadata.pop("sharding_rules")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in metadata.items() if k in fields})
+
+    def _checked_spec(self) -> PartitionSpec:
+        spec = self.get_partition_spec()
+        shape = getattr(self.value, "shape", None)
+        if shape is not None and len(spec) != len(shape):  # describe the box only on error
+            check_rank(spec, tuple(shape), self._what(), exact=True)
+        return spec
+
+    def _what(self) -> str:
+        shape = getattr(self.value, "shape", None)
+        return f"{type(self).__name__}(names={self.names!r}, shape={shape})"
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return all(
+            getattr(self, f.name) == getattr(other, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "value"
+        ) and _values_equal(self.value, other.value)
+
+    def __hash__(self) -> int:
+        # Consistent with __eq__, and with Flax's boxes: abstract values hash by shape and
+        # dtype; concrete arrays are unhashable (TypeError), as jax.Array itself is.
+        value = self.value
+        if isinstance(value, jax.ShapeDtypeStruct):
+            value = (value.shape, value.dtype)
+        meta = tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "value")
+        return hash((type(self), meta, value))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LogicallyPartitioned(Partitioned[A]):
+    """A value with one *logical* axis name per dimension, mapped to mesh axes by rules.
+
+    Example:
+        >>> import jax.numpy as jnp, meshplan
+        >>> box = meshplan.LogicallyPartitioned(jnp.zeros((4, 8)), ("embed", "hidden"))
+        >>> box.get_partition_spec()
+        P('embed', 'hidden')
+        >>> meshplan.logical_to_mesh_axes(box.names, (("hidden", "model"),))
+        P(None, 'model')
+
+    Attributes:
+        rules: Rules for this value; ``None`` uses the active ones.
+    """
+
+    rules: Any = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.rules is not None:
+            rules = normalize_rules(self.rules)
+            if rules is not self.rules:
+                object.__setattr__(self, "rules", rules)
+
+    def unbox(self, apply_constraint: bool = True) -> A:
+        """Returns the value, constrained through the rules when a mesh is active.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> box = meshplan.LogicallyPartitioned(
+            ...     jnp.ones((8, 4)), ("batch", "embed"), rules=(("batch", "data"),))
+            >>> box.unbox().shape  # no mesh active: the value as it is
+            (8, 4)
+            >>> with jax.set_mesh(jax.make_mesh((2, 4), ("data", "model"))):
+            ...     print(box.unbox().sharding.spec)
+            P('data', None)
+        """
+        if apply_constraint and (self.mesh is not None or active_mesh() is not None):
+            from meshplan._spmd.constraints import with_logical_constraint
+
+            self._checked_spec()
+            return with_logical_constraint(
+                self.value, self.get_partition_spec(), rules=self.rules, mesh=self.mesh
+            )
+        return self.value
+
+    def get_sharding(self, mesh: jax.sharding.Mesh) -> NamedSharding:
+        """The mesh sharding, through this box's rules or the active ones.
+
+        Flax builds ``NamedSharding(mesh, logical_names)`` here, which fails.
+        meshplan resolves the names through the rules, and says what to do
+        when there are none.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> box = meshplan.LogicallyPartitioned(
+            ...     jax.ShapeDtypeStruct((8, 16), jnp.float32), ("batch", "embed"))
+            >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+            >>> with meshplan.logical_axis_rules((("batch", "data"), ("embed", "model"))):
+            ...     print(box.get_sharding(mesh).spec)
+            P('data', 'model')
+        """
+        from meshplan._spmd.rules import get_logical_axis_rules, logical_to_mesh_axes
+
+        rules = self.rules if self.rules is not None else get_logical_axis_rules()
+        spec = self._checked_spec()
+        if not rules:
+            raise LogicalNamesError(
+                f"get_sharding got {self._what()}, whose names are logical, and no rules are "
+                f"active to map them to mesh axes.\nCall "
+                f"meshplan.logical_to_mesh_sharding(meshplan.get_partition_spec(tree), mesh, "
+                f"rules), or get_sharding inside `with meshplan.logical_axis_rules(rules):`."
+            )
+        return NamedSharding(mesh, logical_to_mesh_axes(tuple(spec), rules))
+
+
+for _cls, _meta in (
+    (Partitioned, ["names", "mesh"]),
+    (LogicallyPartitioned, ["names", "mesh", "rules"]),
+):
+    jax.tree_util.register_dataclass(_cls, data_fields=["value"], meta_fields=_meta)
+
+
+def is_box(x: Any) -> bool:
+    """Whether ``x`` is a metadata box (any Flax ``AxisMetadata``, meshplan's included)."""
+    return isinstance(x, AxisMetadata)
+
+
+def _check_initializer_args(fn: Any, names: Any, who: str) -> None:
+    if not callable(fn) and callable(names):
+        raise ArgumentError(
+            f"{who}(fn, names) got the arguments swapped: fn={fn!r} is not callable and "
+            f"names={names!r} is.\nCall {who}(initializer, names), e.g. "
+            f"{who}(nn.initializers.lecun_normal(), (None, 'model'))."
+        )
+    if not callable(fn):
+        raise ArgumentError(
+            f"{who} needs an initializer function as its first argument, got {fn!r}.\n"
+            f"Pass an initializer, e.g. {who}(nn.initializers.lecun_normal(), names)."
+        )
+    _check_names(names, who)
+
+
+def with_partitioning(
+    fn: Callable[..., Any],
+    names: tuple[Any, ...],
+    mesh: jax.sharding.Mesh | None = None,
+) -> Callable[..., Partitioned[Any]]:
+    """Wraps an initializer so that its result comes back as a :class:`Partitioned` box.
+
+    Example:
+        >>> import flax.linen as nn, meshplan
+        >>> kernel_init = meshplan.with_partitioning(
+        ...     nn.initializers.lecun_normal(), (None, "data"))
+        >>> partitioned_dense = nn.Dense(features=3, kernel_init=kernel_init)
+
+    Args:
+        fn: The function to wrap, usually an initializer.
+        names: One mesh axis name (or ``None``) per dimension of its result.
+        mesh: The mesh to shard on; ``None`` uses the active one.
+
+    Returns:
+        A function that calls ``fn`` and boxes its result.
+    """
+    _check_initializer_args(fn, names, "with_partitioning")
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Partitioned[Any]:
+        return Partitioned(fn(*args, **kwargs), names, mesh=mesh)
+
+    return wrapper
+
+
+def with_logical_partitioning(
+    fn: Callable[..., Any],
+    names: tuple[Any, ...],
+    mesh: jax.sharding.Mesh | None = None,
+    rules: Any = None,
+) -> Callable[..., LogicallyPartitioned[Any]]:
+    """Wraps an initializer so that its result is a :class:`LogicallyPartitioned` box.
+
+    Example:
+        >>> import flax.linen as nn, meshplan
+        >>> kernel_init = meshplan.with_logical_partitioning(
+        ...     nn.initializers.lecun_normal(), ("embed", "mlp"))
+        >>> dense = nn.Dense(features=3, kernel_init=kernel_init)
+
+    Args:
+        fn: The function to wrap, usually an initializer.
+        names: One logical axis name (or ``None``) per dimension of its result.
+        mesh: The mesh to shard on; ``None`` uses the active one.
+        rules: Rules for this value; ``None`` uses the active ones.
+
+    Returns:
+        A function that calls ``fn`` and boxes its result.
+    """
+    _check_initializer_args(fn, names, "with_logical_partitioning")
+    if rules is not None:
+        rules = normalize_rules(rules)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> LogicallyPartitioned[Any]:
+        return LogicallyPartitioned(fn(*args, **kwargs), names, mesh=mesh, rules=rules)
+
+    return wrapper
+
+
+def unbox(tree: Any) -> Any:
+    """Strips every metadata box from ``tree`` (recursively), leaving the raw values.
+
+    Example:
+        >>> import jax.numpy as jnp, meshplan
+        >>> tree = {"w": meshplan.Partitioned(jnp.ones((2, 2)), (None, None)), "b": 1.0}
+        >>> out = meshplan.unbox(tree)
+        >>> type(out["w"]).__name__, out["b"]
+        ('ArrayImpl', 1.0)
+    """
+    return jax.tree_util.tree_map(
+        lambda x: unbox(x.unbox()) if isinstance(x, AxisMetadata) else x,
+        tree,
+        is_leaf=is_box,
+    )
+
+
+def replace_boxed(tree: Any, updates: Any) -> Any:
+    """Puts the values of ``updates`` into the boxes of ``tree``, keeping their metadata.
+
+    ``updates`` has the structure of ``unbox(tree)``; leaves of ``tree`` that are
+    not boxed are replaced as they are.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> tree = {"w": meshplan.Partitioned(jnp.ones((2, 2)), (None, "model"))}
+        >>> zeros = jax.tree.map(jnp.zeros_like, meshplan.unbox(tree))
+        >>> new = meshplan.replace_boxed(tree, zeros)
+        >>> new["w"].names, float(new["w"].value.sum())
+        ((None, 'model'), 0.0)
+    """
+    problems: list[str] = []
+
+    def update(path: Any, box: Any, new: Any) -> Any:
+        if not isinstance(box, AxisMetadata):
+            return new
+        inner = box.value if isinstance(box, Partitioned) else box.unbox()
+        if isinstance(new, AxisMetadata):
+            problems.append(
+                f"{jax.tree_util.keystr(path)}: the update is itself a box "
+                f"({type(new).__name__}); pass raw values (meshplan.unbox(updates))"
+            )
+            return box
+        if isinstance(inner, AxisMetadata):
+            new = replace_boxed(inner, new)
+        elif isinstance(box, Partitioned):
+            new_shape = getattr(new, "shape", None)
+            if new_shape is not None and len(new_shape) != len(box.names):
+                problems.append(
+                    f"{jax.tree_util.keystr(path)}: a value of shape {tuple(new_shape)} "
+                    f"(rank {len(new_shape)}) cannot go into a box named {box.names!r} "
+                    f"(rank {len(box.names)})"
+                )
+                return box
+        return box.replace_boxed(new)
+
+    out = jax.tree_util.tree_map_with_path(update, tree, updates, is_leaf=is_box)
+    if problems:
+        from meshplan._errors import problem_message
+
+        raise LogicalNamesError(
+            problem_message(
+                "replace_boxed cannot put these updates into their boxes:",
+                problems,
+                "Updates must have the structure and ranks of meshplan.unbox(tree).",
+            )
+        )
+    return out

@@ -1,0 +1,148 @@
+"""Sharding constraints written in logical axis names."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
+
+from meshplan._errors import UnmatchedLogicalAxisError
+from meshplan._spmd.mesh import active_mesh, apply_spec
+from meshplan._spmd.rules import UNASSIGNED, get_logical_axis_rules, resolve
+
+__all__ = ["RulesFallback", "with_logical_constraint"]
+
+
+class RulesFallback(enum.Enum):
+    """What a constraint does when a logical name matches no rule.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> x, rules = jnp.ones((8, 4)), (("batch", "data"),)  # no rule for 'embed'
+        >>> with jax.set_mesh(jax.make_mesh((2, 4), ("data", "model"))):
+        ...     print(meshplan.with_logical_constraint(x, ("batch", "embed"), rules).sharding.spec)
+        ...     try:
+        ...         meshplan.with_logical_constraint(
+        ...             x, ("batch", "embed"), rules, fallback=meshplan.RulesFallback.RAISE_ERROR)
+        ...     except meshplan.UnmatchedLogicalAxisError as e:
+        ...         print(str(e).splitlines()[0])
+        P('data', None)
+        Axis names ('batch', 'embed') did not match a rule: ('embed',) has no rule in ...
+    """
+
+    AXIS_IS_UNSHARDED = "axis_is_unsharded"
+    """Treat the dimension as unsharded (``None``)."""
+    RAISE_ERROR = "raise_error"
+    """Raise :class:`UnmatchedLogicalAxisError`."""
+    NO_CONSTRAINT = "no_constraint"
+    """Leave the value unconstrained."""
+
+
+def _is_axis_entry(x: Any) -> bool:
+    return isinstance(x, str) or x is PartitionSpec.UNCONSTRAINED or x is None
+
+
+def _is_logical_spec(x: Any) -> bool:
+    return (
+        x is None
+        or isinstance(x, PartitionSpec)
+        or (isinstance(x, tuple) and all(_is_axis_entry(e) for e in x))
+    )
+
+
+def _constrain_one(spec: Any, x: Any, *, rules: Any, mesh: Any, fallback: RulesFallback) -> Any:
+    if spec is None:
+        return x
+    resolved = resolve(spec, rules)
+    unmatched = [n for n, r in zip(tuple(spec), resolved, strict=True) if r is UNASSIGNED]
+    if unmatched:
+        if fallback is RulesFallback.RAISE_ERROR:
+            raise UnmatchedLogicalAxisError(
+                f"Axis names {tuple(spec)!r} did not match a rule: {tuple(unmatched)!r} "
+                f"has no rule in {tuple(rules)!r}.\nAdd a rule for it (e.g. "
+                f"({unmatched[0]!r}, None) to keep it unsharded), or use "
+                f"fallback=RulesFallback.AXIS_IS_UNSHARDED."
+            )
+        if fallback is RulesFallback.NO_CONSTRAINT:
+            return x
+    mesh_spec = PartitionSpec(*(None if r is UNASSIGNED else r for r in resolved))
+    return apply_spec(x, mesh_spec, mesh, what=f"a value constrained to {tuple(spec)!r}")
+
+
+def with_logical_constraint(
+    x: Any,
+    logical_axis_resources: Any,
+    rules: Any = None,
+    mesh: jax.sharding.Mesh | None = None,
+    fallback: RulesFallback = RulesFallback.AXIS_IS_UNSHARDED,
+) -> Any:
+    """``with_sharding_constraint`` written in logical axis names.
+
+    The logical names are mapped to mesh axes by ``rules`` (or the active
+    ones). It does nothing when no rules are given or active, when the spec
+    is ``None``, or when no mesh is given or active. On an ``Explicit`` mesh it
+    reshards (``jax.sharding.reshard``) instead of constraining.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+        >>> rules = (("batch", "data"), ("embed", "model"))
+        >>> with jax.set_mesh(mesh):
+        ...     y = jax.jit(lambda x: meshplan.with_logical_constraint(
+        ...         x * 2, ("batch", "embed"), rules))(jnp.ones((8, 16)))
+        >>> y.sharding.spec
+        P('data', 'model')
+
+    Args:
+        x: An array or a tree of arrays.
+        logical_axis_resources: Logical names per dimension (a tuple or
+            ``PartitionSpec``), ``None``, or a tree of those matching ``x``.
+        rules: Rules to use instead of the active ones.
+        mesh: Mesh to use instead of the active one.
+        fallback: What to do with a logical name that matches no rule.
+
+    Returns:
+        ``x`` with the constraint applied.
+    """
+    if rules is None:
+        rules = get_logical_axis_rules()
+    if not rules or logical_axis_resources is None:
+        return x
+    if mesh is None and active_mesh() is None:
+        return x
+
+    def one(spec: Any, value: Any) -> Any:
+        return _constrain_one(spec, value, rules=rules, mesh=mesh, fallback=fallback)
+
+    if _is_logical_spec(logical_axis_resources):
+        return jax.tree_util.tree_map(lambda v: one(logical_axis_resources, v), x)
+    return jax.tree_util.tree_map(one, logical_axis_resources, x, is_leaf=_is_logical_spec)
+
+
+def explicit_out_sharding(logical_names: Any, rules: Any = None) -> PartitionSpec | None:
+    """The mesh spec of ``logical_names`` when the active mesh has Explicit axes, else None.
+
+    On an Explicit mesh an op whose output sharding is ambiguous (a contraction
+    over a sharded dimension) needs ``out_sharding=``; on an Auto mesh the
+    compiler chooses. Pass this to such ops to write one model for both:
+    ``jnp.dot(y, w, out_sharding=meshplan.explicit_out_sharding(('batch', 'embed')))``.
+
+    Example:
+        >>> import jax, meshplan
+        >>> meshplan.explicit_out_sharding(("batch", "embed"), (("batch", "data"),)) is None
+        True
+        >>> with jax.set_mesh(jax.make_mesh((2, 4), ("data", "model"))):
+        ...     meshplan.explicit_out_sharding(("batch", "embed"), (("batch", "data"),))
+        P('data', None)
+    """
+    from jax.sharding import AxisType
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
+        return None
+    if rules is None:
+        rules = get_logical_axis_rules()
+    resolved = resolve(logical_names, rules)
+    return PartitionSpec(*(None if r is UNASSIGNED else r for r in resolved))

@@ -1,0 +1,397 @@
+"""Logical axis rules: the active rule set, its validation, and name resolution.
+
+A rule set is an ordered sequence of ``(logical_name, mesh_axes)`` pairs, where
+``mesh_axes`` is a mesh axis name, a tuple of them, ``None`` or
+``PartitionSpec.UNCONSTRAINED``. Earlier rules take precedence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any, TypeAlias
+
+from jax.sharding import PartitionSpec
+
+from meshplan._errors import LogicalNamesError, RulesError, problem_message
+
+__all__ = [
+    "LogicalRules",
+    "get_logical_axis_rules",
+    "logical_axis_rules",
+    "logical_to_mesh_axes",
+    "set_logical_axis_rules",
+]
+
+MeshAxes: TypeAlias = str | tuple[str, ...] | Any | None
+LogicalRules: TypeAlias = Sequence[tuple[str, MeshAxes]]
+LogicalNames: TypeAlias = Sequence[str | Any | None]
+
+UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
+
+
+class _Unassigned:
+    """A logical name that no rule assigned (falsy, like Flax's sentinel)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "Unassigned"
+
+    def __bool__(self) -> bool:
+        return False
+
+
+UNASSIGNED = _Unassigned()
+
+
+# --------------------------------------------------------------------------
+# The active rules (thread-local, like Flax's)
+# --------------------------------------------------------------------------
+
+
+class _ActiveRules(threading.local):
+    rules: tuple[tuple[str, MeshAxes], ...] = ()
+
+
+_active = _ActiveRules()
+
+
+def set_logical_axis_rules(rules: LogicalRules) -> None:
+    """Sets the active logical axis rules for the current thread.
+
+    Example:
+        >>> import meshplan
+        >>> meshplan.set_logical_axis_rules((("batch", "data"), ("hidden", "model")))
+        >>> meshplan.get_logical_axis_rules()
+        (('batch', 'data'), ('hidden', 'model'))
+        >>> meshplan.set_logical_axis_rules(())
+    """
+    _active.rules = normalize_rules(rules)
+
+
+def get_logical_axis_rules() -> tuple[tuple[str, MeshAxes], ...]:
+    """Returns the active logical axis rules; ``()`` when none were set.
+
+    Example:
+        >>> import meshplan
+        >>> meshplan.get_logical_axis_rules()
+        ()
+    """
+    return _active.rules
+
+
+@contextlib.contextmanager
+def logical_axis_rules(rules: LogicalRules) -> Iterator[None]:
+    """Context manager that makes ``rules`` active and restores the previous ones on exit.
+
+    Contexts nest: the innermost rules are active, and leaving it restores the
+    enclosing ones.
+
+    Example:
+        >>> import meshplan
+        >>> with meshplan.logical_axis_rules((("batch", "data"),)):
+        ...     with meshplan.logical_axis_rules((("batch", None),)):
+        ...         print(meshplan.logical_to_mesh_axes(("batch",)))
+        ...     print(meshplan.logical_to_mesh_axes(("batch",)))
+        P(None,)
+        P('data',)
+    """
+    previous = _active.rules
+    _active.rules = normalize_rules(rules)
+    try:
+        yield
+    finally:
+        _active.rules = previous
+
+
+# --------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------
+
+
+_last_normal_rules: list[Any] = [None]
+"""The last rule tuple found normal: the same object again needs no second check."""
+
+
+def _is_mesh_axis_entry(axes: Any) -> bool:
+    if axes is None or axes is UNCONSTRAINED or isinstance(axes, str):
+        return True
+    return isinstance(axes, tuple | list) and all(isinstance(a, str) for a in axes)
+
+
+def normalize_rules(rules: Any) -> tuple[tuple[str, MeshAxes], ...]:
+    """Validates ``rules`` and returns them as a hashable tuple of pairs.
+
+    Lists of mesh axes become tuples. Every problem is reported at once.
+    """
+    if rules is _last_normal_rules[0]:
+        return rules  # validated already (a normal rule tuple is deeply immutable)
+    if (
+        isinstance(rules, tuple)
+        and all(
+            type(r) is tuple and len(r) == 2 and type(r[0]) is str and _is_mesh_axis_entry(r[1])
+            for r in rules
+        )
+        and all(not isinstance(r[1], list) for r in rules)
+    ):
+        _last_normal_rules[0] = rules
+        return rules  # the common, already-normal case: no copy
+    fix = "Give rules as a sequence of pairs, e.g. (('batch', 'data'), ('hidden', 'model'))."
+    if isinstance(rules, dict):
+        raise RulesError(
+            f"Logical axis rules must be an ordered sequence of (name, mesh_axes) pairs, "
+            f"got a dict: {rules!r}.\nRule order sets precedence, so meshplan does not guess it "
+            f"from a dict. Use tuple(rules.items()) if the dict's order is the one you mean."
+        )
+    if not isinstance(rules, tuple | list):
+        raise RulesError(
+            f"Logical axis rules must be a tuple or list of (name, mesh_axes) pairs, "
+            f"got {type(rules).__name__}: {rules!r}.\n{fix}"
+        )
+    if len(rules) == 2 and isinstance(rules[0], str) and _is_mesh_axis_entry(rules[1]):
+        raise RulesError(
+            f"Logical axis rules look like a single flat pair: {rules!r}.\n"
+            f"Wrap it in a sequence of rules: ({tuple(rules)!r},)."
+        )
+    problems = []
+    normal = []
+    for i, rule in enumerate(rules):
+        if not isinstance(rule, tuple | list) or len(rule) != 2:
+            problems.append(f"rule {i}: {rule!r} is not a (name, mesh_axes) pair")
+            continue
+        name, axes = rule
+        if not isinstance(name, str):
+            problems.append(
+                f"rule {i}: {rule!r}: the logical name must be a string, got {type(name).__name__}"
+            )
+        if not _is_mesh_axis_entry(axes):
+            problems.append(
+                f"rule {i}: {rule!r}: mesh axes must be a mesh axis name, a tuple of names, "
+                f"None or PartitionSpec.UNCONSTRAINED, got {axes!r}"
+            )
+        normal.append((name, tuple(axes) if isinstance(axes, list) else axes))
+    if problems:
+        raise RulesError(problem_message("Invalid logical axis rules:", problems, fix))
+    return tuple(normal)
+
+
+def _is_dim_entry(name: Any) -> bool:
+    return _is_mesh_axis_entry(name)
+
+
+def normalize_names(names: Any, *, what: str = "array_dim_names") -> tuple[Any, ...]:
+    """Validates one array's axis names and returns them as a tuple."""
+    if type(names) is tuple:  # fast path: a tuple of distinct str, None or UNCONSTRAINED
+        seen: set[str] = set()
+        for n in names:
+            if type(n) is str:
+                if n in seen:
+                    break
+                seen.add(n)
+            elif n is not None and n is not UNCONSTRAINED:
+                break
+        else:
+            return names
+    if isinstance(names, str):
+        raise LogicalNamesError(
+            f"{what} must be a tuple with one axis name per dimension, got the bare string "
+            f"{names!r}.\nWrite ({names!r},) for a 1-D array."
+        )
+    if isinstance(names, PartitionSpec):
+        names = tuple(names)
+    elif not isinstance(names, tuple | list):
+        raise LogicalNamesError(
+            f"{what} must be a tuple with one axis name (or None) per dimension, "
+            f"got {type(names).__name__}: {names!r}."
+        )
+    names = tuple(tuple(n) if isinstance(n, list) else n for n in names)
+    bad = [n for n in names if not _is_dim_entry(n)]
+    if bad:
+        raise LogicalNamesError(
+            f"{what} {names!r} holds entries that are not axis names: {bad!r}.\n"
+            f"Each entry must be a name (str), a tuple of names, None or "
+            f"PartitionSpec.UNCONSTRAINED."
+        )
+    seen = set()
+    dups = [n for n in names if isinstance(n, str) and (n in seen or seen.add(n))]
+    if dups:
+        raise LogicalNamesError(
+            f"Unsupported: Dimensions {tuple(dict.fromkeys(dups))} occur more than once in "
+            f"array names {names!r}.\nEach logical name may name one dimension of an array; "
+            f"give the other dimension its own name (e.g. 'embed' and 'embed_out')."
+        )
+    return names
+
+
+# --------------------------------------------------------------------------
+# Resolution
+# --------------------------------------------------------------------------
+
+
+def mesh_axes_of(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one ``PartitionSpec`` entry, as a tuple (empty when unsharded).
+
+    Example:
+        >>> from jax.sharding import PartitionSpec
+        >>> from meshplan._spmd.rules import mesh_axes_of
+        >>> mesh_axes_of("model"), mesh_axes_of(("data", "model")), mesh_axes_of(None)
+        (('model',), ('data', 'model'), ())
+        >>> mesh_axes_of(PartitionSpec.UNCONSTRAINED)
+        ()
+    """
+    if isinstance(entry, str):
+        return (entry,)
+    if isinstance(entry, tuple):
+        return entry
+    return ()  # None, UNCONSTRAINED, UNASSIGNED
+
+
+# The name _plan_layout.py and _check_problems.py import (they are being refactored apart).
+_axes_of = mesh_axes_of
+
+
+@dataclasses.dataclass(frozen=True)
+class SkippedRule:
+    """A rule that named a dimension but did not place it, and why."""
+
+    rule_index: int
+    rule: tuple[str, MeshAxes]
+    reason: str  # "dimension already assigned" | "mesh axis taken" | "tuple partly taken"
+    taken_by: tuple[int, ...] = ()  # the dimensions already holding a requested mesh axis
+
+
+@dataclasses.dataclass(frozen=True)
+class DimResolution:
+    """How one dimension of one array got its mesh axes."""
+
+    name: Any
+    mesh_axes: Any  # UNASSIGNED when no rule placed a logical name
+    rule_index: int | None  # the rule that placed it, if any
+    skipped: tuple[SkippedRule, ...] = ()
+
+
+def _resolve(
+    names: tuple[Any, ...], rules: tuple[tuple[str, MeshAxes], ...], trace: list | None
+) -> tuple[Any, ...]:
+    result: list[Any] = [UNASSIGNED if isinstance(n, str) else n for n in names]
+    used = {a for r in result for a in mesh_axes_of(r)}  # mesh axes held by some dimension
+    for rule_index, (rule_name, rule_axes) in enumerate(rules):
+        if rule_name not in names:
+            continue
+        pos = names.index(rule_name)
+        wanted = mesh_axes_of(rule_axes)
+        if result[pos] is UNASSIGNED and used.isdisjoint(wanted):
+            result[pos] = rule_axes
+            used.update(wanted)
+            if trace is not None:
+                trace[pos]["rule_index"] = rule_index
+        elif trace is not None:
+            taken_by = tuple(i for i, r in enumerate(result) if set(mesh_axes_of(r)) & set(wanted))
+            if result[pos] is not UNASSIGNED:
+                reason = "dimension already assigned"
+            elif len(wanted) > 1 and not all(
+                any(a in mesh_axes_of(result[i]) for i in taken_by) for a in wanted
+            ):
+                reason = "tuple partly taken"
+            else:
+                reason = "mesh axis taken"
+            trace[pos]["skipped"].append(
+                SkippedRule(rule_index, (rule_name, rule_axes), reason, taken_by)
+            )
+    return tuple(result)
+
+
+@functools.lru_cache(maxsize=8192)
+def _resolve_cached(names: tuple[Any, ...], rules: tuple[tuple[str, MeshAxes], ...]):
+    return _resolve(normalize_names(names), normalize_rules(rules), None)
+
+
+def resolve(names: Any, rules: Any) -> tuple[Any, ...]:
+    """Mesh axes per dimension, with ``UNASSIGNED`` where no rule matched a logical name."""
+    try:
+        return _resolve_cached(names, rules)
+    except TypeError:  # unhashable: lists somewhere
+        return _resolve(normalize_names(names), normalize_rules(rules), None)
+
+
+def resolve_with_trace(names: Any, rules: Any) -> tuple[DimResolution, ...]:
+    """Like :func:`resolve`, recording for each dimension which rule placed it and which
+    rules named it but were skipped."""
+    names = normalize_names(names)
+    rules = normalize_rules(rules)
+    trace: list[dict[str, Any]] = [{"rule_index": None, "skipped": []} for _ in names]
+    result = _resolve(names, rules, trace)
+    return tuple(
+        DimResolution(n, r, t["rule_index"], tuple(t["skipped"]))
+        for n, r, t in zip(names, result, trace, strict=True)
+    )
+
+
+def to_partition_spec(resolved: Sequence[Any]) -> PartitionSpec:
+    """``PartitionSpec`` from resolved axes, unassigned dimensions unsharded."""
+    return PartitionSpec(*(None if r is UNASSIGNED else r for r in resolved))
+
+
+@functools.lru_cache(maxsize=8192)
+def _mesh_axes_cached(names: tuple[Any, ...], rules: tuple[Any, ...]) -> PartitionSpec:
+    # Not through _resolve_cached: a miss here would miss there too, and fill it for nothing.
+    return to_partition_spec(_resolve(normalize_names(names), normalize_rules(rules), None))
+
+
+def logical_to_mesh_axes(
+    array_dim_names: LogicalNames | None,
+    rules: LogicalRules | None = None,
+) -> PartitionSpec | None:
+    """Computes the mesh layout of one array from its logical dimension names.
+
+    The rules are in order of precedence, and consist of pairs
+    ``(ArrayDimensionName, MeshDimensionName)``, meaning that the given array
+    dimension (if present and unused) should be sharded across the given mesh
+    dimension (if present and unused). Dimensions that no rule assigns are
+    unsharded; ``None`` and ``PartitionSpec.UNCONSTRAINED`` pass through.
+
+    For example, given an array with::
+
+        array_dim_names = ('batch', 'length', 'heads', 'features')
+
+    and the layout rules::
+
+        rules = (('batch', 'X'),
+                 ('features', 'X'),
+                 ('heads', 'Y'),
+                 ('batch', 'Z'))
+
+    this function returns ``PartitionSpec('X', None, 'Y', None)``: ``batch``
+    takes ``X``, so ``features`` cannot; ``heads`` takes ``Y``; the second
+    ``batch`` rule is skipped because ``batch`` is already placed.
+
+    >>> import meshplan
+    >>> rules = (('batch', 'X'), ('features', 'X'), ('heads', 'Y'), ('batch', 'Z'))
+    >>> meshplan.logical_to_mesh_axes(('batch', 'length', 'heads', 'features'), rules)
+    P('X', None, 'Y', None)
+
+    Args:
+        array_dim_names: One logical name (or ``None``) per dimension, or ``None``.
+        rules: Rules to use instead of the active ones (see :func:`logical_axis_rules`).
+
+    Returns:
+        The ``PartitionSpec`` of the array, or ``None`` when ``array_dim_names`` is ``None``.
+
+    Raises:
+        LogicalNamesError: a name occurs twice, or the names are not a tuple.
+        RulesError: the rules are not a sequence of ``(name, mesh_axes)`` pairs.
+    """
+    if array_dim_names is None:
+        return None
+    if rules is None:
+        rules = _active.rules
+    try:
+        return _mesh_axes_cached(array_dim_names, rules)
+    except TypeError:
+        if isinstance(array_dim_names, PartitionSpec):
+            return _mesh_axes_cached(tuple(array_dim_names), rules)
+        return to_partition_spec(resolve(array_dim_names, rules))

@@ -1,0 +1,203 @@
+"""From a tree of boxed or abstract values to the ``PartitionSpec``/``NamedSharding`` trees
+that ``jax.jit`` takes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshplan._errors import LogicalNamesError, MeshError, MeshplanError, problem_message
+from meshplan._spmd.boxes import LogicallyPartitioned, Partitioned, is_box
+from meshplan._spmd.mesh import check_axes_exist
+from meshplan._spmd.rules import logical_to_mesh_axes, mesh_axes_of
+
+__all__ = [
+    "get_partition_spec",
+    "get_sharding",
+    "logical_to_mesh",
+    "logical_to_mesh_sharding",
+]
+
+_REPLICATED = PartitionSpec()
+
+
+_OWN_BOXES = (Partitioned, LogicallyPartitioned)  # exact types: spec is PartitionSpec(*names)
+
+
+def _leaf_spec(x: Any) -> PartitionSpec | None:
+    if is_box(x):
+        return x.get_partition_spec()
+    if hasattr(x, "shape"):
+        return _REPLICATED
+    return None
+
+
+def _map_collecting(fn: Callable[[Any], Any], tree: Any, is_leaf: Callable[[Any], bool]) -> Any:
+    """``tree_map`` that, when a leaf fails, walks again by path and raises once for all."""
+    try:
+        return jax.tree_util.tree_map(fn, tree, is_leaf=is_leaf)
+    except (ValueError, TypeError, KeyError) as e:
+        original = e
+    problems: list[str] = []
+    first: BaseException | None = None
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
+        try:
+            fn(leaf)
+        except (ValueError, TypeError, KeyError) as e:
+            first = first or e
+            problems.append(f"{jax.tree_util.keystr(path)}: {str(e).splitlines()[0]}")
+    if not problems:  # no single leaf fails: the error is not about a leaf, so keep it as it is
+        raise original
+    error = MeshError if isinstance(first, MeshError) else LogicalNamesError
+    if isinstance(first, MeshplanError) and not isinstance(first, LogicalNamesError | MeshError):
+        error = type(first)
+    fix = str(first).splitlines()[-1] if first and "\n" in str(first) else "See the messages above."
+    n = len(problems)
+    header = f"{n} lea{'f' if n == 1 else 'ves'} cannot be partitioned:"
+    raise error(problem_message(header, problems, fix))
+
+
+def _logical_spec(x: Any) -> PartitionSpec:
+    """``x`` if it is a ``PartitionSpec``; otherwise an error saying what to pass instead."""
+    if isinstance(x, PartitionSpec):
+        return x
+    raise LogicalNamesError(
+        f"expected a logical PartitionSpec (or None) at each leaf, got "
+        f"{type(x).__name__}: {x!r}.\nPass meshplan.get_partition_spec(tree) for a tree of "
+        f"boxes or arrays, or write each leaf as PartitionSpec('embed', ...), not a tuple."
+    )
+
+
+def _named(mesh: Any, spec: PartitionSpec, cache: dict[PartitionSpec, NamedSharding]) -> Any:
+    sharding = cache.get(spec)
+    if sharding is None:
+        check_axes_exist(spec, mesh, f"spec {spec}")
+        named = [a for e in spec for a in mesh_axes_of(e)]
+        twice = sorted({a for a in named if named.count(a) > 1})
+        if twice:
+            raise MeshError(
+                f"spec {spec} puts mesh axis {', '.join(map(repr, twice))} on more than one "
+                f"dimension.\nUse each mesh axis for at most one dimension of an array."
+            )
+        sharding = cache[spec] = NamedSharding(mesh, spec)
+    return sharding
+
+
+def get_partition_spec(tree: Any) -> Any:
+    """Tree of ``PartitionSpec``s for a tree of boxed, array or abstract leaves.
+
+    A box gives its own spec (logical names for logical boxes); an unboxed leaf
+    with a ``.shape`` (arrays, ``jax.ShapeDtypeStruct``) gives ``PartitionSpec()``;
+    any other leaf gives ``None``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> tree = {"w": meshplan.Partitioned(jnp.ones((4, 8)), ("data", None)),
+        ...         "step": jnp.zeros(()), "name": "adam"}
+        >>> meshplan.get_partition_spec(tree)
+        {'name': None, 'step': P(), 'w': P('data', None)}
+    """
+    specs: dict[tuple[Any, ...], PartitionSpec] = {}  # boxes with equal names share one spec
+
+    def leaf(x: Any) -> PartitionSpec | None:
+        if type(x) in _OWN_BOXES:
+            spec = specs.get(x.names)
+            if spec is None:
+                spec = specs[x.names] = x.get_partition_spec()
+            return spec
+        return _leaf_spec(x)
+
+    return _map_collecting(leaf, tree, is_box)
+
+
+def get_sharding(tree: Any, mesh: jax.sharding.Mesh, *, strict: bool = False) -> Any:
+    """Tree of ``NamedSharding``s on ``mesh``, by the same walk as :func:`get_partition_spec`.
+
+    Non-array leaves (such as a ``TrainState``'s ``apply_fn``) give ``None``.
+    Logical boxes are mapped through their own or the active rules. With
+    ``strict=True`` the tree is first checked as :func:`meshplan.check` does,
+    and every error (a size that does not divide, an unknown mesh axis, ...)
+    is raised at once as a ``ShardingValidationError`` naming each path.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+        >>> tree = {"w": meshplan.Partitioned(jax.ShapeDtypeStruct((4, 8), jnp.float32),
+        ...                                   (None, "model"))}
+        >>> meshplan.get_sharding(tree, mesh)["w"].spec
+        P(None, 'model')
+    """
+    if strict:
+        from meshplan._plan.check import check
+
+        check(tree, mesh, strict=True)
+    cache: dict[PartitionSpec, NamedSharding] = {}
+    by_names: dict[tuple[Any, ...], NamedSharding] = {}  # checked already: skip the spec
+
+    def leaf(x: Any) -> Any:
+        if is_box(x):
+            if type(x) is Partitioned:
+                shape = getattr(x.value, "shape", None)
+                if shape is None or len(shape) == len(x.names):
+                    sharding = by_names.get(x.names)
+                    if sharding is not None:
+                        return sharding
+                sharding = by_names[x.names] = _named(mesh, x._checked_spec(), cache)
+                return sharding
+            return x.get_sharding(mesh)
+        spec = _leaf_spec(x)
+        return None if spec is None else _named(mesh, spec, cache)
+
+    return _map_collecting(leaf, tree, is_box)
+
+
+def logical_to_mesh(tree: Any, rules: Any = None) -> Any:
+    """:func:`logical_to_mesh_axes` over a tree of logical ``PartitionSpec``s.
+
+    Example:
+        >>> import meshplan
+        >>> from jax.sharding import PartitionSpec as P
+        >>> meshplan.logical_to_mesh({"w": P("embed", "hidden"), "step": P()},
+        ...                          (("hidden", "model"),))
+        {'step': P(), 'w': P(None, 'model')}
+    """
+    return _map_collecting(
+        lambda x: logical_to_mesh_axes(_logical_spec(x), rules),
+        tree,
+        lambda x: isinstance(x, PartitionSpec),
+    )
+
+
+def logical_to_mesh_sharding(
+    tree: Any, mesh: jax.sharding.Mesh, rules: Any = None, *, strict: bool = False
+) -> Any:
+    """Tree of logical ``PartitionSpec``s to a tree of ``NamedSharding``s on ``mesh``.
+
+    With ``strict=True`` the specs and rules are first checked as
+    :func:`meshplan.check` does (rules that are not pairs, rules naming mesh
+    axes the mesh lacks, ...; the specs carry no sizes, so divisibility is
+    not checked) and every error is raised at once as a
+    ``ShardingValidationError``.
+
+    Example:
+        >>> import jax, meshplan
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+        >>> out = meshplan.logical_to_mesh_sharding({"w": P("embed", "hidden")}, mesh,
+        ...                                        (("hidden", "model"),))
+        >>> out["w"].spec
+        P(None, 'model')
+    """
+    if strict:
+        from meshplan._plan.check import check_specs
+
+        check_specs(tree, mesh, rules, strict=True)
+    cache: dict[PartitionSpec, NamedSharding] = {}
+
+    def leaf(x: Any) -> Any:  # None is an empty subtree: it stays None
+        return _named(mesh, logical_to_mesh_axes(_logical_spec(x), rules), cache)
+
+    return _map_collecting(leaf, tree, lambda x: isinstance(x, PartitionSpec))

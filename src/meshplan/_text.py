@@ -1,0 +1,58 @@
+"""Text pieces that plan tables, messages, pictures and snapshot diffs share.
+
+Bytes for people, shapes, rules, mesh axes and counted nouns, each written one
+way everywhere a plan is shown.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax.sharding import PartitionSpec
+
+UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
+
+__all__ = ["axes_text", "count_text", "human_bytes", "rule_text", "shape_text"]
+
+
+def human_bytes(n: float) -> str:
+    """Bytes for people: ``'4.00 MiB'``.
+
+    Example:
+        >>> from meshplan._text import human_bytes
+        >>> human_bytes(512), human_bytes(4 << 20)
+        ('512 B', '4.00 MiB')
+    """
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError  # pragma: no cover
+
+
+def shape_text(shape: tuple[int, ...] | None) -> str:
+    """``'(8, 4)'``; ``'-'`` for no shape."""
+    return "-" if shape is None else "(" + ", ".join(str(s) for s in shape) + ")"
+
+
+def rule_text(index: int, rule: Any) -> str:
+    """``"rule 0 ('hidden', 'model')"``."""
+    name, axes = rule
+    axes_txt = "UNCONSTRAINED" if axes is UNCONSTRAINED else repr(axes)
+    return f"rule {index} ({name!r}, {axes_txt})"
+
+
+def axes_text(axes: tuple[str, ...]) -> str:
+    """``"'data'×'model'"``."""
+    return "×".join(repr(a) for a in axes)
+
+
+def count_text(n: int, singular: str, plural: str | None = None) -> str:
+    """``'1 error'``, ``'2 errors'``; ``plural`` for irregular nouns.
+
+    Example:
+        >>> from meshplan._text import count_text
+        >>> count_text(1, "leaf", "leaves"), count_text(3, "leaf", "leaves"), count_text(0, "error")
+        ('1 leaf', '3 leaves', '0 errors')
+    """
+    return f"{n} {singular if n == 1 else plural or singular + 's'}"

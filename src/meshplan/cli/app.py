@@ -1,0 +1,56 @@
+"""The ``meshplan`` command line: one subcommand per module of :mod:`meshplan.cli`.
+
+Each subcommand module defines ``HELP`` (one line), ``add_arguments(parser)`` and
+``run(args) -> int``. Modules are imported only when their command runs, so
+``meshplan --help`` stays fast, and nothing touches JAX's backend before
+:func:`meshplan.cli.devices.use_cpu_devices` has set the device count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+COMMANDS = {
+    "demo": "meshplan.cli.demo",
+    "plan": "meshplan.cli.plan",
+    "search": "meshplan.cli.search",
+    "train": "meshplan.cli.train",
+    "sample": "meshplan.cli.sample",
+}
+
+
+def _available() -> dict[str, object]:
+    modules = {}
+    for name, module_name in COMMANDS.items():
+        try:
+            modules[name] = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+    return modules
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every available subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="meshplan", description="Lay Flax models out on device meshes."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module in _available().items():
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)  # type: ignore[attr-defined]
+        module.add_arguments(p)  # type: ignore[attr-defined]
+        p.set_defaults(_run=module.run)  # type: ignore[attr-defined]
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``meshplan`` console script."""
+    args = build_parser().parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

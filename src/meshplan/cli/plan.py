@@ -1,0 +1,170 @@
+"""``meshplan plan``: the sharding plan of an example model on a mesh, under a rule set."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+from rich.console import Console
+
+from meshplan._errors import MeshError
+from meshplan.cli.devices import use_cpu_devices
+from meshplan.train.mesh import parse_mesh_shape
+
+HELP = (
+    "Show where every parameter and optimizer state of an example model goes on a mesh "
+    "under a rule set, and check the plan (--json, --png, --strict)."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        choices=("mlp", "transformer"),
+        default="mlp",
+        help="the guide's MLP (logical names, default) or the example Transformer",
+    )
+    parser.add_argument(
+        "--mesh",
+        default="2x4",
+        help="mesh axis sizes, e.g. 2x4 (default), 4x2, 8 (= 8x1), or 2x2x2 with --axes",
+    )
+    parser.add_argument(
+        "--axes",
+        default=None,
+        help="comma-separated mesh axis names (default data,model)",
+    )
+    parser.add_argument(
+        "--rules",
+        default=None,
+        help="a built-in rule set (guide, data_parallel, fsdp, tensor_parallel, fsdp_tp), "
+        "or a .py file defining RULES, or a .json file of [name, axes] pairs "
+        "(default: guide for the MLP, fsdp_tp for the Transformer)",
+    )
+    parser.add_argument("--layers", type=int, default=4, help="MLP layers (default 4)")
+    parser.add_argument("--depth", type=int, default=1024, help="MLP width (default 1024)")
+    parser.add_argument("--scan", action="store_true", help="stack MLP layers with nn.scan")
+    parser.add_argument(
+        "--size", default="tiny", help="Transformer preset (tiny, small; default tiny)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON instead")
+    parser.add_argument("--png", metavar="PATH", help="also draw the plan into a PNG")
+    parser.add_argument("--full", action="store_true", help="list every leaf in the table")
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit with status 1, listing the problems, when the check finds errors",
+    )
+
+
+def load_rules(spec: str | None, model: str) -> tuple[str, Any]:
+    """``(label, rules)`` from a built-in layout name or a rules file (:mod:`meshplan.layouts`).
+
+    Example:
+        >>> from meshplan.cli.plan import load_rules
+        >>> load_rules(None, "mlp")
+        ('guide', (('batch', 'data'), ('hidden', 'model')))
+    """
+    from meshplan.layouts import get_layout
+
+    if spec is None:
+        spec = "fsdp_tp" if model == "transformer" else "guide"
+    return spec, get_layout(spec)
+
+
+def abstract_state(args: argparse.Namespace) -> tuple[str, Any]:
+    """``(description, abstract TrainState)`` of the chosen model, with Adam."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax.training import train_state
+
+    if args.model == "transformer":
+        from meshplan.examples.transformer import Transformer, config_from_name
+
+        config = config_from_name(args.size)
+        model = Transformer(config)
+
+        def init(key: jax.Array) -> train_state.TrainState:
+            tokens = jnp.zeros((1, min(config.max_len, 8)), jnp.int32)
+            params = model.init(key, tokens)["params"]
+            return train_state.TrainState.create(
+                apply_fn=model.apply, params=params, tx=optax.adam(1e-3)
+            )
+
+        return f"Transformer ({args.size})", jax.eval_shape(init, jax.random.key(0))
+
+    from meshplan.examples.mlp import LogicalMLP, init_fn
+
+    model = LogicalMLP(args.layers, args.depth, args.scan)
+    x = jax.ShapeDtypeStruct((8, args.depth), jnp.float32)
+    state = jax.eval_shape(
+        functools.partial(init_fn, model=model, optimizer=optax.adam(1e-3)),
+        jax.random.key(0),
+        x,
+    )
+    how = "nn.scan" if args.scan else "for-loop"
+    return f"MLP ({args.layers} layers of {args.depth}, {how})", state
+
+
+def _mesh_for(shape: dict[str, int]) -> Any:
+    """A real mesh when there are enough devices (for device ids), else the shape alone."""
+    import jax
+
+    n = math.prod(shape.values())
+    devices = jax.devices()
+    if len(devices) < n:
+        return shape
+    return jax.make_mesh(
+        tuple(shape.values()),
+        tuple(shape),
+        devices=devices[:n],
+        axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    # Piped output (a file, a pager, a test) gets a wide table rather than 80 columns.
+    out = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 180)
+    err = Console(file=sys.stderr, width=None if sys.stderr.isatty() else 180)
+    try:
+        shape = parse_mesh_shape(args.mesh, args.axes)
+    except MeshError as e:
+        err.print(f"[red]error:[/] {e}", highlight=False)
+        return 2
+    use_cpu_devices(max(8, math.prod(shape.values())))
+
+    import meshplan
+    from meshplan._plan.check import raise_for_errors
+
+    try:
+        label, rules = load_rules(args.rules, args.model)
+    except (meshplan.MeshplanError, OSError) as e:
+        err.print(f"[red]error:[/] {e}", highlight=False)
+        return 2
+    what, state = abstract_state(args)
+    plan = meshplan.explain(state, _mesh_for(shape), rules)
+    problems = plan.problems
+
+    if args.json:
+        data = {"model": what, "rules_name": label, "plan": plan.to_dict(),
+                "problems": [p.to_dict() for p in problems]}  # fmt: skip
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+    else:
+        out.print(f"[bold]{what}[/] · rules [bold]{label}[/]", highlight=False)
+        out.print(plan.table(full=args.full))
+    if args.png:
+        plan.save_png(args.png, title=f"{what} · rules {label}")
+        (err if args.json else out).print(f"Wrote {args.png}", highlight=False)
+    if args.strict:
+        try:
+            raise_for_errors(problems, plan.mesh)
+        except meshplan.ShardingValidationError as e:
+            err.print(f"[red]error:[/] {e}", highlight=False)
+            return 1
+    return 0

@@ -1,0 +1,157 @@
+"""``meshplan sample``: generate text from a checkpoint, with no training code.
+
+The checkpoint is restored with :func:`meshplan.restore` onto one device (no
+target tree), and the model is re-created from the config stored beside the
+arrays. Generation is byte by byte: greedy at temperature 0, else sampled.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich.console import Console
+from rich.text import Text
+
+HELP = "Generate text from a `meshplan train` checkpoint (greedy, or sampled with a temperature)."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ckpt-dir", required=True, metavar="DIR", help="checkpoint folder of `meshplan train`"
+    )
+    parser.add_argument("--prompt", default="def ", help='text to continue (default "def ")')
+    parser.add_argument(
+        "--length", type=int, default=300, metavar="N", help="bytes to generate (default 300)"
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.5,
+        metavar="T",
+        help="0 picks the likeliest byte (greedy); higher samples more freely (default 0.5)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, metavar="S", help="sampling seed (default 0)"
+    )
+    parser.add_argument("--step", type=int, metavar="N", help="checkpoint step (default: latest)")
+
+
+def context_window(max_len: int, window: int | None = None) -> int:
+    """The most bytes the model sees to predict the next: ``window``, at most ``max_len``.
+
+    Example:
+        >>> from meshplan.cli.sample import context_window
+        >>> context_window(64), context_window(64, window=32), context_window(64, window=128)
+        (64, 32, 64)
+    """
+    return min(window or max_len, max_len)
+
+
+def generate(
+    model: Any,
+    params: Any,
+    prompt: bytes,
+    length: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    window: int | None = None,
+) -> bytes:
+    """Continues ``prompt`` by ``length`` bytes with ``model`` and unboxed ``params``.
+
+    Each byte is predicted from the last ``window`` bytes at most (default the
+    model's ``max_len``; pass the training sequence length, the longest context
+    the model has learned; :func:`context_window`), so a longer prompt is read
+    from its last ``window`` bytes only (``meshplan sample`` says so), padded to a fixed shape so that one compiled
+    forward pass serves every position (the model is causal, so the padding
+    after the last byte does not matter).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> from meshplan.examples.transformer import Transformer, config_from_name
+        >>> from meshplan.cli.sample import generate
+        >>> model = Transformer(config_from_name("tiny", num_layers=1, embed_dim=16,
+        ...                                      mlp_dim=16, max_len=16))
+        >>> shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 16), jnp.int32))
+        >>> params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+        ...                       meshplan.unbox(shapes["params"]))  # an untrained model
+        >>> list(generate(model, params, b"def ", 5))  # equal logits: greedy picks byte 0
+        [0, 0, 0, 0, 0]
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    if length < 0 or temperature < 0:
+        raise ValueError(
+            f"length and temperature must be >= 0, got {length=}, {temperature=}.\n"
+            f"Pass --length N and --temperature T >= 0."
+        )
+    longest = context_window(model.config.max_len, window)
+    window = min(longest, max(len(prompt), 1) + length)
+    tokens = list(prompt) or [ord("\n")]
+
+    @jax.jit
+    def next_logits(params: Any, x: jax.Array, position: jax.Array) -> jax.Array:
+        logits = model.apply({"params": params}, x)
+        return jax.lax.dynamic_index_in_dim(logits[0], position, keepdims=False)
+
+    key = jax.random.key(seed)
+    out = bytearray()
+    for _ in range(length):
+        context = tokens[-window:]
+        x = np.zeros((1, window), np.int32)
+        x[0, : len(context)] = context
+        logits = next_logits(params, jnp.asarray(x), len(context) - 1)
+        if temperature == 0:
+            byte = int(jnp.argmax(logits))
+        else:
+            key, sub = jax.random.split(key)
+            byte = int(jax.random.categorical(sub, logits / temperature))
+        tokens.append(byte)
+        out.append(byte)
+    return bytes(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console()
+    import meshplan
+    from meshplan.cli.train import print_error
+
+    try:
+        state, metadata = meshplan.restore(args.ckpt_dir, mesh=None, step=args.step)
+        from meshplan.examples.transformer import Transformer, TransformerConfig
+
+        if metadata.config is None or "params" not in state:
+            raise meshplan.CheckpointError(
+                f"The checkpoint in {args.ckpt_dir!r} (step {metadata.step}) has no model config "
+                f"or no params.\nSample from a checkpoint written by `meshplan train`."
+            )
+        model = Transformer(TransformerConfig.from_dict(metadata.config))
+        params = meshplan.unbox(state["params"])
+        prompt = args.prompt.encode("utf-8")
+        console.print(
+            f"[dim]step {metadata.step} of {args.ckpt_dir}; "
+            f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature:g}'}[/dim]"
+        )
+        seq_len = (metadata.extra.get("train") or {}).get("seq_len")
+        window = context_window(model.config.max_len, seq_len)
+        if len(prompt) > window:
+            Console(stderr=True).print(
+                f"note: the prompt is {len(prompt)} bytes, longer than the model's context of "
+                f"{window} bytes (the training --seq): it continues from the last {window} "
+                f"bytes only.",
+                highlight=False,
+                soft_wrap=True,
+            )
+        text = generate(
+            model, params, prompt, args.length, args.temperature, args.seed, window=seq_len
+        )
+    except (meshplan.MeshplanError, ValueError) as e:
+        print_error(e)
+        return 2
+    console.print(
+        Text(args.prompt, style="bold") + Text(text.decode("utf-8", errors="replace")),
+        soft_wrap=True,
+    )
+    return 0

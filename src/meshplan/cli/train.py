@@ -1,0 +1,344 @@
+"""``meshplan train``: train the byte-level Transformer on a mesh, with resumable checkpoints.
+
+Checks every input before any work (one bullet per problem, then the fix),
+shows the plan's per-device memory, then a progress bar with the loss and
+tokens per second, validation losses as they come, and a final summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from meshplan.cli.devices import use_cpu_devices
+
+HELP = (
+    "Train the byte-level Transformer on a device mesh, with checkpoints that resume on any mesh."
+)
+
+_SETTINGS = {
+    # flag dest -> TrainSettings field
+    "steps": "steps",
+    "batch": "batch",
+    "seq": "seq_len",
+    "lr": "lr",
+    "warmup": "warmup",
+    "weight_decay": "weight_decay",
+    "seed": "seed",
+    "eval_every": "eval_every",
+    "eval_batches": "eval_batches",
+    "ckpt_every": "ckpt_every",
+}
+_MODEL = {
+    # flag dest -> TransformerConfig field
+    "layers": "num_layers",
+    "heads": "num_heads",
+    "embed": "embed_dim",
+    "mlp": "mlp_dim",
+    "max_len": "max_len",
+    "positions": "positions",
+    "dtype": "dtype",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    run = parser.add_argument_group("run")
+    run.add_argument("--mesh", default="2x4", metavar="DxM", help="mesh sizes (default 2x4)")
+    run.add_argument(
+        "--rules",
+        default="fsdp_tp",
+        metavar="LAYOUT",
+        help="data_parallel, fsdp, tensor_parallel, fsdp_tp, or a .py/.json rules file "
+        "(default fsdp_tp)",
+    )
+    run.add_argument(
+        "--devices",
+        type=int,
+        default=8,
+        metavar="N",
+        help="emulated CPU devices: of this process, or with --processes of all (default 8)",
+    )
+    run.add_argument("--data", metavar="PATH", help="text folder or file (default: the stdlib)")
+    run.add_argument("--ckpt-dir", metavar="DIR", help="checkpoint folder (default: none)")
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest complete checkpoint in --ckpt-dir, on this mesh and layout",
+    )
+    run.add_argument(
+        "--metrics", metavar="FILE", help="append each loss to FILE as JSON lines (process 0)"
+    )
+    procs = parser.add_argument_group(
+        "several processes (a mesh over every device of every process)"
+    )
+    procs.add_argument(
+        "--processes",
+        type=int,
+        metavar="N",
+        help="run N worker processes on this machine, over loopback, sharing --devices",
+    )
+    procs.add_argument(
+        "--coordinator", metavar="HOST:PORT", help="process 0's address (on each host)"
+    )
+    procs.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
+    procs.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1")
+    train = parser.add_argument_group(
+        "training (when resuming, omitted values come from the checkpoint)"
+    )
+    for flag, kind, metavar, text in (
+        ("--steps", int, "N", "train up to step N (default 300)"),
+        ("--batch", int, "B", "sequences per step (default 32)"),
+        ("--seq", int, "L", "bytes per sequence (default 128)"),
+        ("--lr", float, "LR", "peak learning rate (default 3e-3)"),
+        ("--warmup", int, "N", "warm-up steps (default 30)"),
+        ("--weight-decay", float, "WD", "AdamW weight decay (default 0.01)"),
+        ("--seed", int, "S", "seed of the initial parameters and the batches (default 0)"),
+        ("--eval-every", int, "E", "evaluate every E steps; 0: at the end (default 50)"),
+        ("--eval-batches", int, "N", "validation batches per evaluation (default 4)"),
+        ("--ckpt-every", int, "K", "checkpoint every K steps and at the end (default 100)"),
+    ):
+        train.add_argument(flag, type=kind, metavar=metavar, help=text)
+    model = parser.add_argument_group(
+        "model (default: the checkpoint's config when resuming, else tiny)"
+    )
+    model.add_argument("--config", choices=("tiny", "small"), help="preset model size")
+    for flag, text in (
+        ("--layers", "Transformer blocks"),
+        ("--heads", "attention heads"),
+        ("--embed", "model width"),
+        ("--mlp", "MLP hidden width"),
+        ("--max-len", "longest sequence"),
+    ):
+        model.add_argument(flag, type=int, metavar="N", help=text)
+    model.add_argument("--positions", choices=("rope", "learned"), help="position encoding")
+    model.add_argument("--dtype", choices=("float32", "bfloat16"), help="activation dtype")
+    model.add_argument(
+        "--no-scan",
+        dest="scan_layers",
+        action="store_false",
+        default=None,
+        help="stack blocks with a for-loop instead of nn.scan",
+    )
+    model.add_argument(
+        "--remat", action="store_true", default=None, help="rematerialise block activations"
+    )
+
+
+def _request(args: argparse.Namespace) -> Any:
+    from meshplan.cli.train_request import TrainRequest
+
+    overrides = {field: getattr(args, dest) for dest, field in _MODEL.items()}
+    overrides["scan_layers"] = args.scan_layers
+    overrides["remat"] = args.remat
+    settings = {field: getattr(args, dest) for dest, field in _SETTINGS.items()}
+    return TrainRequest(
+        mesh=args.mesh,
+        rules=args.rules,
+        config=args.config,
+        overrides={k: v for k, v in overrides.items() if v is not None},
+        data=args.data,
+        ckpt_dir=args.ckpt_dir,
+        resume=args.resume,
+        settings={k: v for k, v in settings.items() if v is not None},
+    )
+
+
+def print_error(error: Exception) -> None:
+    """Prints a meshplan error to stderr, as its message (no traceback, no markup)."""
+    err = Console(stderr=True)
+    err.print(Text("error: ", style="bold red") + Text(str(error)), soft_wrap=True)
+
+
+def _header(console: Console, trainer: Any) -> None:
+    from meshplan._text import human_bytes
+
+    config = trainer.model.config
+    s = trainer.settings
+    summary = trainer.plan_summary()
+    corpus = trainer.corpus
+    mesh = "x".join(str(v) for v in summary["mesh"].values())
+    lines = [
+        f"[bold]meshplan train[/bold]: Transformer of {config.num_layers} "
+        f"layer{'s' * (config.num_layers != 1)}, embed {config.embed_dim}, "
+        f"{config.num_heads} heads, mlp {config.mlp_dim} ({summary['parameters']:,} parameters)",
+        f"on a {mesh} mesh {tuple(trainer.mesh.axis_names)} with layout "
+        f"[bold]{summary['layout']}[/bold]; batch {s.batch} x {s.seq_len} bytes, "
+        f"lr {s.lr:g}, seed {s.seed}",
+        f"data: {escape(corpus.source)} ({len(corpus.train):,} train / {len(corpus.valid):,} valid bytes)",
+    ]
+    if trainer.resume_from is not None:
+        meta = trainer.resume_from
+        saved_mesh = "x".join(str(v) for v in meta.mesh_shape.values()) or "?"
+        saved_by = int(meta.extra.get("processes") or 1)
+        lines.append(
+            f"resuming from step {meta.step} of {escape(str(trainer.ckpt_dir))} (saved on {saved_mesh} "
+            f"with {meta.extra.get('layout') or 'its rules'}"
+            f"{f' by {saved_by} processes' if saved_by > 1 else ''}) onto {mesh} with "
+            f"{summary['layout']}"
+        )
+    for line in lines:
+        console.print(line, soft_wrap=True)
+    table = Table(title=f"Plan per device ({summary['source']})", title_justify="left")
+    table.add_column("state")
+    table.add_column("largest per device", justify="right")
+    table.add_column("all devices, one copy", justify="right")
+    table.add_row(
+        "parameters",
+        human_bytes(summary["params_per_device"]),
+        human_bytes(summary["params_total"]),
+    )
+    table.add_row(
+        "parameters + AdamW state",
+        human_bytes(summary["state_per_device"]),
+        human_bytes(summary["state_total"]),
+    )
+    console.print(table)
+
+
+def _summary(console: Console, trainer: Any, result: Any) -> None:
+    table = Table(title="Summary", title_justify="left", show_header=False)
+    table.add_column("what")
+    table.add_column("value")
+    table.add_row("steps", f"{result.start_step} -> {result.end_step}")
+    table.add_row("time", f"{result.seconds:.1f} s")
+    table.add_row("tokens/s", f"{result.tokens_per_second:,.0f}")
+    if result.losses:
+        last = max(result.losses)
+        table.add_row("final train loss", f"{result.losses[last]:.3f} nats/byte (step {last})")
+    if result.best_valid is not None:
+        step, loss = result.best_valid
+        table.add_row("best valid loss", f"{loss:.3f} nats/byte (step {step})")
+    if trainer.ckpt_dir is not None:
+        from meshplan._checkpoint.folder import latest_step
+
+        table.add_row(
+            "checkpoint", f"{trainer.ckpt_dir} (latest step {latest_step(trainer.ckpt_dir)})"
+        )
+    console.print(table)
+
+
+class _MetricsLog(contextlib.AbstractContextManager):
+    """Appends each record to ``path`` as one JSON line; does nothing without a path."""
+
+    def __init__(self, path: str | None) -> None:
+        self._file = None if path is None else open(path, "a", buffering=1)  # noqa: SIM115
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def _console(main: bool) -> Console:
+    if not main:
+        return Console(quiet=True)  # process 0 speaks for a multi-process run
+    console = Console()
+    return console if console.is_terminal else Console(width=max(console.width, 120))
+
+
+def run(args: argparse.Namespace) -> int:
+    from meshplan._errors import MeshplanError
+
+    if args.processes is not None:
+        from meshplan.cli.train_processes import launch_workers
+
+        return launch_workers(args)
+    use_cpu_devices(args.devices)
+    try:
+        from meshplan.cli.train_processes import join_if_asked
+
+        group = join_if_asked(args)
+    except MeshplanError as e:
+        print_error(e)
+        return 2
+    import jax
+
+    from meshplan.cli.train_request import prepare
+
+    console = _console(jax.process_index() == 0)
+    try:
+        trainer = prepare(_request(args))
+    except MeshplanError as e:
+        print_error(e)
+        return 2
+    if group is not None:
+        console.print(
+            f"processes: {group.num_processes} (coordinator {group.coordinator}), "
+            f"{jax.local_device_count()} devices each; this is process 0's output"
+        )
+    if jax.process_index() != 0:
+        Console(stderr=True).print(
+            f"process {jax.process_index()} of {jax.process_count()}: training; process 0 "
+            f"prints the progress and the summary"
+        )
+    _header(console, trainer)
+
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    progress = Progress(
+        TextColumn("[bold]train[/bold]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[tps]} tok/s"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )
+    task = None
+
+    log = _MetricsLog(args.metrics if jax.process_index() == 0 else None)
+
+    def on_step(step: int, loss: float, tps: float) -> None:
+        progress.update(task, completed=step, loss=f"{loss:.3f}", tps=f"{tps:,.0f}" if tps else "-")
+        log({"step": step, "loss": loss})
+
+    def on_eval(step: int, loss: float) -> None:
+        progress.console.print(f"step {step:>5}  valid loss {loss:.3f} nats/byte")
+        log({"step": step, "valid_loss": loss})
+
+    try:
+        with progress, log:
+            task = progress.add_task(
+                "train",
+                total=trainer.settings.steps,
+                completed=trainer.resume_from.step if trainer.resume_from else 0,
+                loss="-",
+                tps="-",
+            )
+            result = trainer.run(on_step=on_step, on_eval=on_eval)
+    except KeyboardInterrupt:
+        trainer.close()  # the save in progress completes: it is the latest checkpoint
+        from meshplan._checkpoint.folder import latest_step
+
+        last = latest_step(trainer.ckpt_dir) if trainer.ckpt_dir else None
+        console.print(
+            f"interrupted at step {trainer.step}; latest complete checkpoint: {last}"
+            + (f" (resume with --resume --ckpt-dir {trainer.ckpt_dir})" if last is not None else "")
+        )
+        return 130
+    finally:
+        trainer.close()  # any other error: let the save in progress reach the disk first
+    _summary(console, trainer, result)
+    if jax.process_index() != 0:
+        Console(stderr=True).print(
+            f"process {jax.process_index()} of {jax.process_count()}: done at step {trainer.step}"
+        )
+    return 0

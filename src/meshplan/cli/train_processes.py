@@ -1,0 +1,116 @@
+"""``meshplan train`` over several processes: ``--processes N`` here, or one process per host.
+
+``--processes N`` starts N workers of the same command on this machine, each
+with ``--devices / N`` emulated CPU devices, joined through a coordinator on a
+free loopback port (:mod:`meshplan.cli.launch`). On several hosts, the user runs
+the same command on each with ``--coordinator HOST:PORT --num-processes N
+--process-id I``, which is also what each launched worker is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from meshplan.cli.launch import free_port, launch
+from meshplan.cli.train import _MODEL, _SETTINGS, print_error
+from meshplan.train.distributed import DistributedError, ProcessGroup, join, process_group
+
+__all__ = ["join_if_asked", "launch_workers", "worker_argv"]
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    """The ``meshplan train`` flags of ``args``, less the ones that pick processes and devices.
+
+    Example:
+        >>> from meshplan.cli import build_parser
+        >>> from meshplan.cli.train_processes import worker_argv
+        >>> args = build_parser().parse_args(["train", "--processes", "2", "--steps", "5",
+        ...                                   "--no-scan", "--ckpt-dir", "/tmp/run"])
+        >>> worker_argv(args)
+        ['--mesh', '2x4', '--rules', 'fsdp_tp', '--ckpt-dir', '/tmp/run', '--steps', '5', '--no-scan']
+    """
+    out = ["--mesh", str(args.mesh), "--rules", str(args.rules)]
+    for dest in ("data", "ckpt_dir", "metrics", "config", *_SETTINGS, *_MODEL):
+        value = getattr(args, dest)
+        if value is not None:
+            out += [_flag(dest), str(value)]
+    if args.resume:
+        out.append("--resume")
+    if args.scan_layers is False:
+        out.append("--no-scan")
+    if args.remat:
+        out.append("--remat")
+    return out
+
+
+def _ids(num_processes: int, process_id: int) -> list[str]:
+    return ["--num-processes", str(num_processes), "--process-id", str(process_id)]
+
+
+def _check_launch(args: argparse.Namespace) -> list[str]:
+    problems = []
+    if args.processes < 1:
+        problems.append(f"--processes must be at least 1, got {args.processes}")
+    elif args.devices % args.processes:
+        problems.append(
+            f"--devices {args.devices} does not split over --processes {args.processes}"
+        )
+    given = [
+        f for f in ("coordinator", "num_processes", "process_id") if getattr(args, f) is not None
+    ]
+    if given:
+        problems.append(
+            f"--processes starts the processes itself; {', '.join(map(_flag, given))} "
+            f"are for running one process per host"
+        )
+    return problems
+
+
+def launch_workers(args: argparse.Namespace) -> int:
+    """Runs ``args.processes`` workers on this machine; their exit status (see :func:`launch`)."""
+    problems = _check_launch(args)
+    if problems:
+        from meshplan._errors import problem_message
+
+        print_error(
+            DistributedError(
+                problem_message(
+                    "meshplan train cannot start:",
+                    problems,
+                    "Give --processes N with --devices a multiple of N (each process gets "
+                    "--devices / N), and no --coordinator/--num-processes/--process-id.",
+                )
+            )
+        )
+        return 2
+    n, local = args.processes, args.devices // args.processes
+    coordinator = f"127.0.0.1:{free_port()}"
+    base = [sys.executable, "-m", "meshplan.cli", "train", *worker_argv(args)]
+    argvs = [
+        [*base, "--devices", str(local), "--coordinator", coordinator, *_ids(n, i)]
+        for i in range(n)
+    ]
+    print(
+        f"meshplan train: {n} processes on this machine, {local} CPU devices each, "
+        f"coordinator {coordinator}; showing process 0's output",
+        flush=True,
+    )
+    return launch(argvs, local)
+
+
+def join_if_asked(args: argparse.Namespace) -> ProcessGroup | None:
+    """Joins the multi-process run the flags describe (before JAX starts); ``None`` if none.
+
+    Raises:
+        DistributedError: the flags do not fit together, or the coordinator
+            cannot be reached.
+    """
+    group = process_group(args.coordinator, args.num_processes, args.process_id)
+    if group is not None:
+        join(group)
+    return group

@@ -1,0 +1,384 @@
+"""What the user asked ``meshplan train`` for, checked before any work starts.
+
+:func:`prepare` checks everything a user can get wrong (the layout, the mesh,
+the batch, the model's dimensions against the layout, the data path, the
+checkpoint folder and its shapes) and reports every problem at once, one
+bullet each, the fixes at the end. When resuming, what the request leaves out
+comes from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from jax.sharding import Mesh
+
+from meshplan._checkpoint.folder import latest_step, read_metadata
+from meshplan._checkpoint.metadata import CheckpointMetadata
+from meshplan._checkpoint.restore import compatibility_problems
+from meshplan._checkpoint.tree import flatten_state
+from meshplan._errors import CheckpointError, MeshError, MeshplanError, problem_message
+from meshplan._spmd.mesh import split_count, uneven_dimensions
+from meshplan._spmd.rules import logical_to_mesh_axes, mesh_axes_of
+from meshplan.train.mesh import make_mesh, parse_mesh
+from meshplan.train.settings import TrainSettings, make_optimizer
+from meshplan.train.state import BATCH_NAMES, abstract_train_state
+from meshplan.train.trainer import Trainer
+
+__all__ = ["TrainRequest", "prepare"]
+
+
+@dataclasses.dataclass
+class TrainRequest:
+    """What the user asked for; ``None`` means "the stored value when resuming, else the default".
+
+    Attributes:
+        mesh: ``"2x4"``-style sizes of ``('data', 'model')``.
+        rules: A built-in layout name (:mod:`meshplan.layouts`) or a rules file.
+        config: A preset name (``tiny``, ``small``); ``None`` resumes with the
+            stored config, or uses ``tiny``.
+        overrides: Model config fields to replace (``{"num_layers": 4}``).
+        data: A folder or file of text; ``None`` uses the Python standard library.
+        ckpt_dir: Where to save checkpoints (``None``: no checkpoints).
+        resume: Continue from the latest complete checkpoint in ``ckpt_dir``.
+        settings: :class:`TrainSettings` fields the user gave.
+    """
+
+    mesh: str = "2x4"
+    rules: str = "fsdp_tp"
+    config: str | None = None
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    data: str | None = None
+    ckpt_dir: str | None = None
+    resume: bool = False
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class _Problems:
+    """Collects (error class, problem, fix) and raises them together."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[type[MeshplanError], str, str]] = []
+
+    def add(self, cls: type[MeshplanError], problem: str, fix: str) -> None:
+        self.items.append((cls, problem, fix))
+
+    def add_error(self, error: Exception, cls: type[MeshplanError] = MeshplanError) -> None:
+        """Splits an error's message: its last line is the fix when there are several."""
+        lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+        if len(lines) > 1:
+            problem, fix = " ".join(lines[:-1]), lines[-1]
+        else:
+            problem, fix = (lines[0] if lines else type(error).__name__), ""
+        self.add(type(error) if isinstance(error, MeshplanError) else cls, problem, fix)
+
+    def raise_if_any(self, header: str) -> None:
+        if not self.items:
+            return
+        fixes = list(dict.fromkeys(fix for _, _, fix in self.items if fix))
+        raise self.items[0][0](
+            problem_message(header, [p for _, p, _ in self.items], "\n".join(fixes))
+        )
+
+
+def _split_problems(
+    shapes: Mapping[str, tuple[tuple[int, ...], tuple[Any, ...] | None]],
+    mesh: Mesh,
+    rules: Any,
+) -> list[str]:
+    """Arrays whose dimensions the mesh axes their logical names map to do not divide."""
+    sizes = dict(mesh.shape)
+    out = []
+    for key, (shape, names) in shapes.items():
+        if names is None:
+            continue
+        spec = logical_to_mesh_axes(names, rules)
+        for dim, axes, parts in uneven_dimensions(shape, spec, sizes):
+            out.append(
+                f"{key}: dimension {dim} ({names[dim]!r}, size {shape[dim]}) does not split "
+                f"over mesh axes {axes} (size {parts})"
+            )
+    return out
+
+
+def _load_corpus(data: str | None, problems: _Problems) -> Any:
+    from meshplan.examples.data import ByteCorpus
+
+    try:
+        return ByteCorpus.from_stdlib() if data is None else ByteCorpus.from_path(data)
+    except (MeshplanError, ValueError, OSError) as e:
+        problems.add_error(e)
+        return None
+
+
+def _resolve_config(request: TrainRequest, stored: CheckpointMetadata | None) -> Any:
+    from meshplan.examples.transformer import TransformerConfig, config_from_name
+
+    if request.config is not None or stored is None or stored.config is None:
+        return config_from_name(request.config or "tiny", **request.overrides)
+    return dataclasses.replace(TransformerConfig.from_dict(stored.config), **request.overrides)
+
+
+def _check_checkpoint_dir(
+    request: TrainRequest, problems: _Problems
+) -> tuple[Path | None, CheckpointMetadata | None]:
+    """The checkpoint folder, and its latest metadata when resuming."""
+    ckpt_dir = Path(request.ckpt_dir).absolute() if request.ckpt_dir else None
+    if request.resume and ckpt_dir is None:
+        problems.add(
+            MeshplanError,
+            "--resume needs the checkpoint folder to resume from",
+            "Pass --ckpt-dir DIR with --resume.",
+        )
+    elif request.resume:
+        try:
+            return ckpt_dir, read_metadata(ckpt_dir)  # type: ignore[arg-type]
+        except MeshplanError as e:
+            problems.add_error(e)
+    elif ckpt_dir is not None and (last := latest_step(ckpt_dir)) is not None:
+        problems.add(
+            CheckpointError,
+            f"--ckpt-dir {str(ckpt_dir)!r} already holds checkpoints (latest step {last})",
+            "Pass --resume to continue that run, or a new --ckpt-dir to start another.",
+        )
+    return ckpt_dir, None
+
+
+def _resolve_settings(
+    request: TrainRequest, stored: CheckpointMetadata | None, problems: _Problems
+) -> TrainSettings:
+    """The defaults, overridden by the checkpoint's settings, overridden by the request's."""
+    stored_train = (stored.extra.get("train") or {}) if stored else {}
+    settings = TrainSettings.from_dict(
+        {**TrainSettings().to_dict(), **stored_train, **request.settings}
+    )
+    for name in ("steps", "batch", "seq_len", "eval_batches"):
+        if getattr(settings, name) < 1:
+            problems.add(
+                MeshplanError,
+                f"{name} must be positive, got {getattr(settings, name)}",
+                "Pass positive --steps, --batch, --seq and --eval-batches.",
+            )
+    for name, flag in (("eval_every", "--eval-every"), ("ckpt_every", "--ckpt-every"),
+                       ("warmup", "--warmup")):  # fmt: skip
+        if getattr(settings, name) < 0:
+            problems.add(
+                MeshplanError,
+                f"{flag} must be 0 or more, got {getattr(settings, name)}",
+                f"Pass {flag} 0 (only at the end) or a positive number of steps.",
+            )
+    if stored is not None and settings.steps < stored.step:
+        problems.add(
+            MeshplanError,
+            f"--steps {settings.steps} is before the checkpoint's step {stored.step}",
+            f"Pass --steps greater than {stored.step} to train further.",
+        )
+    return settings
+
+
+def _check_config(
+    request: TrainRequest,
+    stored: CheckpointMetadata | None,
+    settings: TrainSettings,
+    problems: _Problems,
+) -> Any:
+    try:
+        config = _resolve_config(request, stored)
+    except (ValueError, TypeError) as e:
+        problems.add(
+            MeshplanError, f"model config: {e}", "Use --config tiny|small with valid size flags."
+        )
+        return None
+    if settings.seq_len > config.max_len:
+        problems.add(
+            MeshplanError,
+            f"--seq {settings.seq_len} exceeds the model's max_len={config.max_len}",
+            f"Use --seq {config.max_len} or less, or a larger --max-len.",
+        )
+    return config
+
+
+def _check_batch(
+    request: TrainRequest, settings: TrainSettings, mesh: Mesh, rules: Any, problems: _Problems
+) -> None:
+    """A batch of tokens, ``[batch, seq_len + 1]``, splits over the mesh axes the rules give."""
+    spec = logical_to_mesh_axes(BATCH_NAMES, rules)
+    sizes = (settings.batch, settings.seq_len + 1)
+    for name, entry, size in zip(BATCH_NAMES, spec, sizes, strict=True):
+        axes = mesh_axes_of(entry)
+        missing = [a for a in axes if a not in mesh.shape]
+        if missing:
+            problems.add(
+                MeshError,
+                f"--rules {request.rules} shard {name!r} over mesh axis "
+                f"{', '.join(map(repr, missing))}, which the {request.mesh} mesh "
+                f"{tuple(mesh.axis_names)} does not have",
+                f"Map {name!r} to the mesh's axes {tuple(mesh.axis_names)}, e.g. "
+                f"({name!r}, {mesh.axis_names[0]!r}).",
+            )
+            continue
+        parts = split_count(axes, mesh.shape)
+        if size % parts == 0:
+            continue
+        where = (
+            f"the {parts} devices that --rules {request.rules} shard {name!r} over (mesh axes "
+            f"{axes} of the {request.mesh} mesh)"
+        )
+        if name == "batch":
+            good = (settings.batch // parts + 1) * parts
+            problems.add(
+                MeshplanError,
+                f"--batch {settings.batch} does not split over {where}",
+                f"Use a --batch that is a multiple of {parts} (e.g. {good}), or a mesh and "
+                f"rules that split 'batch' over fewer devices.",
+            )
+        else:
+            problems.add(
+                MeshplanError,
+                f"--seq {settings.seq_len} gives token windows of {size} (the model reads "
+                f"{settings.seq_len} bytes and predicts the next), which do not split over {where}",
+                "Leave 'length' unsharded: ('length', None) in the rules.",
+            )
+
+
+def _check_corpus(corpus: Any, settings: TrainSettings, problems: _Problems) -> None:
+    """Both splits hold at least one window of ``seq_len + 1`` bytes."""
+    from meshplan.examples.data import DataError
+
+    for split in ("train", "valid"):
+        try:
+            corpus.check_window(split, settings.seq_len)
+        except DataError as e:
+            problems.add_error(e)
+
+
+_SHOWN = 6
+"""Parameters the layout cannot split shown in full; the rest are listed by path."""
+
+
+def _check_state(
+    request: TrainRequest,
+    config: Any,
+    abstract: Any,
+    stored: CheckpointMetadata | None,
+    mesh: Mesh | None,
+    rules: Any,
+    problems: _Problems,
+) -> None:
+    """The checkpoint fits the model's shapes; the layout can split every parameter."""
+    if stored is not None:
+        mismatch = compatibility_problems(stored, abstract)
+        if mismatch:
+            saved = stored.config or {}
+            fields = [
+                f"{name}: the checkpoint has {saved[name]!r}, this run asks for {value!r}"
+                for name, value in config.to_dict().items()
+                if name in saved and saved[name] != value
+            ]
+            for line in fields:
+                problems.add(CheckpointError, f"model config {line}", "")
+            problems.add(
+                CheckpointError,
+                f"so {len(mismatch)} of the checkpoint's {len(stored.arrays)} arrays (step "
+                f"{stored.step}) do not fit the model, e.g. {mismatch[0]}",
+                "Resume with the checkpoint's config: leave out --config and the model size "
+                "flags (or repeat the ones it was trained with), or train into a new --ckpt-dir.",
+            )
+    if mesh is not None and rules is not None:
+        shapes = {
+            k: (tuple(v.shape), None if b is None else tuple(b.names))
+            for k, (v, b) in flatten_state(abstract.params).items()
+        }
+        uneven = _split_problems(shapes, mesh, rules)
+        fix = (
+            "Pick a layout that leaves that dimension whole (e.g. data_parallel), a mesh "
+            "whose axes divide it, or model sizes that are multiples of the mesh axes."
+        )
+        for line in uneven[:_SHOWN]:
+            problems.add(
+                MeshError, f"--rules {request.rules} on the {request.mesh} mesh: params/{line}", fix
+            )
+        if len(uneven) > _SHOWN:
+            rest = ", ".join("params/" + line.split(":")[0] for line in uneven[_SHOWN:])
+            problems.add(
+                MeshError,
+                f"and {len(uneven) - _SHOWN} more parameters with a dimension that does not split: {rest}",
+                fix,
+            )
+
+
+def prepare(request: TrainRequest) -> Trainer:
+    """Checks everything in ``request`` and returns a :class:`Trainer` ready to run.
+
+    Every problem found is reported together, before any array is created:
+    an unknown layout, a mesh larger than the devices, a batch (or token
+    length) the mesh does not divide, model dimensions the layout cannot split,
+    a ``--data`` path with no text or a split shorter than one sequence, a checkpoint folder that is empty or not a meshplan
+    checkpoint, and a model config whose shapes differ from the checkpoint's.
+
+    When resuming, settings and the model config the request leaves out
+    (``None``) come from the checkpoint.
+
+    Raises:
+        MeshplanError: (the class of the first problem) one bullet per
+            problem, then the fixes.
+
+    Example:
+        >>> import meshplan
+        >>> from meshplan.cli.train_request import TrainRequest, prepare
+        >>> try:
+        ...     prepare(TrainRequest(rules="nope", mesh="3x3"))
+        ... except meshplan.MeshplanError as e:
+        ...     print(str(e).splitlines()[0])
+        meshplan train cannot start:
+    """
+    from meshplan.examples.transformer import Transformer
+    from meshplan.layouts import get_layout
+
+    problems = _Problems()
+    rules = mesh = None
+    try:
+        rules = get_layout(request.rules)
+    except MeshplanError as e:
+        problems.add_error(e)
+    try:
+        mesh = make_mesh(parse_mesh(request.mesh))
+    except MeshplanError as e:
+        problems.add_error(e)
+    ckpt_dir, stored = _check_checkpoint_dir(request, problems)
+    settings = _resolve_settings(request, stored, problems)
+    config = _check_config(request, stored, settings, problems)
+    if mesh is not None and rules is not None:
+        _check_batch(request, settings, mesh, rules, problems)
+    data = request.data
+    if data is not None:
+        data = str(Path(data).absolute())
+    elif stored is not None:
+        data = (stored.extra.get("train") or {}).get("data")
+    corpus = _load_corpus(data, problems)
+    if corpus is not None:
+        _check_corpus(corpus, settings, problems)
+    model = tx = abstract = None
+    if config is not None:
+        model, tx = Transformer(config), make_optimizer(settings)
+        abstract = abstract_train_state(model, tx, settings)
+        _check_state(request, config, abstract, stored, mesh, rules, problems)
+
+    problems.raise_if_any("meshplan train cannot start:")
+    assert mesh is not None and model is not None
+    return Trainer(
+        model=model,
+        tx=tx,
+        abstract=abstract,
+        mesh=mesh,
+        rules=rules,
+        settings=settings,
+        corpus=corpus,
+        ckpt_dir=ckpt_dir,
+        resume_from=stored,
+        layout_name=str(request.rules),
+        data=data,
+    )

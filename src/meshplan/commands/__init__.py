@@ -1,1 +1,0 @@
-"""Subcommands of the ``meshplan`` command line (see :mod:`meshplan.cli`)."""

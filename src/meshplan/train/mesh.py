@@ -1,0 +1,113 @@
+"""The ``('data', 'model')`` meshes ``meshplan train`` builds, from ``--mesh 2x4``-style text."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from meshplan._errors import MeshError
+
+__all__ = ["MESH_AXES", "make_mesh", "parse_mesh", "parse_mesh_shape"]
+
+MESH_AXES = ("data", "model")
+"""Axis names of every mesh ``meshplan train`` builds (the layouts' axes)."""
+
+
+def parse_mesh_shape(text: str, axes: str | None = None) -> dict[str, int]:
+    """``"2x4"`` -> ``{'data': 2, 'model': 4}``: mesh axis sizes from command-line text.
+
+    One size means ``DATAx1``. Without ``axes`` the names are ``('data', 'model')``;
+    ``axes`` (``"data,fsdp,model"``) names any number of axes.
+
+    Example:
+        >>> from meshplan.train.mesh import parse_mesh_shape
+        >>> parse_mesh_shape("2x4"), parse_mesh_shape("8"), parse_mesh_shape("4×2")
+        ({'data': 2, 'model': 4}, {'data': 8, 'model': 1}, {'data': 4, 'model': 2})
+        >>> parse_mesh_shape("2x2x2", "data,fsdp,model")
+        {'data': 2, 'fsdp': 2, 'model': 2}
+
+    Raises:
+        MeshError: the sizes are not positive integers separated by ``x``, or
+            ``axes`` does not give one distinct name per size.
+    """
+    parts = str(text).lower().replace("×", "x").split("x")
+    try:
+        sizes = [int(p) for p in parts]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise MeshError(
+            f"Cannot read the mesh {text!r}: expected positive axis sizes separated by 'x'.\n"
+            f"Write it like 2x4, 4x2, 8 or 2x2x2 (the last with --axes a,b,c)."
+        )
+    if axes is None:
+        if len(sizes) == 1:
+            sizes.append(1)
+        if len(sizes) != len(MESH_AXES):
+            raise MeshError(
+                f"The mesh {text!r} has {len(sizes)} axes; the default names are "
+                f"{MESH_AXES}.\nName them with --axes, e.g. --axes data,fsdp,model."
+            )
+        names = MESH_AXES
+    else:
+        names = tuple(a.strip() for a in axes.split(",") if a.strip())
+        if len(names) != len(sizes) or len(set(names)) != len(names):
+            raise MeshError(
+                f"--axes {axes!r} gives {len(names)} distinct names for the {len(sizes)} "
+                f"mesh axes of {text!r}.\nGive one distinct name per axis."
+            )
+    return dict(zip(names, sizes, strict=True))
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+    """``"2x4"`` -> ``(2, 4)``: sizes of the ``('data', 'model')`` axes; ``"8"`` means 8x1.
+
+    Example:
+        >>> from meshplan.train.mesh import parse_mesh
+        >>> parse_mesh("2x4"), parse_mesh("8")
+        ((2, 4), (8, 1))
+
+    Raises:
+        MeshError: as :func:`parse_mesh_shape`.
+    """
+    data, model = parse_mesh_shape(text).values()
+    return data, model
+
+
+def make_mesh(shape: tuple[int, int], devices: Any = None) -> Mesh:
+    """A mesh with ``Auto`` axes ``('data', 'model')`` on the first ``prod(shape)`` devices.
+
+    Example:
+        >>> from meshplan.train.mesh import make_mesh
+        >>> dict(make_mesh((4, 2)).shape)
+        {'data': 4, 'model': 2}
+
+    With several processes (``jax.distributed``) the mesh must use every
+    device of every process; ``jax.devices()`` lists them by process, so the
+    first mesh axis splits over processes first.
+
+    Raises:
+        MeshError: there are fewer devices than the mesh needs, or, with
+            several processes, the mesh leaves some devices out.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    size = math.prod(shape)
+    if size > len(devices):
+        raise MeshError(
+            f"The mesh {shape[0]}x{shape[1]} needs {size} devices, but there are only "
+            f"{len(devices)} ({devices[0].platform}).\nUse a smaller mesh, or more devices "
+            f"(meshplan train --devices {size} emulates them on the CPU)."
+        )
+    if jax.process_count() > 1 and size < len(devices):
+        processes, local = jax.process_count(), jax.local_device_count()
+        raise MeshError(
+            f"The mesh {shape[0]}x{shape[1]} uses {size} of the {len(devices)} devices, but "
+            f"with {processes} processes it must use all of them ({local} per process), so "
+            f"that every process holds part of it.\nUse a mesh of {len(devices)} devices "
+            f"(e.g. --mesh {processes}x{local}), or fewer processes."
+        )
+    return Mesh(np.array(devices[:size]).reshape(shape), MESH_AXES)

@@ -1,0 +1,81 @@
+"""How to train, apart from the model, mesh and layout: the settings and the optimizer.
+
+The learning-rate schedule depends on the step only, and batches on
+``(seed, step)`` only, so a run stopped and resumed sees exactly the batches and
+updates of one that never stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import optax
+
+__all__ = ["TrainSettings", "make_optimizer"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """How to train, apart from the model, mesh and layout.
+
+    These are stored with every checkpoint, and a resumed run takes the stored
+    values for any the user does not give again.
+
+    Attributes:
+        steps: The step to train up to (a resumed run continues to it).
+        batch: Sequences per step (global, over all devices).
+        seq_len: Bytes per sequence (the model reads ``seq_len`` and predicts the next).
+        lr: Peak learning rate of AdamW.
+        warmup: Steps of linear warm-up to ``lr``, constant after.
+        weight_decay: AdamW's decoupled weight decay.
+        seed: Seed of the initial parameters and of the batches.
+        eval_every: Evaluate every this many steps (0: only at the end).
+        eval_batches: Validation batches per evaluation.
+        ckpt_every: Save a checkpoint every this many steps (and at the end).
+    """
+
+    steps: int = 300
+    batch: int = 32
+    seq_len: int = 128
+    lr: float = 3e-3
+    warmup: int = 30
+    weight_decay: float = 0.01
+    seed: int = 0
+    eval_every: int = 50
+    eval_batches: int = 4
+    ckpt_every: int = 100
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainSettings:
+        """Settings from :meth:`to_dict` (unknown keys are ignored)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def make_optimizer(settings: TrainSettings) -> optax.GradientTransformation:
+    """Gradient clipping at norm 1, then AdamW with linear warm-up to a constant rate.
+
+    The schedule depends on the step only (not on ``steps``), so stopping and
+    resuming never changes an update.
+
+    Example:
+        >>> from meshplan.train.settings import TrainSettings, make_optimizer
+        >>> tx = make_optimizer(TrainSettings(lr=1e-3, warmup=10))
+        >>> type(tx).__name__
+        'GradientTransformationExtraArgs'
+    """
+    warmup = max(settings.warmup, 1)
+    schedule = optax.join_schedules(
+        [optax.linear_schedule(0.0, settings.lr, warmup), optax.constant_schedule(settings.lr)],
+        [warmup],
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=settings.weight_decay),
+    )

@@ -1,0 +1,123 @@
+"""The sharded ``TrainState``: its abstract shape, its shardings, and what a device holds.
+
+The recipe is the guide's, at Transformer scale: ``jax.eval_shape`` of the init
+function gives the abstract ``TrainState`` (boxes holding
+``ShapeDtypeStruct``\\ s); :func:`meshplan.logical_to_mesh_sharding` of its
+logical specs gives the state's shardings under the chosen layout; and
+``jax.jit(init, out_shardings=...)`` creates every array where it belongs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.training import train_state
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshplan._spmd.shardings import get_partition_spec, logical_to_mesh_sharding
+from meshplan.train.settings import TrainSettings
+
+__all__ = [
+    "BATCH_NAMES",
+    "abstract_train_state",
+    "batch_sharding",
+    "init_fn",
+    "per_device_bytes",
+    "plan_summary",
+    "state_shardings",
+]
+
+BATCH_NAMES = ("batch", "length")
+"""The logical names of a batch of token sequences."""
+
+
+def init_fn(model: Any, tx: optax.GradientTransformation, seq_len: int) -> Callable[..., Any]:
+    """``init(key) -> TrainState`` of ``model`` with optimizer ``tx`` (to trace or jit)."""
+
+    def init(key: jax.Array) -> train_state.TrainState:
+        # Parameter shapes do not depend on the length; stay within max_len.
+        tokens = jnp.zeros((1, min(seq_len, model.config.max_len)), jnp.int32)
+        params = model.init(key, tokens)["params"]
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+    return init
+
+
+def abstract_train_state(
+    model: Any, tx: optax.GradientTransformation, settings: TrainSettings
+) -> train_state.TrainState:
+    """The ``TrainState`` as ``jax.eval_shape`` sees it: boxes of ``ShapeDtypeStruct``\\ s."""
+    init = init_fn(model, tx, settings.seq_len)
+    return jax.eval_shape(init, jax.random.key(settings.seed))
+
+
+def state_shardings(abstract: Any, mesh: Mesh, rules: Any) -> Any:
+    """The ``NamedSharding`` of every array of ``abstract`` under ``rules`` on ``mesh``."""
+    return logical_to_mesh_sharding(get_partition_spec(abstract), mesh, rules)
+
+
+def batch_sharding(mesh: Mesh, rules: Any) -> NamedSharding:
+    """Where a ``[batch, length]`` batch of tokens goes under ``rules``.
+
+    Example:
+        >>> import jax
+        >>> from meshplan.train.state import batch_sharding
+        >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+        >>> batch_sharding(mesh, (("batch", "data"),)).spec
+        P('data', None)
+    """
+    return logical_to_mesh_sharding(PartitionSpec(*BATCH_NAMES), mesh, rules)
+
+
+def per_device_bytes(abstract: Any, shardings: Any) -> int:
+    """The largest number of bytes any one device holds of ``abstract`` with ``shardings``."""
+    totals: dict[Any, int] = {}
+    for value, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings), strict=True):
+        nbytes = math.prod(sharding.shard_shape(value.shape)) * np.dtype(value.dtype).itemsize
+        for device in sharding.device_set:
+            totals[device] = totals.get(device, 0) + nbytes
+    return max(totals.values(), default=0)
+
+
+def _total_bytes(tree: Any) -> int:
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def plan_summary(
+    abstract: Any, shardings: Any, mesh: Mesh, rules: Any, layout: str = ""
+) -> dict[str, Any]:
+    """Parameter count and per-device bytes of the parameters and of the whole state.
+
+    From :func:`meshplan.explain`; should it fail, from the shard sizes, with
+    its error in ``source``.
+    """
+    from meshplan._plan.explain import explain
+
+    params = abstract.params
+    summary: dict[str, Any] = {
+        "mesh": dict(mesh.shape),
+        "layout": layout,
+        "parameters": sum(math.prod(x.shape) for x in jax.tree.leaves(params)),
+        "params_total": _total_bytes(params),
+        "state_total": _total_bytes(abstract),
+    }
+    try:
+        totals = explain(abstract, mesh, rules).totals
+        per_device = {
+            "params_per_device": int(totals["params"].max_device_bytes),
+            "state_per_device": int(totals["all"].max_device_bytes),
+            "source": "meshplan.explain",
+        }
+    except Exception as e:  # the summary is informative only: never stop a run for it
+        per_device = {
+            "params_per_device": per_device_bytes(params, shardings.params),
+            "state_per_device": per_device_bytes(abstract, shardings),
+            "source": f"shard sizes (meshplan.explain failed: {type(e).__name__}: {e})",
+        }
+    return {**summary, **per_device}

@@ -1,0 +1,315 @@
+"""The training loop behind ``meshplan train``: sharded state, jitted steps, resumable runs.
+
+The recipe is the guide's, at Transformer scale:
+
+1. ``jax.eval_shape`` of the init function gives the abstract ``TrainState``
+   (boxes holding ``ShapeDtypeStruct``\\ s);
+2. :func:`meshplan.logical_to_mesh_sharding` of its logical specs gives the
+   state's shardings under the chosen layout;
+3. ``jax.jit(init, out_shardings=...)`` creates every array where it belongs,
+   or :func:`meshplan.restore` reads a checkpoint straight into those shardings;
+4. a jitted train step donates the old state and returns the new one with the
+   same shardings; batches arrive already sharded
+   (``jax.make_array_from_process_local_data``).
+
+Batches are a function of (split, step, seed), and the learning-rate schedule
+of the step only, so a run resumed from a checkpoint (on any mesh, with any
+layout) sees exactly the batches and updates of an uninterrupted one.
+
+Everything a user can get wrong is checked by
+:func:`meshplan.cli.train_request.prepare` before any work starts, and reported
+at once (one bullet per problem, the fix at the end); it returns the
+:class:`Trainer` of this module, which runs the loop. The parts, one concern
+each: :mod:`meshplan.train.mesh` (meshes), :mod:`meshplan.train.settings`
+(settings and optimizer), :mod:`meshplan.train.state` (the sharded state),
+:mod:`meshplan.cli.train_request` (checking a request), and this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshplan._checkpoint.checkpointer import Checkpointer
+from meshplan._checkpoint.metadata import CheckpointMetadata
+from meshplan._checkpoint.restore import restore
+from meshplan._spmd.rules import logical_axis_rules
+from meshplan.train.settings import TrainSettings, make_optimizer
+from meshplan.train.state import (
+    abstract_train_state,
+    batch_sharding,
+    init_fn,
+    plan_summary,
+    state_shardings,
+)
+
+__all__ = ["TrainResult", "Trainer"]
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What :meth:`Trainer.run` did.
+
+    Attributes:
+        start_step: The step the run started from (0, or the checkpoint's).
+        end_step: The step it reached.
+        losses: Training loss after each step run, by step number.
+        evals: Validation loss by step number (step 0: before training).
+        best_valid: ``(step, loss)`` of the best validation loss, counting
+            earlier stretches of a resumed run; ``None`` if none.
+        tokens_per_second: Training throughput of the train steps (the first, which
+            compiles, and the time spent evaluating and saving left out).
+        seconds: Wall time of the loop.
+        saved_steps: Steps saved as checkpoints during this run.
+    """
+
+    start_step: int
+    end_step: int
+    losses: dict[int, float] = dataclasses.field(default_factory=dict)
+    evals: dict[int, float] = dataclasses.field(default_factory=dict)
+    best_valid: tuple[int, float] | None = None
+    tokens_per_second: float = 0.0
+    seconds: float = 0.0
+    saved_steps: list[int] = dataclasses.field(default_factory=list)
+
+
+class Trainer:
+    """A validated training run: build with :func:`prepare`, then :meth:`start` and :meth:`run`.
+
+    Attributes:
+        model: The :class:`~meshplan.examples.transformer.Transformer`.
+        mesh: The mesh (``Auto`` axes ``('data', 'model')``).
+        rules: The layout's logical axis rules.
+        settings: The resolved :class:`TrainSettings`.
+        step: The current step (host-side counter).
+        state: The sharded ``TrainState`` (after :meth:`start`).
+        tx: The optimizer; ``abstract``: ``jax.eval_shape`` of the state (both
+            built here unless given, as :func:`prepare` does).
+    """
+
+    def __init__(
+        self,
+        *,
+        model: Any,
+        mesh: Mesh,
+        rules: Any,
+        settings: TrainSettings,
+        corpus: Any,
+        ckpt_dir: Path | None = None,
+        resume_from: CheckpointMetadata | None = None,
+        layout_name: str = "",
+        data: str | None = None,
+        max_to_keep: int = 3,
+        tx: Any = None,
+        abstract: Any = None,
+    ) -> None:
+        self.model = model
+        self.mesh = mesh
+        self.rules = rules
+        self.settings = settings
+        self.corpus = corpus
+        self.ckpt_dir = ckpt_dir
+        self.resume_from = resume_from
+        self.layout_name = layout_name
+        self.data = data
+        self.max_to_keep = max_to_keep
+        # prepare() has built both to check the request: not traced a second time.
+        self.tx = make_optimizer(settings) if tx is None else tx
+        self.abstract = (
+            abstract_train_state(model, self.tx, settings) if abstract is None else abstract
+        )
+        self.shardings = state_shardings(self.abstract, mesh, rules)
+        self.batch_sharding = batch_sharding(mesh, rules)
+        self.state: Any = None
+        self.step = 0
+        self.best_valid: tuple[int, float] | None = None
+        if resume_from is not None:
+            best = resume_from.extra.get("best_valid")
+            self.best_valid = (int(best[0]), float(best[1])) if best else None
+        self._checkpointer: Checkpointer | None = None
+        self._train_step: Any = None
+        self._eval_step: Any = None
+        self._valid_batches: list[jax.Array] | None = None
+
+    # -- context ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """The mesh and rules in effect while tracing and running the steps."""
+        with jax.set_mesh(self.mesh), logical_axis_rules(self.rules):
+            yield
+
+    # -- summaries -------------------------------------------------------------
+
+    def plan_summary(self) -> dict[str, Any]:
+        """Parameter count and per-device bytes of the parameters and of the whole state.
+
+        From :func:`meshplan.explain` (see :func:`meshplan.train.state.plan_summary`).
+        """
+        return plan_summary(self.abstract, self.shardings, self.mesh, self.rules, self.layout_name)
+
+    # -- state -----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Creates the sharded state (fresh, or from the checkpoint) and compiles nothing yet."""
+        if self.ckpt_dir is not None:
+            self._checkpointer = Checkpointer(self.ckpt_dir, max_to_keep=self.max_to_keep)
+        if self.resume_from is not None:
+            restored = restore(self.ckpt_dir, self.mesh, self.rules, self.resume_from.step)  # type: ignore[arg-type]
+            self.state = restored.into(self.abstract)
+            self.step = int(restored.metadata.step)
+        else:
+            init = init_fn(self.model, self.tx, self.settings.seq_len)
+            with self.active():
+                self.state = jax.jit(init, out_shardings=self.shardings)(
+                    jax.random.key(self.settings.seed)
+                )
+            self.step = 0
+
+    def _batch(self, split: str, index: int) -> jax.Array:
+        from meshplan.examples.data import shard_batch
+
+        s = self.settings
+        tokens = self.corpus.batch_at(split, index, s.seed, s.batch, s.seq_len)
+        return shard_batch(tokens, self.mesh, self.rules)
+
+    def _compile(self) -> None:
+        model = self.model
+
+        def loss(params: Any, tokens: jax.Array) -> jax.Array:
+            from meshplan.examples.transformer import loss_fn
+
+            return loss_fn(params, tokens, model)
+
+        def train_step(state: Any, tokens: jax.Array) -> tuple[Any, jax.Array]:
+            value, grads = jax.value_and_grad(loss)(state.params, tokens)
+            return state.apply_gradients(grads=grads), value
+
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        self._train_step = jax.jit(
+            train_step,
+            in_shardings=(self.shardings, self.batch_sharding),
+            out_shardings=(self.shardings, replicated),
+            donate_argnums=(0,),
+        )
+        self._eval_step = jax.jit(
+            loss,
+            in_shardings=(self.shardings.params, self.batch_sharding),
+            out_shardings=replicated,
+        )
+
+    def train_step(self) -> jax.Array:
+        """Runs one step on the batch of the current step; returns its loss (not synced)."""
+        if self._train_step is None:
+            self._compile()
+        tokens = self._batch("train", self.step)
+        with self.active():
+            self.state, loss = self._train_step(self.state, tokens)
+        self.step += 1
+        return loss
+
+    def evaluate(self) -> float:
+        """Mean loss over ``eval_batches`` fixed validation batches, in nats per byte."""
+        if self._eval_step is None:
+            self._compile()
+        if self._valid_batches is None:
+            self._valid_batches = [
+                self._batch("valid", i) for i in range(self.settings.eval_batches)
+            ]
+        with self.active():
+            losses = [self._eval_step(self.state.params, b) for b in self._valid_batches]
+        value = float(np.mean([float(x) for x in losses]))
+        if self.best_valid is None or value < self.best_valid[1]:
+            self.best_valid = (self.step, value)
+        return value
+
+    def save(self) -> bool:
+        """Starts an asynchronous save of the current step; ``False`` if not saving."""
+        if self._checkpointer is None:
+            return False
+        extra = {
+            "train": {**self.settings.to_dict(), "data": self.data},
+            "layout": self.layout_name,
+            "processes": jax.process_count(),
+            "best_valid": list(self.best_valid) if self.best_valid else None,
+        }
+        return self._checkpointer.save(
+            self.step,
+            self.state,
+            rules=self.rules,
+            mesh=self.mesh,
+            config=self.model.config.to_dict(),
+            extra=extra,
+        )
+
+    def close(self) -> None:
+        """Waits for the last save to reach the disk."""
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+            self._checkpointer = None
+
+    # -- the loop --------------------------------------------------------------
+
+    def run(
+        self,
+        on_step: Callable[[int, float, float], None] | None = None,
+        on_eval: Callable[[int, float], None] | None = None,
+        on_save: Callable[[int], None] | None = None,
+    ) -> TrainResult:
+        """Trains from :attr:`step` up to ``settings.steps``, evaluating and saving on schedule.
+
+        Args:
+            on_step: Called after each step with ``(step, loss, tokens_per_second)``.
+            on_eval: Called after each evaluation with ``(step, valid_loss)``.
+            on_save: Called when a checkpoint save starts, with its step.
+
+        Returns:
+            A :class:`TrainResult`.
+        """
+        s = self.settings
+        if self.state is None:
+            self.start()
+        result = TrainResult(start_step=self.step, end_step=self.step)
+        if self.resume_from is None and self.step == 0:
+            result.evals[0] = self.evaluate()
+            if on_eval:
+                on_eval(0, result.evals[0])
+        t0 = time.perf_counter()
+        first, timed_steps, timed_seconds = True, 0, 0.0
+        tokens_per_step = s.batch * s.seq_len
+        tps = 0.0
+        while self.step < s.steps:
+            started = time.perf_counter()
+            loss = float(self.train_step())
+            if first:
+                first = False  # the first step compiles: leave it out of the throughput
+            else:
+                timed_steps += 1
+                timed_seconds += time.perf_counter() - started
+                tps = timed_steps * tokens_per_step / max(timed_seconds, 1e-9)
+            result.losses[self.step] = loss
+            if on_step:
+                on_step(self.step, loss, tps)
+            last = self.step == s.steps
+            if (s.eval_every and self.step % s.eval_every == 0) or last:
+                result.evals[self.step] = self.evaluate()
+                if on_eval:
+                    on_eval(self.step, result.evals[self.step])
+            due = (s.ckpt_every and self.step % s.ckpt_every == 0) or last
+            if due and self.save():
+                result.saved_steps.append(self.step)
+                if on_save:
+                    on_save(self.step)
+        result.seconds = time.perf_counter() - t0
+        result.end_step = self.step
+        result.best_valid = self.best_valid
+        result.tokens_per_second = tps
+        return result
