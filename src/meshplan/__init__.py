@@ -15,6 +15,7 @@ from meshplan._errors import (
     MeshError,
     MeshplanError,
     PartitioningUnspecifiedError,
+    Problem,
     RulesError,
     ShardingValidationError,
     UnmatchedLogicalAxisError,
@@ -22,7 +23,6 @@ from meshplan._errors import (
 from meshplan._plan.check import check
 from meshplan._plan.explain import explain
 from meshplan._plan.plan import Plan
-from meshplan._plan.problems import Problem
 from meshplan._search.search import SearchResult, search_layouts
 from meshplan._spmd.boxes import (
     PARTITION_NAME,
@@ -47,8 +47,7 @@ from meshplan._spmd.shardings import (
     logical_to_mesh,
     logical_to_mesh_sharding,
 )
-
-__version__ = "0.1.0"
+from meshplan._version import __version__ as __version__
 
 __all__ = [
     "PARTITION_NAME",
@@ -90,3 +89,10 @@ __all__ = [
     "with_logical_partitioning",
     "with_partitioning",
 ]
+
+# Public classes report the public path, so tracebacks and docs print ``meshplan.MeshError``.
+for _name in __all__:
+    _obj = globals()[_name]
+    if isinstance(_obj, type):
+        _obj.__module__ = __name__
+del _name, _obj

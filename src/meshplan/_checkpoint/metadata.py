@@ -187,7 +187,7 @@ class CheckpointMetadata:
             >>> meta.arrays["b"].shape, meta.arrays["b"].names
             ((3,), None)
         """
-        from meshplan import __version__
+        from meshplan._version import __version__
 
         mesh = mesh if mesh is not None else _mesh_of(flat)
         arrays = {

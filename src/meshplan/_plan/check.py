@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from meshplan._errors import ShardingValidationError, problem_message
+from meshplan._errors import Problem, ShardingValidationError, problem_message
 from meshplan._plan.explain import explain, explain_specs
-from meshplan._plan.problems import DEFAULT_REPLICATED_THRESHOLD, Problem, find_problems
+from meshplan._plan.problems import DEFAULT_REPLICATED_THRESHOLD, find_problems
 from meshplan._spmd.mesh_info import MeshInfo
 
 __all__ = ["check", "check_specs", "raise_for_errors"]
@@ -73,7 +73,7 @@ def check(
         >>> meshplan.check(tree, mesh, rules, strict=True)
         Traceback (most recent call last):
         ...
-        meshplan._errors.ShardingValidationError: The sharding plan has 1 error. ...
+        meshplan.ShardingValidationError: The sharding plan has 1 error. ...
           * params/w: dim 1 ('hidden') of size 6 does not divide by 4 (mesh axis 'model' of size 4)
         To fix:
           - Pad dim 1 to 8 (the nearest multiple of 4), or map it to mesh axes whose size divides 6.

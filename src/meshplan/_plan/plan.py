@@ -7,7 +7,8 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from meshplan._plan.problems import Problem, find_problems
+from meshplan._errors import Problem
+from meshplan._plan.problems import find_problems
 from meshplan._plan.records import LeafPlan
 from meshplan._plan.render.json_dict import plan_to_dict
 from meshplan._plan.render.png import write_png

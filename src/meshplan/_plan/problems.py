@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from meshplan._errors import Problem
 from meshplan._spmd.mesh_info import MeshInfo, axis_names_fix
 from meshplan._spmd.rules import _axes_of
 from meshplan._text import axes_text, count_text, human_bytes, rule_text
@@ -14,67 +14,12 @@ if TYPE_CHECKING:
     from meshplan._plan.plan import Plan
     from meshplan._plan.records import LeafLayout
 
-__all__ = ["DEFAULT_REPLICATED_THRESHOLD", "Problem", "find_problems"]
+__all__ = ["DEFAULT_REPLICATED_THRESHOLD", "find_problems"]
 
 DEFAULT_REPLICATED_THRESHOLD = 1 << 20
 """Arrays of at least this many bytes that every device holds whole are reported (1 MiB)."""
 
 _MAX_PATHS_NAMED = 3
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    """One problem with a sharding plan.
-
-    Attributes:
-        severity: ``'error'`` (``jax.jit`` would fail, or the plan is not
-            what was written) or ``'warning'`` (valid, but probably not meant:
-            memory spent on replication, rules that do nothing).
-        path: Where: a leaf path (``'params/Dense_0/kernel'``), ``'rules[2]'``,
-            ``'rules'`` or ``'mesh/data'``.
-        message: What is wrong, with the names, sizes and axes involved.
-        fix: How to fix it.
-        code: A stable identifier of the kind of problem (see ``docs/plan.md``).
-
-    Example:
-        >>> import jax, jax.numpy as jnp, meshplan
-        >>> tree = {"w": meshplan.Partitioned(jax.ShapeDtypeStruct((6,), jnp.float32), ("x",))}
-        >>> problem = meshplan.explain(tree, {"x": 4}).problems[0]
-        >>> problem.severity, problem.path, problem.code
-        ('error', 'w', 'indivisible')
-        >>> print(problem)
-        error: w: dim 0 of size 6 does not divide by 4 (mesh axis 'x' of size 4). Pad dim 0
-        to 8 (the nearest multiple of 4), or map it to mesh axes whose size divides 6.
-    """
-
-    severity: str
-    path: str
-    message: str
-    fix: str
-    code: str
-
-    def __str__(self) -> str:
-        return f"{self.severity}: {self.path}: {self.message}. {self.fix}"
-
-    def to_dict(self) -> dict[str, str]:
-        """``{'severity', 'code', 'path', 'message', 'fix'}``.
-
-        Example:
-            >>> import meshplan
-            >>> problem = meshplan.Problem(
-            ...     "warning", "mesh/data", "mesh axis 'data' shards no array",
-            ...     "Map a logical name to 'data'.", "idle-axis")
-            >>> problem.to_dict()
-            {'severity': 'warning', 'code': 'idle-axis', 'path': 'mesh/data',
-             'message': "mesh axis 'data' shards no array", 'fix': "Map a logical name to 'data'."}
-        """
-        return {
-            "severity": self.severity,
-            "code": self.code,
-            "path": self.path,
-            "message": self.message,
-            "fix": self.fix,
-        }
 
 
 def _leaves_text(n: int) -> str:

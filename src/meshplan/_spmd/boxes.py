@@ -78,7 +78,7 @@ class Partitioned(AxisMetadata[A], Generic[A]):
     parameter initializer. ``jax.tree_util`` sees the value as the only child.
 
     Example:
-        >>> import jax.numpy as jnp, meshplan
+        >>> import jax, jax.numpy as jnp, meshplan
         >>> box = meshplan.Partitioned(jnp.zeros((4, 8)), (None, "model"))
         >>> box.get_partition_spec()
         P(None, 'model')

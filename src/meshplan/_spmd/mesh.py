@@ -111,7 +111,7 @@ def check_axes_exist(spec: PartitionSpec, mesh: Any, context: str) -> None:
         >>> check_axes_exist(P("modle"), mesh, "spec")
         Traceback (most recent call last):
         ...
-        meshplan._errors.MeshError: spec: the mesh {'data': 2, 'model': 4} has no axis 'modle'.
+        meshplan.MeshError: spec: the mesh {'data': 2, 'model': 4} has no axis 'modle'.
         Did you mean 'model'? Use the mesh's axis names ('data', 'model'), or map logical names to them with rules.
     """
     missing = [a for e in spec for a in mesh_axes_of(e) if a not in mesh.axis_names]
