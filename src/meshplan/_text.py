@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 from jax.sharding import PartitionSpec
 
 UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
 
-__all__ = ["axes_text", "count_text", "human_bytes", "rule_text", "shape_text"]
+__all__ = ["axes_text", "count_text", "human_bytes", "path_text", "rule_text", "shape_text"]
 
 
 def human_bytes(n: float) -> str:
@@ -56,3 +57,17 @@ def count_text(n: int, singular: str, plural: str | None = None) -> str:
         ('1 leaf', '3 leaves', '0 errors')
     """
     return f"{n} {singular if n == 1 else plural or singular + 's'}"
+
+
+def path_text(keypath: Any) -> str:
+    """A key path as every meshplan message, plan and checkpoint writes it: ``params/w``.
+
+    The one path format of meshplan: ``jax.tree_util.keystr(path, simple=True, separator="/")``.
+
+    Example:
+        >>> import jax
+        >>> from meshplan._text import path_text
+        >>> [path_text(p) for p, _ in jax.tree_util.tree_flatten_with_path({"a": [1, {"b": 2}]})[0]]
+        ['a/0', 'a/1/b']
+    """
+    return jax.tree_util.keystr(tuple(keypath), simple=True, separator="/")
