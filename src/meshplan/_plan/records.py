@@ -12,17 +12,32 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from meshplan._plan.render.json_dict import dim_to_dict, leaf_to_dict
-from meshplan._spmd.rules import SkippedRule
+from meshplan._spmd.rules import UNCONSTRAINED, SkippedRule
 from meshplan._text import axes_text, rule_text
 
-__all__ = ["DimPlan", "LeafLayout", "LeafPlan"]
+__all__ = ["DimPlan", "LeafLayout", "LeafPlan", "json_entry"]
 
 _SKIP_TEXT = {
     "mesh axis taken": "mesh axis already used by dim",
     "tuple partly taken": "tuple partly taken: used by dim",
     "dimension already assigned": "dimension already placed",
 }
+
+
+def json_entry(entry: Any) -> Any:
+    """A name or spec entry as JSON: ``'UNCONSTRAINED'``, a list for a tuple, else itself.
+
+    Example:
+        >>> from meshplan._plan.records import json_entry
+        >>> from jax.sharding import PartitionSpec
+        >>> json_entry(("data", "model")), json_entry(PartitionSpec.UNCONSTRAINED), json_entry(None)
+        (['data', 'model'], 'UNCONSTRAINED', None)
+    """
+    if entry is UNCONSTRAINED:
+        return "UNCONSTRAINED"
+    if isinstance(entry, tuple):
+        return list(entry)
+    return entry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,8 +141,23 @@ class DimPlan:
         return f"split {self.shards} ways"
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``dims[i]`` entry of the JSON schema."""
-        return dim_to_dict(self)
+        """The ``leaves[i].dims[j]`` entry of the JSON schema (``docs/plan.md``)."""
+        return {
+            "name": json_entry(self.name),
+            "size": self.size,
+            "mesh_axes": list(self.mesh_axes),
+            "shards": self.shards,
+            "shard_size": self.shard_size,
+            "status": self.status,
+            "rule": self.rule_index,
+            "missing_axes": list(self.missing_axes),
+            "duplicate_axes": list(self.duplicate_axes),
+            "skipped": [
+                {"rule": s.rule_index, "reason": s.reason, "taken_by": list(s.taken_by)}
+                for s in self.skipped
+            ],
+            "why": self.why,
+        }
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -202,8 +232,22 @@ class LeafPlan:
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``leaves[i]`` entry of the JSON schema."""
-        return leaf_to_dict(self)
+        """The ``leaves[i]`` entry of the JSON schema (``docs/plan.md``)."""
+        return {
+            "path": self.path,
+            "group": self.group,
+            "kind": self.kind,
+            "shape": None if self.shape is None else list(self.shape),
+            "dtype": self.dtype,
+            "names": None if self.names is None else [json_entry(n) for n in self.names],
+            "spec": [json_entry(e) for e in self.spec],
+            "shard_shape": None if self.shard_shape is None else list(self.shard_shape),
+            "bytes": self.bytes,
+            "bytes_per_device": self.bytes_per_device,
+            "replication": self.replication,
+            "uneven": self.uneven,
+            "dims": [d.to_dict() for d in self.dims],
+        }
 
     def __repr__(self) -> str:
         return (

@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from meshplan._plan.render.json_dict import totals_to_dict
-
 if TYPE_CHECKING:
     from meshplan._plan.records import LeafPlan
 
@@ -44,8 +42,14 @@ class Totals:
         return 1.0 if self.max_device_bytes == 0 else self.ideal_bytes / self.max_device_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``totals[group]`` entry of the JSON schema."""
-        return totals_to_dict(self)
+        """The ``totals[group]`` entry of the JSON schema (``docs/plan.md``)."""
+        return {
+            "leaves": self.leaves,
+            "bytes": self.bytes,
+            "max_device_bytes": self.max_device_bytes,
+            "ideal_bytes": self.ideal_bytes,
+            "device_bytes": list(self.device_bytes),
+        }
 
 
 def group_totals(leaves: Sequence[LeafPlan], n_devices: int) -> dict[str, Totals]:
