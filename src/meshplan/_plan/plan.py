@@ -1,26 +1,29 @@
-"""The :class:`Plan` object: a tree's leaf plans and totals, looked up by path, shown and saved."""
+"""The :class:`Plan` object: a tree's leaf plans and totals, looked up by path, shown and saved.
+
+The records themselves are :class:`~meshplan._plan.plan_data.PlanData`; ``Plan``
+adds what calls the renderers (``_plan/render``) and
+:func:`~meshplan._plan.problems.find_problems`, which read only those records.
+"""
 
 from __future__ import annotations
 
-import difflib
 import json
-from collections.abc import Iterator
 from typing import Any
 
 from meshplan._errors import Problem
+from meshplan._plan.plan_data import PlanData
 from meshplan._plan.problems import find_problems
 from meshplan._plan.records import LeafPlan
 from meshplan._plan.render.json_dict import plan_to_dict
 from meshplan._plan.render.png import write_png
 from meshplan._plan.render.table import plan_renderable, to_text
-from meshplan._plan.totals import group_totals
 from meshplan._spmd.mesh_info import MeshInfo
 from meshplan._text import count_text, human_bytes
 
 __all__ = ["Plan"]
 
 
-class Plan:
+class Plan(PlanData):
     """Where every array leaf of a tree goes on a mesh, and what it costs per device.
 
     Made by :func:`meshplan.explain`. ``print(plan)`` shows a table (long trees are
@@ -56,33 +59,10 @@ class Plan:
         rule_problems: list[tuple[str, str, str]],
         rule_index_map: tuple[int, ...],
     ) -> None:
-        self.mesh = mesh
-        self.rules = rules
-        self.leaves = tuple(leaves)
-        self.skipped_leaves = skipped_leaves
-        self._rule_problems = rule_problems
-        self._rule_index_map = rule_index_map
-        self._by_path: dict[str, LeafPlan] | None = None
+        super().__init__(mesh, rules, leaves, skipped_leaves, rule_problems, rule_index_map)
         self._problems: list[Problem] | None = None
-        self.totals = group_totals(self.leaves, mesh.size)
 
-    # -- access ---------------------------------------------------------------
-
-    def __len__(self) -> int:
-        return len(self.leaves)
-
-    def __iter__(self) -> Iterator[LeafPlan]:
-        return iter(self.leaves)
-
-    def __getitem__(self, path: str) -> LeafPlan:
-        if self._by_path is None:
-            self._by_path = {leaf.path: leaf for leaf in self.leaves}
-        try:
-            return self._by_path[path]
-        except KeyError:
-            close = difflib.get_close_matches(path, self._by_path, n=3)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise KeyError(f"No array leaf at {path!r} in this plan.{hint}") from None
+    # -- checking -------------------------------------------------------------
 
     @property
     def problems(self) -> list[Problem]:
@@ -118,7 +98,7 @@ class Plan:
                 leaves shows its ``max_rows`` largest (per device), in tree order.
             max_rows: Rows to show when not ``full``.
         """
-        return plan_renderable(self, full=full, max_rows=max_rows)
+        return plan_renderable(self, self.problems, full=full, max_rows=max_rows)
 
     def __rich__(self) -> Any:
         return self.table()
@@ -171,4 +151,4 @@ class Plan:
             >>> open(path, "rb").read(4)
             b'\x89PNG'
         """
-        write_png(self, path, top=top, title=title)
+        write_png(self, self.problems, path, top=top, title=title)

@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING
 
 from meshplan._errors import Problem
 from meshplan._spmd.mesh_info import MeshInfo, axis_names_fix
-from meshplan._spmd.rules import _axes_of
+from meshplan._spmd.rules import mesh_axes_of
 from meshplan._text import axes_text, count_text, human_bytes, rule_text
 
 if TYPE_CHECKING:
-    from meshplan._plan.plan import Plan
+    from meshplan._plan.plan_data import PlanData
     from meshplan._plan.records import LeafLayout
 
 __all__ = ["DEFAULT_REPLICATED_THRESHOLD", "find_problems"]
@@ -33,7 +33,7 @@ def _paths_text(paths: Sequence[str]) -> str:
 
 
 def find_problems(
-    plan: Plan, replicated_threshold_bytes: int = DEFAULT_REPLICATED_THRESHOLD
+    plan: PlanData, replicated_threshold_bytes: int = DEFAULT_REPLICATED_THRESHOLD
 ) -> list[Problem]:
     """Every problem of ``plan``: errors first, then warnings, each in tree/rule order.
 
@@ -48,7 +48,7 @@ def find_problems(
     warnings: list[Problem] = []
     mesh = plan.mesh
 
-    for path, message, fix in plan._rule_problems:
+    for path, message, fix in plan.rule_problems:
         errors.append(Problem("error", path, message, fix, "bad-rule"))
 
     # Leaves that share a layout share their analysis.
@@ -62,7 +62,7 @@ def find_problems(
             entry[1].append(leaf.path)
 
     rules = plan.rules or ()
-    index_map = plan._rule_index_map
+    index_map = plan.rule_index_map
     placed = dict.fromkeys(index_map, 0)
     skipped: dict[int, list[str]] = {}
     rule_paths: dict[int, list[str]] = {}
@@ -115,7 +115,7 @@ def find_problems(
         )
 
     for i, (name, axes) in zip(index_map, rules, strict=True):
-        missing = tuple(a for a in _axes_of(axes) if a not in mesh.shape)
+        missing = tuple(a for a in mesh_axes_of(axes) if a not in mesh.shape)
         if missing:
             users = rule_paths.get(i, [])
             used = f" (it places {_leaves_text(len(users))}: {_paths_text(users)})" if users else ""

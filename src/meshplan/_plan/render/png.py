@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,13 +13,24 @@ from meshplan._plan.render.png_tiles import draw_tiles, largest_layouts
 from meshplan._text import count_text, human_bytes
 
 if TYPE_CHECKING:
-    from meshplan._plan.plan import Plan
+    from meshplan._errors import Problem
+    from meshplan._plan.plan_data import PlanData
 
 __all__ = ["write_png"]
 
 
-def write_png(plan: Plan, path: Any, *, top: int = 6, title: str | None = None) -> None:
-    """Draws ``plan`` into a PNG at ``path`` (see :meth:`Plan.save_png`)."""
+def write_png(
+    plan: PlanData,
+    problems: Sequence[Problem],
+    path: Any,
+    *,
+    top: int = 6,
+    title: str | None = None,
+) -> None:
+    """Draws ``plan`` into a PNG at ``path``, counting the errors in ``problems``.
+
+    See :meth:`meshplan.Plan.save_png`.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -56,7 +68,7 @@ def write_png(plan: Plan, path: Any, *, top: int = 6, title: str | None = None) 
     heading = title or "Sharding plan"
     fig.text(0.05, 1 - 0.32 / fig_h, f"{heading} · mesh {plan.mesh.describe()}",
              fontsize=14, weight="bold", color=INK)  # fmt: skip
-    n_err = sum(p.severity == "error" for p in plan.problems)
+    n_err = sum(p.severity == "error" for p in problems)
     status = f" · {count_text(n_err, 'error')}" if n_err else ""
     fig.text(
         0.05, 1 - 0.6 / fig_h,

@@ -10,12 +10,12 @@ from meshplan._plan.totals import GROUPS
 from meshplan._text import human_bytes
 
 if TYPE_CHECKING:
-    from meshplan._plan.plan import Plan
+    from meshplan._plan.plan_data import PlanData
 
 __all__ = ["draw_memory_bars", "draw_mesh", "grid_shape"]
 
 
-def grid_shape(plan: Plan) -> tuple[int, int, str, str]:
+def grid_shape(plan: PlanData) -> tuple[int, int, str, str]:
     """Mesh drawn as rows × columns: the first axis down, the others across."""
     names, sizes = plan.mesh.axis_names, plan.mesh.axis_sizes
     if len(sizes) == 0:
@@ -25,7 +25,7 @@ def grid_shape(plan: Plan) -> tuple[int, int, str, str]:
     return sizes[0], math.prod(sizes[1:]), names[0], " × ".join(names[1:])
 
 
-def draw_mesh(ax: Any, plan: Plan, colors: list[Any]) -> None:
+def draw_mesh(ax: Any, plan: PlanData, colors: list[Any]) -> None:
     """The devices as a grid, each with its id, its bytes and a bar of them by group."""
     from matplotlib.patches import FancyBboxPatch, Rectangle
 
@@ -81,7 +81,7 @@ def draw_mesh(ax: Any, plan: Plan, colors: list[Any]) -> None:
                 fontsize=9, color=MUTED)  # fmt: skip
 
 
-def draw_memory_bars(ax: Any, plan: Plan, colors: list[Any]) -> None:
+def draw_memory_bars(ax: Any, plan: PlanData, colors: list[Any]) -> None:
     """Bytes per device, stacked by group, against the ideal (an even split)."""
     totals = plan.totals
     n = plan.mesh.size

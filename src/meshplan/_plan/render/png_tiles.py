@@ -9,13 +9,13 @@ from meshplan._plan.shards import shard_holders
 from meshplan._text import human_bytes, shape_text
 
 if TYPE_CHECKING:
-    from meshplan._plan.plan import Plan
+    from meshplan._plan.plan_data import PlanData
     from meshplan._plan.records import LeafPlan
 
 __all__ = ["draw_tiles", "largest_layouts"]
 
 
-def largest_layouts(plan: Plan, top: int) -> list[tuple[LeafPlan, int]]:
+def largest_layouts(plan: PlanData, top: int) -> list[tuple[LeafPlan, int]]:
     """The ``top`` largest distinct layouts of the params (else of everything)."""
     pool = [leaf for leaf in plan.leaves if leaf.group == "params" and leaf.shape] or [
         leaf for leaf in plan.leaves if leaf.shape
@@ -86,7 +86,7 @@ def _fill_tile(ax: Any, x: float, y: float, w: float, h: float, colors: list[Any
     stripes.set_clip_path(base)
 
 
-def draw_tiles(ax: Any, leaf: LeafPlan, count: int, plan: Plan, colors: list[Any]) -> None:
+def draw_tiles(ax: Any, leaf: LeafPlan, count: int, plan: PlanData, colors: list[Any]) -> None:
     """``leaf`` cut into its pieces, each coloured by the devices holding it."""
     from matplotlib.patches import Rectangle
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from meshplan._text import count_text, human_bytes, shape_text
 
 if TYPE_CHECKING:
-    from meshplan._plan.plan import Plan
+    from meshplan._errors import Problem
+    from meshplan._plan.plan_data import PlanData
     from meshplan._plan.records import LeafPlan
 
 __all__ = ["plan_renderable", "to_text"]
@@ -64,7 +66,7 @@ def _why_text(leaf: LeafPlan) -> str:
     return "; ".join(_dim_notes(leaf))
 
 
-def _rows(plan: Plan, full: bool, max_rows: int) -> tuple[list[LeafPlan], int]:
+def _rows(plan: PlanData, full: bool, max_rows: int) -> tuple[list[LeafPlan], int]:
     leaves = plan.leaves
     if full or len(leaves) <= max_rows:
         return list(leaves), 0
@@ -80,19 +82,26 @@ class PlanView:
     the path, mesh spec, bytes per device, replication and notes.
     """
 
-    def __init__(self, plan: Plan, full: bool, max_rows: int) -> None:
-        self.plan, self.full, self.max_rows = plan, full, max_rows
+    def __init__(
+        self, plan: PlanData, problems: Sequence[Problem], full: bool, max_rows: int
+    ) -> None:
+        self.plan, self.problems, self.full, self.max_rows = plan, problems, full, max_rows
 
     def __rich_console__(self, console: Any, options: Any) -> Any:
-        yield from _parts(self.plan, self.full, self.max_rows, wide=options.max_width >= 150)
+        wide = options.max_width >= 150
+        yield from _parts(self.plan, self.problems, self.full, self.max_rows, wide=wide)
 
 
-def plan_renderable(plan: Plan, *, full: bool = False, max_rows: int = 24) -> Any:
-    """The table of a plan, its totals, and its problems, as one ``rich`` renderable."""
-    return PlanView(plan, full, max_rows)
+def plan_renderable(
+    plan: PlanData, problems: Sequence[Problem], *, full: bool = False, max_rows: int = 24
+) -> Any:
+    """The table of a plan, its totals, and its ``problems``, as one ``rich`` renderable."""
+    return PlanView(plan, problems, full, max_rows)
 
 
-def _parts(plan: Plan, full: bool, max_rows: int, wide: bool) -> list[Any]:
+def _parts(
+    plan: PlanData, problems: Sequence[Problem], full: bool, max_rows: int, wide: bool
+) -> list[Any]:
     from rich import box
     from rich.table import Table
     from rich.text import Text
@@ -154,7 +163,6 @@ def _parts(plan: Plan, full: bool, max_rows: int, wide: bool) -> list[Any]:
         )
 
     parts: list[Any] = [title, table, totals]
-    problems = plan.problems
     if problems:
         n_err = sum(p.severity == "error" for p in problems)
         n_warn = len(problems) - n_err
