@@ -36,9 +36,9 @@ CASES = {
         ("error", "indivisible", "params/w", ["size 12 does not divide by 8", "'data'×'model' of sizes 2×4", "Pad dim 0 to 16"]),
     ),
     "rank": (
-        {"params": {"w": mesh_box(8, 8, 8, names=("model", None))}},
+        {"params": {"w": mesh_box(8, 8, names=("model", None, None))}},
         (),
-        ("error", "rank", "params/w", ["2 axis names", "rank 3", "(8, 8, 8)", "one name (or None) per dimension"]),
+        ("error", "rank", "params/w", ["3 axis names", "rank 2", "(8, 8)", "at most one name (or None) per dimension"]),
     ),
     "unknown-mesh-axis": (
         {"params": {"w": mesh_box(8, 8, names=("modle", None))}},
@@ -53,7 +53,7 @@ CASES = {
     "rule-not-a-pair": (
         {"params": {"w": logical(8, 8, names=("embed", "hidden"))}},
         (("hidden", "model"), ("embed",)),
-        ("error", "bad-rule", "rules[1]", ["('embed',) is not a (name, mesh_axes) pair", "e.g. ('hidden', 'model')"]),
+        ("error", "bad-rule", "rules[1]", ["('embed',) is not a (name, mesh_axes) pair", "sequence of pairs, e.g."]),
     ),
     "rules-a-dict": (
         {"params": {"w": logical(8, 8, names=("embed", "hidden"))}},

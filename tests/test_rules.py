@@ -334,13 +334,13 @@ def test_single_flat_pair_is_rejected_with_wrapped_suggestion():
     [
         (
             (("batch", "data"), ("hidden", "model", "x")),
-            r"rule 1: \('hidden', 'model', 'x'\) is not a \(name, mesh_axes\) pair",
+            r"rules\[1\]: \('hidden', 'model', 'x'\) is not a \(name, mesh_axes\) pair",
         ),
-        ((("batch", "data"), "hidden"), r"rule 1: 'hidden' is not a \(name, mesh_axes\) pair"),
-        ((("batch",),), r"rule 0: \('batch',\) is not a \(name, mesh_axes\) pair"),
-        (((1, "data"),), r"rule 0: \(1, 'data'\): the logical name must be a string, got int"),
-        (((None, "data"),), r"rule 0: \(None, 'data'\): the logical name must be a string"),
-        ((("batch", 3),), r"rule 0: \('batch', 3\): mesh axes must be"),
+        ((("batch", "data"), "hidden"), r"rules\[1\]: 'hidden' is not a \(name, mesh_axes\) pair"),
+        ((("batch",),), r"rules\[0\]: \('batch',\) is not a \(name, mesh_axes\) pair"),
+        (((1, "data"),), r"rules\[0\]: \(1, 'data'\): the logical name must be a string, got int"),
+        (((None, "data"),), r"rules\[0\]: \(None, 'data'\): the logical name must be a string"),
+        ((("batch", 3),), r"rules\[0\]: \('batch', 3\): mesh axes must be"),
     ],
     ids=["triple", "bare_string_entry", "singleton", "int_name", "none_name", "int_axes"],
 )
@@ -349,13 +349,17 @@ def test_bad_rule_entries_are_named_with_the_fix(rules, offending):
         meshplan.logical_to_mesh_axes(("batch",), rules)
     assert "Invalid logical axis rules" in str(info.value)
     assert re.search(FIX, str(info.value))
+    (problem,) = info.value.problems  # structured: nobody parses the text
+    assert (problem.code, problem.severity) == ("bad-rule", "error")
+    assert problem.path == re.search(r"rules\\\[(\d)", offending).group(0).replace("\\", "") + "]"
 
 
 def test_every_bad_rule_is_reported_at_once():
     with pytest.raises(meshplan.RulesError) as info:
         meshplan.set_logical_axis_rules(((1, "data"), ("ok", "model"), ("x",)))
     message = str(info.value)
-    assert "rule 0" in message and "rule 2" in message
+    assert "rules[0]" in message and "rules[2]" in message
+    assert [p.path for p in info.value.problems] == ["rules[0]", "rules[2]"]
     assert "rule 1" not in message
 
 

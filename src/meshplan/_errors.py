@@ -11,7 +11,9 @@ sizes and rules involved), one bullet per problem, then how to fix it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+
+import flax.errors
 
 __all__ = [
     "ArgumentError",
@@ -83,7 +85,16 @@ class Problem:
 
 
 class MeshplanError(Exception):
-    """Base class of every error meshplan raises."""
+    """Base class of every error meshplan raises.
+
+    Attributes:
+        problems: The structured :class:`Problem` records behind the message, when the
+            error was built from them (callers read these, never the message's text).
+    """
+
+    def __init__(self, message: str = "", problems: Iterable[Problem] = ()) -> None:
+        super().__init__(message)
+        self.problems: list[Problem] = list(problems)
 
 
 class ArgumentError(MeshplanError, TypeError):
@@ -106,12 +117,24 @@ class UnmatchedLogicalAxisError(MeshplanError, ValueError):
     """A logical name matched no rule under ``RulesFallback.RAISE_ERROR``."""
 
 
-class PartitioningUnspecifiedError(MeshplanError, ValueError):
-    """``nn.scan``/``nn.vmap`` added an axis to a box without naming it."""
+class PartitioningUnspecifiedError(
+    MeshplanError, ValueError, flax.errors.PartitioningUnspecifiedError
+):
+    """``nn.scan``/``nn.vmap`` added an axis to a box without naming it.
+
+    A subclass of Flax's own ``flax.errors.PartitioningUnspecifiedError``, so code
+    that catches Flax's error catches meshplan's too.
+    """
+
+    def __init__(self, message: str = "", problems: Iterable[Problem] = ()) -> None:
+        MeshplanError.__init__(self, message, problems)
 
 
 class ShardingValidationError(MeshplanError, ValueError):
-    """``check(..., strict=True)`` found errors in a sharding plan; lists them all."""
+    """``check(..., strict=True)`` found errors in a sharding plan; lists them all.
+
+    ``error.problems`` holds every :class:`Problem` found, warnings included.
+    """
 
 
 class CheckpointError(MeshplanError, ValueError):
@@ -126,3 +149,26 @@ def bullets(lines: Iterable[str]) -> str:
 def problem_message(header: str, problems: Iterable[str], fix: str) -> str:
     """``header``, one bullet per problem, then the fix on its own line."""
     return f"{header}\n{bullets(problems)}\n{fix}"
+
+
+def error_from_problems(
+    error: type[MeshplanError], header: str, problems: Sequence[Problem]
+) -> MeshplanError:
+    """One error listing ``problems`` (one bullet per path), their fixes at the end.
+
+    Example:
+        >>> import meshplan
+        >>> from meshplan._errors import error_from_problems
+        >>> p = meshplan.Problem("error", "w", "mesh axis 'x' is missing", "Add it.", "unknown-axis")
+        >>> e = error_from_problems(meshplan.MeshError, "Cannot shard:", [p])
+        >>> print(e)
+        Cannot shard:
+          * w: mesh axis 'x' is missing
+        Add it.
+        >>> e.problems[0].code
+        'unknown-axis'
+    """
+    fixes = list(dict.fromkeys(p.fix for p in problems if p.fix))
+    fix = fixes[0] if len(fixes) == 1 else "To fix:\n" + "\n".join(f"  - {f}" for f in fixes)
+    lines = [f"{p.path}: {p.message}" if p.path else p.message for p in problems]
+    return error(problem_message(header, lines, fix), problems)

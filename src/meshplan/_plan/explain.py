@@ -20,72 +20,32 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
-from meshplan._errors import RulesError
 from meshplan._plan.layout import build_layout
 from meshplan._plan.plan import Plan
 from meshplan._plan.records import LeafLayout, LeafPlan
 from meshplan._spmd.boxes import LogicallyPartitioned, is_box
 from meshplan._spmd.mesh_info import MeshInfo, mesh_info
-from meshplan._spmd.rules import get_logical_axis_rules, normalize_rules
+from meshplan._spmd.rules import get_logical_axis_rules, rules_problems
+from meshplan._text import path_text
 
 __all__ = ["explain", "explain_specs"]
-
-
-def _lenient_rules(
-    rules: Any,
-) -> tuple[tuple[tuple[str, Any], ...], tuple[int, ...], list[tuple[str, str, str]]]:
-    """Valid rules, their indices in the given sequence, and one problem per invalid rule."""
-    try:
-        normal = normalize_rules(rules)
-        return normal, tuple(range(len(normal))), []
-    except RulesError as e:
-        whole = str(e)
-    if not isinstance(rules, tuple | list) or any(
-        line.startswith("Logical axis rules look like") for line in whole.splitlines()
-    ):
-        head, _, fix = whole.partition("\n")
-        return (
-            (),
-            (),
-            [("rules", head.rstrip("."), fix or "Give rules as a sequence of (name, axes) pairs.")],
-        )
-    valid, index, problems = [], [], []
-    for i, rule in enumerate(rules):
-        try:
-            (one,) = normalize_rules((rule,))
-        except RulesError as e:
-            lines = str(e).splitlines()
-            msg = next((ln.strip(" *") for ln in lines if ln.strip().startswith("*")), lines[0])
-            msg = msg.removeprefix("rule 0: ")
-            problems.append(
-                (
-                    f"rules[{i}]",
-                    msg,
-                    "Each rule is a (logical_name, mesh_axes) pair, e.g. ('hidden', 'model').",
-                )
-            )
-            continue
-        valid.append(one)
-        index.append(i)
-    return tuple(valid), tuple(index), problems
 
 
 def _mesh_and_rules(
     mesh: Any, rules: Any
 ) -> tuple[MeshInfo, tuple[tuple[str, Any], ...], tuple[int, ...], list[tuple[str, str, str]]]:
-    """The mesh's :class:`MeshInfo`, and :func:`_lenient_rules` of ``rules`` (else the active ones)."""
+    """The mesh's :class:`MeshInfo`; the valid rules of ``rules`` (else the active ones), their
+    indices as given, and ``(path, message, fix)`` of each invalid one (the validator's)."""
     info = mesh_info(mesh)
-    if rules is None:
-        rules = get_logical_axis_rules()
-    return (info, *_lenient_rules(rules))
+    valid, index_map, problems = rules_problems(
+        get_logical_axis_rules() if rules is None else rules
+    )
+    return info, valid, index_map, [(p.path, p.message, p.fix) for p in problems]
 
 
 def _key_str(key: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        value = getattr(key, attr, None)
-        if value is not None:
-            return str(value)
-    return str(key)
+    """One key's part of the path (``path_text`` of the whole path joins these with '/')."""
+    return path_text((key,))
 
 
 _GROUP_OF_PART = {"opt_state": "optimizer", "params": "params"}
@@ -175,7 +135,7 @@ def explain(tree: Any, mesh: Any, rules: Any = None) -> Plan:
             key, layout = None, None
         if layout is None:
             if own_rules is not None and kind == "logical":
-                r, m, _ = _lenient_rules(own_rules)
+                r, m, _ = rules_problems(own_rules)
             else:
                 r, m = rules, index_map
             layout = build_layout(kind, names, shape, dtype, r, m, info)
@@ -227,6 +187,6 @@ def explain_specs(tree: Any, mesh: Any, rules: Any = None) -> Plan:
             layout = cache[names] = build_layout(
                 "logical", names, None, None, rules, index_map, info
             )
-        path = "/".join(_key_str(k) for k in keypath)
+        path = path_text(keypath)
         leaves.append(LeafPlan(path, "other", layout))
     return Plan(info, rules, leaves, 0, rule_problems, index_map)

@@ -16,7 +16,7 @@ from typing import Any, TypeAlias
 
 from jax.sharding import PartitionSpec
 
-from meshplan._errors import LogicalNamesError, RulesError, problem_message
+from meshplan._errors import LogicalNamesError, Problem, RulesError, error_from_problems
 
 __all__ = [
     "LogicalRules",
@@ -123,13 +123,117 @@ def _is_mesh_axis_entry(axes: Any) -> bool:
     return isinstance(axes, tuple | list) and all(isinstance(a, str) for a in axes)
 
 
+_RULES_FIX = "Give rules as a sequence of pairs, e.g. (('batch', 'data'), ('hidden', 'model'))."
+_RULE_FIX = _RULES_FIX
+
+
+def rules_problems(
+    rules: Any,
+) -> tuple[tuple[tuple[str, MeshAxes], ...], tuple[int, ...], list[Problem]]:
+    """Checks ``rules``: the valid rules (normalised), their positions, and one problem per bad one.
+
+    Any sequence of pairs is accepted, as Flax does: tuples or lists (rules loaded
+    from YAML or JSON), with a list or tuple for several mesh axes. Problems have
+    the code ``'bad-rule'`` and the path ``'rules'`` (the whole is not a sequence
+    of pairs) or ``'rules[i]'``.
+
+    Example:
+        >>> from meshplan._spmd.rules import rules_problems
+        >>> valid, index, problems = rules_problems([["mlp", ["data", "model"]], ("embed", 3)])
+        >>> valid, index
+        ((('mlp', ('data', 'model')),), (0,))
+        >>> problems[0].path, problems[0].code
+        ('rules[1]', 'bad-rule')
+    """
+    if isinstance(rules, dict):
+        return (
+            (),
+            (),
+            [
+                Problem(
+                    "error",
+                    "rules",
+                    f"Logical axis rules must be an ordered sequence of (name, mesh_axes) pairs, "
+                    f"got a dict: {rules!r}",
+                    "Rule order sets precedence, so meshplan does not guess it from a dict. Use "
+                    "tuple(rules.items()) if the dict's order is the one you mean.",
+                    "bad-rule",
+                )
+            ],
+        )
+    if not isinstance(rules, Sequence) or isinstance(rules, str):
+        return (
+            (),
+            (),
+            [
+                Problem(
+                    "error",
+                    "rules",
+                    f"Logical axis rules must be a tuple or list of (name, mesh_axes) pairs, "
+                    f"got {type(rules).__name__}: {rules!r}",
+                    _RULES_FIX,
+                    "bad-rule",
+                )
+            ],
+        )
+    if len(rules) == 2 and isinstance(rules[0], str) and _is_mesh_axis_entry(rules[1]):
+        return (
+            (),
+            (),
+            [
+                Problem(
+                    "error",
+                    "rules",
+                    f"Logical axis rules look like a single flat pair: {rules!r}",
+                    f"Wrap it in a sequence of rules: ({tuple(rules)!r},).",
+                    "bad-rule",
+                )
+            ],
+        )
+    valid: list[tuple[str, MeshAxes]] = []
+    index: list[int] = []
+    problems: list[Problem] = []
+    for i, rule in enumerate(rules):
+        if isinstance(rule, str) or not isinstance(rule, Sequence) or len(rule) != 2:
+            problems.append(
+                Problem(
+                    "error", f"rules[{i}]", f"{rule!r} is not a (name, mesh_axes) pair",
+                    _RULE_FIX, "bad-rule",
+                )
+            )  # fmt: skip
+            continue
+        name, axes = rule
+        bad = []
+        if not isinstance(name, str):
+            bad.append(f"the logical name must be a string, got {type(name).__name__}")
+        if not _is_mesh_axis_entry(axes):
+            bad.append(
+                f"mesh axes must be a mesh axis name, a tuple of names, None or "
+                f"PartitionSpec.UNCONSTRAINED, got {axes!r}"
+            )
+        if bad:
+            problems.append(
+                Problem("error", f"rules[{i}]", f"{tuple(rule)!r}: {'; '.join(bad)}", _RULE_FIX,
+                        "bad-rule")
+            )  # fmt: skip
+            continue
+        valid.append((name, tuple(axes) if isinstance(axes, list) else axes))
+        index.append(i)
+    return tuple(valid), tuple(index), problems
+
+
 def normalize_rules(rules: Any) -> tuple[tuple[str, MeshAxes], ...]:
     """Validates ``rules`` and returns them as a hashable tuple of pairs.
 
-    Lists of mesh axes become tuples. Every problem is reported at once.
+    Lists (of pairs, or of mesh axes) become tuples. Every problem is reported at once.
+
+    Example:
+        >>> from meshplan._spmd.rules import normalize_rules
+        >>> normalize_rules([["mlp", "tensor"], ["embed", ["data", "fsdp"]]])
+        (('mlp', 'tensor'), ('embed', ('data', 'fsdp')))
     """
     if rules is _last_normal_rules[0]:
-        return rules  # validated already (a normal rule tuple is deeply immutable)
+        return rules  # type: ignore[no-any-return]  # validated already (deeply immutable)
     if (
         isinstance(rules, tuple)
         and all(
@@ -140,51 +244,71 @@ def normalize_rules(rules: Any) -> tuple[tuple[str, MeshAxes], ...]:
     ):
         _last_normal_rules[0] = rules
         return rules  # the common, already-normal case: no copy
-    fix = "Give rules as a sequence of pairs, e.g. (('batch', 'data'), ('hidden', 'model'))."
-    if isinstance(rules, dict):
-        raise RulesError(
-            f"Logical axis rules must be an ordered sequence of (name, mesh_axes) pairs, "
-            f"got a dict: {rules!r}.\nRule order sets precedence, so meshplan does not guess it "
-            f"from a dict. Use tuple(rules.items()) if the dict's order is the one you mean."
-        )
-    if not isinstance(rules, tuple | list):
-        raise RulesError(
-            f"Logical axis rules must be a tuple or list of (name, mesh_axes) pairs, "
-            f"got {type(rules).__name__}: {rules!r}.\n{fix}"
-        )
-    if len(rules) == 2 and isinstance(rules[0], str) and _is_mesh_axis_entry(rules[1]):
-        raise RulesError(
-            f"Logical axis rules look like a single flat pair: {rules!r}.\n"
-            f"Wrap it in a sequence of rules: ({tuple(rules)!r},)."
-        )
-    problems = []
-    normal = []
-    for i, rule in enumerate(rules):
-        if not isinstance(rule, tuple | list) or len(rule) != 2:
-            problems.append(f"rule {i}: {rule!r} is not a (name, mesh_axes) pair")
-            continue
-        name, axes = rule
-        if not isinstance(name, str):
-            problems.append(
-                f"rule {i}: {rule!r}: the logical name must be a string, got {type(name).__name__}"
-            )
-        if not _is_mesh_axis_entry(axes):
-            problems.append(
-                f"rule {i}: {rule!r}: mesh axes must be a mesh axis name, a tuple of names, "
-                f"None or PartitionSpec.UNCONSTRAINED, got {axes!r}"
-            )
-        normal.append((name, tuple(axes) if isinstance(axes, list) else axes))
+    valid, _, problems = rules_problems(rules)
     if problems:
-        raise RulesError(problem_message("Invalid logical axis rules:", problems, fix))
-    return tuple(normal)
+        if len(problems) == 1 and problems[0].path == "rules":
+            raise RulesError(f"{problems[0].message}.\n{problems[0].fix}", problems)
+        raise error_from_problems(RulesError, "Invalid logical axis rules:", problems)
+    return valid
 
 
 def _is_dim_entry(name: Any) -> bool:
     return _is_mesh_axis_entry(name)
 
 
+def names_problem(names: Any, *, what: str = "array_dim_names") -> Problem | None:
+    """The problem with one array's axis names, or None when they are valid.
+
+    The problem has the code ``'names'`` and no path (the caller knows it).
+
+    Example:
+        >>> from meshplan._spmd.rules import names_problem
+        >>> names_problem(("embed", "embed")).message
+        "Unsupported: Dimensions ('embed',) occur more than once in array names ('embed', 'embed')"
+        >>> names_problem(("embed", None)) is None
+        True
+    """
+    if isinstance(names, str):
+        return Problem(
+            "error", "", f"{what} must be a tuple with one axis name per dimension, got the bare "
+            f"string {names!r}", f"Write ({names!r},) for a 1-D array.", "names",
+        )  # fmt: skip
+    if isinstance(names, PartitionSpec):
+        names = tuple(names)
+    elif not isinstance(names, tuple | list):
+        return Problem(
+            "error", "", f"{what} must be a tuple with one axis name (or None) per dimension, "
+            f"got {type(names).__name__}: {names!r}",
+            "Give a tuple such as ('embed', None).", "names",
+        )  # fmt: skip
+    names = tuple(tuple(n) if isinstance(n, list) else n for n in names)
+    bad = [n for n in names if not _is_dim_entry(n)]
+    if bad:
+        return Problem(
+            "error", "", f"{what} {names!r} holds entries that are not axis names: {bad!r}",
+            "Each entry must be a name (str), a tuple of names, None or "
+            "PartitionSpec.UNCONSTRAINED.", "names",
+        )  # fmt: skip
+    seen: set[str] = set()
+    dups = [n for n in names if isinstance(n, str) and (n in seen or seen.add(n))]
+    if dups:
+        return Problem(
+            "error", "", f"Unsupported: Dimensions {tuple(dict.fromkeys(dups))} occur more than "
+            f"once in array names {names!r}",
+            "Each logical name may name one dimension of an array; give the other dimension "
+            "its own name (e.g. 'embed' and 'embed_out').", "names",
+        )  # fmt: skip
+    return None
+
+
 def normalize_names(names: Any, *, what: str = "array_dim_names") -> tuple[Any, ...]:
-    """Validates one array's axis names and returns them as a tuple."""
+    """Validates one array's axis names and returns them as a tuple (lists become tuples).
+
+    Example:
+        >>> from meshplan._spmd.rules import normalize_names
+        >>> normalize_names(["embed", ["data", "model"], None])
+        ('embed', ('data', 'model'), None)
+    """
     if type(names) is tuple:  # fast path: a tuple of distinct str, None or UNCONSTRAINED
         seen: set[str] = set()
         for n in names:
@@ -196,35 +320,12 @@ def normalize_names(names: Any, *, what: str = "array_dim_names") -> tuple[Any, 
                 break
         else:
             return names
-    if isinstance(names, str):
-        raise LogicalNamesError(
-            f"{what} must be a tuple with one axis name per dimension, got the bare string "
-            f"{names!r}.\nWrite ({names!r},) for a 1-D array."
-        )
+    problem = names_problem(names, what=what)
+    if problem is not None:
+        raise LogicalNamesError(f"{problem.message}.\n{problem.fix}", [problem])
     if isinstance(names, PartitionSpec):
         names = tuple(names)
-    elif not isinstance(names, tuple | list):
-        raise LogicalNamesError(
-            f"{what} must be a tuple with one axis name (or None) per dimension, "
-            f"got {type(names).__name__}: {names!r}."
-        )
-    names = tuple(tuple(n) if isinstance(n, list) else n for n in names)
-    bad = [n for n in names if not _is_dim_entry(n)]
-    if bad:
-        raise LogicalNamesError(
-            f"{what} {names!r} holds entries that are not axis names: {bad!r}.\n"
-            f"Each entry must be a name (str), a tuple of names, None or "
-            f"PartitionSpec.UNCONSTRAINED."
-        )
-    seen = set()
-    dups = [n for n in names if isinstance(n, str) and (n in seen or seen.add(n))]
-    if dups:
-        raise LogicalNamesError(
-            f"Unsupported: Dimensions {tuple(dict.fromkeys(dups))} occur more than once in "
-            f"array names {names!r}.\nEach logical name may name one dimension of an array; "
-            f"give the other dimension its own name (e.g. 'embed' and 'embed_out')."
-        )
-    return names
+    return tuple(tuple(n) if isinstance(n, list) else n for n in names)
 
 
 # --------------------------------------------------------------------------
