@@ -220,16 +220,24 @@ def test_not_a_checkpoint_is_a_clear_error(tmp_path, make, expected):
         meshplan.restore(folder)
     message = str(e.value)
     assert expected in message
-    assert "--ckpt-dir" in message.splitlines()[-1]
+    # A library error gives an API-level fix, not command-line flags.
+    assert "meshplan.Checkpointer" in message.splitlines()[-1]
+    assert "--" not in message
 
 
-def test_plain_orbax_checkpoint_is_not_a_meshplan_checkpoint(tmp_path):
+@pytest.mark.parametrize("composite", [True, False], ids=["state-item", "default-item"])
+def test_plain_orbax_checkpoint_is_not_a_meshplan_checkpoint(tmp_path, composite):
     import orbax.checkpoint as ocp
 
+    args = ocp.args.StandardSave({"a": jnp.ones(2)})
     with ocp.CheckpointManager(tmp_path) as manager:
-        manager.save(5, args=ocp.args.Composite(state=ocp.args.StandardSave({"a": jnp.ones(2)})))
-    with pytest.raises(meshplan.CheckpointError, match="has no 'meshplan' metadata item"):
+        manager.save(5, args=ocp.args.Composite(state=args) if composite else args)
+    with pytest.raises(meshplan.CheckpointError) as e:
         meshplan.restore(tmp_path)
+    message = str(e.value)
+    assert f"'{tmp_path}' (step 5) is not a meshplan checkpoint" in message
+    assert "has no 'meshplan' metadata item" in message
+    assert "--" not in message
 
 
 def test_damaged_metadata_is_a_clear_error(tmp_path):
@@ -246,3 +254,93 @@ def test_damaged_metadata_is_a_clear_error(tmp_path):
         f"'{tmp_path}' (step 2): its meshplan metadata is damaged (KeyError: 'arrays')" in message
     )
     assert message.splitlines()[-1].startswith("Restore an earlier step (step=...)")
+
+
+def _saved_step(folder, step=3):
+    with meshplan.Checkpointer(folder, async_save=False) as ckpt:
+        ckpt.save(step, {"w": meshplan.LogicallyPartitioned(jnp.arange(4.0), ("embed",))})
+
+
+def test_steps_are_the_ones_orbax_finalized(tmp_path):
+    """A step counts once Orbax's finalize logic says so, not by its folder's name."""
+    import shutil
+
+    _saved_step(tmp_path, 3)
+    # A full copy of a step that was never finalized (a save killed before its rename
+    # or commit marker), and a digit-named folder that is not an Orbax step name.
+    shutil.copytree(tmp_path / "3", tmp_path / "8.orbax-checkpoint-tmp-1700000000")
+    shutil.copytree(tmp_path / "3", tmp_path / "0042")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert latest_step(tmp_path) == 3
+    assert read_metadata(tmp_path).step == 3
+    assert meshplan.restore(tmp_path).metadata.step == 3
+    with pytest.raises(meshplan.CheckpointError) as e:
+        meshplan.restore(tmp_path, step=8)
+    message = str(e.value)
+    assert f"'{tmp_path}' has no complete checkpoint at step=8" in message
+    assert "(its save stopped midway: '8.orbax-checkpoint-tmp-1700000000')" in message
+    assert "it has steps [3]" in message
+    assert message.splitlines()[-1] == "Pass one of those steps, or step=None for the latest."
+    with pytest.raises(meshplan.CheckpointError, match=r"no complete checkpoint at step=42;"):
+        read_metadata(tmp_path, step=42)
+    # Reading writes nothing: no Orbax metadata, no missing folder created.
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert latest_step(tmp_path / "missing") is None
+    assert not (tmp_path / "missing").exists()
+    # A new Checkpointer removes the unfinished step (Orbax names it), not the others.
+    meshplan.Checkpointer(tmp_path).close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0042", "3"]
+
+
+def test_latest_step_and_restore_go_through_the_checkpoint_manager(tmp_path, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    _saved_step(tmp_path, 3)
+    calls = []
+
+    class Recording(ocp.CheckpointManager):
+        def all_steps(self, *args, **kwargs):
+            calls.append("all_steps")
+            return super().all_steps(*args, **kwargs)
+
+        def latest_step(self):
+            calls.append("latest_step")
+            return super().latest_step()
+
+        def restore(self, step, *args, **kwargs):
+            items = sorted(kwargs["args"].keys())
+            calls.append(f"restore({step}, {items})")
+            return super().restore(step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp, "CheckpointManager", Recording)
+    assert latest_step(tmp_path) == 3
+    assert calls == ["latest_step"]
+    calls.clear()
+    state, _ = meshplan.restore(str(tmp_path))
+    assert calls == ["all_steps", "restore(3, ['meshplan'])", "restore(3, ['state'])"]
+    np.testing.assert_array_equal(state["w"].value, np.arange(4.0))
+
+
+def test_paths_orbax_accepts(tmp_path, monkeypatch):
+    from etils import epath
+
+    _saved_step(tmp_path / "run", 2)
+    assert meshplan.restore(epath.Path(tmp_path / "run")).metadata.step == 2
+    monkeypatch.chdir(tmp_path)
+    assert meshplan.restore("run").metadata.step == 2  # relative paths are made absolute
+    assert latest_step("run") == 2
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(meshplan.CheckpointError) as e:
+        read_metadata("notes.txt")
+    assert str(e.value).startswith(f"'{tmp_path}/notes.txt' is a file, not a checkpoint folder.")
+
+
+def test_restore_without_a_mesh_uses_one_device_with_auto_axes(tmp_path):
+    from jax.sharding import AxisType
+
+    _saved_step(tmp_path, 1)
+    state, _ = meshplan.restore(tmp_path)
+    mesh = state["w"].value.sharding.mesh
+    assert dict(mesh.shape) == {"data": 1, "model": 1}  # no mesh saved: the default names
+    assert mesh.axis_types == (AxisType.Auto, AxisType.Auto)
+    assert mesh.devices.flat[0] == jax.devices()[0]

@@ -13,29 +13,31 @@ The parts, one concern each:
 
 * :mod:`meshplan._checkpoint.tree`: arrays by their path in a tree;
 * :mod:`meshplan._checkpoint.metadata`: the JSON beside the arrays;
-* :mod:`meshplan._checkpoint.folder`: complete and incomplete steps on disk;
+* :mod:`meshplan._checkpoint.folder`: the steps and metadata of a folder, through
+  Orbax's ``CheckpointManager``;
 * :mod:`meshplan._checkpoint.restore`: :func:`~meshplan.restore` onto any mesh;
 * this module: :class:`Checkpointer`, the saving side.
 
-Orbax writes each step into ``<step>.orbax-checkpoint-tmp`` and renames it when
-complete, so a run killed in the middle of a save leaves the previous steps
-intact; only complete steps are ever restored.
+Orbax writes each step into ``<step>.orbax-checkpoint-tmp-...`` and renames it
+when complete (on cloud storage: writes a commit marker), so a run killed in the
+middle of a save leaves the previous steps intact; only steps Orbax finalized
+are ever listed or restored.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import jax
 from jax.sharding import Mesh
 
 from meshplan._checkpoint.folder import (
+    ITEM_NAMES,
     META_ITEM,
     STATE_ITEM,
-    complete_steps,
+    checkpoint_path,
     remove_incomplete_steps,
 )
 from meshplan._checkpoint.metadata import CheckpointMetadata
@@ -55,7 +57,8 @@ class Checkpointer:
     removed when the folder is opened.
 
     Args:
-        directory: The checkpoint folder (created if missing).
+        directory: The checkpoint folder (created if missing): a local path or
+            any path Orbax writes (``gs://...``).
         max_to_keep: How many complete steps to keep.
         async_save: Write in a background thread (``False``: each save blocks).
 
@@ -80,7 +83,7 @@ class Checkpointer:
     ) -> None:
         import orbax.checkpoint as ocp
 
-        self.directory = Path(directory).absolute()
+        self.directory = checkpoint_path(directory)
         if self.directory.exists() and not self.directory.is_dir():
             raise CheckpointError(
                 f"Cannot save checkpoints into {str(self.directory)!r}: it is a file.\n"
@@ -89,13 +92,17 @@ class Checkpointer:
         if jax.process_index() == 0:
             # Orbax's own clean-up (cleanup_tmp_directories) runs in the background and
             # may not be done when the manager is closed; this one is done on return.
+            # The other processes wait for it in the manager's create barrier.
             remove_incomplete_steps(self.directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             create=True,
             enable_async_checkpointing=async_save,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=ITEM_NAMES
+        )
+        self._saving: int | None = None
 
     def save(
         self,
@@ -128,14 +135,14 @@ class Checkpointer:
         """
         import orbax.checkpoint as ocp
 
-        if step in self._manager.all_steps():
+        if step in self._manager.all_steps():  # finalized, or being written
             return False
         flat = flatten_state(state)
         metadata = CheckpointMetadata.from_flat(
             step, flat, rules=rules, mesh=mesh, config=config, extra=extra
         )
         raw = nest({key: value for key, (value, _) in flat.items()})
-        return bool(
+        saved = bool(
             self._manager.save(
                 int(step),
                 args=ocp.args.Composite(
@@ -147,6 +154,9 @@ class Checkpointer:
                 force=True,
             )
         )
+        if saved:
+            self._saving = int(step)
+        return saved
 
     def all_steps(self) -> list[int]:
         """The complete steps on disk, oldest first (a save still running is not among them).
@@ -162,7 +172,13 @@ class Checkpointer:
             []
             [10, 20]
         """
-        return complete_steps(self.directory) if self.directory.is_dir() else []
+        # The manager lists a step from the moment its save starts; leave that one out
+        # until Orbax has finalized it.
+        in_progress = self._manager.is_saving_in_progress()
+        steps = sorted(self._manager.all_steps())
+        if in_progress and self._saving in steps:
+            steps.remove(self._saving)
+        return steps
 
     def latest_step(self) -> int | None:
         """The latest complete step on disk, or ``None``.

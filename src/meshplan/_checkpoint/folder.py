@@ -1,91 +1,174 @@
-"""A checkpoint folder on disk: its complete steps, incomplete ones, and what is not one.
+"""A checkpoint folder as Orbax's ``CheckpointManager`` sees it: its steps and its metadata.
 
 A meshplan checkpoint folder is an Orbax ``CheckpointManager`` folder with one
-folder per step, each holding two items: ``state`` (the raw arrays) and
+step per save, each holding two items: ``state`` (the raw arrays) and
 ``meshplan`` (the JSON of :class:`~meshplan._checkpoint.metadata.CheckpointMetadata`).
-Orbax writes each step into ``<step>.orbax-checkpoint-tmp`` and renames it when
-complete, so a step folder named by its number alone is complete.
+
+Steps are found and read through Orbax's API only (``CheckpointManager.all_steps``,
+``restore(step, args=Composite(...))``), never by scanning folder names or
+opening files by path. So a step counts once Orbax has finalized it (a local
+save is renamed from ``<step>.orbax-checkpoint-tmp-...``; a save to cloud
+storage gets its commit marker), and any path Orbax can write (a local folder,
+``gs://...``) can be read back.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-from pathlib import Path
+from typing import Any
+
+from etils import epath
 
 from meshplan._checkpoint.metadata import CheckpointMetadata
 from meshplan._errors import CheckpointError
 
 __all__ = [
+    "ITEM_NAMES",
     "META_ITEM",
     "STATE_ITEM",
-    "TMP_SUFFIX",
+    "checkpoint_path",
     "complete_steps",
+    "incomplete_steps",
     "latest_step",
+    "metadata_of",
+    "open_manager",
     "read_metadata",
     "remove_incomplete_steps",
 ]
 
 STATE_ITEM = "state"
-"""The item of a step folder that holds the arrays."""
+"""The item of a step that holds the arrays."""
 
 META_ITEM = "meshplan"
-"""The item of a step folder that holds meshplan's JSON metadata."""
+"""The item of a step that holds meshplan's JSON metadata."""
 
-TMP_SUFFIX = ".orbax-checkpoint-tmp"
-"""What Orbax appends to a step folder it has not finished writing."""
-
-
-def complete_steps(path: Path) -> list[int]:
-    """Step folders Orbax finished writing (an incomplete one keeps its tmp suffix)."""
-    steps = []
-    for child in path.iterdir():
-        if child.is_dir() and child.name.isdigit():
-            steps.append(int(child.name))
-    return sorted(steps)
+ITEM_NAMES = (STATE_ITEM, META_ITEM)
+"""The items of every meshplan step, as ``CheckpointManager(item_names=...)`` takes them."""
 
 
-def _incomplete_steps(path: Path) -> list[str]:
-    return sorted(c.name for c in path.iterdir() if TMP_SUFFIX in c.name)
-
-
-def remove_incomplete_steps(path: Path) -> list[str]:
-    """Deletes what saves killed midway left in ``path``; returns the names removed.
+def checkpoint_path(path: str | os.PathLike[str]) -> epath.Path:
+    """``path`` as an ``epath.Path``: absolute when local, unchanged when a URL (``gs://...``).
 
     Example:
-        >>> import tempfile
-        >>> from pathlib import Path
+        >>> from meshplan._checkpoint.folder import checkpoint_path
+        >>> str(checkpoint_path("gs://bucket/run")), checkpoint_path("run").is_absolute()
+        ('gs://bucket/run', True)
+    """
+    p = epath.Path(path)
+    return p if p.is_absolute() else p.absolute()
+
+
+def open_manager(path: str | os.PathLike[str], *, all_processes: bool = False) -> Any:
+    """A read-only ``ocp.CheckpointManager`` over ``path`` (use it as a context manager).
+
+    It writes nothing, not even Orbax's root metadata (it is not opened with
+    ``read_only=True`` only because Orbax then logs a warning at each opening;
+    nothing here saves or deletes). With ``all_processes=False``
+    it involves this process only (no barrier), so one process may call it alone;
+    with ``True`` every process of the run must open it and restore together, as
+    when arrays are read into shardings that span processes.
+
+    Example:
+        >>> from meshplan._checkpoint.folder import open_manager
+        >>> with open_manager("/nonexistent/run") as manager:
+        ...     print(manager.all_steps(), manager.latest_step())
+        [] None
+    """
+    import jax
+    import orbax.checkpoint as ocp
+
+    if all_processes:
+        processes = ocp.options.MultiprocessingOptions()
+    else:
+        me = jax.process_index()
+        processes = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+    options = ocp.CheckpointManagerOptions(
+        create=False,
+        save_root_metadata=False,
+        cleanup_tmp_directories=False,
+        lightweight_initialize=True,  # steps only: no metrics or timestamps read
+        multiprocessing_options=processes,
+    )
+    return ocp.CheckpointManager(checkpoint_path(path), options=options, item_names=ITEM_NAMES)
+
+
+def complete_steps(path: str | os.PathLike[str]) -> list[int]:
+    """The steps Orbax finalized in ``path``, oldest first (``[]`` when there is no folder).
+
+    Example:
+        >>> import tempfile, jax.numpy as jnp, meshplan
+        >>> from meshplan._checkpoint.folder import complete_steps
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     with meshplan.Checkpointer(folder, async_save=False) as ckpt:
+        ...         _ = ckpt.save(4, {"w": jnp.ones(2)})
+        ...     print(complete_steps(folder))
+        [4]
+    """
+    with open_manager(path) as manager:
+        return sorted(manager.all_steps())
+
+
+def incomplete_steps(path: str | os.PathLike[str]) -> list[str]:
+    """Names of the steps Orbax began but did not finalize (a save killed midway).
+
+    Orbax decides: on a local disk, a ``<step>.orbax-checkpoint-tmp-...`` folder;
+    on cloud storage, a step without its commit marker.
+
+    Example:
+        >>> import tempfile, os
+        >>> from meshplan._checkpoint.folder import incomplete_steps
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     os.mkdir(os.path.join(folder, "4.orbax-checkpoint-tmp-1700000000"))
+        ...     print(incomplete_steps(folder))
+        ['4.orbax-checkpoint-tmp-1700000000']
+    """
+    import orbax.checkpoint as ocp
+
+    p = checkpoint_path(path)
+    if not p.is_dir():
+        return []
+    return sorted(t.get().name for t in ocp.path.step.all_temporary_paths(p))
+
+
+def remove_incomplete_steps(path: str | os.PathLike[str]) -> list[str]:
+    """Deletes what saves killed midway left in ``path``; returns the names removed.
+
+    Orbax's own clean-up (``cleanup_tmp_directories``) runs in the background and
+    may not be done when a manager is closed; this one is done on return.
+
+    Example:
+        >>> import tempfile, os
         >>> from meshplan._checkpoint.folder import remove_incomplete_steps
-        >>> with tempfile.TemporaryDirectory() as name:
-        ...     folder = Path(name)
-        ...     (folder / "4.orbax-checkpoint-tmp").mkdir()
-        ...     print(remove_incomplete_steps(folder), list(folder.iterdir()))
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     os.mkdir(os.path.join(folder, "4.orbax-checkpoint-tmp"))
+        ...     print(remove_incomplete_steps(folder), os.listdir(folder))
         ['4.orbax-checkpoint-tmp'] []
     """
-    names = _incomplete_steps(path) if path.is_dir() else []
+    p = checkpoint_path(path)
+    names = incomplete_steps(p)
     for name in names:
-        shutil.rmtree(path / name, ignore_errors=True)
+        (p / name).rmtree(missing_ok=True)
     return names
 
 
-def _check_folder(path: Path) -> list[int]:
-    """The complete steps of ``path``; a :class:`CheckpointError` when there are none."""
+_FIX_PATH = "Pass the path of a folder that a meshplan.Checkpointer saved into"
+
+
+def _check_folder(path: epath.Path, manager: Any) -> list[int]:
+    """The complete steps of ``path``; a :class:`CheckpointError` saying why there are none."""
     if not path.exists():
         raise CheckpointError(
             f"No checkpoint folder at {str(path)!r}: it does not exist.\n"
-            f"Check the path (--ckpt-dir), or train first: meshplan train --ckpt-dir {path}"
+            f"Check the path, or save a checkpoint there first: "
+            f"meshplan.Checkpointer(path).save(step, state)."
         )
     if not path.is_dir():
-        raise CheckpointError(
-            f"{str(path)!r} is a file, not a checkpoint folder.\n"
-            f"Pass the folder that `meshplan train --ckpt-dir` wrote."
-        )
-    steps = complete_steps(path)
+        raise CheckpointError(f"{str(path)!r} is a file, not a checkpoint folder.\n{_FIX_PATH}.")
+    steps = sorted(manager.all_steps())
     if steps:
         return steps
     entries = sorted(c.name for c in path.iterdir())
-    incomplete = _incomplete_steps(path)
+    incomplete = incomplete_steps(path)
     if incomplete:
         problem = (
             f"it holds only incomplete steps {incomplete} (the run stopped while saving "
@@ -98,31 +181,69 @@ def _check_folder(path: Path) -> list[int]:
         problem = f"it holds no step folders, only: {shown}"
     raise CheckpointError(
         f"{str(path)!r} is not a meshplan checkpoint: {problem}.\n"
-        f"Point at a folder written by `meshplan train --ckpt-dir`, or start a new run "
-        f"without --resume."
+        f"{_FIX_PATH}, or save into a new folder to start afresh."
     )
 
 
+def _step_to_read(path: epath.Path, steps: list[int], step: int | None) -> int:
+    if step is None:
+        return steps[-1]
+    if step in steps:
+        return int(step)
+    midway = [n for n in incomplete_steps(path) if n.split(".", 1)[0] == str(step)]
+    why = f" (its save stopped midway: {midway[0]!r})" if midway else ""
+    raise CheckpointError(
+        f"{str(path)!r} has no complete checkpoint at {step=}{why}; it has steps {steps}.\n"
+        f"Pass one of those steps, or step=None for the latest."
+    )
+
+
+def metadata_of(
+    manager: Any, path: str | os.PathLike[str], step: int | None = None
+) -> CheckpointMetadata:
+    """:func:`read_metadata` through an open manager (see :func:`open_manager`)."""
+    import orbax.checkpoint as ocp
+
+    p = checkpoint_path(path)
+    step = _step_to_read(p, _check_folder(p, manager), step)
+    where = f"{str(p)!r} (step {step})"
+    try:
+        restored = manager.restore(
+            step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()})
+        )
+        data = restored[META_ITEM]
+    except KeyError as e:
+        raise CheckpointError(
+            f"{where} is not a meshplan checkpoint: it has no '{META_ITEM}' metadata item "
+            f"({e.args[0] if e.args else e}).\n{_FIX_PATH}; restore a plain Orbax "
+            f"checkpoint with orbax.checkpoint and a target tree."
+        ) from e
+    except (OSError, ValueError) as e:
+        raise CheckpointError(
+            f"{where}: cannot read its '{META_ITEM}' metadata item ({type(e).__name__}: {e}).\n"
+            f"The step is damaged; restore an earlier step (step=...)."
+        ) from e
+    return CheckpointMetadata.from_json(data, where)
+
+
 def latest_step(path: str | os.PathLike[str]) -> int | None:
-    """The latest complete step in ``path``, or ``None`` when there is none (or no folder).
+    """The latest step Orbax finalized in ``path``, or ``None`` when there is none (or no folder).
 
     Example:
         >>> from meshplan._checkpoint.folder import latest_step
         >>> latest_step("/nonexistent/run") is None
         True
     """
-    p = Path(path)
-    if not p.is_dir():
-        return None
-    steps = complete_steps(p)
-    return steps[-1] if steps else None
+    with open_manager(path) as manager:
+        return manager.latest_step()
 
 
 def read_metadata(path: str | os.PathLike[str], step: int | None = None) -> CheckpointMetadata:
     """The :class:`CheckpointMetadata` of ``step`` (default: the latest complete one).
 
-    Reads only the small JSON file, no arrays: use it to check a checkpoint
-    against a model config before any work starts.
+    Reads only the small JSON item, no arrays: use it to check a checkpoint
+    against a model config before any work starts. This process reads it alone
+    (no barrier with the other processes of a run).
 
     Raises:
         CheckpointError: ``path`` is missing, empty, holds no complete step, is
@@ -137,28 +258,5 @@ def read_metadata(path: str | os.PathLike[str], step: int | None = None) -> Chec
         ...     print(str(e).splitlines()[0])
         No checkpoint folder at '/nonexistent/run': it does not exist.
     """
-    p = Path(path).absolute()
-    steps = _check_folder(p)
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
-        raise CheckpointError(
-            f"{str(p)!r} has no complete checkpoint at {step=}; it has steps {steps}.\n"
-            f"Pass one of those steps, or step=None for the latest."
-        )
-    meta_file = p / str(step) / META_ITEM / "metadata"
-    where = f"{str(p)!r} (step {step})"
-    if not meta_file.is_file():
-        raise CheckpointError(
-            f"{where} is not a meshplan checkpoint: it has no '{META_ITEM}' metadata item "
-            f"(looked for {str(meta_file)!r}).\nPoint at a folder written by `meshplan train` "
-            f"or meshplan.Checkpointer; plain Orbax checkpoints need a target tree."
-        )
-    try:
-        data = json.loads(meta_file.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(
-            f"{where}: cannot read its metadata {str(meta_file)!r}: {e}.\n"
-            f"The file is damaged; restore an earlier step (step=...)."
-        ) from e
-    return CheckpointMetadata.from_json(data, where)
+    with open_manager(path) as manager:
+        return metadata_of(manager, path, step)

@@ -250,7 +250,7 @@ class CheckpointMetadata:
             raise CheckpointError(
                 f"{where} is not a meshplan checkpoint: its 'meshplan' item is not meshplan "
                 f"metadata, got format={data.get('format') if isinstance(data, Mapping) else None!r}."
-                f"\nPoint at a folder written by `meshplan train` or meshplan.Checkpointer."
+                f"\nPass the folder a meshplan.Checkpointer saved into."
             )
         if int(data.get("format_version", 0)) > FORMAT_VERSION:
             raise CheckpointError(
@@ -275,5 +275,5 @@ class CheckpointMetadata:
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CheckpointError(
                 f"{where}: its meshplan metadata is damaged ({type(e).__name__}: {e}).\n"
-                f"Restore an earlier step (step=...), or train into a new --ckpt-dir."
+                f"Restore an earlier step (step=...), or save into a new checkpoint folder."
             ) from e

@@ -11,14 +11,19 @@ restores in one (or the other way round).
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from meshplan._checkpoint.folder import STATE_ITEM, read_metadata
+from meshplan._checkpoint.folder import (
+    META_ITEM,
+    STATE_ITEM,
+    checkpoint_path,
+    metadata_of,
+    open_manager,
+)
 from meshplan._checkpoint.metadata import CheckpointMetadata
 from meshplan._checkpoint.tree import flatten_state, nest, path_of, unnest
 from meshplan._errors import CheckpointError, problem_message
@@ -30,8 +35,14 @@ __all__ = ["Restored", "compatibility_problems", "restore", "target_shardings"]
 
 
 def _single_device_mesh(axis_names: tuple[str, ...]) -> Mesh:
+    """A mesh of size 1 on the first device, with ``Auto`` axes named as the saved ones."""
     names = axis_names or ("data", "model")
-    return Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(names)), names)
+    return jax.make_mesh(
+        (1,) * len(names),
+        names,
+        axis_types=(AxisType.Auto,) * len(names),
+        devices=jax.devices()[:1],
+    )
 
 
 def target_shardings(
@@ -210,11 +221,13 @@ def restore(
     that sharding, whatever mesh and rules the checkpoint was saved with.
 
     Args:
-        path: The checkpoint folder (``meshplan train --ckpt-dir``).
+        path: The checkpoint folder a :class:`Checkpointer` saved into: a local
+            path or any path Orbax reads (``gs://...``).
         mesh: The mesh to restore onto. ``None`` uses one device (a mesh of
             size 1 with the saved axis names).
         rules: Logical axis rules for ``mesh``; ``None`` uses the saved ones.
-        step: The step to restore; ``None`` for the latest complete one.
+        step: The step to restore; ``None`` for the latest complete one (as
+            Orbax's ``CheckpointManager`` finds them: a save killed midway is not one).
 
     Returns:
         :class:`Restored` ``(state, metadata)``: nested dicts of arrays (boxed
@@ -239,19 +252,30 @@ def restore(
     """
     import orbax.checkpoint as ocp
 
-    p = Path(path).absolute()
-    metadata = read_metadata(p, step)
-    if mesh is None:
-        mesh = _single_device_mesh(metadata.axis_names)
-    shardings = target_shardings(metadata, mesh, rules)
-    target = nest(
-        {
-            key: jax.ShapeDtypeStruct(info.shape, np.dtype(info.dtype), sharding=shardings[key])
-            for key, info in metadata.arrays.items()
-        }
-    )
-    with ocp.StandardCheckpointer() as checkpointer:
-        restored = checkpointer.restore(p / str(metadata.step) / STATE_ITEM, target)
+    p = checkpoint_path(path)
+    # Every process restores its part of the arrays: they open the manager together.
+    with open_manager(p, all_processes=True) as manager:
+        metadata = metadata_of(manager, p, step)
+        if mesh is None:
+            mesh = _single_device_mesh(metadata.axis_names)
+        shardings = target_shardings(metadata, mesh, rules)
+        target = nest(
+            {
+                key: jax.ShapeDtypeStruct(info.shape, np.dtype(info.dtype), sharding=shardings[key])
+                for key, info in metadata.arrays.items()
+            }
+        )
+        try:
+            restored = manager.restore(
+                metadata.step,
+                args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(target)}),
+            )[STATE_ITEM]
+        except KeyError as e:
+            raise CheckpointError(
+                f"{str(p)!r} (step {metadata.step}) has its '{META_ITEM}' metadata but no "
+                f"'{STATE_ITEM}' arrays ({e.args[0] if e.args else e}).\n"
+                f"The step is damaged; restore an earlier step (step=...)."
+            ) from e
     boxed = {}
     for key, value in unnest(restored):
         info = metadata.arrays[key]

@@ -15,6 +15,7 @@ import jax
 
 from meshplan._errors import CheckpointError
 from meshplan._spmd.boxes import is_box
+from meshplan._text import path_text
 
 __all__ = ["flatten_state", "nest", "path_of", "unnest"]
 
@@ -35,7 +36,10 @@ def _key_name(key: Any) -> str:
 
 
 def path_of(keys: Any) -> str:
-    """The checkpoint key of a JAX key path: its parts joined with ``/``.
+    """The checkpoint key of a JAX key path: meshplan's one path format (``params/w``).
+
+    The same text as :func:`meshplan._text.path_text`, after checking that no part
+    is empty or holds a ``/`` (which would make two paths one key).
 
     Example:
         >>> import jax
@@ -43,7 +47,10 @@ def path_of(keys: Any) -> str:
         >>> [path_of(p) for p, _ in jax.tree_util.tree_flatten_with_path({"a": [1, 2]})[0]]
         ['a/0', 'a/1']
     """
-    return "/".join(_key_name(k) for k in keys)
+    keys = tuple(keys)
+    for key in keys:
+        _key_name(key)
+    return path_text(keys)
 
 
 def flatten_state(tree: Any) -> dict[str, tuple[Any, Any]]:
