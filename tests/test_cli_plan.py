@@ -90,6 +90,30 @@ def test_strict_with_a_bad_rule_file(tmp_path, capsys):
     assert "Did you mean 'model'?" in captured.err
 
 
+@pytest.mark.parametrize("command", [["plan", "--rules"], ["search", "--layouts"]])
+def test_errors_are_printed_literally_not_as_markup(tmp_path, capsys, command):
+    # rich reads "[name, axes]" as a markup tag: the fix used to print as "Write a list of  pairs".
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"batch": "data"}))
+    assert cli.main([*command, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "the top level is a JSON dict, not a list." in err
+    assert 'Write a list of [name, axes] pairs, e.g. [["batch", "data"], ["mlp", "model"]' in err
+    assert "Write a list of  pairs" not in err
+
+
+def test_output_prints_every_piece_literally(capsys):
+    from rich.console import Console
+
+    from meshplan.cli.output import print_error, say
+
+    say(Console(), ("[bold]", "bold"), " [name, axes] [/] [red]x[/red]")
+    print_error("Pass [name, axes]; [dim]", Console(stderr=True))
+    captured = capsys.readouterr()
+    assert captured.out == "[bold] [name, axes] [/] [red]x[/red]\n"
+    assert captured.err == "error: Pass [name, axes]; [dim]\n"
+
+
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [

@@ -13,6 +13,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from meshplan.cli.devices import use_cpu_devices
+from meshplan.cli.output import say, text
 
 HELP = "Run the guide's workflow (sharded init, train, inference, logical axes, checkpoint restore onto another mesh) on 8 CPU devices."
 
@@ -26,27 +27,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _is_box(x: Any) -> bool:
+    from flax.core.meta import AxisMetadata
+
+    return isinstance(x, AxisMetadata)
+
+
 def _params_table(title: str, params: Any) -> Table:
     import jax
 
-    import meshplan
-
-    table = Table(title=title, title_justify="left")
+    table = Table(title=text(title), title_justify="left")
     for column in ("parameter", "box", "names", "shape", "sharding spec", "devices per shard"):
         table.add_column(column, no_wrap=column != "names")
-    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=meshplan._spmd.boxes.is_box)[0]
+    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_box)[0]
     for path, box in flat:
         value = box.value
         replicas = len(value.sharding.device_set) // len(
             {str(i) for i in value.sharding.devices_indices_map(value.shape).values()}
         )
         table.add_row(
-            "/".join(str(getattr(k, "key", k)) for k in path),
-            type(box).__name__,
-            str(box.names),
-            str(value.shape),
-            str(value.sharding.spec),
-            str(replicas),
+            *(
+                text(cell)
+                for cell in (
+                    "/".join(str(getattr(k, "key", k)) for k in path),
+                    type(box).__name__,
+                    str(box.names),
+                    str(value.shape),
+                    str(value.sharding.spec),
+                    str(replicas),
+                )
+            )
         )
     return table
 
@@ -54,7 +64,7 @@ def _params_table(title: str, params: Any) -> Table:
 def _picture(console: Console, title: str, array: Any) -> None:
     import jax
 
-    console.print(f"[bold]{title}[/bold]  shape={array.shape}  spec={array.sharding.spec}")
+    say(console, (title, "bold"), f"  shape={array.shape}  spec={array.sharding.spec}")
     jax.debug.visualize_array_sharding(array, use_color=True, scale=0.6)
 
 
@@ -73,9 +83,11 @@ def run(args: argparse.Namespace) -> int:
     mesh = wf.make_mesh((2, 4))
     console.print(
         Panel.fit(
-            f"JAX {jax.__version__}: {jax.device_count()} {jax.devices()[0].platform.upper()} "
-            f"devices; mesh {dict(mesh.shape)} with {mesh.axis_types[0]} axes\n"
-            f"MLP of {args.layers} DotReluDot layers, depth {args.depth}, batch 8",
+            text(
+                f"JAX {jax.__version__}: {jax.device_count()} {jax.devices()[0].platform.upper()} "
+                f"devices; mesh {dict(mesh.shape)} with {mesh.axis_types[0]} axes\n"
+                f"MLP of {args.layers} DotReluDot layers, depth {args.depth}, batch 8"
+            ),
             title="meshplan demo: the guide's workflow",
         )
     )
@@ -85,19 +97,22 @@ def run(args: argparse.Namespace) -> int:
         for use_scan in (False, True):
             variant = wf.Variant(use_scan, logical, args.layers, args.depth)
             results[variant.label] = result = wf.run_variant(variant, mesh, steps=args.steps)
-            console.rule(f"[bold]{variant.label}[/bold]")
+            console.rule(text((variant.label, "bold")))
             layer = result.layer
             console.print(_params_table(f"Sharded init ({variant.label}): params", layer))
             mu = result.trained.opt_state[0].mu[variant.layer_name()]["W2"]
-            console.print(
+            say(
+                console,
                 f"Adam mu of W2: {mu.value.sharding.spec}   step: "
                 f"{result.trained.step.sharding.spec} = {int(result.trained.step)}   "
-                f"count: {result.trained.opt_state[0].count.sharding.spec}"
+                f"count: {result.trained.opt_state[0].count.sharding.spec}",
             )
-            console.print(
-                f"train step: median [bold]{wf.median_ms(result):.1f} ms[/bold] over "
-                f"{len(result.step_ms)} steps;   inference: {result.output.dtype} "
-                f"{result.output.shape} sharded {result.output.sharding.spec}"
+            say(
+                console,
+                "train step: median ",
+                (f"{wf.median_ms(result):.1f} ms", "bold"),
+                f" over {len(result.step_ms)} steps;   inference: {result.output.dtype} "
+                f"{result.output.shape} sharded {result.output.sharding.spec}",
             )
             if not use_scan and not logical:
                 w1 = layer["Dense_0"]["kernel"].value
@@ -111,26 +126,28 @@ def run(args: argparse.Namespace) -> int:
                 same = jax.tree.leaves(result.state_sharding) == jax.tree.leaves(
                     device.state_sharding
                 )
-                console.print(
+                say(
+                    console,
                     f"logical spec {kernel_spec} -> mesh spec {mesh_spec.spec} under rules "
-                    f"{wf.LOGICAL_RULES};  shardings equal to the device-axis variant: "
-                    f"[bold]{same}[/bold]"
+                    f"{wf.LOGICAL_RULES};  shardings equal to the device-axis variant: ",
+                    (str(same), "bold"),
                 )
 
-    console.rule("[bold]unbox / replace_boxed[/bold]")
+    console.rule(text(("unbox / replace_boxed", "bold")))
     loop = results[wf.Variant(False, False).label]
     params = loop.trained.params
     zeros = jax.tree.map(lambda v: v * 0, meshplan.unbox(params))
     zero_params = meshplan.replace_boxed(params, zeros)
     box = zero_params["DotReluDot_0"]["W2"]
     mapped = jax.tree_util.tree_map(lambda v: v + 1, zero_params)
-    console.print(
+    say(
+        console,
         f"all-zero copy: W2 is {type(box).__name__} names={box.names}, sum="
         f"{float(box.value.sum())};  tree_map keeps boxes: "
-        f"{type(mapped['DotReluDot_0']['W2']).__name__}"
+        f"{type(mapped['DotReluDot_0']['W2']).__name__}",
     )
 
-    console.rule("[bold]checkpoint: save on 2x4, restore onto 4x2 with other shardings[/bold]")
+    console.rule(text(("checkpoint: save on 2x4, restore onto 4x2 with other shardings", "bold")))
     logical_scan = results[wf.Variant(True, True).label]
     other_mesh = wf.make_mesh((4, 2))
     other_rules = (("batch", "data"), ("hidden", "data"), ("embed", "model"))
@@ -144,32 +161,33 @@ def run(args: argparse.Namespace) -> int:
     kernel = restored_params["ScanLogicalDotReluDot_0"]["Dense_0"]["kernel"]
     before = logical_scan.trained.params["ScanLogicalDotReluDot_0"]["Dense_0"]["kernel"].value
     equal = wf.trees_equal(wf.state_arrays(logical_scan.trained), restored)
-    console.print(
+    say(
+        console,
         f"saved from mesh {dict(mesh.shape)} spec {before.sharding.spec}; restored onto "
         f"{dict(other_mesh.shape)} with rules {other_rules}: {type(kernel).__name__} "
-        f"names={kernel.names} spec {kernel.value.sharding.spec};  values equal: "
-        f"[bold]{equal}[/bold]"
+        f"names={kernel.names} spec {kernel.value.sharding.spec};  values equal: ",
+        (str(equal), "bold"),
     )
     _picture(console, "restored Dense_0/kernel, layer 0, on the 4x2 mesh", kernel.value[0])
 
     if not args.no_explicit:
-        console.rule("[bold]Explicit mesh (jax.make_mesh default)[/bold]")
+        console.rule(text(("Explicit mesh (jax.make_mesh default)", "bold")))
         explicit = wf.make_mesh((2, 4), explicit=True)
         result = wf.run_variant(wf.Variant(True, True, args.layers, args.depth), explicit)
         auto_specs = [s.spec for s in jax.tree.leaves(logical_scan.state_sharding)]
         explicit_specs = [s.spec for s in jax.tree.leaves(result.state_sharding)]
-        console.print(
+        say(
+            console,
             f"logical scan variant on {explicit.axis_types}: step median "
             f"{wf.median_ms(result):.1f} ms; same specs as on the Auto mesh: "
-            f"{auto_specs == explicit_specs}; output spec {result.output.sharding.spec}"
+            f"{auto_specs == explicit_specs}; output spec {result.output.sharding.spec}",
         )
 
     ok = equal and all(
         r.output.sharding.spec == PartitionSpec("data", None) for r in results.values()
     )
-    console.print(
-        f"\n[bold green]Done[/bold green] in {time.perf_counter() - started:.1f} s."
-        if ok
-        else "\n[bold red]Something did not match: see above.[/bold red]"
-    )
+    if ok:
+        say(console, "\n", ("Done", "bold green"), f" in {time.perf_counter() - started:.1f} s.")
+    else:
+        say(console, ("\nSomething did not match: see above.", "bold red"))
     return 0 if ok else 1

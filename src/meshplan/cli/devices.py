@@ -6,6 +6,8 @@ import os
 
 from rich.console import Console
 
+from meshplan.cli.output import say
+
 
 def use_cpu_devices(count: int, console: Console | None = None) -> None:
     """Asks XLA for ``count`` host CPU devices, unless the backend already runs.
@@ -19,7 +21,11 @@ def use_cpu_devices(count: int, console: Console | None = None) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if console is not None:
-        console.print(
-            f"[dim]Set XLA_FLAGS=--xla_force_host_platform_device_count={count} before JAX "
-            f"starts: {count} emulated CPU devices.[/dim]"
+        say(
+            console,
+            (
+                f"Set XLA_FLAGS=--xla_force_host_platform_device_count={count} before JAX "
+                f"starts: {count} emulated CPU devices.",
+                "dim",
+            ),
         )

@@ -27,6 +27,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from rich.console import Console
+
+from meshplan.cli.output import say as say_literally
+
 __all__ = ["free_port", "launch", "worker_env"]
 
 _GRACE_SECONDS = 3.0
@@ -110,6 +114,10 @@ def _tail(path: Path, lines: int = 15) -> str:
     return "\n".join(kept[-lines:])
 
 
+def _say_on_stderr(message: str) -> None:
+    say_literally(Console(stderr=True), message, soft_wrap=True)
+
+
 def launch(
     argvs: Sequence[list[str]],
     local_devices: int,
@@ -130,7 +138,7 @@ def launch(
         failed worker's code (1 if it was killed by a signal), after stopping
         the others and reporting which worker failed and how.
     """
-    say = report or (lambda text: print(text, file=sys.stderr, flush=True))
+    say = report or _say_on_stderr
     processes = len(argvs)
     env = worker_env(local_devices)
     preexec = _die_with_parent if sys.platform.startswith("linux") else None

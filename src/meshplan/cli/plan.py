@@ -12,6 +12,7 @@ from rich.console import Console
 
 from meshplan._errors import MeshError
 from meshplan.cli.devices import use_cpu_devices
+from meshplan.cli.output import print_error, say
 from meshplan.train.mesh import parse_mesh_shape
 
 HELP = (
@@ -135,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         shape = parse_mesh_shape(args.mesh, args.axes)
     except MeshError as e:
-        err.print(f"[red]error:[/] {e}", highlight=False)
+        print_error(e, err)
         return 2
     use_cpu_devices(max(8, math.prod(shape.values())))
 
@@ -145,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         label, rules = load_rules(args.rules, args.model)
     except (meshplan.MeshplanError, OSError) as e:
-        err.print(f"[red]error:[/] {e}", highlight=False)
+        print_error(e, err)
         return 2
     what, state = abstract_state(args)
     plan = meshplan.explain(state, _mesh_for(shape), rules)
@@ -156,15 +157,15 @@ def run(args: argparse.Namespace) -> int:
                 "problems": [p.to_dict() for p in problems]}  # fmt: skip
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
     else:
-        out.print(f"[bold]{what}[/] · rules [bold]{label}[/]", highlight=False)
+        say(out, (what, "bold"), " · rules ", (label, "bold"))
         out.print(plan.table(full=args.full))
     if args.png:
         plan.save_png(args.png, title=f"{what} · rules {label}")
-        (err if args.json else out).print(f"Wrote {args.png}", highlight=False)
+        say(err if args.json else out, f"Wrote {args.png}")
     if args.strict:
         try:
             raise_for_errors(problems, plan.mesh)
         except meshplan.ShardingValidationError as e:
-            err.print(f"[red]error:[/] {e}", highlight=False)
+            print_error(e, err)
             return 1
     return 0

@@ -11,7 +11,8 @@ import argparse
 from typing import Any
 
 from rich.console import Console
-from rich.text import Text
+
+from meshplan.cli.output import print_error, say
 
 HELP = "Generate text from a `meshplan train` checkpoint (greedy, or sampled with a temperature)."
 
@@ -116,7 +117,6 @@ def generate(
 def run(args: argparse.Namespace) -> int:
     console = Console()
     import meshplan
-    from meshplan.cli.train import print_error
 
     try:
         state, metadata = meshplan.restore(args.ckpt_dir, mesh=None, step=args.step)
@@ -130,18 +130,22 @@ def run(args: argparse.Namespace) -> int:
         model = Transformer(TransformerConfig.from_dict(metadata.config))
         params = meshplan.unbox(state["params"])
         prompt = args.prompt.encode("utf-8")
-        console.print(
-            f"[dim]step {metadata.step} of {args.ckpt_dir}; "
-            f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature:g}'}[/dim]"
+        say(
+            console,
+            (
+                f"step {metadata.step} of {args.ckpt_dir}; "
+                f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature:g}'}",
+                "dim",
+            ),
         )
         seq_len = (metadata.extra.get("train") or {}).get("seq_len")
         window = context_window(model.config.max_len, seq_len)
         if len(prompt) > window:
-            Console(stderr=True).print(
+            say(
+                Console(stderr=True),
                 f"note: the prompt is {len(prompt)} bytes, longer than the model's context of "
                 f"{window} bytes (the training --seq): it continues from the last {window} "
                 f"bytes only.",
-                highlight=False,
                 soft_wrap=True,
             )
         text = generate(
@@ -150,8 +154,5 @@ def run(args: argparse.Namespace) -> int:
     except (meshplan.MeshplanError, ValueError) as e:
         print_error(e)
         return 2
-    console.print(
-        Text(args.prompt, style="bold") + Text(text.decode("utf-8", errors="replace")),
-        soft_wrap=True,
-    )
+    say(console, (args.prompt, "bold"), text.decode("utf-8", errors="replace"), soft_wrap=True)
     return 0

@@ -11,6 +11,7 @@ from typing import Any
 from rich.console import Console
 
 from meshplan.cli.devices import use_cpu_devices
+from meshplan.cli.output import print_error, say
 
 HELP = (
     "Try every mesh shape of --devices under every built-in layout for an example model, "
@@ -105,10 +106,10 @@ def run(args: argparse.Namespace) -> int:
     out = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 180)
     err = Console(file=sys.stderr, width=None if sys.stderr.isatty() else 180)
     if args.devices < 1 or args.batch < 1:
-        err.print(
-            f"[red]error:[/] --devices and --batch must be positive, got --devices "
-            f"{args.devices} --batch {args.batch}.\nPass --devices N and --batch B of at least 1.",
-            highlight=False,
+        print_error(
+            f"--devices and --batch must be positive, got --devices {args.devices} --batch "
+            f"{args.batch}.\nPass --devices N and --batch B of at least 1.",
+            err,
         )
         return 2
     if args.measure:
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         layouts = {name.strip(): get_layout(name.strip()) for name in names if name.strip()}
     except (meshplan.MeshplanError, OSError) as e:
-        err.print(f"[red]error:[/] {e}", highlight=False)
+        print_error(e, err)
         return 2
     what, state = abstract_state(args)
     step, batch = _step_and_batch(args) if args.measure else (None, None)
@@ -142,11 +143,11 @@ def run(args: argparse.Namespace) -> int:
             top_k=args.top_k,
         )
     except meshplan.MeshplanError as e:
-        err.print(f"[red]error:[/] {e}", highlight=False)
+        print_error(e, err)
         return 2
     if args.json:
         sys.stdout.write(json.dumps({"model": what, **result.to_dict()}, indent=2) + "\n")
     else:
-        out.print(f"[bold]{what}[/] · layouts {', '.join(layouts)}", highlight=False)
+        say(out, (what, "bold"), f" · layouts {', '.join(layouts)}")
         out.print(result)
     return 0 if result.best is not None else 1

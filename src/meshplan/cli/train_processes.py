@@ -12,15 +12,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rich.console import Console
+
+from meshplan._errors import problem_message
 from meshplan.cli.launch import free_port, launch
-from meshplan.cli.train import _MODEL, _SETTINGS, print_error
+from meshplan.cli.output import print_error, say
+from meshplan.cli.train_flags import MODEL_FLAGS, SETTINGS_FLAGS, flag
 from meshplan.train.distributed import DistributedError, ProcessGroup, join, process_group
 
 __all__ = ["join_if_asked", "launch_workers", "worker_argv"]
-
-
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
@@ -35,10 +35,10 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         ['--mesh', '2x4', '--rules', 'fsdp_tp', '--ckpt-dir', '/tmp/run', '--steps', '5', '--no-scan']
     """
     out = ["--mesh", str(args.mesh), "--rules", str(args.rules)]
-    for dest in ("data", "ckpt_dir", "metrics", "config", *_SETTINGS, *_MODEL):
+    for dest in ("data", "ckpt_dir", "metrics", "config", *SETTINGS_FLAGS, *MODEL_FLAGS):
         value = getattr(args, dest)
         if value is not None:
-            out += [_flag(dest), str(value)]
+            out += [flag(dest), str(value)]
     if args.resume:
         out.append("--resume")
     if args.scan_layers is False:
@@ -65,7 +65,7 @@ def _check_launch(args: argparse.Namespace) -> list[str]:
     ]
     if given:
         problems.append(
-            f"--processes starts the processes itself; {', '.join(map(_flag, given))} "
+            f"--processes starts the processes itself; {', '.join(map(flag, given))} "
             f"are for running one process per host"
         )
     return problems
@@ -75,8 +75,6 @@ def launch_workers(args: argparse.Namespace) -> int:
     """Runs ``args.processes`` workers on this machine; their exit status (see :func:`launch`)."""
     problems = _check_launch(args)
     if problems:
-        from meshplan._errors import problem_message
-
         print_error(
             DistributedError(
                 problem_message(
@@ -95,10 +93,11 @@ def launch_workers(args: argparse.Namespace) -> int:
         [*base, "--devices", str(local), "--coordinator", coordinator, *_ids(n, i)]
         for i in range(n)
     ]
-    print(
+    say(
+        Console(),
         f"meshplan train: {n} processes on this machine, {local} CPU devices each, "
         f"coordinator {coordinator}; showing process 0's output",
-        flush=True,
+        soft_wrap=True,
     )
     return launch(argvs, local)
 
