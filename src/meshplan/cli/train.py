@@ -1,4 +1,7 @@
-"""``meshplan train``: train the byte-level Transformer on a mesh, with resumable checkpoints.
+"""``meshplan train``: train the example byte-level Transformer on a mesh, with resumable checkpoints.
+
+The recipe (model, loss, data) is wired into the model-agnostic
+:class:`meshplan.train.trainer.Trainer` by :mod:`meshplan.cli.train_request`.
 
 Checks every input before any work (one bullet per problem, then the fix),
 shows the plan's per-device memory, then a progress bar with the loss and
@@ -13,39 +16,15 @@ import json
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
-from rich.text import Text
 
 from meshplan.cli.devices import use_cpu_devices
+from meshplan.cli.output import print_error, say, text
+from meshplan.cli.train_flags import MODEL_FLAGS, SETTINGS_FLAGS
 
 HELP = (
     "Train the byte-level Transformer on a device mesh, with checkpoints that resume on any mesh."
 )
-
-_SETTINGS = {
-    # flag dest -> TrainSettings field
-    "steps": "steps",
-    "batch": "batch",
-    "seq": "seq_len",
-    "lr": "lr",
-    "warmup": "warmup",
-    "weight_decay": "weight_decay",
-    "seed": "seed",
-    "eval_every": "eval_every",
-    "eval_batches": "eval_batches",
-    "ckpt_every": "ckpt_every",
-}
-_MODEL = {
-    # flag dest -> TransformerConfig field
-    "layers": "num_layers",
-    "heads": "num_heads",
-    "embed": "embed_dim",
-    "mlp": "mlp_dim",
-    "max_len": "max_len",
-    "positions": "positions",
-    "dtype": "dtype",
-}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train = parser.add_argument_group(
         "training (when resuming, omitted values come from the checkpoint)"
     )
-    for flag, kind, metavar, text in (
+    for flag, kind, metavar, about in (
         ("--steps", int, "N", "train up to step N (default 300)"),
         ("--batch", int, "B", "sequences per step (default 32)"),
         ("--seq", int, "L", "bytes per sequence (default 128)"),
@@ -104,19 +83,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--eval-batches", int, "N", "validation batches per evaluation (default 4)"),
         ("--ckpt-every", int, "K", "checkpoint every K steps and at the end (default 100)"),
     ):
-        train.add_argument(flag, type=kind, metavar=metavar, help=text)
+        train.add_argument(flag, type=kind, metavar=metavar, help=about)
     model = parser.add_argument_group(
         "model (default: the checkpoint's config when resuming, else tiny)"
     )
     model.add_argument("--config", choices=("tiny", "small"), help="preset model size")
-    for flag, text in (
+    for flag, about in (
         ("--layers", "Transformer blocks"),
         ("--heads", "attention heads"),
         ("--embed", "model width"),
         ("--mlp", "MLP hidden width"),
         ("--max-len", "longest sequence"),
     ):
-        model.add_argument(flag, type=int, metavar="N", help=text)
+        model.add_argument(flag, type=int, metavar="N", help=about)
     model.add_argument("--positions", choices=("rope", "learned"), help="position encoding")
     model.add_argument("--dtype", choices=("float32", "bfloat16"), help="activation dtype")
     model.add_argument(
@@ -134,10 +113,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _request(args: argparse.Namespace) -> Any:
     from meshplan.cli.train_request import TrainRequest
 
-    overrides = {field: getattr(args, dest) for dest, field in _MODEL.items()}
+    overrides = {field: getattr(args, dest) for dest, field in MODEL_FLAGS.items()}
     overrides["scan_layers"] = args.scan_layers
     overrides["remat"] = args.remat
-    settings = {field: getattr(args, dest) for dest, field in _SETTINGS.items()}
+    settings = {field: getattr(args, dest) for dest, field in SETTINGS_FLAGS.items()}
     return TrainRequest(
         mesh=args.mesh,
         rules=args.rules,
@@ -150,42 +129,46 @@ def _request(args: argparse.Namespace) -> Any:
     )
 
 
-def print_error(error: Exception) -> None:
-    """Prints a meshplan error to stderr, as its message (no traceback, no markup)."""
-    err = Console(stderr=True)
-    err.print(Text("error: ", style="bold red") + Text(str(error)), soft_wrap=True)
-
-
 def _header(console: Console, trainer: Any) -> None:
     from meshplan._text import human_bytes
 
     config = trainer.model.config
     s = trainer.settings
     summary = trainer.plan_summary()
-    corpus = trainer.corpus
+    corpus = trainer.batches.corpus
     mesh = "x".join(str(v) for v in summary["mesh"].values())
-    lines = [
-        f"[bold]meshplan train[/bold]: Transformer of {config.num_layers} "
-        f"layer{'s' * (config.num_layers != 1)}, embed {config.embed_dim}, "
-        f"{config.num_heads} heads, mlp {config.mlp_dim} ({summary['parameters']:,} parameters)",
-        f"on a {mesh} mesh {tuple(trainer.mesh.axis_names)} with layout "
-        f"[bold]{summary['layout']}[/bold]; batch {s.batch} x {s.seq_len} bytes, "
-        f"lr {s.lr:g}, seed {s.seed}",
-        f"data: {escape(corpus.source)} ({len(corpus.train):,} train / {len(corpus.valid):,} valid bytes)",
+    lines: list[list[Any]] = [
+        [
+            ("meshplan train", "bold"),
+            f": Transformer of {config.num_layers} "
+            f"layer{'s' * (config.num_layers != 1)}, embed {config.embed_dim}, "
+            f"{config.num_heads} heads, mlp {config.mlp_dim} ({summary['parameters']:,} parameters)",
+        ],
+        [
+            f"on a {mesh} mesh {tuple(trainer.mesh.axis_names)} with layout ",
+            (str(summary["layout"]), "bold"),
+            f"; batch {s.batch} x {s.seq_len} bytes, lr {s.lr:g}, seed {s.seed}",
+        ],
+        [
+            f"data: {corpus.source} ({len(corpus.train):,} train / {len(corpus.valid):,} "
+            f"valid bytes)"
+        ],
     ]
     if trainer.resume_from is not None:
         meta = trainer.resume_from
         saved_mesh = "x".join(str(v) for v in meta.mesh_shape.values()) or "?"
         saved_by = int(meta.extra.get("processes") or 1)
         lines.append(
-            f"resuming from step {meta.step} of {escape(str(trainer.ckpt_dir))} (saved on {saved_mesh} "
-            f"with {meta.extra.get('layout') or 'its rules'}"
-            f"{f' by {saved_by} processes' if saved_by > 1 else ''}) onto {mesh} with "
-            f"{summary['layout']}"
+            [
+                f"resuming from step {meta.step} of {trainer.ckpt_dir} (saved on {saved_mesh} "
+                f"with {meta.extra.get('layout') or 'its rules'}"
+                f"{f' by {saved_by} processes' if saved_by > 1 else ''}) onto {mesh} with "
+                f"{summary['layout']}"
+            ]
         )
     for line in lines:
-        console.print(line, soft_wrap=True)
-    table = Table(title=f"Plan per device ({summary['source']})", title_justify="left")
+        say(console, *line, soft_wrap=True)
+    table = Table(title=text(f"Plan per device ({summary['source']})"), title_justify="left")
     table.add_column("state")
     table.add_column("largest per device", justify="right")
     table.add_column("all devices, one copy", justify="right")
@@ -219,7 +202,7 @@ def _summary(console: Console, trainer: Any, result: Any) -> None:
         from meshplan._checkpoint.folder import latest_step
 
         table.add_row(
-            "checkpoint", f"{trainer.ckpt_dir} (latest step {latest_step(trainer.ckpt_dir)})"
+            "checkpoint", text(f"{trainer.ckpt_dir} (latest step {latest_step(trainer.ckpt_dir)})")
         )
     console.print(table)
 
@@ -272,14 +255,16 @@ def run(args: argparse.Namespace) -> int:
         print_error(e)
         return 2
     if group is not None:
-        console.print(
+        say(
+            console,
             f"processes: {group.num_processes} (coordinator {group.coordinator}), "
-            f"{jax.local_device_count()} devices each; this is process 0's output"
+            f"{jax.local_device_count()} devices each; this is process 0's output",
         )
     if jax.process_index() != 0:
-        Console(stderr=True).print(
+        say(
+            Console(stderr=True),
             f"process {jax.process_index()} of {jax.process_count()}: training; process 0 "
-            f"prints the progress and the summary"
+            f"prints the progress and the summary",
         )
     _header(console, trainer)
 
@@ -311,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
         log({"step": step, "loss": loss})
 
     def on_eval(step: int, loss: float) -> None:
-        progress.console.print(f"step {step:>5}  valid loss {loss:.3f} nats/byte")
+        say(progress.console, f"step {step:>5}  valid loss {loss:.3f} nats/byte")
         log({"step": step, "valid_loss": loss})
 
     try:
@@ -329,16 +314,20 @@ def run(args: argparse.Namespace) -> int:
         from meshplan._checkpoint.folder import latest_step
 
         last = latest_step(trainer.ckpt_dir) if trainer.ckpt_dir else None
-        console.print(
+        say(
+            console,
             f"interrupted at step {trainer.step}; latest complete checkpoint: {last}"
-            + (f" (resume with --resume --ckpt-dir {trainer.ckpt_dir})" if last is not None else "")
+            + (
+                f" (resume with --resume --ckpt-dir {trainer.ckpt_dir})" if last is not None else ""
+            ),
         )
         return 130
     finally:
         trainer.close()  # any other error: let the save in progress reach the disk first
     _summary(console, trainer, result)
     if jax.process_index() != 0:
-        Console(stderr=True).print(
-            f"process {jax.process_index()} of {jax.process_count()}: done at step {trainer.step}"
+        say(
+            Console(stderr=True),
+            f"process {jax.process_index()} of {jax.process_count()}: done at step {trainer.step}",
         )
     return 0

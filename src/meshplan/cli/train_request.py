@@ -1,5 +1,11 @@
 """What the user asked ``meshplan train`` for, checked before any work starts.
 
+This is where the command line wires its recipe, the example byte-level
+Transformer (:mod:`meshplan.examples.transformer`) trained on a byte corpus
+(:mod:`meshplan.examples.data`), into the model-agnostic
+:class:`~meshplan.train.trainer.Trainer`: the model, its loss, the batches and
+the settings are passed in as arguments.
+
 :func:`prepare` checks everything a user can get wrong (the layout, the mesh,
 the batch, the model's dimensions against the layout, the data path, the
 checkpoint folder and its shapes) and reports every problem at once, one
@@ -10,10 +16,13 @@ comes from the checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from meshplan._checkpoint.folder import latest_step, read_metadata
@@ -23,12 +32,15 @@ from meshplan._checkpoint.tree import flatten_state
 from meshplan._errors import CheckpointError, MeshError, MeshplanError, problem_message
 from meshplan._spmd.mesh import split_count, uneven_dimensions
 from meshplan._spmd.rules import logical_to_mesh_axes, mesh_axes_of
+from meshplan.examples.data import BATCH_NAMES, ByteCorpus, DataError, shard_batch
+from meshplan.examples.transformer import Transformer, TransformerConfig, config_from_name, loss_fn
+from meshplan.layouts import get_layout
 from meshplan.train.mesh import make_mesh, parse_mesh
 from meshplan.train.settings import TrainSettings, make_optimizer
-from meshplan.train.state import BATCH_NAMES, abstract_train_state
+from meshplan.train.state import abstract_train_state
 from meshplan.train.trainer import Trainer
 
-__all__ = ["TrainRequest", "prepare"]
+__all__ = ["ByteBatches", "TrainRequest", "prepare"]
 
 
 @dataclasses.dataclass
@@ -55,6 +67,33 @@ class TrainRequest:
     ckpt_dir: str | None = None
     resume: bool = False
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class ByteBatches:
+    """The batches of ``meshplan train``: windows of a byte corpus, placed on the mesh.
+
+    A :data:`meshplan.train.trainer.Batches`: ``batches(split, index)`` is
+    ``corpus.batch_at(split, index, seed, batch, seq_len)`` (a function of
+    ``(seed, split, index)`` alone, so a resumed run sees the same batches),
+    placed with :func:`meshplan.examples.data.shard_batch`.
+
+    Attributes:
+        corpus: The :class:`~meshplan.examples.data.ByteCorpus`.
+        settings: Its ``seed``, ``batch`` and ``seq_len`` shape the batches.
+        mesh: The mesh the batches are placed on.
+        rules: The rules that place ``('batch', 'length')``.
+    """
+
+    corpus: ByteCorpus
+    settings: TrainSettings
+    mesh: Mesh
+    rules: Any
+
+    def __call__(self, split: str, index: int) -> Any:
+        s = self.settings
+        tokens = self.corpus.batch_at(split, index, s.seed, s.batch, s.seq_len)
+        return shard_batch(tokens, self.mesh, self.rules)
 
 
 class _Problems:
@@ -84,6 +123,15 @@ class _Problems:
         )
 
 
+def _example_tokens(config: TransformerConfig, settings: TrainSettings) -> Any:
+    """The tokens the model is initialised with: ``seq_len`` of them, at most ``max_len``.
+
+    Parameter shapes do not depend on the length; staying within ``max_len``
+    lets the state be traced, to check it, even when ``--seq`` is too long.
+    """
+    return jax.ShapeDtypeStruct((1, min(settings.seq_len, config.max_len)), jnp.int32)
+
+
 def _split_problems(
     shapes: Mapping[str, tuple[tuple[int, ...], tuple[Any, ...] | None]],
     mesh: Mesh,
@@ -104,9 +152,7 @@ def _split_problems(
     return out
 
 
-def _load_corpus(data: str | None, problems: _Problems) -> Any:
-    from meshplan.examples.data import ByteCorpus
-
+def _load_corpus(data: str | None, problems: _Problems) -> ByteCorpus | None:
     try:
         return ByteCorpus.from_stdlib() if data is None else ByteCorpus.from_path(data)
     except (MeshplanError, ValueError, OSError) as e:
@@ -114,9 +160,7 @@ def _load_corpus(data: str | None, problems: _Problems) -> Any:
         return None
 
 
-def _resolve_config(request: TrainRequest, stored: CheckpointMetadata | None) -> Any:
-    from meshplan.examples.transformer import TransformerConfig, config_from_name
-
+def _resolve_config(request: TrainRequest, stored: CheckpointMetadata | None) -> TransformerConfig:
     if request.config is not None or stored is None or stored.config is None:
         return config_from_name(request.config or "tiny", **request.overrides)
     return dataclasses.replace(TransformerConfig.from_dict(stored.config), **request.overrides)
@@ -246,8 +290,6 @@ def _check_batch(
 
 def _check_corpus(corpus: Any, settings: TrainSettings, problems: _Problems) -> None:
     """Both splits hold at least one window of ``seq_len + 1`` bytes."""
-    from meshplan.examples.data import DataError
-
     for split in ("train", "valid"):
         try:
             corpus.check_window(split, settings.seq_len)
@@ -335,9 +377,6 @@ def prepare(request: TrainRequest) -> Trainer:
         ...     print(str(e).splitlines()[0])
         meshplan train cannot start:
     """
-    from meshplan.examples.transformer import Transformer
-    from meshplan.layouts import get_layout
-
     problems = _Problems()
     rules = mesh = None
     try:
@@ -361,24 +400,28 @@ def prepare(request: TrainRequest) -> Trainer:
     corpus = _load_corpus(data, problems)
     if corpus is not None:
         _check_corpus(corpus, settings, problems)
-    model = tx = abstract = None
+    model = tx = abstract = example_input = None
     if config is not None:
         model, tx = Transformer(config), make_optimizer(settings)
-        abstract = abstract_train_state(model, tx, settings)
+        example_input = _example_tokens(config, settings)
+        abstract = abstract_train_state(model, tx, settings, example_input)
         _check_state(request, config, abstract, stored, mesh, rules, problems)
 
     problems.raise_if_any("meshplan train cannot start:")
-    assert mesh is not None and model is not None
+    assert mesh is not None and model is not None and config is not None and corpus is not None
     return Trainer(
         model=model,
-        tx=tx,
-        abstract=abstract,
+        loss=functools.partial(loss_fn, model=model),
+        batches=ByteBatches(corpus, settings, mesh, rules),
+        settings=settings,
         mesh=mesh,
         rules=rules,
-        settings=settings,
-        corpus=corpus,
+        example_input=example_input,
+        tx=tx,
+        abstract=abstract,
+        config=config.to_dict(),
+        record={"data": data},
         ckpt_dir=ckpt_dir,
         resume_from=stored,
         layout_name=str(request.rules),
-        data=data,
     )

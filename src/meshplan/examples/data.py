@@ -32,16 +32,18 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 import meshplan
-from meshplan._errors import MeshplanError
-from meshplan._spmd.rules import mesh_axes_of
+from meshplan._spmd.rules import mesh_axes_of  # not public: the mesh axes of a spec entry
 
-__all__ = ["ByteCorpus", "DataError", "shard_batch"]
+__all__ = ["BATCH_NAMES", "ByteCorpus", "DataError", "shard_batch"]
+
+BATCH_NAMES = ("batch", "length")
+"""The logical names of a batch of token sequences, ``int32[batch, length]``."""
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "node_modules"}
 _SPLITS = ("train", "valid")
 
 
-class DataError(MeshplanError, ValueError):
+class DataError(meshplan.MeshplanError, ValueError):
     """A data path with no text, a split too short for the sequence length, or a
     batch that cannot be split over the mesh."""
 
@@ -265,7 +267,7 @@ class ByteCorpus:
 
 
 def shard_batch(tokens: np.ndarray, mesh: jax.sharding.Mesh, rules: Any) -> jax.Array:
-    """Places a global batch ``[batch, length]`` on ``mesh`` as ``('batch', 'length')``.
+    """Places a global batch ``[batch, length]`` on ``mesh`` as :data:`BATCH_NAMES`.
 
     Every process passes the same global batch (:meth:`ByteCorpus.batch_at` is
     deterministic); each keeps the rows and columns its devices hold and hands
@@ -283,8 +285,8 @@ def shard_batch(tokens: np.ndarray, mesh: jax.sharding.Mesh, rules: Any) -> jax.
         DataError: the batch size (or length) does not divide by the number of
             devices it is split over.
     """
-    spec = meshplan.logical_to_mesh_axes(("batch", "length"), rules)
-    for dim, (what, entry) in enumerate(zip(("batch", "length"), spec, strict=True)):
+    spec = meshplan.logical_to_mesh_axes(BATCH_NAMES, rules)
+    for dim, (what, entry) in enumerate(zip(BATCH_NAMES, spec, strict=True)):
         axes = mesh_axes_of(entry)
         missing = [a for a in axes if a not in mesh.shape]
         if missing:

@@ -9,8 +9,9 @@ Linen modules, a loss. What makes it a meshplan model:
 * the main activations carry :func:`meshplan.with_logical_constraint`;
 * the blocks are stacked with ``nn.scan`` whose partition name is ``'layer'``
   (or by a Python for-loop, ``scan_layers=False``);
-* it runs on ``Auto`` meshes (``Mesh(...)``) and on ``Explicit`` ones
-  (``jax.make_mesh``): contractions over a sharded dimension pass
+* it runs on ``Auto`` meshes (``jax.make_mesh(..., axis_types=(AxisType.Auto,) * n)``,
+  as ``meshplan train`` builds) and on ``Explicit`` ones (``jax.make_mesh``'s
+  default): contractions over a sharded dimension pass
   ``out_sharding=meshplan.explicit_out_sharding(...)``, which is ``None`` on an
   Auto mesh.
 
@@ -55,7 +56,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 import meshplan
-from meshplan._spmd.mesh import apply_spec
+from meshplan._spmd.mesh import apply_spec  # not public: constrain on Auto, reshard on Explicit
 
 __all__ = [
     "AXIS_NAMES",

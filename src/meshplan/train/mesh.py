@@ -6,8 +6,7 @@ import math
 from typing import Any
 
 import jax
-import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh
 
 from meshplan._errors import MeshError
 
@@ -81,10 +80,14 @@ def parse_mesh(text: str) -> tuple[int, int]:
 def make_mesh(shape: tuple[int, int], devices: Any = None) -> Mesh:
     """A mesh with ``Auto`` axes ``('data', 'model')`` on the first ``prod(shape)`` devices.
 
+    Built by ``jax.make_mesh``, which orders the devices by their topology on
+    GPUs and TPUs.
+
     Example:
         >>> from meshplan.train.mesh import make_mesh
-        >>> dict(make_mesh((4, 2)).shape)
-        {'data': 4, 'model': 2}
+        >>> mesh = make_mesh((2, 2))  # on 8 devices: the first 4
+        >>> dict(mesh.shape), [d.id for d in mesh.devices.flat], mesh.axis_types
+        ({'data': 2, 'model': 2}, [0, 1, 2, 3], (Auto, Auto))
 
     With several processes (``jax.distributed``) the mesh must use every
     device of every process; ``jax.devices()`` lists them by process, so the
@@ -110,4 +113,6 @@ def make_mesh(shape: tuple[int, int], devices: Any = None) -> Mesh:
             f"that every process holds part of it.\nUse a mesh of {len(devices)} devices "
             f"(e.g. --mesh {processes}x{local}), or fewer processes."
         )
-    return Mesh(np.array(devices[:size]).reshape(shape), MESH_AXES)
+    return jax.make_mesh(
+        shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(shape), devices=devices[:size]
+    )

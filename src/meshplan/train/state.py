@@ -1,6 +1,6 @@
 """The sharded ``TrainState``: its abstract shape, its shardings, and what a device holds.
 
-The recipe is the guide's, at Transformer scale: ``jax.eval_shape`` of the init
+The recipe is the guide's, for any Flax model: ``jax.eval_shape`` of the init
 function gives the abstract ``TrainState`` (boxes holding
 ``ShapeDtypeStruct``\\ s); :func:`meshplan.logical_to_mesh_sharding` of its
 logical specs gives the state's shardings under the chosen layout; and
@@ -18,61 +18,68 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax.training import train_state
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from meshplan._spmd.shardings import get_partition_spec, logical_to_mesh_sharding
 from meshplan.train.settings import TrainSettings
 
 __all__ = [
-    "BATCH_NAMES",
     "abstract_train_state",
-    "batch_sharding",
     "init_fn",
     "per_device_bytes",
     "plan_summary",
+    "sequence_input",
     "state_shardings",
 ]
 
-BATCH_NAMES = ("batch", "length")
-"""The logical names of a batch of token sequences."""
+
+def sequence_input(settings: TrainSettings) -> jax.ShapeDtypeStruct:
+    """The default example input of a model: one sequence of ``seq_len`` int32 tokens.
+
+    Example:
+        >>> from meshplan.train.settings import TrainSettings
+        >>> from meshplan.train.state import sequence_input
+        >>> sequence_input(TrainSettings(seq_len=16))
+        ShapeDtypeStruct(shape=(1, 16), dtype=int32)
+    """
+    return jax.ShapeDtypeStruct((1, settings.seq_len), jnp.int32)
 
 
-def init_fn(model: Any, tx: optax.GradientTransformation, seq_len: int) -> Callable[..., Any]:
-    """``init(key) -> TrainState`` of ``model`` with optimizer ``tx`` (to trace or jit)."""
+def init_fn(model: Any, tx: optax.GradientTransformation, example_input: Any) -> Callable[..., Any]:
+    """``init(key) -> TrainState`` of ``model`` with optimizer ``tx`` (to trace or jit).
+
+    ``model`` is a Flax Linen module; its parameters are ``model.init(key,
+    x)["params"]`` for zeros ``x`` of the shapes and dtypes of ``example_input``
+    (arrays or ``ShapeDtypeStruct``\\ s, any tree of them).
+    """
 
     def init(key: jax.Array) -> train_state.TrainState:
-        # Parameter shapes do not depend on the length; stay within max_len.
-        tokens = jnp.zeros((1, min(seq_len, model.config.max_len)), jnp.int32)
-        params = model.init(key, tokens)["params"]
+        x = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), example_input)
+        params = model.init(key, x)["params"]
         return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
     return init
 
 
 def abstract_train_state(
-    model: Any, tx: optax.GradientTransformation, settings: TrainSettings
+    model: Any,
+    tx: optax.GradientTransformation,
+    settings: TrainSettings,
+    example_input: Any = None,
 ) -> train_state.TrainState:
-    """The ``TrainState`` as ``jax.eval_shape`` sees it: boxes of ``ShapeDtypeStruct``\\ s."""
-    init = init_fn(model, tx, settings.seq_len)
+    """The ``TrainState`` as ``jax.eval_shape`` sees it: boxes of ``ShapeDtypeStruct``\\ s.
+
+    ``example_input`` defaults to :func:`sequence_input`; the key is ``settings.seed``.
+    """
+    if example_input is None:
+        example_input = sequence_input(settings)
+    init = init_fn(model, tx, example_input)
     return jax.eval_shape(init, jax.random.key(settings.seed))
 
 
 def state_shardings(abstract: Any, mesh: Mesh, rules: Any) -> Any:
     """The ``NamedSharding`` of every array of ``abstract`` under ``rules`` on ``mesh``."""
     return logical_to_mesh_sharding(get_partition_spec(abstract), mesh, rules)
-
-
-def batch_sharding(mesh: Mesh, rules: Any) -> NamedSharding:
-    """Where a ``[batch, length]`` batch of tokens goes under ``rules``.
-
-    Example:
-        >>> import jax
-        >>> from meshplan.train.state import batch_sharding
-        >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
-        >>> batch_sharding(mesh, (("batch", "data"),)).spec
-        P('data', None)
-    """
-    return logical_to_mesh_sharding(PartitionSpec(*BATCH_NAMES), mesh, rules)
 
 
 def per_device_bytes(abstract: Any, shardings: Any) -> int:

@@ -1,6 +1,11 @@
 """The training loop behind ``meshplan train``: sharded state, jitted steps, resumable runs.
 
-The recipe is the guide's, at Transformer scale:
+:class:`Trainer` takes everything specific to a model as arguments: the Flax
+model, its loss, where batches come from, and the settings. It knows no
+model, data set or command-line flag; ``meshplan train`` wires in its
+byte-level Transformer recipe (:mod:`meshplan.cli.train_request`).
+
+The recipe is the guide's:
 
 1. ``jax.eval_shape`` of the init function gives the abstract ``TrainState``
    (boxes holding ``ShapeDtypeStruct``\\ s);
@@ -9,20 +14,18 @@ The recipe is the guide's, at Transformer scale:
 3. ``jax.jit(init, out_shardings=...)`` creates every array where it belongs,
    or :func:`meshplan.restore` reads a checkpoint straight into those shardings;
 4. a jitted train step donates the old state and returns the new one with the
-   same shardings; batches arrive already sharded
-   (``jax.make_array_from_process_local_data``).
+   same shardings; batches arrive already placed on the mesh (e.g. with
+   ``jax.make_array_from_process_local_data``), and the steps take their
+   shardings.
 
-Batches are a function of (split, step, seed), and the learning-rate schedule
-of the step only, so a run resumed from a checkpoint (on any mesh, with any
-layout) sees exactly the batches and updates of an uninterrupted one.
+When batches are a function of (split, index) and the learning-rate schedule
+of the step only, as in ``meshplan train``, a run resumed from a checkpoint
+(on any mesh, with any layout) sees exactly the batches and updates of an
+uninterrupted one.
 
-Everything a user can get wrong is checked by
-:func:`meshplan.cli.train_request.prepare` before any work starts, and reported
-at once (one bullet per problem, the fix at the end); it returns the
-:class:`Trainer` of this module, which runs the loop. The parts, one concern
-each: :mod:`meshplan.train.mesh` (meshes), :mod:`meshplan.train.settings`
-(settings and optimizer), :mod:`meshplan.train.state` (the sharded state),
-:mod:`meshplan.cli.train_request` (checking a request), and this module.
+The parts, one concern each: :mod:`meshplan.train.mesh` (meshes),
+:mod:`meshplan.train.settings` (settings and optimizer),
+:mod:`meshplan.train.state` (the sharded state), and this module (the loop).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,13 +48,22 @@ from meshplan._spmd.rules import logical_axis_rules
 from meshplan.train.settings import TrainSettings, make_optimizer
 from meshplan.train.state import (
     abstract_train_state,
-    batch_sharding,
     init_fn,
     plan_summary,
+    sequence_input,
     state_shardings,
 )
 
-__all__ = ["TrainResult", "Trainer"]
+__all__ = ["Batches", "Loss", "TrainResult", "Trainer"]
+
+Loss = Callable[[Any, Any], jax.Array]
+"""``loss(params, batch) -> scalar``: the loss to minimise (``params``: the model's
+``params`` collection, boxed; ``batch``: what :data:`Batches` gives)."""
+
+Batches = Callable[[str, int], Any]
+"""``batches(split, index) -> batch``: batch number ``index`` of ``split``
+(``"train"``: the batch of step ``index``; ``"valid"``: the ``index``-th fixed
+validation batch), as ``jax.Array``\\ s already placed on the mesh."""
 
 
 @dataclasses.dataclass
@@ -82,52 +94,80 @@ class TrainResult:
 
 
 class Trainer:
-    """A validated training run: build with :func:`prepare`, then :meth:`start` and :meth:`run`.
+    """A training run: a model, its loss and batches, on a mesh under a layout.
+
+    Build it (``meshplan train`` builds it with
+    :func:`meshplan.cli.train_request.prepare`, which checks the request
+    first), then :meth:`run` (or :meth:`start` and :meth:`train_step`).
+
+    Args:
+        model: The Flax (Linen) model; its parameters are
+            ``model.init(key, x)["params"]`` for ``x`` like ``example_input``.
+        loss: ``loss(params, batch) -> scalar`` (:data:`Loss`).
+        batches: ``batches(split, index) -> batch`` (:data:`Batches`), placed
+            on ``mesh``.
+        settings: The :class:`TrainSettings`.
+        mesh: The mesh.
+        rules: The layout's logical axis rules.
+        example_input: Shapes and dtypes of the model's input for ``init``
+            (default :func:`meshplan.train.state.sequence_input`).
+        config: The model's config, stored with every checkpoint (``None``:
+            none), e.g. for a command that rebuilds the model from it.
+        record: Values stored beside the settings in every checkpoint's
+            ``extra["train"]`` (``meshplan train`` records its data path).
+        ckpt_dir: Where to save checkpoints (``None``: no checkpoints).
+        resume_from: The checkpoint to resume from (in ``ckpt_dir``).
+        layout_name: The layout's name, stored with every checkpoint.
+        max_to_keep: Checkpoints kept.
+        tx: The optimizer (default :func:`meshplan.train.settings.make_optimizer`).
+        abstract: ``jax.eval_shape`` of the state, when already traced.
 
     Attributes:
-        model: The :class:`~meshplan.examples.transformer.Transformer`.
-        mesh: The mesh (``Auto`` axes ``('data', 'model')``).
-        rules: The layout's logical axis rules.
-        settings: The resolved :class:`TrainSettings`.
         step: The current step (host-side counter).
         state: The sharded ``TrainState`` (after :meth:`start`).
-        tx: The optimizer; ``abstract``: ``jax.eval_shape`` of the state (both
-            built here unless given, as :func:`prepare` does).
+        shardings: The state's ``NamedSharding``\\ s.
     """
 
     def __init__(
         self,
         *,
         model: Any,
+        loss: Loss,
+        batches: Batches,
+        settings: TrainSettings,
         mesh: Mesh,
         rules: Any,
-        settings: TrainSettings,
-        corpus: Any,
+        example_input: Any = None,
+        config: Mapping[str, Any] | None = None,
+        record: Mapping[str, Any] | None = None,
         ckpt_dir: Path | None = None,
         resume_from: CheckpointMetadata | None = None,
         layout_name: str = "",
-        data: str | None = None,
         max_to_keep: int = 3,
         tx: Any = None,
         abstract: Any = None,
     ) -> None:
         self.model = model
+        self.loss = loss
+        self.batches = batches
+        self.settings = settings
         self.mesh = mesh
         self.rules = rules
-        self.settings = settings
-        self.corpus = corpus
+        self.example_input = sequence_input(settings) if example_input is None else example_input
+        self.config = None if config is None else dict(config)
+        self.record = dict(record or {})
         self.ckpt_dir = ckpt_dir
         self.resume_from = resume_from
         self.layout_name = layout_name
-        self.data = data
         self.max_to_keep = max_to_keep
-        # prepare() has built both to check the request: not traced a second time.
+        # A caller that has built both to check a request passes them: not traced twice.
         self.tx = make_optimizer(settings) if tx is None else tx
         self.abstract = (
-            abstract_train_state(model, self.tx, settings) if abstract is None else abstract
+            abstract_train_state(model, self.tx, settings, self.example_input)
+            if abstract is None
+            else abstract
         )
         self.shardings = state_shardings(self.abstract, mesh, rules)
-        self.batch_sharding = batch_sharding(mesh, rules)
         self.state: Any = None
         self.step = 0
         self.best_valid: tuple[int, float] | None = None
@@ -137,7 +177,7 @@ class Trainer:
         self._checkpointer: Checkpointer | None = None
         self._train_step: Any = None
         self._eval_step: Any = None
-        self._valid_batches: list[jax.Array] | None = None
+        self._valid_batches: list[Any] | None = None
 
     # -- context ---------------------------------------------------------------
 
@@ -167,63 +207,53 @@ class Trainer:
             self.state = restored.into(self.abstract)
             self.step = int(restored.metadata.step)
         else:
-            init = init_fn(self.model, self.tx, self.settings.seq_len)
+            init = init_fn(self.model, self.tx, self.example_input)
             with self.active():
                 self.state = jax.jit(init, out_shardings=self.shardings)(
                     jax.random.key(self.settings.seed)
                 )
             self.step = 0
 
-    def _batch(self, split: str, index: int) -> jax.Array:
-        from meshplan.examples.data import shard_batch
+    def _compile(self, batch: Any) -> None:
+        """Jits the steps for batches placed like ``batch``."""
+        loss = self.loss
+        batch_shardings = jax.tree.map(lambda x: x.sharding, batch)
 
-        s = self.settings
-        tokens = self.corpus.batch_at(split, index, s.seed, s.batch, s.seq_len)
-        return shard_batch(tokens, self.mesh, self.rules)
-
-    def _compile(self) -> None:
-        model = self.model
-
-        def loss(params: Any, tokens: jax.Array) -> jax.Array:
-            from meshplan.examples.transformer import loss_fn
-
-            return loss_fn(params, tokens, model)
-
-        def train_step(state: Any, tokens: jax.Array) -> tuple[Any, jax.Array]:
-            value, grads = jax.value_and_grad(loss)(state.params, tokens)
+        def train_step(state: Any, batch: Any) -> tuple[Any, jax.Array]:
+            value, grads = jax.value_and_grad(loss)(state.params, batch)
             return state.apply_gradients(grads=grads), value
 
         replicated = NamedSharding(self.mesh, PartitionSpec())
         self._train_step = jax.jit(
             train_step,
-            in_shardings=(self.shardings, self.batch_sharding),
+            in_shardings=(self.shardings, batch_shardings),
             out_shardings=(self.shardings, replicated),
             donate_argnums=(0,),
         )
         self._eval_step = jax.jit(
             loss,
-            in_shardings=(self.shardings.params, self.batch_sharding),
+            in_shardings=(self.shardings.params, batch_shardings),
             out_shardings=replicated,
         )
 
     def train_step(self) -> jax.Array:
         """Runs one step on the batch of the current step; returns its loss (not synced)."""
+        batch = self.batches("train", self.step)
         if self._train_step is None:
-            self._compile()
-        tokens = self._batch("train", self.step)
+            self._compile(batch)
         with self.active():
-            self.state, loss = self._train_step(self.state, tokens)
+            self.state, loss = self._train_step(self.state, batch)
         self.step += 1
         return loss
 
     def evaluate(self) -> float:
-        """Mean loss over ``eval_batches`` fixed validation batches, in nats per byte."""
-        if self._eval_step is None:
-            self._compile()
+        """Mean loss over ``settings.eval_batches`` fixed validation batches."""
         if self._valid_batches is None:
             self._valid_batches = [
-                self._batch("valid", i) for i in range(self.settings.eval_batches)
+                self.batches("valid", i) for i in range(self.settings.eval_batches)
             ]
+        if self._eval_step is None:
+            self._compile(self._valid_batches[0])
         with self.active():
             losses = [self._eval_step(self.state.params, b) for b in self._valid_batches]
         value = float(np.mean([float(x) for x in losses]))
@@ -236,7 +266,7 @@ class Trainer:
         if self._checkpointer is None:
             return False
         extra = {
-            "train": {**self.settings.to_dict(), "data": self.data},
+            "train": {**self.settings.to_dict(), **self.record},
             "layout": self.layout_name,
             "processes": jax.process_count(),
             "best_valid": list(self.best_valid) if self.best_valid else None,
@@ -246,7 +276,7 @@ class Trainer:
             self.state,
             rules=self.rules,
             mesh=self.mesh,
-            config=self.model.config.to_dict(),
+            config=self.config,
             extra=extra,
         )
 
