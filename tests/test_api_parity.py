@@ -140,8 +140,8 @@ def test_a_tree_of_boxes_instead_of_specs_is_an_error_naming_each_path(fn, auto_
         getattr(meshplan, fn)(*args)
     message = str(info.value)
     assert "2 leaves cannot be partitioned" in message
-    assert "['w'].value: expected a logical PartitionSpec (or None)" in message
-    assert "['step']: expected a logical PartitionSpec" in message
+    assert "w/value: expected a logical PartitionSpec (or None)" in message
+    assert "step: expected a logical PartitionSpec" in message
     assert "got ShapeDtypeStruct" in message
     assert message.splitlines()[-1].startswith("Pass meshplan.get_partition_spec(tree)")
     # The fix works.
@@ -151,7 +151,7 @@ def test_a_tree_of_boxes_instead_of_specs_is_an_error_naming_each_path(fn, auto_
 
 
 def test_tuple_leaves_instead_of_partition_specs_are_an_error(auto_mesh):
-    with pytest.raises(meshplan.LogicalNamesError, match=r"(?s)\['w'\]\[0\]: .*got str: 'embed'"):
+    with pytest.raises(meshplan.LogicalNamesError, match=r"(?s)w/0: .*got str: 'embed'"):
         meshplan.logical_to_mesh_sharding({"w": ("embed", None)}, auto_mesh, RULES)
 
 
@@ -163,10 +163,10 @@ def test_an_error_that_no_single_leaf_explains_is_raised_unchanged():
     def flaky(x):
         calls.append(x)
         if len(calls) == 1:
-            raise ValueError("the original problem")
+            raise meshplan.MeshError("the original problem")
         return x
 
-    with pytest.raises(ValueError, match=r"^the original problem$"):
+    with pytest.raises(meshplan.MeshError, match=r"^the original problem$"):
         _map_collecting(flaky, {"a": 1, "b": 2}, lambda x: False)
     assert len(calls) == 3  # one failing walk, then one call per leaf
 
@@ -313,3 +313,11 @@ def test_meshplan_tree_helpers_read_flax_boxes():
     new = meshplan.replace_boxed(theirs, jax.tree.map(jnp.zeros_like, raw))
     assert type(new["w"]) is nn.LogicallyPartitioned and new["w"].names == ("embed", "hidden")
     assert float(new["p"].value.sum()) == 0.0
+
+
+def test_an_error_that_is_not_meshplans_passes_through_unwrapped():
+    def broken(x):
+        raise KeyError("not about partitioning")
+
+    with pytest.raises(KeyError, match="not about partitioning"):
+        _map_collecting(broken, {"a": 1}, lambda x: False)

@@ -158,7 +158,7 @@ CATALOGUE = {
         lambda: meshplan.get_sharding({"w": logical(8, 8, names=("embed", "hidden"))}, MESH),
         meshplan.LogicalNamesError,
         [
-            r"\['w'\]",
+            r"\* w: ",
             r"names are logical",
             r"meshplan\.logical_to_mesh_sharding\(.*logical_axis_rules",
         ],
@@ -167,20 +167,20 @@ CATALOGUE = {
         lambda: meshplan.get_sharding({"w": mesh_box(8, 8, names=("modle", None))}, MESH),
         meshplan.MeshError,
         [
-            r"\['w'\]",
-            r"no axis 'modle'",
+            r"\* w: ",
+            r"mesh axis 'modle', which the mesh \{'data': 2, 'model': 4\} does not have",
             r"Did you mean 'model'\? Use the mesh's axis names \('data', 'model'\)",
         ],
     ),
     "get_sharding with names longer than the rank": (
-        lambda: meshplan.get_sharding({"w": mesh_box(8, 8, 8, names=("model", None))}, MESH),
+        lambda: meshplan.get_sharding({"w": mesh_box(8, 8, names=("model", None, None))}, MESH),
         meshplan.LogicalNamesError,
-        [r"\['w'\]", r"array of rank 3 \(shape \(8, 8, 8\)\)", r"exactly one name"],
+        [r"\* w: ", r"array of rank 2 \(shape \(8, 8\)\)", r"at most one name"],
     ),
     "get_sharding with one mesh axis on two dimensions": (
         lambda: meshplan.get_sharding({"w": mesh_box(8, 8, names=("model", "model"))}, MESH),
         meshplan.MeshError,
-        [r"\['w'\]", r"mesh axis 'model' on more than one dimension", r"at most one dimension"],
+        [r"\* w: ", r"mesh axis 'model' is used by dims 0 and 1", r"at most one dimension"],
     ),
     "replace_boxed with a value of another rank": (
         lambda: meshplan.replace_boxed(
@@ -188,7 +188,7 @@ CATALOGUE = {
         ),
         meshplan.LogicalNamesError,
         [
-            r"\['w'\]: a value of shape \(2,\) \(rank 1\)",
+            r"w: a value of shape \(2,\) \(rank 1\)",
             r"\('data', None\) \(rank 2\)",
             r"structure and ranks of meshplan\.unbox\(tree\)",
         ],
@@ -199,7 +199,7 @@ CATALOGUE = {
             {"w": meshplan.Partitioned(jnp.zeros((2, 2)), ("data", None))},
         ),
         meshplan.LogicalNamesError,
-        [r"\['w'\]: the update is itself a box", r"meshplan\.unbox\(updates\)"],
+        [r"w: the update is itself a box", r"meshplan\.unbox\(updates\)"],
     ),
     "remove_axis that add_axis did not add": (
         lambda: meshplan.Partitioned(jnp.ones((2, 2)), ("data", None)).remove_axis(
@@ -242,7 +242,7 @@ CATALOGUE = {
     "unbox under `with mesh:` naming an axis the mesh lacks": (
         lambda: _unbox_under_legacy_mesh(("modle", None)),
         meshplan.MeshError,
-        [r"names=\('modle', None\), shape=\(8, 8\)", r"no axis 'modle'", r"\('data', 'model'\)"],
+        [r"names=\('modle', None\), shape=\(8, 8\)", r"mesh axis 'modle', which", r"\('data', 'model'\)"],
     ),
     # -- check(strict=True) and strict= ----------------------------------------
     "strict: a size that does not divide": (

@@ -194,34 +194,48 @@ def test_logical_box_get_sharding_without_rules_says_what_to_call(auto_mesh):
     assert "logical_axis_rules" in str(info.value)
 
 
-@pytest.mark.parametrize(
-    ("names", "shape"),
-    [(("data", None, None), (4, 8)), (("data",), (4, 8)), ((None, "model"), (2, 4, 8))],
-    ids=["too_many", "too_few", "rank3_names2"],
-)
-def test_names_length_differing_from_rank_raises_naming_names_and_shape(names, shape, auto_mesh):
+def test_more_names_than_dimensions_raise_naming_names_and_shape(auto_mesh):
+    names, shape = ("data", None, None), (4, 8)
     box = meshplan.Partitioned(jnp.ones(shape), names)
-    pattern = rf"(?s){len(names)} axis names.*rank {len(shape)} {re.escape(f'(shape {tuple(shape)})')}.*one name \(or None\) per dimension"
+    pattern = r"(?s)3 axis names.*rank 2 \(shape \(4, 8\)\).*at most one name \(or None\) per dimension"
     with pytest.raises(meshplan.LogicalNamesError, match=pattern) as info:
         box.get_sharding(auto_mesh)
     assert repr(tuple(names)) in str(info.value)
+    assert [p.code for p in info.value.problems] == ["rank"]
     with jax.set_mesh(auto_mesh), pytest.raises(meshplan.LogicalNamesError, match=pattern):
         box.unbox()
 
 
-def test_logical_names_length_differing_from_rank_raises_on_unbox(auto_mesh):
-    box = meshplan.LogicallyPartitioned(jnp.ones((4, 8)), ("embed",), rules=(("embed", "data"),))
-    with (
-        jax.set_mesh(auto_mesh),
-        pytest.raises(meshplan.LogicalNamesError, match=r"\(shape \(4, 8\)\)"),
-    ):
-        box.unbox()
+@pytest.mark.parametrize(
+    ("names", "shape", "spec"),
+    [
+        (("data",), (4, 8), P("data")),
+        ((None, "model"), (2, 4, 8), P(None, "model")),
+        (("data", "model"), jax.ShapeDtypeStruct((4, 8, 2), jnp.float32), P("data", "model")),
+    ],
+    ids=["rank2_names1", "rank3_names2", "abstract_rank3_names2"],
+)
+def test_fewer_names_than_dimensions_leave_the_trailing_ones_unsharded_like_flax(
+    names, shape, spec, auto_mesh
+):
+    value = jnp.ones(shape) if isinstance(shape, tuple) else shape
+    box = meshplan.Partitioned(value, names)
+    flax_box = nn.Partitioned(value, names)
+    assert box.get_sharding(auto_mesh).spec == spec == flax_box.get_sharding(auto_mesh).spec
+    if isinstance(shape, tuple):
+        with jax.set_mesh(auto_mesh):
+            assert box.unbox().sharding.spec == spec
 
 
-def test_rank_is_checked_on_abstract_values(auto_mesh):
-    box = meshplan.Partitioned(jax.ShapeDtypeStruct((4, 8, 2), jnp.float32), (None, "model"))
-    with pytest.raises(meshplan.LogicalNamesError, match=r"rank 3"):
-        box.get_sharding(auto_mesh)
+def test_dense_general_kernel_named_for_its_first_two_dimensions_unboxes(auto_mesh):
+    """An (embed, heads, head_dim) kernel annotated ('embed', 'kv'), as real models do."""
+    rules = (("embed", "data"), ("kv", "model"))
+    box = meshplan.LogicallyPartitioned(jnp.ones((4, 8, 16)), ("embed", "kv"), rules=rules)
+    with jax.set_mesh(auto_mesh):
+        assert box.unbox().sharding.spec == P("data", "model")
+    problems = meshplan.check({"w": box}, auto_mesh, rules)
+    assert [(p.severity, p.code) for p in problems if p.path == "w"] == [("info", "padded-names")]
+    assert not [p for p in problems if p.severity == "error"]
 
 
 # --------------------------------------------------------------------------
@@ -441,7 +455,7 @@ def test_replace_boxed_with_boxed_updates_raises_naming_the_path():
     params = _params()
     with pytest.raises(
         meshplan.LogicalNamesError,
-        match=r"(?s)\['W2'\]: the update is itself a box.*meshplan\.unbox\(updates\)",
+        match=r"(?s)W2: the update is itself a box.*meshplan\.unbox\(updates\)",
     ):
         meshplan.replace_boxed(params, params)
 
@@ -455,10 +469,10 @@ def test_replace_boxed_rank_mismatch_raises_naming_the_path():
         meshplan.replace_boxed(params, updates)
     message = str(info.value)
     assert (
-        "['Dense_0']['kernel']: a value of shape (4, 8, 1) (rank 3) cannot go into a box named (None, 'model') (rank 2)"
+        "Dense_0/kernel: a value of shape (4, 8, 1) (rank 3) cannot go into a box named (None, 'model') (rank 2)"
         in message
     )
-    assert "['W2']: a value of shape (8,) (rank 1)" in message
+    assert "W2: a value of shape (8,) (rank 1)" in message
     assert "structure and ranks of meshplan.unbox(tree)" in message
 
 

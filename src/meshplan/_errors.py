@@ -35,8 +35,9 @@ class Problem:
 
     Attributes:
         severity: ``'error'`` (``jax.jit`` would fail, or the plan is not
-            what was written) or ``'warning'`` (valid, but probably not meant:
-            memory spent on replication, rules that do nothing).
+            what was written), ``'warning'`` (valid, but probably not meant:
+            memory spent on replication, rules that do nothing) or ``'info'``
+            (worth knowing, e.g. fewer names than dimensions: the rest unsharded).
         path: Where: a leaf path (``'params/Dense_0/kernel'``), ``'rules[2]'``,
             ``'rules'`` or ``'mesh/data'``.
         message: What is wrong, with the names, sizes and axes involved.

@@ -6,6 +6,7 @@ way everywhere a plan is shown.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -13,7 +14,15 @@ from jax.sharding import PartitionSpec
 
 UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
 
-__all__ = ["axes_text", "count_text", "human_bytes", "path_text", "rule_text", "shape_text"]
+__all__ = [
+    "axes_text",
+    "count_text",
+    "human_bytes",
+    "path_text",
+    "paths_text",
+    "rule_text",
+    "shape_text",
+]
 
 
 def human_bytes(n: float) -> str:
@@ -71,3 +80,15 @@ def path_text(keypath: Any) -> str:
         ['a/0', 'a/1/b']
     """
     return jax.tree_util.keystr(tuple(keypath), simple=True, separator="/")
+
+
+def paths_text(paths: Sequence[str], shown: int = 3) -> str:
+    """The first ``shown`` paths, then how many more.
+
+    Example:
+        >>> from meshplan._text import paths_text
+        >>> paths_text(["a/w", "b/w", "c/w", "d/w", "e/w"])
+        'a/w, b/w, c/w and 2 more'
+    """
+    more = len(paths) - shown
+    return ", ".join(paths[:shown]) + (f" and {more} more" if more > 0 else "")

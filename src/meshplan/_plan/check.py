@@ -2,45 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-from meshplan._errors import Problem, ShardingValidationError, problem_message
-from meshplan._plan.explain import explain, explain_specs
+from meshplan._errors import Problem
+from meshplan._plan.explain import explain
 from meshplan._plan.problems import DEFAULT_REPLICATED_THRESHOLD, find_problems
-from meshplan._spmd.mesh_info import MeshInfo
+from meshplan._spmd.tree_check import raise_for_errors
 
-__all__ = ["check", "check_specs", "raise_for_errors"]
-
-_MAX_BULLETS = 40
-
-
-def raise_for_errors(problems: Sequence[Problem], mesh: MeshInfo) -> None:
-    """Raises one :class:`ShardingValidationError` listing every error, if there are any.
-
-    Example:
-        >>> from meshplan._plan.check import Problem, raise_for_errors
-        >>> from meshplan._spmd.mesh_info import mesh_info
-        >>> raise_for_errors([Problem("warning", "w", "m", "f", "replicated")], mesh_info({"x": 2}))
-    """
-    errors = [p for p in problems if p.severity == "error"]
-    if not errors:
-        return
-    n = len(errors)
-    header = (
-        f"The sharding plan has {n} error{'s' if n != 1 else ''}. The mesh has shape "
-        f"{mesh.shape}, axis names {mesh.axis_names!r} ({mesh.size} devices):"
-    )
-    lines = [f"{p.path}: {p.message}" for p in errors[:_MAX_BULLETS]]
-    if n > _MAX_BULLETS:
-        lines.append(f"... and {n - _MAX_BULLETS} more (meshplan.check(...) lists them all)")
-    fixes = list(dict.fromkeys(p.fix for p in errors))
-    if len(fixes) > 8:
-        fixes = [*fixes[:8], f"... ({len(fixes) - 8} more)"]
-    fix = "To fix:\n" + "\n".join(f"  - {f}" for f in fixes)
-    error = ShardingValidationError(problem_message(header, lines, fix))
-    error.problems = list(problems)  # type: ignore[attr-defined]
-    raise error
+__all__ = ["check"]
 
 
 def check(
@@ -95,23 +64,6 @@ def check(
     """
     plan = explain(tree, mesh, rules)
     problems = find_problems(plan, replicated_threshold_bytes)
-    if strict:
-        raise_for_errors(problems, plan.mesh)
-    return problems
-
-
-def check_specs(tree: Any, mesh: Any, rules: Any = None, *, strict: bool = False) -> list[Problem]:
-    """:func:`check` for a tree of logical ``PartitionSpec``s (no shapes, so no sizes).
-
-    Example:
-        >>> import meshplan
-        >>> from jax.sharding import PartitionSpec as P
-        >>> from meshplan._plan.check import check_specs
-        >>> [p.path for p in check_specs({"w": P("embed")}, {"data": 2}, (("embed", "dta"),))]
-        ['rules[0]', 'mesh/data']
-    """
-    plan = explain_specs(tree, mesh, rules)
-    problems = find_problems(plan)
     if strict:
         raise_for_errors(problems, plan.mesh)
     return problems

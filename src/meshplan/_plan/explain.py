@@ -7,28 +7,26 @@ device holds and the bytes that costs. A :class:`Plan` prints as a table,
 serialises to a stable JSON schema (``docs/plan.md``) and draws itself as a
 PNG; :func:`meshplan.check` turns it into a list of problems.
 
-This module is the walk: leaf kinds, paths and groups, and one layout per
-distinct (kind, names, shape, dtype, rules). The records are in
-``_plan_leaves``, the per-leaf layout in ``_plan_layout``, the :class:`Plan`
-object in ``_plan_object``.
+This module turns the one walk (:func:`meshplan._spmd.leaves.array_leaves`) into
+plan records: paths and groups, and one layout per distinct (kind, names,
+shape, dtype, rules), each checked by the one validator
+(:func:`meshplan._spmd.validate.check_leaf`, through ``_plan.layout``). The
+records are in ``_plan.records``, the :class:`Plan` object in ``_plan.plan``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import jax
-from jax.sharding import PartitionSpec
-
 from meshplan._plan.layout import build_layout
 from meshplan._plan.plan import Plan
 from meshplan._plan.records import LeafLayout, LeafPlan
-from meshplan._spmd.boxes import LogicallyPartitioned, is_box
+from meshplan._spmd.leaves import array_leaves
 from meshplan._spmd.mesh_info import MeshInfo, mesh_info
 from meshplan._spmd.rules import get_logical_axis_rules, rules_problems
 from meshplan._text import path_text
 
-__all__ = ["explain", "explain_specs"]
+__all__ = ["explain"]
 
 
 def _mesh_and_rules(
@@ -49,22 +47,6 @@ def _key_str(key: Any) -> str:
 
 
 _GROUP_OF_PART = {"opt_state": "optimizer", "params": "params"}
-
-
-def _unwrap(box: Any) -> tuple[str, Any, Any, Any]:
-    """``(kind, names, value, own_rules)`` of a box, however nested."""
-    value = getattr(box, "value", None)
-    while is_box(value):
-        value = getattr(value, "value", None)
-    names = getattr(box, "names", None)
-    if names is None:
-        return "unboxed", None, value, None
-    if isinstance(names, PartitionSpec):
-        names = tuple(names)
-    elif not isinstance(names, tuple):
-        names = tuple(names) if isinstance(names, list) else names
-    logical = isinstance(box, LogicallyPartitioned) or type(box).__name__ == "LogicallyPartitioned"
-    return ("logical" if logical else "mesh"), names, value, getattr(box, "rules", None)
 
 
 def explain(tree: Any, mesh: Any, rules: Any = None) -> Plan:
@@ -110,24 +92,16 @@ def explain(tree: Any, mesh: Any, rules: Any = None) -> Plan:
         MeshError: ``mesh`` is not a mesh.
     """
     info, rules, index_map, rule_problems = _mesh_and_rules(mesh, rules)
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)
+    flat, skipped = array_leaves(tree)
 
     cache: dict[Any, LeafLayout] = {}
     key_text: dict[Any, str] = {}
     leaves: list[LeafPlan] = []
-    skipped = 0
-    for keypath, leaf in flat:
-        if is_box(leaf):
-            kind, names, value, own_rules = _unwrap(leaf)
-        else:
-            kind, names, value, own_rules = "unboxed", None, leaf, None
-        shape = getattr(value, "shape", None)
-        if shape is None:
-            skipped += 1
-            continue
-        dtype = getattr(value, "dtype", None)
-        if not isinstance(shape, tuple):
-            shape = tuple(shape)
+    for leaf in flat:
+        kind, names, shape, dtype, own_rules = (
+            leaf.kind, leaf.names, leaf.shape, leaf.dtype, leaf.own_rules
+        )  # fmt: skip
+        keypath = leaf.keypath
         key = (kind, names, shape, dtype, own_rules)
         try:
             layout = cache.get(key)
@@ -165,28 +139,3 @@ def explain(tree: Any, mesh: Any, rules: Any = None) -> Plan:
         rule_problems,
         index_map,
     )
-
-
-def explain_specs(tree: Any, mesh: Any, rules: Any = None) -> Plan:
-    """A plan for a tree of *logical* ``PartitionSpec``s (no shapes: no bytes, no divisibility).
-
-    Used by ``logical_to_mesh_sharding(..., strict=True)``.
-    """
-    info, rules, index_map, rule_problems = _mesh_and_rules(mesh, rules)
-    flat, _ = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, PartitionSpec)
-    )
-    leaves = []
-    cache: dict[Any, LeafLayout] = {}
-    for keypath, spec in flat:
-        if not isinstance(spec, PartitionSpec):
-            continue
-        names = tuple(spec)
-        layout = cache.get(names)
-        if layout is None:
-            layout = cache[names] = build_layout(
-                "logical", names, None, None, rules, index_map, info
-            )
-        path = path_text(keypath)
-        leaves.append(LeafPlan(path, "other", layout))
-    return Plan(info, rules, leaves, 0, rule_problems, index_map)

@@ -56,8 +56,6 @@ def build_layout(
         A :class:`LeafLayout`.
     """
     leaf = check_leaf(kind, names, shape, rules, index_map, mesh)
-    # Errors make the plan's issues; 'info' problems (names shorter than the rank) are notes.
-    issues = [(p.code, p.message, p.fix) for p in leaf.errors]
     dims = [
         DimPlan(
             d.index, d.size, d.name, d.mesh_axes, d.shards,
@@ -93,5 +91,5 @@ def build_layout(
         bytes_per_device=per_device,
         replication=replication,
         device_bytes=device_bytes,
-        issues=tuple(issues),
+        issues=leaf.problems,
     )

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
 from typing import TYPE_CHECKING
 
 from meshplan._errors import Problem
-from meshplan._spmd.mesh_info import MeshInfo, axis_names_fix
-from meshplan._spmd.rules import mesh_axes_of
-from meshplan._text import axes_text, count_text, human_bytes, rule_text
+from meshplan._spmd.mesh_info import MeshInfo
+from meshplan._spmd.tree_check import no_rules_problem, only_unmatched, rule_axis_problems
+from meshplan._text import count_text, human_bytes, paths_text, rule_text
 
 if TYPE_CHECKING:
     from meshplan._plan.plan_data import PlanData
@@ -19,17 +19,9 @@ __all__ = ["DEFAULT_REPLICATED_THRESHOLD", "find_problems"]
 DEFAULT_REPLICATED_THRESHOLD = 1 << 20
 """Arrays of at least this many bytes that every device holds whole are reported (1 MiB)."""
 
-_MAX_PATHS_NAMED = 3
-
 
 def _leaves_text(n: int) -> str:
     return count_text(n, "leaf", "leaves")
-
-
-def _paths_text(paths: Sequence[str]) -> str:
-    shown = ", ".join(paths[:_MAX_PATHS_NAMED])
-    more = len(paths) - _MAX_PATHS_NAMED
-    return shown + (f" and {more} more" if more > 0 else "")
 
 
 def find_problems(
@@ -69,14 +61,12 @@ def find_problems(
     unmatched: dict[str, list[str]] = {}
     used_axes: set[str] = set()
     logical_without_rules: list[str] = []
+    infos: list[Problem] = []
     for layout, paths in groups.values():
-        for code, message, fix in layout.issues:
-            for path in paths:
-                leaf_errors.append(Problem("error", path, message, fix, code))
-        only_unmatched = layout.kind == "logical" and all(
-            d.status in ("no-rule", "unnamed") for d in layout.dims
-        )
-        if only_unmatched and not rules and any(d.status == "no-rule" for d in layout.dims):
+        for issue in layout.issues:
+            found = leaf_errors if issue.severity == "error" else infos
+            found.extend(dataclasses.replace(issue, path=path) for path in paths)
+        if layout.kind == "logical" and not rules and only_unmatched(layout.dims):
             logical_without_rules.extend(paths)
             continue
         for d in layout.dims:
@@ -102,33 +92,8 @@ def find_problems(
         errors.extend(sorted(leaf_errors, key=lambda p: order[p.path]))
 
     if logical_without_rules:
-        paths = logical_without_rules
-        errors.append(
-            Problem(
-                "error",
-                paths[0],
-                f"{_leaves_text(len(paths))} ({_paths_text(paths)}) have logical axis names "
-                f"but no rules are given or active, so every logical dimension is replicated",
-                "Pass rules=..., or call inside `with meshplan.logical_axis_rules(rules):`.",
-                "no-rules",
-            )
-        )
-
-    for i, (name, axes) in zip(index_map, rules, strict=True):
-        missing = tuple(a for a in mesh_axes_of(axes) if a not in mesh.shape)
-        if missing:
-            users = rule_paths.get(i, [])
-            used = f" (it places {_leaves_text(len(users))}: {_paths_text(users)})" if users else ""
-            errors.append(
-                Problem(
-                    "error",
-                    f"rules[{i}]",
-                    f"{rule_text(i, (name, axes))} names mesh axis {axes_text(missing)}, which "
-                    f"the mesh {mesh.shape} does not have{used}",
-                    axis_names_fix(missing, mesh),
-                    "rule-unknown-axis",
-                )
-            )
+        errors.append(no_rules_problem(logical_without_rules))
+    errors.extend(rule_axis_problems(rules, index_map, mesh, rule_paths))
 
     any_logical = any(layout.kind == "logical" for layout, _ in groups.values())
     for name, paths in unmatched.items():
@@ -142,7 +107,7 @@ def find_problems(
                 "warning",
                 paths[0],
                 f"logical name {name!r} is placed by no rule{why if skips else ''}: it is "
-                f"replicated in {_leaves_text(len(paths))} ({_paths_text(paths)})",
+                f"replicated in {_leaves_text(len(paths))} ({paths_text(paths)})",
                 f"Add a rule for {name!r} (e.g. ({name!r}, {mesh.axis_names[-1]!r}) if it is "
                 f"free), or ({name!r}, None) to keep it whole on purpose.",
                 "no-rule",
@@ -157,7 +122,7 @@ def find_problems(
             if seen:
                 message = (
                     f"{rule_text(i, (name, axes))} is never used: it named {name!r} in "
-                    f"{_leaves_text(len(seen))} ({_paths_text(seen)}) and was skipped each time"
+                    f"{_leaves_text(len(seen))} ({paths_text(seen)}) and was skipped each time"
                 )
             else:
                 message = (
@@ -189,7 +154,7 @@ def find_problems(
                         "idle-axis",
                     )
                 )
-    return errors + warnings
+    return errors + warnings + infos
 
 
 def _replicated(path: str, layout: LeafLayout, mesh: MeshInfo) -> Problem:

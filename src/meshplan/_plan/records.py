@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from meshplan._errors import Problem
 from meshplan._spmd.rules import UNCONSTRAINED, SkippedRule
 from meshplan._text import axes_text, rule_text
 
@@ -176,7 +177,7 @@ class LeafLayout:
     bytes_per_device: int
     replication: int
     device_bytes: np.ndarray | None  # per device, only when shards are uneven
-    issues: tuple[tuple[str, str, str], ...]  # (code, message, fix) about this leaf alone
+    issues: tuple[Problem, ...]  # the validator's problems of this leaf alone (no path)
 
 
 class LeafPlan:

@@ -18,9 +18,16 @@ import numpy as np
 from flax.core.meta import AxisMetadata
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshplan._errors import ArgumentError, LogicalNamesError, PartitioningUnspecifiedError
-from meshplan._spmd.mesh import active_mesh, apply_spec, check_rank
+from meshplan._errors import (
+    ArgumentError,
+    LogicalNamesError,
+    PartitioningUnspecifiedError,
+    Problem,
+)
+from meshplan._spmd.mesh import active_mesh, apply_spec
 from meshplan._spmd.rules import normalize_names, normalize_rules
+from meshplan._spmd.validate import rank_problem
+from meshplan._text import path_text
 
 __all__ = [
     "PARTITION_NAME",
@@ -253,8 +260,9 @@ class Partitioned(AxisMetadata[A], Generic[A]):
     def _checked_spec(self) -> PartitionSpec:
         spec = self.get_partition_spec()
         shape = getattr(self.value, "shape", None)
-        if shape is not None and len(spec) != len(shape):  # describe the box only on error
-            check_rank(spec, tuple(shape), self._what(), exact=True)
+        if shape is not None and len(spec) > len(shape):  # fewer names: the rest unsharded
+            problem = rank_problem(tuple(spec), tuple(shape))
+            raise LogicalNamesError(f"{self._what()}: {problem.message}.\n{problem.fix}", [problem])
         return spec
 
     def _what(self) -> str:
@@ -348,12 +356,16 @@ class LogicallyPartitioned(Partitioned[A]):
         rules = self.rules if self.rules is not None else get_logical_axis_rules()
         spec = self._checked_spec()
         if not rules:
-            raise LogicalNamesError(
+            problem = Problem(
+                "error",
+                "",
                 f"get_sharding got {self._what()}, whose names are logical, and no rules are "
-                f"active to map them to mesh axes.\nCall "
-                f"meshplan.logical_to_mesh_sharding(meshplan.get_partition_spec(tree), mesh, "
-                f"rules), or get_sharding inside `with meshplan.logical_axis_rules(rules):`."
+                f"active to map them to mesh axes",
+                "Call meshplan.logical_to_mesh_sharding(meshplan.get_partition_spec(tree), mesh, "
+                "rules), or get_sharding inside `with meshplan.logical_axis_rules(rules):`.",
+                "no-rules",
             )
+            raise LogicalNamesError(f"{problem.message}.\n{problem.fix}", [problem])
         return NamedSharding(mesh, logical_to_mesh_axes(tuple(spec), rules))
 
 
@@ -487,7 +499,7 @@ def replace_boxed(tree: Any, updates: Any) -> Any:
         inner = box.value if isinstance(box, Partitioned) else box.unbox()
         if isinstance(new, AxisMetadata):
             problems.append(
-                f"{jax.tree_util.keystr(path)}: the update is itself a box "
+                f"{path_text(path)}: the update is itself a box "
                 f"({type(new).__name__}); pass raw values (meshplan.unbox(updates))"
             )
             return box
@@ -497,7 +509,7 @@ def replace_boxed(tree: Any, updates: Any) -> Any:
             new_shape = getattr(new, "shape", None)
             if new_shape is not None and len(new_shape) != len(box.names):
                 problems.append(
-                    f"{jax.tree_util.keystr(path)}: a value of shape {tuple(new_shape)} "
+                    f"{path_text(path)}: a value of shape {tuple(new_shape)} "
                     f"(rank {len(new_shape)}) cannot go into a box named {box.names!r} "
                     f"(rank {len(box.names)})"
                 )

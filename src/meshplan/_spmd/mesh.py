@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -10,8 +9,10 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from meshplan._errors import LogicalNamesError, MeshError
+from meshplan._errors import LogicalNamesError, MeshError, error_from_problems
+from meshplan._spmd.mesh_info import mesh_info
 from meshplan._spmd.rules import mesh_axes_of
+from meshplan._spmd.validate import check_leaf
 
 __all__ = ["active_mesh", "apply_spec"]
 
@@ -78,16 +79,6 @@ def uneven_dimensions(
     return out
 
 
-def check_rank(spec: PartitionSpec, shape: tuple[int, ...], what: str, *, exact: bool) -> None:
-    """Raises when ``spec`` has more entries than ``shape`` has dimensions (or differs, if exact)."""
-    n = len(spec)
-    if n > len(shape) or (exact and n != len(shape)):
-        raise LogicalNamesError(
-            f"{what} gives {n} axis names {tuple(spec)!r} for an array of rank {len(shape)} "
-            f"(shape {tuple(shape)}).\nGive exactly one name (or None) per dimension."
-        )
-
-
 def _fill_unconstrained(value: Any, spec: PartitionSpec) -> PartitionSpec:
     """Explicit meshes have no 'unconstrained': keep the value's current sharding there."""
     if not any(e is PartitionSpec.UNCONSTRAINED for e in spec):
@@ -99,30 +90,35 @@ def _fill_unconstrained(value: Any, spec: PartitionSpec) -> PartitionSpec:
     )
 
 
-def check_axes_exist(spec: PartitionSpec, mesh: Any, context: str) -> None:
-    """Raises :class:`MeshError` when ``spec`` names mesh axes that ``mesh`` lacks.
+def check_spec(spec: PartitionSpec, mesh: Any, what: str, shape: Any = None) -> None:
+    """Raises for what the validator finds wrong with a mesh ``spec`` for one array on ``mesh``.
+
+    More names than the array has dimensions is a :class:`LogicalNamesError`; a
+    mesh axis the mesh lacks, or one used twice, a :class:`MeshError`. Fewer names
+    than dimensions are fine (the rest are unsharded), and sizes that do not
+    divide are left to the caller (``meshplan.check`` reports them).
 
     Example:
         >>> import jax
         >>> from jax.sharding import PartitionSpec as P
-        >>> from meshplan._spmd.mesh import check_axes_exist
+        >>> from meshplan._spmd.mesh import check_spec
         >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
-        >>> check_axes_exist(P("data", "model"), mesh, "spec")  # fine: returns None
-        >>> check_axes_exist(P("modle"), mesh, "spec")
+        >>> check_spec(P("data", "model"), mesh, "w")  # fine: returns None
+        >>> check_spec(P("modle"), mesh, "w")
         Traceback (most recent call last):
         ...
-        meshplan.MeshError: spec: the mesh {'data': 2, 'model': 4} has no axis 'modle'.
-        Did you mean 'model'? Use the mesh's axis names ('data', 'model'), or map logical names to them with rules.
+        meshplan.MeshError: Cannot lay out w as P('modle',) on the mesh {'data': 2, 'model': 4}:
+          * dim 0 names mesh axis 'modle', which the mesh {'data': 2, 'model': 4} does not have
+        Did you mean 'model'? Use the mesh's axis names ('data', 'model').
     """
-    missing = [a for e in spec for a in mesh_axes_of(e) if a not in mesh.axis_names]
-    if missing:
-        guess = [g for a in missing for g in difflib.get_close_matches(a, mesh.axis_names, n=1)]
-        raise MeshError(
-            f"{context}: the mesh {dict(mesh.shape)} has no axis "
-            f"{', '.join(map(repr, missing))}.\n"
-            + (f"Did you mean {guess[0]!r}? " if guess else "")
-            + f"Use the mesh's axis names {tuple(mesh.axis_names)!r}, or map logical names "
-            f"to them with rules."
+    info = mesh_info(mesh)
+    shape = None if shape is None else tuple(shape)
+    leaf = check_leaf("mesh", tuple(spec), shape, (), (), info)
+    errors = [p for p in leaf.errors if p.code != "indivisible"]
+    if errors:
+        error = LogicalNamesError if errors[0].code == "rank" else MeshError
+        raise error_from_problems(
+            error, f"Cannot lay out {what} as {spec} on the mesh {info.shape}:", errors
         )
 
 
@@ -150,10 +146,7 @@ def apply_spec(value: Any, spec: PartitionSpec, mesh: Any = None, *, what: str =
         target, named = _legacy_mesh(), True
         if target is None:
             return value
-    shape = getattr(value, "shape", None)
-    if shape is not None:
-        check_rank(spec, tuple(shape), what, exact=False)
-    check_axes_exist(spec, target, f"Cannot constrain {what} to {spec}")
+    check_spec(spec, target, what, getattr(value, "shape", None))
     types = set(_axis_types(target))
     if types <= {AxisType.Auto}:
         sharding = NamedSharding(target, spec) if named else spec

@@ -492,7 +492,6 @@ def logical_to_mesh_axes(
         rules = _active.rules
     try:
         return _mesh_axes_cached(array_dim_names, rules)
-    except TypeError:
-        if isinstance(array_dim_names, PartitionSpec):
-            return _mesh_axes_cached(tuple(array_dim_names), rules)
-        return to_partition_spec(resolve(array_dim_names, rules))
+    except TypeError:  # unhashable: lists (rules or names from YAML/JSON) somewhere
+        names = normalize_names(array_dim_names)
+        return _mesh_axes_cached(names, normalize_rules(rules))

@@ -3,16 +3,25 @@ that ``jax.jit`` takes."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshplan._errors import LogicalNamesError, MeshError, MeshplanError, problem_message
+from meshplan._errors import (
+    LogicalNamesError,
+    MeshError,
+    MeshplanError,
+    Problem,
+    error_from_problems,
+)
 from meshplan._spmd.boxes import LogicallyPartitioned, Partitioned, is_box
-from meshplan._spmd.mesh import check_axes_exist
-from meshplan._spmd.rules import logical_to_mesh_axes, mesh_axes_of
+from meshplan._spmd.mesh import active_mesh, check_spec
+from meshplan._spmd.rules import logical_to_mesh_axes, normalize_rules
+from meshplan._spmd.tree_check import raise_for_errors, spec_errors, tree_errors
+from meshplan._text import path_text
 
 __all__ = [
     "get_partition_spec",
@@ -35,55 +44,74 @@ def _leaf_spec(x: Any) -> PartitionSpec | None:
     return None
 
 
+def _leaf_problems(path: str, error: MeshplanError) -> list[Problem]:
+    """The error's problems at ``path`` (its message as one problem when it has none)."""
+    if error.problems:
+        return [dataclasses.replace(p, path=path) for p in error.problems]
+    return [Problem("error", path, str(error), "", "error")]
+
+
 def _map_collecting(fn: Callable[[Any], Any], tree: Any, is_leaf: Callable[[Any], bool]) -> Any:
-    """``tree_map`` that, when a leaf fails, walks again by path and raises once for all."""
+    """``tree_map`` that, when leaves fail, walks again by path and raises once for all."""
     try:
         return jax.tree_util.tree_map(fn, tree, is_leaf=is_leaf)
-    except (ValueError, TypeError, KeyError) as e:
+    except MeshplanError as e:
         original = e
-    problems: list[str] = []
-    first: BaseException | None = None
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
+    problems: list[Problem] = []
+    first: MeshplanError | None = None
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
         try:
             fn(leaf)
-        except (ValueError, TypeError, KeyError) as e:
+        except MeshplanError as e:
             first = first or e
-            problems.append(f"{jax.tree_util.keystr(path)}: {str(e).splitlines()[0]}")
-    if not problems:  # no single leaf fails: the error is not about a leaf, so keep it as it is
+            problems.extend(_leaf_problems(path_text(keypath), e))
+    if first is None:  # no single leaf fails: the error is not about a leaf, so keep it as it is
         raise original
-    error = MeshError if isinstance(first, MeshError) else LogicalNamesError
-    if isinstance(first, MeshplanError) and not isinstance(first, LogicalNamesError | MeshError):
-        error = type(first)
-    fix = str(first).splitlines()[-1] if first and "\n" in str(first) else "See the messages above."
-    n = len(problems)
+    n = len({p.path for p in problems})
     header = f"{n} lea{'f' if n == 1 else 'ves'} cannot be partitioned:"
-    raise error(problem_message(header, problems, fix))
+    raise error_from_problems(type(first), header, problems)
 
 
 def _logical_spec(x: Any) -> PartitionSpec:
     """``x`` if it is a ``PartitionSpec``; otherwise an error saying what to pass instead."""
     if isinstance(x, PartitionSpec):
         return x
-    raise LogicalNamesError(
-        f"expected a logical PartitionSpec (or None) at each leaf, got "
-        f"{type(x).__name__}: {x!r}.\nPass meshplan.get_partition_spec(tree) for a tree of "
-        f"boxes or arrays, or write each leaf as PartitionSpec('embed', ...), not a tuple."
+    problem = Problem(
+        "error",
+        "",
+        f"expected a logical PartitionSpec (or None) at each leaf, got {type(x).__name__}: {x!r}",
+        "Pass meshplan.get_partition_spec(tree) for a tree of boxes or arrays, or write each "
+        "leaf as PartitionSpec('embed', ...), not a tuple.",
+        "names",
     )
+    raise LogicalNamesError(f"{problem.message}.\n{problem.fix}", [problem])
 
 
 def _named(mesh: Any, spec: PartitionSpec, cache: dict[PartitionSpec, NamedSharding]) -> Any:
     sharding = cache.get(spec)
     if sharding is None:
-        check_axes_exist(spec, mesh, f"spec {spec}")
-        named = [a for e in spec for a in mesh_axes_of(e)]
-        twice = sorted({a for a in named if named.count(a) > 1})
-        if twice:
-            raise MeshError(
-                f"spec {spec} puts mesh axis {', '.join(map(repr, twice))} on more than one "
-                f"dimension.\nUse each mesh axis for at most one dimension of an array."
-            )
+        check_spec(spec, mesh, "an array")
         sharding = cache[spec] = NamedSharding(mesh, spec)
     return sharding
+
+
+def _mesh_or_active(mesh: Any, caller: str) -> Any:
+    """``mesh``, else the mesh of ``jax.set_mesh`` (or a legacy ``with mesh:``), else an error."""
+    if mesh is not None:
+        return mesh
+    try:
+        concrete = jax.sharding.get_mesh()
+    except ValueError:  # under a trace with an abstract mesh only
+        concrete = None
+    if concrete is not None and not concrete.empty:
+        return concrete
+    active = active_mesh()
+    if active is not None:
+        return active
+    raise MeshError(
+        f"{caller} got mesh=None and no mesh is active.\nPass a mesh "
+        f"(jax.make_mesh((2, 4), ('data', 'model'))), or call it inside `with jax.set_mesh(mesh):`."
+    )
 
 
 def get_partition_spec(tree: Any) -> Any:
@@ -113,7 +141,7 @@ def get_partition_spec(tree: Any) -> Any:
     return _map_collecting(leaf, tree, is_box)
 
 
-def get_sharding(tree: Any, mesh: jax.sharding.Mesh, *, strict: bool = False) -> Any:
+def get_sharding(tree: Any, mesh: jax.sharding.Mesh | None, *, strict: bool = False) -> Any:
     """Tree of ``NamedSharding``s on ``mesh``, by the same walk as :func:`get_partition_spec`.
 
     Non-array leaves (such as a ``TrainState``'s ``apply_fn``) give ``None``.
@@ -121,6 +149,12 @@ def get_sharding(tree: Any, mesh: jax.sharding.Mesh, *, strict: bool = False) ->
     ``strict=True`` the tree is first checked as :func:`meshplan.check` does,
     and every error (a size that does not divide, an unknown mesh axis, ...)
     is raised at once as a ``ShardingValidationError`` naming each path.
+
+    ``mesh=None`` uses the active mesh (``jax.set_mesh``), and is an error when
+    none is active. An ``AbstractMesh`` (``mesh.abstract_mesh``) gives shardings
+    that ``jax.jit`` accepts only under ``jax.set_mesh`` of a concrete mesh of
+    the same shape: outside one, pass the concrete ``Mesh`` (``meshplan.check``
+    warns about this with the code ``'abstract-mesh'``).
 
     Example:
         >>> import jax, jax.numpy as jnp, meshplan
@@ -130,10 +164,9 @@ def get_sharding(tree: Any, mesh: jax.sharding.Mesh, *, strict: bool = False) ->
         >>> meshplan.get_sharding(tree, mesh)["w"].spec
         P(None, 'model')
     """
+    mesh = _mesh_or_active(mesh, "get_sharding")
     if strict:
-        from meshplan._plan.check import check
-
-        check(tree, mesh, strict=True)
+        raise_for_errors(tree_errors(tree, mesh), mesh)
     cache: dict[PartitionSpec, NamedSharding] = {}
     by_names: dict[tuple[Any, ...], NamedSharding] = {}  # checked already: skip the spec
 
@@ -164,6 +197,8 @@ def logical_to_mesh(tree: Any, rules: Any = None) -> Any:
         ...                          (("hidden", "model"),))
         {'step': P(), 'w': P(None, 'model')}
     """
+    if rules is not None:
+        rules = normalize_rules(rules)
     return _map_collecting(
         lambda x: logical_to_mesh_axes(_logical_spec(x), rules),
         tree,
@@ -172,7 +207,7 @@ def logical_to_mesh(tree: Any, rules: Any = None) -> Any:
 
 
 def logical_to_mesh_sharding(
-    tree: Any, mesh: jax.sharding.Mesh, rules: Any = None, *, strict: bool = False
+    tree: Any, mesh: jax.sharding.Mesh | None, rules: Any = None, *, strict: bool = False
 ) -> Any:
     """Tree of logical ``PartitionSpec``s to a tree of ``NamedSharding``s on ``mesh``.
 
@@ -191,10 +226,11 @@ def logical_to_mesh_sharding(
         >>> out["w"].spec
         P(None, 'model')
     """
+    mesh = _mesh_or_active(mesh, "logical_to_mesh_sharding")
     if strict:
-        from meshplan._plan.check import check_specs
-
-        check_specs(tree, mesh, rules, strict=True)
+        raise_for_errors(spec_errors(tree, mesh, rules), mesh)
+    if rules is not None:
+        rules = normalize_rules(rules)  # once, not per leaf: lists from YAML/JSON become tuples
     cache: dict[PartitionSpec, NamedSharding] = {}
 
     def leaf(x: Any) -> Any:  # None is an empty subtree: it stays None

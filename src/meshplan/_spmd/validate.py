@@ -36,7 +36,7 @@ from meshplan._spmd.rules import (
 )
 from meshplan._text import axes_text
 
-__all__ = ["DimCheck", "LeafCheck", "check_leaf", "validate"]
+__all__ = ["DimCheck", "LeafCheck", "check_leaf", "rank_problem", "validate"]
 
 KINDS = ("logical", "mesh", "unboxed")
 
@@ -124,6 +124,38 @@ def _axes_with_sizes(d: DimCheck) -> str:
     )
 
 
+def rank_problem(names: tuple[Any, ...], shape: tuple[int, ...]) -> Problem:
+    """The problem with ``len(names) != len(shape)``: an error for more names, information for fewer.
+
+    Fewer names leave the trailing dimensions unsharded, as a shorter ``PartitionSpec`` does
+    (Flax and JAX accept it; e.g. a ``DenseGeneral`` kernel (embed, heads, head_dim) named
+    ``('embed', 'kv')``).
+
+    Example:
+        >>> from meshplan._spmd.validate import rank_problem
+        >>> rank_problem(("embed",), (4, 8)).severity, rank_problem(("a", "b"), (4,)).code
+        ('info', 'rank')
+    """
+    ndim = len(shape)
+    if len(names) > ndim:
+        return _problem(
+            "rank",
+            f"{len(names)} axis names {tuple(names)!r} for an array of rank {ndim} "
+            f"(shape {tuple(shape)})",
+            f"Give at most one name (or None) per dimension: {ndim} names.",
+        )
+    rest = ndim - len(names)
+    return _problem(
+        "padded-names",
+        f"{len(names)} axis names {tuple(names)!r} for an array of rank {ndim} "
+        f"(shape {tuple(shape)}): the trailing {rest} dimension{'s are' if rest > 1 else ' is'} "
+        f"unsharded",
+        "Nothing to do if that is meant (as with a shorter PartitionSpec); otherwise name "
+        "every dimension.",
+        "info",
+    )
+
+
 def check_leaf(
     kind: str,
     names: tuple[Any, ...] | None,
@@ -159,27 +191,7 @@ def check_leaf(
     ndim = len(shape) if shape is not None else len(names or ())
     work: tuple[Any, ...] = (None,) * ndim if names is None else tuple(names)
     if shape is not None and names is not None and len(names) != ndim:
-        if len(names) > ndim:
-            problems.append(
-                _problem(
-                    "rank",
-                    f"{len(names)} axis names {tuple(names)!r} for an array of rank {ndim} "
-                    f"(shape {tuple(shape)})",
-                    f"Give at most one name (or None) per dimension: {ndim} names.",
-                )
-            )
-        else:
-            problems.append(
-                _problem(
-                    "padded-names",
-                    f"{len(names)} axis names {tuple(names)!r} for an array of rank {ndim} "
-                    f"(shape {tuple(shape)}): the trailing {ndim - len(names)} "
-                    f"dimension{'s are' if ndim - len(names) > 1 else ' is'} unsharded",
-                    "Nothing to do if that is meant (as with a shorter PartitionSpec); "
-                    "otherwise name every dimension.",
-                    "info",
-                )
-            )
+        problems.append(rank_problem(names, shape))
         work = (work + (None,) * ndim)[:ndim]
 
     trace = None

@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     use_cpu_devices(max(8, math.prod(shape.values())))
 
     import meshplan
-    from meshplan._plan.check import raise_for_errors
+    from meshplan._spmd.tree_check import raise_for_errors
 
     try:
         label, rules = load_rules(args.rules, args.model)

@@ -165,15 +165,18 @@ def _parts(
     parts: list[Any] = [title, table, totals]
     if problems:
         n_err = sum(p.severity == "error" for p in problems)
-        n_warn = len(problems) - n_err
+        n_warn = sum(p.severity == "warning" for p in problems)
+        n_info = len(problems) - n_err - n_warn
+        notes = f", {count_text(n_info, 'note')}" if n_info else ""
         parts.append(
             Text.from_markup(
-                f"[bold]{count_text(n_err, 'error')}, {count_text(n_warn, 'warning')}[/] "
+                f"[bold]{count_text(n_err, 'error')}, {count_text(n_warn, 'warning')}{notes}[/] "
                 f"(meshplan.check lists them all):"
             )
         )
+        marks = {"error": "[red]✗[/]", "warning": "[yellow]![/]"}
         for p in problems[:_MAX_PROBLEMS_SHOWN]:
-            mark = "[red]✗[/]" if p.severity == "error" else "[yellow]![/]"
+            mark = marks.get(p.severity, "[blue]i[/]")
             parts.append(Text.from_markup(f"  {mark} ") + Text(f"{p.path}: {p.message}"))
         if len(problems) > _MAX_PROBLEMS_SHOWN:
             parts.append(Text(f"  … {len(problems) - _MAX_PROBLEMS_SHOWN} more"))

@@ -1,0 +1,187 @@
+"""The validator over a whole tree: every error, found once, raised once.
+
+:func:`tree_errors` walks a tree (:func:`meshplan._spmd.leaves.array_leaves`),
+checks each distinct leaf with :func:`meshplan._spmd.validate.check_leaf`, and
+adds the errors only a whole tree shows: logical names with no rules at all,
+and a rule naming a mesh axis the mesh lacks. :func:`meshplan.check` reports the
+same errors (plus warnings) from a plan, through the functions here, so each
+check is written once. ``get_sharding(strict=True)`` and
+``logical_to_mesh_sharding(strict=True)`` call :func:`tree_errors` and
+:func:`raise_for_errors`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
+
+from meshplan._errors import Problem, ShardingValidationError, problem_message
+from meshplan._spmd.leaves import array_leaves
+from meshplan._spmd.mesh_info import MeshInfo, axis_names_fix, mesh_info
+from meshplan._spmd.rules import get_logical_axis_rules, mesh_axes_of, rules_problems
+from meshplan._spmd.validate import LeafCheck, check_leaf
+from meshplan._text import axes_text, count_text, path_text, paths_text, rule_text
+
+__all__ = [
+    "no_rules_problem",
+    "only_unmatched",
+    "raise_for_errors",
+    "rule_axis_problems",
+    "spec_errors",
+    "tree_errors",
+]
+
+_MAX_BULLETS = 40
+
+
+def no_rules_problem(paths: Sequence[str]) -> Problem:
+    """Leaves with logical names, and no rules given or active: all replicated."""
+    return Problem(
+        "error",
+        paths[0],
+        f"{count_text(len(paths), 'leaf', 'leaves')} ({paths_text(paths)}) have logical axis "
+        f"names but no rules are given or active, so every logical dimension is replicated",
+        "Pass rules=..., or call inside `with meshplan.logical_axis_rules(rules):`.",
+        "no-rules",
+    )
+
+
+def rule_axis_problems(
+    rules: Sequence[tuple[str, Any]],
+    index_map: Sequence[int],
+    mesh: MeshInfo,
+    users: Mapping[int, Sequence[str]],
+) -> list[Problem]:
+    """A rule that names a mesh axis the mesh lacks (``users``: the paths each rule places)."""
+    out = []
+    for i, (name, axes) in zip(index_map, rules, strict=True):
+        missing = tuple(a for a in mesh_axes_of(axes) if a not in mesh.shape)
+        if missing:
+            placed = users.get(i, ())
+            used = (
+                f" (it places {count_text(len(placed), 'leaf', 'leaves')}: {paths_text(placed)})"
+                if placed
+                else ""
+            )
+            out.append(
+                Problem(
+                    "error",
+                    f"rules[{i}]",
+                    f"{rule_text(i, (name, axes))} names mesh axis {axes_text(missing)}, which "
+                    f"the mesh {mesh.shape} does not have{used}",
+                    axis_names_fix(missing, mesh),
+                    "rule-unknown-axis",
+                )
+            )
+    return out
+
+
+def only_unmatched(dims: Sequence[Any]) -> bool:
+    """Whether a logical leaf's named dimensions all lack a rule (``dims``: their ``status``)."""
+    return any(d.status == "no-rule" for d in dims) and all(
+        d.status in ("no-rule", "unnamed") for d in dims
+    )
+
+
+def tree_errors(tree: Any, mesh: Any, rules: Any = None) -> list[Problem]:
+    """Every error in how ``tree`` would be laid out on ``mesh``, as :func:`meshplan.check` finds.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> from meshplan._spmd.tree_check import tree_errors
+        >>> tree = {"w": meshplan.LogicallyPartitioned(
+        ...     jax.ShapeDtypeStruct((6,), jnp.float32), ("embed",))}
+        >>> [(p.path, p.code) for p in tree_errors(tree, {"x": 4}, [["embed", "x"]])]
+        [('w', 'indivisible')]
+    """
+    info = mesh_info(mesh)
+    valid, index_map, errors = rules_problems(get_logical_axis_rules() if rules is None else rules)
+    cache: dict[Any, LeafCheck] = {}
+    users: dict[int, list[str]] = {}
+    without_rules: list[str] = []
+    leaves, _ = array_leaves(tree)
+    for leaf in leaves:
+        key = (leaf.kind, leaf.names, leaf.shape, leaf.own_rules)
+        try:
+            checked = cache.get(key)
+        except TypeError:  # unhashable names
+            key, checked = None, None
+        if checked is None:
+            if leaf.own_rules is not None and leaf.kind == "logical":
+                r, m, _ = rules_problems(leaf.own_rules)
+            else:
+                r, m = valid, index_map
+            checked = check_leaf(leaf.kind, leaf.names, leaf.shape, r, m, info)
+            if key is not None:
+                cache[key] = checked
+        path = path_text(leaf.keypath)
+        errors.extend(p for p in checked.at(path) if p.severity == "error")
+        if leaf.kind == "logical" and not valid and only_unmatched(checked.dims):
+            without_rules.append(path)
+        for d in checked.dims:
+            if d.status == "rule" and d.rule_index is not None:
+                users.setdefault(d.rule_index, []).append(path)
+    if without_rules:
+        errors.append(no_rules_problem(without_rules))
+    errors.extend(rule_axis_problems(valid, index_map, info, users))
+    return errors
+
+
+def spec_errors(tree: Any, mesh: Any, rules: Any = None) -> list[Problem]:
+    """:func:`tree_errors` for a tree of *logical* ``PartitionSpec``s (no shapes, so no sizes).
+
+    Example:
+        >>> from jax.sharding import PartitionSpec as P
+        >>> from meshplan._spmd.tree_check import spec_errors
+        >>> [(p.path, p.code) for p in spec_errors({"w": P("embed")}, {"data": 2}, [("embed", "dta")])]
+        [('rules[0]', 'rule-unknown-axis')]
+    """
+    info = mesh_info(mesh)
+    valid, index_map, errors = rules_problems(get_logical_axis_rules() if rules is None else rules)
+    users: dict[int, list[str]] = {}
+    flat = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )[0]
+    for keypath, spec in flat:
+        if not isinstance(spec, PartitionSpec):
+            continue
+        path = path_text(keypath)
+        checked = check_leaf("logical", tuple(spec), None, valid, index_map, info)
+        errors.extend(p for p in checked.at(path) if p.severity == "error")
+        for d in checked.dims:
+            if d.status == "rule" and d.rule_index is not None:
+                users.setdefault(d.rule_index, []).append(path)
+    errors.extend(rule_axis_problems(valid, index_map, info, users))
+    return errors
+
+
+def raise_for_errors(problems: Sequence[Problem], mesh: Any) -> None:
+    """Raises one :class:`ShardingValidationError` listing every error, if there are any.
+
+    The error's ``problems`` are all of ``problems`` (warnings included).
+
+    Example:
+        >>> import meshplan
+        >>> from meshplan._spmd.tree_check import raise_for_errors
+        >>> raise_for_errors([meshplan.Problem("warning", "w", "m", "f", "replicated")], {"x": 2})
+    """
+    errors = [p for p in problems if p.severity == "error"]
+    if not errors:
+        return
+    info = mesh_info(mesh)
+    n = len(errors)
+    header = (
+        f"The sharding plan has {n} error{'s' if n != 1 else ''}. The mesh has shape "
+        f"{info.shape}, axis names {info.axis_names!r} ({info.size} devices):"
+    )
+    lines = [f"{p.path}: {p.message}" for p in errors[:_MAX_BULLETS]]
+    if n > _MAX_BULLETS:
+        lines.append(f"... and {n - _MAX_BULLETS} more (meshplan.check(...) lists them all)")
+    fixes = list(dict.fromkeys(p.fix for p in errors))
+    if len(fixes) > 8:
+        fixes = [*fixes[:8], f"... ({len(fixes) - 8} more)"]
+    fix = "To fix:\n" + "\n".join(f"  - {f}" for f in fixes)
+    raise ShardingValidationError(problem_message(header, lines, fix), problems)
