@@ -155,10 +155,13 @@ def test_mesh_that_cannot_split_an_array_is_a_clear_error(saved):
     with pytest.raises(meshplan.CheckpointError) as e:
         meshplan.restore(folder, make_mesh((1, 8)), (("heads", "model"),))  # 4 heads over 8
     message = str(e.value)
-    assert "params/layers/attention/query: dimension 2 of size 4 ('heads')" in message
-    assert "does not divide over mesh axes ('model',) of total size 8" in message
-    with pytest.raises(meshplan.CheckpointError, match=r"mesh axes \['tensor'\]"):
+    assert "params/layers/attention/query: dim 2 ('heads') of size 4 does not divide by 8" in message
+    assert "(mesh axis 'model' of size 8)" in message
+    problems = {(p.path, p.code) for p in e.value.problems}  # the validator's, structured
+    assert ("params/layers/attention/query", "indivisible") in problems
+    with pytest.raises(meshplan.CheckpointError, match=r"rules\[0\] on mesh axis 'tensor'") as e:
         meshplan.restore(folder, mesh, (("heads", "tensor"),))
+    assert {p.code for p in e.value.problems} == {"unknown-axis"}
 
 
 def test_steps_rotation_and_incomplete_steps(tmp_path):

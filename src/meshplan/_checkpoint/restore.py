@@ -26,10 +26,10 @@ from meshplan._checkpoint.folder import (
 )
 from meshplan._checkpoint.metadata import CheckpointMetadata
 from meshplan._checkpoint.tree import flatten_state, nest, path_of, unnest
-from meshplan._errors import CheckpointError, problem_message
+from meshplan._errors import CheckpointError, Problem, error_from_problems, problem_message
 from meshplan._spmd.boxes import LogicallyPartitioned, Partitioned, is_box
-from meshplan._spmd.mesh import split_count
-from meshplan._spmd.rules import logical_to_mesh_axes, mesh_axes_of, normalize_rules
+from meshplan._spmd.rules import logical_to_mesh_axes, normalize_rules
+from meshplan._spmd.validate import validate
 
 __all__ = ["Restored", "compatibility_problems", "restore", "target_shardings"]
 
@@ -58,44 +58,29 @@ def target_shardings(
             lacks, or whose dimension the mesh axes do not divide.
     """
     rules = metadata.rules if rules is None else normalize_rules(rules)
-    sizes = dict(mesh.shape)
-    problems: list[str] = []
+    problems: list[Problem] = []
     out: dict[str, NamedSharding] = {}
     for key, info in metadata.arrays.items():
-        if info.names is None:
-            spec = PartitionSpec()
-        elif info.logical:
-            spec = logical_to_mesh_axes(info.names, rules)
+        kind = "unboxed" if info.names is None else "logical" if info.logical else "mesh"
+        errors = [
+            p
+            for p in validate(key, info.shape, info.names, mesh, rules, kind=kind)
+            if p.severity == "error"
+        ]
+        if errors:
+            problems.extend(errors)
+        elif kind == "unboxed":
+            out[key] = NamedSharding(mesh, PartitionSpec())
+        elif kind == "logical":
+            out[key] = NamedSharding(mesh, logical_to_mesh_axes(info.names, rules))
         else:
-            spec = PartitionSpec(*info.names)
-        bad = False
-        for dim, (size, entry) in enumerate(zip(info.shape, tuple(spec), strict=False)):
-            axes = mesh_axes_of(entry)
-            missing = [a for a in axes if a not in sizes]
-            if missing:
-                problems.append(
-                    f"{key}: dimension {dim} maps to mesh axes {missing} that the mesh "
-                    f"{sizes} lacks"
-                )
-                bad = True
-                continue
-            parts = split_count(entry, sizes)
-            if size % parts:
-                problems.append(
-                    f"{key}: dimension {dim} of size {size} ({info.names[dim]!r}) does not "
-                    f"divide over mesh axes {axes} of total size {parts}"
-                )
-                bad = True
-        if not bad:
-            out[key] = NamedSharding(mesh, spec)
+            out[key] = NamedSharding(mesh, PartitionSpec(*info.names))
     if problems:
-        raise CheckpointError(
-            problem_message(
-                f"Cannot lay the checkpoint's arrays out on the mesh {sizes} with these rules:",
-                problems,
-                "Use a mesh whose axes divide these dimensions, or rules that leave them "
-                "unsharded (e.g. data_parallel).",
-            )
+        raise error_from_problems(
+            CheckpointError,
+            f"Cannot lay the checkpoint's arrays out on the mesh {dict(mesh.shape)} with these "
+            f"rules:",
+            problems,
         )
     return out
 
