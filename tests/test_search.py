@@ -47,7 +47,7 @@ def test_a_batch_that_does_not_divide_over_the_batch_axes_is_rejected():
     for mesh in ("1x4", "2x2", "4x1"):  # data_parallel splits the batch over all 4 devices
         row = result.row(mesh, "data_parallel")
         assert row.status == "rejected"
-        assert row.reason.startswith("batch 2 does not divide by the 4 devices 'batch' is split")
+        assert row.reason.startswith("batch: dim 0 ('batch') of size 2 does not divide by 4")
     assert result.row("2x2", "tensor_parallel").status == "ok"  # batch over data=2 only
     assert result.row("4x1", "tensor_parallel").status == "rejected"
 

@@ -31,12 +31,14 @@ from meshplan._plan.explain import explain
 from meshplan._plan.render.table import to_text
 from meshplan._search.hlo import measure_step
 from meshplan._spmd.rules import logical_to_mesh_axes, mesh_axes_of
+from meshplan._spmd.validate import validate
 from meshplan._text import human_bytes
 from meshplan.layouts import LAYOUTS
 
 __all__ = ["SearchResult", "SearchRow", "mesh_shapes", "search_layouts"]
 
-DEFAULT_LAYOUTS = ("data_parallel", "fsdp", "tensor_parallel", "fsdp_tp")  # for the Transformer
+DEFAULT_LAYOUTS = ("data_parallel", "fsdp", "tensor_parallel", "fsdp_tp")
+"""The canned layouts of :mod:`meshplan.layouts` that ``search_layouts`` tries by default."""
 
 
 def mesh_shapes(devices: int, n_axes: int = 2) -> list[tuple[int, ...]]:
@@ -211,12 +213,13 @@ def _evaluate(row: SearchRow, state: Any, batch: int | None, budget: int | None)
         more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
         row.status, row.reason = "rejected", f"{errors[0].path}: {errors[0].message}{more}"
         return
-    entry = logical_to_mesh_axes(("batch",), row.rules)[0]
-    axes = mesh_axes_of(entry)  # check() has rejected rules naming axes the mesh lacks
-    parts = math.prod(row.mesh[a] for a in axes)
-    if batch is not None and batch % parts:
-        row.status, row.reason = "rejected", f"batch {batch} does not divide by the {parts} devices 'batch' is split over (mesh axes {axes})"  # fmt: skip
-        return
+    axes = mesh_axes_of(logical_to_mesh_axes(("batch",), row.rules)[0])
+    if batch is not None:  # the batch is one more array for the validator: (batch,) named 'batch'
+        bad = [p for p in validate("batch", (batch,), ("batch",), row.mesh, row.rules)
+               if p.severity == "error"]  # fmt: skip
+        if bad:
+            row.status, row.reason = "rejected", f"{bad[0].path}: {bad[0].message}"
+            return
     row.bytes_per_device = plan.totals["all"].max_device_bytes
     row.params_bytes_per_device = plan.totals["params"].max_device_bytes
     row.comm, row.idle_axes = _estimate(plan, axes, row.mesh)
@@ -258,7 +261,7 @@ def search_layouts(
     Args:
         abstract_state: What :func:`meshplan.explain` takes (``jax.eval_shape`` of init).
         devices: How many devices the mesh has.
-        layouts: ``{name: rules}``; ``None``: the four built-in ones for the Transformer.
+        layouts: ``{name: rules}``; ``None``: the four canned layouts (``DEFAULT_LAYOUTS``).
         axis_names: The mesh axis names the rules use.
         batch: Global batch size (default: ``example_batch``'s, else unchecked).
         memory_budget_bytes: State bytes one device may hold.
