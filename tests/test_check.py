@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import optax
 import pytest
 from jax.sharding import AxisType
@@ -273,3 +274,28 @@ def test_an_unused_rule_to_none_is_not_a_dead_rule():
     rules = (("embed", "data"), ("hidden", "model"), ("length", None), ("vocab", "model"))
     dead = [p.path for p in meshplan.check(tree, MESH, rules) if p.code == "dead-rule"]
     assert dead == ["rules[3]"]
+
+
+def test_an_abstract_mesh_is_a_warning_naming_the_fix():
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    tree = {"w": meshplan.Partitioned(jax.ShapeDtypeStruct((8, 8), jnp.float32), ("data", None))}
+    (problem,) = [p for p in meshplan.check(tree, mesh.abstract_mesh) if p.code == "abstract-mesh"]
+    assert problem.severity == "warning" and problem.path == "mesh"
+    assert "jax.set_mesh" in problem.fix and "concrete" in problem.fix
+    assert not [p for p in meshplan.check(tree, mesh) if p.code == "abstract-mesh"]
+    # What the warning is about: on the abstract mesh, jit outside set_mesh fails; inside, works.
+    shardings = meshplan.get_sharding(tree, mesh.abstract_mesh)
+    with jax.set_mesh(mesh):
+        out = jax.jit(lambda: jnp.zeros((8, 8)), out_shardings=shardings["w"])()
+    assert out.sharding.spec == P("data", None)
+
+
+def test_fewer_names_than_dimensions_are_information_not_errors():
+    tree = {
+        "w": meshplan.LogicallyPartitioned(jax.ShapeDtypeStruct((8, 4, 2), jnp.float32), ("embed",))
+    }
+    problems = meshplan.check(tree, MESH, (("embed", "data"),), strict=True)  # does not raise
+    (info,) = [p for p in problems if p.code == "padded-names"]
+    assert info.severity == "info" and info.path == "w"
+    assert "trailing 2 dimensions are unsharded" in info.message
+    assert problems[-1] is info  # information comes after errors and warnings

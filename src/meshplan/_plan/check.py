@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from jax.sharding import AbstractMesh
+
 from meshplan._errors import Problem
 from meshplan._plan.explain import explain
 from meshplan._plan.problems import DEFAULT_REPLICATED_THRESHOLD, find_problems
@@ -23,12 +25,15 @@ def check(
     """Finds every problem in how ``tree`` would be sharded on ``mesh``.
 
     Errors: a dimension whose size does not divide by its mesh axes (with the
-    nearest padded size), names whose length differs from the rank, a mesh
+    nearest padded size), more names than the array has dimensions, a mesh
     axis the mesh lacks, one mesh axis on two dimensions, rules that are not
     ``(name, axes)`` pairs, a rule naming a mesh axis the mesh lacks, logical
     names with no rules at all. Warnings: a logical name that no rule places
     (replicated), a rule no leaf uses, a mesh axis that shards nothing, an
-    array of at least ``replicated_threshold_bytes`` held whole by every device.
+    array of at least ``replicated_threshold_bytes`` held whole by every device,
+    an ``AbstractMesh`` (its shardings work in ``jax.jit`` only under
+    ``jax.set_mesh``). Information: fewer names than dimensions (the trailing
+    ones are unsharded, as with a shorter ``PartitionSpec``).
 
     Example:
         >>> import jax, jax.numpy as jnp, meshplan
@@ -64,6 +69,23 @@ def check(
     """
     plan = explain(tree, mesh, rules)
     problems = find_problems(plan, replicated_threshold_bytes)
+    if isinstance(mesh, AbstractMesh):
+        problems.insert(
+            sum(p.severity == "error" for p in problems), _abstract_mesh_warning(plan.mesh.shape)
+        )
     if strict:
         raise_for_errors(problems, plan.mesh)
     return problems
+
+
+def _abstract_mesh_warning(shape: dict[str, int]) -> Problem:
+    return Problem(
+        "warning",
+        "mesh",
+        f"the mesh {shape} is an AbstractMesh: the NamedShardings get_sharding builds on it "
+        f"work in jax.jit only under jax.set_mesh of a concrete mesh (elsewhere jit fails with "
+        f"'lowering_platforms ... AbstractMesh')",
+        "Pass the concrete jax.sharding.Mesh (jax.make_mesh(...)), or jit inside "
+        "`with jax.set_mesh(mesh):`.",
+        "abstract-mesh",
+    )
