@@ -347,3 +347,19 @@ def test_restore_without_a_mesh_uses_one_device_with_auto_axes(tmp_path):
     assert dict(mesh.shape) == {"data": 1, "model": 1}  # no mesh saved: the default names
     assert mesh.axis_types == (AxisType.Auto, AxisType.Auto)
     assert mesh.devices.flat[0] == jax.devices()[0]
+
+
+def test_checkpoint_errors_carry_a_code_for_callers_to_act_on(tmp_path, saved):
+    folder, _, _ = saved
+    cases = [
+        (lambda: meshplan.restore(tmp_path / "nowhere"), "ckpt-missing"),
+        (lambda: meshplan.restore(folder, step=12345), "ckpt-no-such-step"),
+    ]
+    (tmp_path / "empty").mkdir()
+    cases.append((lambda: meshplan.restore(tmp_path / "empty"), "ckpt-no-steps"))
+    for call, code in cases:
+        with pytest.raises(meshplan.CheckpointError) as info:
+            call()
+        (problem,) = info.value.problems
+        assert problem.code == code
+        assert problem.fix and "--" not in problem.fix  # API-level advice, no CLI flags

@@ -173,3 +173,24 @@ def error_from_problems(
     fix = fixes[0] if len(fixes) == 1 else "To fix:\n" + "\n".join(f"  - {f}" for f in fixes)
     lines = [f"{p.path}: {p.message}" if p.path else p.message for p in problems]
     return error(problem_message(header, lines, fix), problems)
+
+
+def error_for(
+    error: type[MeshplanError], code: str, path: str, message: str, fix: str
+) -> MeshplanError:
+    """An error about one thing: ``message.`` then ``fix`` on its own line, with its :class:`Problem`.
+
+    Callers (the command line) read ``error.problems[0].code`` to give their own advice.
+
+    Example:
+        >>> import meshplan
+        >>> from meshplan._errors import error_for
+        >>> e = error_for(meshplan.CheckpointError, "ckpt-missing", "/tmp/run",
+        ...               "No checkpoint folder at '/tmp/run'", "Save one there first.")
+        >>> print(e)
+        No checkpoint folder at '/tmp/run'.
+        Save one there first.
+        >>> e.problems[0].code
+        'ckpt-missing'
+    """
+    return error(f"{message}.\n{fix}", [Problem("error", path, message, fix, code)])

@@ -20,7 +20,7 @@ from typing import Any
 from etils import epath
 
 from meshplan._checkpoint.metadata import CheckpointMetadata
-from meshplan._errors import CheckpointError
+from meshplan._errors import CheckpointError, error_for
 
 __all__ = [
     "ITEM_NAMES",
@@ -157,13 +157,17 @@ _FIX_PATH = "Pass the path of a folder that a meshplan.Checkpointer saved into"
 def _check_folder(path: epath.Path, manager: Any) -> list[int]:
     """The complete steps of ``path``; a :class:`CheckpointError` saying why there are none."""
     if not path.exists():
-        raise CheckpointError(
-            f"No checkpoint folder at {str(path)!r}: it does not exist.\n"
-            f"Check the path, or save a checkpoint there first: "
-            f"meshplan.Checkpointer(path).save(step, state)."
-        )
+        raise error_for(
+            CheckpointError, "ckpt-missing", str(path),
+            f"No checkpoint folder at {str(path)!r}: it does not exist",
+            "Check the path, or save a checkpoint there first: "
+            "meshplan.Checkpointer(path).save(step, state).",
+        )  # fmt: skip
     if not path.is_dir():
-        raise CheckpointError(f"{str(path)!r} is a file, not a checkpoint folder.\n{_FIX_PATH}.")
+        raise error_for(
+            CheckpointError, "ckpt-not-a-folder", str(path),
+            f"{str(path)!r} is a file, not a checkpoint folder", f"{_FIX_PATH}.",
+        )  # fmt: skip
     steps = sorted(manager.all_steps())
     if steps:
         return steps
@@ -179,10 +183,11 @@ def _check_folder(path: epath.Path, manager: Any) -> list[int]:
     else:
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
         problem = f"it holds no step folders, only: {shown}"
-    raise CheckpointError(
-        f"{str(path)!r} is not a meshplan checkpoint: {problem}.\n"
-        f"{_FIX_PATH}, or save into a new folder to start afresh."
-    )
+    raise error_for(
+        CheckpointError, "ckpt-incomplete" if incomplete else "ckpt-no-steps", str(path),
+        f"{str(path)!r} is not a meshplan checkpoint: {problem}",
+        f"{_FIX_PATH}, or save into a new folder to start afresh.",
+    )  # fmt: skip
 
 
 def _step_to_read(path: epath.Path, steps: list[int], step: int | None) -> int:
@@ -192,10 +197,11 @@ def _step_to_read(path: epath.Path, steps: list[int], step: int | None) -> int:
         return int(step)
     midway = [n for n in incomplete_steps(path) if n.split(".", 1)[0] == str(step)]
     why = f" (its save stopped midway: {midway[0]!r})" if midway else ""
-    raise CheckpointError(
-        f"{str(path)!r} has no complete checkpoint at {step=}{why}; it has steps {steps}.\n"
-        f"Pass one of those steps, or step=None for the latest."
-    )
+    raise error_for(
+        CheckpointError, "ckpt-no-such-step", str(path),
+        f"{str(path)!r} has no complete checkpoint at {step=}{why}; it has steps {steps}",
+        "Pass one of those steps, or step=None for the latest.",
+    )  # fmt: skip
 
 
 def metadata_of(
@@ -213,16 +219,19 @@ def metadata_of(
         )
         data = restored[META_ITEM]
     except KeyError as e:
-        raise CheckpointError(
+        raise error_for(
+            CheckpointError, "ckpt-not-meshplan", where,
             f"{where} is not a meshplan checkpoint: it has no '{META_ITEM}' metadata item "
-            f"({e.args[0] if e.args else e}).\n{_FIX_PATH}; restore a plain Orbax "
-            f"checkpoint with orbax.checkpoint and a target tree."
-        ) from e
+            f"({e.args[0] if e.args else e})",
+            f"{_FIX_PATH}; restore a plain Orbax checkpoint with orbax.checkpoint and a "
+            f"target tree.",
+        ) from e  # fmt: skip
     except (OSError, ValueError) as e:
-        raise CheckpointError(
-            f"{where}: cannot read its '{META_ITEM}' metadata item ({type(e).__name__}: {e}).\n"
-            f"The step is damaged; restore an earlier step (step=...)."
-        ) from e
+        raise error_for(
+            CheckpointError, "ckpt-damaged", where,
+            f"{where}: cannot read its '{META_ITEM}' metadata item ({type(e).__name__}: {e})",
+            "The step is damaged; restore an earlier step (step=...).",
+        ) from e  # fmt: skip
     return CheckpointMetadata.from_json(data, where)
 
 

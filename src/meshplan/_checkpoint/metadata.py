@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from meshplan._checkpoint.tree import flatten_state
-from meshplan._errors import CheckpointError
+from meshplan._errors import CheckpointError, error_for
 from meshplan._spmd.boxes import LogicallyPartitioned
 from meshplan._spmd.rules import get_logical_axis_rules, normalize_rules
 
@@ -247,18 +247,20 @@ class CheckpointMetadata:
             '/tmp/run' (step 3) is not a meshplan checkpoint: its 'meshplan' item is not meshplan metadata, got format='other'.
         """
         if not isinstance(data, Mapping) or data.get("format") != FORMAT:
-            raise CheckpointError(
+            raise error_for(
+                CheckpointError, "ckpt-not-meshplan", where,
                 f"{where} is not a meshplan checkpoint: its 'meshplan' item is not meshplan "
-                f"metadata, got format={data.get('format') if isinstance(data, Mapping) else None!r}."
-                f"\nPass the folder a meshplan.Checkpointer saved into."
-            )
+                f"metadata, got format={data.get('format') if isinstance(data, Mapping) else None!r}",
+                "Pass the folder a meshplan.Checkpointer saved into.",
+            )  # fmt: skip
         if int(data.get("format_version", 0)) > FORMAT_VERSION:
-            raise CheckpointError(
+            raise error_for(
+                CheckpointError, "ckpt-newer-format", where,
                 f"{where} was written by a newer meshplan "
                 f"({data.get('meshplan_version')!r}, format_version="
-                f"{data.get('format_version')}), this one reads format_version "
-                f"{FORMAT_VERSION}.\nUpgrade meshplan to restore it."
-            )
+                f"{data.get('format_version')}), this one reads format_version {FORMAT_VERSION}",
+                "Upgrade meshplan to restore it.",
+            )  # fmt: skip
         mesh = data.get("mesh") or {}
         try:
             return cls(
@@ -273,7 +275,8 @@ class CheckpointMetadata:
                 meshplan_version=str(data.get("meshplan_version", "")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise CheckpointError(
-                f"{where}: its meshplan metadata is damaged ({type(e).__name__}: {e}).\n"
-                f"Restore an earlier step (step=...), or save into a new checkpoint folder."
-            ) from e
+            raise error_for(
+                CheckpointError, "ckpt-damaged", where,
+                f"{where}: its meshplan metadata is damaged ({type(e).__name__}: {e})",
+                "Restore an earlier step (step=...), or save into a new checkpoint folder.",
+            ) from e  # fmt: skip

@@ -26,7 +26,13 @@ from meshplan._checkpoint.folder import (
 )
 from meshplan._checkpoint.metadata import CheckpointMetadata
 from meshplan._checkpoint.tree import flatten_state, nest, path_of, unnest
-from meshplan._errors import CheckpointError, Problem, error_from_problems, problem_message
+from meshplan._errors import (
+    CheckpointError,
+    Problem,
+    error_for,
+    error_from_problems,
+    problem_message,
+)
 from meshplan._spmd.boxes import LogicallyPartitioned, Partitioned, is_box
 from meshplan._spmd.rules import logical_to_mesh_axes, normalize_rules
 from meshplan._spmd.validate import validate
@@ -256,11 +262,12 @@ def restore(
                 args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(target)}),
             )[STATE_ITEM]
         except KeyError as e:
-            raise CheckpointError(
+            raise error_for(
+                CheckpointError, "ckpt-damaged", str(p),
                 f"{str(p)!r} (step {metadata.step}) has its '{META_ITEM}' metadata but no "
-                f"'{STATE_ITEM}' arrays ({e.args[0] if e.args else e}).\n"
-                f"The step is damaged; restore an earlier step (step=...)."
-            ) from e
+                f"'{STATE_ITEM}' arrays ({e.args[0] if e.args else e})",
+                "The step is damaged; restore an earlier step (step=...).",
+            ) from e  # fmt: skip
     boxed = {}
     for key, value in unnest(restored):
         info = metadata.arrays[key]
