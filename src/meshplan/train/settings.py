@@ -1,8 +1,8 @@
 """How to train, apart from the model, mesh and layout: the settings and the optimizer.
 
-The learning-rate schedule depends on the step only, and batches on
-``(seed, step)`` only, so a run stopped and resumed sees exactly the batches and
-updates of one that never stopped.
+The learning-rate schedule depends on the step only, so a run stopped and
+resumed, with batches that depend on ``(seed, step)`` only (as ``meshplan
+train``'s do), sees exactly the batches and updates of one that never stopped.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ class TrainSettings:
     Attributes:
         steps: The step to train up to (a resumed run continues to it).
         batch: Sequences per step (global, over all devices).
-        seq_len: Bytes per sequence (the model reads ``seq_len`` and predicts the next).
+        seq_len: Tokens per sequence the model reads (``meshplan train``: bytes; its
+            batches hold ``seq_len + 1``, the last one predicted).
         lr: Peak learning rate of AdamW.
         warmup: Steps of linear warm-up to ``lr``, constant after.
         weight_decay: AdamW's decoupled weight decay.
