@@ -1,0 +1,116 @@
+"""The architecture holds: no import cycle, one-way layers, a flat public surface.
+
+The layer contracts themselves are import-linter's (``[tool.importlinter]`` in
+pyproject.toml, run by ``make test``); this file checks what they cannot: that no
+two modules import each other, even through a chain, counting imports inside
+functions and under ``TYPE_CHECKING``.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import grimp
+import pytest
+
+import meshplan
+
+SRC = Path(meshplan.__file__).parent
+
+
+def _graph() -> grimp.ImportGraph:
+    return grimp.build_graph(
+        "meshplan", include_external_packages=False, exclude_type_checking_imports=False
+    )
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle_through_a_chain():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_anywhere_counting_function_and_type_checking_imports():
+    graph = _graph()
+    edges = {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
+    assert _cycles(edges) == []
+
+
+def test_lower_layers_never_import_the_meshplan_package_itself():
+    graph = _graph()
+    importers = sorted(
+        m
+        for m in graph.find_modules_that_directly_import("meshplan")
+        if not m.startswith(("meshplan.examples", "meshplan.cli"))
+    )
+    assert importers == []
+
+
+@pytest.mark.parametrize("name", sorted(meshplan.__all__))
+def test_public_classes_report_the_public_module(name):
+    obj = getattr(meshplan, name)
+    if inspect.isclass(obj):
+        assert obj.__module__ == "meshplan", f"meshplan.{name} reports {obj.__module__}"
+
+
+def test_errors_print_their_public_path_in_tracebacks():
+    assert repr(meshplan.MeshError("x")) == "MeshError('x')"
+    assert f"{meshplan.MeshError.__module__}.{meshplan.MeshError.__qualname__}" == (
+        "meshplan.MeshError"
+    )
+
+
+def test_the_package_init_only_re_exports():
+    tree = ast.parse((SRC / "__init__.py").read_text())
+    defined = [
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+    ]
+    assert defined == []
+
+
+def test_every_module_lives_in_a_subpackage_of_one_concern():
+    flat = sorted(
+        p.name for p in SRC.glob("*.py") if p.name not in ("__init__.py", "py.typed")
+    )
+    # The bottom layer's three small modules and the two public modules; the rest is packaged.
+    assert flat == ["_errors.py", "_text.py", "_version.py", "layouts.py", "testing.py"]
