@@ -1,0 +1,316 @@
+"""Docs that cannot rot: every code block of README.md and docs/*.md runs as written.
+
+One test per page runs the page's blocks in order, in one namespace, in a fresh
+working folder:
+
+* ``python`` blocks are executed; a ``python`` block that starts with ``>>>`` is
+  a doctest (ELLIPSIS, NORMALIZE_WHITESPACE) whose output is compared;
+* ``json`` blocks must parse;
+* ``console``/``bash``/``sh`` blocks: each ``meshplan ...`` command must parse
+  (``meshplan.cli.build_parser``), and then
+
+  - cheap commands run as written (``python -m meshplan.cli``, CPU devices) and
+    must succeed; their shown output is illustrative;
+  - a command whose shown output starts with ``error:`` must exit with status 2
+    and print the lines shown (only the first when the checkpoint it reads was
+    made small, below);
+  - training (hundreds of steps, several processes) runs at the tiniest size
+    instead (2 steps of a 1-layer model, one process), so that the blocks after
+    it find the checkpoint they need; ``search --measure``, ``demo`` and
+    commands for several hosts are only parsed;
+
+  ``make X`` must be a target (``make -n X``), ``.venv/bin/python script.py`` a
+  script that exists;
+* ``text`` and unlabelled blocks are output, not run; an unlabelled block that
+  looks like a command fails, so a command cannot hide from the runner.
+
+Paths under ``/tmp/`` and ``/shared/`` in blocks (``/tmp/run``) go to a folder of
+the test session instead; ``/tmp/empty`` is an empty folder. A block is skipped
+only after an explicit ``<!-- not run: reason -->`` line. A failure names the page,
+the line and the block's first line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import doctest
+import importlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import traceback
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from docblocks import SHELL, Block, Command, blocks_of, commands_of
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
+LANGS = {"python", "json", "text", "", *SHELL}
+MAX_NOT_RUN = 2  # blocks skipped by a marker, in all pages together: keep them rare
+
+# Training at the tiniest size: what replaces a doc's long run (see tests/test_cli_train.py).
+FAST = ["--batch", "8", "--seq", "16", "--eval-every", "0", "--eval-batches", "1"]
+TINY = ["--layers", "1", "--embed", "32", "--mlp", "64", "--max-len", "64"]
+MULTI = {"--processes": 1, "--coordinator": 1, "--num-processes": 1, "--process-id": 1}
+DOC_PATH = re.compile(r"(?<![\w.])/(?:tmp|shared)/[\w.-]+")
+
+
+@dataclasses.dataclass
+class Session:
+    """What the pages share: a folder standing for /tmp, and the small runs made so far."""
+
+    root: Path
+    runs: set[tuple[str, ...]] = dataclasses.field(default_factory=set)
+    steps: dict[str, int] = dataclasses.field(default_factory=dict)  # small checkpoints
+
+    def map(self, text: str) -> str:
+        """``text`` with the docs' absolute paths (``/tmp/run``) moved under :attr:`root`."""
+        return DOC_PATH.sub(
+            lambda m: str(self.root / m.group(0).strip("/").replace("/", "-")), text
+        )
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory) -> Session:
+    root = tmp_path_factory.mktemp("docs")
+    (root / "tmp-empty").mkdir()
+    return Session(root)
+
+
+def cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``meshplan ARGS`` in a fresh process of this Python, on CPU devices."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, "-m", "meshplan.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _shown(result: subprocess.CompletedProcess[str]) -> str:
+    out, err = result.stdout[-3000:], result.stderr[-3000:]
+    return f"exit status {result.returncode}\nstdout:\n{out}\nstderr:\n{err}"
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def parses(args: list[str]) -> Any:
+    """The arguments as ``meshplan``'s parser reads them; fails with argparse's message."""
+    from meshplan.cli import build_parser
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return build_parser().parse_args(args)
+    except SystemExit:
+        raise AssertionError(
+            f"`meshplan {' '.join(args)}` does not parse:\n{err.getvalue()}"
+        ) from None
+
+
+def small_run(args: list[str], session: Session, cwd: Path) -> None:
+    """Trains as ``args`` ask, at the tiniest size and in one process: 2 steps per command."""
+    if tuple(args) in session.runs:
+        return  # the same command on an earlier page: its checkpoint is there
+    small: list[str] = []
+    skip = 0
+    for arg in args:
+        if skip:
+            skip -= 1
+        elif arg in MULTI:
+            skip = MULTI[arg]
+        elif arg.startswith("--devices"):
+            skip = 0 if "=" in arg else 1
+        else:
+            small.append(arg)
+    parsed = parses(small)
+    folder = parsed.ckpt_dir
+    step = session.steps.get(folder, 0) + 2 if parsed.resume else 2
+    small += [*FAST, "--steps", str(step)]
+    if not parsed.resume:
+        small += [*TINY, "--data", str(Path(__file__))]
+    result = cli(small, cwd)
+    failed = f"the small run `meshplan {' '.join(small)}` failed:\n"
+    assert result.returncode == 0, failed + _shown(result)
+    session.runs.add(tuple(args))
+    if folder:
+        session.steps[folder] = step
+
+
+def run_meshplan(command: Command, args: list[str], session: Session, cwd: Path) -> None:
+    parsed = parses(args)
+    output = [session.map(line) for line in command.output]
+    if output and output[0].startswith("error:"):
+        result = cli(args, cwd)
+        should = f"`meshplan {' '.join(args)}` should fail with status 2:\n"
+        assert result.returncode == 2, should + _shown(result)
+        printed = _words(result.stdout + result.stderr)
+        small = any(arg in session.steps for arg in args)
+        for line in output[:1] if small else output:
+            assert _words(line) in printed, f"not printed: {line!r}\n" + _shown(result)
+    elif parsed.command == "train":
+        if parsed.coordinator is None:
+            small_run(args, session, cwd)
+    elif parsed.command == "demo" or (parsed.command == "search" and parsed.measure):
+        pass  # parsed above; `make demo` and tests/test_search.py run them
+    else:
+        result = cli(args, cwd)
+        assert result.returncode == 0, f"`meshplan {' '.join(args)}` failed:\n" + _shown(result)
+
+
+def run_shell(block: Block, session: Session, cwd: Path) -> None:
+    for command in commands_of(block):
+        argv = [session.map(arg) for arg in command.argv]
+        try:
+            if argv[0] == "meshplan":
+                run_meshplan(command, argv[1:], session, cwd)
+            elif argv[0] == "make":
+                targets = argv[1:]
+                done = subprocess.run(
+                    ["make", "-n", *targets], cwd=ROOT, capture_output=True, text=True
+                )
+                assert done.returncode == 0, f"not a make target: {targets}\n{done.stderr}"
+            elif argv[0].endswith("/python") and len(argv) == 2 and argv[1].endswith(".py"):
+                script = ROOT / argv[1]
+                assert script.is_file(), f"no script {argv[1]}"
+                compile(script.read_text(), str(script), "exec")
+            else:
+                raise AssertionError("tests/test_docs.py does not know how to check this command")
+        except Exception as e:
+            raise AssertionError(
+                f"{block.page}:{command.line}: `{' '.join(command.argv)}`: {e}"
+            ) from None
+
+
+def run_doctest(block: Block, namespace: dict[str, Any], session: Session) -> None:
+    parser = doctest.DocTestParser()
+    test = parser.get_doctest(
+        session.map(block.text), namespace, block.where, str(ROOT / block.page), block.line - 1
+    )
+    report = io.StringIO()
+    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+    runner = doctest.DocTestRunner(optionflags=flags)
+    runner.run(test, out=report.write, clear_globs=False)
+    assert not runner.failures, report.getvalue()
+
+
+def run_python(block: Block, namespace: dict[str, Any], session: Session) -> None:
+    # Padded so that a traceback gives the line in the Markdown page.
+    code = "\n" * (block.line - 1) + session.map(block.text)
+    exec(compile(code, str(ROOT / block.page), "exec"), namespace)
+
+
+def looks_like_a_command(block: Block) -> bool:
+    lines = [line.strip() for line in block.text.splitlines()]
+    if any(line.startswith("$ ") for line in lines):
+        return True
+    starts = ("meshplan ", "make ", ".venv/bin/", "python ")
+    return block.lang == "" and any(line.startswith(starts) for line in lines)
+
+
+def run_block(block: Block, namespace: dict[str, Any], session: Session, cwd: Path) -> None:
+    assert block.lang in LANGS, f"unknown block language {block.lang!r}: use one of {LANGS}"
+    if block.lang == "python":
+        (run_doctest if block.is_doctest else run_python)(block, namespace, session)
+    elif block.lang == "json":
+        json.loads(block.text)
+    elif block.lang in SHELL:
+        run_shell(block, session, cwd)
+    else:
+        assert not looks_like_a_command(block), (
+            "this block looks like a command: label it ```console (with $ prompts) or "
+            "```bash so that it runs, or ```text if it is not one"
+        )
+
+
+def page_blocks(page: str) -> list[Block]:
+    return blocks_of((ROOT / page).read_text(), page)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_blocks_run(page, session, tmp_path, monkeypatch):
+    """Every block of the page, in order, in one namespace, in a fresh folder."""
+    monkeypatch.chdir(tmp_path)
+    # A real module, as dataclasses (and so Flax modules) look their class's module up.
+    module = types.ModuleType("docs_" + re.sub(r"\W", "_", page))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    namespace = module.__dict__
+    for block in page_blocks(page):
+        if block.not_run:
+            continue
+        failure = None
+        try:
+            run_block(block, namespace, session, tmp_path)
+        except AssertionError as e:
+            failure = str(e)
+        except Exception:
+            failure = traceback.format_exc()
+        if failure is not None:
+            pytest.fail(f"{block.where} failed:\n{failure}", pytrace=False)
+
+
+def test_blocks_skipped_only_by_marker_and_rarely():
+    skipped = [b.where + ": " + str(b.not_run) for p in PAGES for b in page_blocks(p) if b.not_run]
+    assert len(skipped) <= MAX_NOT_RUN, "too many blocks are not run:\n" + "\n".join(skipped)
+
+
+PROSE_FENCE = re.compile(r"^```.*?^```[ \t]*$", re.S | re.M)
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+NAME = re.compile(r"`(meshplan(?:\.\w+)+)(?![\w/])")
+REPO_PATH = re.compile(r"`((?:src|tests|benchmarks|docs)/[\w/.*-]+)`")
+
+
+def _prose(page: str) -> str:
+    return PROSE_FENCE.sub("", (ROOT / page).read_text())
+
+
+def _resolves(dotted: str) -> bool:
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_links_and_names_exist(page):
+    """Relative links, `meshplan.x.y` names and `src/...` paths in the prose all exist."""
+    text = _prose(page)
+    base = (ROOT / page).parent
+    missing = []
+    for target in LINK.findall(text):
+        path = target.split("#")[0]
+        if path and "://" not in path and not (base / path).exists():
+            missing.append(f"link {target}")
+    missing += [f"name {name}" for name in NAME.findall(text) if not _resolves(name)]
+    for path in REPO_PATH.findall(text):
+        if not list(ROOT.glob(path)):
+            missing.append(f"path {path}")
+    assert not missing, f"{page} names what does not exist: {missing}"
+
+
+def test_readme_links_every_page():
+    readme = (ROOT / "README.md").read_text()
+    unlinked = [p for p in PAGES[1:] if f"]({p})" not in readme]
+    assert not unlinked, f"README.md's docs list lacks {unlinked}"
