@@ -3,7 +3,6 @@ tree helpers ``unbox``/``replace_boxed``."""
 
 from __future__ import annotations
 
-import re
 import warnings
 
 import flax.linen as nn

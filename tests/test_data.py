@@ -123,12 +123,13 @@ def test_shard_batch_works_on_an_explicit_mesh(corpus):
 
 
 def test_a_batch_that_does_not_divide_over_the_mesh_is_a_clear_error(mesh):
-    with pytest.raises(DataError, match=r"batch of 12 .* 8 devices") as info:
+    with pytest.raises(DataError, match=r"batch of 12 .*\(8 devices\)") as info:
         shard_batch(np.zeros((12, 9), np.int32), mesh, meshplan.layouts.data_parallel)
     assert "multiple of 8" in str(info.value)
+    assert [(p.path, p.code) for p in info.value.problems] == [("batch", "indivisible")]
 
 
 def test_rules_naming_an_axis_the_mesh_lacks_is_a_clear_error():
     mesh = Mesh(np.array(jax.devices()), ("devices",))
-    with pytest.raises(meshplan.MeshError, match="no axis 'data'"):
+    with pytest.raises(meshplan.MeshError, match="mesh axis 'data', which the mesh"):
         shard_batch(np.zeros((8, 9), np.int32), mesh, meshplan.layouts.tensor_parallel)

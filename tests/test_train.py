@@ -145,7 +145,7 @@ def test_mesh_larger_than_the_devices():
 def test_model_the_layout_cannot_split():
     overrides = {**TINY, "num_heads": 2, "embed_dim": 32}
     message = _problems(_request(overrides=overrides, mesh="1x8", rules="tensor_parallel"))
-    assert "dimension 2 ('heads', size 2) does not split over mesh axes ('model',)" in message
+    assert "dim 2 ('heads') of size 2 does not divide by 8 (mesh axis 'model' of size 8)" in message
 
 
 @pytest.mark.parametrize("kind", ["empty-folder", "binary-file", "missing"])
@@ -201,7 +201,7 @@ def test_every_parameter_the_layout_cannot_split_is_named(tmp_path):
     overrides = {**TINY, "embed_dim": 36, "num_heads": 2}
     message = _problems(_request(overrides=overrides, mesh="1x8", rules=str(rules)))
     bullets = [line for line in message.splitlines() if line.startswith("  * ")]
-    shown = [b for b in bullets if "does not split over mesh axes ('model',)" in b]
+    shown = [b for b in bullets if "does not divide by 8 (mesh axis 'model' of size 8)" in b]
     assert len(shown) == 6
     more = bullets[-1]
     assert (
@@ -234,3 +234,11 @@ def test_data_shorter_than_one_window_is_refused_before_any_work(tmp_path):
     assert f"The valid split of '{text}' has 18 bytes, fewer than one window" in message
     assert "seq_len + 1 = 33" in message
     assert "Use a shorter sequence length (--seq) or more text." in message
+
+
+def test_checkpoint_problems_get_flag_level_advice_from_their_code(tmp_path):
+    """The library says 'pass step=...'; the command line says what to do with its flags."""
+    message = _problems(_request(tmp_path / "nowhere", resume=True))
+    assert "does not exist" in message
+    assert "Check --ckpt-dir, or start without --resume" in message
+    assert "meshplan.Checkpointer(path).save" not in message  # the library's API-level fix

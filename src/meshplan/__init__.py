@@ -47,6 +47,7 @@ from meshplan._spmd.shardings import (
     logical_to_mesh,
     logical_to_mesh_sharding,
 )
+from meshplan._spmd.validate import validate
 from meshplan._version import __version__ as __version__
 
 __all__ = [
@@ -85,6 +86,7 @@ __all__ = [
     "search_layouts",
     "set_logical_axis_rules",
     "unbox",
+    "validate",
     "with_logical_constraint",
     "with_logical_partitioning",
     "with_partitioning",

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +28,10 @@ from meshplan._checkpoint.folder import latest_step, read_metadata
 from meshplan._checkpoint.metadata import CheckpointMetadata
 from meshplan._checkpoint.restore import compatibility_problems
 from meshplan._checkpoint.tree import flatten_state
-from meshplan._errors import CheckpointError, MeshError, MeshplanError, problem_message
-from meshplan._spmd.mesh import split_count, uneven_dimensions
-from meshplan._spmd.rules import logical_to_mesh_axes, mesh_axes_of
+from meshplan._errors import CheckpointError, MeshError, MeshplanError, Problem, problem_message
+from meshplan._spmd.mesh_info import mesh_info
+from meshplan._spmd.rules import rules_problems
+from meshplan._spmd.validate import check_leaf, validate
 from meshplan.examples.data import BATCH_NAMES, ByteCorpus, DataError, shard_batch
 from meshplan.examples.transformer import Transformer, TransformerConfig, config_from_name, loss_fn
 from meshplan.layouts import get_layout
@@ -96,30 +96,46 @@ class ByteBatches:
         return shard_batch(tokens, self.mesh, self.rules)
 
 
+_FLAG_ADVICE = {
+    "ckpt-missing": "Check --ckpt-dir, or start without --resume to train into it.",
+    "ckpt-not-a-folder": "Pass a folder as --ckpt-dir.",
+    "ckpt-no-steps": "Pass the --ckpt-dir of an earlier run, or start without --resume.",
+    "ckpt-incomplete": "Its first save never finished: start again without --resume.",
+    "ckpt-not-meshplan": "Pass the --ckpt-dir of a meshplan train run.",
+    "ckpt-no-such-step": "Resume from the latest step: leave the step out.",
+    "ckpt-damaged": (
+        "Remove the damaged step's folder from --ckpt-dir to resume from the one before, "
+        "or train into a new --ckpt-dir."
+    ),
+    "ckpt-newer-format": "Upgrade meshplan to resume this run.",
+}
+"""Flag-level advice for the library's problem codes (its own fixes name API calls)."""
+
+
 class _Problems:
-    """Collects (error class, problem, fix) and raises them together."""
+    """Collects (error class, problem) pairs and raises them together."""
 
     def __init__(self) -> None:
-        self.items: list[tuple[type[MeshplanError], str, str]] = []
+        self.items: list[tuple[type[MeshplanError], Problem]] = []
 
-    def add(self, cls: type[MeshplanError], problem: str, fix: str) -> None:
-        self.items.append((cls, problem, fix))
+    def add(self, cls: type[MeshplanError], problem: str, fix: str, code: str = "train") -> None:
+        self.items.append((cls, Problem("error", "", problem, fix, code)))
 
-    def add_error(self, error: Exception, cls: type[MeshplanError] = MeshplanError) -> None:
-        """Splits an error's message: its last line is the fix when there are several."""
-        lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-        if len(lines) > 1:
-            problem, fix = " ".join(lines[:-1]), lines[-1]
-        else:
-            problem, fix = (lines[0] if lines else type(error).__name__), ""
-        self.add(type(error) if isinstance(error, MeshplanError) else cls, problem, fix)
+    def add_error(self, error: MeshplanError) -> None:
+        """The error's problems, with flag-level advice for the codes the command line knows."""
+        found = error.problems or [Problem("error", "", str(error), "", "error")]
+        for p in found:
+            message = f"{p.path}: {p.message}" if p.path and p.path not in p.message else p.message
+            fix = _FLAG_ADVICE.get(p.code, p.fix)
+            self.items.append((type(error), Problem("error", "", message, fix, p.code)))
 
     def raise_if_any(self, header: str) -> None:
         if not self.items:
             return
-        fixes = list(dict.fromkeys(fix for _, _, fix in self.items if fix))
+        found = [p for _, p in self.items]
+        fixes = list(dict.fromkeys(p.fix for p in found if p.fix))
         raise self.items[0][0](
-            problem_message(header, [p for _, p, _ in self.items], "\n".join(fixes))
+            problem_message(header, [p.message for p in found], "\n".join(fixes)), found
         )
 
 
@@ -132,32 +148,14 @@ def _example_tokens(config: TransformerConfig, settings: TrainSettings) -> Any:
     return jax.ShapeDtypeStruct((1, min(settings.seq_len, config.max_len)), jnp.int32)
 
 
-def _split_problems(
-    shapes: Mapping[str, tuple[tuple[int, ...], tuple[Any, ...] | None]],
-    mesh: Mesh,
-    rules: Any,
-) -> list[str]:
-    """Arrays whose dimensions the mesh axes their logical names map to do not divide."""
-    sizes = dict(mesh.shape)
-    out = []
-    for key, (shape, names) in shapes.items():
-        if names is None:
-            continue
-        spec = logical_to_mesh_axes(names, rules)
-        for dim, axes, parts in uneven_dimensions(shape, spec, sizes):
-            out.append(
-                f"{key}: dimension {dim} ({names[dim]!r}, size {shape[dim]}) does not split "
-                f"over mesh axes {axes} (size {parts})"
-            )
-    return out
-
-
 def _load_corpus(data: str | None, problems: _Problems) -> ByteCorpus | None:
     try:
         return ByteCorpus.from_stdlib() if data is None else ByteCorpus.from_path(data)
-    except (MeshplanError, ValueError, OSError) as e:
+    except MeshplanError as e:
         problems.add_error(e)
-        return None
+    except (ValueError, OSError) as e:  # the file system's words: the message is all there is
+        problems.add(DataError, f"cannot read --data {data!r}: {type(e).__name__}: {e}", "")
+    return None
 
 
 def _resolve_config(request: TrainRequest, stored: CheckpointMetadata | None) -> TransformerConfig:
@@ -248,44 +246,46 @@ def _check_config(
 def _check_batch(
     request: TrainRequest, settings: TrainSettings, mesh: Mesh, rules: Any, problems: _Problems
 ) -> None:
-    """A batch of tokens, ``[batch, seq_len + 1]``, splits over the mesh axes the rules give."""
-    spec = logical_to_mesh_axes(BATCH_NAMES, rules)
-    sizes = (settings.batch, settings.seq_len + 1)
-    for name, entry, size in zip(BATCH_NAMES, spec, sizes, strict=True):
-        axes = mesh_axes_of(entry)
-        missing = [a for a in axes if a not in mesh.shape]
-        if missing:
+    """A batch of tokens, ``[batch, seq_len + 1]``, splits over the mesh axes the rules give.
+
+    The validator checks the batch as one more array; this turns what it finds into flag advice.
+    """
+    valid, index_map, _ = rules_problems(rules)
+    shape = (settings.batch, settings.seq_len + 1)
+    leaf = check_leaf("logical", BATCH_NAMES, shape, valid, index_map, mesh_info(mesh))
+    for d in leaf.dims:
+        if d.missing_axes:
             problems.add(
                 MeshError,
-                f"--rules {request.rules} shard {name!r} over mesh axis "
-                f"{', '.join(map(repr, missing))}, which the {request.mesh} mesh "
+                f"--rules {request.rules} shard {d.name!r} over mesh axis "
+                f"{', '.join(map(repr, d.missing_axes))}, which the {request.mesh} mesh "
                 f"{tuple(mesh.axis_names)} does not have",
-                f"Map {name!r} to the mesh's axes {tuple(mesh.axis_names)}, e.g. "
-                f"({name!r}, {mesh.axis_names[0]!r}).",
+                f"Map {d.name!r} to the mesh's axes {tuple(mesh.axis_names)}, e.g. "
+                f"({d.name!r}, {mesh.axis_names[0]!r}).",
+                "unknown-axis",
             )
-            continue
-        parts = split_count(axes, mesh.shape)
-        if size % parts == 0:
-            continue
-        where = (
-            f"the {parts} devices that --rules {request.rules} shard {name!r} over (mesh axes "
-            f"{axes} of the {request.mesh} mesh)"
-        )
-        if name == "batch":
-            good = (settings.batch // parts + 1) * parts
-            problems.add(
-                MeshplanError,
-                f"--batch {settings.batch} does not split over {where}",
-                f"Use a --batch that is a multiple of {parts} (e.g. {good}), or a mesh and "
-                f"rules that split 'batch' over fewer devices.",
+        elif not d.divides:
+            where = (
+                f"the {d.shards} devices that --rules {request.rules} shard {d.name!r} over (mesh "
+                f"axes {d.mesh_axes} of the {request.mesh} mesh)"
             )
-        else:
-            problems.add(
-                MeshplanError,
-                f"--seq {settings.seq_len} gives token windows of {size} (the model reads "
-                f"{settings.seq_len} bytes and predicts the next), which do not split over {where}",
-                "Leave 'length' unsharded: ('length', None) in the rules.",
-            )
+            if d.index == 0:
+                problems.add(
+                    MeshplanError,
+                    f"--batch {settings.batch} does not split over {where}",
+                    f"Use a --batch that is a multiple of {d.shards} (e.g. {d.padded_size}), or "
+                    f"a mesh and rules that split 'batch' over fewer devices.",
+                    "indivisible",
+                )
+            else:
+                problems.add(
+                    MeshplanError,
+                    f"--seq {settings.seq_len} gives token windows of {d.size} (the model reads "
+                    f"{settings.seq_len} bytes and predicts the next), which do not split over "
+                    f"{where}",
+                    "Leave 'length' unsharded: ('length', None) in the rules.",
+                    "indivisible",
+                )
 
 
 def _check_corpus(corpus: Any, settings: TrainSettings, problems: _Problems) -> None:
@@ -330,25 +330,28 @@ def _check_state(
                 "flags (or repeat the ones it was trained with), or train into a new --ckpt-dir.",
             )
     if mesh is not None and rules is not None:
-        shapes = {
-            k: (tuple(v.shape), None if b is None else tuple(b.names))
-            for k, (v, b) in flatten_state(abstract.params).items()
-        }
-        uneven = _split_problems(shapes, mesh, rules)
+        uneven = [
+            p
+            for key, (value, box) in flatten_state(abstract.params).items()
+            if box is not None
+            for p in validate(f"params/{key}", tuple(value.shape), box.names, mesh, rules)
+            if p.code == "indivisible"
+        ]
         fix = (
             "Pick a layout that leaves that dimension whole (e.g. data_parallel), a mesh "
             "whose axes divide it, or model sizes that are multiples of the mesh axes."
         )
-        for line in uneven[:_SHOWN]:
-            problems.add(
-                MeshError, f"--rules {request.rules} on the {request.mesh} mesh: params/{line}", fix
-            )
+        where = f"--rules {request.rules} on the {request.mesh} mesh"
+        for p in uneven[:_SHOWN]:
+            problems.add(MeshError, f"{where}: {p.path}: {p.message}", fix, p.code)
         if len(uneven) > _SHOWN:
-            rest = ", ".join("params/" + line.split(":")[0] for line in uneven[_SHOWN:])
+            rest = ", ".join(dict.fromkeys(p.path for p in uneven[_SHOWN:]))
             problems.add(
                 MeshError,
-                f"and {len(uneven) - _SHOWN} more parameters with a dimension that does not split: {rest}",
+                f"and {len(uneven) - _SHOWN} more parameters with a dimension that does not "
+                f"split: {rest}",
                 fix,
+                "indivisible",
             )
 
 

@@ -32,7 +32,6 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 import meshplan
-from meshplan._spmd.rules import mesh_axes_of  # not public: the mesh axes of a spec entry
 
 __all__ = ["BATCH_NAMES", "ByteCorpus", "DataError", "shard_batch"]
 
@@ -285,25 +284,22 @@ def shard_batch(tokens: np.ndarray, mesh: jax.sharding.Mesh, rules: Any) -> jax.
         DataError: the batch size (or length) does not divide by the number of
             devices it is split over.
     """
+    errors = [
+        p
+        for p in meshplan.validate("batch", tokens.shape, BATCH_NAMES, mesh, rules)
+        if p.severity == "error"
+    ]
+    if errors:
+        error = meshplan.MeshError if errors[0].code == "unknown-axis" else DataError
+        lines = "\n".join(f"  * {p.message}" for p in errors)
+        fixes = " ".join(dict.fromkeys(p.fix for p in errors))
+        raise error(
+            f"A batch of {tokens.shape[0]} windows of {tokens.shape[1]} tokens cannot be split "
+            f"over the mesh {dict(mesh.shape)} ({mesh.size} devices) with these rules:\n{lines}\n"
+            f"{fixes}",
+            errors,
+        )
     spec = meshplan.logical_to_mesh_axes(BATCH_NAMES, rules)
-    for dim, (what, entry) in enumerate(zip(BATCH_NAMES, spec, strict=True)):
-        axes = mesh_axes_of(entry)
-        missing = [a for a in axes if a not in mesh.shape]
-        if missing:
-            raise meshplan.MeshError(
-                f"The rules put {what!r} on mesh axes {axes!r}, but the mesh "
-                f"{dict(mesh.shape)} has no axis {missing[0]!r}.\n"
-                f"Use rules written for this mesh's axes {tuple(mesh.axis_names)!r}."
-            )
-        ways = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-        if tokens.shape[dim] % ways:
-            sizes = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
-            good = ways * max(1, round(tokens.shape[dim] / ways))
-            raise DataError(
-                f"A {what} of {tokens.shape[dim]} cannot be split over mesh axes {axes!r} "
-                f"({sizes}: {ways} devices).\nUse a {what} that is a multiple of {ways} "
-                f"(e.g. {good}), or rules that split {what!r} over fewer mesh axes."
-            )
     sharding = NamedSharding(mesh, spec)
     index_map = sharding.addressable_devices_indices_map(tokens.shape)
     local = []
