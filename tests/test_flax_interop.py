@@ -300,3 +300,40 @@ def test_train_step_on_the_mesh_keeps_shardings(mesh):
     assert new.params["bias"].sharding.spec == P()
     assert free.params["kernel"].value.sharding.spec == P(None, "model")
     assert int(new.step) == int(free.step) == 1
+
+
+def test_flax_core_meta_partition_axis_unspecified_catches_meshplans_error():
+    """Flax's tests/core/core_meta_test.py::test_partition_axis_unspecified, meshplan swapped in.
+
+    Code that catches Flax's ``errors.PartitioningUnspecifiedError`` keeps working, because
+    meshplan's error subclasses it.
+    """
+    from flax import errors
+    from flax.core import init, lift
+    from flax.core import nn as core_nn
+
+    raised = []
+
+    def f(scope, xs):
+        def g(scope, x):
+            kernel_init = meshplan.with_partitioning(
+                core_nn.initializers.ones_init(), ("in", "out")
+            )
+            scope.param("kernel", kernel_init, (3, 2))
+            return x
+
+        with pytest.raises(errors.PartitioningUnspecifiedError) as info:
+            lift.vmap(
+                g,
+                in_axes=0,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                metadata_params={},
+            )(scope, xs)
+        raised.append(info.value)
+
+    init(f)(jax.random.PRNGKey(0), jnp.zeros((8, 3)))
+    (error,) = raised
+    assert isinstance(error, meshplan.PartitioningUnspecifiedError)
+    assert isinstance(error, meshplan.MeshplanError) and isinstance(error, ValueError)
+    assert "metadata_params={meshplan.PARTITION_NAME: 'layer'}" in str(error)

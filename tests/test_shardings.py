@@ -309,3 +309,18 @@ def test_get_sharding_on_logical_boxes_without_rules_says_to_call_logical_to_mes
     # Flax itself cannot do this either: it builds NamedSharding(mesh, logical names).
     with pytest.raises(ValueError):
         nn.get_sharding(_abstract_state("flax", False, True), mesh)
+
+
+def test_get_sharding_with_mesh_none_uses_the_active_mesh(mesh):
+    tree = {"w": meshplan.Partitioned(jax.ShapeDtypeStruct((4, 8), jnp.float32), (None, "model"))}
+    with jax.set_mesh(mesh):
+        got = meshplan.get_sharding(tree, None)
+        specs = meshplan.logical_to_mesh_sharding({"w": P("embed")}, None, (("embed", "data"),))
+    assert got["w"].spec == P(None, "model") and got["w"].mesh.shape == mesh.shape
+    assert specs["w"].spec == P("data")
+
+
+def test_get_sharding_with_mesh_none_and_no_active_mesh_says_how_to_give_one():
+    tree = {"w": meshplan.Partitioned(jax.ShapeDtypeStruct((4, 8), jnp.float32), (None, "model"))}
+    with pytest.raises(meshplan.MeshError, match=r"(?s)mesh=None and no mesh is active.*set_mesh"):
+        meshplan.get_sharding(tree, None)
