@@ -240,7 +240,8 @@ def _load_json(path: str) -> Rules:
     return tuple(rules)
 
 
-def _load_py(path: str) -> Rules:
+def _load_py(path: str) -> object:
+    """What the file defines as ``RULES`` (or ``rules``), as it is: get_layout validates it."""
     fix = "Define RULES = (('batch', 'data'), ('mlp', 'model'), ...) at the top level of the file."
     try:
         namespace = runpy.run_path(path)

@@ -98,7 +98,7 @@ class Partitioned(AxisMetadata[A], Generic[A]):
         mesh: The mesh to shard on; ``None`` uses the active one.
     """
 
-    value: Any
+    value: A
     names: tuple[Any, ...]
     mesh: jax.sharding.Mesh | None = None
 
@@ -281,7 +281,7 @@ class Partitioned(AxisMetadata[A], Generic[A]):
     def __hash__(self) -> int:
         # Consistent with __eq__, and with Flax's boxes: abstract values hash by shape and
         # dtype; concrete arrays are unhashable (TypeError), as jax.Array itself is.
-        value = self.value
+        value: object = self.value
         if isinstance(value, jax.ShapeDtypeStruct):
             value = (value.shape, value.dtype)
         meta = tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "value")

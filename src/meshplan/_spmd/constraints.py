@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import jax
 from jax.sharding import PartitionSpec
@@ -13,6 +13,8 @@ from meshplan._spmd.mesh import active_mesh, apply_spec
 from meshplan._spmd.rules import UNASSIGNED, get_logical_axis_rules, resolve
 
 __all__ = ["RulesFallback", "with_logical_constraint"]
+
+T = TypeVar("T")
 
 
 class RulesFallback(enum.Enum):
@@ -72,12 +74,12 @@ def _constrain_one(spec: Any, x: Any, *, rules: Any, mesh: Any, fallback: RulesF
 
 
 def with_logical_constraint(
-    x: Any,
+    x: T,
     logical_axis_resources: Any,
     rules: Any = None,
     mesh: jax.sharding.Mesh | None = None,
     fallback: RulesFallback = RulesFallback.AXIS_IS_UNSHARDED,
-) -> Any:
+) -> T:
     """``with_sharding_constraint`` written in logical axis names.
 
     The logical names are mapped to mesh axes by ``rules`` (or the active
@@ -116,9 +118,10 @@ def with_logical_constraint(
     def one(spec: Any, value: Any) -> Any:
         return _constrain_one(spec, value, rules=rules, mesh=mesh, fallback=fallback)
 
+    # tree_map is typed as returning Any: the result is x's tree, each leaf constrained.
     if _is_logical_spec(logical_axis_resources):
-        return jax.tree_util.tree_map(lambda v: one(logical_axis_resources, v), x)
-    return jax.tree_util.tree_map(one, logical_axis_resources, x, is_leaf=_is_logical_spec)
+        return cast(T, jax.tree_util.tree_map(lambda v: one(logical_axis_resources, v), x))
+    return cast(T, jax.tree_util.tree_map(one, logical_axis_resources, x, is_leaf=_is_logical_spec))
 
 
 def explicit_out_sharding(logical_names: Any, rules: Any = None) -> PartitionSpec | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
@@ -13,6 +13,8 @@ from meshplan._errors import LogicalNamesError, MeshError, error_from_problems
 from meshplan._spmd.mesh_info import mesh_info
 from meshplan._spmd.rules import mesh_axes_of
 from meshplan._spmd.validate import check_leaf
+
+T = TypeVar("T")
 
 __all__ = ["active_mesh", "apply_spec"]
 
@@ -122,7 +124,7 @@ def check_spec(spec: PartitionSpec, mesh: Any, what: str, shape: Any = None) -> 
         )
 
 
-def apply_spec(value: Any, spec: PartitionSpec, mesh: Any = None, *, what: str = "value") -> Any:
+def apply_spec(value: T, spec: PartitionSpec, mesh: Any = None, *, what: str = "value") -> T:
     """Constrains ``value`` to ``spec`` on ``mesh`` (or the active mesh).
 
     On a mesh whose axes are ``Auto`` this is ``jax.lax.with_sharding_constraint``;
@@ -150,10 +152,12 @@ def apply_spec(value: Any, spec: PartitionSpec, mesh: Any = None, *, what: str =
     types = set(_axis_types(target))
     if types <= {AxisType.Auto}:
         sharding = NamedSharding(target, spec) if named else spec
-        return jax.lax.with_sharding_constraint(value, sharding)
+        # with_sharding_constraint and reshard are unannotated in JAX; both return the value
+        # (an array, or a tree of them) as it came in, with the new sharding.
+        return cast(T, jax.lax.with_sharding_constraint(value, sharding))
     if types == {AxisType.Explicit}:
         spec = _fill_unconstrained(value, spec)
-        return jax.sharding.reshard(value, NamedSharding(target, spec) if named else spec)
+        return cast(T, jax.sharding.reshard(value, NamedSharding(target, spec) if named else spec))
     raise MeshError(
         f"Cannot constrain {what} to {spec} on a mesh with mixed axis types "
         f"{dict(zip(target.axis_names, _axis_types(target), strict=True))}.\n"

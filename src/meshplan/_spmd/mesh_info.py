@@ -92,7 +92,7 @@ def mesh_info(mesh: Any) -> MeshInfo:
 
 
 def _is_pos(s: Any) -> bool:
-    return isinstance(s, int | np.integer) and not isinstance(s, bool) and s > 0
+    return isinstance(s, int | np.integer) and not isinstance(s, bool) and bool(s > 0)
 
 
 def axis_names_fix(missing: tuple[str, ...], mesh: MeshInfo) -> str:

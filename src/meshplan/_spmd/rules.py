@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypedDict, overload
 
 from jax.sharding import PartitionSpec
 
@@ -290,7 +290,12 @@ def names_problem(names: Any, *, what: str = "array_dim_names") -> Problem | Non
             "PartitionSpec.UNCONSTRAINED.", "names",
         )  # fmt: skip
     seen: set[str] = set()
-    dups = [n for n in names if isinstance(n, str) and (n in seen or seen.add(n))]
+    dups: list[str] = []  # every repeat, in the order the repeats occur
+    for n in names:
+        if isinstance(n, str):
+            if n in seen:
+                dups.append(n)
+            seen.add(n)
     if dups:
         return Problem(
             "error", "", f"Unsupported: Dimensions {tuple(dict.fromkeys(dups))} occur more than "
@@ -375,8 +380,17 @@ class DimResolution:
     skipped: tuple[SkippedRule, ...] = ()
 
 
+class _DimTrace(TypedDict):
+    """What :func:`_resolve` records for one dimension as it goes (see :class:`DimResolution`)."""
+
+    rule_index: int | None
+    skipped: list[SkippedRule]
+
+
 def _resolve(
-    names: tuple[Any, ...], rules: tuple[tuple[str, MeshAxes], ...], trace: list | None
+    names: tuple[Any, ...],
+    rules: tuple[tuple[str, MeshAxes], ...],
+    trace: list[_DimTrace] | None,
 ) -> tuple[Any, ...]:
     result: list[Any] = [UNASSIGNED if isinstance(n, str) else n for n in names]
     used = {a for r in result for a in mesh_axes_of(r)}  # mesh axes held by some dimension
@@ -407,7 +421,9 @@ def _resolve(
 
 
 @functools.lru_cache(maxsize=8192)
-def _resolve_cached(names: tuple[Any, ...], rules: tuple[tuple[str, MeshAxes], ...]):
+def _resolve_cached(
+    names: tuple[Any, ...], rules: tuple[tuple[str, MeshAxes], ...]
+) -> tuple[Any, ...]:
     return _resolve(normalize_names(names), normalize_rules(rules), None)
 
 
@@ -424,7 +440,7 @@ def resolve_with_trace(names: Any, rules: Any) -> tuple[DimResolution, ...]:
     rules named it but were skipped."""
     names = normalize_names(names)
     rules = normalize_rules(rules)
-    trace: list[dict[str, Any]] = [{"rule_index": None, "skipped": []} for _ in names]
+    trace: list[_DimTrace] = [{"rule_index": None, "skipped": []} for _ in names]
     result = _resolve(names, rules, trace)
     return tuple(
         DimResolution(n, r, t["rule_index"], tuple(t["skipped"]))
@@ -443,8 +459,14 @@ def _mesh_axes_cached(names: tuple[Any, ...], rules: tuple[Any, ...]) -> Partiti
     return to_partition_spec(_resolve(normalize_names(names), normalize_rules(rules), None))
 
 
+@overload
 def logical_to_mesh_axes(
-    array_dim_names: LogicalNames | None,
+    array_dim_names: LogicalNames | PartitionSpec, rules: LogicalRules | None = None
+) -> PartitionSpec: ...
+@overload
+def logical_to_mesh_axes(array_dim_names: None, rules: LogicalRules | None = None) -> None: ...
+def logical_to_mesh_axes(
+    array_dim_names: LogicalNames | PartitionSpec | None,
     rules: LogicalRules | None = None,
 ) -> PartitionSpec | None:
     """Computes the mesh layout of one array from its logical dimension names.

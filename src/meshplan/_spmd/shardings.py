@@ -38,7 +38,8 @@ _OWN_BOXES = (Partitioned, LogicallyPartitioned)  # exact types: spec is Partiti
 
 def _leaf_spec(x: Any) -> PartitionSpec | None:
     if is_box(x):
-        return x.get_partition_spec()
+        spec: PartitionSpec = x.get_partition_spec()  # a box of any kind: Flax's method
+        return spec
     if hasattr(x, "shape"):
         return _REPLICATED
     return None

@@ -104,7 +104,7 @@ def tree_errors(tree: Any, mesh: Any, rules: Any = None) -> list[Problem]:
     without_rules: list[str] = []
     leaves, _ = array_leaves(tree)
     for leaf in leaves:
-        key = (leaf.kind, leaf.names, leaf.shape, leaf.own_rules)
+        key: tuple[Any, ...] | None = (leaf.kind, leaf.names, leaf.shape, leaf.own_rules)
         try:
             checked = cache.get(key)
         except TypeError:  # unhashable names
