@@ -102,7 +102,7 @@ def explain(tree: Any, mesh: Any, rules: Any = None) -> Plan:
             leaf.kind, leaf.names, leaf.shape, leaf.dtype, leaf.own_rules
         )  # fmt: skip
         keypath = leaf.keypath
-        key = (kind, names, shape, dtype, own_rules)
+        key: tuple[Any, ...] | None = (kind, names, shape, dtype, own_rules)
         try:
             layout = cache.get(key)
         except TypeError:  # unhashable names

@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from jax.sharding import PartitionSpec
 
 from meshplan._errors import Problem
@@ -176,7 +177,7 @@ class LeafLayout:
     bytes: int
     bytes_per_device: int
     replication: int
-    device_bytes: np.ndarray | None  # per device, only when shards are uneven
+    device_bytes: npt.NDArray[np.int64] | None  # per device, only when shards are uneven
     issues: tuple[Problem, ...]  # the validator's problems of this leaf alone (no path)
 
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 
 if TYPE_CHECKING:
     from meshplan._plan.records import DimPlan, LeafPlan
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
 __all__ = ["shard_holders", "uneven_device_bytes"]
 
 
-def _shard_index(dim: DimPlan, mesh: MeshInfo) -> np.ndarray:
+def _shard_index(dim: DimPlan, mesh: MeshInfo) -> npt.NDArray[np.int64]:
     """For every device (flat, mesh order), the index of its piece along ``dim``."""
     grid = np.indices(mesh.axis_sizes).reshape(len(mesh.axis_sizes), -1)
     index = np.zeros(mesh.size, dtype=np.int64)
@@ -27,7 +28,9 @@ def _shard_index(dim: DimPlan, mesh: MeshInfo) -> np.ndarray:
     return index
 
 
-def uneven_device_bytes(dims: Sequence[DimPlan], mesh: MeshInfo, itemsize: int) -> np.ndarray:
+def uneven_device_bytes(
+    dims: Sequence[DimPlan], mesh: MeshInfo, itemsize: int
+) -> npt.NDArray[np.int64]:
     """Exact bytes on each device when some pieces are shorter than others."""
     out = np.full(mesh.size, itemsize, dtype=np.int64)
     for d in dims:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 if TYPE_CHECKING:
     from meshplan._plan.records import LeafPlan
@@ -64,21 +65,23 @@ def group_totals(leaves: Sequence[LeafPlan], n_devices: int) -> dict[str, Totals
         >>> group_totals(plan.leaves, 4)["params"].device_bytes
         (8, 8, 8, 0)
     """
-    acc = {g: [0, 0, 0, np.zeros(n_devices, dtype=np.int64)] for g in GROUPS}
-    for leaf in leaves:  # leaves, bytes, bytes on every device (even), per device (uneven)
-        a = acc[leaf.group]
-        lay = leaf._layout
-        a[0] += 1
-        a[1] += lay.bytes
+    count = dict.fromkeys(GROUPS, 0)  # leaves
+    nbytes = dict.fromkeys(GROUPS, 0)  # bytes of the arrays
+    even = dict.fromkeys(GROUPS, 0)  # bytes on every device, from evenly split leaves
+    uneven = {g: np.zeros(n_devices, dtype=np.int64) for g in GROUPS}  # per device, the others
+    for leaf in leaves:
+        g, lay = leaf.group, leaf._layout
+        count[g] += 1
+        nbytes[g] += lay.bytes
         if lay.device_bytes is None:
-            a[2] += lay.bytes_per_device
+            even[g] += lay.bytes_per_device
         else:
-            a[3] += lay.device_bytes
-    groups = {g: (c, b, uneven + even) for g, (c, b, even, uneven) in acc.items()}
+            uneven[g] += lay.device_bytes
+    groups = {g: (count[g], nbytes[g], uneven[g] + even[g]) for g in GROUPS}
     everything = (
-        sum(c for c, _, _ in groups.values()),
-        sum(b for _, b, _ in groups.values()),
-        sum(d for _, _, d in groups.values()),
+        sum(count.values()),
+        sum(nbytes.values()),
+        sum((d for _, _, d in groups.values()), np.zeros(n_devices, dtype=np.int64)),
     )
     return {
         "all": _make_totals(*everything, n_devices),
@@ -86,6 +89,6 @@ def group_totals(leaves: Sequence[LeafPlan], n_devices: int) -> dict[str, Totals
     }
 
 
-def _make_totals(count: int, nbytes: int, device_bytes: np.ndarray, n: int) -> Totals:
+def _make_totals(count: int, nbytes: int, device_bytes: npt.NDArray[np.int64], n: int) -> Totals:
     dev = tuple(int(b) for b in device_bytes)
     return Totals(count, int(nbytes), dev, max(dev, default=0), -(-int(nbytes) // n))
