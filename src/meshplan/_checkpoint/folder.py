@@ -244,7 +244,8 @@ def latest_step(path: str | os.PathLike[str]) -> int | None:
         True
     """
     with open_manager(path) as manager:
-        return manager.latest_step()
+        step: int | None = manager.latest_step()  # Orbax has no type information
+        return step
 
 
 def read_metadata(path: str | os.PathLike[str], step: int | None = None) -> CheckpointMetadata:

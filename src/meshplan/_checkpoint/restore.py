@@ -75,9 +75,9 @@ def target_shardings(
         ]
         if errors:
             problems.extend(errors)
-        elif kind == "unboxed":
+        elif info.names is None:  # unboxed
             out[key] = NamedSharding(mesh, PartitionSpec())
-        elif kind == "logical":
+        elif info.logical:
             out[key] = NamedSharding(mesh, logical_to_mesh_axes(info.names, rules))
         else:
             out[key] = NamedSharding(mesh, PartitionSpec(*info.names))

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from meshplan._errors import MeshplanError
+
 __all__ = ["COLLECTIVES", "DTYPE_BYTES", "collective_bytes", "measure_step"]
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -129,6 +131,9 @@ def measure_step(
         (their sum), ``xla_argument_bytes`` and ``xla_temp_bytes`` (of
         ``memory_analysis()``, ``None`` when the backend gives none) and
         ``compile_seconds``.
+
+    Raises:
+        MeshplanError: the backend gives no HLO text for the compiled step.
     """
     import jax
     from jax.sharding import AxisType, NamedSharding
@@ -157,7 +162,14 @@ def measure_step(
         jitted = jax.jit(step, in_shardings=(shardings, batch_shardings))
         compiled = jitted.lower(state, example_batch).compile()
         seconds = time.perf_counter() - t0
-    kinds = collective_bytes(compiled.as_text())
+    hlo_text = compiled.as_text()
+    if hlo_text is None:  # JAX: "None if unavailable, e.g. based on backend"
+        raise MeshplanError(
+            f"XLA gave no HLO text for the step compiled on the mesh {dict(mesh_shape)}, so "
+            f"its collectives cannot be counted.\nSearch without measure=True: the static "
+            f"estimate still ranks the layouts."
+        )
+    kinds = collective_bytes(hlo_text)
     memory = compiled.memory_analysis()
     return {
         "collectives": {k: v for k, v in kinds.items() if v},

@@ -22,12 +22,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 import jax
 
 from meshplan._errors import ArgumentError, MeshError
 from meshplan._plan.explain import explain
+from meshplan._plan.plan import Plan
 from meshplan._plan.render.table import to_text
 from meshplan._search.hlo import measure_step
 from meshplan._spmd.rules import logical_to_mesh_axes, mesh_axes_of
@@ -39,6 +40,12 @@ __all__ = ["SearchResult", "SearchRow", "mesh_shapes", "search_layouts"]
 
 DEFAULT_LAYOUTS = ("data_parallel", "fsdp", "tensor_parallel", "fsdp_tp")
 """The canned layouts of :mod:`meshplan.layouts` that ``search_layouts`` tries by default."""
+
+CommEstimate = TypedDict(
+    "CommEstimate", {"all-gather": int, "gradient-reduce": int, "activations": int | None}
+)
+"""A row's static estimate, bytes per step per device (module docstring); ``activations``
+is ``None`` when the model's code decides it (tensor parallelism)."""
 
 
 def mesh_shapes(devices: int, n_axes: int = 2) -> list[tuple[int, ...]]:
@@ -71,7 +78,7 @@ class SearchRow:
     fits: bool | None = None
     bytes_per_device: int | None = None
     params_bytes_per_device: int | None = None
-    comm: dict[str, int | None] | None = None
+    comm: CommEstimate | None = None
     measured: dict[str, Any] | None = None
     idle_axes: tuple[str, ...] = ()
     rank: int | None = None
@@ -84,13 +91,16 @@ class SearchRow:
     def comm_text(self) -> str:
         if self.comm is None:
             return "-"
-        known = human_bytes(self.comm["all-gather"] + self.comm["gradient-reduce"])  # type: ignore[operator]
+        known = human_bytes(self.comm["all-gather"] + self.comm["gradient-reduce"])
         return known if self.comm["activations"] is not None else f"{known} + activations n/a"
 
     def _sort_key(self) -> tuple[Any, ...]:
-        c, m = self.comm or {}, self.measured
-        comm = m["collective_bytes"] if m else c["all-gather"] + c["gradient-reduce"]  # type: ignore[operator]
-        unknown = not m and c["activations"] is None
+        m, c = self.measured, self.comm
+        if m:
+            unknown, comm = False, m["collective_bytes"]
+        else:
+            assert c is not None, "rows are ranked only once estimated (status 'ok')"
+            unknown, comm = c["activations"] is None, c["all-gather"] + c["gradient-reduce"]
         return (not self.fits, self.bytes_per_device, bool(self.idle_axes), unknown, comm)
 
     def __str__(self) -> str:
@@ -192,7 +202,9 @@ class SearchResult:
                 "best": best, "rows": [r.to_dict() for r in self.rows]}  # fmt: skip
 
 
-def _estimate(plan: Any, batch_axes: tuple[str, ...], sizes: Mapping[str, int]) -> tuple:
+def _estimate(
+    plan: Plan, batch_axes: tuple[str, ...], sizes: Mapping[str, int]
+) -> tuple[CommEstimate, tuple[str, ...]]:
     """The static communication estimate (module docstring), and the idle mesh axes."""
     data_axes = {a for a in batch_axes if sizes[a] > 1}
     gather, reduce, used = 0, 0, set(data_axes)
@@ -202,7 +214,7 @@ def _estimate(plan: Any, batch_axes: tuple[str, ...], sizes: Mapping[str, int]) 
         gather += leaf.bytes_per_device if fsdp > 1 else 0
         reduce += leaf.bytes_per_device * fsdp if data_axes else 0
         used.update(axes)
-    comm = {"all-gather": gather, "gradient-reduce": reduce, "activations": None if used - data_axes else 0}  # fmt: skip
+    comm: CommEstimate = {"all-gather": gather, "gradient-reduce": reduce, "activations": None if used - data_axes else 0}  # fmt: skip
     return comm, tuple(a for a in sizes if sizes[a] > 1 and a not in used)
 
 
@@ -223,10 +235,11 @@ def _evaluate(row: SearchRow, state: Any, batch: int | None, budget: int | None)
     row.bytes_per_device = plan.totals["all"].max_device_bytes
     row.params_bytes_per_device = plan.totals["params"].max_device_bytes
     row.comm, row.idle_axes = _estimate(plan, axes, row.mesh)
-    row.fits = budget is None or row.bytes_per_device <= budget
+    over = None if budget is None else row.bytes_per_device - budget
+    row.fits = over is None or over <= 0
     notes = [f"idle {a!r}: its {row.mesh[a]} positions do the same work" for a in row.idle_axes]
-    if not row.fits:
-        notes.append(f"over the budget by {human_bytes(row.bytes_per_device - budget)}")  # type: ignore[operator]
+    if over is not None and over > 0:
+        notes.append(f"over the budget by {human_bytes(over)}")
     row.reason = "; ".join(notes)
 
 
@@ -292,8 +305,9 @@ def search_layouts(
         _evaluate(row, abstract_state, batch, memory_budget_bytes)
     ok = sorted((r for r in rows if r.status == "ok"), key=SearchRow._sort_key)
     if measure:
+        assert step_fn is not None  # measure without step_fn was refused above
         for row in ok[:top_k]:
-            row.measured = measure_step(step_fn, abstract_state, example_batch, row.mesh, row.rules)  # type: ignore[arg-type]
+            row.measured = measure_step(step_fn, abstract_state, example_batch, row.mesh, row.rules)
         ok[:top_k] = sorted(ok[:top_k], key=SearchRow._sort_key)
     for i, row in enumerate(ok, 1):
         row.rank = i
