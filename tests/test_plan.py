@@ -407,3 +407,15 @@ def test_unknown_path_suggests_the_nearest(mesh):
 def test_plan_is_iterable_and_sized(mesh):
     plan = meshplan.explain(guide_state(False), mesh)
     assert len(plan) == len(list(plan)) == 26
+
+
+def test_user_text_in_the_table_is_printed_literally_not_as_rich_markup():
+    from meshplan._plan.render.table import to_text
+
+    w = meshplan.LogicallyPartitioned(
+        jax.ShapeDtypeStruct((8, 6), jnp.float32), ("[red]embed", "mlp")
+    )
+    plan = meshplan.explain({"[bold]w": w}, {"data": 2, "model": 4}, (("mlp", "data"),))
+    text = to_text(plan.table(full=True))
+    assert "[bold]w" in text
+    assert "no rule: [red]embed" in text

@@ -159,6 +159,7 @@ class SearchResult:
     def __rich__(self) -> Any:
         from rich.console import Group
         from rich.table import Table
+        from rich.text import Text
 
         n_measured = 3 * any(r.measured for r in self.rows)
         title = f"{self.devices} devices" + (f", batch {self.batch}" if self.batch else "")
@@ -172,16 +173,18 @@ class SearchResult:
         for r in self.rows:
             if r.status != "ok":
                 cells = ["-", r.mesh_text, r.layout, "-", "-"] + ["-"] * n_measured
-                table.add_row(*cells, f"[red]rejected: {r.reason}[/]", style="dim")
+                table.add_row(*cells, Text(f"rejected: {r.reason}", style="red"), style="dim")
                 continue
             m = r.measured or {}
             keys = ("collective_bytes", "xla_argument_bytes", "xla_temp_bytes")
             measured = [human_bytes(m[k]) if m.get(k) is not None else "-" for k in keys]
             cells = [str(r.rank), r.mesh_text, r.layout, human_bytes(r.bytes_per_device or 0)]
             cells += [r.comm_text, *measured[:n_measured]]
-            table.add_row(*cells, f"[yellow]{r.reason}[/]" if r.reason else "")
+            table.add_row(*cells, Text(r.reason, style="yellow"))
         best = self.best
-        return Group(table, f"best: {best}" if best else "best: none (no candidate is ok and fits)")
+        return Group(
+            table, Text(f"best: {best}" if best else "best: none (no candidate is ok and fits)")
+        )
 
     def __str__(self) -> str:
         return to_text(self)

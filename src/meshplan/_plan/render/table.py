@@ -29,12 +29,12 @@ def _names_text(leaf: LeafPlan) -> str:
     return ", ".join("None" if n is None else str(n) for n in leaf.names)
 
 
-def _dim_notes(leaf: LeafPlan) -> list[str]:
-    """The notable things about a leaf's dimensions, shortest first."""
-    notes = []
+def _dim_notes(leaf: LeafPlan) -> list[tuple[str, str]]:
+    """The notable things about a leaf's dimensions, shortest first: ``(text, style)``."""
+    notes: list[tuple[str, str]] = []
     unmatched = [str(d.name) for d in leaf.dims if d.status == "no-rule" and not d.skipped]
     if unmatched:
-        notes.append(f"[yellow]no rule: {', '.join(unmatched)}[/]")
+        notes.append((f"no rule: {', '.join(unmatched)}", "yellow"))
     for d in leaf.dims:
         label = str(d.name) if isinstance(d.name, str) else f"dim {d.index}"
         skips = [
@@ -43,27 +43,34 @@ def _dim_notes(leaf: LeafPlan) -> list[str]:
             if s.reason != "dimension already assigned"
         ]
         if d.status == "no-rule" and skips:
-            notes.append(f"[yellow]{label}: {', '.join(skips)}: replicated[/]")
+            notes.append((f"{label}: {', '.join(skips)}: replicated", "yellow"))
         elif skips:
-            notes.append(f"[dim]{label}: {', '.join(skips)}[/]")
+            notes.append((f"{label}: {', '.join(skips)}", "dim"))
         if d.missing_axes:
-            notes.append(f"[red]{label}: no mesh axis {', '.join(map(repr, d.missing_axes))}[/]")
+            notes.append((f"{label}: no mesh axis {', '.join(map(repr, d.missing_axes))}", "red"))
         elif d.duplicate_axes:
             used = ", ".join(map(repr, d.duplicate_axes))
-            notes.append(f"[red]{label}: {used} already used by another dim[/]")
+            notes.append((f"{label}: {used} already used by another dim", "red"))
         elif d.shards == 1 and d.mesh_axes:
-            notes.append(f"[dim]{label}: {'×'.join(d.mesh_axes)} has size 1[/]")
+            notes.append((f"{label}: {'×'.join(d.mesh_axes)} has size 1", "dim"))
         if d.status == "unconstrained":
-            notes.append(f"{label}: unconstrained")
+            notes.append((f"{label}: unconstrained", ""))
         if not d.divides:
-            notes.append(f"[red]{label}: {d.size} ∤ {d.shards}, pad to {d.padded_size}[/]")
+            notes.append((f"{label}: {d.size} ∤ {d.shards}, pad to {d.padded_size}", "red"))
     return notes
 
 
-def _why_text(leaf: LeafPlan) -> str:
+def _why_text(leaf: LeafPlan) -> Any:
+    """The notes cell, literal text (a name or reason with brackets is not rich markup)."""
+    from rich.text import Text
+
     if leaf.kind == "unboxed":
-        return "[dim]unboxed[/]"
-    return "; ".join(_dim_notes(leaf))
+        return Text("unboxed", style="dim")
+    notes = _dim_notes(leaf)
+    out = Text()
+    for i, (note, style) in enumerate(notes):
+        out.append(("; " if i else "") + note, style=style)
+    return out
 
 
 def _rows(plan: PlanData, full: bool, max_rows: int) -> tuple[list[LeafPlan], int]:
@@ -109,7 +116,7 @@ def _parts(
     rules = plan.rules
     rules_text = "none" if not rules else ", ".join(f"{n}→{a}" for n, a in rules)
     title = Text.assemble(
-        ("Sharding plan", "bold"), f" on {plan.mesh.describe()} · rules: {rules_text}"
+        ("Sharding plan", "bold"), Text(f" on {plan.mesh.describe()} · rules: {rules_text}")
     )
 
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, expand=False, show_edge=False)
@@ -125,14 +132,14 @@ def _parts(
     table.add_column("notes", overflow="fold", min_width=12)
     for leaf in rows:
         everyone = leaf.replication == plan.mesh.size and plan.mesh.size > 1
-        cells = [leaf.path]
+        cells: list[Any] = [Text(leaf.path)]  # user text: printed literally, never as markup
         if wide:
-            cells += [f"{shape_text(leaf.shape)} {leaf.dtype}", _names_text(leaf)]
+            cells += [Text(f"{shape_text(leaf.shape)} {leaf.dtype}"), Text(_names_text(leaf))]
             per_device = f"{shape_text(leaf.shard_shape)} {human_bytes(leaf.bytes_per_device)}"
         else:
             per_device = human_bytes(leaf.bytes_per_device)
         cells += [
-            _spec_text(leaf.spec),
+            Text(_spec_text(leaf.spec)),
             per_device,
             "all" if everyone else str(leaf.replication),
             _why_text(leaf),
