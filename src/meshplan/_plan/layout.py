@@ -56,14 +56,7 @@ def build_layout(
         A :class:`LeafLayout`.
     """
     leaf = check_leaf(kind, names, shape, rules, index_map, mesh)
-    dims = [
-        DimPlan(
-            d.index, d.size, d.name, d.mesh_axes, d.shards,
-            None if d.size is None else -(-d.size // d.shards), d.status, d.rule_index, d.rule,
-            d.skipped, d.missing_axes, d.duplicate_axes, d.axis_sizes,
-        )
-        for d in leaf.dims
-    ]  # fmt: skip
+    dims = [DimPlan.of(d) for d in leaf.dims]
     spec = leaf.spec
     itemsize = _itemsize(dtype)
     total_shards = math.prod(d.shards for d in dims)

@@ -14,7 +14,8 @@ import numpy.typing as npt
 from jax.sharding import PartitionSpec
 
 from meshplan._errors import Problem
-from meshplan._spmd.rules import UNCONSTRAINED, SkippedRule
+from meshplan._spmd.rules import UNCONSTRAINED
+from meshplan._spmd.validate import DimCheck
 from meshplan._text import axes_text, rule_text
 
 __all__ = ["DimPlan", "LeafLayout", "LeafPlan", "json_entry"]
@@ -43,16 +44,19 @@ def json_entry(entry: Any) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class DimPlan:
+class DimPlan(DimCheck):
     """How one dimension of one array is laid out, and why.
+
+    The validator's :class:`~meshplan._spmd.validate.DimCheck` (what was placed
+    where, and what is wrong), plus what a plan shows: the shard size and ``why``.
 
     Attributes:
         index: The dimension's position.
         size: Its size (``None`` for a spec without a shape).
         name: Its name on the box: a logical name, mesh axes, or ``None``.
+        entry: Its ``PartitionSpec`` entry.
         mesh_axes: The mesh axes it is split over (``()``: not split).
         shards: Into how many pieces it is split (product of those axes' sizes).
-        shard_size: The size of the largest piece (``ceil(size / shards)``).
         status: ``'rule'`` (placed by a rule), ``'mesh'`` (named with mesh
             axes directly), ``'no-rule'`` (a logical name no rule placed:
             replicated), ``'unnamed'`` (``None``), ``'unconstrained'`` or
@@ -68,29 +72,15 @@ class DimPlan:
         axis_sizes: Size of each axis in ``mesh_axes`` (0 when missing).
     """
 
-    index: int
-    size: int | None
-    name: Any
-    mesh_axes: tuple[str, ...]
-    shards: int
-    shard_size: int | None
-    status: str
-    rule_index: int | None = None
-    rule: tuple[str, Any] | None = None
-    skipped: tuple[SkippedRule, ...] = ()
-    missing_axes: tuple[str, ...] = ()
-    duplicate_axes: tuple[str, ...] = ()
-    axis_sizes: tuple[int, ...] = ()
+    @classmethod
+    def of(cls, dim: DimCheck) -> DimPlan:
+        """The plan's record of one dimension the validator checked."""
+        return cls(**{f.name: getattr(dim, f.name) for f in dataclasses.fields(dim)})
 
     @property
-    def divides(self) -> bool:
-        """Whether the size divides evenly by the number of shards."""
-        return self.size is None or self.size % self.shards == 0
-
-    @property
-    def padded_size(self) -> int | None:
-        """The nearest size at or above ``size`` that divides by ``shards``."""
-        return None if self.size is None else -(-self.size // self.shards) * self.shards
+    def shard_size(self) -> int | None:
+        """The size of the largest piece (``ceil(size / shards)``)."""
+        return None if self.size is None else -(-self.size // self.shards)
 
     @property
     def why(self) -> str:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
 from typing import Any, TypeVar, cast
 
 import jax
@@ -11,7 +9,6 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from meshplan._errors import LogicalNamesError, MeshError, error_from_problems
 from meshplan._spmd.mesh_info import mesh_info
-from meshplan._spmd.rules import mesh_axes_of
 from meshplan._spmd.validate import check_leaf
 
 T = TypeVar("T")
@@ -45,40 +42,6 @@ def active_mesh() -> Any:
 
 def _axis_types(mesh: Any) -> tuple[Any, ...]:
     return tuple(getattr(mesh, "axis_types", ()) or ())
-
-
-def split_count(entry: Any, sizes: Mapping[str, int]) -> int:
-    """How many parts the mesh axes of one ``PartitionSpec`` entry cut a dimension into.
-
-    Example:
-        >>> from meshplan._spmd.mesh import split_count
-        >>> split_count(("data", "model"), {"data": 2, "model": 4}), split_count(None, {})
-        (8, 1)
-    """
-    return math.prod(sizes[a] for a in mesh_axes_of(entry))
-
-
-def uneven_dimensions(
-    shape: tuple[int, ...], spec: Any, sizes: Mapping[str, int]
-) -> list[tuple[int, tuple[str, ...], int]]:
-    """``(dimension, mesh axes, parts)`` of every dimension ``spec`` cannot split evenly.
-
-    Dimensions mapped to an axis that ``sizes`` lacks are left to the caller.
-
-    Example:
-        >>> from meshplan._spmd.mesh import uneven_dimensions
-        >>> uneven_dimensions((6, 8), ("model", "data"), {"data": 2, "model": 4})
-        [(0, ('model',), 4)]
-    """
-    out = []
-    for dim, (size, entry) in enumerate(zip(shape, tuple(spec), strict=False)):
-        axes = mesh_axes_of(entry)
-        if any(a not in sizes for a in axes):
-            continue
-        parts = split_count(entry, sizes)
-        if size % parts:
-            out.append((dim, axes, parts))
-    return out
 
 
 def _fill_unconstrained(value: Any, spec: PartitionSpec) -> PartitionSpec:
