@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshplan._errors import Problem
 from meshplan._plan.layout import build_layout
 from meshplan._plan.plan import Plan
 from meshplan._plan.records import LeafLayout, LeafPlan
@@ -31,14 +32,14 @@ __all__ = ["explain"]
 
 def _mesh_and_rules(
     mesh: Any, rules: Any
-) -> tuple[MeshInfo, tuple[tuple[str, Any], ...], tuple[int, ...], list[tuple[str, str, str]]]:
+) -> tuple[MeshInfo, tuple[tuple[str, Any], ...], tuple[int, ...], list[Problem]]:
     """The mesh's :class:`MeshInfo`; the valid rules of ``rules`` (else the active ones), their
-    indices as given, and ``(path, message, fix)`` of each invalid one (the validator's)."""
+    indices as given, and the validator's problem with each invalid one."""
     info = mesh_info(mesh)
     valid, index_map, problems = rules_problems(
         get_logical_axis_rules() if rules is None else rules
     )
-    return info, valid, index_map, [(p.path, p.message, p.fix) for p in problems]
+    return info, valid, index_map, problems
 
 
 def _key_str(key: Any) -> str:

@@ -7,17 +7,16 @@ adds what calls the renderers (``_plan/render``) and
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
 from meshplan._errors import Problem
 from meshplan._plan.plan_data import PlanData
 from meshplan._plan.problems import find_problems
-from meshplan._plan.records import LeafPlan
 from meshplan._plan.render.json_dict import plan_to_dict
 from meshplan._plan.render.png import write_png
 from meshplan._plan.render.table import plan_renderable, to_text
-from meshplan._spmd.mesh_info import MeshInfo
 from meshplan._text import count_text, human_bytes
 
 __all__ = ["Plan"]
@@ -50,21 +49,9 @@ class Plan(PlanData):
         skipped_leaves: How many leaves were not arrays (``apply_fn``, ``tx``...).
     """
 
-    def __init__(
-        self,
-        mesh: MeshInfo,
-        rules: tuple[tuple[str, Any], ...] | None,
-        leaves: list[LeafPlan],
-        skipped_leaves: int,
-        rule_problems: list[tuple[str, str, str]],
-        rule_index_map: tuple[int, ...],
-    ) -> None:
-        super().__init__(mesh, rules, leaves, skipped_leaves, rule_problems, rule_index_map)
-        self._problems: list[Problem] | None = None
-
     # -- checking -------------------------------------------------------------
 
-    @property
+    @functools.cached_property
     def problems(self) -> list[Problem]:
         """What :func:`meshplan.check` reports for this plan (default threshold).
 
@@ -74,9 +61,7 @@ class Plan(PlanData):
             >>> [(p.severity, p.path, p.code) for p in meshplan.explain(tree, {"x": 4}).problems]
             [('error', 'w', 'indivisible')]
         """
-        if self._problems is None:
-            self._problems = find_problems(self)
-        return self._problems
+        return find_problems(self)
 
     # -- rendering ------------------------------------------------------------
 

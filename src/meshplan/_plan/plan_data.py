@@ -11,6 +11,7 @@ import difflib
 from collections.abc import Iterator
 from typing import Any
 
+from meshplan._errors import Problem
 from meshplan._plan.records import LeafPlan
 from meshplan._plan.totals import Totals, group_totals
 from meshplan._spmd.mesh_info import MeshInfo
@@ -34,7 +35,7 @@ class PlanData:
         rules: The rules the plan used (``None`` when there were none).
         leaves: One :class:`LeafPlan` per array leaf, in tree order.
         skipped_leaves: How many leaves were not arrays (``apply_fn``, ``tx``...).
-        rule_problems: ``(path, message, fix)`` for each invalid rule (left out
+        rule_problems: The validator's problem for each invalid rule (left out
             of ``rules``), or for rules that are not a sequence of pairs.
         rule_index_map: For each rule in ``rules``, its index in the rules as given.
         totals: :class:`Totals` for ``'all'`` and for each group in ``GROUPS``.
@@ -46,7 +47,7 @@ class PlanData:
         rules: tuple[tuple[str, Any], ...] | None,
         leaves: list[LeafPlan],
         skipped_leaves: int,
-        rule_problems: list[tuple[str, str, str]],
+        rule_problems: list[Problem],
         rule_index_map: tuple[int, ...],
     ) -> None:
         self.mesh = mesh

@@ -40,8 +40,7 @@ def find_problems(
     warnings: list[Problem] = []
     mesh = plan.mesh
 
-    for path, message, fix in plan.rule_problems:
-        errors.append(Problem("error", path, message, fix, "bad-rule"))
+    errors.extend(plan.rule_problems)
 
     # Leaves that share a layout share their analysis.
     leaf_errors: list[Problem] = []
