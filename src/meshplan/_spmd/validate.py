@@ -293,6 +293,11 @@ def validate(
 ) -> list[Problem]:
     """Every problem of one array laid out on ``mesh``: a code, the path, the message, the fix.
 
+    The one validator: :func:`meshplan.check`, ``get_sharding(strict=True)``,
+    checkpoint restore, the train command and the layout search all check
+    layouts through it. Use it for an array meshplan does not see in a tree
+    (a batch, an activation), or to validate a front end's leaves one by one.
+
     The rules are checked too (problems at ``rules`` or ``rules[i]``); a logical
     name that no rule places is not a problem here (it is replicated, as Flax
     does; :func:`meshplan.check` warns about it across a whole tree), and a
@@ -312,9 +317,9 @@ def validate(
         The problems: the rules', then the array's; errors and information (``severity='info'``).
 
     Example:
-        >>> from meshplan._spmd.validate import validate
-        >>> for p in validate("params/w", (6, 8), ("embed", "mlp"), {"model": 4},
-        ...                   [["embed", "model"], ["mlp", "data"]]):
+        >>> import meshplan
+        >>> for p in meshplan.validate("params/w", (6, 8), ("embed", "mlp"), {"model": 4},
+        ...                            [["embed", "model"], ["mlp", "data"]]):
         ...     print(p.code, p.path, p.message)
         indivisible params/w dim 0 ('embed') of size 6 does not divide by 4 (mesh axis 'model' of size 4)
         unknown-axis params/w dim 1 ('mlp') is placed by rules[1] on mesh axis 'data', which the mesh {'model': 4} does not have
