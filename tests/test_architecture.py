@@ -109,8 +109,6 @@ def test_the_package_init_only_re_exports():
 
 
 def test_every_module_lives_in_a_subpackage_of_one_concern():
-    flat = sorted(
-        p.name for p in SRC.glob("*.py") if p.name not in ("__init__.py", "py.typed")
-    )
+    flat = sorted(p.name for p in SRC.glob("*.py") if p.name not in ("__init__.py", "py.typed"))
     # The bottom layer's three small modules and the two public modules; the rest is packaged.
     assert flat == ["_errors.py", "_text.py", "_version.py", "layouts.py", "testing.py"]

@@ -242,7 +242,11 @@ CATALOGUE = {
     "unbox under `with mesh:` naming an axis the mesh lacks": (
         lambda: _unbox_under_legacy_mesh(("modle", None)),
         meshplan.MeshError,
-        [r"names=\('modle', None\), shape=\(8, 8\)", r"mesh axis 'modle', which", r"\('data', 'model'\)"],
+        [
+            r"names=\('modle', None\), shape=\(8, 8\)",
+            r"mesh axis 'modle', which",
+            r"\('data', 'model'\)",
+        ],
     ),
     # -- check(strict=True) and strict= ----------------------------------------
     "strict: a size that does not divide": (

@@ -196,7 +196,9 @@ def test_logical_box_get_sharding_without_rules_says_what_to_call(auto_mesh):
 def test_more_names_than_dimensions_raise_naming_names_and_shape(auto_mesh):
     names, shape = ("data", None, None), (4, 8)
     box = meshplan.Partitioned(jnp.ones(shape), names)
-    pattern = r"(?s)3 axis names.*rank 2 \(shape \(4, 8\)\).*at most one name \(or None\) per dimension"
+    pattern = (
+        r"(?s)3 axis names.*rank 2 \(shape \(4, 8\)\).*at most one name \(or None\) per dimension"
+    )
     with pytest.raises(meshplan.LogicalNamesError, match=pattern) as info:
         box.get_sharding(auto_mesh)
     assert repr(tuple(names)) in str(info.value)

@@ -155,7 +155,9 @@ def test_mesh_that_cannot_split_an_array_is_a_clear_error(saved):
     with pytest.raises(meshplan.CheckpointError) as e:
         meshplan.restore(folder, make_mesh((1, 8)), (("heads", "model"),))  # 4 heads over 8
     message = str(e.value)
-    assert "params/layers/attention/query: dim 2 ('heads') of size 4 does not divide by 8" in message
+    assert (
+        "params/layers/attention/query: dim 2 ('heads') of size 4 does not divide by 8" in message
+    )
     assert "(mesh axis 'model' of size 8)" in message
     problems = {(p.path, p.code) for p in e.value.problems}  # the validator's, structured
     assert ("params/layers/attention/query", "indivisible") in problems
