@@ -111,7 +111,9 @@ def process_group(
                 "(process 0's host) --num-processes N --process-id I (I = 0..N-1).",
             )
         )
-    return ProcessGroup(str(coordinator), int(num_processes), int(process_id))  # type: ignore[arg-type]
+    # A missing flag is one of the problems above: all three are given here.
+    assert coordinator is not None and num_processes is not None and process_id is not None
+    return ProcessGroup(str(coordinator), int(num_processes), int(process_id))
 
 
 def _quiet_native_stdout() -> None:

@@ -43,6 +43,7 @@ def parse_mesh_shape(text: str, axes: str | None = None) -> dict[str, int]:
             f"Cannot read the mesh {text!r}: expected positive axis sizes separated by 'x'.\n"
             f"Write it like 2x4, 4x2, 8 or 2x2x2 (the last with --axes a,b,c)."
         )
+    names: tuple[str, ...]
     if axes is None:
         if len(sizes) == 1:
             sizes.append(1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,7 @@ from meshplan._spmd.shardings import get_partition_spec, logical_to_mesh_shardin
 from meshplan.train.settings import TrainSettings
 
 __all__ = [
+    "PlanSummary",
     "abstract_train_state",
     "init_fn",
     "per_device_bytes",
@@ -45,7 +46,9 @@ def sequence_input(settings: TrainSettings) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((1, settings.seq_len), jnp.int32)
 
 
-def init_fn(model: Any, tx: optax.GradientTransformation, example_input: Any) -> Callable[..., Any]:
+def init_fn(
+    model: Any, tx: optax.GradientTransformation, example_input: Any
+) -> Callable[[jax.Array], train_state.TrainState]:
     """``init(key) -> TrainState`` of ``model`` with optimizer ``tx`` (to trace or jit).
 
     ``model`` is a Flax Linen module; its parameters are ``model.init(key,
@@ -56,7 +59,10 @@ def init_fn(model: Any, tx: optax.GradientTransformation, example_input: Any) ->
     def init(key: jax.Array) -> train_state.TrainState:
         x = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), example_input)
         params = model.init(key, x)["params"]
-        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+        state: train_state.TrainState = train_state.TrainState.create(
+            apply_fn=model.apply, params=params, tx=tx
+        )
+        return state
 
     return init
 
@@ -74,7 +80,8 @@ def abstract_train_state(
     if example_input is None:
         example_input = sequence_input(settings)
     init = init_fn(model, tx, example_input)
-    return jax.eval_shape(init, jax.random.key(settings.seed))
+    abstract: train_state.TrainState = jax.eval_shape(init, jax.random.key(settings.seed))
+    return abstract
 
 
 def state_shardings(abstract: Any, mesh: Mesh, rules: Any) -> Any:
@@ -96,9 +103,22 @@ def _total_bytes(tree: Any) -> int:
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
+class PlanSummary(TypedDict):
+    """What :func:`plan_summary` returns (sizes in bytes)."""
+
+    mesh: dict[str, int]
+    layout: str
+    parameters: int
+    params_total: int
+    state_total: int
+    params_per_device: int
+    state_per_device: int
+    source: str
+
+
 def plan_summary(
     abstract: Any, shardings: Any, mesh: Mesh, rules: Any, layout: str = ""
-) -> dict[str, Any]:
+) -> PlanSummary:
     """Parameter count and per-device bytes of the parameters and of the whole state.
 
     From :func:`meshplan.explain`; should it fail, from the shard sizes, with
@@ -107,24 +127,25 @@ def plan_summary(
     from meshplan._plan.explain import explain
 
     params = abstract.params
-    summary: dict[str, Any] = {
-        "mesh": dict(mesh.shape),
-        "layout": layout,
-        "parameters": sum(math.prod(x.shape) for x in jax.tree.leaves(params)),
-        "params_total": _total_bytes(params),
-        "state_total": _total_bytes(abstract),
-    }
+    parameters = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    params_total = _total_bytes(params)
+    state_total = _total_bytes(abstract)
     try:
         totals = explain(abstract, mesh, rules).totals
-        per_device = {
-            "params_per_device": int(totals["params"].max_device_bytes),
-            "state_per_device": int(totals["all"].max_device_bytes),
-            "source": "meshplan.explain",
-        }
+        params_per_device = int(totals["params"].max_device_bytes)
+        state_per_device = int(totals["all"].max_device_bytes)
+        source = "meshplan.explain"
     except Exception as e:  # the summary is informative only: never stop a run for it
-        per_device = {
-            "params_per_device": per_device_bytes(params, shardings.params),
-            "state_per_device": per_device_bytes(abstract, shardings),
-            "source": f"shard sizes (meshplan.explain failed: {type(e).__name__}: {e})",
-        }
-    return {**summary, **per_device}
+        params_per_device = per_device_bytes(params, shardings.params)
+        state_per_device = per_device_bytes(abstract, shardings)
+        source = f"shard sizes (meshplan.explain failed: {type(e).__name__}: {e})"
+    return PlanSummary(
+        mesh=dict(mesh.shape),
+        layout=layout,
+        parameters=parameters,
+        params_total=params_total,
+        state_total=state_total,
+        params_per_device=params_per_device,
+        state_per_device=state_per_device,
+        source=source,
+    )

@@ -47,6 +47,7 @@ from meshplan._checkpoint.restore import restore
 from meshplan._spmd.rules import logical_axis_rules
 from meshplan.train.settings import TrainSettings, make_optimizer
 from meshplan.train.state import (
+    PlanSummary,
     abstract_train_state,
     init_fn,
     plan_summary,
@@ -175,8 +176,8 @@ class Trainer:
             best = resume_from.extra.get("best_valid")
             self.best_valid = (int(best[0]), float(best[1])) if best else None
         self._checkpointer: Checkpointer | None = None
-        self._train_step: Any = None
-        self._eval_step: Any = None
+        self._train_step: Callable[[Any, Any], tuple[Any, jax.Array]] | None = None
+        self._eval_step: Callable[[Any, Any], jax.Array] | None = None
         self._valid_batches: list[Any] | None = None
 
     # -- context ---------------------------------------------------------------
@@ -189,7 +190,7 @@ class Trainer:
 
     # -- summaries -------------------------------------------------------------
 
-    def plan_summary(self) -> dict[str, Any]:
+    def plan_summary(self) -> PlanSummary:
         """Parameter count and per-device bytes of the parameters and of the whole state.
 
         From :func:`meshplan.explain` (see :func:`meshplan.train.state.plan_summary`).
@@ -203,7 +204,8 @@ class Trainer:
         if self.ckpt_dir is not None:
             self._checkpointer = Checkpointer(self.ckpt_dir, max_to_keep=self.max_to_keep)
         if self.resume_from is not None:
-            restored = restore(self.ckpt_dir, self.mesh, self.rules, self.resume_from.step)  # type: ignore[arg-type]
+            assert self.ckpt_dir is not None  # resume_from is a checkpoint in ckpt_dir
+            restored = restore(self.ckpt_dir, self.mesh, self.rules, self.resume_from.step)
             self.state = restored.into(self.abstract)
             self.step = int(restored.metadata.step)
         else:
@@ -241,6 +243,7 @@ class Trainer:
         batch = self.batches("train", self.step)
         if self._train_step is None:
             self._compile(batch)
+        assert self._train_step is not None  # set by _compile
         with self.active():
             self.state, loss = self._train_step(self.state, batch)
         self.step += 1
@@ -254,6 +257,7 @@ class Trainer:
             ]
         if self._eval_step is None:
             self._compile(self._valid_batches[0])
+        assert self._eval_step is not None  # set by _compile
         with self.active():
             losses = [self._eval_step(self.state.params, b) for b in self._valid_batches]
         value = float(np.mean([float(x) for x in losses]))
