@@ -165,11 +165,15 @@ class ByteCorpus:
         chunks: dict[str, list[bytes]] = {"train": [], "valid": []}
         names: dict[str, list[str]] = {"train": [], "valid": []}
         read = {"train": 0, "valid": 0}
+
+        def full(side: str) -> bool:
+            limit = budget[side]
+            return limit is not None and read[side] >= limit
+
         for _, h, rel, p in entries:
             split = "valid" if h < valid_fraction else "train"
-            limit = budget[split]
-            if limit is not None and read[split] >= limit:
-                if all(budget[s] is not None and read[s] >= budget[s] for s in _SPLITS):
+            if full(split):
+                if all(full(s) for s in _SPLITS):
                     break
                 continue
             try:
@@ -255,7 +259,8 @@ class ByteCorpus:
         window = seq_len + 1
         rng = np.random.default_rng([seed, _SPLITS.index(split), step])
         starts = rng.integers(0, len(data) - window + 1, size=batch)
-        return data[starts[:, None] + np.arange(window)].astype(np.int32)
+        windows: np.ndarray = data[starts[:, None] + np.arange(window)].astype(np.int32)
+        return windows
 
     def __repr__(self) -> str:
         return (
@@ -301,13 +306,14 @@ def shard_batch(tokens: np.ndarray, mesh: jax.sharding.Mesh, rules: Any) -> jax.
         )
     spec = meshplan.logical_to_mesh_axes(BATCH_NAMES, rules)
     sharding = NamedSharding(mesh, spec)
-    index_map = sharding.addressable_devices_indices_map(tokens.shape)
+    index_map = sharding.devices_indices_map(tokens.shape)
+    indices = [index_map[device] for device in sharding.addressable_devices]
     local = []
     for dim in range(tokens.ndim):
-        starts = [idx[dim].start or 0 for idx in index_map.values()]
-        stops = [
-            tokens.shape[dim] if idx[dim].stop is None else idx[dim].stop
-            for idx in index_map.values()
-        ]
+        starts = [idx[dim].start or 0 for idx in indices]
+        stops = [tokens.shape[dim] if idx[dim].stop is None else idx[dim].stop for idx in indices]
         local.append(slice(min(starts), max(stops)))
-    return jax.make_array_from_process_local_data(sharding, tokens[tuple(local)], tokens.shape)
+    placed: jax.Array = jax.make_array_from_process_local_data(
+        sharding, tokens[tuple(local)], tokens.shape
+    )
+    return placed

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import flax.linen as nn
 import jax
@@ -63,6 +63,8 @@ class DotReluDot(nn.Module):
             "W2",
             meshplan.with_partitioning(self.dense_init, ("model", None)),
             (self.depth, x.shape[-1]),
+            # flax's default, spelled out: without it flax's stubs type the value as the box
+            unbox=True,
         )
         out = meshplan.explicit_out_sharding(("data", None), _IDENTITY_RULES)
         z = jnp.dot(y, w2, out_sharding=out)
@@ -112,6 +114,7 @@ class LogicalDotReluDot(nn.Module):
             "W2",
             meshplan.with_logical_partitioning(self.dense_init, ("hidden", "embed")),
             (self.depth, x.shape[-1]),
+            unbox=True,  # (see DotReluDot)
         )
         z = jnp.dot(y, w2, out_sharding=meshplan.explicit_out_sharding(("batch", "embed")))
         z = meshplan.with_logical_constraint(z, ("batch", "embed"))
@@ -157,9 +160,16 @@ def init_fn(
         ('model', None)
     """
     variables = model.init(key, x)
-    return train_state.TrainState.create(
+    state: train_state.TrainState = train_state.TrainState.create(
         apply_fn=model.apply, params=variables["params"], tx=optimizer
     )
+    return state
+
+
+def _apply(model: nn.Module, params: Any, x: jax.Array) -> jax.Array:
+    """``model.apply({"params": params}, x)``: the models of this module return one array."""
+    # flax types apply's result as "output, or (output, variables) when mutable": not mutable here.
+    return cast(jax.Array, model.apply({"params": params}, x))
 
 
 def make_train_step(
@@ -172,9 +182,12 @@ def make_train_step(
     )
     def train_step(state: train_state.TrainState, x: jax.Array) -> train_state.TrainState:
         def loss(params: Any) -> jax.Array:
-            return model.apply({"params": params}, x).sum()
+            return _apply(model, params, x).sum()
 
-        return state.apply_gradients(grads=jax.grad(loss)(state.params))
+        new_state: train_state.TrainState = state.apply_gradients(
+            grads=jax.grad(loss)(state.params)
+        )
+        return new_state
 
     return train_step
 
@@ -188,6 +201,6 @@ def make_infer_step(
         jax.jit, in_shardings=(params_sharding, x_sharding), out_shardings=out_sharding
     )
     def infer_step(params: Any, x: jax.Array) -> jax.Array:
-        return model.apply({"params": params}, x)
+        return _apply(model, params, x)
 
     return infer_step

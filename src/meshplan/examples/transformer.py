@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import flax.linen as nn
 import jax
@@ -256,6 +256,8 @@ def _dense_init(in_axes: tuple[int, ...], out_axes: tuple[int, ...]) -> Initiali
 # ---------------------------------------------------------------------------
 # Modules
 # ---------------------------------------------------------------------------
+# ``self.param(..., unbox=True)`` spells out flax's default: a boxed initializer's value
+# comes back unboxed. Without it flax's type stubs type the value as the box.
 
 
 class LayerNorm(nn.Module):
@@ -270,11 +272,13 @@ class LayerNorm(nn.Module):
             "scale",
             meshplan.with_logical_partitioning(nn.initializers.ones, ("embed",)),
             (features,),
+            unbox=True,
         )
         bias = self.param(
             "bias",
             meshplan.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
             (features,),
+            unbox=True,
         )
         x32 = x.astype(jnp.float32)
         mean = x32.mean(-1, keepdims=True)
@@ -311,7 +315,7 @@ class Attention(nn.Module):
         heads_names = ("batch", "length", "heads", "kv")
 
         def project(name: str) -> Array:
-            w = gathered(self.param(name, in_init, (e, h, d)), in_names).astype(dtype)
+            w = gathered(self.param(name, in_init, (e, h, d), unbox=True), in_names).astype(dtype)
             y = jnp.einsum("ble,ehd->blhd", x, w, out_sharding=_out(heads_names))
             return _constrain(y, heads_names)
 
@@ -324,14 +328,15 @@ class Attention(nn.Module):
         scores = scores / np.sqrt(d).astype(np.float32)
         length = x.shape[1]
         causal = np.tril(np.ones((length, length), dtype=bool))
-        scores = jnp.where(causal[None, None], scores, jnp.finfo(jnp.float32).min)
+        scores = jnp.where(causal[None, None], scores, np.finfo(np.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
         y = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
         y = _constrain(y, heads_names)
 
         out_names = ("heads", "kv", "embed")
         out_init = meshplan.with_logical_partitioning(_dense_init((0, 1), (2,)), out_names)
-        w_out = gathered(self.param("out", out_init, (h, d, e)), out_names).astype(dtype)
+        w_out = self.param("out", out_init, (h, d, e), unbox=True)
+        w_out = gathered(w_out, out_names).astype(dtype)
         embed_names = ("batch", "length", "embed")
         y = jnp.einsum("bqhd,hde->bqe", y, w_out, out_sharding=_out(embed_names))
         return _constrain(y, embed_names)
@@ -351,11 +356,13 @@ class Mlp(nn.Module):
             "wi",
             meshplan.with_logical_partitioning(_dense_init((0,), (1,)), wi_names),
             (cfg.embed_dim, cfg.mlp_dim),
+            unbox=True,
         )
         wo = self.param(
             "wo",
             meshplan.with_logical_partitioning(_dense_init((0,), (1,)), wo_names),
             (cfg.mlp_dim, cfg.embed_dim),
+            unbox=True,
         )
         hidden_names = ("batch", "length", "mlp")
         y = jnp.einsum(
@@ -416,6 +423,7 @@ class Transformer(nn.Module):
             "embed",
             meshplan.with_logical_partitioning(nn.initializers.normal(1.0), table_names),
             (cfg.vocab_size, cfg.embed_dim),
+            unbox=True,
         )
         one_hot = jax.nn.one_hot(tokens, cfg.vocab_size, dtype=dtype)
         x = jnp.einsum(
@@ -430,6 +438,7 @@ class Transformer(nn.Module):
                 "pos_embed",
                 meshplan.with_logical_partitioning(nn.initializers.normal(0.02), pos_names),
                 (cfg.max_len, cfg.embed_dim),
+                unbox=True,
             )
             x = x + gathered(pos, pos_names)[None, :length].astype(dtype)
         x = _constrain(x, embed_names)
@@ -456,6 +465,7 @@ class Transformer(nn.Module):
             # Small logits at init: the loss starts near log(vocab_size).
             meshplan.with_logical_partitioning(nn.initializers.normal(0.02), head_names),
             (cfg.embed_dim, cfg.vocab_size),
+            unbox=True,
         )
         logits_names = ("batch", "length", "vocab")
         logits = jnp.einsum(
@@ -493,7 +503,8 @@ def loss_fn(params: Any, batch_tokens: Array, model: Transformer) -> Array:
         A float32 scalar.
     """
     inputs, targets = batch_tokens[:, :-1], batch_tokens[:, 1:]
-    logits = model.apply({"params": params}, inputs)
+    # flax types apply's result as "output, or (output, variables) when mutable": not mutable here.
+    logits = cast(Array, model.apply({"params": params}, inputs))
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     one_hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=log_probs.dtype)
     return -jnp.mean(jnp.sum(log_probs * one_hot, axis=-1))
