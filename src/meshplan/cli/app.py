@@ -12,6 +12,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import Protocol, cast
 
 COMMANDS = {
     "demo": "meshplan.cli.demo",
@@ -22,11 +23,23 @@ COMMANDS = {
 }
 
 
-def _available() -> dict[str, object]:
-    modules = {}
+class Command(Protocol):
+    """What each subcommand module defines (see the module docstring)."""
+
+    HELP: str
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+def _available() -> dict[str, Command]:
+    modules: dict[str, Command] = {}
     for name, module_name in COMMANDS.items():
         try:
-            modules[name] = importlib.import_module(module_name)
+            # import_module is typed as returning a bare ModuleType; every module of
+            # COMMANDS defines HELP, add_arguments and run, as the module docstring says.
+            modules[name] = cast(Command, importlib.import_module(module_name))
         except ModuleNotFoundError as e:
             if e.name != module_name:
                 raise
@@ -40,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in _available().items():
-        p = sub.add_parser(name, help=module.HELP, description=module.HELP)  # type: ignore[attr-defined]
-        module.add_arguments(p)  # type: ignore[attr-defined]
-        p.set_defaults(_run=module.run)  # type: ignore[attr-defined]
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
     return parser
 
 

@@ -189,7 +189,9 @@ def _supervise(
         codes = [p.poll() for p in procs]
         if len(set(codes)) == 1 and codes[0] is not None and codes[0] > 0:
             return int(codes[0])  # all failed alike: process 0 has said why
-        code = int(codes[failed])  # type: ignore[arg-type]
+        exited = codes[failed]
+        assert exited is not None  # process `failed` had exited, and poll() keeps its code
+        code = int(exited)
         running = [i for i, c in enumerate(codes) if c is None]
         _stop_all(procs)
         lines = [

@@ -89,23 +89,24 @@ def abstract_state(args: argparse.Namespace) -> tuple[str, Any]:
         from meshplan.examples.transformer import Transformer, config_from_name
 
         config = config_from_name(args.size)
-        model = Transformer(config)
+        transformer = Transformer(config)
 
         def init(key: jax.Array) -> train_state.TrainState:
             tokens = jnp.zeros((1, min(config.max_len, 8)), jnp.int32)
-            params = model.init(key, tokens)["params"]
-            return train_state.TrainState.create(
-                apply_fn=model.apply, params=params, tx=optax.adam(1e-3)
+            params = transformer.init(key, tokens)["params"]
+            created: train_state.TrainState = train_state.TrainState.create(
+                apply_fn=transformer.apply, params=params, tx=optax.adam(1e-3)
             )
+            return created
 
         return f"Transformer ({args.size})", jax.eval_shape(init, jax.random.key(0))
 
     from meshplan.examples.mlp import LogicalMLP, init_fn
 
-    model = LogicalMLP(args.layers, args.depth, args.scan)
+    mlp = LogicalMLP(args.layers, args.depth, args.scan)
     x = jax.ShapeDtypeStruct((8, args.depth), jnp.float32)
     state = jax.eval_shape(
-        functools.partial(init_fn, model=model, optimizer=optax.adam(1e-3)),
+        functools.partial(init_fn, model=mlp, optimizer=optax.adam(1e-3)),
         jax.random.key(0),
         x,
     )

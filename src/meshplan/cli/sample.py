@@ -95,7 +95,9 @@ def generate(
     @jax.jit
     def next_logits(params: Any, x: jax.Array, position: jax.Array) -> jax.Array:
         logits = model.apply({"params": params}, x)
-        return jax.lax.dynamic_index_in_dim(logits[0], position, keepdims=False)
+        # (jax types this jitted function's result as Any)
+        row: jax.Array = jax.lax.dynamic_index_in_dim(logits[0], position, keepdims=False)
+        return row
 
     key = jax.random.key(seed)
     out = bytearray()

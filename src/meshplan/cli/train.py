@@ -207,7 +207,7 @@ def _summary(console: Console, trainer: Any, result: Any) -> None:
     console.print(table)
 
 
-class _MetricsLog(contextlib.AbstractContextManager):
+class _MetricsLog(contextlib.AbstractContextManager["_MetricsLog", None]):
     """Appends each record to ``path`` as one JSON line; does nothing without a path."""
 
     def __init__(self, path: str | None) -> None:
@@ -272,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
         BarColumn,
         MofNCompleteColumn,
         Progress,
+        TaskID,
         TextColumn,
         TimeElapsedColumn,
         TimeRemainingColumn,
@@ -287,11 +288,12 @@ def run(args: argparse.Namespace) -> int:
         TimeRemainingColumn(),
         console=console,
     )
-    task = None
+    task: TaskID | None = None
 
     log = _MetricsLog(args.metrics if jax.process_index() == 0 else None)
 
     def on_step(step: int, loss: float, tps: float) -> None:
+        assert task is not None  # added before the run starts
         progress.update(task, completed=step, loss=f"{loss:.3f}", tps=f"{tps:,.0f}" if tps else "-")
         log({"step": step, "loss": loss})
 

@@ -175,9 +175,9 @@ def _check_checkpoint_dir(
             "--resume needs the checkpoint folder to resume from",
             "Pass --ckpt-dir DIR with --resume.",
         )
-    elif request.resume:
+    elif request.resume and ckpt_dir is not None:  # (not None: the case above)
         try:
-            return ckpt_dir, read_metadata(ckpt_dir)  # type: ignore[arg-type]
+            return ckpt_dir, read_metadata(ckpt_dir)
         except MeshplanError as e:
             problems.add_error(e)
     elif ckpt_dir is not None and (last := latest_step(ckpt_dir)) is not None:
