@@ -10,15 +10,24 @@ the same command on each with ``--coordinator HOST:PORT --num-processes N
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from typing import NoReturn
 
 from rich.console import Console
 
-from meshplan._errors import problem_message
+from meshplan._errors import MeshplanError, error_for, problem_message
 from meshplan.cli.launch import free_port, launch
 from meshplan.cli.output import print_error, say
 from meshplan.cli.train_flags import MODEL_FLAGS, SETTINGS_FLAGS, flag
-from meshplan.train.distributed import DistributedError, ProcessGroup, join, process_group
+from meshplan.train.distributed import (
+    DEFAULT_INIT_TIMEOUT,
+    INIT_FAILED_EXIT_CODE,
+    DistributedError,
+    ProcessGroup,
+    join,
+    process_group,
+)
 
 __all__ = ["join_if_asked", "launch_workers", "worker_argv"]
 
@@ -39,6 +48,9 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         value = getattr(args, dest)
         if value is not None:
             out += [flag(dest), str(value)]
+    init_timeout = getattr(args, "init_timeout", None)
+    if init_timeout is not None:
+        out += ["--init-timeout", str(init_timeout)]
     if args.resume:
         out.append("--resume")
     if args.scan_layers is False:
@@ -60,6 +72,9 @@ def _check_launch(args: argparse.Namespace) -> list[str]:
         problems.append(
             f"--devices {args.devices} does not split over --processes {args.processes}"
         )
+    init_timeout = getattr(args, "init_timeout", None)
+    if init_timeout is not None and not init_timeout > 0:  # also refuses NaN
+        problems.append(f"--init-timeout must be a positive number of seconds, got {init_timeout}")
     given = [
         f for f in ("coordinator", "num_processes", "process_id") if getattr(args, f) is not None
     ]
@@ -102,14 +117,46 @@ def launch_workers(args: argparse.Namespace) -> int:
     return launch(argvs, local)
 
 
+def _say_waiting(line: str) -> None:
+    say(Console(stderr=True), line, soft_wrap=True)
+
+
+def _give_up(error: MeshplanError) -> NoReturn:
+    """Prints ``error`` and ends the process at once: JAX's threads must not keep it alive."""
+    sys.stdout.flush()
+    print_error(error)
+    sys.stderr.flush()
+    os._exit(INIT_FAILED_EXIT_CODE)
+
+
 def join_if_asked(args: argparse.Namespace) -> ProcessGroup | None:
     """Joins the multi-process run the flags describe (before JAX starts); ``None`` if none.
 
+    While processes are missing, says who every few seconds on standard error;
+    gives up after ``--init-timeout`` seconds (default
+    :data:`~meshplan.train.distributed.DEFAULT_INIT_TIMEOUT`, as JAX).
+
     Raises:
-        DistributedError: the flags do not fit together, or the coordinator
-            cannot be reached.
+        DistributedError: the flags do not fit together, or the processes did
+            not all meet at the coordinator in time (naming who never joined).
     """
     group = process_group(args.coordinator, args.num_processes, args.process_id)
-    if group is not None:
-        join(group)
+    timeout = getattr(args, "init_timeout", None)
+    if group is None:
+        if timeout is not None:
+            raise error_for(
+                DistributedError,
+                "init-timeout-alone",
+                "--init-timeout",
+                f"--init-timeout {timeout:g} is for a run of several processes, and this is one",
+                "Give it with --coordinator/--num-processes/--process-id or --processes, "
+                "or leave it out.",
+            )
+        return None
+    join(
+        group,
+        DEFAULT_INIT_TIMEOUT if timeout is None else timeout,
+        report=_say_waiting,
+        give_up=_give_up,
+    )
     return group
