@@ -247,6 +247,7 @@ def test_plain_orbax_checkpoint_is_not_a_meshplan_checkpoint(tmp_path, composite
 
 def test_damaged_metadata_is_a_clear_error(tmp_path):
     with meshplan.Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(1, {"w": jnp.ones(2)})
         ckpt.save(2, {"w": jnp.ones(2)})
     meta_file = tmp_path / "2" / "meshplan" / "metadata"
     data = json.loads(meta_file.read_text())
@@ -258,7 +259,11 @@ def test_damaged_metadata_is_a_clear_error(tmp_path):
     assert (
         f"'{tmp_path}' (step 2): its meshplan metadata is damaged (KeyError: 'arrays')" in message
     )
-    assert message.splitlines()[-1].startswith("Restore an earlier step (step=...)")
+    assert message.splitlines()[-1] == (
+        "Restore an earlier step (step=1; steps before it: [1]), or "
+        "restore(path, fallback=True) for the newest intact one."
+    )
+    assert e.value.problems[0].code == "ckpt-damaged"
 
 
 def _saved_step(folder, step=3):

@@ -22,29 +22,179 @@ Orbax writes each step into ``<step>.orbax-checkpoint-tmp-...`` and renames it
 when complete (on cloud storage: writes a commit marker), so a run killed in the
 middle of a save leaves the previous steps intact; only steps Orbax finalized
 are ever listed or restored.
+
+What a :class:`Checkpointer` guarantees:
+
+* **Keep policy.** The latest ``max_to_keep`` steps are kept, and also the step
+  with the best ``keep_best`` metric (default: the lowest ``valid_loss`` passed
+  to ``save(..., metrics=...)``), whatever ``max_to_keep`` says: Orbax's own
+  ``preservation_policy`` (``LatestN`` or ``BestN``) decides; the metrics are
+  Orbax's ``metrics`` item of each step, so a reopened folder knows them.
+* **Only finite states.** ``save`` refuses a state with a NaN or an infinity
+  in any floating array (code ``'ckpt-not-finite'``), with one jitted reduction
+  (see :mod:`meshplan._checkpoint.finite` for the cost).
+* **Failing I/O ends promptly.** A write that fails (permissions, a full disk,
+  the folder removed) raises one :class:`CheckpointError` (code
+  ``'ckpt-write-failed'``) from the ``save``, ``wait`` or ``close`` that
+  notices it, and no Orbax thread is left waiting. Step folders are created in
+  the calling thread, so a folder that cannot be written fails in ``save``.
+  Orbax's own error logs are left out while a Checkpointer is open: the error
+  carries the cause (``__cause__``).
+* **One writer per folder.** Process 0 holds ``<folder>/meshplan.lock`` (see
+  :mod:`meshplan._checkpoint.lock`) from ``__init__`` to ``close`` (or exit).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
+import math
 import os
+import re
+import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 from jax.sharding import Mesh
 
+from meshplan._checkpoint.finite import nonfinite_paths
 from meshplan._checkpoint.folder import (
     ITEM_NAMES,
     META_ITEM,
     STATE_ITEM,
     checkpoint_path,
+    complete_steps,
     remove_incomplete_steps,
+    step_number,
 )
+from meshplan._checkpoint.lock import FolderLock
 from meshplan._checkpoint.metadata import CheckpointMetadata
 from meshplan._checkpoint.tree import flatten_state, nest
-from meshplan._errors import CheckpointError
+from meshplan._errors import ArgumentError, CheckpointError, error_for
+from meshplan._text import paths_text
 
 __all__ = ["Checkpointer"]
+
+
+# -- failing I/O ----------------------------------------------------------------
+
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+_ERRNO_TEXT = re.compile(r"\[Errno (\d+)\]")
+
+
+def _errno_of(e: BaseException) -> int | None:
+    """The ``errno`` behind ``e``: an ``OSError``'s, or the one TensorStore writes in its text."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno:
+            return e.errno
+        for pattern in (_OS_ERROR_CODE, _ERRNO_TEXT):
+            match = pattern.search(str(e))
+            if match:
+                return int(match.group(1))
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return None
+
+
+def _cause_text(e: BaseException) -> str:
+    code = _errno_of(e)
+    if code is not None:
+        name = errno.errorcode.get(code, str(code))
+        return f"{os.strerror(code)} ({name})"
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _write_fix(code: int | None) -> str:
+    if code == errno.ENOSPC or code == errno.EDQUOT:
+        return "Free space on that disk, or save into a folder on another disk."
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "Make the folder writable by this user, or save into another folder."
+    if code == errno.ENOENT:
+        return "The folder (or part of it) was removed while saving: save into a new folder."
+    return "Check the disk and the folder, or save into another folder."
+
+
+def _unblock_orbax_threads(timeout: float = 5.0) -> None:
+    """Lets Orbax threads that wait for a signal from a failed one end (they would wait minutes).
+
+    After a failed save, Orbax's background threads that wait for another
+    thread's signal (e.g. "the step folder exists") wait for their whole
+    timeout (5 minutes) and keep the interpreter alive. Each is cancelled and
+    its awaited signals are set, so it wakes, sees the cancellation and returns.
+    """
+    try:
+        from orbax.checkpoint._src.futures import future
+    except ImportError:  # pragma: no cover - Orbax moved it
+        return
+    waiting = [
+        t for t in threading.enumerate() if isinstance(t, future._SignalingThread) and t.is_alive()
+    ]
+    for thread in waiting:
+        try:
+            thread.cancel()
+            future.set_signals(
+                thread._receive_signals,
+                operation_id=thread._operation_id,
+            )
+        except Exception:
+            pass
+    for thread in waiting:
+        threading.Thread.join(thread, timeout=timeout)
+
+
+class _OrbaxErrorLogs(logging.Filter):
+    """Leaves out Orbax's error logs (with tracebacks) while a Checkpointer is open.
+
+    Also its warning at every save without ``metrics`` (they are optional here).
+
+    A failed save logs the same traceback from each of Orbax's threads (hundreds of
+    lines); the :class:`CheckpointError` raised instead names the folder, the cause
+    and the fix, and keeps Orbax's exception as its ``__cause__``.
+    """
+
+    open_count = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.open_count <= 0 or f"{os.sep}orbax{os.sep}" not in record.pathname:
+            return True
+        if record.levelno >= logging.ERROR:
+            return False
+        # Logged at every save without metrics: they are optional here.
+        return not str(record.msg).startswith("Requested `tracked_metric`")
+
+
+_ORBAX_LOGS = _OrbaxErrorLogs()
+_ORBAX_LOGS_LOCK = threading.Lock()
+
+
+def _quiet_orbax(delta: int) -> None:
+    with _ORBAX_LOGS_LOCK:
+        if _ORBAX_LOGS.open_count == 0 and delta > 0:
+            logging.getLogger("absl").addFilter(_ORBAX_LOGS)
+        _ORBAX_LOGS.open_count += delta
+        if _ORBAX_LOGS.open_count <= 0:
+            _ORBAX_LOGS.open_count = 0
+            logging.getLogger("absl").removeFilter(_ORBAX_LOGS)
+
+
+def _metric_key(name: str, mode: str) -> Any:
+    """Orbax's ``get_metric_fn``: the metric, with a missing or non-finite one ranked worst."""
+    worst = math.inf if mode == "min" else -math.inf
+
+    def key(metrics: Any) -> float:
+        value = metrics.get(name) if isinstance(metrics, Mapping) else None
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            return worst
+        return value if math.isfinite(value) else worst
+
+    return key
 
 
 class Checkpointer:
@@ -52,57 +202,232 @@ class Checkpointer:
 
     Each :meth:`save` returns once the arrays are copied off the devices and
     writes them in the background; the next save (or :meth:`wait`,
-    :meth:`close`) waits for the previous one. Only the last ``max_to_keep``
-    complete steps are kept. Leftovers of a save that was killed midway are
-    removed when the folder is opened.
+    :meth:`close`) waits for the previous one. The last ``max_to_keep``
+    complete steps are kept, and the step with the best ``keep_best`` metric
+    (see :meth:`save`'s ``metrics``) is never deleted. Leftovers of a save that
+    was killed midway are removed when the folder is opened.
+
+    Opening checks the folder can be written (:meth:`check_writable`) and, on
+    process 0, takes its lock (one writer per folder; see :attr:`note`).
 
     Args:
         directory: The checkpoint folder (created if missing): a local path or
             any path Orbax writes (``gs://...``).
-        max_to_keep: How many complete steps to keep.
+        max_to_keep: How many of the latest complete steps to keep (``None``: all).
         async_save: Write in a background thread (``False``: each save blocks).
+        keep_best: The metric (a key of :meth:`save`'s ``metrics``) whose best
+            step is always kept; ``None`` keeps only the latest steps.
+        best_mode: ``"min"`` (lower is better, as a loss) or ``"max"``.
+
+    Raises:
+        CheckpointError: ``'ckpt-not-a-folder'`` (a file), ``'ckpt-not-writable'``
+            (the folder or a file in it cannot be created), ``'ckpt-locked'``
+            (another live process writes into it).
 
     Example:
         >>> import tempfile, jax.numpy as jnp, meshplan
         >>> with tempfile.TemporaryDirectory() as folder:
         ...     ckpt = meshplan.Checkpointer(folder, max_to_keep=2)
-        ...     for step in (1, 2, 3):
-        ...         _ = ckpt.save(step, {"step": jnp.int32(step)})
+        ...     for step, loss in ((1, 3.0), (2, 2.5), (3, 2.9), (4, 2.8)):
+        ...         _ = ckpt.save(step, {"step": jnp.int32(step)}, metrics={"valid_loss": loss})
         ...     ckpt.wait()  # the last save is now complete on disk
-        ...     print(ckpt.all_steps(), ckpt.latest_step())
+        ...     print(ckpt.all_steps(), ckpt.latest_step(), ckpt.best())
         ...     ckpt.close()  # or use the Checkpointer as a context manager
-        [2, 3] 3
+        [2, 3, 4] 4 (2, 2.5)
     """
 
     def __init__(
         self,
         directory: str | os.PathLike[str],
         *,
-        max_to_keep: int = 3,
+        max_to_keep: int | None = 3,
         async_save: bool = True,
+        keep_best: str | None = "valid_loss",
+        best_mode: str = "min",
     ) -> None:
         import orbax.checkpoint as ocp
+        from orbax.checkpoint import checkpoint_managers as policies
 
+        if max_to_keep is not None and (
+            isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
+        ):
+            raise error_for(
+                ArgumentError, "ckpt-bad-keep", "max_to_keep",
+                f"max_to_keep must be a whole number >= 1 or None, got {max_to_keep!r}",
+                "Pass max_to_keep=3, for example (None keeps every step).",
+            )  # fmt: skip
+        if best_mode not in ("min", "max"):
+            raise error_for(
+                ArgumentError, "ckpt-bad-keep", "best_mode",
+                f"best_mode must be 'min' or 'max', got {best_mode!r}",
+                "Pass best_mode='min' for a loss (lower is better).",
+            )  # fmt: skip
         self.directory = checkpoint_path(directory)
-        if self.directory.exists() and not self.directory.is_dir():
-            raise CheckpointError(
-                f"Cannot save checkpoints into {str(self.directory)!r}: it is a file.\n"
-                f"Pass a folder path (it is created if missing)."
-            )
+        self.keep_best = keep_best
+        self.best_mode = best_mode
+        self.note: str | None = None
+        """A sentence the caller should show, or ``None``: e.g. that a stale lock was taken over."""
+        self._lock: FolderLock | None = None
+        self._saving: int | None = None
+        self._failure: CheckpointError | None = None
+        self._failure_raised = False
+        self._closed = False
+        self._metrics: dict[int, float | None] = {}
+        self.check_writable(self.directory)
         if jax.process_index() == 0:
+            if "://" not in str(self.directory):
+                self._lock = FolderLock.acquire(self.directory)
+                self.note = self._lock.note
+                weakref.finalize(self, self._lock.release)
             # Orbax's own clean-up (cleanup_tmp_directories) runs in the background and
             # may not be done when the manager is closed; this one is done on return.
             # The other processes wait for it in the manager's create barrier.
             remove_incomplete_steps(self.directory)
+        latest = policies.LatestN(n=max_to_keep)
+        best_fn = None if keep_best is None else _metric_key(keep_best, best_mode)
+        preservation = (
+            latest
+            if best_fn is None
+            else policies.AnyPreservationPolicy(
+                [
+                    latest,
+                    policies.BestN(
+                        get_metric_fn=best_fn,
+                        reverse=best_mode == "min",
+                        n=1,
+                        keep_checkpoints_without_metrics=False,
+                    ),
+                ]
+            )
+        )
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
             create=True,
             enable_async_checkpointing=async_save,
+            preservation_policy=preservation,
+            best_fn=best_fn,
+            best_mode=best_mode,
+            # Step folders are made in the calling thread: a folder that cannot be
+            # written fails in save(), not in a thread that others wait on.
+            async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False),
         )
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=ITEM_NAMES
-        )
-        self._saving: int | None = None
+        _quiet_orbax(+1)
+        try:
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=options, item_names=ITEM_NAMES
+            )
+        except BaseException as e:
+            _quiet_orbax(-1)
+            if self._lock is not None:
+                self._lock.release()
+            if isinstance(e, OSError):
+                raise self._not_writable(e) from e
+            raise
+
+    # -- checks ----------------------------------------------------------------
+
+    @staticmethod
+    def check_writable(directory: str | os.PathLike[str]) -> None:
+        """Creates ``directory`` (and its parents) and a probe file in it, then removes the probe.
+
+        Call it before any work to fail early; :class:`Checkpointer` calls it
+        when opening. Runs as the calling user (``root`` writes anywhere).
+
+        Raises:
+            CheckpointError: ``'ckpt-not-a-folder'`` when ``directory`` (or a
+                parent) is a file, ``'ckpt-not-writable'`` when it cannot be
+                created or written, naming the cause.
+
+        Example:
+            >>> import os, tempfile, meshplan
+            >>> with tempfile.TemporaryDirectory() as folder:
+            ...     meshplan.Checkpointer.check_writable(os.path.join(folder, "new", "run"))
+            ...     print(os.listdir(os.path.join(folder, "new", "run")))
+            ...     open(os.path.join(folder, "file"), "w").close()
+            ...     try:
+            ...         meshplan.Checkpointer.check_writable(os.path.join(folder, "file"))
+            ...     except meshplan.CheckpointError as e:
+            ...         print(e.problems[0].code)
+            []
+            ckpt-not-a-folder
+        """
+        p = checkpoint_path(directory)
+        if p.exists() and not p.is_dir():
+            raise error_for(
+                CheckpointError, "ckpt-not-a-folder", str(p),
+                f"Cannot save checkpoints into {str(p)!r}: it is a file",
+                "Pass a folder path (it is created if missing).",
+            )  # fmt: skip
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+            probe = p / f".meshplan-probe-{os.getpid()}-{jax.process_index()}"
+            probe.write_text("probe")
+            probe.unlink()
+        except (FileExistsError, NotADirectoryError) as e:
+            raise error_for(
+                CheckpointError, "ckpt-not-a-folder", str(p),
+                f"Cannot save checkpoints into {str(p)!r}: a part of that path is a file "
+                f"({_cause_text(e)})",
+                "Pass a folder path whose parents are folders.",
+            ) from e  # fmt: skip
+        except OSError as e:
+            raise Checkpointer._not_writable_error(p, e) from e
+
+    @staticmethod
+    def _not_writable_error(p: Any, e: BaseException) -> CheckpointError:
+        return error_for(  # type: ignore[return-value]
+            CheckpointError, "ckpt-not-writable", str(p),
+            f"Cannot write checkpoints into {str(p)!r}: {_cause_text(e)}",
+            _write_fix(_errno_of(e)),
+        )  # fmt: skip
+
+    def _not_writable(self, e: BaseException) -> CheckpointError:
+        return self._not_writable_error(self.directory, e)
+
+    def _write_failed(self, e: BaseException, step: int | None) -> CheckpointError:
+        """Records a failed write (once) and lets Orbax's waiting threads end."""
+        _unblock_orbax_threads()
+        if self._failure is None:
+            try:
+                kept = complete_steps(self.directory)
+            except Exception:
+                kept = []
+            kept = [s for s in kept if s != step]
+            what = f"step {step}" if step is not None else "a checkpoint"
+            last = (
+                f"The last complete step, {kept[-1]}, is kept"
+                if kept
+                else "No complete step is left there"
+            )
+            self._failure = error_for(  # type: ignore[assignment]
+                CheckpointError, "ckpt-write-failed", str(self.directory),
+                f"Saving {what} into {str(self.directory)!r} failed: {_cause_text(e)}. {last}",
+                _write_fix(_errno_of(e)),
+            )  # fmt: skip
+            self._failure.__cause__ = e
+            if jax.process_index() == 0:
+                # Free what the failed save wrote (a full disk); reopening would too.
+                with contextlib.suppress(Exception):
+                    remove_incomplete_steps(self.directory)
+        assert self._failure is not None
+        return self._failure
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            self._failure_raised = True
+            raise self._failure
+
+    def _check_still_ours(self, step: int) -> None:
+        """The folder is still there and still locked by this Checkpointer."""
+        if not self.directory.is_dir():
+            raise self._write_failed(
+                FileNotFoundError(errno.ENOENT, "the folder was removed", str(self.directory)),
+                step,
+            )
+        if self._lock is not None and not self._lock.held():
+            self._lock.release()
+            self._lock = FolderLock.acquire(self.directory)  # 'ckpt-locked' if taken
+
+    # -- saving ----------------------------------------------------------------
 
     def save(
         self,
@@ -113,6 +438,8 @@ class Checkpointer:
         mesh: Mesh | None = None,
         config: Mapping[str, Any] | None = None,
         extra: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, float] | None = None,
+        check_finite: bool = True,
     ) -> bool:
         """Starts saving ``state`` (boxed or raw arrays) as ``step``; ``False`` if it exists.
 
@@ -123,6 +450,18 @@ class Checkpointer:
             mesh: The run's mesh (default: the mesh of the first sharded array).
             config: The model config as a JSON-serialisable dict.
             extra: More JSON-serialisable data to store (e.g. training settings).
+            metrics: Numbers measured at this step, e.g. ``{"valid_loss": 2.5}``;
+                stored as Orbax's ``metrics`` item. The step with the best
+                ``keep_best`` metric is never deleted.
+            check_finite: Refuse a state with a NaN or an infinity in a floating
+                array (one jitted reduction over the state, see
+                :mod:`meshplan._checkpoint.finite`).
+
+        Raises:
+            CheckpointError: ``'ckpt-not-finite'`` (nothing is written; names the
+                step and the first arrays or metrics), ``'ckpt-write-failed'``
+                (this or the previous save could not be written), ``'ckpt-locked'``
+                (another process took the folder's lock).
 
         Example:
             >>> import tempfile, jax.numpy as jnp, meshplan
@@ -130,33 +469,99 @@ class Checkpointer:
             ...     with meshplan.Checkpointer(folder, async_save=False) as ckpt:
             ...         print(ckpt.save(5, {"w": jnp.ones(2)}, config={"layers": 2}))
             ...         print(ckpt.save(5, {"w": jnp.zeros(2)}))  # step 5 exists
+            ...         try:
+            ...             ckpt.save(6, {"w": jnp.array([1.0, jnp.nan])})
+            ...         except meshplan.CheckpointError as e:
+            ...             print(e.problems[0].code, e.problems[0].path)
             True
             False
+            ckpt-not-finite w
         """
         import orbax.checkpoint as ocp
 
+        self._raise_failure()
+        step = step_number(step)  # type: ignore[assignment]
         if step in self._manager.all_steps():  # finalized, or being written
             return False
         flat = flatten_state(state)
+        metric_values = self._checked_metrics(step, metrics)
+        if check_finite:
+            bad = nonfinite_paths(flat)
+            if bad:
+                self._refuse_nonfinite(step, bad)
         metadata = CheckpointMetadata.from_flat(
             step, flat, rules=rules, mesh=mesh, config=config, extra=extra
         )
         raw = nest({key: value for key, (value, _) in flat.items()})
-        saved = bool(
-            self._manager.save(
-                int(step),
-                args=ocp.args.Composite(
-                    **{
-                        STATE_ITEM: ocp.args.StandardSave(raw),
-                        META_ITEM: ocp.args.JsonSave(metadata.to_json()),
-                    }
-                ),
-                force=True,
+        self._check_still_ours(step)
+        # Orbax waits for the previous save first; a failure there is that step's.
+        self._wait_previous()
+        try:
+            saved = bool(
+                self._manager.save(
+                    step,
+                    args=ocp.args.Composite(
+                        **{
+                            STATE_ITEM: ocp.args.StandardSave(raw),
+                            META_ITEM: ocp.args.JsonSave(metadata.to_json()),
+                        }
+                    ),
+                    metrics=metric_values,
+                    force=True,
+                )
             )
-        )
+        except Exception as e:  # its step folder could not be made, or Orbax failed
+            self._failure_raised = True
+            raise self._write_failed(e, step) from e
         if saved:
-            self._saving = int(step)
+            self._saving = step
+            if self.keep_best is not None and metric_values is not None:
+                self._metrics[step] = metric_values.get(self.keep_best)
         return saved
+
+    def _checked_metrics(
+        self, step: int, metrics: Mapping[str, float] | None
+    ) -> dict[str, float] | None:
+        if metrics is None:
+            return None
+        out: dict[str, float] = {}
+        for name, value in metrics.items():
+            try:
+                number = float(value)
+            except (TypeError, ValueError) as e:
+                raise error_for(
+                    ArgumentError, "ckpt-bad-metric", f"metrics/{name}",
+                    f"save(step={step}, metrics=...): {name!r} must be a number, got {value!r}",
+                    "Pass plain numbers, e.g. metrics={'valid_loss': 2.5}.",
+                ) from e  # fmt: skip
+            if not math.isfinite(number):
+                raise error_for(
+                    CheckpointError, "ckpt-not-finite", f"metrics/{name}",
+                    f"Refusing to save step {step}: its metric {name!r} is {number}",
+                    "The run diverged: restore the last good step and lower the learning rate; "
+                    "nothing was written.",
+                )  # fmt: skip
+            out[str(name)] = number
+        return out
+
+    def _refuse_nonfinite(self, step: int, bad: list[str]) -> None:
+        try:
+            good = complete_steps(self.directory)
+        except Exception:
+            good = []
+        last = (
+            f"restore the last good step (meshplan.restore(path, step={good[-1]}))"
+            if good
+            else "start again"
+        )
+        raise error_for(
+            CheckpointError, "ckpt-not-finite", bad[0],
+            f"Refusing to save step {step}: NaN or infinite values in {len(bad)} "
+            f"array{'s' if len(bad) != 1 else ''}: {paths_text(bad)}",
+            f"The run diverged: {last} with a lower learning rate; nothing was written.",
+        )  # fmt: skip
+
+    # -- steps -----------------------------------------------------------------
 
     def all_steps(self) -> list[int]:
         """The complete steps on disk, oldest first (a save still running is not among them).
@@ -173,10 +578,10 @@ class Checkpointer:
             [10, 20]
         """
         # The manager lists a step from the moment its save starts; leave that one out
-        # until Orbax has finalized it.
+        # until Orbax has finalized it (and a failed one for good).
         in_progress = self._manager.is_saving_in_progress()
         steps = sorted(self._manager.all_steps())
-        if in_progress and self._saving in steps:
+        if (in_progress or self._failure is not None) and self._saving in steps:
             steps.remove(self._saving)
         return steps
 
@@ -193,8 +598,60 @@ class Checkpointer:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
+    def _metric_of(self, step: int) -> float | None:
+        if step not in self._metrics:
+            value = None
+            try:
+                metrics = self._manager.metrics(step)
+            except Exception:
+                metrics = None
+            if isinstance(metrics, Mapping) and self.keep_best is not None:
+                try:
+                    value = float(metrics.get(self.keep_best))  # type: ignore[arg-type]
+                except (TypeError, ValueError):
+                    value = None
+            self._metrics[step] = value
+        return self._metrics[step]
+
+    def best(self) -> tuple[int, float] | None:
+        """``(step, metric)`` of the complete step with the best ``keep_best`` metric, or ``None``.
+
+        Only steps on disk count (the policy never deletes this one), so a
+        summary can name it. ``None`` when no complete step has that metric.
+
+        Example:
+            >>> import tempfile, jax.numpy as jnp, meshplan
+            >>> with tempfile.TemporaryDirectory() as folder:
+            ...     with meshplan.Checkpointer(folder, max_to_keep=1, async_save=False) as ckpt:
+            ...         for step, loss in ((10, 2.0), (20, 1.5), (30, 9.0), (40, 8.0)):
+            ...             _ = ckpt.save(step, {"w": jnp.ones(2)}, metrics={"valid_loss": loss})
+            ...         print(ckpt.all_steps(), ckpt.best(), ckpt.best_step())
+            [20, 40] (20, 1.5) 20
+        """
+        if self.keep_best is None:
+            return None
+        scored = [
+            (step, value)
+            for step in self.all_steps()
+            if (value := self._metric_of(step)) is not None and math.isfinite(value)
+        ]
+        if not scored:
+            return None
+        sign = 1.0 if self.best_mode == "min" else -1.0
+        return min(scored, key=lambda item: (sign * item[1], -item[0]))
+
+    def best_step(self) -> int | None:
+        """The step of :meth:`best`, or ``None``."""
+        found = self.best()
+        return None if found is None else found[0]
+
+    # -- waiting and closing ---------------------------------------------------
+
     def wait(self) -> None:
         """Blocks until the save in progress (if any) is complete on disk.
+
+        Raises:
+            CheckpointError: ``'ckpt-write-failed'``: that save failed (raised once).
 
         Example:
             >>> import tempfile, jax.numpy as jnp, meshplan
@@ -205,12 +662,25 @@ class Checkpointer:
             ...         print(ckpt.latest_step())
             1
         """
-        self._manager.wait_until_finished()
+        self._raise_failure()
+        self._wait_previous()
+
+    def _wait_previous(self) -> None:
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            self._failure_raised = True
+            raise self._write_failed(e, self._saving) from e
 
     def close(self) -> None:
-        """Waits for the save in progress, then releases Orbax's resources.
+        """Waits for the save in progress, releases Orbax's resources and the folder's lock.
 
-        Leaving a ``with Checkpointer(...)`` block calls it.
+        Leaving a ``with Checkpointer(...)`` block calls it. Idempotent.
+
+        Raises:
+            CheckpointError: ``'ckpt-write-failed'`` when the last save failed and
+                no earlier call raised that already. The lock is released and
+                no Orbax thread is left running either way.
 
         Example:
             >>> import tempfile, jax.numpy as jnp, meshplan
@@ -221,7 +691,28 @@ class Checkpointer:
             ...     print(meshplan.restore(folder).metadata.step)
             1
         """
-        self._manager.close()
+        if self._closed:
+            return
+        self._closed = True
+        error: BaseException | None = None
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            error = self._write_failed(e, self._saving)
+        try:
+            self._manager.close()
+        except Exception as e:
+            if error is None and self._failure is None:
+                error = self._write_failed(e, self._saving)
+        finally:
+            if self._failure is not None:
+                _unblock_orbax_threads()
+            _quiet_orbax(-1)
+            if self._lock is not None:
+                self._lock.release()
+        if self._failure is not None and not self._failure_raised:
+            self._failure_raised = True
+            raise self._failure
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -14,13 +14,14 @@ storage gets its commit marker), and any path Orbax can write (a local folder,
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Any
 
 from etils import epath
 
 from meshplan._checkpoint.metadata import CheckpointMetadata
-from meshplan._errors import CheckpointError, error_for
+from meshplan._errors import ArgumentError, CheckpointError, error_for
 
 __all__ = [
     "ITEM_NAMES",
@@ -28,12 +29,14 @@ __all__ = [
     "STATE_ITEM",
     "checkpoint_path",
     "complete_steps",
+    "damaged_fix",
     "incomplete_steps",
     "latest_step",
     "metadata_of",
     "open_manager",
     "read_metadata",
     "remove_incomplete_steps",
+    "step_number",
 ]
 
 STATE_ITEM = "state"
@@ -190,7 +193,36 @@ def _check_folder(path: epath.Path, manager: Any) -> list[int]:
     )  # fmt: skip
 
 
-def _step_to_read(path: epath.Path, steps: list[int], step: int | None) -> int:
+def step_number(step: Any) -> int | None:
+    """``step`` as an ``int`` (``None`` stays ``None``): ints, NumPy ints and digit strings.
+
+    Raises:
+        ArgumentError: (code ``'ckpt-bad-step'``) for anything else.
+
+    Example:
+        >>> from meshplan._checkpoint.folder import step_number
+        >>> step_number("20"), step_number(20), step_number(None)
+        (20, 20, None)
+    """
+    if step is None:
+        return None
+    if isinstance(step, str) and step.strip().isdigit():
+        return int(step.strip())
+    if not isinstance(step, bool):
+        try:
+            return operator.index(step)
+        except TypeError:
+            pass
+    raise error_for(
+        ArgumentError, "ckpt-bad-step", "step",
+        f"step must be a whole number (or None for the latest), got {step!r} "
+        f"({type(step).__name__})",
+        "Pass step=20, for example.",
+    )  # fmt: skip
+
+
+def _step_to_read(path: epath.Path, steps: list[int], step: Any) -> int:
+    step = step_number(step)
     if step is None:
         return steps[-1]
     if step in steps:
@@ -204,14 +236,35 @@ def _step_to_read(path: epath.Path, steps: list[int], step: int | None) -> int:
     )  # fmt: skip
 
 
+def damaged_fix(steps: list[int], step: int) -> str:
+    """The fix of a damaged ``step``: the earlier steps to restore instead (API-level).
+
+    Example:
+        >>> from meshplan._checkpoint.folder import damaged_fix
+        >>> print(damaged_fix([10, 15, 20], 20))
+        Restore an earlier step (step=15; steps before it: [10, 15]), or restore(path, fallback=True) for the newest intact one.
+    """
+    earlier = [s for s in steps if s < step]
+    if not earlier:
+        return (
+            "No earlier step is left: save into a new folder to start afresh (or delete this "
+            "step's folder)."
+        )
+    return (
+        f"Restore an earlier step (step={earlier[-1]}; steps before it: {earlier}), or "
+        f"restore(path, fallback=True) for the newest intact one."
+    )
+
+
 def metadata_of(
-    manager: Any, path: str | os.PathLike[str], step: int | None = None
+    manager: Any, path: str | os.PathLike[str], step: int | str | None = None
 ) -> CheckpointMetadata:
     """:func:`read_metadata` through an open manager (see :func:`open_manager`)."""
     import orbax.checkpoint as ocp
 
     p = checkpoint_path(path)
-    step = _step_to_read(p, _check_folder(p, manager), step)
+    steps = _check_folder(p, manager)
+    step = _step_to_read(p, steps, step)
     where = f"{str(p)!r} (step {step})"
     try:
         restored = manager.restore(
@@ -226,13 +279,21 @@ def metadata_of(
             f"{_FIX_PATH}; restore a plain Orbax checkpoint with orbax.checkpoint and a "
             f"target tree.",
         ) from e  # fmt: skip
-    except (OSError, ValueError) as e:
+    except Exception as e:  # Orbax raises OSError, ValueError or a bare Exception
         raise error_for(
             CheckpointError, "ckpt-damaged", where,
             f"{where}: cannot read its '{META_ITEM}' metadata item ({type(e).__name__}: {e})",
-            "The step is damaged; restore an earlier step (step=...).",
+            damaged_fix(steps, step),
         ) from e  # fmt: skip
-    return CheckpointMetadata.from_json(data, where)
+    try:
+        return CheckpointMetadata.from_json(data, where)
+    except CheckpointError as e:
+        if not e.problems or e.problems[0].code != "ckpt-damaged":
+            raise
+        raise error_for(
+            CheckpointError, "ckpt-damaged", where, e.problems[0].message,
+            damaged_fix(steps, step),
+        ) from e  # fmt: skip
 
 
 def latest_step(path: str | os.PathLike[str]) -> int | None:
@@ -248,7 +309,9 @@ def latest_step(path: str | os.PathLike[str]) -> int | None:
         return step
 
 
-def read_metadata(path: str | os.PathLike[str], step: int | None = None) -> CheckpointMetadata:
+def read_metadata(
+    path: str | os.PathLike[str], step: int | str | None = None
+) -> CheckpointMetadata:
     """The :class:`CheckpointMetadata` of ``step`` (default: the latest complete one).
 
     Reads only the small JSON item, no arrays: use it to check a checkpoint
@@ -257,7 +320,9 @@ def read_metadata(path: str | os.PathLike[str], step: int | None = None) -> Chec
 
     Raises:
         CheckpointError: ``path`` is missing, empty, holds no complete step, is
-            not a meshplan checkpoint, or lacks ``step``.
+            not a meshplan checkpoint, lacks ``step``, or the step's metadata is
+            damaged (code ``'ckpt-damaged'``, naming the step and the earlier ones).
+        ArgumentError: ``step`` is not a whole number (``"20"`` is taken as 20).
 
     Example:
         >>> import meshplan

@@ -11,22 +11,28 @@ restores in one (or the other way round).
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from etils import epath
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from meshplan._checkpoint.folder import (
     META_ITEM,
     STATE_ITEM,
     checkpoint_path,
+    damaged_fix,
     metadata_of,
     open_manager,
+    step_number,
 )
+from meshplan._checkpoint.integrity import check_step, intact_step
 from meshplan._checkpoint.metadata import CheckpointMetadata
 from meshplan._checkpoint.tree import flatten_state, nest, path_of, unnest
 from meshplan._errors import (
+    ArgumentError,
     CheckpointError,
     Problem,
     error_for,
@@ -203,7 +209,9 @@ def restore(
     path: str | os.PathLike[str],
     mesh: Mesh | None = None,
     rules: Any = None,
-    step: int | None = None,
+    step: int | str | None = None,
+    *,
+    fallback: bool = False,
 ) -> Restored:
     """Restores a meshplan checkpoint onto ``mesh`` with ``rules``: no target tree, no model.
 
@@ -219,6 +227,12 @@ def restore(
         rules: Logical axis rules for ``mesh``; ``None`` uses the saved ones.
         step: The step to restore; ``None`` for the latest complete one (as
             Orbax's ``CheckpointManager`` finds them: a save killed midway is not one).
+            A digit string (``"20"``) is taken as that number.
+        fallback: When the step cannot be read (damaged), restore the newest
+            earlier step that can instead, and say which steps were skipped and
+            why with one ``UserWarning`` each. Each damaged step costs a cheap
+            check (:func:`~meshplan._checkpoint.integrity.check_step`), the intact
+            one is read once.
 
     Returns:
         :class:`Restored` ``(state, metadata)``: nested dicts of arrays (boxed
@@ -227,7 +241,11 @@ def restore(
 
     Raises:
         CheckpointError: the folder is missing, empty, not a meshplan
-            checkpoint, lacks ``step``, or the mesh cannot hold its arrays.
+            checkpoint, lacks ``step``, or the mesh cannot hold its arrays; the
+            step is damaged (code ``'ckpt-damaged'``, naming the step and what is
+            damaged; with ``fallback=True``: only when no step can be read).
+        ArgumentError: ``mesh`` is not a ``jax.sharding.Mesh`` (e.g. ``"2x4"``),
+            or ``step`` is not a whole number.
 
     Example:
         >>> import tempfile, jax, jax.numpy as jnp, meshplan
@@ -241,9 +259,61 @@ def restore(
         >>> state["w"].names, state["w"].value.sharding.spec, meta.step
         (('embed', 'mlp'), P(None, 'model'), 1)
     """
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise error_for(
+            ArgumentError, "ckpt-bad-mesh", "mesh",
+            f"restore(mesh=...) takes a jax.sharding.Mesh, got {mesh!r} "
+            f"({type(mesh).__name__})",
+            "Build one, e.g. jax.make_mesh((2, 4), ('data', 'model')), or pass mesh=None "
+            "for one device.",
+        )  # fmt: skip
+    step = step_number(step)
+    p = checkpoint_path(path)
+    if not fallback:
+        return _restore_step(p, mesh, rules, step)
+    chosen = _first_step(p, step)
+    tried: list[Problem] = []
+    while True:
+        try:
+            return _restore_step(p, mesh, rules, chosen)
+        except CheckpointError as e:
+            if not e.problems or e.problems[0].code != "ckpt-damaged":
+                raise
+            skipped = [e.problems[0]]
+        found = intact_step(p, before=chosen)
+        for problem in [*skipped, *found.skipped]:
+            warnings.warn(_skipped_text(problem), stacklevel=2)
+            tried.append(problem)
+        if found.step is None:
+            raise CheckpointError(
+                problem_message(
+                    f"No step of {str(p)!r} can be read:",
+                    [problem.message for problem in tried],
+                    "Save into a new folder to start afresh.",
+                ),
+                tried,
+            )
+        chosen = found.step
+
+
+def _skipped_text(problem: Problem) -> str:
+    return f"Skipped {problem.path}: {problem.message.removeprefix(problem.path + ': ')}"
+
+
+def _first_step(p: epath.Path, step: int | None) -> int | None:
+    """``step``, or the latest one; raises the folder's error when there is none."""
+    if step is not None:
+        return step
+    with open_manager(p) as manager:
+        steps = sorted(manager.all_steps())
+        if not steps:
+            metadata_of(manager, p)  # raises why (missing, empty, ...)
+    return steps[-1]
+
+
+def _restore_step(p: epath.Path, mesh: Mesh | None, rules: Any, step: int | None) -> Restored:
     import orbax.checkpoint as ocp
 
-    p = checkpoint_path(path)
     # Every process restores its part of the arrays: they open the manager together.
     with open_manager(p, all_processes=True) as manager:
         metadata = metadata_of(manager, p, step)
@@ -256,6 +326,7 @@ def restore(
                 for key, info in metadata.arrays.items()
             }
         )
+        where = f"{str(p)!r} (step {metadata.step})"
         try:
             restored = manager.restore(
                 metadata.step,
@@ -263,10 +334,23 @@ def restore(
             )[STATE_ITEM]
         except KeyError as e:
             raise error_for(
-                CheckpointError, "ckpt-damaged", str(p),
-                f"{str(p)!r} (step {metadata.step}) has its '{META_ITEM}' metadata but no "
-                f"'{STATE_ITEM}' arrays ({e.args[0] if e.args else e})",
-                "The step is damaged; restore an earlier step (step=...).",
+                CheckpointError, "ckpt-damaged", where,
+                f"{where} has its '{META_ITEM}' metadata but no '{STATE_ITEM}' arrays "
+                f"({e.args[0] if e.args else e})",
+                damaged_fix(sorted(manager.all_steps()), metadata.step),
+            ) from e  # fmt: skip
+        except Exception as e:  # Orbax and TensorStore raise a bare Exception, ValueError...
+            # Name what is damaged: the cheap check usually finds it; else Orbax's words.
+            found = check_step(p, metadata.step, manager)
+            detail = (
+                found.message
+                if found is not None
+                else f"{where}: its '{STATE_ITEM}' arrays cannot be read "
+                f"({type(e).__name__}: {_first_line(e)})"
+            )
+            raise error_for(
+                CheckpointError, "ckpt-damaged", where, detail,
+                damaged_fix(sorted(manager.all_steps()), metadata.step),
             ) from e  # fmt: skip
     boxed = {}
     for key, value in unnest(restored):
@@ -278,3 +362,8 @@ def restore(
         else:
             boxed[key] = Partitioned(value, info.names)
     return Restored(nest(boxed), metadata)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
