@@ -2,7 +2,8 @@
 
 The logical-axis SPMD partitioning system of Flax's SPMD utilities, with the
 same names and signatures (switch by changing an import), plus the tools to
-see, check and search partition plans.
+see, check and search partition plans. Flax Linen boxes and Flax NNX states
+(``nnx.state``, ``nnx.split``) are both accepted wherever a tree is.
 """
 
 from meshplan._checkpoint.checkpointer import Checkpointer
@@ -35,6 +36,7 @@ from meshplan._spmd.boxes import (
 )
 from meshplan._spmd.constraints import RulesFallback, explicit_out_sharding, with_logical_constraint
 from meshplan._spmd.mesh import active_mesh
+from meshplan._spmd.nnx import nnx_sharding, with_nnx_partitioning
 from meshplan._spmd.rules import (
     get_logical_axis_rules,
     logical_axis_rules,
@@ -81,6 +83,7 @@ __all__ = [
     "logical_to_mesh",
     "logical_to_mesh_axes",
     "logical_to_mesh_sharding",
+    "nnx_sharding",
     "replace_boxed",
     "restore",
     "search_layouts",
@@ -89,6 +92,7 @@ __all__ = [
     "validate",
     "with_logical_constraint",
     "with_logical_partitioning",
+    "with_nnx_partitioning",
     "with_partitioning",
 ]
 

@@ -1,8 +1,9 @@
 """The one walk over a model's state: every array leaf with its path, kind, names and shape.
 
 This is the seam a front end plugs into. :func:`array_leaves` reads Linen's
-metadata boxes (meshplan's, Flax's, or anything with ``names``); a leaf without
-a box is ``'unboxed'`` (replicated). :func:`meshplan.explain`,
+metadata boxes (meshplan's, Flax's, or anything with ``names``) and Flax NNX
+variables (their ``out_sharding`` metadata, :mod:`meshplan._spmd.nnx`); a leaf
+without either is ``'unboxed'`` (replicated). :func:`meshplan.explain`,
 :func:`meshplan.check` and the strict shardings all walk a tree through it, so a
 new kind of metadata is taught to meshplan here, once.
 """
@@ -16,8 +17,14 @@ import jax
 from jax.sharding import PartitionSpec
 
 from meshplan._spmd.boxes import LogicallyPartitioned, is_box
+from meshplan._spmd.nnx import is_variable, variable_names
 
-__all__ = ["ArrayLeaf", "array_leaves", "unwrap"]
+__all__ = ["ArrayLeaf", "array_leaves", "is_leaf", "unwrap"]
+
+
+def is_leaf(x: Any) -> bool:
+    """Where the walk stops: a metadata box or a Flax NNX variable."""
+    return is_box(x) or is_variable(x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +71,15 @@ def unwrap(box: Any) -> tuple[str, Any, Any, Any]:
     return ("logical" if logical else "mesh"), names, value, getattr(box, "rules", None)
 
 
-def array_leaves(tree: Any) -> tuple[list[ArrayLeaf], int]:
+def array_leaves(tree: Any, rules: Any = None) -> tuple[list[ArrayLeaf], int]:
     """Every array leaf of ``tree`` in tree order, and how many leaves were not arrays.
 
-    A leaf is an array when it (or the value in its box) has a ``.shape``:
-    ``jax.Array``, ``numpy`` arrays and ``jax.ShapeDtypeStruct``.
+    A leaf is an array when it (or the value in its box or variable) has a
+    ``.shape``: ``jax.Array``, ``numpy`` arrays and ``jax.ShapeDtypeStruct``.
+    A Flax NNX variable's path is the variable's (``layers/kernel``, not
+    ``.../value``); its names are logical when rules are in effect (``rules``,
+    else the active ones, or its own ``sharding_rules``), else mesh axes, as
+    in Flax NNX (:func:`meshplan._spmd.nnx.variable_names`).
 
     Example:
         >>> import jax, jax.numpy as jnp, meshplan
@@ -80,8 +91,11 @@ def array_leaves(tree: Any) -> tuple[list[ArrayLeaf], int]:
     """
     out: list[ArrayLeaf] = []
     skipped = 0
-    for keypath, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]:
-        if is_box(leaf):
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
+        if is_variable(leaf):
+            info = variable_names(leaf, rules)
+            kind, names, value, own_rules = info.kind, info.names, leaf.get_value(), info.rules
+        elif is_box(leaf):
             kind, names, value, own_rules = unwrap(leaf)
         else:
             kind, names, value, own_rules = "unboxed", None, leaf, None

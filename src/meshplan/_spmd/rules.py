@@ -256,6 +256,17 @@ def _is_dim_entry(name: Any) -> bool:
     return _is_mesh_axis_entry(name)
 
 
+def bad_entries(names: Sequence[Any]) -> list[Any]:
+    """The entries of ``names`` that are not a name, a tuple of names, None or UNCONSTRAINED.
+
+    Example:
+        >>> from meshplan._spmd.rules import bad_entries
+        >>> bad_entries(("embed", 3, ("data", "model"), None))
+        [3]
+    """
+    return [n for n in names if not _is_dim_entry(tuple(n) if isinstance(n, list) else n)]
+
+
 def names_problem(names: Any, *, what: str = "array_dim_names") -> Problem | None:
     """The problem with one array's axis names, or None when they are valid.
 

@@ -18,7 +18,9 @@ from meshplan._errors import (
     error_from_problems,
 )
 from meshplan._spmd.boxes import LogicallyPartitioned, Partitioned, is_box
+from meshplan._spmd.leaves import is_leaf
 from meshplan._spmd.mesh import active_mesh, check_spec
+from meshplan._spmd.nnx import is_variable, variable_spec
 from meshplan._spmd.rules import logical_to_mesh_axes, normalize_rules
 from meshplan._spmd.tree_check import raise_for_errors, spec_errors, tree_errors
 from meshplan._text import path_text
@@ -88,6 +90,19 @@ def _logical_spec(x: Any) -> PartitionSpec:
     raise LogicalNamesError(f"{problem.message}.\n{problem.fix}", [problem])
 
 
+def _is_spec_leaf(x: Any) -> bool:
+    return isinstance(x, PartitionSpec) or is_variable(x)
+
+
+def _variable_logical(x: Any, rules: Any) -> PartitionSpec | None:
+    """A variable's logical spec through ``rules``: its value when that is a spec (the result
+    of ``nnx.get_partition_spec``), else its ``out_sharding`` names read as logical names."""
+    value = x.get_value()
+    if isinstance(value, PartitionSpec):
+        return logical_to_mesh_axes(value, rules)
+    return variable_spec(x, rules, logical=True)
+
+
 def _named(mesh: Any, spec: PartitionSpec, cache: dict[PartitionSpec, NamedSharding]) -> Any:
     sharding = cache.get(spec)
     if sharding is None:
@@ -122,16 +137,31 @@ def get_partition_spec(tree: Any) -> Any:
     with a ``.shape`` (arrays, ``jax.ShapeDtypeStruct``) gives ``PartitionSpec()``;
     any other leaf gives ``None``.
 
+    A Flax NNX state or module (``nnx.state``, ``nnx.split``) gives what
+    ``nnx.get_partition_spec`` gives: the same structure, each variable holding
+    its mesh ``PartitionSpec``. Its ``out_sharding`` names go through the
+    active rules (and the variable's own ``sharding_rules``) as Linen's do;
+    with no rules in effect they are mesh axes, as in Flax NNX (``docs/nnx.md``).
+
     Example:
         >>> import jax, jax.numpy as jnp, meshplan
         >>> tree = {"w": meshplan.Partitioned(jnp.ones((4, 8)), ("data", None)),
         ...         "step": jnp.zeros(()), "name": "adam"}
         >>> meshplan.get_partition_spec(tree)
         {'name': None, 'step': P(), 'w': P('data', None)}
+        >>> from flax import nnx
+        >>> w = nnx.Param(jnp.ones((8, 4)), out_sharding=("embed", "hidden"), eager_sharding=False)
+        >>> state = nnx.state(nnx.Dict(w=w))
+        >>> with meshplan.logical_axis_rules((("embed", "data"), ("hidden", "model"))):
+        ...     specs = meshplan.get_partition_spec(state)
+        >>> specs["w"].get_value()
+        P('data', 'model')
     """
     specs: dict[tuple[Any, ...], PartitionSpec] = {}  # boxes with equal names share one spec
 
-    def leaf(x: Any) -> PartitionSpec | None:
+    def leaf(x: Any) -> Any:
+        if is_variable(x):
+            return x.replace(variable_spec(x))
         if type(x) in _OWN_BOXES:
             spec = specs.get(x.names)
             if spec is None:
@@ -139,7 +169,7 @@ def get_partition_spec(tree: Any) -> Any:
             return spec
         return _leaf_spec(x)
 
-    return _map_collecting(leaf, tree, is_box)
+    return _map_collecting(leaf, tree, is_leaf)
 
 
 def get_sharding(tree: Any, mesh: jax.sharding.Mesh | None, *, strict: bool = False) -> Any:
@@ -172,6 +202,9 @@ def get_sharding(tree: Any, mesh: jax.sharding.Mesh | None, *, strict: bool = Fa
     by_names: dict[tuple[Any, ...], NamedSharding] = {}  # checked already: skip the spec
 
     def leaf(x: Any) -> Any:
+        if is_variable(x):
+            spec = variable_spec(x)
+            return x.replace(None if spec is None else _named(mesh, spec, cache))
         if is_box(x):
             if type(x) is Partitioned:
                 shape = getattr(x.value, "shape", None)
@@ -185,7 +218,7 @@ def get_sharding(tree: Any, mesh: jax.sharding.Mesh | None, *, strict: bool = Fa
         spec = _leaf_spec(x)
         return None if spec is None else _named(mesh, spec, cache)
 
-    return _map_collecting(leaf, tree, is_box)
+    return _map_collecting(leaf, tree, is_leaf)
 
 
 def logical_to_mesh(tree: Any, rules: Any = None) -> Any:
@@ -200,11 +233,13 @@ def logical_to_mesh(tree: Any, rules: Any = None) -> Any:
     """
     if rules is not None:
         rules = normalize_rules(rules)
-    return _map_collecting(
-        lambda x: logical_to_mesh_axes(_logical_spec(x), rules),
-        tree,
-        lambda x: isinstance(x, PartitionSpec),
-    )
+
+    def leaf(x: Any) -> Any:
+        if is_variable(x):
+            return x.replace(_variable_logical(x, rules))
+        return logical_to_mesh_axes(_logical_spec(x), rules)
+
+    return _map_collecting(leaf, tree, _is_spec_leaf)
 
 
 def logical_to_mesh_sharding(
@@ -235,6 +270,9 @@ def logical_to_mesh_sharding(
     cache: dict[PartitionSpec, NamedSharding] = {}
 
     def leaf(x: Any) -> Any:  # None is an empty subtree: it stays None
+        if is_variable(x):
+            spec = _variable_logical(x, rules)
+            return x.replace(None if spec is None else _named(mesh, spec, cache))
         return _named(mesh, logical_to_mesh_axes(_logical_spec(x), rules), cache)
 
-    return _map_collecting(leaf, tree, lambda x: isinstance(x, PartitionSpec))
+    return _map_collecting(leaf, tree, _is_spec_leaf)

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec
 from meshplan._errors import Problem, ShardingValidationError, problem_message
 from meshplan._spmd.leaves import array_leaves
 from meshplan._spmd.mesh_info import MeshInfo, axis_names_fix, mesh_info
+from meshplan._spmd.nnx import is_variable, variable_names
 from meshplan._spmd.rules import get_logical_axis_rules, mesh_axes_of, rules_problems
 from meshplan._spmd.validate import LeafCheck, check_leaf
 from meshplan._text import axes_text, count_text, path_text, paths_text, rule_text
@@ -102,7 +103,7 @@ def tree_errors(tree: Any, mesh: Any, rules: Any = None) -> list[Problem]:
     cache: dict[Any, LeafCheck] = {}
     users: dict[int, list[str]] = {}
     without_rules: list[str] = []
-    leaves, _ = array_leaves(tree)
+    leaves, _ = array_leaves(tree, rules)
     for leaf in leaves:
         key: tuple[Any, ...] | None = (leaf.kind, leaf.names, leaf.shape, leaf.own_rules)
         try:
@@ -143,13 +144,29 @@ def spec_errors(tree: Any, mesh: Any, rules: Any = None) -> list[Problem]:
     valid, index_map, errors = rules_problems(get_logical_axis_rules() if rules is None else rules)
     users: dict[int, list[str]] = {}
     flat = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, PartitionSpec)
+        tree, is_leaf=lambda x: isinstance(x, PartitionSpec) or is_variable(x)
     )[0]
     for keypath, spec in flat:
+        r, m = valid, index_map
+        if is_variable(spec):  # an NNX variable: its spec value, or its names read as logical
+            names = variable_names(spec, rules)
+            value = spec.get_value()
+            shape = None if isinstance(value, PartitionSpec) else getattr(value, "shape", None)
+            if isinstance(value, PartitionSpec):
+                spec = value
+            elif names.names is None:
+                continue
+            else:
+                spec = PartitionSpec(*names.names)
+            if names.rules is not None:
+                r, m, _ = rules_problems(names.rules)
+        else:
+            shape = None
         if not isinstance(spec, PartitionSpec):
             continue
         path = path_text(keypath)
-        checked = check_leaf("logical", tuple(spec), None, valid, index_map, info)
+        shape_t = None if shape is None else tuple(shape)
+        checked = check_leaf("logical", tuple(spec), shape_t, r, m, info)
         errors.extend(p for p in checked.at(path) if p.severity == "error")
         for d in checked.dims:
             if d.status == "rule" and d.rule_index is not None:

@@ -28,6 +28,7 @@ from meshplan._spmd.rules import (
     UNASSIGNED,
     UNCONSTRAINED,
     SkippedRule,
+    bad_entries,
     get_logical_axis_rules,
     mesh_axes_of,
     names_problem,
@@ -201,6 +202,19 @@ def check_leaf(
             problems.append(bad)
             work = (None,) * ndim
         trace = resolve_with_trace(work, rules)
+    elif kind == "mesh" and names is not None:  # a front end's mesh names (boxes check theirs)
+        work = tuple(tuple(n) if isinstance(n, list) else n for n in work)
+        bad_mesh = bad_entries(work)
+        if bad_mesh:
+            problems.append(
+                _problem(
+                    "names",
+                    f"mesh axis names {work!r} hold entries that are not axis names: {bad_mesh!r}",
+                    "Each entry must be a mesh axis name (str), a tuple of them, None or "
+                    "PartitionSpec.UNCONSTRAINED.",
+                )
+            )
+            work = tuple(None if n in bad_mesh else n for n in work)
 
     dims: list[DimCheck] = []
     entries: list[Any] = []
