@@ -188,7 +188,16 @@ BAD_FILES = [
     ("missing.json", None, "no such file"),
     ("bad.json", "[['batch', 'data']", "not valid JSON"),
     ("dict.json", '{"batch": "data"}', "not a list"),
-    ("pair.json", '[["batch"]]', "entry 0"),
+    ("pair.json", '[["batch"]]', r"rules\[0\]: \[\"batch\"\] is not a \[name, axes\] pair"),
+    (
+        "twice.json",
+        '[["mlp", "model"], ["batch", ["data", "data"]]]',
+        r"rules\[1\]: .*'data' is named twice",
+    ),
+    ("twice.py", "RULES = [('batch', ('data', 'data'))]\n", r"rules\[0\]: .*'data' is named twice"),
+    ("exit0.py", "raise SystemExit(0)\n", r"called exit \(SystemExit with code 0\)"),
+    ("exit.py", "import sys\nsys.exit('bye')\n", r"called exit \(SystemExit with code 'bye'\)"),
+    ("base.py", "raise GeneratorExit('x')\n", "GeneratorExit: x"),
     ("axes.json", '[["batch", 3]]', "not a string, a list of strings or null"),
     ("none.py", "x = 1\n", "neither RULES nor rules"),
     ("boom.py", "raise RuntimeError('oops')\n", "RuntimeError: oops"),
@@ -205,3 +214,24 @@ def test_bad_rule_files_name_the_file_and_the_problem(tmp_path, filename, conten
     with pytest.raises(meshplan.RulesError, match=message) as info:
         layouts.get_layout(str(path))
     assert filename in str(info.value)
+
+
+def test_a_mesh_axis_named_twice_in_a_rules_file_is_a_bad_rule(tmp_path):
+    path = tmp_path / "rules.json"
+    path.write_text('[["mlp", "model"], ["batch", ["data", "data"]]]')
+    with pytest.raises(meshplan.RulesError) as info:
+        layouts.get_layout(str(path))
+    message = str(info.value)
+    assert message.startswith(f"Cannot read rules from {str(path)!r}")
+    assert "e.g. ['batch', 'data']." in message
+    assert [(p.path, p.code) for p in info.value.problems] == [("rules[1]", "bad-rule")]
+
+
+def test_a_rules_file_that_exits_does_not_end_the_caller(tmp_path):
+    path = tmp_path / "exits.py"
+    path.write_text("raise SystemExit(0)\n")
+    with pytest.raises(meshplan.RulesError, match="Remove the exit"):
+        layouts.get_layout(str(path))
+    path.write_text("raise KeyboardInterrupt\n")  # ctrl-C still stops everything
+    with pytest.raises(KeyboardInterrupt):
+        layouts.get_layout(str(path))

@@ -31,8 +31,8 @@ import runpy
 import sys
 from typing import Any
 
-from meshplan._errors import RulesError
-from meshplan._spmd.rules import normalize_rules
+from meshplan._errors import Problem, RulesError, bullets, error_from_problems
+from meshplan._spmd.rules import rules_problems
 
 __all__ = [
     "LAYOUTS",
@@ -227,16 +227,19 @@ def _load_json(path: str) -> Rules:
     problems = []
     for i, pair in enumerate(data):
         if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)):
-            problems.append(f"entry {i}: {json.dumps(pair)} is not a [name, axes] pair")
+            problems.append(f"rules[{i}]: {json.dumps(pair)} is not a [name, axes] pair")
             continue
         try:
             rules.append((pair[0], _axes_from_json(pair[1])))
         except TypeError:
             problems.append(
-                f"entry {i}: the axes {json.dumps(pair[1])} are not a string, a list of strings or null"
+                f"rules[{i}]: the axes {json.dumps(pair[1])} are not a string, a list of strings "
+                f"or null"
             )
     if problems:
-        raise _file_error(path, "; ".join(problems) + ".", fix)
+        raise _file_error(
+            path, f"not [name, axes] pairs (rules[i] is entry i, from 0):\n{bullets(problems)}", fix
+        )
     return tuple(rules)
 
 
@@ -245,7 +248,16 @@ def _load_py(path: str) -> object:
     fix = "Define RULES = (('batch', 'data'), ('mlp', 'model'), ...) at the top level of the file."
     try:
         namespace = runpy.run_path(path)
-    except Exception as e:
+    except KeyboardInterrupt:
+        raise
+    except SystemExit as e:  # exit() or sys.exit() in the file: never end the caller
+        raise _file_error(
+            path,
+            f"running it called exit (SystemExit with code {e.code!r}), which would end the caller.",
+            "Remove the exit()/sys.exit() call from the rules file: it is run, not launched. "
+            + fix,
+        ) from None
+    except BaseException as e:  # anything else the file raises, named
         raise _file_error(path, f"running it raised {type(e).__name__}: {e}", fix) from e
     for key in ("RULES", "rules"):
         if key in namespace:
@@ -298,7 +310,44 @@ def get_layout(name_or_path: str | os.PathLike[str]) -> Rules:
         raise _file_error(
             text, "rules files must end in .py or .json.", "Rename it, or convert it to JSON."
         )
-    try:
-        return normalize_rules(rules)
-    except RulesError as e:
-        raise RulesError(f"Cannot read rules from {text!r}: {e}") from None
+    return _check_file_rules(text, rules)
+
+
+def _repeated_axes(axes: Any) -> list[str]:
+    """The mesh axes named more than once in one rule's tuple of axes."""
+    if not isinstance(axes, tuple | list):
+        return []
+    return [a for a in dict.fromkeys(axes) if list(axes).count(a) > 1]
+
+
+def _check_file_rules(path: str, rules: Any) -> Rules:
+    """``rules`` read from ``path``, validated; errors name the file and each ``rules[i]``.
+
+    Besides :func:`meshplan._spmd.rules.rules_problems`, a mesh axis named twice in
+    one rule (``["batch", ["data", "data"]]``) is refused: no array dimension can
+    be split over one mesh axis twice.
+    """
+    valid, index, problems = rules_problems(rules)
+    for i, (name, axes) in zip(index, valid, strict=True):
+        repeated = _repeated_axes(axes)
+        if repeated:
+            once = tuple(dict.fromkeys(axes))
+            problems.append(
+                Problem(
+                    "error",
+                    f"rules[{i}]",
+                    f"{(name, axes)!r}: the mesh "
+                    f"{'axis' if len(repeated) == 1 else 'axes'} "
+                    f"{', '.join(map(repr, repeated))} "
+                    f"{'is' if len(repeated) == 1 else 'are'} named twice; a dimension is split "
+                    f"over each mesh axis at most once",
+                    f"Name each mesh axis once in a rule, e.g. "
+                    f"{[name, list(once) if len(once) > 1 else once[0]]!r}.",
+                    "bad-rule",
+                )
+            )
+    if not problems:
+        return valid
+    problems.sort(key=lambda p: int(p.path[6:-1]) if p.path.startswith("rules[") else -1)
+    where = "" if all(p.path == "rules" for p in problems) else " (rules[i] is rule i, from 0)"
+    raise error_from_problems(RulesError, f"Cannot read rules from {path!r}{where}:", problems)
