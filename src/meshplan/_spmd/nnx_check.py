@@ -35,7 +35,9 @@ def flax_rules(
     active: Sequence[tuple[str, Any]], local: Sequence[tuple[str, Any]]
 ) -> tuple[dict[str, Any], list[str]]:
     """Flax's ``composite_rules``: a dict of ``active`` updated by ``local``, and the names on
-    which the two disagree (Flax raises "Inconsistent logical axis annotations" for those).
+    which the two disagree (Flax raises "Inconsistent logical axis annotations" for those when
+    ``active`` are its own context rules; meshplan's rules are not, so :func:`nnx_problems`
+    compares placements only).
 
     Example:
         >>> from meshplan._spmd.nnx_check import flax_rules
@@ -109,21 +111,7 @@ def nnx_problems(tree: Any, rules: Any = None) -> list[Problem]:
             )
         if info.kind != "logical":
             continue  # mesh axes: Flax and meshplan read them the same
-        table, conflicts = flax_rules(active_pairs, info.local_rules)
-        if conflicts:
-            out.append(
-                Problem(
-                    "warning",
-                    path,
-                    f"its sharding_rules and the rules in effect map {conflicts!r} "
-                    f"differently: Flax NNX raises 'Inconsistent logical axis annotations' "
-                    f"here; meshplan uses the variable's own rules first, giving "
-                    f"{_spec_text(spec)}",
-                    "Make the variable's sharding_rules agree with the rules, or drop them.",
-                    "flax-placement",
-                )
-            )
-            continue
+        table, _ = flax_rules(active_pairs, info.local_rules)
         theirs = flax_placement(info.names, tuple(table.items()))
         if tuple(theirs) != tuple(spec):
             out.append(
