@@ -305,7 +305,7 @@ def test_a_names_entry_that_is_not_a_name_names_the_path(rules, auto_mesh):
         assert e.value.problems[0].path == "w" and "3" in str(e.value)
         with pytest.raises(meshplan.ShardingValidationError) as e2:
             meshplan.get_sharding(state, auto_mesh, strict=True)
-    assert [(p.code, p.path) for p in e2.value.problems if p.severity == "error"][0] == (
+    assert next((p.code, p.path) for p in e2.value.problems if p.severity == "error") == (
         "names",
         "w",
     )
