@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -70,6 +72,30 @@ def test_from_path_reads_text_files_of_a_folder_and_skips_binary(tmp_path):
     names = set(corpus.train_files) | set(corpus.valid_files)
     assert names == {f"f{i}.txt" for i in range(30)}
     assert b"\0" not in corpus.train.tobytes() + corpus.valid.tobytes()
+
+
+def test_from_path_skips_fifos_and_other_entries_that_are_not_regular_files(tmp_path):
+    # Opening a FIFO waits for a writer forever: it must never be read.
+    (tmp_path / "a.txt").write_text("some text\n" * 50)
+    os.mkfifo(tmp_path / "pipe.txt")
+    (tmp_path / "dangling.txt").symlink_to(tmp_path / "gone.txt")
+    (tmp_path / "link.txt").symlink_to(tmp_path / "a.txt")  # a link to a file is read
+    corpus = ByteCorpus.from_path(tmp_path)
+    assert set(corpus.train_files) | set(corpus.valid_files) == {"a.txt", "link.txt"}
+
+
+def test_a_folder_of_fifos_only_says_how_many_were_skipped(tmp_path):
+    os.mkfifo(tmp_path / "one")
+    os.mkfifo(tmp_path / "two")
+    with pytest.raises(DataError, match=r"2 entries that are not regular files, such as FIFOs"):
+        ByteCorpus.from_path(tmp_path)
+
+
+def test_a_fifo_as_the_data_path_is_a_clear_error(tmp_path):
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(DataError, match="neither a folder nor a regular file") as info:
+        ByteCorpus.from_path(tmp_path / "pipe")
+    assert str(tmp_path / "pipe") in str(info.value)
 
 
 def test_from_path_splits_a_single_file_by_bytes(tmp_path):

@@ -65,16 +65,24 @@ def _is_text(data: bytes) -> bool:
     return True
 
 
-def _walk(root: Path, suffixes: tuple[str, ...] | None) -> list[Path]:
+def _walk(root: Path, suffixes: tuple[str, ...] | None) -> tuple[list[Path], int]:
+    """The regular files under ``root`` (symbolic links to them included), and how many
+    other entries (FIFOs, sockets, devices, broken links) were skipped: opening a FIFO
+    would wait for a writer forever."""
     files = []
+    skipped = 0
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
         for name in sorted(filenames):
             if name.startswith("."):
                 continue
             if suffixes is None or name.endswith(suffixes):
-                files.append(Path(dirpath) / name)
-    return files
+                path = Path(dirpath) / name
+                if path.is_file():
+                    files.append(path)
+                else:
+                    skipped += 1
+    return files, skipped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +126,8 @@ class ByteCorpus:
             valid_fraction: Share of files (by hash of path) for validation.
         """
         root = Path(sysconfig.get_paths()["stdlib"])
-        return cls._from_files(root, _walk(root, (".py",)), max_bytes, valid_fraction)
+        files, skipped = _walk(root, (".py",))
+        return cls._from_files(root, files, max_bytes, valid_fraction, skipped)
 
     @classmethod
     def from_path(
@@ -126,13 +135,26 @@ class ByteCorpus:
     ) -> ByteCorpus:
         """Every text file under a folder, or one text file.
 
-        Binary files (a NUL byte or invalid UTF-8 near the start) and hidden
-        files are skipped. A single file, or a folder whose files all fall on
+        Binary files (a NUL byte or invalid UTF-8 near the start), hidden
+        files, and entries that are not regular files (FIFOs, sockets, devices,
+        broken links: reading a FIFO would wait forever) are skipped. A single file, or a folder whose files all fall on
         one side of the split, is split by bytes instead: the last
         ``valid_fraction`` of the bytes is validation.
 
+        Example:
+            >>> import os, tempfile
+            >>> from meshplan.examples.data import ByteCorpus
+            >>> folder = tempfile.mkdtemp()
+            >>> with open(os.path.join(folder, "a.txt"), "w") as f:
+            ...     _ = f.write("hello world\\n" * 10)
+            >>> os.mkfifo(os.path.join(folder, "pipe.txt"))  # skipped, never opened
+            >>> ByteCorpus.from_path(folder).train_files
+            ('a.txt',)
+            >>> import shutil; shutil.rmtree(folder)
+
         Raises:
-            DataError: the path does not exist or holds no text.
+            DataError: the path does not exist, is neither a folder nor a regular
+                file, or holds no text.
         """
         root = Path(path)
         if not root.exists():
@@ -141,12 +163,23 @@ class ByteCorpus:
                 f"Give a folder of text files or a text file (or leave --data out to use the "
                 f"Python standard library)."
             )
-        files = [root] if root.is_file() else _walk(root, None)
-        return cls._from_files(root, files, max_bytes, valid_fraction)
+        if not root.is_file() and not root.is_dir():
+            raise DataError(
+                f"Data path {os.fspath(path)!r} is neither a folder nor a regular file (a FIFO, "
+                f"a socket or a device: reading it could wait forever).\n"
+                f"Give a folder of text files or a text file."
+            )
+        files, skipped = ([root], 0) if root.is_file() else _walk(root, None)
+        return cls._from_files(root, files, max_bytes, valid_fraction, skipped)
 
     @classmethod
     def _from_files(
-        cls, root: Path, files: Iterable[Path], max_bytes: int | None, valid_fraction: float
+        cls,
+        root: Path,
+        files: Iterable[Path],
+        max_bytes: int | None,
+        valid_fraction: float,
+        skipped: int = 0,
     ) -> ByteCorpus:
         if not 0.0 < valid_fraction < 1.0:
             raise ValueError(f"valid_fraction must be in (0, 1), got {valid_fraction}.")
@@ -186,9 +219,16 @@ class ByteCorpus:
             names[split].append(rel)
             read[split] += len(data) + 1
         if not chunks["train"] and not chunks["valid"]:
+            py = " ending in .py" if root == Path(sysconfig.get_paths()["stdlib"]) else ""
+            others = (
+                f" ({skipped} {'entry' if skipped == 1 else 'entries'} that are not regular "
+                f"files, such as FIFOs, skipped)"
+                if skipped
+                else ""
+            )
             raise DataError(
-                f"No text found under {os.fspath(root)!r}: no readable, non-empty text file"
-                f"{' ending in .py' if root == Path(sysconfig.get_paths()['stdlib']) else ''}.\n"
+                f"No text found under {os.fspath(root)!r}: no readable, non-empty text "
+                f"file{py}{others}.\n"
                 f"Give a folder containing text files (.py, .txt, .md, ...) or a text file."
             )
         if not chunks["train"] or not chunks["valid"]:  # one file, or all on one side
