@@ -117,9 +117,11 @@ def test_a_process_with_another_count_is_turned_away(coordinator):
 
 
 def test_a_second_process_with_the_same_id_is_turned_away(coordinator):
-    zero, first = Process(coordinator, 3, 0, 2.5), Process(coordinator, 3, 1, 2.5)
-    zero.start(), first.start()
-    time.sleep(0.5)
+    zero, first = Process(coordinator, 3, 0, 3), Process(coordinator, 3, 1, 3)
+    zero.start()
+    time.sleep(0.3)  # process 0 listens: the first process 1 gets in at once
+    first.start()
+    time.sleep(1.0)
     (second,) = _start(Process(coordinator, 3, 1, 5))
     zero.join(10), first.join(10)
     assert second.code() == "process-refused"

@@ -23,6 +23,7 @@ import pytest
 
 import meshplan
 from meshplan.cli import main
+from meshplan.cli.launch import free_port, worker_env
 from meshplan.cli.train_request import TrainRequest, prepare
 
 TINY = ["--layers", "1", "--embed", "32", "--mlp", "64", "--max-len", "64"]
@@ -194,8 +195,86 @@ def test_a_killed_worker_stops_the_run_with_a_message(tmp_path):
 
 
 # ---------------------------------------------------------------------------
+# Processes that never meet: every one says so and exits, well before JAX would abort
+# ---------------------------------------------------------------------------
+
+
+def _alone(process_id: int, timeout: int = 5) -> subprocess.Popen[str]:
+    """One process of a 2-process run whose other process never comes."""
+    return subprocess.Popen(
+        [*_TRAIN, "--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2",
+         "--process-id", str(process_id), "--devices", "4", "--init-timeout", str(timeout)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+        env=worker_env(4),
+    )  # fmt: skip
+
+
+def _ended(proc: subprocess.Popen[str], within: float) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=within)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, err
+
+
+def test_a_process_whose_peer_never_comes_says_who_and_exits():
+    start = time.monotonic()
+    zero, one = _alone(0), _alone(1)  # each on its own port: each waits alone
+    (code0, err0), (code1, err1) = _ended(zero, 20), _ended(one, 20)
+    assert time.monotonic() - start < 20
+    assert code0 == 2 and code1 == 2, (err0, err1)  # JAX's C++ abort would be 134
+    assert "waiting for 1 of 2 processes (coordinator 127.0.0.1:" in err0
+    assert "error: Process 1 of 2 never joined the run at the coordinator 127.0.0.1:" in err0
+    assert "within 5 s" in err0 and "firewall" in err0 and "--init-timeout" in err0
+    assert "waiting for the coordinator 127.0.0.1:" in err1
+    assert "error: Process 1 of 2 could not meet process 0 at the coordinator" in err1
+    assert "Start process 0 (--process-id 0)" in err1
+    for err in (err0, err1):
+        assert "Traceback" not in err and "client.h" not in err and "Terminating" not in err
+
+
+def test_a_jax_start_that_hangs_ends_with_our_error_not_jax_abort():
+    """Process 0 (played here) lets process 1 go, then never starts JAX's service."""
+    import json
+    import socket
+    import threading
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+
+        def play_process_0() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(1024)
+                conn.sendall(json.dumps({"go": True}).encode() + b"\n")
+                conn.recv(1024)  # process 1 hangs up first
+
+        threading.Thread(target=play_process_0, daemon=True).start()
+        start = time.monotonic()
+        proc = subprocess.Popen(
+            [*_TRAIN, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+             "--process-id", "1", "--devices", "4", "--init-timeout", "4"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+            env=worker_env(4),
+        )  # fmt: skip
+        code, err = _ended(proc, 25)
+    assert time.monotonic() - start < 18  # JAX itself would abort at 4 + 15 s
+    assert code == 2, err
+    assert "error: All 2 processes met at the coordinator 127.0.0.1:" in err
+    assert "jax.distributed.initialize did not finish within 4 s (this is process 1)" in err
+    assert "client.h" not in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------
 # Flags that do not fit: refused before any process starts
 # ---------------------------------------------------------------------------
+
+
+_AS_PROCESS_1 = ["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "1"]
 
 
 @pytest.mark.parametrize(
@@ -209,8 +288,23 @@ def test_a_killed_worker_stops_the_run_with_a_message(tmp_path):
             ["--coordinator", "nohost", "--num-processes", "2", "--process-id", "2"],
             "--process-id 2 is not in 0..1",
         ),
+        (["--init-timeout", "5"], "--init-timeout 5 is for a run of several processes"),
+        (["--processes", "2", "--init-timeout", "0"], "--init-timeout must be a positive number"),
+        (
+            [*_AS_PROCESS_1, "--init-timeout", "nan"],
+            "--init-timeout must be a positive number of seconds, got nan",
+        ),
     ],
-    ids=["devices", "both-ways", "both-ways-id-0", "missing", "bad-values"],
+    ids=[
+        "devices",
+        "both-ways",
+        "both-ways-id-0",
+        "missing",
+        "bad-values",
+        "init-timeout-alone",
+        "init-timeout-zero",
+        "init-timeout-nan",
+    ],
 )
 def test_multiprocess_flags_that_do_not_fit(capsys, args, expected):
     assert main(["train", *args]) == 2
@@ -230,6 +324,7 @@ def test_workers_get_every_flag_but_the_process_ones():
         "--eval-batches", "3", "--ckpt-every", "2", "--config", "small", "--layers", "3",
         "--heads", "2", "--embed", "48", "--mlp", "96", "--max-len", "80",
         "--positions", "learned", "--dtype", "bfloat16", "--no-scan", "--remat",
+        "--init-timeout", "7.5",
     ]  # fmt: skip
     parser = build_parser()
     launched = parser.parse_args(["train", *given, "--processes", "2", "--devices", "4"])

@@ -10,6 +10,13 @@ only the rows of a batch its own devices hold
 On CPUs the processes talk through Gloo over TCP, so several processes on one
 machine (``meshplan train --processes N``) talk over the loopback interface
 exactly as hosts do over the network.
+
+Before JAX starts, the processes meet at the coordinator (:func:`meet`): while
+some are missing, process 0 says every few seconds which ones it is waiting
+for, the others that they are waiting for the coordinator; if they have not all
+met within the timeout, every process raises a :class:`DistributedError` that
+names who never joined and what to check. Left to itself, JAX would wait in
+silence and then abort the process from C++.
 """
 
 from __future__ import annotations
@@ -588,6 +595,10 @@ def meet(group: ProcessGroup, timeout_seconds: float, report: Report | None = No
             ``'coordinator-unreachable'`` (process 0 never answered),
             ``'process-refused'`` (a wrong process id or count) or
             ``'coordinator-port-busy'`` (process 0 cannot listen).
+
+    Example:
+        >>> from meshplan.train.distributed import ProcessGroup, meet
+        >>> meet(ProcessGroup("127.0.0.1:9876", 1, 0), timeout_seconds=5)  # no one to wait for
     """
     say = report or _say_on_stderr
     if group.num_processes < 2:
