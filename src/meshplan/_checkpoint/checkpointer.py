@@ -52,6 +52,7 @@ import logging
 import math
 import os
 import re
+import sys
 import threading
 import weakref
 from collections.abc import Mapping
@@ -145,6 +146,32 @@ def _unblock_orbax_threads(timeout: float = 5.0) -> None:
             pass
     for thread in waiting:
         threading.Thread.join(thread, timeout=timeout)
+
+
+_LATE_CALLBACKS_QUIET = False
+
+
+def _quiet_late_callbacks() -> None:
+    """After a failed save: leaves out TensorStore callbacks into Orbax's closed event loop.
+
+    The writes still in flight when a save fails finish after Orbax closed its
+    asyncio loop; their callbacks then raise ``RuntimeError('Event loop is
+    closed')``, which Python prints as a bare traceback. Nothing is lost: the save
+    failed and said so. Installed once, chained to the previous hook.
+    """
+    global _LATE_CALLBACKS_QUIET
+    if _LATE_CALLBACKS_QUIET:
+        return
+    _LATE_CALLBACKS_QUIET = True
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        value = unraisable.exc_value
+        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 class _OrbaxErrorLogs(logging.Filter):
@@ -385,6 +412,7 @@ class Checkpointer:
 
     def _write_failed(self, e: BaseException, step: int | None) -> CheckpointError:
         """Records a failed write (once) and lets Orbax's waiting threads end."""
+        _quiet_late_callbacks()
         _unblock_orbax_threads()
         if self._failure is None:
             try:
@@ -419,6 +447,7 @@ class Checkpointer:
     def _check_still_ours(self, step: int) -> None:
         """The folder is still there and still locked by this Checkpointer."""
         if not self.directory.is_dir():
+            self._failure_raised = True
             raise self._write_failed(
                 FileNotFoundError(errno.ENOENT, "the folder was removed", str(self.directory)),
                 step,

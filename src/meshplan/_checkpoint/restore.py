@@ -10,7 +10,9 @@ restores in one (or the other way round).
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 import warnings
 from typing import Any, NamedTuple
 
@@ -340,6 +342,7 @@ def _restore_step(p: epath.Path, mesh: Mesh | None, rules: Any, step: int | None
                 damaged_fix(sorted(manager.all_steps()), metadata.step),
             ) from e  # fmt: skip
         except Exception as e:  # Orbax and TensorStore raise a bare Exception, ValueError...
+            _drop_orbax_leftovers()
             # Name what is damaged: the cheap check usually finds it; else Orbax's words.
             found = check_step(p, metadata.step, manager)
             detail = (
@@ -362,6 +365,27 @@ def _restore_step(p: epath.Path, mesh: Mesh | None, rules: Any, step: int | None
         else:
             boxed[key] = Partitioned(value, info.names)
     return Restored(nest(boxed), metadata)
+
+
+def _drop_orbax_leftovers() -> None:
+    """Collects the read coroutines a failed Orbax restore leaves, without their tracebacks.
+
+    Each failed array read leaves a coroutine whose exception Python prints as
+    "Exception ignored in: <coroutine ...>" (a screen of TensorStore spec) when it
+    is collected; the :class:`CheckpointError` raised instead says what is damaged.
+    """
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        code = getattr(unraisable.object, "cr_code", None)
+        if code is None or f"{os.sep}orbax{os.sep}" not in code.co_filename:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = previous
 
 
 def _first_line(e: BaseException) -> str:
