@@ -49,20 +49,33 @@ def _available() -> dict[str, Command]:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every available subcommand."""
     parser = argparse.ArgumentParser(
-        prog="meshplan", description="Lay Flax models out on device meshes."
+        prog="meshplan", description="Lay Flax models out on device meshes.", allow_abbrev=False
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in _available().items():
-        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        # No abbreviations: `--step 15` must not be read as `--steps 15`.
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP, allow_abbrev=False)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``meshplan`` console script."""
+    """Entry point of the ``meshplan`` console script.
+
+    Options are never abbreviated (``--step`` is not ``--steps``). A meshplan
+    error that a command does not report itself is printed as ``error: ...``
+    (exit status 2), never as a traceback.
+    """
     args = build_parser().parse_args(argv)
-    return int(args._run(args) or 0)
+    from meshplan._errors import MeshplanError  # after parsing: `--help` stays fast
+    from meshplan.cli.output import print_error
+
+    try:
+        return int(args._run(args) or 0)
+    except MeshplanError as e:
+        print_error(e)
+        return 2
 
 
 if __name__ == "__main__":

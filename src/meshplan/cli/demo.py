@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if not console.is_terminal:
         console = Console(width=max(console.width, 120))
-    use_cpu_devices(8, console)
+    use_cpu_devices(8, console, flag=None)  # the workflow needs 8: a 2x4 and a 4x2 mesh
     import jax
     from jax.sharding import PartitionSpec
 
