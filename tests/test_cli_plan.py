@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -36,6 +37,28 @@ def test_plan_with_png_from_a_fresh_process(tmp_path):
     assert "fullest device" in result.stdout
     assert f"Wrote {png}" in result.stdout
     assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 20_000
+
+
+def test_a_large_mesh_is_planned_without_emulating_its_devices():
+    # 128x128 used to emulate 16,384 CPU devices and sit in garbage collection for minutes;
+    # a plan needs only the axis sizes (an AbstractMesh). About 1.5 s on 2 cores.
+    started = time.monotonic()
+    result = run_cli("--mesh", "128x128", "--model", "transformer", "--json", timeout=120)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stderr
+    assert "emulated" not in result.stderr
+    mesh = json.loads(result.stdout)["plan"]["mesh"]
+    assert mesh["shape"] == {"data": 128, "model": 128}
+    assert mesh["device_ids"] == list(range(128 * 128))
+    assert elapsed < 30, f"planning 128x128 took {elapsed:.1f} s"
+
+
+def test_png_of_a_mesh_larger_than_the_devices_here(tmp_path, capsys):
+    png = tmp_path / "plan.png"
+    argv = ["plan", "--mesh", "4x4", "--depth", "64", "--layers", "1", "--png", str(png)]
+    assert cli.main(argv) == 0  # this process has 8 devices; the mesh needs none
+    assert "data=4 × model=4 (16 devices)" in capsys.readouterr().out
+    assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_strict_errors_exit_non_zero_listing_the_problems():

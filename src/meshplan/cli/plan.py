@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from typing import Any
 
 from rich.console import Console
 
 from meshplan._errors import MeshError
-from meshplan.cli.devices import use_cpu_devices
+from meshplan.cli.devices import use_cpu_backend
 from meshplan.cli.output import print_error, say
 from meshplan.train.mesh import parse_mesh_shape
 
@@ -114,20 +113,61 @@ def abstract_state(args: argparse.Namespace) -> tuple[str, Any]:
     return f"MLP ({args.layers} layers of {args.depth}, {how})", state
 
 
-def _mesh_for(shape: dict[str, int]) -> Any:
-    """A real mesh when there are enough devices (for device ids), else the shape alone."""
+def abstract_mesh(shape: dict[str, int]) -> Any:
+    """The mesh as axis names and sizes only: a plan never needs devices.
+
+    A ``jax.sharding.AbstractMesh`` with ``Auto`` axes, so a 128x128 mesh is
+    planned without emulating 16,384 devices (the plan numbers devices
+    ``0..n-1`` in mesh order, as ``jax.make_mesh`` does on CPU).
+
+    Example:
+        >>> from meshplan.cli.plan import abstract_mesh
+        >>> abstract_mesh({"data": 128, "model": 128})
+        AbstractMesh('data': 128, 'model': 128, axis_types=(Auto, Auto))
+    """
     import jax
 
-    n = math.prod(shape.values())
-    devices = jax.devices()
-    if len(devices) < n:
-        return shape
-    return jax.make_mesh(
+    return jax.sharding.AbstractMesh(
         tuple(shape.values()),
         tuple(shape),
-        devices=devices[:n],
         axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
     )
+
+
+def model_args_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--size``, ``--layers`` or ``--depth`` of ``args``, or ``None``.
+
+    Only the flags of the chosen ``--model`` are read.
+
+    Example:
+        >>> import argparse
+        >>> from meshplan.cli.plan import model_args_problem
+        >>> args = argparse.Namespace(model="mlp", layers=0, depth=1024, size="tiny")
+        >>> print(model_args_problem(args))
+        --layers 0: the MLP needs at least 1 layer.
+        Pass --layers N with N >= 1 (default 4).
+    """
+    if args.model == "transformer":
+        from meshplan.examples.transformer import CONFIGS
+
+        if args.size not in CONFIGS:
+            names = ", ".join(CONFIGS)
+            return (
+                f"--size {args.size!r} is not a Transformer preset; the presets are {names}.\n"
+                f"Pass --size " + " or --size ".join(CONFIGS) + "."
+            )
+        return None
+    if args.layers < 1:
+        return (
+            f"--layers {args.layers}: the MLP needs at least 1 layer.\n"
+            f"Pass --layers N with N >= 1 (default 4)."
+        )
+    if args.depth < 1:
+        return (
+            f"--depth {args.depth}: the MLP's width must be at least 1.\n"
+            f"Pass --depth N with N >= 1 (default 1024)."
+        )
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,7 +179,12 @@ def run(args: argparse.Namespace) -> int:
     except MeshError as e:
         print_error(e, err)
         return 2
-    use_cpu_devices(max(8, math.prod(shape.values())))
+    # Planning needs no devices (an AbstractMesh and jax.eval_shape): the CPU is enough.
+    use_cpu_backend()
+    problem = model_args_problem(args)
+    if problem is not None:
+        print_error(problem, err)
+        return 2
 
     import meshplan
     from meshplan._spmd.tree_check import raise_for_errors
@@ -150,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         print_error(e, err)
         return 2
     what, state = abstract_state(args)
-    plan = meshplan.explain(state, _mesh_for(shape), rules)
+    plan = meshplan.explain(state, abstract_mesh(shape), rules)
     problems = plan.problems
 
     if args.json:

@@ -10,8 +10,10 @@ from typing import Any
 
 from rich.console import Console
 
-from meshplan.cli.devices import use_cpu_devices
+from meshplan._errors import MeshError
+from meshplan.cli.devices import use_cpu_backend, use_cpu_devices
 from meshplan.cli.output import print_error, say
+from meshplan.cli.plan import abstract_state, model_args_problem
 
 HELP = (
     "Try every mesh shape of --devices under every built-in layout for an example model, "
@@ -72,7 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compile the train step of the best --top-k candidates on emulated CPU devices "
         "and report their collective bytes and XLA memory",
     )
-    parser.add_argument("--top-k", type=int, default=3, help="candidates to measure (default 3)")
+    parser.add_argument(
+        "--top-k", type=int, default=3, help="candidates to measure, at least 1 (default 3)"
+    )
     parser.add_argument(
         "--seq", type=int, default=128, help="Transformer sequence length for --measure"
     )
@@ -105,19 +109,33 @@ def run(args: argparse.Namespace) -> int:
     # Piped output (a file, a pager, a test) gets a wide table rather than 80 columns.
     out = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 180)
     err = Console(file=sys.stderr, width=None if sys.stderr.isatty() else 180)
-    if args.devices < 1 or args.batch < 1:
+    bad = [
+        f"--{flag} {value}"
+        for flag, value in (("devices", args.devices), ("batch", args.batch), ("top-k", args.top_k))
+        if value < 1
+    ]
+    if bad:
         print_error(
-            f"--devices and --batch must be positive, got --devices {args.devices} --batch "
-            f"{args.batch}.\nPass --devices N and --batch B of at least 1.",
+            f"{', '.join(bad)}: --devices, --batch and --top-k must be at least 1.\n"
+            f"Pass --devices N, --batch B and --top-k K of at least 1 (defaults 8, 32 and 3).",
             err,
         )
         return 2
-    if args.measure:
-        use_cpu_devices(max(8, args.devices))
+    problem = model_args_problem(args)
+    if problem is not None:
+        print_error(problem, err)
+        return 2
+    try:
+        if args.measure:  # compiling needs the devices, emulated on the CPU
+            use_cpu_devices(args.devices)
+        else:  # ranking needs only the count
+            use_cpu_backend()
+    except MeshError as e:
+        print_error(e, err)
+        return 2
 
     import meshplan
     from meshplan._search.search import DEFAULT_LAYOUTS
-    from meshplan.cli.plan import abstract_state
     from meshplan.layouts import get_layout
 
     names = args.layouts.split(",") if args.layouts else list(DEFAULT_LAYOUTS)
