@@ -8,6 +8,7 @@ arrays. Generation is byte by byte: greedy at temperature 0, else sampled.
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from rich.console import Console
@@ -49,6 +50,47 @@ def context_window(max_len: int, window: int | None = None) -> int:
     return min(window or max_len, max_len)
 
 
+def settings_problem(length: int, temperature: float) -> str | None:
+    """What is wrong with ``length`` and ``temperature``, or ``None``.
+
+    The length must be ``>= 0``; the temperature finite and ``>= 0`` (NaN would
+    sample from NaN probabilities: bytes of nothing).
+
+    Example:
+        >>> from meshplan.cli.sample import settings_problem
+        >>> print(settings_problem(300, float("nan")))
+        --temperature nan: the temperature must be a finite number >= 0.
+        Pass --temperature 0 for the likeliest byte, or e.g. --temperature 0.5 to sample.
+        >>> settings_problem(300, 0.0) is None
+        True
+    """
+    if length < 0:
+        return (
+            f"--length {length}: the number of bytes to generate must be >= 0.\n"
+            f"Pass --length N >= 0 (default 300)."
+        )
+    if not math.isfinite(temperature) or temperature < 0:
+        return (
+            f"--temperature {temperature}: the temperature must be a finite number >= 0.\n"
+            f"Pass --temperature 0 for the likeliest byte, or e.g. --temperature 0.5 to sample."
+        )
+    return None
+
+
+def prompt_bytes(prompt: str) -> bytes:
+    """The bytes of ``prompt`` as given on the command line, even if they are not UTF-8.
+
+    Python reads undecodable command-line bytes as lone surrogates
+    (``surrogateescape``); this turns them back into the bytes typed.
+
+    Example:
+        >>> from meshplan.cli.sample import prompt_bytes
+        >>> prompt_bytes("def "), prompt_bytes("\\udcff\\udcfe abc"), prompt_bytes("é")
+        (b'def ', b'\\xff\\xfe abc', b'\\xc3\\xa9')
+    """
+    return prompt.encode("utf-8", errors="surrogateescape")
+
+
 def generate(
     model: Any,
     params: Any,
@@ -83,11 +125,9 @@ def generate(
     import jax.numpy as jnp
     import numpy as np
 
-    if length < 0 or temperature < 0:
-        raise ValueError(
-            f"length and temperature must be >= 0, got {length=}, {temperature=}.\n"
-            f"Pass --length N and --temperature T >= 0."
-        )
+    problem = settings_problem(length, temperature)
+    if problem is not None:
+        raise ValueError(problem)
     longest = context_window(model.config.max_len, window)
     window = min(longest, max(len(prompt), 1) + length)
     tokens = list(prompt) or [ord("\n")]
@@ -118,6 +158,10 @@ def generate(
 
 def run(args: argparse.Namespace) -> int:
     console = Console()
+    problem = settings_problem(args.length, args.temperature)
+    if problem is not None:
+        print_error(problem)
+        return 2
     import meshplan
 
     try:
@@ -131,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
             )
         model = Transformer(TransformerConfig.from_dict(metadata.config))
         params = meshplan.unbox(state["params"])
-        prompt = args.prompt.encode("utf-8")
+        prompt = prompt_bytes(args.prompt)
         say(
             console,
             (
@@ -156,5 +200,7 @@ def run(args: argparse.Namespace) -> int:
     except (meshplan.MeshplanError, ValueError) as e:
         print_error(e)
         return 2
-    say(console, (args.prompt, "bold"), text.decode("utf-8", errors="replace"), soft_wrap=True)
+    # Bytes that are not UTF-8 (in the prompt or generated) print as U+FFFD.
+    shown = prompt.decode("utf-8", errors="replace")
+    say(console, (shown, "bold"), text.decode("utf-8", errors="replace"), soft_wrap=True)
     return 0
