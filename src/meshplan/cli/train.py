@@ -68,6 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     procs.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
     procs.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1")
+    procs.add_argument(
+        "--init-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="how long processes wait for each other to join, then all stop (default 300, as JAX)",
+    )
     train = parser.add_argument_group(
         "training (when resuming, omitted values come from the checkpoint)"
     )
