@@ -330,7 +330,7 @@ def _check_file_rules(path: str, rules: Any) -> Rules:
     valid, index, problems = rules_problems(rules)
     for i, (name, axes) in zip(index, valid, strict=True):
         repeated = _repeated_axes(axes)
-        if repeated:
+        if repeated and isinstance(axes, tuple):
             once = tuple(dict.fromkeys(axes))
             problems.append(
                 Problem(
