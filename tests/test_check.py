@@ -299,3 +299,14 @@ def test_fewer_names_than_dimensions_are_information_not_errors():
     assert info.severity == "info" and info.path == "w"
     assert "trailing 2 dimensions are unsharded" in info.message
     assert problems[-1] is info  # information comes after errors and warnings
+
+
+def test_check_warns_where_flax_nnx_would_place_a_variable_differently():
+    from flax import nnx
+
+    w = nnx.Param(jnp.ones((4, 8)), out_sharding=("embed", "hidden"), eager_sharding=False)
+    rules = (("embed", "data"), ("embed", "model"), ("hidden", "data"), ("hidden", "model"))
+    problems = meshplan.check(nnx.state(nnx.Dict(w=w)), MESH, rules)
+    (problem,) = [p for p in problems if p.code == "flax-placement"]
+    assert problem.severity == "warning" and problem.path == "w"
+    assert "P('model', 'model')" in problem.message and "P('data', 'model')" in problem.message

@@ -162,7 +162,6 @@ def test_explain_and_check_under_active_rules(state, auto_mesh):
     assert not [p for p in problems if p.severity == "error"]
 
 
-@pytest.mark.xfail(reason="needs _plan/explain to pass its rules to array_leaves(tree, rules)")
 def test_explain_and_search_with_rules_given(state, auto_mesh):
     plan = meshplan.explain(state, auto_mesh, RULES)
     assert plan["layers/w2"].spec == P(None, "model", None)

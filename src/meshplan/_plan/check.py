@@ -9,6 +9,7 @@ from jax.sharding import AbstractMesh
 from meshplan._errors import Problem
 from meshplan._plan.explain import explain
 from meshplan._plan.problems import DEFAULT_REPLICATED_THRESHOLD, find_problems
+from meshplan._spmd.nnx_check import nnx_problems
 from meshplan._spmd.tree_check import raise_for_errors
 
 __all__ = ["check"]
@@ -69,6 +70,11 @@ def check(
     """
     plan = explain(tree, mesh, rules)
     problems = find_problems(plan, replicated_threshold_bytes)
+    # Flax NNX variables: where Flax's own semantics would place them otherwise, and the like.
+    nnx_warnings = nnx_problems(tree, plan.rules)
+    if nnx_warnings:
+        infos = [p for p in problems if p.severity == "info"]
+        problems = [p for p in problems if p.severity != "info"] + nnx_warnings + infos
     if isinstance(mesh, AbstractMesh):
         problems.insert(
             sum(p.severity == "error" for p in problems), _abstract_mesh_warning(plan.mesh.shape)

@@ -93,7 +93,7 @@ def explain(tree: Any, mesh: Any, rules: Any = None) -> Plan:
         MeshError: ``mesh`` is not a mesh.
     """
     info, rules, index_map, rule_problems = _mesh_and_rules(mesh, rules)
-    flat, skipped = array_leaves(tree)
+    flat, skipped = array_leaves(tree, rules)
 
     cache: dict[Any, LeafLayout] = {}
     key_text: dict[Any, str] = {}

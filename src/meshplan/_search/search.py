@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypedDict
 
 import jax
@@ -34,7 +34,7 @@ from meshplan._search.hlo import measure_step
 from meshplan._spmd.rules import logical_to_mesh_axes, mesh_axes_of
 from meshplan._spmd.validate import validate
 from meshplan._text import human_bytes
-from meshplan.layouts import LAYOUTS
+from meshplan.layouts import get_layout
 
 __all__ = ["SearchResult", "SearchRow", "mesh_shapes", "search_layouts"]
 
@@ -249,7 +249,7 @@ def _evaluate(row: SearchRow, state: Any, batch: int | None, budget: int | None)
 def search_layouts(
     abstract_state: Any,
     devices: int,
-    layouts: Mapping[str, Any] | None = None,
+    layouts: Mapping[str, Any] | Sequence[str] | None = None,
     *,
     axis_names: tuple[str, ...] = ("data", "model"),
     batch: int | None = None,
@@ -277,7 +277,8 @@ def search_layouts(
     Args:
         abstract_state: What :func:`meshplan.explain` takes (``jax.eval_shape`` of init).
         devices: How many devices the mesh has.
-        layouts: ``{name: rules}``; ``None``: the four canned layouts (``DEFAULT_LAYOUTS``).
+        layouts: ``{name: rules}``, or names of built-in layouts (``meshplan.layouts``);
+            ``None``: the four canned layouts (``DEFAULT_LAYOUTS``).
         axis_names: The mesh axis names the rules use.
         batch: Global batch size (default: ``example_batch``'s, else unchecked).
         memory_budget_bytes: State bytes one device may hold.
@@ -291,7 +292,9 @@ def search_layouts(
         MeshError: ``measure`` with fewer JAX devices than ``devices``.
     """
     if layouts is None:
-        layouts = {name: LAYOUTS[name] for name in DEFAULT_LAYOUTS}
+        layouts = DEFAULT_LAYOUTS
+    if not isinstance(layouts, Mapping):  # names of built-in layouts (or rules files)
+        layouts = {name: get_layout(name) for name in layouts}
     if batch is None and example_batch is not None:
         batch = int(jax.tree.leaves(example_batch)[0].shape[0])
     if measure and (step_fn is None or example_batch is None):
