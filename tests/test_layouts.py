@@ -223,7 +223,7 @@ def test_a_mesh_axis_named_twice_in_a_rules_file_is_a_bad_rule(tmp_path):
         layouts.get_layout(str(path))
     message = str(info.value)
     assert message.startswith(f"Cannot read rules from {str(path)!r}")
-    assert "e.g. ['batch', 'data']." in message
+    assert "e.g. ('batch', 'data')." in message
     assert [(p.path, p.code) for p in info.value.problems] == [("rules[1]", "bad-rule")]
 
 

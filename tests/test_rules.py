@@ -367,3 +367,11 @@ def test_every_bad_rule_is_reported_at_once():
 def test_rules_that_are_not_a_sequence_are_rejected(rules):
     with pytest.raises(meshplan.RulesError, match="must be a tuple or list of"):
         meshplan.logical_to_mesh_axes(("batch",), rules)
+
+
+def test_a_mesh_axis_named_twice_in_one_rule_is_a_bad_rule():
+    with pytest.raises(meshplan.RulesError, match=r"'data' is named twice") as info:
+        meshplan.logical_to_mesh_axes(("batch",), (("batch", ("data", "data")),))
+    assert [(p.path, p.code) for p in info.value.problems] == [("rules[0]", "bad-rule")]
+    plan = meshplan.explain({}, {"data": 2}, [["batch", ["data", "data"]]])
+    assert [p.code for p in plan.problems] == ["bad-rule"]

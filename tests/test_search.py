@@ -211,3 +211,8 @@ def test_measuring_several_layouts_in_one_process_traces_each_under_its_own_rule
     # The layouts move different bytes, so a reused trace would show here.
     assert fsdp["collectives"] != fresh["collectives"]
     assert after_fsdp["collectives"] == fresh["collectives"]
+
+
+def test_a_top_k_below_one_is_refused():
+    with pytest.raises(meshplan.ArgumentError, match=r"positive top_k, got top_k=-3"):
+        meshplan.search_layouts(big_params(), 4, top_k=-3)

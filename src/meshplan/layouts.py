@@ -31,7 +31,7 @@ import runpy
 import sys
 from typing import Any
 
-from meshplan._errors import Problem, RulesError, bullets, error_from_problems
+from meshplan._errors import RulesError, bullets, error_from_problems
 from meshplan._spmd.rules import rules_problems
 
 __all__ = [
@@ -313,41 +313,14 @@ def get_layout(name_or_path: str | os.PathLike[str]) -> Rules:
     return _check_file_rules(text, rules)
 
 
-def _repeated_axes(axes: Any) -> list[str]:
-    """The mesh axes named more than once in one rule's tuple of axes."""
-    if not isinstance(axes, tuple | list):
-        return []
-    return [a for a in dict.fromkeys(axes) if list(axes).count(a) > 1]
-
-
 def _check_file_rules(path: str, rules: Any) -> Rules:
     """``rules`` read from ``path``, validated; errors name the file and each ``rules[i]``.
 
-    Besides :func:`meshplan._spmd.rules.rules_problems`, a mesh axis named twice in
-    one rule (``["batch", ["data", "data"]]``) is refused: no array dimension can
-    be split over one mesh axis twice.
+    The checks are :func:`meshplan._spmd.rules.rules_problems`'s (a mesh axis named
+    twice in one rule, ``["batch", ["data", "data"]]``, among them).
     """
-    valid, index, problems = rules_problems(rules)
-    for i, (name, axes) in zip(index, valid, strict=True):
-        repeated = _repeated_axes(axes)
-        if repeated and isinstance(axes, tuple):
-            once = tuple(dict.fromkeys(axes))
-            problems.append(
-                Problem(
-                    "error",
-                    f"rules[{i}]",
-                    f"{(name, axes)!r}: the mesh "
-                    f"{'axis' if len(repeated) == 1 else 'axes'} "
-                    f"{', '.join(map(repr, repeated))} "
-                    f"{'is' if len(repeated) == 1 else 'are'} named twice; a dimension is split "
-                    f"over each mesh axis at most once",
-                    f"Name each mesh axis once in a rule, e.g. "
-                    f"{[name, list(once) if len(once) > 1 else once[0]]!r}.",
-                    "bad-rule",
-                )
-            )
+    valid, _, problems = rules_problems(rules)
     if not problems:
         return valid
-    problems.sort(key=lambda p: int(p.path[6:-1]) if p.path.startswith("rules[") else -1)
     where = "" if all(p.path == "rules" for p in problems) else " (rules[i] is rule i, from 0)"
     raise error_from_problems(RulesError, f"Cannot read rules from {path!r}{where}:", problems)

@@ -297,6 +297,8 @@ def search_layouts(
         layouts = {name: get_layout(name) for name in layouts}
     if batch is None and example_batch is not None:
         batch = int(jax.tree.leaves(example_batch)[0].shape[0])
+    if top_k < 1:
+        raise ArgumentError(f"search_layouts requires a positive top_k, got {top_k=}.")
     if measure and (step_fn is None or example_batch is None):
         raise ArgumentError("measure=True compiles a step: pass step_fn= and example_batch=.")
     if measure and jax.device_count() < devices:

@@ -127,6 +127,13 @@ _RULES_FIX = "Give rules as a sequence of pairs, e.g. (('batch', 'data'), ('hidd
 _RULE_FIX = _RULES_FIX
 
 
+def _repeated_axes(axes: Any) -> list[str]:
+    """The mesh axes named more than once in one rule's tuple (or list) of axes."""
+    if not isinstance(axes, tuple | list):
+        return []
+    return [a for a in dict.fromkeys(axes) if list(axes).count(a) > 1]
+
+
 def rules_problems(
     rules: Any,
 ) -> tuple[tuple[tuple[str, MeshAxes], ...], tuple[int, ...], list[Problem]]:
@@ -211,6 +218,22 @@ def rules_problems(
                 f"mesh axes must be a mesh axis name, a tuple of names, None or "
                 f"PartitionSpec.UNCONSTRAINED, got {axes!r}"
             )
+        repeated = _repeated_axes(axes) if not bad else []
+        if repeated:
+            once = tuple(dict.fromkeys(axes))
+            problems.append(
+                Problem(
+                    "error",
+                    f"rules[{i}]",
+                    f"{tuple(rule)!r}: the mesh {'axis' if len(repeated) == 1 else 'axes'} "
+                    f"{', '.join(map(repr, repeated))} {'is' if len(repeated) == 1 else 'are'} "
+                    f"named twice; a dimension is split over each mesh axis at most once",
+                    f"Name each mesh axis once in a rule, e.g. "
+                    f"{(name, once if len(once) > 1 else once[0])!r}.",
+                    "bad-rule",
+                )
+            )
+            continue
         if bad:
             problems.append(
                 Problem("error", f"rules[{i}]", f"{tuple(rule)!r}: {'; '.join(bad)}", _RULE_FIX,
@@ -241,6 +264,7 @@ def normalize_rules(rules: Any) -> tuple[tuple[str, MeshAxes], ...]:
             for r in rules
         )
         and all(not isinstance(r[1], list) for r in rules)
+        and all(type(r[1]) is not tuple or len(set(r[1])) == len(r[1]) for r in rules)
     ):
         _last_normal_rules[0] = rules
         return rules  # the common, already-normal case: no copy
