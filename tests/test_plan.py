@@ -419,3 +419,15 @@ def test_user_text_in_the_table_is_printed_literally_not_as_rich_markup():
     text = to_text(plan.table(full=True))
     assert "[bold]w" in text
     assert "no rule: [red]embed" in text
+
+
+def test_a_pod_sized_plan_draws_its_png(tmp_path):
+    """16,384 devices are drawn as images, not a patch per device (that took minutes)."""
+    w = meshplan.LogicallyPartitioned(
+        jax.ShapeDtypeStruct((1024, 512), jnp.float32), ("embed", "mlp")
+    )
+    plan = meshplan.explain(
+        {"w": w}, {"data": 128, "model": 128}, (("embed", "data"), ("mlp", "model"))
+    )
+    plan.save_png(tmp_path / "pod.png")
+    assert (tmp_path / "pod.png").stat().st_size > 10_000

@@ -12,7 +12,11 @@ from meshplan._text import human_bytes
 if TYPE_CHECKING:
     from meshplan._plan.plan_data import PlanData
 
-__all__ = ["draw_memory_bars", "draw_mesh", "grid_shape"]
+__all__ = ["DETAILED_DEVICES", "draw_memory_bars", "draw_mesh", "grid_shape"]
+
+DETAILED_DEVICES = 256
+"""Up to this many devices each is drawn as its own cell and bar; above, as one image (a pod's
+16,384 devices would otherwise be 16,384 patches: minutes of matplotlib)."""
 
 
 def grid_shape(plan: PlanData) -> tuple[int, int, str, str]:
@@ -27,8 +31,6 @@ def grid_shape(plan: PlanData) -> tuple[int, int, str, str]:
 
 def draw_mesh(ax: Any, plan: PlanData, colors: list[Any]) -> None:
     """The devices as a grid, each with its id, its bytes and a bar of them by group."""
-    from matplotlib.patches import FancyBboxPatch, Rectangle
-
     rows, cols, row_name, col_name = grid_shape(plan)
     totals = plan.totals
     full = max(totals["all"].max_device_bytes, 1)
@@ -36,6 +38,30 @@ def draw_mesh(ax: Any, plan: PlanData, colors: list[Any]) -> None:
     ax.set_ylim(rows + 0.05, -0.35)
     ax.set_aspect("equal")
     ax.axis("off")
+    if plan.mesh.size > DETAILED_DEVICES:
+        _draw_mesh_image(ax, plan, rows, cols, full)
+    else:
+        _draw_mesh_cells(ax, plan, colors, cols, full)
+    if col_name:
+        ax.annotate(
+            "", xy=(cols - 0.05, -0.12), xytext=(0.06, -0.12),
+            arrowprops={"arrowstyle": "->", "color": MUTED, "lw": 1},
+        )  # fmt: skip
+        ax.text(cols / 2, -0.2, f"{col_name} ({cols})", ha="center", fontsize=9, color=MUTED)
+    if row_name:
+        ax.annotate(
+            "", xy=(-0.06, rows - 0.05), xytext=(-0.06, 0.06),
+            arrowprops={"arrowstyle": "->", "color": MUTED, "lw": 1},
+        )  # fmt: skip
+        ax.text(-0.1, rows / 2, f"{row_name} ({rows})", rotation=90, va="center", ha="right",
+                fontsize=9, color=MUTED)  # fmt: skip
+
+
+def _draw_mesh_cells(ax: Any, plan: PlanData, colors: list[Any], cols: int, full: int) -> None:
+    """Each device a rounded cell with its id, its bytes and a bar of them by group."""
+    from matplotlib.patches import FancyBboxPatch, Rectangle
+
+    totals = plan.totals
     for k, dev in enumerate(plan.mesh.device_ids):
         r, c = divmod(k, cols)
         x, y = c + 0.06, r + 0.06
@@ -66,19 +92,23 @@ def draw_mesh(ax: Any, plan: PlanData, colors: list[Any]) -> None:
             offset += part
         ideal = totals["all"].ideal_bytes / full * bw
         ax.plot([bx + ideal, bx + ideal], [by - 0.03, by + bh + 0.03], color=INK, lw=1)
-    if col_name:
-        ax.annotate(
-            "", xy=(cols - 0.05, -0.12), xytext=(0.06, -0.12),
-            arrowprops={"arrowstyle": "->", "color": MUTED, "lw": 1},
-        )  # fmt: skip
-        ax.text(cols / 2, -0.2, f"{col_name} ({cols})", ha="center", fontsize=9, color=MUTED)
-    if row_name:
-        ax.annotate(
-            "", xy=(-0.06, rows - 0.05), xytext=(-0.06, 0.06),
-            arrowprops={"arrowstyle": "->", "color": MUTED, "lw": 1},
-        )  # fmt: skip
-        ax.text(-0.1, rows / 2, f"{row_name} ({rows})", rotation=90, va="center", ha="right",
-                fontsize=9, color=MUTED)  # fmt: skip
+
+
+def _draw_mesh_image(ax: Any, plan: PlanData, rows: int, cols: int, full: int) -> None:
+    """Many devices: one image, each pixel a device shaded by its bytes (darker: fuller)."""
+    import numpy as np
+
+    grid = np.asarray(plan.totals["all"].device_bytes, dtype=float).reshape(rows, cols) / full
+    ax.imshow(
+        grid, cmap="Blues", vmin=0.0, vmax=1.0, extent=(0, cols, rows, 0),
+        interpolation="nearest", aspect="auto",
+    )  # fmt: skip
+    low, high = grid.min() * full, grid.max() * full
+    ax.text(
+        cols / 2, rows + 0.02 * rows, f"{plan.mesh.size} devices: {human_bytes(low)} to "
+        f"{human_bytes(high)} each (darker: fuller)", ha="center", va="top", fontsize=9,
+        color=MUTED,
+    )  # fmt: skip
 
 
 def draw_memory_bars(ax: Any, plan: PlanData, colors: list[Any]) -> None:
@@ -88,15 +118,22 @@ def draw_memory_bars(ax: Any, plan: PlanData, colors: list[Any]) -> None:
     xs = range(n)
     bottom = [0.0] * n
     scale, unit = _unit(totals["all"].max_device_bytes)
+    many = n > DETAILED_DEVICES  # one filled band per group, not n bars
     for group in GROUPS:
         values = [b / scale for b in totals[group].device_bytes]
         if any(values):
-            ax.bar(xs, values, bottom=bottom, color=GROUP_COLORS[group], width=0.72, label=group)
+            if many:
+                top = [a + b for a, b in zip(bottom, values, strict=True)]
+                ax.fill_between(xs, bottom, top, step="mid", color=GROUP_COLORS[group], lw=0,
+                                label=group)  # fmt: skip
+            else:
+                ax.bar(xs, values, bottom=bottom, color=GROUP_COLORS[group], width=0.72,
+                       label=group)  # fmt: skip
             bottom = [a + b for a, b in zip(bottom, values, strict=True)]
     ideal = totals["all"].ideal_bytes / scale
     ax.axhline(ideal, color=INK, lw=1, ls="--")
     ax.text(n - 0.5, ideal, " ideal", va="bottom", ha="right", fontsize=8, color=INK)
-    step = max(1, math.ceil(n / 16))  # at most 16 labels
+    step = max(1, math.ceil(n / (16 if n <= 1024 else 6)))  # at most 16 labels (6 when long)
     shown = list(xs)[::step]
     ax.set_xticks(shown, [str(plan.mesh.device_ids[k]) for k in shown], fontsize=8)
     for tick, k in zip(ax.get_xticklabels(), shown, strict=True):

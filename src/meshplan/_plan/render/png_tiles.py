@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from meshplan._plan.render.colors import ERROR, INK, MUTED
+from meshplan._plan.render.png_mesh import DETAILED_DEVICES
 from meshplan._plan.shards import shard_holders
 from meshplan._text import human_bytes, shape_text
 
@@ -86,6 +87,36 @@ def _fill_tile(ax: Any, x: float, y: float, w: float, h: float, colors: list[Any
     stripes.set_clip_path(base)
 
 
+def _draw_pieces_image(
+    ax: Any,
+    holders: dict[tuple[int, ...], list[int]],
+    color_of: dict[int, Any],
+    ndim: int,
+    row_dims: list[int],
+    col_dims: list[int],
+    n_rows: int,
+    n_cols: int,
+    box: tuple[float, float, float, float],
+) -> None:
+    """Thousands of pieces: an image instead of a patch (and stripes) per piece."""
+    import numpy as np
+
+    image = np.full((n_rows, n_cols, 4), 0.87)
+    for i in range(n_rows):
+        for j in range(n_cols):
+            key = [0] * ndim
+            if row_dims:
+                key[row_dims[0]] = i
+            if col_dims:
+                key[col_dims[0]] = j
+            devs = holders.get(tuple(key), [])
+            if devs:
+                image[i, j] = color_of[devs[0]]
+    x0, y0, width, height = box
+    ax.imshow(image, extent=(x0, x0 + width, y0 + height, y0), interpolation="nearest",
+              aspect="auto")  # fmt: skip
+
+
 def draw_tiles(ax: Any, leaf: LeafPlan, count: int, plan: PlanData, colors: list[Any]) -> None:
     """``leaf`` cut into its pieces, each coloured by the devices holding it."""
     from matplotlib.patches import Rectangle
@@ -105,7 +136,12 @@ def draw_tiles(ax: Any, leaf: LeafPlan, count: int, plan: PlanData, colors: list
     x0, y0 = (1 - width) / 2, (1 - height) / 2
     tw, th = width / n_cols, height / n_rows
     label_pieces = n_rows * n_cols <= 16
-    for i in range(n_rows):
+    if (
+        n_rows * n_cols > DETAILED_DEVICES
+    ):  # one image: a pixel per piece, its first holder's colour
+        _draw_pieces_image(ax, holders, color_of, len(dims), row_dims, col_dims, n_rows, n_cols,
+                           (x0, y0, width, height))  # fmt: skip
+    for i in range(n_rows if n_rows * n_cols <= DETAILED_DEVICES else 0):
         for j in range(n_cols):
             key = [0] * len(dims)
             if row_dims:
