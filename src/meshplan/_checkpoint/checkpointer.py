@@ -152,12 +152,13 @@ _LATE_CALLBACKS_QUIET = False
 
 
 def _quiet_late_callbacks() -> None:
-    """After a failed save: leaves out TensorStore callbacks into Orbax's closed event loop.
+    """Leaves out TensorStore callbacks into Orbax's closed event loop (after a failed save).
 
     The writes still in flight when a save fails finish after Orbax closed its
     asyncio loop; their callbacks then raise ``RuntimeError('Event loop is
     closed')``, which Python prints as a bare traceback. Nothing is lost: the save
-    failed and said so. Installed once, chained to the previous hook.
+    failed and said so. Installed once (the first Checkpointer opened: the callbacks
+    may come before Orbax reports the failure), chained to the previous hook.
     """
     global _LATE_CALLBACKS_QUIET
     if _LATE_CALLBACKS_QUIET:
@@ -214,9 +215,9 @@ def _metric_key(name: str, mode: str) -> Any:
     worst = math.inf if mode == "min" else -math.inf
 
     def key(metrics: Any) -> float:
-        value = metrics.get(name) if isinstance(metrics, Mapping) else None
+        raw = metrics.get(name) if isinstance(metrics, Mapping) else None
         try:
-            value = float(value)
+            value = float(raw)  # type: ignore[arg-type]
         except (TypeError, ValueError):
             return worst
         return value if math.isfinite(value) else worst
@@ -338,6 +339,7 @@ class Checkpointer:
             async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False),
         )
         _quiet_orbax(+1)
+        _quiet_late_callbacks()
         try:
             self._manager = ocp.CheckpointManager(
                 self.directory, options=options, item_names=ITEM_NAMES
@@ -426,12 +428,13 @@ class Checkpointer:
                 if kept
                 else "No complete step is left there"
             )
-            self._failure = error_for(  # type: ignore[assignment]
+            failure = error_for(
                 CheckpointError, "ckpt-write-failed", str(self.directory),
                 f"Saving {what} into {str(self.directory)!r} failed: {_cause_text(e)}. {last}",
                 _write_fix(_errno_of(e)),
             )  # fmt: skip
-            self._failure.__cause__ = e
+            failure.__cause__ = e
+            self._failure = failure  # type: ignore[assignment]
             if jax.process_index() == 0:
                 # Free what the failed save wrote (a full disk); reopening would too.
                 with contextlib.suppress(Exception):

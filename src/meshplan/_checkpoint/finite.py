@@ -42,7 +42,8 @@ def _group_key(value: jax.Array) -> Any:
     sharding = value.sharding
     if isinstance(sharding, NamedSharding):
         return ("mesh", sharding.mesh)
-    return ("devices", tuple(sorted(d.id for d in sharding.device_set)))
+    ids = sorted(int(d.id) for d in sharding.device_set)  # type: ignore[attr-defined]
+    return ("devices", tuple(ids))
 
 
 def nonfinite_paths(flat: Mapping[str, tuple[Any, Any]]) -> list[str]:

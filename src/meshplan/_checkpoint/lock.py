@@ -222,7 +222,8 @@ class FolderLock:
         """Whether the lock file still names this process (nobody removed or took it)."""
         holder = read_lock(os.path.dirname(self.path))
         return (
-            bool(holder)
+            holder is not None
+            and bool(holder)
             and holder.get("pid") == self.data["pid"]
             and holder.get("started_unix") == self.data["started_unix"]
         )

@@ -307,7 +307,7 @@ def _first_step(p: epath.Path, step: int | None) -> int | None:
     if step is not None:
         return step
     with open_manager(p) as manager:
-        steps = sorted(manager.all_steps())
+        steps: list[int] = sorted(manager.all_steps())
         if not steps:
             metadata_of(manager, p)  # raises why (missing, empty, ...)
     return steps[-1]
