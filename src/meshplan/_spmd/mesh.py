@@ -74,7 +74,7 @@ def check_spec(spec: PartitionSpec, mesh: Any, what: str, shape: Any = None) -> 
         ...
         meshplan.MeshError: Cannot lay out w as P('modle',) on the mesh {'data': 2, 'model': 4}:
           * dim 0 names mesh axis 'modle', which the mesh {'data': 2, 'model': 4} does not have
-        Did you mean 'model'? Use the mesh's axis names ('data', 'model').
+        Did you mean 'model'? Use the mesh's axis names ('data', 'model'), or map logical names to them with rules.
     """
     info = mesh_info(mesh)
     shape = None if shape is None else tuple(shape)

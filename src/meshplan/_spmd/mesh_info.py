@@ -101,8 +101,11 @@ def axis_names_fix(missing: tuple[str, ...], mesh: MeshInfo) -> str:
     Example:
         >>> from meshplan._spmd.mesh_info import axis_names_fix, mesh_info
         >>> axis_names_fix(("modle",), mesh_info({"data": 2, "model": 4}))
-        "Did you mean 'model'? Use the mesh's axis names ('data', 'model')."
+        "Did you mean 'model'? Use the mesh's axis names ('data', 'model'), or map logical names to them with rules."
     """
     guess = [m for a in missing for m in difflib.get_close_matches(a, mesh.shape, n=1)]
     hint = f"Did you mean {guess[0]!r}? " if guess else ""
-    return f"{hint}Use the mesh's axis names {mesh.axis_names!r}."
+    return (
+        f"{hint}Use the mesh's axis names {mesh.axis_names!r}, or map logical names to them "
+        f"with rules."
+    )
