@@ -376,9 +376,24 @@ for _cls, _meta in (
     jax.tree_util.register_dataclass(_cls, data_fields=["value"], meta_fields=_meta)
 
 
+_IS_BOX: dict[type, bool] = {}
+"""``isinstance(x, AxisMetadata)`` by type: the ABC check is slow, and every leaf of a state asks."""
+
+
 def is_box(x: Any) -> bool:
-    """Whether ``x`` is a metadata box (any Flax ``AxisMetadata``, meshplan's included)."""
-    return isinstance(x, AxisMetadata)
+    """Whether ``x`` is a metadata box (any Flax ``AxisMetadata``, meshplan's included).
+
+    Example:
+        >>> import jax.numpy as jnp, meshplan
+        >>> from meshplan._spmd.boxes import is_box
+        >>> is_box(meshplan.Partitioned(jnp.ones(2), ("data",))), is_box(jnp.ones(2))
+        (True, False)
+    """
+    kind = type(x)
+    found = _IS_BOX.get(kind)
+    if found is None:
+        found = _IS_BOX[kind] = isinstance(x, AxisMetadata)
+    return found
 
 
 def _check_initializer_args(fn: Any, names: Any, who: str) -> None:

@@ -27,7 +27,7 @@ def is_leaf(x: Any) -> bool:
     return is_box(x) or is_variable(x)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class ArrayLeaf:
     """One array of a tree, as the validator and the plan see it.
 
@@ -103,9 +103,7 @@ def array_leaves(tree: Any, rules: Any = None) -> tuple[list[ArrayLeaf], int]:
         if shape is None:
             skipped += 1
             continue
-        out.append(
-            ArrayLeaf(
-                tuple(keypath), kind, names, tuple(shape), getattr(value, "dtype", None), own_rules
-            )
-        )
+        if type(shape) is not tuple:
+            shape = tuple(shape)
+        out.append(ArrayLeaf(keypath, kind, names, shape, getattr(value, "dtype", None), own_rules))
     return out, skipped

@@ -54,6 +54,10 @@ NAME_KEYS = ("out_sharding", "sharding_names", "sharding")
 """The metadata keys that hold a variable's names, newest first (Flax 0.12 remaps the older ones)."""
 
 
+_IS_VARIABLE: dict[type, bool] = {}
+"""``isinstance(x, nnx.Variable)`` by type, as for boxes: every leaf of a state asks."""
+
+
 def is_variable(x: Any) -> bool:
     """Whether ``x`` is a ``flax.nnx.Variable`` (without importing Flax NNX).
 
@@ -64,8 +68,14 @@ def is_variable(x: Any) -> bool:
         >>> is_variable(nnx.Param(jnp.ones(2))), is_variable(jnp.ones(2))
         (True, False)
     """
-    module = sys.modules.get("flax.nnx.variablelib")
-    return module is not None and isinstance(x, module.Variable)
+    kind = type(x)
+    found = _IS_VARIABLE.get(kind)
+    if found is None:
+        module = sys.modules.get("flax.nnx.variablelib")
+        if module is None:  # NNX not imported: nothing can be a variable yet (do not cache)
+            return False
+        found = _IS_VARIABLE[kind] = isinstance(x, module.Variable)
+    return found
 
 
 @dataclasses.dataclass(frozen=True)

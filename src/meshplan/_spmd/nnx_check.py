@@ -75,6 +75,8 @@ def nnx_problems(tree: Any, rules: Any = None) -> list[Problem]:
         >>> print(problem.message)
         Flax NNX places out_sharding ('embed', 'hidden') as P('model', 'model'), meshplan's rules as P('data', 'model')
     """
+    if not any(is_variable(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_leaf)):
+        return []  # no NNX variable: skip the walk by path (a Linen state pays one cheap pass)
     active = get_logical_axis_rules() if rules is None else rules
     try:
         active_pairs = [tuple(r) for r in active]
