@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -351,3 +352,22 @@ def test_strict_shardings_of_a_good_state_do_not_raise(state, auto_mesh):
     )  # fmt: skip
     shardings = meshplan.get_sharding(nnx.state(mesh_names), auto_mesh, strict=True)
     assert values(shardings)["w2"].spec == P("model", None)
+
+
+def test_an_nnx_state_round_trips_through_a_checkpoint_with_its_names(tmp_path, auto_mesh):
+    w = nnx.Param(
+        jnp.arange(128.0).reshape(8, 16), out_sharding=("embed", "mlp"), eager_sharding=False
+    )
+    state = nnx.state(nnx.Dict(w=w))
+    rules = (("embed", "data"), ("mlp", "model"))
+    with meshplan.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(0, state, rules=rules)
+    restored = meshplan.restore(tmp_path, auto_mesh, rules)
+    assert restored.metadata.arrays["w"].names == ("embed", "mlp")  # the variable's path, its names
+    assert restored.state["w"].value.sharding.spec == P("data", "model")
+    back = restored.into(state)  # an nnx.State again, variables keep their metadata
+    assert isinstance(back["w"], nnx.Variable)
+    assert back["w"].get_metadata()["out_sharding"] == ("embed", "mlp")
+    np.testing.assert_array_equal(
+        np.asarray(back["w"].get_value()), np.arange(128.0).reshape(8, 16)
+    )

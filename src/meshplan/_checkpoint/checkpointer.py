@@ -515,7 +515,7 @@ class Checkpointer:
         step = step_number(step)  # type: ignore[assignment]
         if step in self._manager.all_steps():  # finalized, or being written
             return False
-        flat = flatten_state(state)
+        flat = flatten_state(state, rules)
         metric_values = self._checked_metrics(step, metrics)
         if check_finite:
             bad = nonfinite_paths(flat)

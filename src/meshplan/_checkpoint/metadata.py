@@ -17,7 +17,6 @@ from jax.sharding import Mesh, NamedSharding
 
 from meshplan._checkpoint.tree import flatten_state
 from meshplan._errors import CheckpointError, error_for
-from meshplan._spmd.boxes import LogicallyPartitioned
 from meshplan._spmd.rules import get_logical_axis_rules, normalize_rules
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "ArrayInfo", "CheckpointMetadata"]
@@ -163,7 +162,7 @@ class CheckpointMetadata:
             (3, ('embed', 'mlp'), (('mlp', 'model'),))
         """
         return cls.from_flat(
-            step, flatten_state(state), rules=rules, mesh=mesh, config=config, extra=extra
+            step, flatten_state(state, rules), rules=rules, mesh=mesh, config=config, extra=extra
         )
 
     @classmethod
@@ -195,7 +194,7 @@ class CheckpointMetadata:
                 shape=tuple(int(d) for d in value.shape),
                 dtype=str(np.dtype(value.dtype)),
                 names=None if box is None else tuple(box.names),
-                logical=box is None or isinstance(box, LogicallyPartitioned),
+                logical=box is None or box.logical,
             )
             for key, (value, box) in flat.items()
         }

@@ -42,6 +42,8 @@ from meshplan._errors import (
     problem_message,
 )
 from meshplan._spmd.boxes import LogicallyPartitioned, Partitioned, is_box
+from meshplan._spmd.leaves import is_leaf
+from meshplan._spmd.nnx import is_variable
 from meshplan._spmd.rules import logical_to_mesh_axes, normalize_rules
 from meshplan._spmd.validate import validate
 
@@ -168,12 +170,14 @@ class Restored(NamedTuple):
                 )
             )
         arrays = self.arrays()
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(template, is_leaf=is_box)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(template, is_leaf=is_leaf)
         new = []
         for path, leaf in leaves:
             key = path_of(path)
             if is_box(leaf):
                 new.append(leaf.replace_boxed(arrays[key]))
+            elif is_variable(leaf):  # a Flax NNX variable keeps its metadata, takes the value
+                new.append(leaf.replace(arrays[key]))
             elif hasattr(leaf, "shape"):
                 new.append(arrays[key])
             else:

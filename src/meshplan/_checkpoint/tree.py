@@ -8,16 +8,15 @@ same structure.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import jax
-
 from meshplan._errors import CheckpointError
-from meshplan._spmd.boxes import is_box
+from meshplan._spmd.leaves import array_leaves
 from meshplan._text import path_text
 
-__all__ = ["flatten_state", "nest", "path_of", "unnest"]
+__all__ = ["SavedNames", "flatten_state", "nest", "path_of", "unnest"]
 
 
 def _key_name(key: Any) -> str:
@@ -53,11 +52,20 @@ def path_of(keys: Any) -> str:
     return path_text(keys)
 
 
-def flatten_state(tree: Any) -> dict[str, tuple[Any, Any]]:
-    """Every array of ``tree`` by its path: ``{"params/w": (value, box_or_None)}``.
+@dataclasses.dataclass(frozen=True)
+class SavedNames:
+    """The axis names an array is saved with: logical names, or mesh axes (``logical=False``)."""
 
-    Boxes (``LogicallyPartitioned``, ``Partitioned``) are leaves here, so the
-    second element carries their axis names; unboxed arrays give ``None``.
+    names: tuple[Any, ...]
+    logical: bool
+
+
+def flatten_state(tree: Any, rules: Any = None) -> dict[str, tuple[Any, SavedNames | None]]:
+    """Every array of ``tree`` by its path: ``{"params/w": (value, SavedNames or None)}``.
+
+    The walk is meshplan's one leaf walk (:func:`meshplan._spmd.leaves.array_leaves`), so
+    Linen boxes and Flax NNX variables are read alike (``rules`` decide whether an NNX
+    variable's names are logical, as everywhere); unboxed arrays give ``None``.
 
     Example:
         >>> import jax.numpy as jnp, meshplan
@@ -65,19 +73,15 @@ def flatten_state(tree: Any) -> dict[str, tuple[Any, Any]]:
         >>> tree = {"params": {"w": meshplan.LogicallyPartitioned(jnp.ones((2, 4)),
         ...                                                      ("embed", "mlp"))},
         ...         "step": jnp.int32(0)}
-        >>> {k: (v.shape, b and b.names) for k, (v, b) in flatten_state(tree).items()}
+        >>> {k: (v.shape, n and n.names) for k, (v, n) in flatten_state(tree).items()}
         {'params/w': ((2, 4), ('embed', 'mlp')), 'step': ((), None)}
     """
-    out: dict[str, tuple[Any, Any]] = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]:
-        key = path_of(path)
-        if is_box(leaf):
-            value = leaf.value
-            while is_box(value):
-                value = value.value
-            out[key] = (value, leaf)
-        elif hasattr(leaf, "shape"):
-            out[key] = (leaf, None)
+    out: dict[str, tuple[Any, SavedNames | None]] = {}
+    for leaf in array_leaves(tree, rules)[0]:
+        names = None
+        if leaf.kind != "unboxed" and leaf.names is not None:
+            names = SavedNames(tuple(leaf.names), leaf.kind == "logical")
+        out[path_of(leaf.keypath)] = (leaf.value, names)
     return out
 
 

@@ -38,6 +38,7 @@ class ArrayLeaf:
         shape: Its shape.
         dtype: Its dtype (``None`` when the value has none).
         own_rules: Rules carried by its box, if any.
+        value: The array (or abstract value) itself, out of its box or variable.
     """
 
     keypath: tuple[Any, ...]
@@ -46,6 +47,7 @@ class ArrayLeaf:
     shape: tuple[int, ...]
     dtype: Any
     own_rules: Any
+    value: Any = None
 
 
 def unwrap(box: Any) -> tuple[str, Any, Any, Any]:
@@ -105,5 +107,6 @@ def array_leaves(tree: Any, rules: Any = None) -> tuple[list[ArrayLeaf], int]:
             continue
         if type(shape) is not tuple:
             shape = tuple(shape)
-        out.append(ArrayLeaf(keypath, kind, names, shape, getattr(value, "dtype", None), own_rules))
+        dtype = getattr(value, "dtype", None)
+        out.append(ArrayLeaf(keypath, kind, names, shape, dtype, own_rules, value))
     return out, skipped
