@@ -75,7 +75,7 @@ def _bad(args: list[str], capsys) -> str:
             "multiple of 8 (e.g. 16)",
         ),
         (["--mesh", "2x8"], "needs 16 devices, but there are only 8", "Use a smaller mesh"),
-        (["--mesh", "two"], "Cannot read the mesh 'two'", "Write it like 2x4"),
+        (["--mesh", "two"], "Cannot read --mesh 'two'", "Write it like 2x4, 4x2 or 8"),
         (["--seq", "100"], "--seq 100 exceeds the model's max_len=64", "Use --seq 64 or less"),
         (["--eval-every", "-5"], "--eval-every must be 0 or more, got -5", "Pass --eval-every 0"),
         (["--ckpt-every", "-1"], "--ckpt-every must be 0 or more, got -1", "Pass --ckpt-every 0"),

@@ -13,6 +13,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
+import threading
+import warnings
 from typing import Any
 
 from rich.console import Console
@@ -49,7 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the latest complete checkpoint in --ckpt-dir, on this mesh and layout",
+        help="continue from the newest intact checkpoint in --ckpt-dir (damaged newer steps are "
+        "named and skipped), on this mesh and layout",
+    )
+    run.add_argument(
+        "--resume-step",
+        type=int,
+        metavar="N",
+        help="continue from step N of --ckpt-dir (implies --resume); later steps are replaced",
     )
     run.add_argument(
         "--metrics", metavar="FILE", help="append each loss to FILE as JSON lines (process 0)"
@@ -88,6 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--eval-every", int, "E", "evaluate every E steps; 0: at the end (default 50)"),
         ("--eval-batches", int, "N", "validation batches per evaluation (default 4)"),
         ("--ckpt-every", int, "K", "checkpoint every K steps and at the end (default 100)"),
+        ("--keep", int, "N", "latest checkpoints kept, besides the best valid one (default 3)"),
+        ("--clip", float, "NORM", "clip gradients to this global norm (default 1.0)"),
     ):
         train.add_argument(flag, type=kind, metavar=metavar, help=about)
     model = parser.add_argument_group(
@@ -131,6 +143,8 @@ def _request(args: argparse.Namespace) -> Any:
         data=args.data,
         ckpt_dir=args.ckpt_dir,
         resume=args.resume,
+        resume_step=args.resume_step,
+        metrics=args.metrics,
         settings={k: v for k, v in settings.items() if v is not None},
     )
 
@@ -203,13 +217,17 @@ def _summary(console: Console, trainer: Any, result: Any) -> None:
         table.add_row("final train loss", f"{result.losses[last]:.3f} nats/byte (step {last})")
     if result.best_valid is not None:
         step, loss = result.best_valid
-        table.add_row("best valid loss", f"{loss:.3f} nats/byte (step {step})")
-    if trainer.ckpt_dir is not None:
-        from meshplan._checkpoint.folder import latest_step
-
+        unsaved = trainer.ckpt_dir is not None and step not in trainer.saved_on_disk
         table.add_row(
-            "checkpoint", text(f"{trainer.ckpt_dir} (latest step {latest_step(trainer.ckpt_dir)})")
+            "best valid loss",
+            f"{loss:.3f} nats/byte (step {step}{', no checkpoint of it' if unsaved else ''})",
         )
+    if trainer.ckpt_dir is not None:
+        where = f"{trainer.ckpt_dir} (latest step {trainer.latest_saved}"
+        best = trainer.best_saved
+        if best is not None and best[0] != trainer.latest_saved:
+            where += f"; best kept: step {best[0]}, valid loss {best[1]:.3f}"
+        table.add_row("checkpoint", text(where + ")"))
     console.print(table)
 
 
@@ -257,8 +275,11 @@ def run(args: argparse.Namespace) -> int:
     console = _console(jax.process_index() == 0)
     try:
         trainer = prepare(_request(args))
+        with warnings.catch_warnings():  # its note is printed below, once
+            warnings.simplefilter("ignore", UserWarning)
+            trainer.open()  # the checkpoint folder's lock: a second writer is refused here
     except MeshplanError as e:
-        print_error(e)
+        print_error(_for_the_command_line(e))
         return 2
     if group is not None:
         say(
@@ -272,6 +293,9 @@ def run(args: argparse.Namespace) -> int:
             f"process {jax.process_index()} of {jax.process_count()}: training; process 0 "
             f"prints the progress and the summary",
         )
+    else:
+        for note in trainer.notes:
+            say(Console(stderr=True), ("note: ", "bold"), note, soft_wrap=True)
     _header(console, trainer)
 
     from rich.progress import (
@@ -298,17 +322,21 @@ def run(args: argparse.Namespace) -> int:
 
     log = _MetricsLog(args.metrics if jax.process_index() == 0 else None)
 
+    stop = _StopOnSigterm(enabled=jax.process_count() == 1)
+
     def on_step(step: int, loss: float, tps: float) -> None:
         assert task is not None  # added before the run starts
         progress.update(task, completed=step, loss=f"{loss:.3f}", tps=f"{tps:,.0f}" if tps else "-")
         log({"step": step, "loss": loss})
+        stop.check()
 
     def on_eval(step: int, loss: float) -> None:
         say(progress.console, f"step {step:>5}  valid loss {loss:.3f} nats/byte")
         log({"step": step, "valid_loss": loss})
 
     try:
-        with progress, log:
+        with stop, progress, log:
+            stop.check()
             task = progress.add_task(
                 "train",
                 total=trainer.settings.steps,
@@ -317,21 +345,31 @@ def run(args: argparse.Namespace) -> int:
                 tps="-",
             )
             result = trainer.run(on_step=on_step, on_eval=on_eval)
-    except KeyboardInterrupt:
-        trainer.close()  # the save in progress completes: it is the latest checkpoint
-        from meshplan._checkpoint.folder import latest_step
-
-        last = latest_step(trainer.ckpt_dir) if trainer.ckpt_dir else None
-        say(
-            console,
-            f"interrupted at step {trainer.step}; latest complete checkpoint: {last}"
-            + (
-                f" (resume with --resume --ckpt-dir {trainer.ckpt_dir})" if last is not None else ""
-            ),
+            trainer.close()  # the last save reaches the disk (or its failure is raised)
+    except (KeyboardInterrupt, _Terminated) as e:
+        failed = _close(trainer)  # the save in progress completes: it is the latest checkpoint
+        last = trainer.latest_saved
+        how = "stopped by SIGTERM" if isinstance(e, _Terminated) else "interrupted"
+        message = f"{how} at step {trainer.step}; " + (
+            f"latest complete checkpoint: step {last} (resume with --resume --ckpt-dir "
+            f"{trainer.ckpt_dir})"
+            if last is not None
+            else "no checkpoint saved"
         )
-        return 130
-    finally:
-        trainer.close()  # any other error: let the save in progress reach the disk first
+        if isinstance(e, _Terminated):
+            print_error(message + ".")
+        else:
+            say(console, message)
+        if failed is not None:
+            print_error(_for_the_command_line(failed))
+        return 143 if isinstance(e, _Terminated) else 130
+    except MeshplanError as e:
+        _close(trainer)  # the lock is released; a failure already raised is not raised twice
+        print_error(_for_the_command_line(e))
+        return 1
+    except BaseException:
+        _close(trainer)  # any other error: let the save in progress reach the disk first
+        raise
     _summary(console, trainer, result)
     if jax.process_index() != 0:
         say(
@@ -339,3 +377,74 @@ def run(args: argparse.Namespace) -> int:
             f"process {jax.process_index()} of {jax.process_count()}: done at step {trainer.step}",
         )
     return 0
+
+
+def _close(trainer: Any) -> Exception | None:
+    """Closes the trainer's checkpoints; the error it raises (a save that failed), if any."""
+    from meshplan._errors import MeshplanError
+
+    try:
+        trainer.close()
+    except MeshplanError as e:
+        return e
+    return None
+
+
+def _for_the_command_line(error: Exception) -> str:
+    """The error's message with its fix in flag terms (the library's name API calls)."""
+    from meshplan.cli.train_request import _FLAG_ADVICE
+    from meshplan.train.trainer import Diverged
+
+    if isinstance(error, Diverged):
+        problem = error.problems[0]
+        if error.last_good is not None and error.ckpt_dir is not None:
+            fix = (
+                f"Lower --lr and resume from step {error.last_good}: meshplan train "
+                f"--resume-step {error.last_good} --ckpt-dir {error.ckpt_dir} --lr <smaller>."
+            )
+        else:
+            fix = "Lower --lr and train again."
+        return f"{problem.message}.\n{fix}"
+    problems = getattr(error, "problems", None) or []
+    if len(problems) == 1 and problems[0].code in _FLAG_ADVICE:
+        problem = problems[0]
+        fix = _FLAG_ADVICE[problem.code]
+        if problem.code == "ckpt-write-failed":
+            fix = f"{problem.fix} Then continue with --resume (from the last complete step)."
+        return f"{problem.message}.\n{fix}"
+    return str(error)
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived: the run stops at the end of the current step."""
+
+
+class _StopOnSigterm(contextlib.AbstractContextManager["_StopOnSigterm", None]):
+    """While active, SIGTERM asks the run to stop after the current step (a second one: now).
+
+    Only for a run of one process in the main thread (the processes of a run stop
+    together: their launcher or scheduler stops them all).
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.asked = False
+        self._previous: Any = None
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.asked:
+            raise _Terminated
+        self.asked = True
+
+    def check(self) -> None:
+        if self.asked:
+            raise _Terminated
+
+    def __enter__(self) -> _StopOnSigterm:
+        if self.enabled:
+            self._previous = signal.signal(signal.SIGTERM, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            signal.signal(signal.SIGTERM, self._previous)

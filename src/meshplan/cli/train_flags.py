@@ -21,6 +21,8 @@ SETTINGS_FLAGS = {
     "eval_every": "eval_every",
     "eval_batches": "eval_batches",
     "ckpt_every": "ckpt_every",
+    "keep": "keep",
+    "clip": "clip",
 }
 """``argparse`` destination -> :class:`meshplan.train.settings.TrainSettings` field."""
 

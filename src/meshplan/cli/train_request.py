@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -24,20 +26,30 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from meshplan._checkpoint.checkpointer import Checkpointer
 from meshplan._checkpoint.folder import latest_step, read_metadata
+from meshplan._checkpoint.integrity import check_step, intact_step
 from meshplan._checkpoint.metadata import CheckpointMetadata
 from meshplan._checkpoint.restore import compatibility_problems
 from meshplan._checkpoint.tree import flatten_state
-from meshplan._errors import CheckpointError, MeshError, MeshplanError, Problem, problem_message
+from meshplan._errors import (
+    CheckpointError,
+    MeshError,
+    MeshplanError,
+    Problem,
+    error_for,
+    problem_message,
+)
 from meshplan._spmd.mesh_info import mesh_info
 from meshplan._spmd.rules import rules_problems
 from meshplan._spmd.validate import check_leaf, validate
+from meshplan._text import human_bytes
 from meshplan.examples.data import BATCH_NAMES, ByteCorpus, DataError, shard_batch
 from meshplan.examples.transformer import Transformer, TransformerConfig, config_from_name, loss_fn
 from meshplan.layouts import get_layout
-from meshplan.train.mesh import make_mesh, parse_mesh
+from meshplan.train.mesh import MESH_AXES, make_mesh, parse_mesh
 from meshplan.train.settings import TrainSettings, make_optimizer
-from meshplan.train.state import abstract_train_state
+from meshplan.train.state import abstract_train_state, per_device_bytes, state_shardings
 from meshplan.train.trainer import Trainer
 
 __all__ = ["ByteBatches", "TrainRequest", "prepare"]
@@ -55,7 +67,10 @@ class TrainRequest:
         overrides: Model config fields to replace (``{"num_layers": 4}``).
         data: A folder or file of text; ``None`` uses the Python standard library.
         ckpt_dir: Where to save checkpoints (``None``: no checkpoints).
-        resume: Continue from the latest complete checkpoint in ``ckpt_dir``.
+        resume: Continue from the newest intact checkpoint in ``ckpt_dir``
+            (newer damaged ones are named and skipped).
+        resume_step: Continue from this step of ``ckpt_dir`` (implies ``resume``).
+        metrics: The file each loss is appended to (``--metrics``), checked here.
         settings: :class:`TrainSettings` fields the user gave.
     """
 
@@ -66,6 +81,8 @@ class TrainRequest:
     data: str | None = None
     ckpt_dir: str | None = None
     resume: bool = False
+    resume_step: int | None = None
+    metrics: str | None = None
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -102,12 +119,29 @@ _FLAG_ADVICE = {
     "ckpt-no-steps": "Pass the --ckpt-dir of an earlier run, or start without --resume.",
     "ckpt-incomplete": "Its first save never finished: start again without --resume.",
     "ckpt-not-meshplan": "Pass the --ckpt-dir of a meshplan train run.",
-    "ckpt-no-such-step": "Resume from the latest step: leave the step out.",
+    "ckpt-no-such-step": (
+        "Pass one of those steps as --resume-step, or leave it out for the newest intact one."
+    ),
+    "ckpt-bad-step": "Pass --resume-step a step number, e.g. --resume-step 20.",
     "ckpt-damaged": (
-        "Remove the damaged step's folder from --ckpt-dir to resume from the one before, "
-        "or train into a new --ckpt-dir."
+        "Resume from an earlier step with --resume-step N (or --resume alone, which takes the "
+        "newest intact step), or train into a new --ckpt-dir."
     ),
     "ckpt-newer-format": "Upgrade meshplan to resume this run.",
+    "ckpt-locked": (
+        "Wait for that run to finish or stop it, or pass another --ckpt-dir. If that process "
+        "is gone (e.g. on another host), delete the lock file."
+    ),
+    "ckpt-not-writable": (
+        "Make --ckpt-dir writable by this user, or pass a --ckpt-dir on another disk or folder."
+    ),
+    "ckpt-write-failed": (
+        "Free space or fix the folder's permissions, then continue with --resume (from the "
+        "last complete step), or pass another --ckpt-dir."
+    ),
+    "ckpt-not-finite": (
+        "The run diverged: lower --lr and resume from the last good step with --resume-step N."
+    ),
 }
 """Flag-level advice for the library's problem codes (its own fixes name API calls)."""
 
@@ -164,20 +198,60 @@ def _resolve_config(request: TrainRequest, stored: CheckpointMetadata | None) ->
     return dataclasses.replace(TransformerConfig.from_dict(stored.config), **request.overrides)
 
 
+@dataclasses.dataclass
+class _Resume:
+    """Where a run resumes from: the metadata, the damaged steps skipped, and what to say."""
+
+    stored: CheckpointMetadata | None = None
+    damaged: list[int] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
 def _check_checkpoint_dir(
     request: TrainRequest, problems: _Problems
-) -> tuple[Path | None, CheckpointMetadata | None]:
-    """The checkpoint folder, and its latest metadata when resuming."""
+) -> tuple[Path | None, _Resume]:
+    """The checkpoint folder, and the step to resume from when resuming.
+
+    Without ``resume_step``: the newest intact step (a cheap check of each newer
+    one, no array read); the damaged ones skipped are named in the notes.
+    """
     ckpt_dir = Path(request.ckpt_dir).absolute() if request.ckpt_dir else None
-    if request.resume and ckpt_dir is None:
+    resume = request.resume or request.resume_step is not None
+    found = _Resume()
+    if resume and ckpt_dir is None:
         problems.add(
             MeshplanError,
-            "--resume needs the checkpoint folder to resume from",
+            f"{'--resume-step' if request.resume_step is not None else '--resume'} needs the "
+            f"checkpoint folder to resume from",
             "Pass --ckpt-dir DIR with --resume.",
         )
-    elif request.resume and ckpt_dir is not None:  # (not None: the case above)
+    elif resume and ckpt_dir is not None:  # (not None: the case above)
         try:
-            return ckpt_dir, read_metadata(ckpt_dir)
+            if request.resume_step is not None:
+                found.stored = read_metadata(ckpt_dir, request.resume_step)
+                problem = check_step(ckpt_dir, found.stored.step)
+                if problem is not None:
+                    raise CheckpointError(problem.message, [problem])
+                return ckpt_dir, found
+            intact = intact_step(ckpt_dir)
+            if intact.step is None:
+                problems.add(
+                    CheckpointError,
+                    f"no step of {str(ckpt_dir)!r} can be read: "
+                    + "; ".join(p.message for p in intact.skipped),
+                    "Train into a new --ckpt-dir (or without --resume into this one after "
+                    "removing its steps).",
+                    "ckpt-damaged",
+                )
+                return ckpt_dir, found
+            found.stored = read_metadata(ckpt_dir, intact.step)
+            found.damaged = [int(p.path.rsplit("step ", 1)[-1].rstrip(")")) for p in intact.skipped]
+            for p in intact.skipped:
+                found.notes.append(f"Skipping damaged step: {p.message}")
+            if intact.skipped:
+                found.notes.append(
+                    f"Resuming from step {intact.step}, the newest step that can be read."
+                )
         except MeshplanError as e:
             problems.add_error(e)
     elif ckpt_dir is not None and (last := latest_step(ckpt_dir)) is not None:
@@ -186,7 +260,32 @@ def _check_checkpoint_dir(
             f"--ckpt-dir {str(ckpt_dir)!r} already holds checkpoints (latest step {last})",
             "Pass --resume to continue that run, or a new --ckpt-dir to start another.",
         )
-    return ckpt_dir, None
+    return ckpt_dir, found
+
+
+_FLAGS = {"seq_len": "--seq"}
+"""Settings whose flag is not ``--`` + the name with dashes."""
+
+
+def _flag_of(name: str) -> str:
+    return _FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
+_FIXES = {
+    "steps": "Pass --steps 1 or more.",
+    "batch": "Pass --batch 1 or more (a multiple of the devices 'batch' is split over).",
+    "seq_len": "Pass --seq 1 or more.",
+    "eval_batches": "Pass --eval-batches 1 or more.",
+    "keep": "Pass --keep 1 or more (the best checkpoint is kept as well).",
+    "warmup": "Pass --warmup 0 (no warm-up) or a positive number of steps.",
+    "eval_every": "Pass --eval-every 0 (only at the end) or a positive number of steps.",
+    "ckpt_every": "Pass --ckpt-every 0 (only at the end) or a positive number of steps.",
+    "seed": "Pass --seed 0 or another whole number of 0 or more.",
+    "lr": "Pass a finite learning rate above 0, e.g. --lr 3e-3.",
+    "weight_decay": "Pass a finite --weight-decay of 0 or more, e.g. --weight-decay 0.01.",
+    "clip": "Pass a finite gradient norm above 0, e.g. --clip 1.0.",
+}
+"""The flag-level fix of each setting :meth:`TrainSettings.problems` refuses."""
 
 
 def _resolve_settings(
@@ -197,21 +296,13 @@ def _resolve_settings(
     settings = TrainSettings.from_dict(
         {**TrainSettings().to_dict(), **stored_train, **request.settings}
     )
-    for name in ("steps", "batch", "seq_len", "eval_batches"):
-        if getattr(settings, name) < 1:
-            problems.add(
-                MeshplanError,
-                f"{name} must be positive, got {getattr(settings, name)}",
-                "Pass positive --steps, --batch, --seq and --eval-batches.",
-            )
-    for name, flag in (("eval_every", "--eval-every"), ("ckpt_every", "--ckpt-every"),
-                       ("warmup", "--warmup")):  # fmt: skip
-        if getattr(settings, name) < 0:
-            problems.add(
-                MeshplanError,
-                f"{flag} must be 0 or more, got {getattr(settings, name)}",
-                f"Pass {flag} 0 (only at the end) or a positive number of steps.",
-            )
+    for name, why in settings.problems():
+        where = "the checkpoint's " if name not in request.settings else ""
+        problems.add(
+            MeshplanError,
+            f"{where}{_flag_of(name)} {why}",
+            _FIXES.get(name, f"Pass a valid {_flag_of(name)}."),
+        )
     if stored is not None and settings.steps < stored.step:
         problems.add(
             MeshplanError,
@@ -245,15 +336,19 @@ def _check_config(
 
 def _check_batch(
     request: TrainRequest, settings: TrainSettings, mesh: Mesh, rules: Any, problems: _Problems
-) -> None:
+) -> int:
     """A batch of tokens, ``[batch, seq_len + 1]``, splits over the mesh axes the rules give.
 
     The validator checks the batch as one more array; this turns what it finds into flag advice.
+    Returns the number of devices 'batch' is split over.
     """
     valid, index_map, _ = rules_problems(rules)
     shape = (settings.batch, settings.seq_len + 1)
     leaf = check_leaf("logical", BATCH_NAMES, shape, valid, index_map, mesh_info(mesh))
+    shards = 1
     for d in leaf.dims:
+        if d.index == 0 and not d.missing_axes:
+            shards = max(int(d.shards), 1)
         if d.missing_axes:
             problems.add(
                 MeshError,
@@ -286,6 +381,7 @@ def _check_batch(
                     "Leave 'length' unsharded: ('length', None) in the rules.",
                     "indivisible",
                 )
+    return shards
 
 
 def _check_corpus(corpus: Any, settings: TrainSettings, problems: _Problems) -> None:
@@ -355,6 +451,138 @@ def _check_state(
             )
 
 
+def _parse_train_mesh(text: str) -> tuple[int, int]:
+    """``--mesh`` as ``(data, model)`` sizes: ``meshplan train`` builds two-axis meshes only."""
+    parts = str(text).lower().replace("×", "x").split("x")
+    if len(parts) > len(MESH_AXES) and all(p.strip().isdigit() for p in parts):
+        raise error_for(
+            MeshError, "mesh-axes", "--mesh",
+            f"--mesh {text} has {len(parts)} axes, but meshplan train builds meshes of the two "
+            f"axes {MESH_AXES}, the ones its layouts map to",
+            "Pass --mesh DxM, e.g. --mesh 2x4 (or 8 for 8x1); plan meshes of other axes with "
+            "meshplan plan --axes.",
+        )  # fmt: skip
+    try:
+        return parse_mesh(text)
+    except MeshError as e:
+        raise error_for(
+            MeshError, "mesh-text", "--mesh",
+            f"Cannot read --mesh {text!r}: expected DxM, two positive sizes separated by 'x'",
+            "Write it like 2x4, 4x2 or 8 (8x1).",
+        ) from e  # fmt: skip
+
+
+def _check_metrics_file(path: str | None, problems: _Problems) -> None:
+    """``--metrics`` names a file that can be appended to (its folder exists), checked without
+    creating it."""
+    if path is None:
+        return
+    p = Path(path)
+    fix = "Pass --metrics a file path whose folder exists, e.g. --metrics run/metrics.jsonl."
+    if p.is_dir():
+        problems.add(MeshplanError, f"--metrics {path!r} is a folder, not a file", fix)
+    elif p.exists():
+        if not os.access(p, os.W_OK):
+            problems.add(MeshplanError, f"--metrics {path!r} cannot be written by this user", fix)
+    elif not p.absolute().parent.is_dir():
+        problems.add(
+            MeshplanError, f"--metrics {path!r}: its folder {str(p.absolute().parent)!r} does not "
+            "exist", fix,
+        )  # fmt: skip
+    elif not os.access(p.absolute().parent, os.W_OK):
+        problems.add(
+            MeshplanError,
+            f"--metrics {path!r}: its folder {str(p.absolute().parent)!r} cannot be written",
+            fix,
+        )
+
+
+def _activation_bytes(config: TransformerConfig, seq_len: int) -> int:
+    """A rough lower estimate of the activations one sequence keeps for the backward pass.
+
+    Per block: about 8 values per position of the model width (inputs, norms, the
+    query, key, value and attention outputs, residuals) and 2 of the MLP width,
+    plus the attention scores and weights (``heads x seq x seq``, twice); once
+    per block held (all of them, or one with ``remat``). Then the logits, their
+    softmax and its gradient over the vocabulary, in float32.
+    """
+    width = 2 if config.dtype == "bfloat16" else 4
+    per_block = seq_len * (8 * config.embed_dim + 2 * config.mlp_dim)
+    per_block += 2 * config.num_heads * seq_len * seq_len
+    blocks = config.num_layers if not config.remat else 1
+    kept = config.num_layers * seq_len * config.embed_dim if config.remat else 0
+    return int((blocks * per_block + kept) * width + 3 * seq_len * config.vocab_size * 4)
+
+
+def _device_memory() -> tuple[int, str] | None:
+    """Bytes one device can hold, and where that number comes from; ``None`` if unknown."""
+    device = jax.local_devices()[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # not every backend has them
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]), f"{device.platform} device memory"
+    if device.platform != "cpu":
+        return None
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+    count = jax.local_device_count()
+    return ram // count, (
+        f"this host's {human_bytes(ram)} of memory shared by {count} CPU device{'s' * (count != 1)}"
+    )
+
+
+def _check_memory(
+    request: TrainRequest,
+    config: Any,
+    settings: TrainSettings,
+    abstract: Any,
+    mesh: Mesh,
+    rules: Any,
+    batch_shards: int,
+    problems: _Problems,
+) -> None:
+    """The state, its gradients and a step's activations fit in a device, roughly.
+
+    The estimate leaves out XLA's temporaries, so it refuses only what cannot fit.
+    """
+    found = _device_memory()
+    if found is None:
+        return
+    limit, source = found
+    shardings = state_shardings(abstract, mesh, rules)
+    state = per_device_bytes(abstract, shardings)
+    grads = per_device_bytes(abstract.params, shardings.params)
+    per_sequence = _activation_bytes(config, settings.seq_len)
+    sequences = math.ceil(settings.batch / batch_shards)
+    need = state + grads + per_sequence * sequences
+    if need <= limit:
+        return
+    room = max(limit - state - grads, 0) // max(per_sequence, 1)
+    largest = room * batch_shards
+    fix = (
+        f"Use --batch {largest} or less (each device holds about {room:,} sequences of "
+        f"{settings.seq_len} bytes besides the state), a shorter --seq"
+        f"{'' if config.remat else ', --remat'}, or a mesh and layout that split 'batch' over "
+        f"more devices."
+        if largest >= batch_shards
+        else "The state alone does not fit: use a smaller model, or a layout that splits it "
+        "over more devices (fsdp, fsdp_tp)."
+    )
+    problems.add(
+        MeshplanError,
+        f"--batch {settings.batch} needs about {human_bytes(need)} per device ({human_bytes(state)} "
+        f"of parameters and AdamW state, {human_bytes(grads)} of gradients, and about "
+        f"{human_bytes(per_sequence * sequences)} of activations for its {sequences:,} sequences "
+        f"of {settings.seq_len} bytes), but a device has about {human_bytes(limit)} ({source})",
+        fix,
+        "out-of-memory",
+    )
+
+
 def prepare(request: TrainRequest) -> Trainer:
     """Checks everything in ``request`` and returns a :class:`Trainer` ready to run.
 
@@ -387,32 +615,43 @@ def prepare(request: TrainRequest) -> Trainer:
     except MeshplanError as e:
         problems.add_error(e)
     try:
-        mesh = make_mesh(parse_mesh(request.mesh))
+        mesh = make_mesh(_parse_train_mesh(request.mesh))
     except MeshplanError as e:
         problems.add_error(e)
-    ckpt_dir, stored = _check_checkpoint_dir(request, problems)
+    ckpt_dir, resume = _check_checkpoint_dir(request, problems)
+    stored = resume.stored
     settings = _resolve_settings(request, stored, problems)
+    _check_metrics_file(request.metrics, problems)
     config = _check_config(request, stored, settings, problems)
-    if mesh is not None and rules is not None:
-        _check_batch(request, settings, mesh, rules, problems)
+    batch_shards = None
+    if mesh is not None and rules is not None and not settings.problems():
+        batch_shards = _check_batch(request, settings, mesh, rules, problems)
     data = request.data
     if data is not None:
         data = str(Path(data).absolute())
     elif stored is not None:
         data = (stored.extra.get("train") or {}).get("data")
     corpus = _load_corpus(data, problems)
-    if corpus is not None:
+    if corpus is not None and not settings.problems():
         _check_corpus(corpus, settings, problems)
     model = tx = abstract = example_input = None
-    if config is not None:
+    if config is not None and not settings.problems():
         model, tx = Transformer(config), make_optimizer(settings)
         example_input = _example_tokens(config, settings)
         abstract = abstract_train_state(model, tx, settings, example_input)
         _check_state(request, config, abstract, stored, mesh, rules, problems)
+    if not problems.items and batch_shards is not None:
+        assert mesh is not None and config is not None
+        _check_memory(request, config, settings, abstract, mesh, rules, batch_shards, problems)
+    if not problems.items and ckpt_dir is not None:
+        try:  # before any work, and only then: it creates the folder
+            Checkpointer.check_writable(ckpt_dir)
+        except MeshplanError as e:
+            problems.add_error(e)
 
     problems.raise_if_any("meshplan train cannot start:")
     assert mesh is not None and model is not None and config is not None and corpus is not None
-    return Trainer(
+    trainer = Trainer(
         model=model,
         loss=functools.partial(loss_fn, model=model),
         batches=ByteBatches(corpus, settings, mesh, rules),
@@ -427,4 +666,7 @@ def prepare(request: TrainRequest) -> Trainer:
         ckpt_dir=ckpt_dir,
         resume_from=stored,
         layout_name=str(request.rules),
+        discard_steps=resume.damaged,
     )
+    trainer.notes.extend(resume.notes)
+    return trainer

@@ -8,6 +8,7 @@ train``'s do), sees exactly the batches and updates of one that never stopped.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,6 +36,9 @@ class TrainSettings:
         eval_every: Evaluate every this many steps (0: only at the end).
         eval_batches: Validation batches per evaluation.
         ckpt_every: Save a checkpoint every this many steps (and at the end).
+        keep: The latest checkpoints kept (the one with the best validation
+            loss is kept as well, whatever this says).
+        clip: Gradients are clipped to this global norm.
     """
 
     steps: int = 300
@@ -47,6 +51,34 @@ class TrainSettings:
     eval_every: int = 50
     eval_batches: int = 4
     ckpt_every: int = 100
+    keep: int = 3
+    clip: float = 1.0
+
+    def problems(self) -> list[tuple[str, str]]:
+        """What is wrong with these settings: ``(field, why)`` pairs; ``[]`` when none.
+
+        Counts must be whole numbers in range, rates finite numbers in range
+        (a NaN or an infinite learning rate trains to NaN without an error).
+
+        Example:
+            >>> from meshplan.train.settings import TrainSettings
+            >>> TrainSettings(lr=float("nan"), warmup=-5).problems()
+            [('lr', 'must be a finite number above 0, got nan'), ('warmup', 'must be 0 or more, got -5')]
+        """
+        found: list[tuple[str, str]] = []
+        for field in dataclasses.fields(self):
+            name, value = field.name, getattr(self, field.name)
+            kind = _LIMITS[name]
+            if kind in ("count", "index") and (not _is_int(value) or value < (kind == "count")):
+                at_least = "a whole number of 1 or more" if kind == "count" else "0 or more"
+                found.append((name, f"must be {at_least}, got {value!r}"))
+            elif kind in ("rate", "weight"):
+                ok = _is_number(value) and math.isfinite(value)
+                ok = ok and (value > 0 if kind == "rate" else value >= 0)
+                if not ok:
+                    bound = "above 0" if kind == "rate" else "of 0 or more"
+                    found.append((name, f"must be a finite number {bound}, got {_show(value)}"))
+        return found
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict."""
@@ -59,8 +91,38 @@ class TrainSettings:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+_LIMITS = {
+    "steps": "count",
+    "batch": "count",
+    "seq_len": "count",
+    "lr": "rate",
+    "warmup": "index",
+    "weight_decay": "weight",
+    "seed": "index",
+    "eval_every": "index",
+    "eval_batches": "count",
+    "ckpt_every": "index",
+    "keep": "count",
+    "clip": "rate",
+}
+"""What each setting may be: a count (>= 1), an index (>= 0), a rate (finite, > 0), a weight
+(finite, >= 0)."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _show(value: Any) -> str:
+    return f"{value:g}" if _is_number(value) else repr(value)
+
+
 def make_optimizer(settings: TrainSettings) -> optax.GradientTransformation:
-    """Gradient clipping at norm 1, then AdamW with linear warm-up to a constant rate.
+    """Gradient clipping at norm ``settings.clip`` (default 1), then AdamW with linear warm-up to a constant rate.
 
     The schedule depends on the step only (not on ``steps``), so stopping and
     resuming never changes an update.
@@ -77,6 +139,6 @@ def make_optimizer(settings: TrainSettings) -> optax.GradientTransformation:
         [warmup],
     )
     return optax.chain(
-        optax.clip_by_global_norm(1.0),
+        optax.clip_by_global_norm(settings.clip),
         optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=settings.weight_decay),
     )

@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import numpy as np
@@ -44,6 +45,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from meshplan._checkpoint.checkpointer import Checkpointer
 from meshplan._checkpoint.metadata import CheckpointMetadata
 from meshplan._checkpoint.restore import restore
+from meshplan._errors import CheckpointError, MeshplanError, Problem
 from meshplan._spmd.rules import logical_axis_rules
 from meshplan.train.settings import TrainSettings, make_optimizer
 from meshplan.train.state import (
@@ -55,7 +57,7 @@ from meshplan.train.state import (
     state_shardings,
 )
 
-__all__ = ["Batches", "Loss", "TrainResult", "Trainer"]
+__all__ = ["Batches", "Diverged", "Loss", "TrainResult", "Trainer"]
 
 Loss = Callable[[Any, Any], jax.Array]
 """``loss(params, batch) -> scalar``: the loss to minimise (``params``: the model's
@@ -65,6 +67,50 @@ Batches = Callable[[str, int], Any]
 """``batches(split, index) -> batch``: batch number ``index`` of ``split``
 (``"train"``: the batch of step ``index``; ``"valid"``: the ``index``-th fixed
 validation batch), as ``jax.Array``\\ s already placed on the mesh."""
+
+
+class Diverged(MeshplanError, FloatingPointError):
+    """Training stopped: a step's loss or state is not finite (code ``'train-not-finite'``).
+
+    Nothing of that step was saved. The message names the step, what was not
+    finite, and the last good checkpoint; the attributes let a caller word its
+    own advice.
+
+    Attributes:
+        step: The step whose loss or state is not finite.
+        last_good: The latest complete checkpoint step, or ``None`` (none, or no folder).
+        best: ``(step, valid_loss)`` of the best checkpoint kept, or ``None``.
+        ckpt_dir: The checkpoint folder, or ``None``.
+    """
+
+    def __init__(
+        self,
+        step: int,
+        what: str,
+        path: str,
+        last_good: int | None,
+        best: tuple[int, float] | None,
+        ckpt_dir: Path | None,
+    ) -> None:
+        self.step, self.last_good, self.best, self.ckpt_dir = step, last_good, best, ckpt_dir
+        if ckpt_dir is None:
+            kept = "No checkpoint folder was given, so no step is saved"
+            fix = "Lower the learning rate and train again."
+        elif last_good is None:
+            kept = f"{str(ckpt_dir)!r} holds no complete step"
+            fix = "Lower the learning rate and train again."
+        else:
+            kept = f"The last good checkpoint is step {last_good} of {str(ckpt_dir)!r}"
+            if best is not None and best[0] != last_good:
+                kept += f" (the best, by validation loss {best[1]:.4g}, is step {best[0]})"
+            fix = (
+                f"Lower the learning rate and resume from step {last_good} "
+                f"(Trainer(resume_from=read_metadata(path, step={last_good})))."
+            )
+        message = f"Training diverged at step {step}: {what}, so step {step} was not saved. {kept}"
+        super().__init__(
+            f"{message}.\n{fix}", [Problem("error", path, message, fix, "train-not-finite")]
+        )
 
 
 @dataclasses.dataclass
@@ -119,11 +165,22 @@ class Trainer:
         ckpt_dir: Where to save checkpoints (``None``: no checkpoints).
         resume_from: The checkpoint to resume from (in ``ckpt_dir``).
         layout_name: The layout's name, stored with every checkpoint.
-        max_to_keep: Checkpoints kept.
+        max_to_keep: The latest checkpoints kept (default ``settings.keep``); the
+            one with the best validation loss is never deleted.
+        discard_steps: Steps of ``ckpt_dir`` after ``resume_from`` that cannot be
+            read (damaged): removed when the folder is opened, so that this run
+            writes its own.
         tx: The optimizer (default :func:`meshplan.train.settings.make_optimizer`).
         abstract: ``jax.eval_shape`` of the state, when already traced.
 
     Attributes:
+        notes: Sentences for the user about the checkpoint folder (a stale lock
+            taken over, steps removed or to be replaced), filled by :meth:`open`.
+        saved_on_disk: The complete steps in ``ckpt_dir`` when :meth:`close`
+            ran (``[]`` before).
+        latest_saved: The latest of them, or ``None``.
+        best_saved: ``(step, valid_loss)`` of the best checkpoint among them
+            (never deleted by the keep policy), or ``None``.
         step: The current step (host-side counter).
         state: The sharded ``TrainState`` (after :meth:`start`).
         shardings: The state's ``NamedSharding``\\ s.
@@ -144,7 +201,8 @@ class Trainer:
         ckpt_dir: Path | None = None,
         resume_from: CheckpointMetadata | None = None,
         layout_name: str = "",
-        max_to_keep: int = 3,
+        max_to_keep: int | None = None,
+        discard_steps: tuple[int, ...] | list[int] = (),
         tx: Any = None,
         abstract: Any = None,
     ) -> None:
@@ -160,7 +218,14 @@ class Trainer:
         self.ckpt_dir = ckpt_dir
         self.resume_from = resume_from
         self.layout_name = layout_name
-        self.max_to_keep = max_to_keep
+        self.max_to_keep = settings.keep if max_to_keep is None else max_to_keep
+        self.discard_steps = tuple(int(s) for s in discard_steps)
+        self.notes: list[str] = []
+        self.best_saved: tuple[int, float] | None = None
+        self.latest_saved: int | None = None
+        self.saved_on_disk: list[int] = []
+        self._replace: set[int] = set()
+        self._last_eval: tuple[int, float] | None = None
         # A caller that has built both to check a request passes them: not traced twice.
         self.tx = make_optimizer(settings) if tx is None else tx
         self.abstract = (
@@ -199,10 +264,56 @@ class Trainer:
 
     # -- state -----------------------------------------------------------------
 
+    def open(self) -> None:
+        """Opens the checkpoint folder for writing: checks it, takes its lock (no-op without one).
+
+        Call it before any work to fail early (:meth:`start` calls it). Steps
+        after ``resume_from`` are dealt with here: damaged ones
+        (``discard_steps``) are removed; intact ones are replaced as this run
+        saves its own (a note says which).
+
+        Raises:
+            CheckpointError: ``'ckpt-not-writable'``, ``'ckpt-not-a-folder'``,
+                ``'ckpt-locked'`` (another live run writes there).
+        """
+        if self.ckpt_dir is None or self._checkpointer is not None:
+            return
+        ckpt = Checkpointer(self.ckpt_dir, max_to_keep=self.max_to_keep)
+        self._checkpointer = ckpt
+        if ckpt.note:
+            self.notes.append(ckpt.note)
+        if self.resume_from is None:
+            return
+        after = [s for s in ckpt.all_steps() if s > self.resume_from.step]
+        removed = [s for s in after if s in self.discard_steps]
+        for step in removed:
+            self._delete_step(step)
+        if removed:
+            self.notes.append(
+                f"Removed damaged step{'s' * (len(removed) > 1)} "
+                f"{', '.join(map(str, removed))} of {str(self.ckpt_dir)!r}: this run writes "
+                f"its own."
+            )
+        self._replace = {s for s in after if s not in removed}
+        if self._replace:
+            later = sorted(self._replace)
+            self.notes.append(
+                f"Step{'s' * (len(later) > 1)} {', '.join(map(str, later))} of "
+                f"{str(self.ckpt_dir)!r} come after step {self.resume_from.step}: this run "
+                f"replaces {'each' if len(later) > 1 else 'it'} when it saves that step."
+            )
+
+    def _delete_step(self, step: int) -> None:
+        assert self._checkpointer is not None
+        # Checkpointer has no delete(step) of its own yet: its Orbax manager's.
+        self._checkpointer._manager.delete(step)
+
     def start(self) -> None:
-        """Creates the sharded state (fresh, or from the checkpoint) and compiles nothing yet."""
-        if self.ckpt_dir is not None:
-            self._checkpointer = Checkpointer(self.ckpt_dir, max_to_keep=self.max_to_keep)
+        """Opens the checkpoint folder (:meth:`open`), then creates the sharded state.
+
+        The state is fresh, or read from the checkpoint; nothing is compiled yet.
+        """
+        self.open()
         if self.resume_from is not None:
             assert self.ckpt_dir is not None  # resume_from is a checkpoint in ckpt_dir
             restored = restore(self.ckpt_dir, self.mesh, self.rules, self.resume_from.step)
@@ -261,12 +372,32 @@ class Trainer:
         with self.active():
             losses = [self._eval_step(self.state.params, b) for b in self._valid_batches]
         value = float(np.mean([float(x) for x in losses]))
+        self._last_eval = (self.step, value)
+        if not math.isfinite(value):
+            self._diverged(f"its validation loss is {value}", "valid_loss")
         if self.best_valid is None or value < self.best_valid[1]:
             self.best_valid = (self.step, value)
         return value
 
+    def _diverged(self, what: str, path: str) -> NoReturn:
+        """Raises :class:`Diverged` for the current step, once the save in progress is done."""
+        last_good = best = None
+        if self._checkpointer is not None:
+            self._checkpointer.wait()  # the step being written counts (or its failure is raised)
+            last_good = self._checkpointer.latest_step()
+            best = self._checkpointer.best()
+        raise Diverged(self.step, what, path, last_good, best, self.ckpt_dir)
+
     def save(self) -> bool:
-        """Starts an asynchronous save of the current step; ``False`` if not saving."""
+        """Starts an asynchronous save of the current step; ``False`` if not saving.
+
+        The validation loss of this step (when evaluated) goes with it, so the
+        best checkpoint is never deleted.
+
+        Raises:
+            Diverged: the state is not finite (nothing is saved).
+            CheckpointError: ``'ckpt-write-failed'``: this or the previous save failed.
+        """
         if self._checkpointer is None:
             return False
         extra = {
@@ -275,20 +406,56 @@ class Trainer:
             "processes": jax.process_count(),
             "best_valid": list(self.best_valid) if self.best_valid else None,
         }
-        return self._checkpointer.save(
-            self.step,
-            self.state,
-            rules=self.rules,
-            mesh=self.mesh,
-            config=self.config,
-            extra=extra,
-        )
+        metrics = None
+        if self._last_eval is not None and self._last_eval[0] == self.step:
+            metrics = {"valid_loss": self._last_eval[1]}
+        if self.step in self._replace:
+            self._checkpointer.wait()
+            if self.step in self._checkpointer.all_steps():
+                self._delete_step(self.step)
+            self._replace.discard(self.step)
+        try:
+            return self._checkpointer.save(
+                self.step,
+                self.state,
+                rules=self.rules,
+                mesh=self.mesh,
+                config=self.config,
+                extra=extra,
+                metrics=metrics,
+            )
+        except CheckpointError as e:
+            problem = e.problems[0] if e.problems else None
+            if problem is None or problem.code != "ckpt-not-finite":
+                raise
+            self._diverged(
+                f"its state holds NaN or infinite values ({problem.message})", problem.path
+            )
 
     def close(self) -> None:
-        """Waits for the last save to reach the disk."""
-        if self._checkpointer is not None:
-            self._checkpointer.close()
-            self._checkpointer = None
+        """Waits for the last save to reach the disk, then releases the folder.
+
+        Records :attr:`saved_on_disk`, :attr:`latest_saved` and
+        :attr:`best_saved` (steps that exist) first. Idempotent.
+
+        Raises:
+            CheckpointError: ``'ckpt-write-failed'``: the last save failed (and
+                no earlier call said so). The folder's lock is released and no
+                thread is left running either way.
+        """
+        ckpt, self._checkpointer = self._checkpointer, None
+        if ckpt is None:
+            return
+        try:
+            try:
+                ckpt.wait()  # a failure is raised here (and close() does not raise it again)
+            finally:
+                with contextlib.suppress(Exception):
+                    self.saved_on_disk = ckpt.all_steps()
+                    self.latest_saved = self.saved_on_disk[-1] if self.saved_on_disk else None
+                    self.best_saved = ckpt.best()
+        finally:
+            ckpt.close()
 
     # -- the loop --------------------------------------------------------------
 
@@ -322,7 +489,9 @@ class Trainer:
         tps = 0.0
         while self.step < s.steps:
             started = time.perf_counter()
-            loss = float(self.train_step())
+            loss = float(self.train_step())  # read anyway, for the progress: no extra sync
+            if not math.isfinite(loss):
+                self._diverged(f"its training loss is {loss}", "loss")
             if first:
                 first = False  # the first step compiles: leave it out of the throughput
             else:
