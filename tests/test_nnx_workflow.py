@@ -124,6 +124,21 @@ def test_logical_checkpoint_restored_with_other_rules(auto_mesh, tmp_path):
     assert wf.trees_equal(nnx.state(restored), nnx.state(model))
 
 
+def test_meshplan_checkpoint_restores_an_nnx_state_onto_another_mesh(auto_mesh, tmp_path):
+    def make():
+        return wf.LogicalMultiDotReluDot(DEPTH, 2, rngs=nnx.Rngs(0))
+
+    model, _ = wf.run_logical(auto_mesh, DEPTH)
+    other = wf.make_mesh((4, 2))
+    restored = wf.restore_with_meshplan(model, tmp_path, make, other, wf.OTHER_RULES)
+    assert restored.layers.dot1.kernel.sharding.spec == P(None, "model", "data")
+    assert restored.layers.w2.sharding.spec == P(None, "data", "model")
+    assert restored.layers.w2.out_sharding == (None, "hidden", "embed")
+    assert wf.trees_equal(nnx.state(restored), nnx.state(model))
+    metadata = meshplan.restore(tmp_path).metadata
+    assert metadata.arrays["layers/w2"].names == (None, "hidden", "embed")
+
+
 # -- Logical axis annotation, with meshplan's rules ----------------------------------------
 
 

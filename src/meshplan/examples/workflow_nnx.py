@@ -57,6 +57,7 @@ __all__ = [
     "abstract_model",
     "make_mesh",
     "restore_onto",
+    "restore_with_meshplan",
     "run_explicit",
     "run_logical",
     "save_state",
@@ -354,6 +355,29 @@ def restore_onto(
     with ocp.StandardCheckpointer() as checkpointer:
         restored = checkpointer.restore(Path(path), target=targets)
     return nnx.merge(graphdef, restored)
+
+
+def restore_with_meshplan(
+    model: nnx.Module,
+    directory: Path,
+    make_model: Callable[[], nnx.Module],
+    mesh: Mesh,
+    rules: Any,
+    *,
+    saved_rules: Any = GUIDE_RULES,
+) -> Any:
+    """``model`` saved by :class:`meshplan.Checkpointer`, restored onto ``mesh`` under ``rules``.
+
+    The checkpoint stores each variable's logical names, so
+    :func:`meshplan.restore` places the arrays on any mesh with any rules
+    without the model; :meth:`meshplan.Restored.into` then puts them into the
+    abstract model's variables (see :func:`abstract_model`).
+    """
+    with meshplan.Checkpointer(directory) as checkpointer:
+        checkpointer.save(1, nnx.state(model), rules=saved_rules)
+    restored = meshplan.restore(directory, mesh, rules)
+    graphdef, abstract = abstract_model(make_model)
+    return nnx.merge(graphdef, restored.into(abstract))
 
 
 # -- Logical axes and Explicit axes -------------------------------------------------------
