@@ -6,6 +6,9 @@ The steps are :mod:`meshplan.examples.workflow_nnx`; ``meshplan demo --nnx`` run
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -201,3 +204,26 @@ def test_logical_variant_on_an_explicit_mesh(auto_mesh, explicit_mesh):
     assert model.layers.w2.sharding.spec == P(None, "model", None)
     assert auto_output.sharding.is_equivalent_to(output.sharding, ndim=2)
     assert np.allclose(np.asarray(output), np.asarray(auto_output), atol=1e-5)
+
+
+# -- meshplan demo --nnx ----------------------------------------------------------------------
+
+
+def test_demo_nnx_runs_every_step_of_the_guide():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    command = ["demo", "--nnx", "--depth", "128", "--layers", "2", "--steps", "3"]
+    out = subprocess.run(
+        [sys.executable, "-m", "meshplan.cli", *command],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    text = out.stdout
+    assert "FAIL" not in text
+    for step in ("single-array", "nnx.Optimizer", "restore onto 4x2", "Logical axes", "Explicit"):
+        assert step in text
+    assert text.count("ok  ") == 12
+    assert "optimizer step 3" in text
+    assert "Done in" in text

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import jax
     from jax.sharding import PartitionSpec
 
-HELP = "Run the guide's workflow (sharded init, train, inference, logical axes, checkpoint restore onto another mesh) on 8 CPU devices."
+HELP = "Run the guide's workflow (sharded init, train, inference, logical axes, checkpoint restore onto another mesh) on 8 CPU devices; --nnx: Flax NNX's guide."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed train steps (default 5)")
     parser.add_argument(
         "--no-explicit", action="store_true", help="skip the run on an Explicit mesh"
+    )
+    parser.add_argument(
+        "--nnx",
+        action="store_true",
+        help="run Flax NNX's guide ('Scale up on multiple devices') with meshplan instead",
     )
 
 
@@ -86,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
     if not console.is_terminal:
         console = Console(width=max(console.width, 120))
     use_cpu_devices(8, console, flag=None)  # the workflow needs 8: a 2x4 and a 4x2 mesh
+    if args.nnx:
+        return _run_nnx(args, console)
     import jax
     from jax.sharding import PartitionSpec
 
@@ -205,3 +212,161 @@ def run(args: argparse.Namespace) -> int:
     else:
         say(console, ("\nSomething did not match: see above.", "bold red"))
     return 0 if ok else 1
+
+
+# -- meshplan demo --nnx: Flax NNX's guide "Scale up on multiple devices" ---------------------
+
+
+def _nnx_table(title: str, state: Any, rules: Any = ()) -> Table:
+    """Each variable: its names, its shape, and its spec by meshplan and by Flax."""
+    from flax import nnx
+
+    import meshplan
+
+    table = Table(title=text(title), title_justify="left")
+    for column in ("variable", "out_sharding", "shape", "meshplan spec", "Flax spec"):
+        table.add_column(column, no_wrap=True)
+    with meshplan.logical_axis_rules(rules):
+        ours = dict(nnx.to_flat_state(meshplan.get_partition_spec(state)))
+    theirs = dict(nnx.to_flat_state(nnx.get_partition_spec(state)))
+    for path, var in nnx.to_flat_state(state):
+        value = var.get_value()
+        cells = (
+            "/".join(map(str, path)),
+            str(var.get_metadata().get("out_sharding")),
+            str(value.shape),
+            str(ours[path].get_value()),
+            str(theirs[path].get_value()),
+        )
+        table.add_row(*(text(cell) for cell in cells))
+    return table
+
+
+def _check(console: Console, checks: list[bool], what: str, ok: bool) -> None:
+    checks.append(bool(ok))
+    mark = ("ok  ", "bold green") if ok else ("FAIL", "bold red")
+    say(console, mark, f" {what}")
+
+
+def _run_nnx(args: argparse.Namespace, console: Console) -> int:
+    import jax
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import meshplan
+    from meshplan.examples import workflow_nnx as wf
+
+    started = time.perf_counter()
+    depth = args.depth
+    mesh = wf.make_mesh((2, 4))
+    other = wf.make_mesh((4, 2))
+    checks: list[bool] = []
+
+    def equivalent(array: Any, target: Any, spec: PartitionSpec) -> bool:
+        return bool(array.sharding.is_equivalent_to(NamedSharding(target, spec), ndim=array.ndim))
+
+    console.print(
+        Panel.fit(
+            text(
+                f"JAX {jax.__version__}: {jax.device_count()} "
+                f"{jax.devices()[0].platform.upper()} devices; mesh {dict(mesh.shape)} with "
+                f"{mesh.axis_types[0]} axes\nMultiDotReluDot of {args.layers} layers (nnx.vmap), "
+                f"depth {depth}, batch 8"
+            ),
+            title="meshplan demo --nnx: Flax NNX's guide 'Scale up on multiple devices'",
+        )
+    )
+
+    console.rule(text(("Shard a single-array model", "bold")))
+    w = wf.sharded_variable(mesh)
+    _check(console, checks, f"nnx.Param out_sharding=(None, 'model'): {w.sharding.spec}",
+           w.sharding.spec == P(None, "model"))  # fmt: skip
+    _picture(console, "w", w.get_value())
+    linear, y = wf.sharded_linear(mesh)
+    _check(console, checks, f"nnx.Linear kernel (nnx.with_partitioning): {linear.kernel.sharding.spec}",
+           linear.kernel.sharding.spec == P(None, "model"))  # fmt: skip
+    _check(console, checks, f"output of ('data', None) @ (None, 'model'): {_output_spec(y)}",
+           _output_spec(y) == P("data", "model"))  # fmt: skip
+
+    console.rule(text(("MultiDotReluDot: nnx.vmap layers, jax.lax.scan, nnx.Optimizer", "bold")))
+    run = wf.train(lambda r: wf.MultiDotReluDot(depth, args.layers, rngs=r), mesh, depth=depth,
+                   steps=args.steps)  # fmt: skip
+    state = nnx.state(run.model)
+    console.print(_nnx_table("the trained model: meshplan reads Flax's names as Flax does", state))
+    say(console, "losses: ", ", ".join(f"{loss:.4f}" for loss in run.losses),
+        f";  optimizer step {int(run.optimizer.step[...])}")  # fmt: skip
+    _check(console, checks, "the loss falls at every step",
+           all(b < a for a, b in zip(run.losses, run.losses[1:], strict=False)))  # fmt: skip
+    plan = meshplan.explain(nnx.state(run.optimizer), mesh)
+    mu = plan["opt_state/0/mu/layers/w2"]
+    _check(console, checks, f"Adam's mu of w2 in meshplan's plan: {mu.spec}, {mu.shard_shape} per device",
+           mu.spec == P(None, "model", None))  # fmt: skip
+
+    console.rule(text(("Checkpoint: save on 2x4, restore onto 4x2", "bold")))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = wf.save_state(state, Path(tmp))
+        restored = wf.restore_onto(
+            path, lambda: wf.MultiDotReluDot(depth, args.layers, rngs=nnx.Rngs(0)), other
+        )
+    kernel = restored.layers.dot1.kernel.get_value()
+    _check(console, checks,
+           f"Orbax, targets from meshplan.get_sharding on {dict(other.shape)}: dot1 kernel "
+           f"{kernel.sharding.spec}; values equal",
+           equivalent(kernel, other, P(None, None, "model"))
+           and wf.trees_equal(nnx.state(restored), state))  # fmt: skip
+
+    def make_logical() -> Any:
+        return wf.LogicalMultiDotReluDot(depth, args.layers, rngs=nnx.Rngs(0))
+
+    logical, logical_output = wf.run_logical(mesh, depth, num_layers=args.layers)
+    with tempfile.TemporaryDirectory() as tmp:
+        moved = wf.restore_with_meshplan(logical, Path(tmp), make_logical, other, wf.OTHER_RULES)
+    kernel = moved.layers.dot1.kernel.get_value()
+    _check(console, checks,
+           f"meshplan.Checkpointer + meshplan.restore onto {dict(other.shape)} with rules "
+           f"{wf.OTHER_RULES}: dot1 kernel {moved.layers.dot1.kernel.out_sharding} -> "
+           f"{kernel.sharding.spec}; values equal",
+           kernel.sharding.spec == P(None, "model", "data")
+           and wf.trees_equal(nnx.state(moved), nnx.state(logical)))  # fmt: skip
+
+    console.rule(text(("Logical axes, with meshplan's rules", "bold")))
+    console.print(
+        _nnx_table(
+            f"LogicalMultiDotReluDot under {wf.GUIDE_RULES}", nnx.state(logical), wf.GUIDE_RULES
+        )
+    )
+    _check(console, checks, "dot1 kernel is P(None, None, 'model'), w2 is P(None, 'model', None)",
+           equivalent(logical.layers.dot1.kernel.get_value(), mesh, P(None, None, "model"))
+           and equivalent(logical.layers.w2.get_value(), mesh, P(None, "model", None)))  # fmt: skip
+    _check(console, checks, f"output {_output_spec(logical_output)}",
+           equivalent(logical_output, mesh, P("data", None)))  # fmt: skip
+    with jax.set_mesh(mesh), meshplan.logical_axis_rules(wf.GUIDE_RULES):
+        jaxpr = str(jax.make_jaxpr(lambda m, x: m(x))(logical, logical_output))
+    _check(console, checks,
+           "activation constrained in logical names: with_logical_constraint(y, ('batch', "
+           "'hidden')) -> P('data', 'model') (the guide writes mesh axes here)",
+           "spec=P('data', 'model')" in jaxpr)  # fmt: skip
+
+    if not args.no_explicit:
+        console.rule(text(("Explicit axes", "bold")))
+        explicit = wf.make_mesh((2, 4), explicit=True)
+        model, x, y, abstract = wf.run_explicit(explicit, depth, num_layers=args.layers)
+        _check(console, checks,
+               f"the guide's Explicit model: dot1 kernel {model.layers.dot1.kernel.sharding.spec}, "
+               f"w2 {model.layers.w2.sharding.spec}, eval_shape {abstract.layers.w2.sharding.spec}, "
+               f"output like input: {x.sharding.is_equivalent_to(y.sharding, ndim=2)}",
+               model.layers.w2.sharding.spec == P(None, "model", None)
+               and x.sharding.is_equivalent_to(y.sharding, ndim=2))  # fmt: skip
+        on_explicit, output = wf.run_logical(explicit, depth, num_layers=args.layers)
+        _check(console, checks,
+               f"the logical model on the Explicit mesh: dot1 kernel "
+               f"{on_explicit.layers.dot1.kernel.sharding.spec}, output {_output_spec(output)}",
+               on_explicit.layers.dot1.kernel.sharding.spec == P(None, None, "model")
+               and _output_spec(output) == P("data", None))  # fmt: skip
+
+    if all(checks):
+        say(console, "\n", ("Done", "bold green"), f" in {time.perf_counter() - started:.1f} s.")
+        return 0
+    say(console, ("\nSomething did not match: see above.", "bold red"))
+    return 1
