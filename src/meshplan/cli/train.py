@@ -275,6 +275,10 @@ def run(args: argparse.Namespace) -> int:
     console = _console(jax.process_index() == 0)
     try:
         trainer = prepare(_request(args))
+    except MeshplanError as e:
+        print_error(e)  # every problem, then the fixes in flag terms
+        return 2
+    try:
         with warnings.catch_warnings():  # its note is printed below, once
             warnings.simplefilter("ignore", UserWarning)
             trainer.open()  # the checkpoint folder's lock: a second writer is refused here
