@@ -369,7 +369,7 @@ def run(args: argparse.Namespace) -> int:
         return 143 if isinstance(e, _Terminated) else 130
     except MeshplanError as e:
         _close(trainer)  # the lock is released; a failure already raised is not raised twice
-        print_error(_for_the_command_line(e))
+        print_error(_for_the_command_line(e, trainer.settings.lr))
         return 1
     except BaseException:
         _close(trainer)  # any other error: let the save in progress reach the disk first
@@ -394,20 +394,22 @@ def _close(trainer: Any) -> Exception | None:
     return None
 
 
-def _for_the_command_line(error: Exception) -> str:
+def _for_the_command_line(error: Exception, lr: float | None = None) -> str:
     """The error's message with its fix in flag terms (the library's name API calls)."""
     from meshplan.cli.train_request import _FLAG_ADVICE
     from meshplan.train.trainer import Diverged
 
     if isinstance(error, Diverged):
         problem = error.problems[0]
+        lower = "--lr <smaller>" if lr is None else f"--lr {lr / 10:g}"
+        now = "" if lr is None else f" (this run's is {lr:g})"
         if error.last_good is not None and error.ckpt_dir is not None:
             fix = (
-                f"Lower --lr and resume from step {error.last_good}: meshplan train "
-                f"--resume-step {error.last_good} --ckpt-dir {error.ckpt_dir} --lr <smaller>."
+                f"Lower --lr{now} and resume from step {error.last_good}: meshplan train "
+                f"--resume-step {error.last_good} --ckpt-dir {error.ckpt_dir} {lower}."
             )
         else:
-            fix = "Lower --lr and train again."
+            fix = f"Lower --lr{now} and train again, e.g. with {lower}."
         return f"{problem.message}.\n{fix}"
     problems = getattr(error, "problems", None) or []
     if len(problems) == 1 and problems[0].code in _FLAG_ADVICE:
