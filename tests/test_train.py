@@ -242,3 +242,36 @@ def test_checkpoint_problems_get_flag_level_advice_from_their_code(tmp_path):
     assert "does not exist" in message
     assert "Check --ckpt-dir, or start without --resume" in message
     assert "meshplan.Checkpointer(path).save" not in message  # the library's API-level fix
+
+
+# ---------------------------------------------------------------------------
+# Faults in the library: a diverging run, nonsense settings
+# ---------------------------------------------------------------------------
+
+
+def test_a_diverging_run_raises_diverged_and_saves_no_bad_step(tmp_path):
+    from meshplan._checkpoint.folder import complete_steps
+    from meshplan.train.trainer import Diverged
+
+    settings = {"steps": 40, "ckpt_every": 2, "eval_every": 2, "lr": 1e6, "warmup": 0}
+    trainer = prepare(_request(tmp_path, settings=settings))
+    with pytest.raises(Diverged) as e:
+        trainer.run()
+    trainer.close()
+    error = e.value
+    assert error.problems[0].code == "train-not-finite"
+    assert error.last_good is not None and error.last_good < error.step
+    assert f"Training diverged at step {error.step}: " in str(error)
+    assert f"The last good checkpoint is step {error.last_good} of '{tmp_path}'" in str(error)
+    assert complete_steps(tmp_path)[-1] == error.last_good
+    assert trainer.best_saved is not None and trainer.best_saved[0] in trainer.saved_on_disk
+
+
+def test_settings_problems_name_each_bad_value():
+    bad = TrainSettings(lr=float("inf"), weight_decay=float("nan"), warmup=-1, keep=0, clip=-2.0)
+    assert [name for name, _ in bad.problems()] == ["lr", "warmup", "weight_decay", "keep", "clip"]
+    assert TrainSettings().problems() == []
+    message = _problems(_request(settings={"lr": float("nan"), "warmup": -5}))
+    assert "--lr must be a finite number above 0, got nan" in message
+    assert "Pass --warmup 0 (no warm-up) or a positive number of steps." in message
+    assert "(only at the end)" not in message
