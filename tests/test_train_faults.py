@@ -43,6 +43,7 @@ if os.environ.get("MESHPLAN_TEST_INJECT"):
     def save(self):
         calls.append(1)
         if len(calls) == 2:
+            self._checkpointer.wait()  # step 1 is complete: the disk fails from step 2 on
             cls = type(epath.Path("/"))
             def failing(self, *args, **kwargs):
                 raise OSError(code, os.strerror(code), str(self))
