@@ -324,7 +324,7 @@ def test_workers_get_every_flag_but_the_process_ones():
         "--eval-batches", "3", "--ckpt-every", "2", "--config", "small", "--layers", "3",
         "--heads", "2", "--embed", "48", "--mlp", "96", "--max-len", "80",
         "--positions", "learned", "--dtype", "bfloat16", "--no-scan", "--remat",
-        "--init-timeout", "7.5",
+        "--init-timeout", "7.5", "--resume-step", "4", "--keep", "2", "--clip", "0.5",
     ]  # fmt: skip
     parser = build_parser()
     launched = parser.parse_args(["train", *given, "--processes", "2", "--devices", "4"])

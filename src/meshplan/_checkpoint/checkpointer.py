@@ -673,9 +673,47 @@ class Checkpointer:
         return min(scored, key=lambda item: (sign * item[1], -item[0]))
 
     def best_step(self) -> int | None:
-        """The step of :meth:`best`, or ``None``."""
+        """The step of :meth:`best`, or ``None``.
+
+        Example:
+            >>> import tempfile, jax.numpy as jnp, meshplan
+            >>> with tempfile.TemporaryDirectory() as folder:
+            ...     with meshplan.Checkpointer(folder, async_save=False) as ckpt:
+            ...         _ = ckpt.save(1, {"w": jnp.ones(2)}, metrics={"valid_loss": 3.0})
+            ...         _ = ckpt.save(2, {"w": jnp.ones(2)}, metrics={"valid_loss": 2.5})
+            ...         print(ckpt.best_step())
+            2
+        """
         found = self.best()
         return None if found is None else found[0]
+
+    def delete(self, step: int) -> None:
+        """Deletes the complete ``step`` (e.g. to save a step again from an earlier one).
+
+        Waits for the save in progress first. Deleting a step that is not there is an error.
+
+        Raises:
+            CheckpointError: ``'ckpt-no-such-step'``: ``step`` is not a complete step here.
+
+        Example:
+            >>> import tempfile, jax.numpy as jnp, meshplan
+            >>> with tempfile.TemporaryDirectory() as folder:
+            ...     with meshplan.Checkpointer(folder, async_save=False) as ckpt:
+            ...         for step in (1, 2):
+            ...             _ = ckpt.save(step, {"w": jnp.ones(2)})
+            ...         ckpt.delete(2)
+            ...         print(ckpt.all_steps())
+            [1]
+        """
+        self.wait()
+        steps = self.all_steps()
+        if step not in steps:
+            raise error_for(
+                CheckpointError, "ckpt-no-such-step", str(self.directory),
+                f"{str(self.directory)!r} has no complete step {step} to delete; it has {steps}",
+                "Pass one of those steps.",
+            )  # fmt: skip
+        self._manager.delete(step)
 
     # -- waiting and closing ---------------------------------------------------
 

@@ -44,8 +44,9 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         ['--mesh', '2x4', '--rules', 'fsdp_tp', '--ckpt-dir', '/tmp/run', '--steps', '5', '--no-scan']
     """
     out = ["--mesh", str(args.mesh), "--rules", str(args.rules)]
-    for dest in ("data", "ckpt_dir", "metrics", "config", *SETTINGS_FLAGS, *MODEL_FLAGS):
-        value = getattr(args, dest)
+    for dest in ("data", "ckpt_dir", "metrics", "config", "resume_step", *SETTINGS_FLAGS,
+                 *MODEL_FLAGS):  # fmt: skip
+        value = getattr(args, dest, None)
         if value is not None:
             out += [flag(dest), str(value)]
     init_timeout = getattr(args, "init_timeout", None)

@@ -305,8 +305,7 @@ class Trainer:
 
     def _delete_step(self, step: int) -> None:
         assert self._checkpointer is not None
-        # Checkpointer has no delete(step) of its own yet: its Orbax manager's.
-        self._checkpointer._manager.delete(step)
+        self._checkpointer.delete(step)
 
     def start(self) -> None:
         """Opens the checkpoint folder (:meth:`open`), then creates the sharded state.
