@@ -5,6 +5,10 @@ function gives the abstract ``TrainState`` (boxes holding
 ``ShapeDtypeStruct``\\ s); :func:`meshplan.logical_to_mesh_sharding` of its
 logical specs gives the state's shardings under the chosen layout; and
 ``jax.jit(init, out_shardings=...)`` creates every array where it belongs.
+
+The model is a Flax Linen module, or any ``init_params(key) -> params``
+callable: e.g. the ``init`` of a functional Flax NNX model, whose ``params``
+is an ``nnx.State`` (its variables carry their logical names).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import linen as nn
 from flax.training import train_state
 from jax.sharding import Mesh
 
@@ -51,10 +56,40 @@ def init_fn(
 ) -> Callable[[jax.Array], train_state.TrainState]:
     """``init(key) -> TrainState`` of ``model`` with optimizer ``tx`` (to trace or jit).
 
-    ``model`` is a Flax Linen module; its parameters are ``model.init(key,
+    ``model`` is a Flax Linen module, whose parameters are ``model.init(key,
     x)["params"]`` for zeros ``x`` of the shapes and dtypes of ``example_input``
-    (arrays or ``ShapeDtypeStruct``\\ s, any tree of them).
+    (arrays or ``ShapeDtypeStruct``\\ s, any tree of them); or an
+    ``init_params(key) -> params`` callable (e.g. ``FunctionalTransformer(config).init``
+    of Flax NNX), called with the key alone (``example_input`` is not used, and
+    the state's ``apply_fn`` is ``None``).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax, meshplan
+        >>> from meshplan.train.state import init_fn
+        >>> def init_params(key):
+        ...     w = jax.random.normal(key, (4, 2))
+        ...     return {"w": meshplan.LogicallyPartitioned(w, ("embed", "mlp"))}
+        >>> state = jax.eval_shape(init_fn(init_params, optax.adam(1e-3), None),
+        ...                        jax.random.key(0))
+        >>> state.params["w"].names, state.apply_fn is None
+        (('embed', 'mlp'), True)
     """
+    if not isinstance(model, nn.Module):
+        if not callable(model):
+            raise TypeError(
+                f"model must be a Flax Linen module or an init_params(key) -> params "
+                f"callable, got {type(model).__name__}.\nPass a linen.Module, or a function "
+                f"of a PRNG key that returns the parameters (e.g. an NNX model's init)."
+            )
+        init_params = model
+
+        def init_from_params(key: jax.Array) -> train_state.TrainState:
+            created: train_state.TrainState = train_state.TrainState.create(
+                apply_fn=None, params=init_params(key), tx=tx
+            )
+            return created
+
+        return init_from_params
 
     def init(key: jax.Array) -> train_state.TrainState:
         x = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), example_input)
@@ -75,7 +110,9 @@ def abstract_train_state(
 ) -> train_state.TrainState:
     """The ``TrainState`` as ``jax.eval_shape`` sees it: boxes of ``ShapeDtypeStruct``\\ s.
 
-    ``example_input`` defaults to :func:`sequence_input`; the key is ``settings.seed``.
+    ``model`` as in :func:`init_fn` (a Linen module, or ``init_params(key)``,
+    traced with the key alone). ``example_input`` defaults to
+    :func:`sequence_input`; the key is ``settings.seed``.
     """
     if example_input is None:
         example_input = sequence_input(settings)

@@ -61,7 +61,7 @@ __all__ = ["Batches", "Diverged", "Loss", "TrainResult", "Trainer"]
 
 Loss = Callable[[Any, Any], jax.Array]
 """``loss(params, batch) -> scalar``: the loss to minimise (``params``: the model's
-``params`` collection, boxed; ``batch``: what :data:`Batches` gives)."""
+``params`` collection, boxed, or its ``nnx.State``; ``batch``: what :data:`Batches` gives)."""
 
 Batches = Callable[[str, int], Any]
 """``batches(split, index) -> batch``: batch number ``index`` of ``split``
@@ -148,8 +148,11 @@ class Trainer:
     first), then :meth:`run` (or :meth:`start` and :meth:`train_step`).
 
     Args:
-        model: The Flax (Linen) model; its parameters are
-            ``model.init(key, x)["params"]`` for ``x`` like ``example_input``.
+        model: The Flax Linen model, whose parameters are
+            ``model.init(key, x)["params"]`` for ``x`` like ``example_input``; or
+            an ``init_params(key) -> params`` callable, e.g. the ``init`` of a
+            functional Flax NNX model (``params``: an ``nnx.State``), see
+            :func:`meshplan.train.state.init_fn`.
         loss: ``loss(params, batch) -> scalar`` (:data:`Loss`).
         batches: ``batches(split, index) -> batch`` (:data:`Batches`), placed
             on ``mesh``.
