@@ -2,12 +2,16 @@
 
 The checkpoint is restored with :func:`meshplan.restore` onto one device (no
 target tree), and the model is re-created from the config stored beside the
-arrays. Generation is byte by byte: greedy at temperature 0, else sampled.
+arrays: the Flax Linen Transformer, or the Flax NNX one for a checkpoint of
+``meshplan train --model transformer-nnx`` (its parameters go back into the
+model's ``nnx.State``). Generation is byte by byte: greedy at temperature 0,
+else sampled.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from typing import Any
 
@@ -156,6 +160,42 @@ def generate(
     return bytes(out)
 
 
+class NnxModel:
+    """What :func:`generate` calls, for the Flax NNX Transformer: ``config`` and ``apply``.
+
+    ``apply({"params": state}, tokens)`` runs
+    :meth:`~meshplan.examples.transformer_nnx.FunctionalTransformer.apply` on the
+    ``nnx.State`` ``state`` (see :meth:`params_of`).
+    """
+
+    def __init__(self, config: Any) -> None:
+        from meshplan.examples.transformer_nnx import FunctionalTransformer
+
+        self.functional = FunctionalTransformer(config)
+        self.config = config
+
+    def apply(self, variables: dict[str, Any], tokens: Any) -> Any:
+        return self.functional.apply(variables["params"], tokens)
+
+    def params_of(self, restored: Any) -> Any:
+        """The model's ``nnx.State`` with the parameters of ``restored`` (a :class:`meshplan.Restored`)."""
+        import meshplan
+
+        abstract = self.functional.abstract_state()
+        params = meshplan.Restored(
+            restored.state["params"],
+            dataclasses.replace(
+                restored.metadata,
+                arrays={
+                    key.removeprefix("params/"): info
+                    for key, info in restored.metadata.arrays.items()
+                    if key.startswith("params/")
+                },
+            ),
+        )
+        return params.into(abstract)
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console()
     problem = settings_problem(args.length, args.temperature)
@@ -165,7 +205,9 @@ def run(args: argparse.Namespace) -> int:
     import meshplan
 
     try:
-        state, metadata = meshplan.restore(args.ckpt_dir, mesh=None, step=args.step)
+        restored = meshplan.restore(args.ckpt_dir, mesh=None, step=args.step)
+        state, metadata = restored
+        from meshplan.cli.train_request import MODELS, model_of
         from meshplan.examples.transformer import Transformer, TransformerConfig
 
         if metadata.config is None or "params" not in state:
@@ -173,8 +215,21 @@ def run(args: argparse.Namespace) -> int:
                 f"The checkpoint in {args.ckpt_dir!r} (step {metadata.step}) has no model config "
                 f"or no params.\nSample from a checkpoint written by `meshplan train`."
             )
-        model = Transformer(TransformerConfig.from_dict(metadata.config))
-        params = meshplan.unbox(state["params"])
+        kind = model_of(metadata)
+        config = TransformerConfig.from_dict(metadata.config)
+        model: Any
+        if kind == "transformer-nnx":
+            model = NnxModel(config)
+            params = model.params_of(restored)
+        elif kind == "transformer":
+            model = Transformer(config)
+            params = meshplan.unbox(state["params"])
+        else:
+            raise meshplan.CheckpointError(
+                f"The checkpoint in {args.ckpt_dir!r} (step {metadata.step}) holds --model "
+                f"{kind!r}, which this meshplan does not know (it samples {', '.join(MODELS)}).\n"
+                f"Upgrade meshplan to sample from it."
+            )
         prompt = prompt_bytes(args.prompt)
         say(
             console,

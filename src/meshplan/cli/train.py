@@ -1,5 +1,8 @@
 """``meshplan train``: train the example byte-level Transformer on a mesh, with resumable checkpoints.
 
+``--model transformer`` (the default) is the Flax Linen model, ``--model
+transformer-nnx`` the same model in Flax NNX; their checkpoints are interchangeable.
+
 The recipe (model, loss, data) is wired into the model-agnostic
 :class:`meshplan.train.trainer.Trainer` by :mod:`meshplan.cli.train_request`.
 
@@ -103,7 +106,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ):
         train.add_argument(flag, type=kind, metavar=metavar, help=about)
     model = parser.add_argument_group(
-        "model (default: the checkpoint's config when resuming, else tiny)"
+        "model (default: the checkpoint's model and config when resuming, else transformer, tiny)"
+    )
+    model.add_argument(
+        "--model",
+        choices=("transformer", "transformer-nnx"),
+        help="the byte-level Transformer in Flax Linen (transformer) or Flax NNX "
+        "(transformer-nnx): the same parameters and names",
     )
     model.add_argument("--config", choices=("tiny", "small"), help="preset model size")
     for flag, about in (
@@ -146,13 +155,17 @@ def _request(args: argparse.Namespace) -> Any:
         resume_step=args.resume_step,
         metrics=args.metrics,
         settings={k: v for k, v in settings.items() if v is not None},
+        model=getattr(args, "model", None),
     )
 
 
 def _header(console: Console, trainer: Any) -> None:
     from meshplan._text import human_bytes
+    from meshplan.cli.train_request import MODELS
+    from meshplan.examples.transformer import TransformerConfig
 
-    config = trainer.model.config
+    config = TransformerConfig.from_dict(trainer.config)
+    kind = str(trainer.record.get("model", "transformer"))
     s = trainer.settings
     summary = trainer.plan_summary()
     corpus = trainer.batches.corpus
@@ -160,7 +173,8 @@ def _header(console: Console, trainer: Any) -> None:
     lines: list[list[Any]] = [
         [
             ("meshplan train", "bold"),
-            f": Transformer of {config.num_layers} "
+            f": Transformer{'' if kind == 'transformer' else f' ({MODELS.get(kind, kind)})'} of "
+            f"{config.num_layers} "
             f"layer{'s' * (config.num_layers != 1)}, embed {config.embed_dim}, "
             f"{config.num_heads} heads, mlp {config.mlp_dim} ({summary['parameters']:,} parameters)",
         ],

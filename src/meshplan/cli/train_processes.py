@@ -39,13 +39,15 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         >>> from meshplan.cli import build_parser
         >>> from meshplan.cli.train_processes import worker_argv
         >>> args = build_parser().parse_args(["train", "--processes", "2", "--steps", "5",
-        ...                                   "--no-scan", "--ckpt-dir", "/tmp/run"])
-        >>> worker_argv(args)
-        ['--mesh', '2x4', '--rules', 'fsdp_tp', '--ckpt-dir', '/tmp/run', '--steps', '5', '--no-scan']
+        ...                                   "--no-scan", "--ckpt-dir", "/tmp/run",
+        ...                                   "--model", "transformer-nnx"])
+        >>> worker_argv(args)  # doctest: +NORMALIZE_WHITESPACE
+        ['--mesh', '2x4', '--rules', 'fsdp_tp', '--ckpt-dir', '/tmp/run', '--model',
+         'transformer-nnx', '--steps', '5', '--no-scan']
     """
     out = ["--mesh", str(args.mesh), "--rules", str(args.rules)]
-    for dest in ("data", "ckpt_dir", "metrics", "config", "resume_step", *SETTINGS_FLAGS,
-                 *MODEL_FLAGS):  # fmt: skip
+    for dest in ("data", "ckpt_dir", "metrics", "model", "config", "resume_step",
+                 *SETTINGS_FLAGS, *MODEL_FLAGS):  # fmt: skip
         value = getattr(args, dest, None)
         if value is not None:
             out += [flag(dest), str(value)]

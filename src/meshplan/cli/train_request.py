@@ -1,10 +1,14 @@
 """What the user asked ``meshplan train`` for, checked before any work starts.
 
 This is where the command line wires its recipe, the example byte-level
-Transformer (:mod:`meshplan.examples.transformer`) trained on a byte corpus
-(:mod:`meshplan.examples.data`), into the model-agnostic
-:class:`~meshplan.train.trainer.Trainer`: the model, its loss, the batches and
-the settings are passed in as arguments.
+Transformer trained on a byte corpus (:mod:`meshplan.examples.data`), into the
+model-agnostic :class:`~meshplan.train.trainer.Trainer`: the model, its loss,
+the batches and the settings are passed in as arguments. The Transformer is
+the Flax Linen one (:mod:`meshplan.examples.transformer`, ``--model
+transformer``) or the Flax NNX one (:mod:`meshplan.examples.transformer_nnx`,
+``--model transformer-nnx``): the same parameter paths, shapes and logical
+names, so their checkpoints are interchangeable. Every checkpoint records which
+(``extra["train"]["model"]``; a checkpoint without it holds ``transformer``).
 
 :func:`prepare` checks everything a user can get wrong (the layout, the mesh,
 the batch, the model's dimensions against the layout, the data path, the
@@ -46,13 +50,51 @@ from meshplan._spmd.validate import check_leaf, validate
 from meshplan._text import human_bytes
 from meshplan.examples.data import BATCH_NAMES, ByteCorpus, DataError, shard_batch
 from meshplan.examples.transformer import Transformer, TransformerConfig, config_from_name, loss_fn
+from meshplan.examples.transformer_nnx import FunctionalTransformer
 from meshplan.layouts import get_layout
 from meshplan.train.mesh import MESH_AXES, make_mesh, parse_mesh
 from meshplan.train.settings import TrainSettings, make_optimizer
 from meshplan.train.state import abstract_train_state, per_device_bytes, state_shardings
 from meshplan.train.trainer import Trainer
 
-__all__ = ["ByteBatches", "TrainRequest", "prepare"]
+__all__ = ["MODELS", "ByteBatches", "TrainRequest", "build_model", "model_of", "prepare"]
+
+MODELS = {
+    "transformer": "Flax Linen",
+    "transformer-nnx": "Flax NNX",
+}
+"""The models ``meshplan train --model`` trains, and the Flax API each is written in."""
+
+DEFAULT_MODEL = "transformer"
+"""The model of a new run, and of a checkpoint that does not say (written before ``--model``)."""
+
+
+def model_of(metadata: CheckpointMetadata) -> str:
+    """The ``--model`` a checkpoint of ``meshplan train`` holds (``transformer`` if it does not say).
+
+    Example:
+        >>> from meshplan import CheckpointMetadata
+        >>> from meshplan.cli.train_request import model_of
+        >>> nnx = CheckpointMetadata(0, {}, extra={"train": {"model": "transformer-nnx"}})
+        >>> model_of(CheckpointMetadata(0, {}, extra={"train": {}})), model_of(nnx)
+        ('transformer', 'transformer-nnx')
+    """
+    return str((metadata.extra.get("train") or {}).get("model") or DEFAULT_MODEL)
+
+
+def build_model(kind: str, config: TransformerConfig) -> tuple[Any, Any]:
+    """``(model, loss)`` for :class:`~meshplan.train.trainer.Trainer`: a ``--model`` of :data:`MODELS`.
+
+    ``transformer``: the Linen module and ``loss(params, batch)``;
+    ``transformer-nnx``: the NNX model's ``init(key) -> nnx.State`` and its ``loss(state, batch)``.
+    """
+    if kind == "transformer-nnx":
+        functional = FunctionalTransformer(config)
+        return functional.init, functional.loss
+    if kind != "transformer":
+        raise ValueError(f"unknown model {kind!r}: expected one of {', '.join(MODELS)}")
+    model = Transformer(config)
+    return model, functools.partial(loss_fn, model=model)
 
 
 @dataclasses.dataclass
@@ -72,6 +114,8 @@ class TrainRequest:
         resume_step: Continue from this step of ``ckpt_dir`` (implies ``resume``).
         metrics: The file each loss is appended to (``--metrics``), checked here.
         settings: :class:`TrainSettings` fields the user gave.
+        model: ``transformer`` (Flax Linen) or ``transformer-nnx`` (Flax NNX);
+            ``None`` resumes with the checkpoint's, or uses ``transformer``.
     """
 
     mesh: str = "2x4"
@@ -84,6 +128,7 @@ class TrainRequest:
     resume_step: int | None = None
     metrics: str | None = None
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    model: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,6 +357,43 @@ def _resolve_settings(
     return settings
 
 
+def _resolve_model(
+    request: TrainRequest, stored: CheckpointMetadata | None, problems: _Problems
+) -> str | None:
+    """The ``--model`` of this run: the request's, else the checkpoint's, else ``transformer``."""
+    saved = model_of(stored) if stored is not None else None
+    kind = request.model or saved or DEFAULT_MODEL
+    if kind in MODELS:
+        return kind
+    choices = ", ".join(MODELS)
+    if request.model is None:
+        problems.add(
+            CheckpointError,
+            f"the checkpoint holds --model {kind!r}, which this meshplan does not know (it "
+            f"trains {choices})",
+            "Upgrade meshplan to resume this run, or pass --model to say which model it holds.",
+        )
+    else:
+        problems.add(
+            MeshplanError,
+            f"unknown --model {kind!r}",
+            f"Pass --model {' or --model '.join(MODELS)}.",
+        )
+    return None
+
+
+def _model_note(kind: str, stored: CheckpointMetadata | None) -> str | None:
+    """What to say when a run resumes a checkpoint of the other model (their layouts match)."""
+    if stored is None or model_of(stored) == kind:
+        return None
+    saved = model_of(stored)
+    return (
+        f"The checkpoint (step {stored.step}) holds --model {saved} ({MODELS.get(saved, '?')}); "
+        f"this run continues it as --model {kind} ({MODELS[kind]}): the two have the same "
+        f"parameter paths, shapes and logical names, and its checkpoints record {kind}."
+    )
+
+
 def _check_config(
     request: TrainRequest,
     stored: CheckpointMetadata | None,
@@ -405,11 +487,20 @@ def _check_state(
     mesh: Mesh | None,
     rules: Any,
     problems: _Problems,
+    kind: str = DEFAULT_MODEL,
 ) -> None:
     """The checkpoint fits the model's shapes; the layout can split every parameter."""
     if stored is not None:
         mismatch = compatibility_problems(stored, abstract)
         if mismatch:
+            held = model_of(stored)
+            if held != kind:
+                problems.add(
+                    CheckpointError,
+                    f"the checkpoint holds --model {held} ({MODELS.get(held, '?')}), this run "
+                    f"asks for --model {kind} ({MODELS[kind]})",
+                    "",
+                )
             saved = stored.config or {}
             fields = [
                 f"{name}: the checkpoint has {saved[name]!r}, this run asks for {value!r}"
@@ -418,11 +509,13 @@ def _check_state(
             ]
             for line in fields:
                 problems.add(CheckpointError, f"model config {line}", "")
+            what = "model and config" if held != kind else "config"
+            flags = "--model, --config" if held != kind else "--config"
             problems.add(
                 CheckpointError,
                 f"so {len(mismatch)} of the checkpoint's {len(stored.arrays)} arrays (step "
                 f"{stored.step}) do not fit the model, e.g. {mismatch[0]}",
-                "Resume with the checkpoint's config: leave out --config and the model size "
+                f"Resume with the checkpoint's {what}: leave out {flags} and the model size "
                 "flags (or repeat the ones it was trained with), or train into a new --ckpt-dir.",
             )
     if mesh is not None and rules is not None:
@@ -623,6 +716,7 @@ def prepare(request: TrainRequest) -> Trainer:
     settings = _resolve_settings(request, stored, problems)
     _check_metrics_file(request.metrics, problems)
     config = _check_config(request, stored, settings, problems)
+    kind = _resolve_model(request, stored, problems)
     batch_shards = None
     if mesh is not None and rules is not None and not settings.problems():
         batch_shards = _check_batch(request, settings, mesh, rules, problems)
@@ -634,12 +728,12 @@ def prepare(request: TrainRequest) -> Trainer:
     corpus = _load_corpus(data, problems)
     if corpus is not None and not settings.problems():
         _check_corpus(corpus, settings, problems)
-    model = tx = abstract = example_input = None
-    if config is not None and not settings.problems():
-        model, tx = Transformer(config), make_optimizer(settings)
+    model = loss = tx = abstract = example_input = None
+    if config is not None and kind is not None and not settings.problems():
+        (model, loss), tx = build_model(kind, config), make_optimizer(settings)
         example_input = _example_tokens(config, settings)
         abstract = abstract_train_state(model, tx, settings, example_input)
-        _check_state(request, config, abstract, stored, mesh, rules, problems)
+        _check_state(request, config, abstract, stored, mesh, rules, problems, kind)
     if not problems.items and batch_shards is not None:
         assert mesh is not None and config is not None
         _check_memory(request, config, settings, abstract, mesh, rules, batch_shards, problems)
@@ -651,9 +745,10 @@ def prepare(request: TrainRequest) -> Trainer:
 
     problems.raise_if_any("meshplan train cannot start:")
     assert mesh is not None and model is not None and config is not None and corpus is not None
+    assert kind is not None and loss is not None
     trainer = Trainer(
         model=model,
-        loss=functools.partial(loss_fn, model=model),
+        loss=loss,
         batches=ByteBatches(corpus, settings, mesh, rules),
         settings=settings,
         mesh=mesh,
@@ -662,11 +757,14 @@ def prepare(request: TrainRequest) -> Trainer:
         tx=tx,
         abstract=abstract,
         config=config.to_dict(),
-        record={"data": data},
+        record={"data": data, "model": kind},
         ckpt_dir=ckpt_dir,
         resume_from=stored,
         layout_name=str(request.rules),
         discard_steps=resume.damaged,
     )
     trainer.notes.extend(resume.notes)
+    note = _model_note(kind, stored)
+    if note is not None:
+        trainer.notes.append(note)
     return trainer
