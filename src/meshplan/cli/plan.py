@@ -23,9 +23,10 @@ HELP = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
-        choices=("mlp", "transformer"),
+        choices=("mlp", "transformer", "transformer-nnx"),
         default="mlp",
-        help="the guide's MLP (logical names, default) or the example Transformer",
+        help="the guide's MLP (logical names, default), the example Transformer (Flax Linen) "
+        "or the same Transformer in Flax NNX",
     )
     parser.add_argument(
         "--mesh",
@@ -42,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="a built-in rule set (guide, data_parallel, fsdp, tensor_parallel, fsdp_tp), "
         "or a .py file defining RULES, or a .json file of [name, axes] pairs "
-        "(default: guide for the MLP, fsdp_tp for the Transformer)",
+        "(default: guide for the MLP, fsdp_tp for the Transformers)",
     )
     parser.add_argument("--layers", type=int, default=4, help="MLP layers (default 4)")
     parser.add_argument("--depth", type=int, default=1024, help="MLP width (default 1024)")
@@ -71,12 +72,24 @@ def load_rules(spec: str | None, model: str) -> tuple[str, Any]:
     from meshplan.layouts import get_layout
 
     if spec is None:
-        spec = "fsdp_tp" if model == "transformer" else "guide"
+        spec = "fsdp_tp" if model.startswith("transformer") else "guide"
     return spec, get_layout(spec)
 
 
 def abstract_state(args: argparse.Namespace) -> tuple[str, Any]:
-    """``(description, abstract TrainState)`` of the chosen model, with Adam."""
+    """``(description, abstract TrainState)`` of the chosen model, with Adam.
+
+    For ``transformer-nnx`` the state's ``params`` is the model's abstract
+    ``nnx.State`` (its variables carry the logical names), as ``meshplan train
+    --model transformer-nnx`` creates it.
+
+    Example:
+        >>> import argparse
+        >>> from meshplan.cli.plan import abstract_state
+        >>> what, state = abstract_state(argparse.Namespace(model="transformer-nnx", size="tiny"))
+        >>> what, state.params["layers"]["mlp"]["wi"].out_sharding
+        ('Transformer (tiny, Flax NNX)', ('layer', 'embed', 'mlp'))
+    """
     import functools
 
     import jax
@@ -99,6 +112,21 @@ def abstract_state(args: argparse.Namespace) -> tuple[str, Any]:
             return created
 
         return f"Transformer ({args.size})", jax.eval_shape(init, jax.random.key(0))
+
+    if args.model == "transformer-nnx":
+        from meshplan.examples.transformer import config_from_name
+        from meshplan.examples.transformer_nnx import FunctionalTransformer
+
+        functional = FunctionalTransformer(config_from_name(args.size))
+
+        def init_nnx(key: jax.Array) -> train_state.TrainState:
+            created: train_state.TrainState = train_state.TrainState.create(
+                apply_fn=None, params=functional.init(key), tx=optax.adam(1e-3)
+            )
+            return created
+
+        what = f"Transformer ({args.size}, Flax NNX)"
+        return what, jax.eval_shape(init_nnx, jax.random.key(0))
 
     from meshplan.examples.mlp import LogicalMLP, init_fn
 
@@ -147,7 +175,7 @@ def model_args_problem(args: argparse.Namespace) -> str | None:
         --layers 0: the MLP needs at least 1 layer.
         Pass --layers N with N >= 1 (default 4).
     """
-    if args.model == "transformer":
+    if args.model.startswith("transformer"):
         from meshplan.examples.transformer import CONFIGS
 
         if args.size not in CONFIGS:

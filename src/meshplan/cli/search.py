@@ -45,9 +45,10 @@ def parse_bytes(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
-        choices=("transformer", "mlp"),
+        choices=("transformer", "transformer-nnx", "mlp"),
         default="transformer",
-        help="the example Transformer (default) or the guide's MLP",
+        help="the example Transformer (Flax Linen, default), the same in Flax NNX, or the "
+        "guide's MLP",
     )
     parser.add_argument(
         "--size", default="tiny", help="Transformer preset (tiny, small; default tiny)"
@@ -97,6 +98,17 @@ def _step_and_batch(args: argparse.Namespace) -> tuple[Any, Any]:
             return state.apply_gradients(grads=jax.grad(loss_fn)(state.params, tokens, model))
 
         return step, jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32)
+
+    if args.model == "transformer-nnx":
+        from meshplan.examples.transformer import config_from_name
+        from meshplan.examples.transformer_nnx import FunctionalTransformer
+
+        functional = FunctionalTransformer(config_from_name(args.size))
+
+        def nnx_step(state: Any, tokens: jax.Array) -> Any:
+            return state.apply_gradients(grads=jax.grad(functional.loss)(state.params, tokens))
+
+        return nnx_step, jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32)
 
     def mlp_step(state: Any, x: jax.Array) -> Any:
         grads = jax.grad(lambda p: state.apply_fn({"params": p}, x).sum())(state.params)
