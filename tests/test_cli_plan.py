@@ -176,3 +176,23 @@ def test_parse_mesh_defaults():
     assert parse_mesh_shape("2x4", None) == {"data": 2, "model": 4}
     assert parse_mesh_shape("8", None) == {"data": 8, "model": 1}
     assert parse_mesh_shape("4×2", None) == {"data": 4, "model": 2}
+
+
+def test_nnx_transformer_plan_and_search_match_the_linen_ones(capsys):
+    """The NNX Transformer has the Linen one's parameters and names: the same plan and ranking."""
+
+    def json_of(*args: str) -> dict:
+        assert cli.main([*args, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    for command in (["plan", "--rules", "fsdp_tp"], ["search"]):
+        linen = json_of(*command, "--model", "transformer")
+        nnx = json_of(*command, "--model", "transformer-nnx")
+        assert nnx.pop("model") == "Transformer (tiny, Flax NNX)"
+        assert linen.pop("model") == "Transformer (tiny)"
+        assert nnx == linen
+    plan = json_of("plan", "--model", "transformer-nnx")  # fsdp_tp by default, as the Linen one
+    specs = {leaf["path"]: leaf["spec"] for leaf in plan["plan"]["leaves"]}
+    assert plan["rules_name"] == "fsdp_tp"
+    assert specs["params/layers/mlp/wi"] == [None, "data", "model"]
+    assert specs["opt_state/0/mu/layers/mlp/wi"] == [None, "data", "model"]

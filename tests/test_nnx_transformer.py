@@ -156,3 +156,35 @@ def test_jitted_training_on_a_2x4_mesh(explicit):
     )
     mu = opt_state[0].mu["layers"]["mlp"]["wi"].get_value()
     assert mu.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "data", "model")), ndim=3)
+
+
+# -- meshplan train --model transformer-nnx -----------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", sorted(layouts.LAYOUTS))
+def test_meshplan_train_under_every_layout(layout):
+    """Two steps of ``meshplan train --model transformer-nnx --rules LAYOUT`` on 2x4: the state
+    is placed as meshplan.explain plans it, and the loss is finite, near log(256)."""
+    from meshplan._checkpoint.tree import flatten_state
+    from meshplan.cli.train_request import TrainRequest, prepare
+
+    request = TrainRequest(
+        mesh="2x4",
+        rules=layout,
+        model="transformer-nnx",
+        overrides={"num_layers": 1, "embed_dim": 32, "mlp_dim": 64, "max_len": 64},
+        settings={"steps": 2, "batch": 8, "seq_len": 16, "eval_every": 0, "eval_batches": 1},
+    )
+    trainer = prepare(request)
+    assert isinstance(trainer.abstract.params, nnx.State)
+    result = trainer.run()
+    assert sorted(result.losses) == [1, 2]
+    assert all(4.0 < loss < 7.0 for loss in result.losses.values()), result.losses
+    plan = meshplan.explain(trainer.abstract, trainer.mesh, layouts.get_layout(layout))
+    arrays = flatten_state(trainer.state)
+    assert len(arrays) == len(plan.leaves)
+    for path in ("params/layers/mlp/wi", "params/embed", "opt_state/1/0/mu/layers/attention/out"):
+        value, _ = arrays[path]
+        assert value.sharding.is_equivalent_to(
+            NamedSharding(trainer.mesh, plan[path].spec), value.ndim
+        ), (layout, path, value.sharding.spec, plan[path].spec)
