@@ -244,3 +244,139 @@ def test_sigkill_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_pat
     arrays = resumed.arrays()
     for key, (value, _) in flatten_state(trainer.state).items():
         np.testing.assert_allclose(np.asarray(arrays[key]), np.asarray(value), rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------
+# --model transformer-nnx: the Flax NNX Transformer
+# ---------------------------------------------------------------------------
+
+NNX = ["--model", "transformer-nnx"]
+
+
+def _losses(path: Path) -> dict[int, float]:
+    """Training losses by step, from a --metrics file."""
+    import json
+
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def nnx_run(tmp_path_factory):
+    """6 steps of the NNX Transformer on 2x4 with fsdp_tp, saved at steps 2, 4 and 6."""
+    root = tmp_path_factory.mktemp("nnx")
+    folder, metrics = root / "run", root / "metrics.jsonl"
+    args = ["train", *NNX, "--steps", "6", "--eval-every", "2", "--ckpt-every", "2", *FAST, *TINY]
+    assert main([*args, "--ckpt-dir", str(folder), "--metrics", str(metrics)]) == 0
+    return folder, _losses(metrics)
+
+
+def test_nnx_trains_and_records_its_model(nnx_run, capsys):
+    folder, losses = nnx_run
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    assert all(4.0 < loss < 6.0 for loss in losses.values())  # about log(256) at the start
+    restored = meshplan.restore(folder)
+    assert restored.metadata.extra["train"]["model"] == "transformer-nnx"
+    wi = restored.metadata.arrays["params/layers/mlp/wi"]
+    assert wi.names == ("layer", "embed", "mlp") and wi.logical
+
+
+def test_nnx_resumes_onto_another_mesh_and_layout_with_the_same_losses(nnx_run, tmp_path, capsys):
+    import shutil
+
+    folder, reference = nnx_run
+    run, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
+    shutil.copytree(folder, run)
+    shutil.rmtree(run / "6")
+    capsys.readouterr()
+    resume = ["train", "--resume", "--mesh", "4x2", "--rules", "tensor_parallel", "--steps", "6"]
+    assert main([*resume, "--ckpt-dir", str(run), "--metrics", str(metrics)]) == 0
+    out = capsys.readouterr().out
+    assert "Transformer (Flax NNX) of 1 layer" in out  # the stored model, without --model
+    assert f"resuming from step 4 of {run} (saved on 2x4 with fsdp_tp) onto 4x2" in out
+    losses = _losses(metrics)
+    assert sorted(losses) == [5, 6]
+    for step in (5, 6):  # the uninterrupted run's losses, on another mesh and layout
+        assert abs(losses[step] - reference[step]) < 1e-4, (step, losses[step], reference[step])
+    assert meshplan.restore(run).metadata.extra["train"]["model"] == "transformer-nnx"
+
+
+def test_nnx_sample(nnx_run, capsys):
+    folder, _ = nnx_run
+    capsys.readouterr()
+    greedy = ["sample", "--ckpt-dir", str(folder), "--length", "12", "--temperature", "0"]
+    assert main(greedy) == 0
+    out = capsys.readouterr().out
+    assert "step 6 of" in out and out.splitlines()[-1].startswith("def ")
+    assert main(greedy) == 0
+    assert capsys.readouterr().out == out  # greedy: the same bytes again
+    assert main(["sample", "--ckpt-dir", str(folder), "--length", "8", "--step", "4"]) == 0
+    assert "step 4 of" in capsys.readouterr().out
+
+
+def test_a_linen_checkpoint_continues_as_nnx_with_the_linen_losses(tmp_path, capsys):
+    import shutil
+
+    linen, nnx = tmp_path / "linen", tmp_path / "nnx"
+    base = ["train", "--eval-every", "0", "--ckpt-every", "2", *FAST, *TINY]
+    assert main([*base, "--steps", "2", "--ckpt-dir", str(linen)]) == 0  # no --model: Linen
+    assert meshplan.restore(linen).metadata.extra["train"]["model"] == "transformer"
+    shutil.copytree(linen, nnx)
+    capsys.readouterr()
+    more = ["train", "--resume", "--steps", "4"]
+    assert main([*more, "--ckpt-dir", str(linen), "--metrics", str(tmp_path / "l.jsonl")]) == 0
+    assert main([*more, *NNX, "--ckpt-dir", str(nnx), "--metrics", str(tmp_path / "n.jsonl")]) == 0
+    captured = capsys.readouterr()
+    assert (
+        "holds --model transformer (Flax Linen); this run continues it as --model "
+        "transformer-nnx (Flax NNX)" in captured.err
+    )
+    want, got = _losses(tmp_path / "l.jsonl"), _losses(tmp_path / "n.jsonl")
+    assert sorted(got) == sorted(want) == [3, 4]
+    for step in (3, 4):
+        assert abs(got[step] - want[step]) < 1e-4, (step, got[step], want[step])
+    assert meshplan.restore(nnx).metadata.extra["train"]["model"] == "transformer-nnx"
+
+    # Arrays that differ: refused, naming both models and the config field.
+    err = _bad(["train", "--resume", "--model", "transformer", "--no-scan", "--steps", "6",
+                "--ckpt-dir", str(nnx)], capsys)  # fmt: skip
+    assert (
+        "the checkpoint holds --model transformer-nnx (Flax NNX), this run asks for "
+        "--model transformer (Flax Linen)" in err
+    )
+    assert "model config scan_layers: the checkpoint has True, this run asks for False" in err
+    assert "leave out --model, --config and the model size flags" in err
+
+
+def test_a_checkpoint_from_before_model_was_recorded_holds_the_linen_model(trained, capsys):
+    from meshplan.cli.train_request import TrainRequest, model_of, prepare
+
+    folder, args = trained
+    if not folder.exists():
+        assert main([*args, "--ckpt-dir", str(folder)]) == 0
+        capsys.readouterr()
+    meta = meshplan.restore(folder).metadata
+    meta.extra["train"].pop("model", None)  # as an older meshplan wrote it
+    assert model_of(meta) == "transformer"
+    with pytest.raises(meshplan.MeshplanError, match="unknown --model 'gpt'"):
+        prepare(TrainRequest(model="gpt", overrides={"num_layers": 1}))
+
+
+@pytest.mark.slow
+def test_nnx_over_two_processes(nnx_run, tmp_path):
+    _, reference = nnx_run
+    run, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
+    proc = subprocess.run(
+        [*_CLI, "train", *NNX, "--processes", "2", "--steps", "2", "--eval-every", "0", *FAST,
+         *TINY, "--ckpt-dir", str(run), "--metrics", str(metrics)],
+        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "meshplan train: 2 processes on this machine, 4 CPU devices each" in proc.stdout
+    assert proc.stdout.count("Transformer (Flax NNX) of 1 layer") == 1  # process 0 speaks
+    losses = _losses(metrics)
+    for step in (1, 2):  # two processes of 4 devices: the losses of one process of 8
+        assert abs(losses[step] - reference[step]) < 1e-4, (step, losses[step], reference[step])
+    restored = meshplan.restore(run)
+    assert restored.metadata.extra["train"]["model"] == "transformer-nnx"
+    assert restored.metadata.extra["processes"] == 2
