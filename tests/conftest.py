@@ -1,5 +1,8 @@
 """Fixtures shared by the test files (the root conftest.py sets 8 CPU devices)."""
 
+import subprocess
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -26,3 +29,33 @@ def _no_active_rules():
     meshplan.set_logical_axis_rules(())
     yield
     meshplan.set_logical_axis_rules(())
+
+
+def _can_mount(tmp_path: Path) -> bool:
+    probe = tmp_path / "mount-probe"
+    probe.mkdir()
+    command = ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(probe)]
+    if subprocess.run(command, capture_output=True).returncode != 0:
+        return False
+    subprocess.run(["umount", str(probe)], check=True)
+    return True
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (``None`` where ``mount`` is not permitted); unmounted afterwards.
+
+    Faults are tested on real files: a full disk is this tmpfs filling up, a read-only
+    folder is it remounted read-only (``chmod`` denies nothing to root). Where ``mount``
+    is refused the tests inject the same errors into the write path instead.
+    """
+    if not _can_mount(tmp_path):
+        yield None
+        return
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

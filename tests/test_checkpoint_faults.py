@@ -188,36 +188,6 @@ except meshplan.CheckpointError as e:
 """
 
 
-def _can_mount(tmp_path) -> bool:
-    probe = tmp_path / "mount-probe"
-    probe.mkdir()
-    ok = (
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(probe)],
-            capture_output=True,
-        ).returncode
-        == 0
-    )
-    if ok:
-        subprocess.run(["umount", str(probe)], check=True)
-    return ok
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 1 MiB tmpfs (``None`` where ``mount`` is not permitted); unmounted afterwards."""
-    if not _can_mount(tmp_path):
-        yield None
-        return
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
-    try:
-        yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
-
-
 @pytest.mark.parametrize("fault", ["disk-full", "read-only", "vanished", "full-in-background"])
 def test_failed_save_ends_the_process_promptly_and_keeps_the_last_step(tmp_path, small_disk, fault):
     if fault in ("vanished", "full-in-background"):

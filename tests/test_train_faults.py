@@ -89,31 +89,6 @@ def _main(args: list[str], capsys) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-def _can_mount(tmp_path: Path) -> bool:
-    probe = tmp_path / "mount-probe"
-    probe.mkdir()
-    command = ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(probe)]
-    if subprocess.run(command, capture_output=True).returncode != 0:
-        return False
-    subprocess.run(["umount", str(probe)], check=True)
-    return True
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 1 MiB tmpfs (``None`` where ``mount`` is not permitted); unmounted afterwards."""
-    if not _can_mount(tmp_path):
-        yield None
-        return
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
-    try:
-        yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
-
-
 # -- a run that diverges --------------------------------------------------------
 
 
