@@ -46,7 +46,7 @@ class MultiDotReluDot(nnx.Module):
         def create_sublayers(r):
             return DotReluDot(depth, r)
 
-        self.layers = create_sublayers(rngs.fork(split=num_layers))
+        self.layers = create_sublayers(rngs.split(num_layers))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x, _ = jax.lax.scan(lambda x, layer: (layer(x), None), x, self.layers)
@@ -332,7 +332,7 @@ def test_missing_partition_name_is_reported_with_the_path():
         return DotReluDot(16, r)
 
     with nnx.use_eager_sharding(False):
-        model = nnx.eval_shape(lambda: create(nnx.Rngs(0).fork(split=2)))
+        model = nnx.eval_shape(lambda: create(nnx.Rngs(0).split(2)))
     problems = nnx_problems(nnx.state(model), RULES)
     assert {(p.code, p.path) for p in problems} >= {
         ("unnamed-transform-axis", "dot1/kernel"),
