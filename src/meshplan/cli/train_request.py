@@ -513,8 +513,9 @@ def _check_state(
             flags = "--model, --config" if held != kind else "--config"
             problems.add(
                 CheckpointError,
-                f"so {len(mismatch)} of the checkpoint's {len(stored.arrays)} arrays (step "
-                f"{stored.step}) do not fit the model, e.g. {mismatch[0]}",
+                f"so {len(mismatch)} arrays differ between the checkpoint (step {stored.step}, "
+                f"{len(stored.arrays)} arrays) and this model: they do not fit the model, e.g. "
+                f"{mismatch[0]}",
                 f"Resume with the checkpoint's {what}: leave out {flags} and the model size "
                 "flags (or repeat the ones it was trained with), or train into a new --ckpt-dir.",
             )
