@@ -24,6 +24,8 @@ from meshplan._errors import (
 from meshplan._plan.check import check
 from meshplan._plan.explain import explain
 from meshplan._plan.plan import Plan
+from meshplan._search.profiles import HardwareProfile
+from meshplan._search.rule_search import RuleSearchResult, search_rules
 from meshplan._search.search import SearchResult, search_layouts
 from meshplan._spmd.boxes import (
     PARTITION_NAME,
@@ -58,6 +60,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMetadata",
     "Checkpointer",
+    "HardwareProfile",
     "LogicalNamesError",
     "LogicallyPartitioned",
     "MeshError",
@@ -67,6 +70,7 @@ __all__ = [
     "Plan",
     "Problem",
     "Restored",
+    "RuleSearchResult",
     "RulesError",
     "RulesFallback",
     "SearchResult",
@@ -87,6 +91,7 @@ __all__ = [
     "replace_boxed",
     "restore",
     "search_layouts",
+    "search_rules",
     "set_logical_axis_rules",
     "unbox",
     "validate",

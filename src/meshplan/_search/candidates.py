@@ -1,0 +1,125 @@
+"""Candidates in rule space: mesh shapes with roles, and the rules that give each name an axis.
+
+A generated candidate gives each mesh axis (1 to 3 of them, every size > 1)
+one *role*, and names the axis after it:
+
+* ``data``: splits the batch (``'batch'``) only;
+* ``fsdp``: splits the batch and one parameter name ``F`` (ZeRO-3: the state is
+  sharded, each weight gathered before use);
+* ``tensor``: splits a set ``T`` of parameter names (Megatron-style: heads, MLP,
+  vocabulary), never the batch.
+
+Its rules are ``('batch', data and fsdp axes)``, ``(F, fsdp axis)``, ``(t,
+tensor axis)`` for ``t`` in ``T``, and ``None`` for every other name, batch first
+so that an activation's batch dimension takes its axes before any other.
+Two axes with the same role would be one axis of their product (on one
+network), so a role is used once (*dominance*). Rules that split nothing over
+an axis (a ``tensor`` axis with no name, an ``fsdp`` axis whose name is missing)
+leave devices doing the same work: rejected as ``idle``. Candidates that differ
+only by the order of axes that cross no slower link are the same candidate
+(*symmetry*): the first is kept. The built-in layouts, over every shape of
+their ``('data', 'model')`` mesh, come first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+__all__ = ["Candidate", "generate", "mesh_factorizations"]
+
+ROLES = ("data", "fsdp", "tensor")
+"""The mesh axis vocabulary, by role."""
+
+
+@dataclasses.dataclass
+class Candidate:
+    """A mesh (axis name -> size) and rules; ``layout``: a built-in's name, else ``'searched'``."""
+
+    mesh: dict[str, int]
+    rules: tuple[tuple[str, Any], ...]
+    layout: str = "searched"
+
+
+def mesh_factorizations(devices: int, max_axes: int = 3) -> list[tuple[int, ...]]:
+    """Every ordered way to write ``devices`` as 1 to ``max_axes`` factors, each above 1.
+
+    Example:
+        >>> from meshplan._search.candidates import mesh_factorizations
+        >>> mesh_factorizations(8)
+        [(8,), (2, 4), (4, 2), (2, 2, 2)]
+    """
+    out: list[tuple[int, ...]] = []
+
+    def rec(left: int, prefix: tuple[int, ...], k: int) -> None:
+        if k == 1:
+            if left > 1:
+                out.append((*prefix, left))
+            return
+        for d in range(2, left):
+            if left % d == 0:
+                rec(left // d, (*prefix, d), k - 1)
+
+    for k in range(1, max_axes + 1):
+        if devices == 1 and k == 1:
+            out.append((1,))
+        rec(devices, (), k)
+    return out
+
+
+def _tensor_sets(names: Sequence[str]) -> list[tuple[str, ...]]:
+    """Sets of names a tensor axis splits: all subsets when few, else a structured few."""
+    names = list(names)
+    if len(names) <= 6:
+        return [c for k in range(1, len(names) + 1) for c in itertools.combinations(names, k)]
+    out = [(n,) for n in names] + [tuple(names)]
+    out += [tuple(m for m in names if m != n) for n in names]
+    return list(dict.fromkeys(out))
+
+
+def generate(
+    devices: int,
+    param_names: Sequence[str],
+    *,
+    batch_name: str = "batch",
+    other_names: Sequence[str] = (),
+    max_axes: int = 3,
+    roles: Sequence[str] = ROLES,
+) -> Iterator[Candidate]:
+    """Every generated candidate (module docstring) for ``devices``, before any pruning.
+
+    Example:
+        >>> from meshplan._search.candidates import generate
+        >>> cands = list(generate(4, ["embed", "mlp"]))
+        >>> len(cands)
+        20
+        >>> cands[0].mesh, cands[0].rules[0]
+        ({'data': 4}, ('batch', ('data',)))
+
+    Args:
+        devices: The device count.
+        param_names: Names the parameters carry that ``fsdp`` or ``tensor`` may split.
+        batch_name: The batch's name.
+        other_names: More names, always ``None`` (activations' ``length``, ``layer``...).
+        max_axes: At most this many mesh axes.
+        roles: The axis names (roles) to use, of ``('data', 'fsdp', 'tensor')``.
+    """
+    all_names = [batch_name, *param_names, *(n for n in other_names if n not in param_names)]
+    for shape in mesh_factorizations(devices, max_axes):
+        for axes in itertools.permutations(roles, len(shape)):
+            mesh = dict(zip(axes, shape, strict=True))
+            batch_axes = tuple(a for a in axes if a in ("data", "fsdp"))
+            fsdp_names: Sequence[str | None] = param_names if "fsdp" in axes else [None]
+            for f in fsdp_names:
+                rest = [n for n in param_names if n != f]
+                t_sets: list[tuple[str, ...]] = _tensor_sets(rest) if "tensor" in axes else [()]
+                for t in t_sets:
+                    rules: list[tuple[str, Any]] = [(batch_name, batch_axes or None)]
+                    if f is not None:
+                        rules.append((f, "fsdp"))
+                    rules += [(n, "tensor") for n in t]
+                    given = {r[0] for r in rules}
+                    rules += [(n, None) for n in all_names if n not in given]
+                    yield Candidate(dict(mesh), tuple(rules))
