@@ -1,0 +1,186 @@
+"""``meshplan.search_rules``: candidates and pruning, the cost model against compiled HLO,
+profiles, a 16,384-device analytic search, the train command."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import meshplan
+import meshplan.layouts
+from meshplan._search.candidates import generate, mesh_factorizations
+from meshplan._search.cost import predict
+from meshplan._search.hlo import measure_step
+from meshplan._search.profiles import PROFILES, calibrate_cpu, get_profile
+from meshplan._search.trace import trace_workload
+from meshplan.examples.mlp import LogicalMLP, init_fn
+from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
+from meshplan.train.settings import TrainSettings
+from meshplan.train.state import abstract_train_state
+
+
+@functools.cache
+def mlp_case(depth: int = 256, batch: int = 64):
+    model = LogicalMLP(num_layers=2, depth=depth, use_scan=True)
+    x = jax.ShapeDtypeStruct((batch, depth), jnp.float32)
+    init = functools.partial(init_fn, model=model, optimizer=optax.adam(1e-3))
+    state = jax.eval_shape(init, jax.random.key(0), x)
+
+    def step(state, x):
+        grads = jax.grad(lambda p: (state.apply_fn({"params": p}, x) ** 2).sum())(state.params)
+        return state.apply_gradients(grads=grads)
+
+    return state, step, x
+
+
+@functools.cache
+def tiny_case():
+    model = Transformer(config_from_name("tiny"))
+    state = abstract_train_state(model, optax.adam(1e-3), TrainSettings(batch=32, seq_len=128))
+    tokens = jax.ShapeDtypeStruct((32, 129), jnp.int32)
+
+    def step(state, tokens):
+        return state.apply_gradients(grads=jax.grad(loss_fn)(state.params, tokens, model))
+
+    return state, step, tokens
+
+
+def test_mesh_factorizations_and_generated_rules():
+    assert mesh_factorizations(12, 2) == [(12,), (2, 6), (3, 4), (4, 3), (6, 2)]
+    cands = list(generate(8, ["embed", "mlp"], other_names=["length"]))
+    meshes = {tuple(c.mesh.items()) for c in cands}
+    assert (("data", 2), ("fsdp", 2), ("tensor", 2)) in meshes
+    for c in cands:
+        rules = dict(c.rules)
+        assert c.rules[0][0] == "batch" and rules["length"] is None
+        assert all(a in c.mesh for axes in rules.values() if axes for a in
+                   (axes if isinstance(axes, tuple) else (axes,)))  # fmt: skip
+        assert "tensor" not in (rules["batch"] or ())
+
+
+def test_candidates_are_counted_and_pruned_with_reasons():
+    state, step, tokens = tiny_case()
+    result = meshplan.search_rules(8, state, step, tokens, profile="h100", compile_top=0)
+    counts = result.counts
+    pruned = counts["pruned"]
+    assert counts["enumerated"] == counts["scored"] + sum(pruned.values()) - pruned["memory"]
+    assert pruned["invalid"] > 0 and pruned["symmetric"] > 0 and pruned["idle"] > 0
+    reasons = {r.reason.split(":")[0] for r in result.rows if r.status == "pruned"}
+    assert {"invalid", "idle"} <= reasons
+    bad = next(r for r in result.rows if r.layout == "tensor_parallel" and r.mesh_text == "1x8")
+    assert bad.status == "pruned" and "('heads') of size 4 does not divide by 8" in bad.reason
+    # The built-ins are among the candidates; ranks are 1..n by predicted time.
+    ok = result.ok
+    assert [r.rank for r in ok] == list(range(1, len(ok) + 1))
+    times = [r.predicted_s for r in ok]
+    assert times == sorted(times)
+    assert {r.layout for r in ok} >= {"data_parallel", "fsdp"}
+
+
+def test_a_memory_budget_prunes_and_a_batch_that_does_not_divide_is_pruned():
+    state, step, tokens = tiny_case()
+    result = meshplan.search_rules(
+        8, state, step, tokens, profile="h100", compile_top=0, memory_budget_bytes=8 << 20
+    )
+    assert result.counts["pruned"]["memory"] > 0
+    assert all(r.cost.memory_bytes <= 8 << 20 for r in result.ok)
+    odd = jax.ShapeDtypeStruct((4, 129), jnp.int32)  # 4 sequences cannot split 8 ways
+    result = meshplan.search_rules(8, state, step, odd, profile="h100", compile_top=0)
+    row = next(r for r in result.rows if r.layout == "data_parallel")
+    assert row.reason.startswith("batch: dim 0 ('batch') of size 4 does not divide by 8")
+
+
+CASES = [
+    ("mlp", "data_parallel"),
+    ("mlp", "fsdp"),
+    ("mlp", "guide"),
+    ("tiny", "data_parallel"),
+    ("tiny", "fsdp"),
+    ("tiny", "tensor_parallel"),
+    ("tiny", "fsdp_tp"),
+]
+
+
+@pytest.mark.parametrize(("model", "layout"), CASES)
+def test_predicted_collective_bytes_are_within_10_percent_of_the_compiled_hlo(model, layout):
+    state, step, batch = mlp_case() if model == "mlp" else tiny_case()
+    mesh, rules = {"data": 2, "model": 4}, meshplan.layouts.get_layout(layout)
+    cost = predict(trace_workload(step, state, batch), mesh, rules, get_profile("h100"))
+    hlo = measure_step(step, state, batch, mesh, rules)
+    predicted = sum(cost.comm_bytes.values())
+    assert abs(predicted - hlo["collective_bytes"]) <= 0.1 * hlo["collective_bytes"]
+    # All-reduces (gradients, tensor-parallel activations) to within 1%.
+    exact = hlo["collectives"].get("all-reduce", 0)
+    assert abs(cost.comm_bytes.get("all-reduce", 0) - exact) <= 0.01 * exact
+
+
+def test_profiles_are_data_and_cpu_is_measured():
+    for name, profile in PROFILES.items():
+        assert profile.name == name and profile.source
+        assert profile.fast_bandwidth >= profile.slow_bandwidth > 0
+    h200 = get_profile("h200")
+    assert h200.memory_bytes == 141 * 10**9 and h200.peak_flops == 989e12
+    assert h200.axis_bandwidth({"data": 2, "tensor": 8}, "data") == 50e9  # crosses hosts
+    cpu = calibrate_cpu(8)
+    assert cpu is get_profile("cpu", 8)  # measured once per process
+    assert cpu.peak_flops > 1e8 and cpu.memory_bandwidth > 1e7 and cpu.latency_s > 0
+    with pytest.raises(meshplan.ArgumentError, match="Unknown hardware profile 'a100'"):
+        get_profile("a100")
+
+
+class Wide(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+        h = nn.Dense(4096, kernel_init=init, use_bias=False)(x)
+        init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("mlp", "embed"))
+        return nn.Dense(1024, kernel_init=init, use_bias=False)(nn.relu(h))
+
+
+def test_a_16384_device_search_of_a_linen_model_is_analytic():
+    x = jax.ShapeDtypeStruct((16384 * 4, 1024), jnp.bfloat16)
+    result = meshplan.search_rules(16384, model=Wide(), example_batch=x, profile="tpu_v5e")
+    assert result.counts["compiled"] == 0 and result.counts["scored"] > 0
+    best = result.best
+    assert best is not None and best.predicted_s > 0
+    data = json.loads(json.dumps(result.to_dict()))
+    row = data["best"]
+    assert row["mesh_shape"] == list(best.mesh.values()) and row["axis_names"] == list(best.mesh)
+    assert row["rules"][0][0] == "batch" and row["predicted_step_s"] == best.predicted_s
+
+
+def test_the_top_choice_as_a_train_command_with_its_rules_file(tmp_path):
+    state, step, x = mlp_case()
+    result = meshplan.search_rules(8, state, step, x, profile="cpu", compile_top=1)
+    assert result.counts["compiled"] == 1 and result.best.compiled is not None
+    path = tmp_path / "rules.json"
+    command = result.train_command(str(path))
+    assert command == (
+        f"meshplan train --mesh {result.best.mesh_text} --axes {result.best.axes_text} "
+        f"--rules {path}"
+    )
+    rules = meshplan.layouts.get_layout(str(path))
+    assert [list(r) for r in rules][0][0] == "batch"
+    assert "best:" in str(result) and "enumerated" in str(result)
+
+
+def test_measure_runs_the_top_few_and_ranks_them_by_measured_time():
+    state, step, x = mlp_case(depth=128, batch=32)
+    result = meshplan.search_rules(
+        8, state, step, x, profile="cpu", compile_top=0, measure=True, measure_top=2,
+        measure_steps=2,
+    )  # fmt: skip
+    first, second = result.ok[:2]
+    assert result.counts["measured"] == 2
+    assert 0 < first.measured_s <= second.measured_s
+
+
+def test_search_rules_needs_a_step_or_a_model():
+    with pytest.raises(meshplan.ArgumentError, match="abstract_state, step_fn, example_batch"):
+        meshplan.search_rules(8)
