@@ -333,6 +333,7 @@ def _restore_step(p: epath.Path, mesh: Mesh | None, rules: Any, step: int | None
             }
         )
         where = f"{str(p)!r} (step {metadata.step})"
+        failure: str | None = None
         try:
             restored = manager.restore(
                 metadata.step,
@@ -346,19 +347,23 @@ def _restore_step(p: epath.Path, mesh: Mesh | None, rules: Any, step: int | None
                 damaged_fix(sorted(manager.all_steps()), metadata.step),
             ) from e  # fmt: skip
         except Exception as e:  # Orbax and TensorStore raise a bare Exception, ValueError...
+            failure = f"{type(e).__name__}: {_first_line(e)}"
+        if failure is not None:
+            # Raised outside the except block: Orbax's exception (a screen of TensorStore
+            # traceback, holding the failed read coroutines) is neither chained nor kept, so
+            # its coroutines are collected here, quietly, not printed at exit.
             _drop_orbax_leftovers()
             # Name what is damaged: the cheap check usually finds it; else Orbax's words.
             found = check_step(p, metadata.step, manager)
             detail = (
                 found.message
                 if found is not None
-                else f"{where}: its '{STATE_ITEM}' arrays cannot be read "
-                f"({type(e).__name__}: {_first_line(e)})"
+                else f"{where}: its '{STATE_ITEM}' arrays cannot be read ({failure})"
             )
             raise error_for(
                 CheckpointError, "ckpt-damaged", where, detail,
                 damaged_fix(sorted(manager.all_steps()), metadata.step),
-            ) from e  # fmt: skip
+            )  # fmt: skip
     boxed = {}
     for key, value in unnest(restored):
         info = metadata.arrays[key]
