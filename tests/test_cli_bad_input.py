@@ -222,3 +222,21 @@ def test_sample_takes_a_prompt_that_is_not_utf8(untrained_checkpoint):
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")
     last = proc.stdout.decode("utf-8").splitlines()[-1]
     assert last.startswith("\ufffd\ufffd abc")  # the prompt as typed, then 3 bytes
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["plan", "--size", "huge"], "--size is a flag of the Transformers, not of --model mlp"),
+        (["plan", "--model", "transformer", "--layers", "-1"], "--layers is a flag of the MLP"),
+        (
+            ["search", "--model", "transformer", "--depth", "8", "--scan"],
+            "--depth, --scan are flags",
+        ),
+    ],
+)
+def test_a_flag_of_the_other_model_is_refused_not_ignored(argv, fragment, capsys):
+    from meshplan.cli import main
+
+    assert main(argv) == 2
+    assert fragment in capsys.readouterr().err

@@ -45,12 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "or a .py file defining RULES, or a .json file of [name, axes] pairs "
         "(default: guide for the MLP, fsdp_tp for the Transformers)",
     )
-    parser.add_argument("--layers", type=int, default=4, help="MLP layers (default 4)")
-    parser.add_argument("--depth", type=int, default=1024, help="MLP width (default 1024)")
-    parser.add_argument("--scan", action="store_true", help="stack MLP layers with nn.scan")
-    parser.add_argument(
-        "--size", default="tiny", help="Transformer preset (tiny, small; default tiny)"
-    )
+    add_model_size_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead")
     parser.add_argument("--png", metavar="PATH", help="also draw the plan into a PNG")
     parser.add_argument("--full", action="store_true", help="list every leaf in the table")
@@ -162,20 +157,68 @@ def abstract_mesh(shape: dict[str, int]) -> Any:
     )
 
 
+_MLP_DEFAULTS = {"layers": 4, "depth": 1024, "scan": False}
+_TRANSFORMER_DEFAULTS = {"size": "tiny"}
+
+
+def add_model_size_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--size`` (the Transformers) and ``--layers``/``--depth``/``--scan`` (the MLP).
+
+    Their defaults are applied by :func:`model_args_problem`, which can so tell a flag
+    given for the other model (refused) from one left out.
+    """
+    parser.add_argument("--layers", type=int, default=None, help="MLP layers (default 4)")
+    parser.add_argument("--depth", type=int, default=None, help="MLP width (default 1024)")
+    parser.add_argument(
+        "--scan", action="store_true", default=None, help="stack MLP layers with nn.scan"
+    )
+    parser.add_argument(
+        "--size", default=None, help="Transformer preset (tiny, small; default tiny)"
+    )
+
+
 def model_args_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with ``--size``, ``--layers`` or ``--depth`` of ``args``, or ``None``.
 
-    Only the flags of the chosen ``--model`` are read.
+    A flag of the other model is refused (it would be ignored); the chosen model's
+    flags left out get their defaults, filled into ``args``.
 
     Example:
         >>> import argparse
         >>> from meshplan.cli.plan import model_args_problem
-        >>> args = argparse.Namespace(model="mlp", layers=0, depth=1024, size="tiny")
+        >>> args = argparse.Namespace(model="mlp", layers=0, depth=None, scan=None, size=None)
         >>> print(model_args_problem(args))
         --layers 0: the MLP needs at least 1 layer.
         Pass --layers N with N >= 1 (default 4).
+        >>> args = argparse.Namespace(model="mlp", layers=None, depth=None, scan=None, size="huge")
+        >>> print(model_args_problem(args))
+        --size is a flag of the Transformers, not of --model mlp: it would be ignored.
+        Pass --model transformer (or transformer-nnx) with --size, or leave --size out.
     """
-    if args.model.startswith("transformer"):
+    transformer = args.model.startswith("transformer")
+    own, other = (
+        (_TRANSFORMER_DEFAULTS, _MLP_DEFAULTS)
+        if transformer
+        else (_MLP_DEFAULTS, _TRANSFORMER_DEFAULTS)
+    )
+    given = [f"--{name}" for name in other if getattr(args, name, None) is not None]
+    if given:
+        flags = ", ".join(given)
+        if transformer:
+            return (
+                f"{flags} {'is a flag' if len(given) == 1 else 'are flags'} of the MLP, not of "
+                f"--model {args.model}: {'it' if len(given) == 1 else 'they'} would be ignored.\n"
+                f"Pass --size (tiny, small) to size the Transformer, or --model mlp."
+            )
+        return (
+            f"{flags} is a flag of the Transformers, not of --model {args.model}: it would be "
+            f"ignored.\nPass --model transformer (or transformer-nnx) with --size, or leave "
+            f"--size out."
+        )
+    for name, default in {**own, **other}.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, default)
+    if transformer:
         from meshplan.examples.transformer import CONFIGS
 
         if args.size not in CONFIGS:

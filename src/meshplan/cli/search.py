@@ -13,7 +13,7 @@ from rich.console import Console
 from meshplan._errors import MeshError
 from meshplan.cli.devices import use_cpu_backend, use_cpu_devices
 from meshplan.cli.output import print_error, say
-from meshplan.cli.plan import abstract_state, model_args_problem
+from meshplan.cli.plan import abstract_state, add_model_size_arguments, model_args_problem
 
 HELP = (
     "Try every mesh shape of --devices under every built-in layout for an example model, "
@@ -50,12 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the example Transformer (Flax Linen, default), the same in Flax NNX, or the "
         "guide's MLP",
     )
-    parser.add_argument(
-        "--size", default="tiny", help="Transformer preset (tiny, small; default tiny)"
-    )
-    parser.add_argument("--layers", type=int, default=4, help="MLP layers (default 4)")
-    parser.add_argument("--depth", type=int, default=1024, help="MLP width (default 1024)")
-    parser.add_argument("--scan", action="store_true", help="stack MLP layers with nn.scan")
+    add_model_size_arguments(parser)
     parser.add_argument("--devices", type=int, default=8, help="devices in the mesh (default 8)")
     parser.add_argument(
         "--batch", type=int, default=32, help="global batch it must divide (default 32)"
