@@ -240,3 +240,14 @@ def test_a_flag_of_the_other_model_is_refused_not_ignored(argv, fragment, capsys
 
     assert main(argv) == 2
     assert fragment in capsys.readouterr().err
+
+
+def test_an_unknown_option_shows_the_commands_usage_and_the_nearest_options(capsys):
+    from meshplan.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--resume", "--step", "15"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: meshplan train")
+    assert "unrecognized arguments: --step 15 (did you mean --steps or --resume-step?)" in err

@@ -56,8 +56,39 @@ def build_parser() -> argparse.ArgumentParser:
         # No abbreviations: `--step 15` must not be read as `--steps 15`.
         p = sub.add_parser(name, help=module.HELP, description=module.HELP, allow_abbrev=False)
         module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        p.set_defaults(_run=module.run, _parser=p)
     return parser
+
+
+def _unknown(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
+    """``unrecognized arguments: ...``, with the nearest option of the command for each.
+
+    Example:
+        >>> import argparse
+        >>> from meshplan.cli.app import _unknown
+        >>> p = argparse.ArgumentParser(prog="meshplan train")
+        >>> _ = p.add_argument("--resume-step"); _ = p.add_argument("--steps")
+        >>> _unknown(p, ["--step", "15"])
+        'unrecognized arguments: --step 15 (did you mean --steps or --resume-step?)'
+    """
+    import difflib
+
+    options = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    hints = []
+    for extra in extras:
+        name = extra.split("=", 1)[0]
+        if name.startswith("--"):
+            core = name.lstrip("-")
+            starts = [o for o in options if o.startswith(name) and o != name]  # --steps
+            parts = sorted(  # --resume-step for --step: one of its words, shortest first
+                (o for o in options if core in o.lstrip("-").split("-")), key=len
+            )
+            fuzzy = difflib.get_close_matches(name, options, n=3, cutoff=0.6)
+            close = list(dict.fromkeys(starts + parts + fuzzy))[:2]
+            if close:
+                hints.append(f"did you mean {' or '.join(close)}?")
+    hint = f" ({'; '.join(dict.fromkeys(hints))})" if hints else ""
+    return f"unrecognized arguments: {' '.join(extras)}{hint}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -67,7 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     error that a command does not report itself is printed as ``error: ...``
     (exit status 2), never as a traceback.
     """
-    args = build_parser().parse_args(argv)
+    args, extras = build_parser().parse_known_args(argv)
+    if extras:  # the command's own usage and a hint, not the top-level usage
+        args._parser.error(_unknown(args._parser, extras))
     from meshplan._errors import MeshplanError  # after parsing: `--help` stays fast
     from meshplan.cli.output import print_error
 
