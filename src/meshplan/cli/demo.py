@@ -1,4 +1,8 @@
-"""``meshplan demo``: the guide's whole workflow on 8 emulated CPU devices."""
+"""``meshplan demo``: the guide's whole workflow on 8 devices.
+
+The machine's accelerators when JAX finds 8 or more, else 8 emulated CPU devices
+(``--platform cpu`` asks for those on a machine with fewer accelerators).
+"""
 
 from __future__ import annotations
 
@@ -12,14 +16,14 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
-from meshplan.cli.devices import use_cpu_devices
-from meshplan.cli.output import say, text
+from meshplan.cli.devices import PLATFORMS, found_devices, select_platform
+from meshplan.cli.output import print_error, say, text
 
 if TYPE_CHECKING:
     import jax
     from jax.sharding import PartitionSpec
 
-HELP = "Run the guide's workflow (sharded init, train, inference, logical axes, checkpoint restore onto another mesh) on 8 CPU devices; --nnx: Flax NNX's guide."
+HELP = "Run the guide's workflow (sharded init, train, inference, logical axes, checkpoint restore onto another mesh) on 8 devices (emulated on the CPU without accelerators); --nnx: Flax NNX's guide."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--nnx",
         action="store_true",
         help="run Flax NNX's guide ('Scale up on multiple devices') with meshplan instead",
+    )
+    parser.add_argument(
+        "--platform",
+        choices=PLATFORMS,
+        default="auto",
+        help="auto: the machine's accelerators when JAX finds any (8 are needed), else 8 "
+        "emulated CPU devices; cpu: those (default auto)",
     )
 
 
@@ -90,7 +101,16 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if not console.is_terminal:
         console = Console(width=max(console.width, 120))
-    use_cpu_devices(8, console, flag=None)  # the workflow needs 8: a 2x4 and a 4x2 mesh
+    from meshplan._errors import MeshplanError
+
+    platform = getattr(args, "platform", "auto")
+    try:  # the workflow needs 8: a 2x4 and a 4x2 mesh
+        select_platform(platform, 8, console, flag=None)
+        devices = found_devices(platform, needed=8)
+    except MeshplanError as e:
+        print_error(e)
+        return 2
+    say(console, (devices.describe(), "dim"))
     if args.nnx:
         return _run_nnx(args, console)
     import jax

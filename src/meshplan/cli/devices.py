@@ -1,16 +1,40 @@
-"""Emulated CPU devices for the command line, set before JAX's backend starts."""
+"""The devices a command runs on: the machine's accelerators, else emulated CPU devices.
+
+Two steps, because XLA reads its flags once, when JAX's backend starts:
+
+1. before JAX starts, :func:`select_platform` asks XLA for the emulated CPU
+   devices (``XLA_FLAGS``; they do not hide accelerators) and, for
+   ``--platform cpu``, sets ``JAX_PLATFORMS=cpu``;
+2. then :func:`found_devices` looks at what JAX found and :func:`choose_devices`
+   (a pure function) picks: the accelerators when there are any, else the CPU
+   devices; a mesh larger than them is refused with the numbers and the fix.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+from collections.abc import Sequence
+from typing import Any
 
 from rich.console import Console
 
 from meshplan._errors import MeshError
 from meshplan.cli.output import say
 
-__all__ = ["MAX_CPU_DEVICES", "check_device_count", "use_cpu_backend", "use_cpu_devices"]
+__all__ = [
+    "MAX_CPU_DEVICES",
+    "PLATFORMS",
+    "DeviceChoice",
+    "check_device_count",
+    "choose_devices",
+    "found_devices",
+    "select_platform",
+    "use_cpu_backend",
+    "use_cpu_devices",
+    "use_host_devices",
+]
 
 MAX_CPU_DEVICES = 4096
 """The most CPU devices the command line emulates.
@@ -62,25 +86,17 @@ def _forced_count(flags: str) -> str | None:
     return found[-1] if found else None
 
 
-def use_cpu_devices(
+def use_host_devices(
     count: int, console: Console | None = None, flag: str | None = "--devices"
 ) -> None:
     """Asks XLA for ``count`` host CPU devices, before JAX's backend starts.
 
+    They are JAX's CPU backend's devices; accelerators, when JAX finds any, stay
+    its default devices.
+
     XLA reads ``XLA_FLAGS`` once, when JAX's backend starts; the command line
     calls this before any array is made. ``XLA_FLAGS`` that already ask for
     exactly ``count`` devices are kept (the test suite sets 8).
-
-    Example:
-        >>> import os
-        >>> from meshplan.cli.devices import use_cpu_devices
-        >>> os.environ["XLA_FLAGS"].split()[-1]  # the test suite's 8 devices
-        '--xla_force_host_platform_device_count=8'
-        >>> use_cpu_devices(8)  # the same count: nothing to do
-        >>> use_cpu_devices(4)
-        Traceback (most recent call last):
-        ...
-        meshplan.MeshError: XLA_FLAGS already asks for 8 emulated CPU devices ...
 
     Args:
         count: The number of devices.
@@ -110,15 +126,40 @@ def use_cpu_devices(
             f"CPU devices (--{_FLAG}={forced} in XLA_FLAGS={flags!r}), but {asks}.\n{fix}"
         )
     os.environ["XLA_FLAGS"] = f"{flags} --{_FLAG}={count}".strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if console is not None:
         say(
             console,
             (
-                f"Set XLA_FLAGS=--{_FLAG}={count} before JAX starts: {count} emulated CPU devices.",
+                f"Set XLA_FLAGS=--{_FLAG}={count} before JAX starts: {count} emulated CPU devices (when no accelerator is used).",
                 "dim",
             ),
         )
+
+
+def use_cpu_devices(
+    count: int, console: Console | None = None, flag: str | None = "--devices"
+) -> None:
+    """Runs JAX on ``count`` emulated CPU devices: :func:`use_host_devices`, and the CPU alone.
+
+    ``JAX_PLATFORMS`` is set to ``cpu`` unless it is set already (for commands
+    that always emulate; ``meshplan train`` uses :func:`select_platform`).
+
+    Example:
+        >>> import os
+        >>> from meshplan.cli.devices import use_cpu_devices
+        >>> os.environ["XLA_FLAGS"].split()[-1]  # the test suite's 8 devices
+        '--xla_force_host_platform_device_count=8'
+        >>> use_cpu_devices(8)  # the same count: nothing to do
+        >>> use_cpu_devices(4)
+        Traceback (most recent call last):
+        ...
+        meshplan.MeshError: XLA_FLAGS already asks for 8 emulated CPU devices ...
+
+    Raises:
+        MeshError: as :func:`use_host_devices`.
+    """
+    use_host_devices(count, console, flag)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def use_cpu_backend() -> None:
@@ -128,3 +169,201 @@ def use_cpu_backend() -> None:
     ``XLA_FLAGS`` device count is left as it is, whatever it says.
     """
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+# -- which devices a command runs on ----------------------------------------------------------
+
+PLATFORMS = ("auto", "cpu", "gpu", "tpu")
+"""What ``--platform`` accepts: ``auto`` (the machine's accelerators, else emulated CPU devices),
+or one platform."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceChoice:
+    """The devices a command runs on, and why (what :func:`choose_devices` decided).
+
+    Attributes:
+        devices: The devices, in JAX's order (meshes are built on the first ones).
+        platform: Their platform: ``'gpu'``, ``'tpu'`` or ``'cpu'``.
+        kind: Their ``device_kind`` (e.g. ``'NVIDIA H200'``, ``'TPU v5 lite'``, ``'cpu'``).
+        emulated: ``True`` for CPU devices that XLA emulates on this host.
+        why: Why these: ``'no accelerator found'``, ``'--platform cpu'``, ...
+    """
+
+    devices: tuple[Any, ...]
+    platform: str
+    kind: str
+    emulated: bool
+    why: str
+
+    @property
+    def count(self) -> int:
+        """The number of devices."""
+        return len(self.devices)
+
+    def describe(self) -> str:
+        """One line for a run's header: platform, device kind and count, and why.
+
+        Example:
+            >>> from meshplan.cli.devices import DeviceChoice
+            >>> DeviceChoice((0,) * 8, "cpu", "cpu", True, "no accelerator found").describe()
+            'devices: no accelerator found, so 8 emulated CPU devices (platform cpu)'
+            >>> DeviceChoice((0,), "gpu", "NVIDIA H200", False, "found").describe()
+            'devices: 1 NVIDIA H200 (platform gpu)'
+        """
+        s = "s" * (self.count != 1)
+        if self.emulated:
+            return f"devices: {self.why}, so {self.count} emulated CPU device{s} (platform cpu)"
+        return f"devices: {self.count} {self.kind} (platform {self.platform})"
+
+
+def choose_devices(
+    accelerators: Sequence[Any],
+    cpus: Sequence[Any],
+    *,
+    platform: str = "auto",
+    needed: int | None = None,
+    mesh: str | None = None,
+    jax_platforms: str | None = None,
+) -> DeviceChoice:
+    """The devices a command runs on: the accelerators when there are any, else the CPU's.
+
+    A pure function of what JAX found (tested with fake devices: objects with
+    ``platform`` and ``device_kind``):
+
+    * ``platform='cpu'``: the (emulated) CPU devices;
+    * ``platform='gpu'`` or ``'tpu'``: those accelerators, or an error saying none were found;
+    * ``platform='auto'``: the accelerators if any, else the CPU devices.
+
+    A mesh of ``needed`` devices that is larger than the choice is refused with
+    the numbers and the fix.
+
+    Example:
+        >>> from types import SimpleNamespace as Device
+        >>> from meshplan.cli.devices import choose_devices
+        >>> h200 = Device(platform="gpu", device_kind="NVIDIA H200")
+        >>> cpus = [Device(platform="cpu", device_kind="cpu")] * 8
+        >>> choose_devices([h200], cpus).describe()
+        'devices: 1 NVIDIA H200 (platform gpu)'
+        >>> choose_devices([], cpus).describe()
+        'devices: no accelerator found, so 8 emulated CPU devices (platform cpu)'
+        >>> choose_devices([h200], cpus, needed=8, mesh="2x4")
+        Traceback (most recent call last):
+        ...
+        meshplan.MeshError: The mesh 2x4 needs 8 devices, but there are only 1 (NVIDIA H200, platform gpu)...
+
+    Args:
+        accelerators: The devices of JAX's default backend when it is not the
+            CPU (``[]`` when it is).
+        cpus: JAX's CPU devices (``XLA_FLAGS`` sets how many are emulated).
+        platform: One of :data:`PLATFORMS`.
+        needed: The devices the command's mesh needs (``None``: any number).
+        mesh: The mesh as the user wrote it (``--mesh``), for messages; ``None``:
+            the command's own mesh, which only ``--platform cpu`` can change.
+        jax_platforms: ``JAX_PLATFORMS`` when set: when it leaves accelerators
+            out, the header says so instead of "no accelerator found".
+
+    Raises:
+        MeshError: an unknown ``platform``, no accelerator of the asked
+            platform, or too few devices for the mesh.
+    """
+    if platform not in PLATFORMS:
+        raise MeshError(
+            f"--platform {platform!r} is not one of {', '.join(PLATFORMS)}.\n"
+            f"Pass --platform auto (the machine's accelerators, else emulated CPU devices) or "
+            f"--platform cpu."
+        )
+    found = [d for d in accelerators if d.platform != "cpu"]
+    if platform in ("gpu", "tpu") and not any(d.platform == platform for d in found):
+        seen = (
+            f"{len(found)} {found[0].platform} device{'s' * (len(found) != 1)}"
+            if found
+            else f"only {len(cpus)} CPU device{'s' * (len(cpus) != 1)}"
+        )
+        raise MeshError(
+            f"--platform {platform}: JAX found no {platform.upper()} on this machine (it sees "
+            f"{seen}{f'; JAX_PLATFORMS={jax_platforms}' if jax_platforms else ''}).\n"
+            f"Install JAX for that accelerator (e.g. pip install 'jax[cuda12]'), or pass "
+            f"--platform cpu to emulate CPU devices."
+        )
+    if platform == "cpu" or not found:
+        if platform == "cpu":
+            why = "--platform cpu asks for the CPU"
+        elif jax_platforms and not set(jax_platforms.split(",")) - {"cpu", ""}:
+            why = f"JAX_PLATFORMS={jax_platforms} leaves accelerators out"
+        else:
+            why = "no accelerator found"
+        choice = _cpu_choice(cpus, why)
+    else:
+        first = found[0]
+        chosen = tuple(d for d in found if d.platform == first.platform)
+        choice = DeviceChoice(chosen, str(first.platform), str(first.device_kind), False, "found")
+    if needed is None or needed <= choice.count:
+        return choice
+    what = f"The mesh {mesh}" if mesh else "This command"
+    if choice.emulated:
+        fix = (
+            f"Use a smaller mesh, or pass --devices {needed} to emulate {needed} CPU devices "
+            f"(XLA_FLAGS=--{_FLAG}=N sets how many)."
+        )
+        have = f"{choice.count} (emulated CPU devices)"
+    elif mesh is None:
+        fix = f"Pass --platform cpu to run on {needed} emulated CPU devices."
+    else:
+        fix = (
+            f"Use a smaller mesh: at most {choice.count} devices (e.g. --mesh {choice.count}x1), "
+            f"or pass --platform cpu --devices {needed} to emulate {needed} CPU devices."
+        )
+        have = f"{choice.count} ({choice.kind}, platform {choice.platform})"
+    raise MeshError(f"{what} needs {needed} devices, but there are only {have}.\n{fix}")
+
+
+def _cpu_choice(cpus: Sequence[Any], why: str) -> DeviceChoice:
+    return DeviceChoice(tuple(cpus), "cpu", "cpu", True, why)
+
+
+def select_platform(
+    platform: str, count: int, console: Console | None = None, flag: str | None = "--devices"
+) -> None:
+    """Before JAX starts: ``count`` emulated CPU devices, and the CPU alone for ``--platform cpu``.
+
+    The CPU device count (``XLA_FLAGS``) applies to JAX's CPU backend only, so
+    it is set whatever the platform: on a machine with accelerators they stay
+    JAX's default devices. ``--platform cpu`` sets ``JAX_PLATFORMS=cpu``.
+
+    Raises:
+        MeshError: as :func:`use_host_devices`, or an unknown ``platform``.
+    """
+    if platform not in PLATFORMS:
+        choose_devices([], [], platform=platform)  # raises, naming the choices
+    use_host_devices(count, console, flag)
+    if platform == "cpu":
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def found_devices(
+    platform: str = "auto",
+    needed: int | None = None,
+    mesh: str | None = None,
+) -> DeviceChoice:
+    """:func:`choose_devices` on the devices JAX found (this starts JAX's backends).
+
+    This is what ``meshplan train``, ``demo`` and ``sample`` call after
+    :func:`select_platform`; ``meshplan search --measure`` can call it the same way.
+    """
+    import jax
+
+    default = jax.devices()
+    accelerators = [] if default[0].platform == "cpu" else default
+    try:
+        cpus = default if not accelerators else jax.devices("cpu")
+    except RuntimeError:  # JAX_PLATFORMS leaves the CPU out
+        cpus = []
+    return choose_devices(
+        accelerators,
+        cpus,
+        platform=platform,
+        needed=needed,
+        mesh=mesh,
+        jax_platforms=os.environ.get("JAX_PLATFORMS") or None,
+    )

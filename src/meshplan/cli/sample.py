@@ -41,6 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed", type=int, default=0, metavar="S", help="sampling seed (default 0)"
     )
     parser.add_argument("--step", type=int, metavar="N", help="checkpoint step (default: latest)")
+    parser.add_argument(
+        "--platform",
+        choices=("auto", "cpu", "gpu", "tpu"),
+        default="auto",
+        help="auto: the machine's first accelerator when JAX finds one, else the CPU; "
+        "cpu: the CPU (default auto)",
+    )
 
 
 def context_window(max_len: int, window: int | None = None) -> int:
@@ -202,9 +209,16 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         print_error(problem)
         return 2
-    import meshplan
+    import os
 
+    import meshplan
+    from meshplan.cli.devices import found_devices
+
+    platform = getattr(args, "platform", "auto")
+    if platform == "cpu":
+        os.environ["JAX_PLATFORMS"] = "cpu"  # before JAX starts
     try:
+        devices = found_devices(platform)
         restored = meshplan.restore(args.ckpt_dir, mesh=None, step=args.step)
         state, metadata = restored
         from meshplan.cli.train_request import MODELS, model_of
@@ -235,7 +249,8 @@ def run(args: argparse.Namespace) -> int:
             console,
             (
                 f"step {metadata.step} of {args.ckpt_dir}; "
-                f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature:g}'}",
+                f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature:g}'}; "
+                f"{devices.describe()}, sampling on the first",
                 "dim",
             ),
         )

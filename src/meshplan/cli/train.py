@@ -6,9 +6,13 @@ transformer-nnx`` the same model in Flax NNX; their checkpoints are interchangea
 The recipe (model, loss, data) is wired into the model-agnostic
 :class:`meshplan.train.trainer.Trainer` by :mod:`meshplan.cli.train_request`.
 
+It runs on the machine's accelerators when JAX finds any, else on ``--devices``
+emulated CPU devices (``--platform cpu`` asks for those); the header says which.
+
 Checks every input before any work (one bullet per problem, then the fix),
 shows the plan's per-device memory, then a progress bar with the loss and
-tokens per second, validation losses as they come, and a final summary.
+tokens per second, validation losses as they come, and a final summary with
+the step time, tokens/s, MFU and the devices' peak memory.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from meshplan.cli.devices import use_cpu_devices
+from meshplan.cli.devices import PLATFORMS, select_platform
 from meshplan.cli.output import print_error, say, text
 from meshplan.cli.train_flags import MODEL_FLAGS, SETTINGS_FLAGS
 
@@ -48,7 +52,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=8,
         metavar="N",
-        help="emulated CPU devices: of this process, or with --processes of all (default 8)",
+        help="emulated CPU devices, when the run is on the CPU: of this process, or with "
+        "--processes of all (default 8)",
+    )
+    run.add_argument(
+        "--platform",
+        choices=PLATFORMS,
+        default="auto",
+        help="auto: the machine's accelerators when JAX finds any, else emulated CPU devices; "
+        "cpu: emulated CPU devices; gpu, tpu: those, or an error (default auto)",
+    )
+    run.add_argument(
+        "--sync-every-step",
+        action="store_true",
+        help="debug: wait for every step's loss before the next (the host no longer runs ahead "
+        "of the device)",
     )
     run.add_argument("--data", metavar="PATH", help="text folder or file (default: the stdlib)")
     run.add_argument("--ckpt-dir", metavar="DIR", help="checkpoint folder (default: none)")
@@ -65,7 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="continue from step N of --ckpt-dir (implies --resume); later steps are replaced",
     )
     run.add_argument(
-        "--metrics", metavar="FILE", help="append each loss to FILE as JSON lines (process 0)"
+        "--metrics",
+        metavar="FILE",
+        help="append each step's loss, step_time_s, tokens_per_s and mfu, and each validation "
+        "loss, to FILE as JSON lines (process 0)",
     )
     procs = parser.add_argument_group(
         "several processes (a mesh over every device of every process)"
@@ -114,7 +135,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the byte-level Transformer in Flax Linen (transformer) or Flax NNX "
         "(transformer-nnx): the same parameters and names",
     )
-    model.add_argument("--config", choices=("tiny", "small"), help="preset model size")
+    model.add_argument(
+        "--config",
+        choices=("tiny", "small", "base"),
+        help="preset model size (base: 126M parameters for one GPU, with batch 32 x 1024)",
+    )
     for flag, about in (
         ("--layers", "Transformer blocks"),
         ("--heads", "attention heads"),
@@ -124,7 +149,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ):
         model.add_argument(flag, type=int, metavar="N", help=about)
     model.add_argument("--positions", choices=("rope", "learned"), help="position encoding")
-    model.add_argument("--dtype", choices=("float32", "bfloat16"), help="activation dtype")
+    model.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        help="compute dtype; parameters, optimizer state, logits and loss stay float32",
+    )
     model.add_argument(
         "--no-scan",
         dest="scan_layers",
@@ -137,7 +166,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _request(args: argparse.Namespace) -> Any:
+def _request(args: argparse.Namespace, devices: Any = None) -> Any:
     from meshplan.cli.train_request import TrainRequest
 
     overrides = {field: getattr(args, dest) for dest, field in MODEL_FLAGS.items()}
@@ -156,10 +185,12 @@ def _request(args: argparse.Namespace) -> Any:
         metrics=args.metrics,
         settings={k: v for k, v in settings.items() if v is not None},
         model=getattr(args, "model", None),
+        devices=devices,
+        sync_every_step=bool(getattr(args, "sync_every_step", False)),
     )
 
 
-def _header(console: Console, trainer: Any) -> None:
+def _header(console: Console, trainer: Any, devices: Any, peak: Any) -> None:
     from meshplan._text import human_bytes
     from meshplan.cli.train_request import MODELS
     from meshplan.examples.transformer import TransformerConfig
@@ -187,6 +218,11 @@ def _header(console: Console, trainer: Any) -> None:
             f"data: {corpus.source} ({len(corpus.train):,} train / {len(corpus.valid):,} "
             f"valid bytes)"
         ],
+        [
+            devices.describe() + f"; compute dtype {config.dtype}, parameters and AdamW "
+            f"state float32; {_flop_text(trainer.flops_per_step)} a step"
+        ],
+        [f"MFU against: {peak.label}" if peak.flops else f"no MFU: {peak.why}"],
     ]
     if trainer.resume_from is not None:
         meta = trainer.resume_from
@@ -219,13 +255,62 @@ def _header(console: Console, trainer: Any) -> None:
     console.print(table)
 
 
-def _summary(console: Console, trainer: Any, result: Any) -> None:
+def _flop_text(flops: float) -> str:
+    """``2.9e13`` -> ``'29.0 TFLOP'``.
+
+    Example:
+        >>> from meshplan.cli.train import _flop_text
+        >>> _flop_text(2.897e13), _flop_text(1.9e8), _flop_text(12)
+        ('29.0 TFLOP', '190.0 MFLOP', '12 FLOP')
+    """
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if flops >= scale:
+            return f"{flops / scale:,.1f} {unit}"
+    return f"{flops:,.0f} FLOP"
+
+
+def _peak_memory(devices: Any) -> int | None:
+    """The most bytes any of ``devices`` held at once (``memory_stats()``), or ``None``."""
+    peaks = []
+    for device in devices.devices:
+        try:
+            stats = device.memory_stats()
+        except Exception:  # not every backend has them
+            stats = None
+        if stats and stats.get("peak_bytes_in_use") is not None:
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    return max(peaks) if peaks else None
+
+
+def _summary(console: Console, trainer: Any, result: Any, devices: Any, peak: Any) -> None:
+    from meshplan._text import human_bytes
+
     table = Table(title="Summary", title_justify="left", show_header=False)
     table.add_column("what")
     table.add_column("value")
     table.add_row("steps", f"{result.start_step} -> {result.end_step}")
     table.add_row("time", f"{result.seconds:.1f} s")
+    table.add_row("devices", devices.describe().removeprefix("devices: "))
+    timed = len(result.step_times)
+    table.add_row(
+        "step time",
+        f"{result.step_time_s * 1e3:,.1f} ms (median of {timed} timed step{'s' * (timed != 1)}; "
+        f"compile, evaluations and saves left out)"
+        if timed
+        else "- (no step timed: the first compiles)",
+    )
     table.add_row("tokens/s", f"{result.tokens_per_second:,.0f}")
+    if result.mfu is not None:
+        table.add_row("MFU", text(f"{result.mfu:.1%} (against the {peak.label})"))
+    else:
+        table.add_row("MFU", text(f"- ({peak.why})" if peak.why else "- (no step timed)"))
+    memory = _peak_memory(devices)
+    table.add_row(
+        "peak device memory",
+        human_bytes(memory) + " (the fullest device, memory_stats())"
+        if memory is not None
+        else "- (these devices report no memory_stats())",
+    )
     if result.losses:
         last = max(result.losses)
         table.add_row("final train loss", f"{result.losses[last]:.3f} nats/byte (step {last})")
@@ -274,21 +359,25 @@ def run(args: argparse.Namespace) -> int:
         from meshplan.cli.train_processes import launch_workers
 
         return launch_workers(args)
-    use_cpu_devices(args.devices)
     try:
+        select_platform(args.platform, args.devices)
         from meshplan.cli.train_processes import join_if_asked
 
         group = join_if_asked(args)
+        from meshplan.cli.devices import found_devices
+
+        devices = found_devices(args.platform)
     except MeshplanError as e:
         print_error(e)
         return 2
     import jax
 
     from meshplan.cli.train_request import prepare
+    from meshplan.train.flops import mesh_peak
 
     console = _console(jax.process_index() == 0)
     try:
-        trainer = prepare(_request(args))
+        trainer = prepare(_request(args, devices))
     except MeshplanError as e:
         print_error(e)  # every problem, then the fixes in flag terms
         return 2
@@ -314,7 +403,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         for note in trainer.notes:
             say(Console(stderr=True), ("note: ", "bold"), note, soft_wrap=True)
-    _header(console, trainer)
+    used = trainer.mesh.devices.flat
+    peak = mesh_peak(
+        devices.platform,
+        devices.kind,
+        trainer.mesh.devices.size,
+        str((trainer.config or {}).get("dtype", "float32")),
+        tuple(used) if devices.emulated else None,
+    )
+    trainer.peak_flops_per_s = peak.flops
+    _header(console, trainer, devices, peak)
 
     from rich.progress import (
         BarColumn,
@@ -342,10 +440,16 @@ def run(args: argparse.Namespace) -> int:
 
     stop = _StopOnSigterm(enabled=jax.process_count() == 1)
 
-    def on_step(step: int, loss: float, tps: float) -> None:
+    def on_step(record: Any) -> None:  # a StepRecord, while the device runs the next step
         assert task is not None  # added before the run starts
-        progress.update(task, completed=step, loss=f"{loss:.3f}", tps=f"{tps:,.0f}" if tps else "-")
-        log({"step": step, "loss": loss})
+        tps = record.tokens_per_s
+        progress.update(
+            task,
+            completed=record.step,
+            loss=f"{record.loss:.3f}",
+            tps=f"{tps:,.0f}" if tps else "-",
+        )
+        log(record.to_dict())
         stop.check()
 
     def on_eval(step: int, loss: float) -> None:
@@ -388,7 +492,7 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         _close(trainer)  # any other error: let the save in progress reach the disk first
         raise
-    _summary(console, trainer, result)
+    _summary(console, trainer, result, devices, peak)
     if jax.process_index() != 0:
         say(
             Console(stderr=True),

@@ -48,8 +48,16 @@ from meshplan._spmd.mesh_info import mesh_info
 from meshplan._spmd.rules import rules_problems
 from meshplan._spmd.validate import check_leaf, validate
 from meshplan._text import human_bytes
+from meshplan.cli.devices import DeviceChoice, choose_devices
 from meshplan.examples.data import BATCH_NAMES, ByteCorpus, DataError, shard_batch
-from meshplan.examples.transformer import Transformer, TransformerConfig, config_from_name, loss_fn
+from meshplan.examples.transformer import (
+    CONFIG_SETTINGS,
+    Transformer,
+    TransformerConfig,
+    config_from_name,
+    loss_fn,
+    train_flops,
+)
 from meshplan.examples.transformer_nnx import FunctionalTransformer
 from meshplan.layouts import get_layout
 from meshplan.train.mesh import MESH_AXES, make_mesh, parse_mesh
@@ -116,6 +124,10 @@ class TrainRequest:
         settings: :class:`TrainSettings` fields the user gave.
         model: ``transformer`` (Flax Linen) or ``transformer-nnx`` (Flax NNX);
             ``None`` resumes with the checkpoint's, or uses ``transformer``.
+        devices: The devices to build the mesh on
+            (:func:`meshplan.cli.devices.found_devices`); ``None``: JAX's default devices.
+        sync_every_step: Read every step's loss at once (``--sync-every-step``, for
+            measuring what overlapping the host and the device gains).
     """
 
     mesh: str = "2x4"
@@ -129,6 +141,8 @@ class TrainRequest:
     metrics: str | None = None
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
     model: str | None = None
+    devices: DeviceChoice | None = None
+    sync_every_step: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,10 +350,12 @@ _FIXES = {
 def _resolve_settings(
     request: TrainRequest, stored: CheckpointMetadata | None, problems: _Problems
 ) -> TrainSettings:
-    """The defaults, overridden by the checkpoint's settings, overridden by the request's."""
+    """The defaults, overridden by the preset's (``--config base``), by the checkpoint's
+    settings, then by the request's."""
     stored_train = (stored.extra.get("train") or {}) if stored else {}
+    preset = CONFIG_SETTINGS.get(request.config or "", {})
     settings = TrainSettings.from_dict(
-        {**TrainSettings().to_dict(), **stored_train, **request.settings}
+        {**TrainSettings().to_dict(), **preset, **stored_train, **request.settings}
     )
     for name, why in settings.problems():
         where = "the checkpoint's " if name not in request.settings else ""
@@ -404,7 +420,9 @@ def _check_config(
         config = _resolve_config(request, stored)
     except (ValueError, TypeError) as e:
         problems.add(
-            MeshplanError, f"model config: {e}", "Use --config tiny|small with valid size flags."
+            MeshplanError,
+            f"model config: {e}",
+            "Use --config tiny|small|base with valid size flags.",
         )
         return None
     if settings.seq_len > config.max_len:
@@ -709,7 +727,16 @@ def prepare(request: TrainRequest) -> Trainer:
     except MeshplanError as e:
         problems.add_error(e)
     try:
-        mesh = make_mesh(_parse_train_mesh(request.mesh))
+        shape = _parse_train_mesh(request.mesh)
+        choice = request.devices
+        if choice is not None:  # refused with the numbers and the fix in flag terms
+            choose_devices(
+                [] if choice.emulated else choice.devices,
+                choice.devices if choice.emulated else [],
+                needed=math.prod(shape),
+                mesh=request.mesh,
+            )
+        mesh = make_mesh(shape, None if choice is None else choice.devices)
     except MeshplanError as e:
         problems.add_error(e)
     ckpt_dir, resume = _check_checkpoint_dir(request, problems)
@@ -763,6 +790,8 @@ def prepare(request: TrainRequest) -> Trainer:
         resume_from=stored,
         layout_name=str(request.rules),
         discard_steps=resume.damaged,
+        flops_per_step=train_flops(config, settings.batch, settings.seq_len),
+        sync_every_step=request.sync_every_step,
     )
     trainer.notes.extend(resume.notes)
     note = _model_note(kind, stored)

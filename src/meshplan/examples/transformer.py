@@ -61,6 +61,7 @@ from meshplan._spmd.mesh import apply_spec  # not public: constrain on Auto, res
 __all__ = [
     "AXIS_NAMES",
     "CONFIGS",
+    "CONFIG_SETTINGS",
     "Block",
     "LayerNorm",
     "Transformer",
@@ -68,6 +69,8 @@ __all__ = [
     "config_from_name",
     "gathered",
     "loss_fn",
+    "parameter_count",
+    "train_flops",
 ]
 
 AXIS_NAMES = ("batch", "length", "embed", "heads", "kv", "mlp", "vocab", "layer")
@@ -165,8 +168,18 @@ CONFIGS: dict[str, TransformerConfig] = {
     "tiny": TransformerConfig(num_layers=2, num_heads=4, embed_dim=128, mlp_dim=512, max_len=256),
     # 4,856,320 parameters.
     "small": TransformerConfig(num_layers=6, num_heads=8, embed_dim=256, mlp_dim=1024, max_len=512),
+    # 126,396,416 parameters, for one modern GPU (with --dtype bfloat16): batch 32 x 1024
+    # bytes, 32,768 tokens and about 29 TFLOP a step (train_flops).
+    "base": TransformerConfig(
+        num_layers=10, num_heads=16, embed_dim=1024, mlp_dim=4096, max_len=1024
+    ),
 }
 """Preset configs by name."""
+
+CONFIG_SETTINGS: dict[str, dict[str, Any]] = {
+    "base": {"batch": 32, "seq_len": 1024, "lr": 6e-4, "warmup": 100},
+}
+"""Training settings a preset brings along (``meshplan train --config base``), unless given."""
 
 
 def config_from_name(name: str, **overrides: Any) -> TransformerConfig:
@@ -508,3 +521,38 @@ def loss_fn(params: Any, batch_tokens: Array, model: Transformer) -> Array:
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     one_hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=log_probs.dtype)
     return -jnp.mean(jnp.sum(log_probs * one_hot, axis=-1))
+
+
+def parameter_count(config: TransformerConfig) -> int:
+    """The number of parameters of :class:`Transformer` with ``config``, from its shapes.
+
+    Example:
+        >>> from meshplan.examples.transformer import CONFIGS, parameter_count
+        >>> parameter_count(CONFIGS["tiny"]), parameter_count(CONFIGS["base"])
+        (460032, 126396416)
+    """
+    e, m, v = config.embed_dim, config.mlp_dim, config.vocab_size
+    block = 4 * e * e + 2 * e * m + 4 * e  # query, key, value, out; wi, wo; two norms
+    positions = config.max_len * e if config.positions == "learned" else 0
+    return config.num_layers * block + 2 * v * e + 2 * e + positions
+
+
+def train_flops(config: TransformerConfig, batch: int, seq_len: int) -> int:
+    """Model FLOPs of one training step (forward and backward) on ``batch`` x ``seq_len`` tokens.
+
+    ``6 * N * tokens + 12 * L * T * E * tokens``: ``N`` the parameters
+    (:func:`parameter_count`), each used in one multiply-add per token forward
+    and two backward; and attention's two ``T x T`` products (scores and the
+    weighted sum) per layer, ``4 * T * E`` FLOPs a token forward, twice that
+    backward (``L`` layers, ``T = seq_len``, ``E = embed_dim``). The full ``T x
+    T`` products are counted, as the model computes them (then masks). As usual
+    for MFU: no remat recomputation, no norms, softmax or optimizer.
+
+    Example:
+        >>> from meshplan.examples.transformer import CONFIGS, train_flops
+        >>> f"{train_flops(CONFIGS['base'], 32, 1024):.3e}"
+        '2.897e+13'
+    """
+    tokens = batch * seq_len
+    attention = 12 * config.num_layers * seq_len * config.embed_dim
+    return 6 * parameter_count(config) * tokens + attention * tokens

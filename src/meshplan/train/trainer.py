@@ -18,6 +18,14 @@ The recipe is the guide's:
    ``jax.make_array_from_process_local_data``), and the steps take their
    shardings.
 
+The host does not wait for the device without need: each step is dispatched,
+the next batch is prepared and placed while it runs, and a step's loss is
+read (the one sync) only after the next step is dispatched, so the device
+always has work queued. The divergence check therefore trails by a step; a
+step is never saved before its loss was read and found finite (and the
+checkpoint library refuses non-finite states anyway). ``sync_every_step``
+reads each loss at once instead (the slower way, to measure the difference).
+
 When batches are a function of (split, index) and the learning-rate schedule
 of the step only, as in ``meshplan train``, a run resumed from a checkpoint
 (on any mesh, with any layout) sees exactly the batches and updates of an
@@ -57,7 +65,7 @@ from meshplan.train.state import (
     state_shardings,
 )
 
-__all__ = ["Batches", "Diverged", "Loss", "TrainResult", "Trainer"]
+__all__ = ["Batches", "Diverged", "Loss", "StepRecord", "TrainResult", "Trainer"]
 
 Loss = Callable[[Any, Any], jax.Array]
 """``loss(params, batch) -> scalar``: the loss to minimise (``params``: the model's
@@ -113,6 +121,32 @@ class Diverged(MeshplanError, FloatingPointError):
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """What :meth:`Trainer.run` reports of one training step (``on_step``).
+
+    Attributes:
+        step: The step number (1 for the first step run from 0).
+        loss: Its training loss.
+        step_time_s: Its wall time in seconds, from the end of the step before
+            to its own end, or ``None`` for a step that compiled or followed an
+            evaluation or a save (left out of the throughput).
+        tokens_per_s: ``tokens_per_step / step_time_s``, or ``None``.
+        mfu: Model FLOPs utilisation of the step, ``flops_per_step /
+            step_time_s / peak_flops_per_s``, when the trainer knows both, else ``None``.
+    """
+
+    step: int
+    loss: float
+    step_time_s: float | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict (``--metrics`` writes one per step)."""
+        return dataclasses.asdict(self)
+
+
 @dataclasses.dataclass
 class TrainResult:
     """What :meth:`Trainer.run` did.
@@ -128,6 +162,10 @@ class TrainResult:
             compiles, and the time spent evaluating and saving left out).
         seconds: Wall time of the loop.
         saved_steps: Steps saved as checkpoints during this run.
+        step_times: Wall time of each timed step (:class:`StepRecord`), by step.
+        step_time_s: The median of :attr:`step_times` (``0.0`` if none).
+        mfu: Model FLOPs utilisation at the median step time, or ``None``
+            (the trainer knows no FLOP count or no peak).
     """
 
     start_step: int
@@ -138,6 +176,9 @@ class TrainResult:
     tokens_per_second: float = 0.0
     seconds: float = 0.0
     saved_steps: list[int] = dataclasses.field(default_factory=list)
+    step_times: dict[int, float] = dataclasses.field(default_factory=dict)
+    step_time_s: float = 0.0
+    mfu: float | None = None
 
 
 class Trainer:
@@ -175,6 +216,12 @@ class Trainer:
             writes its own.
         tx: The optimizer (default :func:`meshplan.train.settings.make_optimizer`).
         abstract: ``jax.eval_shape`` of the state, when already traced.
+        flops_per_step: The model FLOPs of one training step (forward and
+            backward), for MFU; ``None``: unknown.
+        peak_flops_per_s: What the mesh's devices can do together, for MFU;
+            ``None``: unknown.
+        sync_every_step: Read each step's loss as soon as it is dispatched (the
+            host waits for every step; for measuring what the overlap gains).
 
     Attributes:
         notes: Sentences for the user about the checkpoint folder (a stale lock
@@ -208,6 +255,9 @@ class Trainer:
         discard_steps: tuple[int, ...] | list[int] = (),
         tx: Any = None,
         abstract: Any = None,
+        flops_per_step: float | None = None,
+        peak_flops_per_s: float | None = None,
+        sync_every_step: bool = False,
     ) -> None:
         self.model = model
         self.loss = loss
@@ -223,6 +273,9 @@ class Trainer:
         self.layout_name = layout_name
         self.max_to_keep = settings.keep if max_to_keep is None else max_to_keep
         self.discard_steps = tuple(int(s) for s in discard_steps)
+        self.flops_per_step = flops_per_step
+        self.peak_flops_per_s = peak_flops_per_s
+        self.sync_every_step = sync_every_step
         self.notes: list[str] = []
         self.best_saved: tuple[int, float] | None = None
         self.latest_saved: int | None = None
@@ -351,9 +404,13 @@ class Trainer:
             out_shardings=replicated,
         )
 
-    def train_step(self) -> jax.Array:
-        """Runs one step on the batch of the current step; returns its loss (not synced)."""
-        batch = self.batches("train", self.step)
+    def train_step(self, batch: Any = None) -> jax.Array:
+        """Runs one step on the batch of the current step; returns its loss (not synced).
+
+        ``batch`` is that batch when the caller has fetched it already (prefetched).
+        """
+        if batch is None:
+            batch = self.batches("train", self.step)
         if self._train_step is None:
             self._compile(batch)
         assert self._train_step is not None  # set by _compile
@@ -381,14 +438,17 @@ class Trainer:
             self.best_valid = (self.step, value)
         return value
 
-    def _diverged(self, what: str, path: str) -> NoReturn:
-        """Raises :class:`Diverged` for the current step, once the save in progress is done."""
+    def _diverged(self, what: str, path: str, step: int | None = None) -> NoReturn:
+        """Raises :class:`Diverged` for ``step`` (default the current one), once the save in
+        progress is done."""
         last_good = best = None
         if self._checkpointer is not None:
             self._checkpointer.wait()  # the step being written counts (or its failure is raised)
             last_good = self._checkpointer.latest_step()
             best = self._checkpointer.best()
-        raise Diverged(self.step, what, path, last_good, best, self.ckpt_dir)
+        raise Diverged(
+            self.step if step is None else step, what, path, last_good, best, self.ckpt_dir
+        )
 
     def save(self) -> bool:
         """Starts an asynchronous save of the current step; ``False`` if not saving.
@@ -461,21 +521,35 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------
 
+    def mfu(self, step_time_s: float | None) -> float | None:
+        """Model FLOPs utilisation of a step of ``step_time_s`` seconds, or ``None`` if unknown."""
+        if not step_time_s or not self.flops_per_step or not self.peak_flops_per_s:
+            return None
+        return self.flops_per_step / step_time_s / self.peak_flops_per_s
+
     def run(
         self,
-        on_step: Callable[[int, float, float], None] | None = None,
+        on_step: Callable[[StepRecord], None] | None = None,
         on_eval: Callable[[int, float], None] | None = None,
         on_save: Callable[[int], None] | None = None,
     ) -> TrainResult:
         """Trains from :attr:`step` up to ``settings.steps``, evaluating and saving on schedule.
 
+        Step ``k + 1`` is dispatched, and its batch placed, before the loss of
+        step ``k`` is read (unless ``sync_every_step``); ``on_step`` runs then,
+        while the device works. Before an evaluation or a save every loss is read.
+
         Args:
-            on_step: Called after each step with ``(step, loss, tokens_per_second)``.
+            on_step: Called with each step's :class:`StepRecord`, at most a step late.
             on_eval: Called after each evaluation with ``(step, valid_loss)``.
             on_save: Called when a checkpoint save starts, with its step.
 
         Returns:
             A :class:`TrainResult`.
+
+        Raises:
+            Diverged: a step's loss, the validation loss or the state to save is
+                not finite (nothing of that step is saved).
         """
         s = self.settings
         if self.state is None:
@@ -486,35 +560,66 @@ class Trainer:
             if on_eval:
                 on_eval(0, result.evals[0])
         t0 = time.perf_counter()
-        first, timed_steps, timed_seconds = True, 0, 0.0
         tokens_per_step = s.batch * s.seq_len
-        tps = 0.0
-        while self.step < s.steps:
-            started = time.perf_counter()
-            loss = float(self.train_step())  # read anyway, for the progress: no extra sync
+        # The end of the step before the one read next; None: that step is not timed
+        # (it compiled, or an evaluation or a save came between).
+        since: float | None = None
+        pending: tuple[int, jax.Array] | None = None
+
+        def read(step: int, loss_array: jax.Array) -> None:
+            nonlocal since
+            loss = float(loss_array)  # waits for that step (the next one is queued already)
+            done = time.perf_counter()
             if not math.isfinite(loss):
-                self._diverged(f"its training loss is {loss}", "loss")
-            if first:
-                first = False  # the first step compiles: leave it out of the throughput
-            else:
-                timed_steps += 1
-                timed_seconds += time.perf_counter() - started
-                tps = timed_steps * tokens_per_step / max(timed_seconds, 1e-9)
-            result.losses[self.step] = loss
+                self._diverged(f"its training loss is {loss}", "loss", step)
+            seconds = None if since is None else done - since
+            since = done
+            record = StepRecord(step, loss)
+            if seconds is not None:
+                result.step_times[step] = seconds
+                record = StepRecord(
+                    step, loss, seconds, tokens_per_step / max(seconds, 1e-12), self.mfu(seconds)
+                )
+            result.losses[step] = loss
             if on_step:
-                on_step(self.step, loss, tps)
-            last = self.step == s.steps
-            if (s.eval_every and self.step % s.eval_every == 0) or last:
-                result.evals[self.step] = self.evaluate()
-                if on_eval:
-                    on_eval(self.step, result.evals[self.step])
-            due = (s.ckpt_every and self.step % s.ckpt_every == 0) or last
-            if due and self.save():
-                result.saved_steps.append(self.step)
-                if on_save:
-                    on_save(self.step)
+                on_step(record)
+
+        batch = self.batches("train", self.step) if self.step < s.steps else None
+        while self.step < s.steps:
+            loss = self.train_step(batch)
+            step = self.step
+            last = step == s.steps
+            evaluate = bool(s.eval_every and step % s.eval_every == 0) or last
+            save = bool(s.ckpt_every and step % s.ckpt_every == 0) or last
+            if self.sync_every_step or evaluate or save:
+                if pending is not None:
+                    read(*pending)
+                    pending = None
+                read(step, loss)
+                if evaluate or save:
+                    if evaluate:
+                        result.evals[step] = self.evaluate()
+                        if on_eval:
+                            on_eval(step, result.evals[step])
+                    if save and self.save():
+                        result.saved_steps.append(step)
+                        if on_save:
+                            on_save(step)
+                    since = None  # the next step's time would count the evaluation or save
+                batch = None if last else self.batches("train", step)
+            else:
+                batch = self.batches("train", step)  # placed while the step runs
+                if pending is not None:
+                    read(*pending)
+                pending = (step, loss)
+        if pending is not None:  # (not reached: the last step is read above)
+            read(*pending)
         result.seconds = time.perf_counter() - t0
         result.end_step = self.step
         result.best_valid = self.best_valid
-        result.tokens_per_second = tps
+        timed = list(result.step_times.values())
+        if timed:
+            result.tokens_per_second = len(timed) * tokens_per_step / max(sum(timed), 1e-12)
+            result.step_time_s = float(np.median(timed))
+            result.mfu = self.mfu(result.step_time_s)
         return result
