@@ -25,22 +25,22 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import argparse  # noqa: E402
-import functools  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import functools
+import statistics
+import time
+from typing import Any
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
+import jax
+import jax.numpy as jnp
+import optax
 
-import meshplan  # noqa: E402
-from meshplan._search.timing import prepare_step  # noqa: E402
-from meshplan.examples.mlp import LogicalMLP, init_fn  # noqa: E402
-from meshplan.examples.transformer import Transformer, config_from_name, loss_fn  # noqa: E402
-from meshplan.train.settings import TrainSettings  # noqa: E402
-from meshplan.train.state import abstract_train_state  # noqa: E402
+import meshplan
+from meshplan._search.timing import prepare_step
+from meshplan.examples.mlp import LogicalMLP, init_fn
+from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
+from meshplan.train.settings import TrainSettings
+from meshplan.train.state import abstract_train_state
 
 
 def mlp() -> tuple[Any, Any, Any]:
