@@ -307,14 +307,15 @@ def choose_devices(
             f"(XLA_FLAGS=--{_FLAG}=N sets how many)."
         )
         have = f"{choice.count} (emulated CPU devices)"
-    elif mesh is None:
-        fix = f"Pass --platform cpu to run on {needed} emulated CPU devices."
     else:
-        fix = (
-            f"Use a smaller mesh: at most {choice.count} devices (e.g. --mesh {choice.count}x1), "
-            f"or pass --platform cpu --devices {needed} to emulate {needed} CPU devices."
-        )
         have = f"{choice.count} ({choice.kind}, platform {choice.platform})"
+        fix = (
+            f"Pass --platform cpu to run on {needed} emulated CPU devices."
+            if mesh is None
+            else f"Use a smaller mesh: at most {choice.count} devices (e.g. --mesh "
+            f"{choice.count}x1), or pass --platform cpu --devices {needed} to emulate {needed} "
+            f"CPU devices."
+        )
     raise MeshError(f"{what} needs {needed} devices, but there are only {have}.\n{fix}")
 
 

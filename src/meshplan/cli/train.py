@@ -403,13 +403,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         for note in trainer.notes:
             say(Console(stderr=True), ("note: ", "bold"), note, soft_wrap=True)
-    used = trainer.mesh.devices.flat
     peak = mesh_peak(
         devices.platform,
         devices.kind,
         trainer.mesh.devices.size,
         str((trainer.config or {}).get("dtype", "float32")),
-        tuple(used) if devices.emulated else None,
     )
     trainer.peak_flops_per_s = peak.flops
     _header(console, trainer, devices, peak)

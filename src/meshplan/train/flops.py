@@ -15,8 +15,6 @@ import dataclasses
 import functools
 import re
 import time
-from collections.abc import Sequence
-from typing import Any
 
 __all__ = ["PEAKS", "DevicePeak", "MeshPeak", "measure_cpu_peak", "mesh_peak", "peak_of"]
 
@@ -122,13 +120,11 @@ class MeshPeak:
     why: str | None = None
 
 
-def mesh_peak(
-    platform: str, kind: str, count: int, dtype: str, devices: Sequence[Any] | None = None
-) -> MeshPeak:
+def mesh_peak(platform: str, kind: str, count: int, dtype: str) -> MeshPeak:
     """The peak of ``count`` devices of ``kind`` computing in ``dtype``.
 
     Accelerators: :data:`PEAKS` times ``count``. Emulated CPU devices share the
-    host's cores: the peak is :func:`measure_cpu_peak` on ``devices``, all at once.
+    host's cores: the peak is the host's, :func:`measure_cpu_peak`, whatever ``count``.
 
     Example:
         >>> from meshplan.train.flops import mesh_peak
@@ -139,11 +135,11 @@ def mesh_peak(
         no peak FLOP/s is known for NVIDIA GeForce GTX 1080 (meshplan.train.flops.PEAKS lists ...)
     """
     if platform == "cpu":
-        measured = measure_cpu_peak(dtype, tuple(devices) if devices else None)
+        measured = measure_cpu_peak(dtype)
         return MeshPeak(
             measured,
-            f"measured CPU peak: a {dtype} matmul on all {count} emulated CPU devices at once "
-            f"does {measured / 1e9:,.1f} GFLOP/s on this host (not a hardware figure)",
+            f"measured CPU peak: a {dtype} matmul on every emulated CPU device at once does "
+            f"{measured / 1e9:,.1f} GFLOP/s on this host (not a hardware figure)",
         )
     peak = peak_of(kind)
     if peak is None:
@@ -168,20 +164,24 @@ def mesh_peak(
     )
 
 
-@functools.cache
-def measure_cpu_peak(dtype: str = "float32", devices: tuple[Any, ...] | None = None) -> float:
+def measure_cpu_peak(dtype: str = "float32") -> float:
     """FLOP/s of a square matmul on every CPU device at once: the best of a few short rounds.
 
     The emulated devices share this host's cores, so this is the host's peak as
     a sharded step sees it (XLA's CPU matmuls, not a hardware figure). About a
-    quarter of a second; measured once per process.
+    quarter of a second; measured once per process and dtype.
     """
+    return _measure_cpu_peak(str(dtype))
+
+
+@functools.cache
+def _measure_cpu_peak(dtype: str) -> float:
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    cpus = list(devices) if devices else jax.devices("cpu")
+    cpus = jax.devices("cpu")
     n = 256
     mesh = Mesh(np.array(cpus), ("d",))
     sharding = NamedSharding(mesh, PartitionSpec("d"))
