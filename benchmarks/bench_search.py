@@ -143,7 +143,13 @@ def bench(name: str, case: tuple[Any, Any, Any], args: argparse.Namespace) -> di
 
 def plan_1b() -> None:
     cfg = config_from_name(
-        "small", num_layers=16, embed_dim=2048, num_heads=16, mlp_dim=8192, vocab_size=32768
+        "small",
+        num_layers=16,
+        embed_dim=2048,
+        num_heads=16,
+        mlp_dim=8192,
+        vocab_size=32768,
+        max_len=2048,
     )
     model = Transformer(cfg)
     batch, seq = 256, 2048
