@@ -39,6 +39,12 @@ class HardwareProfile:
         domain_devices: Devices per fast domain (NVLink host, TPU slice).
         latency_s: Seconds each collective costs whatever its size.
         source: Where the figures come from.
+
+    Example:
+        >>> import meshplan
+        >>> mine = meshplan.HardwareProfile("mine", 100e12, 32 * 2**30, 1e12, 200e9, 25e9, 4, 1e-5)
+        >>> mine.axis_bandwidth({"data": 8, "tensor": 4}, "data")   # crosses the 4-device hosts
+        25000000000.0
     """
 
     name: str
@@ -67,6 +73,13 @@ class HardwareProfile:
         return self.fast_bandwidth if span <= self.domain_devices else self.slow_bandwidth
 
     def to_dict(self) -> dict[str, Any]:
+        """The figures as plain data.
+
+        Example:
+            >>> import meshplan
+            >>> meshplan.HardwareProfile("x", 1.0, 2, 3.0, 4.0, 5.0, 6, 0.0).to_dict()["domain_devices"]
+            6
+        """
         return dataclasses.asdict(self)
 
 

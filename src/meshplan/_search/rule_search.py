@@ -131,6 +131,17 @@ class RuleSearchResult:
     ``counts``: ``enumerated``, ``pruned`` (by reason), ``scored``, ``compiled``,
     ``measured``; ``best``: the first ``ok`` row, or ``None``; ``seconds``: the
     search's wall time (tracing included).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> w = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
+        >>> state = {"w": meshplan.LogicallyPartitioned(w, ("embed", "mlp"))}
+        >>> def step(s, x):
+        ...     return jax.grad(lambda w: ((x @ w) ** 2).mean())(s["w"].value)
+        >>> x = jax.ShapeDtypeStruct((64, 4096), jnp.float32)
+        >>> result = meshplan.search_rules(8, state, step, x, profile="h100", compile_top=0)
+        >>> result.counts["compiled"], result.best.rank
+        (0, 1)
     """
 
     rows: list[RuleRow]
@@ -143,22 +154,88 @@ class RuleSearchResult:
 
     @property
     def ok(self) -> list[RuleRow]:
+        """The rows that passed, ranked.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> w = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
+            >>> state = {"w": meshplan.LogicallyPartitioned(w, ("embed", "mlp"))}
+            >>> def step(s, x):
+            ...     return jax.grad(lambda w: ((x @ w) ** 2).mean())(s["w"].value)
+            >>> x = jax.ShapeDtypeStruct((64, 4096), jnp.float32)
+            >>> result = meshplan.search_rules(8, state, step, x, profile="h100", compile_top=0)
+            >>> [r.rank for r in result.ok][:3]
+            [1, 2, 3]
+        """
         return [r for r in self.rows if r.status == "ok"]
 
     @property
     def best(self) -> RuleRow | None:
+        """The first ranked row, or ``None`` when nothing passed.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> w = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
+            >>> state = {"w": meshplan.LogicallyPartitioned(w, ("embed", "mlp"))}
+            >>> def step(s, x):
+            ...     return jax.grad(lambda w: ((x @ w) ** 2).mean())(s["w"].value)
+            >>> x = jax.ShapeDtypeStruct((64, 4096), jnp.float32)
+            >>> result = meshplan.search_rules(8, state, step, x, profile="h100", compile_top=0)
+            >>> result.best.mesh_text, result.best.layout
+            ('1x8', 'tensor_parallel')
+        """
         return next(iter(self.ok), None)
 
     def best_builtin(self) -> RuleRow | None:
-        """The first ``ok`` row of a built-in layout."""
+        """The first ``ok`` row of a built-in layout.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> w = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
+            >>> state = {"w": meshplan.LogicallyPartitioned(w, ("embed", "mlp"))}
+            >>> def step(s, x):
+            ...     return jax.grad(lambda w: ((x @ w) ** 2).mean())(s["w"].value)
+            >>> x = jax.ShapeDtypeStruct((64, 4096), jnp.float32)
+            >>> result = meshplan.search_rules(8, state, step, x, profile="h100", compile_top=0)
+            >>> result.best_builtin().layout
+            'tensor_parallel'
+        """
         return next((r for r in self.ok if r.layout != "searched"), None)
 
     def train_command(self, rules_path: str = "rules.json", write: bool = True) -> str | None:
-        """The best row's ``meshplan train`` command (:meth:`RuleRow.train_command`)."""
+        """The best row's ``meshplan train`` command; writes its rules to ``rules_path``.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> w = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
+            >>> state = {"w": meshplan.LogicallyPartitioned(w, ("embed", "mlp"))}
+            >>> def step(s, x):
+            ...     return jax.grad(lambda w: ((x @ w) ** 2).mean())(s["w"].value)
+            >>> x = jax.ShapeDtypeStruct((64, 4096), jnp.float32)
+            >>> result = meshplan.search_rules(8, state, step, x, profile="h100", compile_top=0)
+            >>> result.train_command("/tmp/rules.json")
+            'meshplan train --mesh 1x8 --axes data,model --rules /tmp/rules.json'
+        """
         return None if self.best is None else self.best.train_command(rules_path, write)
 
     def table(self, top: int = 10) -> str:
-        """The first ``top`` ranked rows and the pruning counts, as text."""
+        """The first ``top`` ranked rows and the pruning counts, as text.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> w = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
+            >>> state = {"w": meshplan.LogicallyPartitioned(w, ("embed", "mlp"))}
+            >>> def step(s, x):
+            ...     return jax.grad(lambda w: ((x @ w) ** 2).mean())(s["w"].value)
+            >>> x = jax.ShapeDtypeStruct((64, 4096), jnp.float32)
+            >>> result = meshplan.search_rules(8, state, step, x, profile="h100", compile_top=0)
+            >>> print(result.table(1))  # doctest: +ELLIPSIS
+            8 devices, profile h100, budget 74.51 GiB/device, batch 64
+              #  mesh ...
+              1  1x8 data,model ...
+            enumerated ..., pruned ...
+            best: 1x8 data,model heads=model mlp=model vocab=model
+        """
         lines = [
             f"{self.devices} devices, profile {self.profile.name}, budget "
             f"{human_bytes(self.budget_bytes)}/device" + (f", batch {self.batch}" if self.batch else ""),
@@ -196,7 +273,20 @@ class RuleSearchResult:
         return self.table()
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data (``schema`` ``meshplan.rule_search/1``)."""
+        """Plain data (``schema`` ``meshplan.rule_search/1``).
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> w = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
+            >>> state = {"w": meshplan.LogicallyPartitioned(w, ("embed", "mlp"))}
+            >>> def step(s, x):
+            ...     return jax.grad(lambda w: ((x @ w) ** 2).mean())(s["w"].value)
+            >>> x = jax.ShapeDtypeStruct((64, 4096), jnp.float32)
+            >>> result = meshplan.search_rules(8, state, step, x, profile="h100", compile_top=0)
+            >>> data = result.to_dict()
+            >>> data["best"]["mesh_shape"], data["best"]["axis_names"], data["best"]["rules"][1]
+            ([1, 8], ['data', 'model'], ['heads', 'model'])
+        """
         return {
             "schema": "meshplan.rule_search/1", "devices": self.devices, "batch": self.batch,
             "profile": self.profile.to_dict(), "budget_bytes": self.budget_bytes,
