@@ -115,7 +115,7 @@ for log in ("2-train", "3-resume"):
         continue
     for line in path.read_text().splitlines():
         words = " ".join(line.replace("│", " ").split())
-        if words.startswith(("devices:", "MFU against", "no MFU", "peak device memory", "MFU ")):
+        if words.startswith(("devices:", "MFU against", "no MFU", "peak memory", "MFU ")):
             print(f"  {log}: {words}")
 PY
 note "result: $([ "$failed" = 0 ] && echo passed || echo FAILED)"

@@ -28,7 +28,7 @@ def test_the_accelerator_check_runs_in_cpu_mode(tmp_path):
         "resume: 1 timed steps"
     )
     assert "so 8 emulated CPU devices (platform cpu)" in results
-    assert "measured CPU peak" in results and "peak device memory" in results
+    assert "measured CPU peak" in results and "peak memory" in results
     assert results.rstrip().endswith("result: passed")
 
 

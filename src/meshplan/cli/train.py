@@ -306,7 +306,7 @@ def _summary(console: Console, trainer: Any, result: Any, devices: Any, peak: An
         table.add_row("MFU", text(f"- ({peak.why})" if peak.why else "- (no step timed)"))
     memory = _peak_memory(devices)
     table.add_row(
-        "peak device memory",
+        "peak memory",
         human_bytes(memory) + " (the fullest device, memory_stats())"
         if memory is not None
         else "- (these devices report no memory_stats())",

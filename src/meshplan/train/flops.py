@@ -181,7 +181,7 @@ def _measure_cpu_peak(dtype: str) -> float:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    cpus = jax.devices("cpu")
+    cpus = jax.local_devices(backend="cpu")  # this process's: no other process takes part
     n = 256
     mesh = Mesh(np.array(cpus), ("d",))
     sharding = NamedSharding(mesh, PartitionSpec("d"))
