@@ -107,7 +107,9 @@ def test_a_diverging_resume_keeps_the_good_steps_and_stops_with_one_error(tmp_pa
     assert first.startswith("error: Training diverged at step ")
     assert "is nan" in first or "NaN" in first or "is inf" in first
     assert f"The last good checkpoint is step 10 of '{folder}'" in first
-    assert f"--resume-step 10 --ckpt-dir {folder} --lr" in err
+    # The fix repeats this run's flags (its --steps 40 among them), so run as printed it trains.
+    fix = err[err.index("meshplan train ") :].strip().rstrip(".")
+    assert fix == (f"meshplan train --steps 40 {' '.join(base)} --resume-step 10 --lr 100000"), fix
     steps = complete_steps(folder)
     assert 10 in steps  # the best (and last good) step is kept, whatever --keep says
     for step in steps:
@@ -116,6 +118,17 @@ def test_a_diverging_resume_keeps_the_good_steps_and_stops_with_one_error(tmp_pa
     after = meshplan.restore(folder, step=10).arrays()
     for key, value in best_before.items():
         np.testing.assert_array_equal(np.asarray(after[key]), np.asarray(value), err_msg=key)
+    assert not (folder / LOCK_NAME).exists()
+
+
+def test_a_resume_with_nothing_left_to_train_says_so(tmp_path, capsys):
+    folder = tmp_path / "run"
+    base = ["--eval-every", "5", "--ckpt-every", "5", "--ckpt-dir", str(folder)]
+    assert _main([*FAST, "--steps", "5", *base], capsys)[0] == 0
+    code, out, _ = _main(["--resume", *base], capsys)
+    assert code == 0
+    assert "note: nothing to train:" in out and "is at step 5 and --steps is 5" in out
+    assert "Pass --steps N with N above 5" in " ".join(out.split())
     assert not (folder / LOCK_NAME).exists()
 
 

@@ -98,7 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     error that a command does not report itself is printed as ``error: ...``
     (exit status 2), never as a traceback.
     """
-    args, extras = build_parser().parse_known_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    args, extras = build_parser().parse_known_args(given)
+    args._argv = given  # a command may repeat the user's flags in the fix it suggests
     if extras:  # the command's own usage and a hint, not the top-level usage
         args._parser.error(_unknown(args._parser, extras))
     from meshplan._errors import MeshplanError  # after parsing: `--help` stays fast

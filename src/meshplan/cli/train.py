@@ -388,6 +388,19 @@ def run(args: argparse.Namespace) -> int:
     except MeshplanError as e:
         print_error(_for_the_command_line(e))
         return 2
+    done = trainer.resume_from.step if trainer.resume_from is not None else None
+    if done is not None and done >= trainer.settings.steps:
+        failed = _close(trainer)
+        whose = " (the checkpoint's setting)" if args.steps is None else ""
+        say(
+            console,
+            f"note: nothing to train: {trainer.ckpt_dir} is at step {done} and --steps is "
+            f"{trainer.settings.steps}{whose}. Pass --steps N with N above {done} to train further.",
+        )
+        if failed is not None:
+            print_error(_for_the_command_line(failed))
+            return 1
+        return 0
     if group is not None:
         say(
             console,
@@ -485,7 +498,7 @@ def run(args: argparse.Namespace) -> int:
         return 143 if isinstance(e, _Terminated) else 130
     except MeshplanError as e:
         _close(trainer)  # the lock is released; a failure already raised is not raised twice
-        print_error(_for_the_command_line(e, trainer.settings.lr))
+        print_error(_for_the_command_line(e, trainer.settings.lr, getattr(args, "_argv", None)))
         return 1
     except BaseException:
         _close(trainer)  # any other error: let the save in progress reach the disk first
@@ -510,7 +523,35 @@ def _close(trainer: Any) -> Exception | None:
     return None
 
 
-def _for_the_command_line(error: Exception, lr: float | None = None) -> str:
+def _again(argv: list[str] | None, drop: dict[str, bool], add: list[str]) -> str:
+    """``meshplan train`` with the user's own flags, less ``drop`` (flag: takes a value), plus ``add``.
+
+    Example:
+        >>> from meshplan.cli.train import _again
+        >>> _again(["train", "--resume", "--lr", "1e6", "--steps", "35", "--ckpt-dir", "r"],
+        ...        {"--resume": False, "--lr": True}, ["--resume-step", "20", "--lr", "1e5"])
+        'meshplan train --steps 35 --ckpt-dir r --resume-step 20 --lr 1e5'
+    """
+    tokens = list(argv or [])
+    if tokens[:1] == ["train"]:
+        tokens = tokens[1:]
+    kept: list[str] = []
+    skip = False
+    for token in tokens:
+        if skip:
+            skip = False
+            continue
+        name = token.split("=", 1)[0]
+        if name in drop:
+            skip = drop[name] and "=" not in token
+            continue
+        kept.append(token)
+    return " ".join(["meshplan", "train", *kept, *add])
+
+
+def _for_the_command_line(
+    error: Exception, lr: float | None = None, argv: list[str] | None = None
+) -> str:
     """The error's message with its fix in flag terms (the library's name API calls)."""
     from meshplan.cli.train_request import _FLAG_ADVICE
     from meshplan.train.trainer import Diverged
@@ -520,10 +561,14 @@ def _for_the_command_line(error: Exception, lr: float | None = None) -> str:
         lower = "--lr <smaller>" if lr is None else f"--lr {lr / 10:g}"
         now = "" if lr is None else f" (this run's is {lr:g})"
         if error.last_good is not None and error.ckpt_dir is not None:
-            fix = (
-                f"Lower --lr{now} and resume from step {error.last_good}: meshplan train "
-                f"--resume-step {error.last_good} --ckpt-dir {error.ckpt_dir} {lower}."
+            again = _again(
+                argv,
+                {"--resume": False, "--resume-step": True, "--lr": True},
+                ["--resume-step", str(error.last_good), *lower.split()],
             )
+            if "--ckpt-dir" not in again:
+                again += f" --ckpt-dir {error.ckpt_dir}"
+            fix = f"Lower --lr{now} and resume from step {error.last_good}: {again}."
         else:
             fix = f"Lower --lr{now} and train again, e.g. with {lower}."
         return f"{problem.message}.\n{fix}"
