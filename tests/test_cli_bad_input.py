@@ -251,3 +251,29 @@ def test_an_unknown_option_shows_the_commands_usage_and_the_nearest_options(caps
     err = capsys.readouterr().err
     assert err.startswith("usage: meshplan train")
     assert "unrecognized arguments: --step 15 (did you mean --steps or --resume-step?)" in err
+
+
+def test_when_xla_flags_set_the_device_count_the_advice_does_not_loop(tmp_path):
+    """XLA_FLAGS forces 4 devices: each message's fix must work, not point back to --devices 8."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env.pop("JAX_PLATFORMS", None)
+
+    def train(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "meshplan.cli", "train", "--platform", "cpu", *flags],
+            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
+        )  # fmt: skip
+
+    first = train("--devices", "8")
+    assert (
+        first.returncode == 2
+        and "pass --devices 4 with a mesh of 4 devices (e.g. --mesh 2x2)" in first.stderr
+    )
+    second = train("--devices", "4")
+    assert second.returncode == 2
+    assert "Use a mesh of 4 devices (e.g. --mesh 2x2)" in second.stderr
+    assert "--devices 8" not in second.stderr

@@ -98,3 +98,11 @@ def test_train_says_what_it_runs_on(tmp_path, capsys):
     assert main([*args, "--mesh", "4x4"]) == 2
     err = capsys.readouterr().err
     assert "The mesh 4x4 needs 16 devices, but there are only 8 (emulated CPU devices)" in err
+
+
+def test_when_xla_flags_set_the_count_the_fix_names_xla_flags_not_devices():
+    with pytest.raises(meshplan.MeshError) as e:
+        choose_devices([], CPUS, needed=16, mesh="2x8", xla_flags_count=True)
+    message = str(e.value)
+    assert "only 8 (emulated CPU devices, set by XLA_FLAGS)" in message
+    assert "Use a mesh of 8 devices (e.g. --mesh 2x4)" in message and "--devices" not in message

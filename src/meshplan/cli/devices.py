@@ -48,6 +48,23 @@ each replicated array in this machine's memory.
 _FLAG = "xla_force_host_platform_device_count"
 
 
+_SET_HERE: list[int] = []
+"""The device counts this process put into XLA_FLAGS itself (from --devices): then advice
+names --devices; when XLA_FLAGS came from the user's environment, it names XLA_FLAGS."""
+
+
+def mesh_text(devices: int) -> str:
+    """A two-axis mesh of ``devices`` devices, as near square as divides: ``'2x4'`` for 8.
+
+    Example:
+        >>> from meshplan.cli.devices import mesh_text
+        >>> mesh_text(8), mesh_text(4), mesh_text(6), mesh_text(1)
+        ('2x4', '2x2', '2x3', '1x1')
+    """
+    first = max(d for d in range(1, int(devices**0.5) + 1) if devices % d == 0)
+    return f"{first}x{devices // first}"
+
+
 def check_device_count(count: object, flag: str = "--devices") -> int:
     """``count`` as an int, if it is a number of CPU devices meshplan can emulate.
 
@@ -115,17 +132,24 @@ def use_host_devices(
         if forced.isdigit() and int(forced) == count:
             return
         asks = f"{flag} asks for {count}" if flag else f"this command needs {count}"
+        fewer = (
+            f", or pass {flag} {forced} with a mesh of {forced} devices (e.g. --mesh "
+            f"{mesh_text(int(forced))})."
+            if flag and forced.isdigit() and int(forced) > 0
+            else "."
+        )
         fix = (
             f"Remove --{_FLAG} from XLA_FLAGS (meshplan sets it"
             + (f" from {flag})" if flag else ")")
             + f", or set it to {count}"
-            + (f", or pass {flag} {forced}." if flag and forced.isdigit() else ".")
+            + fewer
         )
         raise MeshError(
             f"XLA_FLAGS already asks for {forced if forced.isdigit() else repr(forced)} emulated "
             f"CPU devices (--{_FLAG}={forced} in XLA_FLAGS={flags!r}), but {asks}.\n{fix}"
         )
     os.environ["XLA_FLAGS"] = f"{flags} --{_FLAG}={count}".strip()
+    _SET_HERE.append(count)
     if console is not None:
         say(
             console,
@@ -225,8 +249,12 @@ def choose_devices(
     needed: int | None = None,
     mesh: str | None = None,
     jax_platforms: str | None = None,
+    xla_flags_count: bool = False,
 ) -> DeviceChoice:
     """The devices a command runs on: the accelerators when there are any, else the CPU's.
+
+    ``xla_flags_count``: the user's ``XLA_FLAGS`` set how many CPU devices are emulated
+    (not ``--devices``), so a fix names ``XLA_FLAGS``, not ``--devices``.
 
     A pure function of what JAX found (tested with fake devices: objects with
     ``platform`` and ``device_kind``):
@@ -301,7 +329,13 @@ def choose_devices(
     if needed is None or needed <= choice.count:
         return choice
     what = f"The mesh {mesh}" if mesh else "This command"
-    if choice.emulated:
+    if choice.emulated and xla_flags_count:
+        fix = (  # --devices would clash with XLA_FLAGS: say what sets the count
+            f"Use a mesh of {choice.count} devices (e.g. --mesh {mesh_text(choice.count)}), or "
+            f"set --{_FLAG}={needed} in XLA_FLAGS (it sets how many CPU devices are emulated)."
+        )
+        have = f"{choice.count} (emulated CPU devices, set by XLA_FLAGS)"
+    elif choice.emulated:
         fix = (
             f"Use a smaller mesh, or pass --devices {needed} to emulate {needed} CPU devices "
             f"(XLA_FLAGS=--{_FLAG}=N sets how many)."
@@ -367,4 +401,5 @@ def found_devices(
         needed=needed,
         mesh=mesh,
         jax_platforms=os.environ.get("JAX_PLATFORMS") or None,
+        xla_flags_count=not _SET_HERE and bool(_forced_count(os.environ.get("XLA_FLAGS", ""))),
     )
