@@ -39,7 +39,19 @@ HELP = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     run = parser.add_argument_group("run")
-    run.add_argument("--mesh", default="2x4", metavar="DxM", help="mesh sizes (default 2x4)")
+    run.add_argument(
+        "--mesh",
+        default="2x4",
+        metavar="DxM",
+        help="mesh sizes (default 2x4), e.g. 8 (= 8x1), or 2x2x2 with --axes",
+    )
+    run.add_argument(
+        "--axes",
+        default=None,
+        metavar="A,B,..",
+        help="comma-separated mesh axis names, one per --mesh size, e.g. data,fsdp,tensor as "
+        "meshplan search prints them (default data,model)",
+    )
     run.add_argument(
         "--rules",
         default="fsdp_tp",
@@ -175,6 +187,7 @@ def _request(args: argparse.Namespace, devices: Any = None) -> Any:
     settings = {field: getattr(args, dest) for dest, field in SETTINGS_FLAGS.items()}
     return TrainRequest(
         mesh=args.mesh,
+        axes=getattr(args, "axes", None),
         rules=args.rules,
         config=args.config,
         overrides={k: v for k, v in overrides.items() if v is not None},

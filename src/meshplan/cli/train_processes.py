@@ -44,8 +44,13 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         >>> worker_argv(args)  # doctest: +NORMALIZE_WHITESPACE
         ['--mesh', '2x4', '--rules', 'fsdp_tp', '--ckpt-dir', '/tmp/run', '--model',
          'transformer-nnx', '--steps', '5', '--no-scan']
+        >>> worker_argv(build_parser().parse_args(["train", "--mesh", "2x2x2", "--axes",
+        ...                                        "data,fsdp,tensor", "--rules", "r.json"]))
+        ['--mesh', '2x2x2', '--rules', 'r.json', '--axes', 'data,fsdp,tensor']
     """
     out = ["--mesh", str(args.mesh), "--rules", str(args.rules)]
+    if getattr(args, "axes", None) is not None:
+        out += ["--axes", str(args.axes)]
     for dest in ("data", "ckpt_dir", "metrics", "model", "config", "resume_step",
                  *SETTINGS_FLAGS, *MODEL_FLAGS):  # fmt: skip
         value = getattr(args, dest, None)

@@ -60,7 +60,7 @@ from meshplan.examples.transformer import (
 )
 from meshplan.examples.transformer_nnx import FunctionalTransformer
 from meshplan.layouts import get_layout
-from meshplan.train.mesh import MESH_AXES, make_mesh, parse_mesh
+from meshplan.train.mesh import MESH_AXES, make_mesh, parse_mesh_shape
 from meshplan.train.settings import TrainSettings, make_optimizer
 from meshplan.train.state import abstract_train_state, per_device_bytes, state_shardings
 from meshplan.train.trainer import Trainer
@@ -110,7 +110,9 @@ class TrainRequest:
     """What the user asked for; ``None`` means "the stored value when resuming, else the default".
 
     Attributes:
-        mesh: ``"2x4"``-style sizes of ``('data', 'model')``.
+        mesh: ``"2x4"``-style mesh axis sizes (``"2x2x2"`` with ``axes``).
+        axes: ``"data,fsdp,tensor"``: the mesh axis names, one per size; ``None``:
+            ``('data', 'model')`` (the built-in layouts' axes).
         rules: A built-in layout name (:mod:`meshplan.layouts`) or a rules file.
         config: A preset name (``tiny``, ``small``); ``None`` resumes with the
             stored config, or uses ``tiny``.
@@ -132,6 +134,7 @@ class TrainRequest:
 
     mesh: str = "2x4"
     rules: str = "fsdp_tp"
+    axes: str | None = None
     config: str | None = None
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
     data: str | None = None
@@ -563,24 +566,36 @@ def _check_state(
             )
 
 
-def _parse_train_mesh(text: str) -> tuple[int, int]:
-    """``--mesh`` as ``(data, model)`` sizes: ``meshplan train`` builds two-axis meshes only."""
+def _parse_train_mesh(text: str, axes: str | None = None) -> dict[str, int]:
+    """``--mesh`` (and ``--axes``) as ``{axis: size}``: ``('data', 'model')`` without ``--axes``."""
     parts = str(text).lower().replace("×", "x").split("x")
-    if len(parts) > len(MESH_AXES) and all(p.strip().isdigit() for p in parts):
+    readable = all(p.strip().isdigit() and int(p) > 0 for p in parts)
+    if axes is None and len(parts) > len(MESH_AXES) and readable:
+        names = ",".join(("data", "fsdp", "tensor", "model", "expert")[: len(parts)])
         raise error_for(
             MeshError, "mesh-axes", "--mesh",
-            f"--mesh {text} has {len(parts)} axes, but meshplan train builds meshes of the two "
-            f"axes {MESH_AXES}, the ones its layouts map to",
-            "Pass --mesh DxM, e.g. --mesh 2x4 (or 8 for 8x1); plan meshes of other axes with "
-            "meshplan plan --axes.",
+            f"--mesh {text} has {len(parts)} axes, but the default axis names {MESH_AXES} "
+            f"are two",
+            f"Pass --mesh DxM (e.g. 2x4), or name every axis: --mesh {text} --axes {names} (the "
+            f"axes your --rules map to).",
         )  # fmt: skip
+    if axes is not None and readable:
+        names_given = [a.strip() for a in axes.split(",") if a.strip()]
+        if len(names_given) != len(parts) or len(set(names_given)) != len(names_given):
+            raise error_for(
+                MeshError, "mesh-axes", "--axes",
+                f"--axes {axes} gives {len(names_given)} distinct names for the {len(parts)} "
+                f"axes of --mesh {text}",
+                "Give one distinct name per mesh axis, in order, e.g. --mesh 2x2x2 --axes "
+                "data,fsdp,tensor.",
+            )  # fmt: skip
     try:
-        return parse_mesh(text)
+        return parse_mesh_shape(text, axes)
     except MeshError as e:
         raise error_for(
             MeshError, "mesh-text", "--mesh",
-            f"Cannot read --mesh {text!r}: expected DxM, two positive sizes separated by 'x'",
-            "Write it like 2x4, 4x2 or 8 (8x1).",
+            f"Cannot read --mesh {text!r}: expected positive sizes separated by 'x'",
+            "Write it like 2x4, 4x2 or 8 (8x1), or 2x2x2 with --axes data,fsdp,tensor.",
         ) from e  # fmt: skip
 
 
@@ -626,8 +641,17 @@ def _activation_bytes(config: TransformerConfig, seq_len: int) -> int:
     return int((blocks * per_block + kept) * width + 3 * seq_len * config.vocab_size * 4)
 
 
-def _device_memory() -> tuple[int, str] | None:
-    """Bytes one device can hold, and where that number comes from; ``None`` if unknown."""
+_HOST_BASELINE = 1 << 30
+"""Host memory a CPU run needs besides its arrays (Python, JAX, XLA's compiler): about 1 GiB."""
+
+
+def _device_memory(mesh: Mesh) -> tuple[int, str] | None:
+    """Bytes one device can hold, and where that number comes from; ``None`` if unknown.
+
+    Emulated CPU devices share the host's memory: what is available now (not the total),
+    less the process's own baseline and a 20% margin, split between the mesh's devices on
+    this host (not every emulated device: a 2x4 mesh on 4,096 emulated devices uses 8).
+    """
     device = jax.local_devices()[0]
     try:
         stats = device.memory_stats()
@@ -638,12 +662,16 @@ def _device_memory() -> tuple[int, str] | None:
     if device.platform != "cpu":
         return None
     try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     except (ValueError, OSError):
         return None
-    count = jax.local_device_count()
-    return ram // count, (
-        f"this host's {human_bytes(ram)} of memory shared by {count} CPU device{'s' * (count != 1)}"
+    here = {d.id for d in jax.local_devices()}
+    count = max(sum(d.id in here for d in mesh.devices.flat), 1)
+    usable = max(int(available * 0.8) - _HOST_BASELINE, 0)
+    return usable // count, (
+        f"this host's {human_bytes(available)} of available memory, less about "
+        f"{human_bytes(_HOST_BASELINE)} for the process and a 20% margin, shared by the mesh's "
+        f"{count} CPU device{'s' * (count != 1)}"
     )
 
 
@@ -661,7 +689,7 @@ def _check_memory(
 
     The estimate leaves out XLA's temporaries, so it refuses only what cannot fit.
     """
-    found = _device_memory()
+    found = _device_memory(mesh)
     if found is None:
         return
     limit, source = found
@@ -727,13 +755,13 @@ def prepare(request: TrainRequest) -> Trainer:
     except MeshplanError as e:
         problems.add_error(e)
     try:
-        shape = _parse_train_mesh(request.mesh)
+        shape = _parse_train_mesh(request.mesh, request.axes)
         choice = request.devices
         if choice is not None:  # refused with the numbers and the fix in flag terms
             choose_devices(
                 [] if choice.emulated else choice.devices,
                 choice.devices if choice.emulated else [],
-                needed=math.prod(shape),
+                needed=math.prod(shape.values()),
                 mesh=request.mesh,
             )
         mesh = make_mesh(shape, None if choice is None else choice.devices)

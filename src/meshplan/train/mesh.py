@@ -1,8 +1,14 @@
-"""The ``('data', 'model')`` meshes ``meshplan train`` builds, from ``--mesh 2x4``-style text."""
+"""The meshes ``meshplan train`` builds, from ``--mesh 2x4``-style text (and ``--axes``).
+
+Two axes ``('data', 'model')`` by default (the built-in layouts' axes); any
+number of named axes with ``--axes`` (``--mesh 2x2x2 --axes data,fsdp,tensor``,
+as ``meshplan search`` prints them).
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -13,7 +19,7 @@ from meshplan._errors import MeshError
 __all__ = ["MESH_AXES", "make_mesh", "parse_mesh", "parse_mesh_shape"]
 
 MESH_AXES = ("data", "model")
-"""Axis names of every mesh ``meshplan train`` builds (the layouts' axes)."""
+"""Axis names of the meshes ``meshplan train`` builds without ``--axes`` (the layouts' axes)."""
 
 
 def parse_mesh_shape(text: str, axes: str | None = None) -> dict[str, int]:
@@ -78,17 +84,25 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return data, model
 
 
-def make_mesh(shape: tuple[int, int], devices: Any = None) -> Mesh:
-    """A mesh with ``Auto`` axes ``('data', 'model')`` on the first ``prod(shape)`` devices.
+def make_mesh(
+    shape: Sequence[int] | Mapping[str, int],
+    devices: Any = None,
+    axes: Sequence[str] | None = None,
+) -> Mesh:
+    """A mesh with ``Auto`` axes on the first ``prod(shape)`` devices, by ``jax.make_mesh``.
 
-    Built by ``jax.make_mesh``, which orders the devices by their topology on
-    GPUs and TPUs.
+    ``shape``: the axis sizes, or ``{name: size}`` (from :func:`parse_mesh_shape`);
+    ``axes``: the names of a sequence of sizes (default ``('data', 'model')`` for
+    two sizes). ``jax.make_mesh`` orders the devices by their topology on GPUs
+    and TPUs.
 
     Example:
         >>> from meshplan.train.mesh import make_mesh
         >>> mesh = make_mesh((2, 2))  # on 8 devices: the first 4
         >>> dict(mesh.shape), [d.id for d in mesh.devices.flat], mesh.axis_types
         ({'data': 2, 'model': 2}, [0, 1, 2, 3], (Auto, Auto))
+        >>> dict(make_mesh({"data": 2, "fsdp": 2, "tensor": 2}).shape)
+        {'data': 2, 'fsdp': 2, 'tensor': 2}
 
     With several processes (``jax.distributed``) the mesh must use every
     device of every process; ``jax.devices()`` lists them by process, so the
@@ -96,24 +110,37 @@ def make_mesh(shape: tuple[int, int], devices: Any = None) -> Mesh:
 
     Raises:
         MeshError: there are fewer devices than the mesh needs, or, with
-            several processes, the mesh leaves some devices out.
+            several processes, the mesh leaves some devices out, or ``axes``
+            does not name each size once.
     """
+    if isinstance(shape, Mapping):
+        names, sizes = tuple(shape), tuple(int(v) for v in shape.values())
+    else:
+        sizes = tuple(int(v) for v in shape)
+        names = tuple(axes) if axes is not None else MESH_AXES
+    text = "x".join(str(s) for s in sizes)
+    if len(names) != len(sizes) or len(set(names)) != len(names):
+        raise MeshError(
+            f"The mesh {text} has {len(sizes)} axes, but the axis names {names} are not one "
+            f"distinct name per axis.\nGive one distinct name per axis (e.g. --axes "
+            f"{','.join(('data', 'fsdp', 'tensor', 'model')[: len(sizes)])})."
+        )
     devices = list(jax.devices() if devices is None else devices)
-    size = math.prod(shape)
+    size = math.prod(sizes)
     if size > len(devices):
         raise MeshError(
-            f"The mesh {shape[0]}x{shape[1]} needs {size} devices, but there are only "
+            f"The mesh {text} needs {size} devices, but there are only "
             f"{len(devices)} ({devices[0].platform}).\nUse a smaller mesh, or more devices "
             f"(meshplan train --devices {size} emulates them on the CPU)."
         )
     if jax.process_count() > 1 and size < len(devices):
         processes, local = jax.process_count(), jax.local_device_count()
         raise MeshError(
-            f"The mesh {shape[0]}x{shape[1]} uses {size} of the {len(devices)} devices, but "
+            f"The mesh {text} uses {size} of the {len(devices)} devices, but "
             f"with {processes} processes it must use all of them ({local} per process), so "
             f"that every process holds part of it.\nUse a mesh of {len(devices)} devices "
             f"(e.g. --mesh {processes}x{local}), or fewer processes."
         )
     return jax.make_mesh(
-        shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(shape), devices=devices[:size]
+        sizes, names, axis_types=(AxisType.Auto,) * len(sizes), devices=devices[:size]
     )
