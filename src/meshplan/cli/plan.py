@@ -11,6 +11,7 @@ from rich.console import Console
 
 from meshplan._errors import MeshError
 from meshplan.cli.devices import use_cpu_backend
+from meshplan.cli.factory import is_factory, load_factory, model_problem
 from meshplan.cli.output import print_error, say
 from meshplan.train.mesh import parse_mesh_shape
 
@@ -23,10 +24,12 @@ HELP = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
-        choices=("mlp", "transformer", "transformer-nnx"),
         default="mlp",
-        help="the guide's MLP (logical names, default), the example Transformer (Flax Linen) "
-        "or the same Transformer in Flax NNX",
+        metavar="MODEL",
+        help="mlp: the guide's MLP (logical names, default); transformer: the example "
+        "Transformer (Flax Linen); transformer-nnx: the same in Flax NNX; or "
+        "pkg.module:factory, your function returning (abstract_state, step_fn, example_batch) "
+        "or (linen_module, example_batch[, loss]) (see docs/layouts.md)",
     )
     parser.add_argument(
         "--mesh",
@@ -43,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="a built-in rule set (guide, data_parallel, fsdp, tensor_parallel, fsdp_tp), "
         "or a .py file defining RULES, or a .json file of [name, axes] pairs "
-        "(default: guide for the MLP, fsdp_tp for the Transformers)",
+        "(default: guide for the MLP, fsdp_tp for the Transformers and factories)",
     )
     add_model_size_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead")
@@ -67,7 +70,7 @@ def load_rules(spec: str | None, model: str) -> tuple[str, Any]:
     from meshplan.layouts import get_layout
 
     if spec is None:
-        spec = "fsdp_tp" if model.startswith("transformer") else "guide"
+        spec = "guide" if model == "mlp" else "fsdp_tp"
     return spec, get_layout(spec)
 
 
@@ -91,6 +94,10 @@ def abstract_state(args: argparse.Namespace) -> tuple[str, Any]:
     import jax.numpy as jnp
     import optax
     from flax.training import train_state
+
+    if is_factory(args.model):
+        loaded = load_factory(args.model)
+        return loaded.what, loaded.abstract_state
 
     if args.model == "transformer":
         from meshplan.examples.transformer import Transformer, config_from_name
@@ -195,6 +202,22 @@ def model_args_problem(args: argparse.Namespace) -> str | None:
         --size is a flag of the Transformers, not of --model mlp: it would be ignored.
         Pass --model transformer (or transformer-nnx) with --size, or leave --size out.
     """
+    problem = model_problem(args.model)
+    if problem is not None:
+        return problem
+    if is_factory(args.model):
+        given = [
+            f"--{name}"
+            for name in (*_MLP_DEFAULTS, *_TRANSFORMER_DEFAULTS)
+            if getattr(args, name, None) is not None
+        ]
+        if given:
+            return (
+                f"{', '.join(given)} {'sizes' if len(given) == 1 else 'size'} the built-in "
+                f"models, not --model {args.model}: it would be ignored.\nSize the model in "
+                f"your factory, or leave {', '.join(given)} out."
+            )
+        return None
     transformer = args.model.startswith("transformer")
     own, other = (
         (_TRANSFORMER_DEFAULTS, _MLP_DEFAULTS)
@@ -262,10 +285,10 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         label, rules = load_rules(args.rules, args.model)
+        what, state = abstract_state(args)  # a --model factory is imported and called here
     except (meshplan.MeshplanError, OSError) as e:
         print_error(e, err)
         return 2
-    what, state = abstract_state(args)
     plan = meshplan.explain(state, abstract_mesh(shape), rules)
     problems = plan.problems
 

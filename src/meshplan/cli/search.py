@@ -1,4 +1,13 @@
-"""``meshplan search``: every mesh shape and built-in layout for an example model, ranked."""
+"""``meshplan search``: meshes and logical rules for a model, ranked by predicted step time.
+
+:func:`meshplan.search_rules` does the work: the built-in layouts and generated
+meshes of 1 to 3 axes (``data``, ``fsdp``, ``tensor``) with rules, pruned by
+the validator, symmetry and ``--budget``, priced by a hardware ``--profile``,
+the first ``--top-k`` compiled (when this process has the devices) and, with
+``--measure``, run. Nothing needs the devices otherwise: ``--devices 16384``
+is planned on axis sizes alone. The best choice's rules are written to a JSON
+file and printed as a ``meshplan train`` command.
+"""
 
 from __future__ import annotations
 
@@ -6,20 +15,26 @@ import argparse
 import json
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.table import Table
 
-from meshplan._errors import MeshError
-from meshplan.cli.devices import use_cpu_backend, use_cpu_devices
+from meshplan._errors import MeshError, MeshplanError
+from meshplan.cli.devices import PLATFORMS, use_cpu_backend
+from meshplan.cli.factory import is_factory, load_factory
 from meshplan.cli.output import print_error, say
 from meshplan.cli.plan import abstract_state, add_model_size_arguments, model_args_problem
 
 HELP = (
-    "Try every mesh shape of --devices under every built-in layout for an example model, "
-    "reject what does not split, and rank the rest by memory and communication "
-    "(--budget, --measure, --json)."
+    "Search meshes of --devices and logical rules for a model (built-in or --model "
+    "pkg.module:factory), rank them by predicted step time under a hardware --profile, and "
+    "print the best as a meshplan train command (--budget, --measure, --json)."
 )
+
+PROFILES = ("cpu", "h100", "h200", "tpu_v5e")
+ROLES = ("data", "fsdp", "tensor")
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
@@ -42,40 +57,115 @@ def parse_bytes(text: str) -> int:
     return int(float(found.group(1)) * _UNITS[unit])
 
 
+def parse_axes(text: str) -> dict[str, str]:
+    """``--axes``: the roles the search uses and the names of their mesh axes.
+
+    Each item is a role (``data``, ``fsdp``, ``tensor``) or ``role=name``.
+
+    Example:
+        >>> from meshplan.cli.search import parse_axes
+        >>> parse_axes("data,tensor"), parse_axes("data=dp,fsdp,tensor=tp")
+        ({'data': 'data', 'tensor': 'tensor'}, {'data': 'dp', 'fsdp': 'fsdp', 'tensor': 'tp'})
+        >>> parse_axes("model")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: --axes 'model': 'model' is not a role (data, fsdp, tensor); write a role, or role=name to name its mesh axis, e.g. --axes data=dp,tensor=model
+    """
+    out: dict[str, str] = {}
+    for item in (i.strip() for i in str(text).split(",")):
+        if not item:
+            continue
+        role, _, name = (s.strip() for s in item.partition("="))
+        if role not in ROLES:
+            raise argparse.ArgumentTypeError(
+                f"--axes {text!r}: {role!r} is not a role ({', '.join(ROLES)}); write a role, or "
+                f"role=name to name its mesh axis, e.g. --axes data=dp,tensor=model"
+            )
+        if role in out or (name or role) in out.values() or not re.fullmatch(r"\w+", name or role):
+            raise argparse.ArgumentTypeError(
+                f"--axes {text!r}: each role once, each name once and a word (letters, digits, _)"
+            )
+        out[role] = name or role
+    if not out:
+        raise argparse.ArgumentTypeError("--axes is empty: give e.g. --axes data,fsdp,tensor")
+    return out
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
-        choices=("transformer", "transformer-nnx", "mlp"),
         default="transformer",
-        help="the example Transformer (Flax Linen, default), the same in Flax NNX, or the "
-        "guide's MLP",
+        metavar="MODEL",
+        help="transformer: the example Transformer (Flax Linen, default); transformer-nnx: the "
+        "same in Flax NNX; mlp: the guide's MLP; or pkg.module:factory, your function returning "
+        "(abstract_state, step_fn, example_batch) or (linen_module, example_batch[, loss])",
     )
     add_model_size_arguments(parser)
-    parser.add_argument("--devices", type=int, default=8, help="devices in the mesh (default 8)")
     parser.add_argument(
-        "--batch", type=int, default=32, help="global batch it must divide (default 32)"
+        "--devices",
+        type=int,
+        default=8,
+        help="devices in the mesh, any number: searched on axis sizes alone (default 8)",
     )
     parser.add_argument(
-        "--budget", type=parse_bytes, default=None, help="state bytes per device, e.g. 1MiB"
+        "--batch", type=int, default=None, help="global batch of the built-in models (default 32)"
+    )
+    parser.add_argument(
+        "--seq", type=int, default=None, help="Transformer sequence length (default 128)"
+    )
+    parser.add_argument(
+        "--profile",
+        choices=PROFILES,
+        default="cpu",
+        help="hardware the step time is predicted for: cpu (measured on this machine, default), "
+        "h100, h200 or tpu_v5e (published figures)",
+    )
+    parser.add_argument(
+        "--budget",
+        type=parse_bytes,
+        default=None,
+        help="bytes one device may hold, e.g. 16GiB (default: the profile's memory)",
+    )
+    parser.add_argument(
+        "--axes",
+        type=parse_axes,
+        default=None,
+        help="roles of the searched mesh axes, and their names: e.g. data,tensor or "
+        "data=dp,fsdp,tensor=tp (default data,fsdp,tensor)",
     )
     parser.add_argument(
         "--layouts",
         default=None,
-        help="comma-separated built-in layouts or rules files (default: data_parallel, fsdp, "
-        "tensor_parallel, fsdp_tp; and guide for the MLP)",
+        help="comma-separated built-in layouts or rules files always tried on (data, model) "
+        "meshes (default: every built-in layout)",
+    )
+    parser.add_argument(
+        "--top-k",
+        type=int,
+        default=3,
+        help="candidates compiled to refine the prediction (when this process has the "
+        "devices) and, with --measure, run (default 3)",
     )
     parser.add_argument(
         "--measure",
         action="store_true",
-        help="compile the train step of the best --top-k candidates on emulated CPU devices "
-        "and report their collective bytes and XLA memory",
+        help="run the best --top-k for real on --devices devices and rank them by measured time",
     )
     parser.add_argument(
-        "--top-k", type=int, default=3, help="candidates to measure, at least 1 (default 3)"
+        "--platform",
+        choices=PLATFORMS,
+        default="auto",
+        help="devices --measure runs on: auto (accelerators, else emulated CPU devices), cpu, "
+        "gpu, tpu",
     )
     parser.add_argument(
-        "--seq", type=int, default=128, help="Transformer sequence length for --measure"
+        "--rules-out",
+        metavar="PATH",
+        default=None,
+        help="where to write the best choice's rules (JSON); default rules-MESH-AXES.json in "
+        "the current folder",
     )
+    parser.add_argument("--rows", type=int, default=10, help="ranked rows shown (default 10)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead")
 
 
@@ -112,67 +202,225 @@ def _step_and_batch(args: argparse.Namespace) -> tuple[Any, Any]:
     return mlp_step, jax.ShapeDtypeStruct((args.batch, args.depth), jnp.float32)
 
 
+def _flags_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the numbers and the model's flags, or ``None`` (fills defaults)."""
+    bad = [
+        f"--{flag} {value}"
+        for flag, value in (("devices", args.devices), ("batch", args.batch),
+                            ("seq", args.seq), ("top-k", args.top_k), ("rows", args.rows))
+        if value is not None and value < (0 if flag == "top-k" else 1)
+    ]  # fmt: skip
+    if bad:
+        return (
+            f"{', '.join(bad)}: --devices, --batch, --seq and --rows must be at least 1, "
+            f"--top-k at least 0.\nPass e.g. --devices 8 --batch 32 --seq 128 --top-k 3."
+        )
+    problem = model_args_problem(args)
+    if problem is not None:
+        return problem
+    own = {"batch": 32} if args.model == "mlp" else {"batch": 32, "seq": 128}
+    if is_factory(args.model):
+        own = {}
+    given = [f"--{k}" for k in ("batch", "seq") if k not in own and getattr(args, k) is not None]
+    if given:
+        flags = " and ".join(given)
+        where = "your factory's example batch" if is_factory(args.model) else "the MLP's --depth"
+        return (
+            f"{flags} {'is' if len(given) == 1 else 'are'} not used with --model {args.model} "
+            f"({where} sets the batch): it would be ignored.\nLeave {flags} out, or size the "
+            f"batch in {'your factory' if is_factory(args.model) else 'a Transformer model'}."
+        )
+    for k, v in own.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return None
+
+
+def _rename(result: Any, names: dict[str, str]) -> None:
+    """Name the searched rows' mesh axes as ``--axes`` asks (role -> name)."""
+    if all(k == v for k, v in names.items()):
+        return
+
+    def axes(a: Any) -> Any:
+        if isinstance(a, tuple):
+            return tuple(names.get(x, x) for x in a)
+        return names.get(a, a) if isinstance(a, str) else a
+
+    for row in result.rows:
+        if row.layout == "searched":
+            row.mesh = {names.get(a, a): s for a, s in row.mesh.items()}
+            row.rules = tuple((n, axes(a)) for n, a in row.rules)
+
+
+def _rules_path(args: argparse.Namespace, row: Any) -> Path:
+    if args.rules_out:
+        return Path(args.rules_out)
+    return Path(f"rules-{row.mesh_text}-{'-'.join(row.mesh)}.json")
+
+
+def _train_command(args: argparse.Namespace, result: Any) -> tuple[str | None, Path | None]:
+    """Writes the best row's rules; its ``meshplan train`` command for the Transformers."""
+    best = result.best
+    if best is None:
+        return None, None
+    path = _rules_path(args, best)
+    if path.parent != Path(""):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    command = best.train_command(str(path))
+    if not args.model.startswith("transformer"):
+        return None, path
+    extra = [] if args.model == "transformer" else ["--model", args.model]
+    extra += ["--config", args.size, "--batch", str(args.batch), "--seq", str(args.seq)]
+    return f"{command} {' '.join(extra)}", path
+
+
+def _table(result: Any, rows: int) -> Table:
+    from meshplan._text import human_bytes
+
+    ok = result.ok[:rows]
+    kinds = sorted({k for r in ok if r.cost for k, v in r.cost.comm_bytes.items() if v})
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for name, justify in (("#", "right"), ("mesh", "left"), ("axes", "left"),
+                          ("predicted", "right"), ("measured", "right"),
+                          ("memory/device", "right")):  # fmt: skip
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for kind in kinds:
+        table.add_column(kind, justify="right")
+    table.add_column("rules (what splits)")
+    table.add_column("layout")
+    for r in ok:
+        c = r.cost
+        measured = "-" if r.measured_s is None else f"{r.measured_s * 1e3:.3f} ms"
+        table.add_row(
+            str(r.rank), r.mesh_text, r.axes_text,
+            "-" if c is None else f"{c.step_s * 1e3:.3f} ms", measured,
+            "-" if c is None else human_bytes(c.memory_bytes),
+            *[human_bytes(c.comm_bytes.get(k, 0)) if c else "-" for k in kinds],
+            r.short_rules, r.layout if r.layout != "searched" else "",
+        )  # fmt: skip
+    return table
+
+
+def _counts_line(result: Any, top_k: int) -> str:
+    counts = result.counts
+    pruned = ", ".join(f"{k} {v}" for k, v in counts["pruned"].items() if v) or "none"
+    line = (
+        f"candidates: enumerated {counts['enumerated']}; pruned {pruned}; scored "
+        f"{counts['scored']}; compiled {counts['compiled']}; measured {counts['measured']} "
+        f"({result.seconds:.1f} s)"
+    )
+    if top_k and not counts["compiled"] and result.ok:
+        import jax
+
+        line += (
+            f"\nnot compiled: the {result.devices}-device mesh needs that many devices and this "
+            f"process has {jax.device_count()}; --measure finds or emulates them"
+        )
+    return line
+
+
+def _load(args: argparse.Namespace) -> tuple[str, Any, Any, Any]:
+    """``(what, abstract_state, step_fn, example_batch)`` of ``--model``."""
+    if is_factory(args.model):
+        loaded = load_factory(args.model)
+        return loaded.what, loaded.abstract_state, loaded.step_fn, loaded.example_batch
+    what, state = abstract_state(args)
+    step, batch = _step_and_batch(args)
+    return what, state, step, batch
+
+
 def run(args: argparse.Namespace) -> int:
     # Piped output (a file, a pager, a test) gets a wide table rather than 80 columns.
     out = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 180)
     err = Console(file=sys.stderr, width=None if sys.stderr.isatty() else 180)
-    bad = [
-        f"--{flag} {value}"
-        for flag, value in (("devices", args.devices), ("batch", args.batch), ("top-k", args.top_k))
-        if value < 1
-    ]
-    if bad:
-        print_error(
-            f"{', '.join(bad)}: --devices, --batch and --top-k must be at least 1.\n"
-            f"Pass --devices N, --batch B and --top-k K of at least 1 (defaults 8, 32 and 3).",
-            err,
-        )
-        return 2
-    problem = model_args_problem(args)
+    problem = _flags_problem(args)
     if problem is not None:
         print_error(problem, err)
         return 2
     try:
-        if args.measure:  # compiling needs the devices, emulated on the CPU
-            use_cpu_devices(args.devices)
-        else:  # ranking needs only the count
+        if args.measure:  # running needs the devices: the accelerators, or emulated CPUs
+            from meshplan.cli.devices import found_devices, select_platform
+
+            select_platform(args.platform, args.devices)
+            choice = found_devices(args.platform, needed=args.devices)
+            say(err, choice.describe())
+        else:  # searching needs only the count
             use_cpu_backend()
     except MeshError as e:
         print_error(e, err)
         return 2
 
     import meshplan
-    from meshplan._search.search import DEFAULT_LAYOUTS
     from meshplan.layouts import get_layout
 
-    names = args.layouts.split(",") if args.layouts else list(DEFAULT_LAYOUTS)
-    if args.model == "mlp" and not args.layouts:
-        names.append("guide")
     try:
-        layouts = {name.strip(): get_layout(name.strip()) for name in names if name.strip()}
-    except (meshplan.MeshplanError, OSError) as e:
-        print_error(e, err)
-        return 2
-    what, state = abstract_state(args)
-    step, batch = _step_and_batch(args) if args.measure else (None, None)
-    try:
-        result = meshplan.search_layouts(
-            state,
-            args.devices,
-            layouts,
-            batch=args.batch,
-            memory_budget_bytes=args.budget,
-            measure=args.measure,
-            step_fn=step,
-            example_batch=batch,
-            top_k=args.top_k,
-        )
-    except meshplan.MeshplanError as e:
+        layouts = None
+        if args.layouts:
+            names = [n.strip() for n in args.layouts.split(",") if n.strip()]
+            layouts = {name: get_layout(name) for name in names}
+        what, state, step, batch = _load(args)
+        roles = tuple(args.axes) if args.axes else ROLES
+        result = meshplan.search_rules(
+            args.devices, state, step, batch,
+            profile=args.profile, memory_budget_bytes=args.budget, layouts=layouts,
+            roles=roles, compile_top=args.top_k, measure=args.measure, measure_top=args.top_k,
+        )  # fmt: skip
+        if args.axes:
+            _rename(result, args.axes)
+        command, path = _train_command(args, result)
+    except (MeshplanError, OSError) as e:
         print_error(e, err)
         return 2
     if args.json:
-        sys.stdout.write(json.dumps({"model": what, **result.to_dict()}, indent=2) + "\n")
-    else:
-        say(out, (what, "bold"), f" · layouts {', '.join(layouts)}")
-        out.print(result)
+        data = {"model": what, **result.to_dict(), "rules_file": None if path is None else
+                str(path), "train_command": command}  # fmt: skip
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+        return 0 if result.best is not None else 1
+    _print(out, args, what, result, command, path)
     return 0 if result.best is not None else 1
+
+
+def _print(
+    out: Console, args: argparse.Namespace, what: str, result: Any, command: str | None,
+    path: Path | None,
+) -> None:  # fmt: skip
+    from meshplan._text import human_bytes
+
+    batch = f", batch {result.batch}" if result.batch else ""
+    say(
+        out, (what, "bold"),
+        f" · {result.devices} devices · profile {result.profile.name} · budget "
+        f"{human_bytes(result.budget_bytes)}/device{batch}",
+    )  # fmt: skip
+    if result.ok:
+        out.print(_table(result, args.rows))
+    rejected = sorted(  # the reasons that teach something first; symmetric ones last
+        (r for r in result.rows if r.status == "pruned"),
+        key=lambda r: r.reason.startswith("symmetric"),
+    )
+    if rejected:
+        say(out, ("rejected", "bold"), f" ({len(rejected)} listed; --json has them all):")
+        for r in rejected[:8]:
+            name = f" {r.layout}" if r.layout != "searched" else f" {r.short_rules}"
+            say(out, f"  {r.mesh_text} {r.axes_text}{name}: {r.reason}")
+    say(out, _counts_line(result, args.top_k))
+    best = result.best
+    if best is None:
+        say(out, ("best: none", "bold"), " (no candidate passes and fits the budget)")
+        return
+    assert best.cost is not None
+    say(
+        out, ("best: ", "bold"),
+        f"{best.mesh_text} {best.axes_text} {best.short_rules} · predicted "
+        f"{best.cost.step_s * 1e3:.3f} ms/step, {human_bytes(best.cost.memory_bytes)}/device",
+    )  # fmt: skip
+    say(out, f"rules written to {path}")
+    if command is not None:
+        say(out, "train it:  ", (command, "bold"))
+    else:
+        say(
+            out,
+            f"meshplan train trains the example Transformers only: use these rules with your "
+            f"own loop, meshplan.layouts.get_layout({str(path)!r}) on a mesh "
+            f"{best.mesh_text} of axes ({best.axes_text}).",
+        )

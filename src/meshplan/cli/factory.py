@@ -1,0 +1,205 @@
+"""``--model pkg.module:factory``: a user's model for ``meshplan plan`` and ``meshplan search``.
+
+The factory is a function of no arguments, imported from a module on
+``sys.path`` or in the current folder, that returns one of:
+
+* ``(abstract_state, step_fn, example_batch)``: the state (``jax.eval_shape`` of
+  its init, arrays carrying logical names: Linen boxes or NNX variables),
+  ``step_fn(state, batch)`` (one train step, not jitted) and a batch
+  (arrays or ``jax.ShapeDtypeStruct``\\ s, first dimension ``'batch'``);
+* ``(module, example_batch)`` or ``(module, example_batch, loss)``: a Flax Linen
+  module, its inputs, and ``loss(outputs, batch)`` (default: the mean of the
+  squared outputs); the step is Adam on that loss
+  (:func:`meshplan._search.rule_search.linen_step`).
+
+A factory that cannot be imported, is missing, fails, or returns something
+else is refused with an :class:`~meshplan.ArgumentError` that says which, and
+how to write it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from meshplan._errors import ArgumentError
+
+__all__ = ["BUILT_IN_MODELS", "FactoryModel", "is_factory", "load_factory"]
+
+BUILT_IN_MODELS = ("mlp", "transformer", "transformer-nnx")
+"""The models ``--model`` knows by name."""
+
+_PROTOCOL = (
+    "A --model factory is a function of no arguments returning (abstract_state, step_fn, "
+    "example_batch), or (linen_module, example_batch) or (linen_module, example_batch, loss)."
+)
+
+
+@dataclasses.dataclass
+class FactoryModel:
+    """What a factory gave, as a step: ``what`` describes it (for headers)."""
+
+    what: str
+    abstract_state: Any
+    step_fn: Callable[[Any, Any], Any]
+    example_batch: Any
+    kind: str  # 'step' or 'linen'
+
+
+def is_factory(spec: str) -> bool:
+    """``True`` for ``pkg.module:factory``, ``False`` for a built-in model's name.
+
+    Example:
+        >>> from meshplan.cli.factory import is_factory
+        >>> is_factory("mymodels:tiny"), is_factory("mlp")
+        (True, False)
+    """
+    return ":" in spec
+
+
+def model_problem(spec: str) -> str | None:
+    """What is wrong with ``--model spec`` before anything is imported, or ``None``.
+
+    Example:
+        >>> from meshplan.cli.factory import model_problem
+        >>> print(model_problem("gpt"))
+        --model 'gpt' is neither a built-in model (mlp, transformer, transformer-nnx) nor a factory written pkg.module:function.
+        Pass --model mlp, transformer or transformer-nnx, or --model mymodels:make_model for a function make_model in mymodels.py.
+    """
+    if spec in BUILT_IN_MODELS:
+        return None
+    module, _, attr = spec.partition(":")
+    if is_factory(spec) and module.strip() and attr.strip() and ":" not in attr:
+        return None
+    return (
+        f"--model {spec!r} is neither a built-in model ({', '.join(BUILT_IN_MODELS)}) nor a "
+        f"factory written pkg.module:function.\nPass --model mlp, transformer or "
+        f"transformer-nnx, or --model mymodels:make_model for a function make_model in "
+        f"mymodels.py."
+    )
+
+
+def _import(module_name: str, spec: str) -> Any:
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)  # the current folder, as `python -m` has it
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        missing = e.name or ""
+        if module_name == missing or module_name.startswith(missing + "."):
+            raise ArgumentError(
+                f"--model {spec}: no module named {missing!r} (looked in the current folder "
+                f"{here} and on sys.path).\nPut {module_name.replace('.', '/')}.py in the "
+                f"current folder, or add its folder to PYTHONPATH."
+            ) from None
+        raise ArgumentError(
+            f"--model {spec}: importing {module_name!r} failed: it imports {missing!r}, which "
+            f"is not installed.\nInstall {missing.split('.')[0]!r}, or remove that import."
+        ) from None
+    except Exception as e:  # the user's module raised while importing
+        raise ArgumentError(
+            f"--model {spec}: importing {module_name!r} raised {type(e).__name__}: {e}\n"
+            f"Fix the module so that `import {module_name}` works."
+        ) from None
+
+
+def load_factory(spec: str) -> FactoryModel:
+    """Imports ``pkg.module:function``, calls it, and reads what it returned.
+
+    Example:
+        >>> from meshplan.cli.factory import load_factory
+        >>> load_factory("json:dumps")
+        Traceback (most recent call last):
+        ...
+        meshplan.ArgumentError: --model json:dumps: calling json.dumps() raised TypeError: ...
+
+    Raises:
+        ArgumentError: the module is not found (or fails to import), has no such
+            attribute, it is not callable, calling it fails, or it returns
+            something other than the protocol's tuples.
+    """
+    problem = model_problem(spec)
+    if problem is not None:
+        raise ArgumentError(problem)
+    module_name, _, attr = (s.strip() for s in spec.partition(":"))
+    module = _import(module_name, spec)
+    where = getattr(module, "__file__", None) or module_name
+    if not hasattr(module, attr):
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        listed = ", ".join(public[:12]) + (", ..." if len(public) > 12 else "")
+        raise ArgumentError(
+            f"--model {spec}: module {module_name!r} ({where}) has no attribute {attr!r}"
+            f"{f'; its functions: {listed}' if listed else ''}.\nPass --model "
+            f"{module_name}:NAME with NAME a function of that module."
+        )
+    factory = getattr(module, attr)
+    if not callable(factory):
+        raise ArgumentError(
+            f"--model {spec}: {module_name}.{attr} is a {type(factory).__name__}, not a "
+            f"function.\n{_PROTOCOL}"
+        )
+    try:
+        returned = factory()
+    except Exception as e:
+        raise ArgumentError(
+            f"--model {spec}: calling {module_name}.{attr}() raised {type(e).__name__}: {e}\n"
+            f"{_PROTOCOL}"
+        ) from None
+    return _read(spec, returned)
+
+
+def _read(spec: str, returned: Any) -> FactoryModel:
+    import flax.linen as nn
+    import jax
+
+    got = type(returned).__name__
+    if isinstance(returned, tuple | list):
+        got = f"a {got} of {len(returned)}: ({', '.join(type(v).__name__ for v in returned)})"
+        if returned and isinstance(returned[0], nn.Module) and len(returned) in (2, 3):
+            module, batch = returned[0], returned[1]
+            loss = returned[2] if len(returned) == 3 else None
+            if loss is not None and not callable(loss):
+                raise ArgumentError(
+                    f"--model {spec}: the loss (third value) is a {type(loss).__name__}, not "
+                    f"a function loss(outputs, batch).\n{_PROTOCOL}"
+                )
+            _check_batch(spec, batch)
+            from meshplan._search.rule_search import linen_step
+
+            try:
+                state, step, batch = linen_step(module, batch, loss)
+            except Exception as e:
+                raise ArgumentError(
+                    f"--model {spec}: initialising the {type(module).__name__} on the example "
+                    f"batch raised {type(e).__name__}: {e}\nReturn the inputs its __call__ "
+                    f"takes as the second value."
+                ) from None
+            name = f"{spec}: {type(module).__name__} (Flax Linen)"
+            return FactoryModel(name, state, step, batch, "linen")
+        if len(returned) == 3 and callable(returned[1]) and not isinstance(returned[0], nn.Module):
+            state, step, batch = returned
+            if not jax.tree.leaves(state):
+                raise ArgumentError(
+                    f"--model {spec}: the abstract state (first value) holds no arrays.\n"
+                    f"Return jax.eval_shape of the model's init, with logical names."
+                )
+            _check_batch(spec, batch)
+            return FactoryModel(f"{spec} (step function)", state, step, batch, "step")
+    raise ArgumentError(f"--model {spec}: the factory returned {got}.\n{_PROTOCOL}")
+
+
+def _check_batch(spec: str, batch: Any) -> None:
+    import jax
+
+    leaves = jax.tree.leaves(batch)
+    if not leaves or not all(getattr(x, "shape", ()) for x in leaves):
+        raise ArgumentError(
+            f"--model {spec}: the example batch holds no arrays with a batch dimension "
+            f"(got {type(batch).__name__}).\nReturn arrays or jax.ShapeDtypeStructs whose first "
+            f"dimension is the batch, e.g. jax.ShapeDtypeStruct((32, 64), jnp.float32)."
+        )
