@@ -276,3 +276,10 @@ def test_settings_problems_name_each_bad_value():
     assert "--lr must be a finite number above 0, got nan" in message
     assert "Pass --warmup 0 (no warm-up) or a positive number of steps." in message
     assert "(only at the end)" not in message
+
+
+def test_bad_rules_in_a_file_are_named_with_the_file(tmp_path):
+    path = tmp_path / "dup.json"
+    path.write_text('[["batch", ["data", "data"]]]')
+    message = _problems(_request(rules=str(path)))
+    assert f"--rules {path}: rules[0]: ('batch', ('data', 'data')): the mesh axis 'data'" in message

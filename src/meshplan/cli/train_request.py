@@ -217,11 +217,16 @@ class _Problems:
     def add(self, cls: type[MeshplanError], problem: str, fix: str, code: str = "train") -> None:
         self.items.append((cls, Problem("error", "", problem, fix, code)))
 
-    def add_error(self, error: MeshplanError) -> None:
-        """The error's problems, with flag-level advice for the codes the command line knows."""
+    def add_error(self, error: MeshplanError, where: str = "") -> None:
+        """The error's problems, with flag-level advice for the codes the command line knows.
+
+        ``where``: the flag the problems come from (``--rules r.json``), put before each.
+        """
         found = error.problems or [Problem("error", "", str(error), "", "error")]
         for p in found:
             message = f"{p.path}: {p.message}" if p.path and p.path not in p.message else p.message
+            if where and not message.startswith(where):
+                message = f"{where}: {message}"
             fix = _FLAG_ADVICE.get(p.code, p.fix)
             self.items.append((type(error), Problem("error", "", message, fix, p.code)))
 
@@ -753,7 +758,7 @@ def prepare(request: TrainRequest) -> Trainer:
     try:
         rules = get_layout(request.rules)
     except MeshplanError as e:
-        problems.add_error(e)
+        problems.add_error(e, f"--rules {request.rules}")
     try:
         shape = _parse_train_mesh(request.mesh, request.axes)
         choice = request.devices
