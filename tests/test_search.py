@@ -130,30 +130,44 @@ def test_to_dict_is_plain_json():
     assert data["best"]["mesh"] == {"data": 1, "model": 4}
 
 
-def test_cli_search_prints_the_ranked_table_and_the_best(capsys):
-    assert cli.main(["search", "--model", "transformer", "--size", "tiny", "--devices", "8"]) == 0
+# `meshplan search` now runs search_rules (issue 10): it ranks meshes and rules by predicted
+# step time under a hardware profile, not built-in layouts by bytes; these tests check the
+# same things (the table, the best, the budget, exit codes) in its terms. More in
+# tests/test_cli_search.py.
+
+
+def test_cli_search_prints_the_ranked_table_and_the_best(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the best rules file is written here
+    argv = ["search", "--model", "transformer", "--size", "tiny", "--devices", "8"]
+    assert cli.main([*argv, "--profile", "h100", "--top-k", "0"]) == 0
     out = capsys.readouterr().out
-    assert "Transformer (tiny)" in out and "8 devices, batch 32" in out
-    assert "best: 1x8 fsdp (673.88 KiB/device, comm est. 1.97 MiB/step)" in out
-    assert "rejected: params/layers/attention/key: dim 2 ('heads') of size 4" in out
+    assert "Transformer (tiny) · 8 devices · profile h100" in out and "batch 32" in out
+    assert "best: 1x8 data,model batch=model" in out  # data parallel: the tiny model is cheap
+    assert "1x8 data,model tensor_parallel: invalid: dim 2 ('heads') of size 4" in out
+    assert (tmp_path / "rules-1x8-data-model.json").exists()
 
 
-def test_cli_search_json_with_a_budget(capsys):
-    argv = ["search", "--size", "tiny", "--devices", "8", "--batch", "32", "--budget", "1MiB"]
-    assert cli.main([*argv, "--json"]) == 0
+def test_cli_search_json_with_a_budget(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = ["search", "--size", "tiny", "--devices", "8", "--batch", "32", "--budget", "9MiB"]
+    assert cli.main([*argv, "--profile", "h100", "--top-k", "0", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["model"] == "Transformer (tiny)" and data["memory_budget_bytes"] == 1 << 20
-    assert (data["best"]["mesh_text"], data["best"]["layout"]) == ("1x8", "fsdp")
-    rows = {(r["mesh_text"], r["layout"]): r for r in data["rows"]}
-    assert len(rows) == 16
-    assert rows["1x8", "fsdp_tp"]["status"] == "rejected"
-    assert rows["2x4", "data_parallel"]["fits"] is False
-    assert rows["2x4", "data_parallel"]["comm"]["gradient-reduce"] == 460_032 * 4
+    assert data["model"] == "Transformer (tiny)" and data["budget_bytes"] == 9 << 20
+    assert data["counts"]["pruned"]["memory"] > 0
+    best = data["best"]
+    assert best["memory_bytes_per_device"] <= 9 << 20 and best["predicted_step_s"] > 0
+    assert best["mesh_shape"] == list(best["mesh"].values())
+    assert best["axis_names"] == list(best["mesh"])
+    assert all(isinstance(pair, list) and len(pair) == 2 for pair in best["rules"])
+    memory = [r for r in data["rows"] if r["reason"].startswith("memory:")]
+    assert memory and all(r["memory_bytes_per_device"] > 9 << 20 for r in memory)
 
 
-def test_cli_search_exits_1_when_nothing_fits_and_2_on_a_bad_budget(capsys):
-    assert cli.main(["search", "--devices", "8", "--budget", "1KiB"]) == 1
+def test_cli_search_exits_1_when_nothing_fits_and_2_on_a_bad_budget(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["search", "--devices", "8", "--budget", "1KiB", "--top-k", "0"]) == 1
     assert "best: none" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())  # no rules file when nothing fits
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["search", "--budget", "lots"])
     assert exit_info.value.code == 2

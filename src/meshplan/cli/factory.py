@@ -140,8 +140,8 @@ def load_factory(spec: str) -> FactoryModel:
     factory = getattr(module, attr)
     if not callable(factory):
         raise ArgumentError(
-            f"--model {spec}: {module_name}.{attr} is a {type(factory).__name__}, not a "
-            f"function.\n{_PROTOCOL}"
+            f"--model {spec}: {module_name}.{attr} is not a function but an object of type "
+            f"{type(factory).__name__}.\n{_PROTOCOL}"
         )
     try:
         returned = factory()
@@ -157,9 +157,9 @@ def _read(spec: str, returned: Any) -> FactoryModel:
     import flax.linen as nn
     import jax
 
-    got = type(returned).__name__
+    got = f"an object of type {type(returned).__name__}"
     if isinstance(returned, tuple | list):
-        got = f"a {got} of {len(returned)}: ({', '.join(type(v).__name__ for v in returned)})"
+        got = f"a {type(returned).__name__} of {len(returned)}: ({', '.join(type(v).__name__ for v in returned)})"
         if returned and isinstance(returned[0], nn.Module) and len(returned) in (2, 3):
             module, batch = returned[0], returned[1]
             loss = returned[2] if len(returned) == 3 else None
