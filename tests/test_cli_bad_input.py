@@ -222,6 +222,14 @@ def test_sample_takes_a_prompt_that_is_not_utf8(untrained_checkpoint):
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")
     last = proc.stdout.decode("utf-8").splitlines()[-1]
     assert last.startswith("\ufffd\ufffd abc")  # the prompt as typed, then 3 bytes
+    # A terminal that cannot show them (ASCII output) gets '?' in their place, not a traceback.
+    ascii_out = subprocess.run(
+        [*args, b"--prompt", b"\xff\xfe abc", b"--length", b"3", b"--temperature", b"0"],
+        capture_output=True, timeout=120, check=False,
+        env={**_fresh_env(), "PYTHONIOENCODING": "ascii"},
+    )  # fmt: skip
+    assert ascii_out.returncode == 0, ascii_out.stderr.decode(errors="replace")
+    assert ascii_out.stdout.decode("ascii").splitlines()[-1].startswith("?? abc")
 
 
 @pytest.mark.parametrize(

@@ -98,6 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     error that a command does not report itself is printed as ``error: ...``
     (exit status 2), never as a traceback.
     """
+    for stream in (sys.stdout, sys.stderr):  # text the terminal cannot show: replaced, not fatal
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None and getattr(stream, "errors", "strict") == "strict":
+            reconfigure(errors="replace")
     given = list(sys.argv[1:] if argv is None else argv)
     args, extras = build_parser().parse_known_args(given)
     args._argv = given  # a command may repeat the user's flags in the fix it suggests
