@@ -355,7 +355,8 @@ class Trainer:
             later = sorted(self._replace)
             self.notes.append(
                 f"Step{'s' * (len(later) > 1)} {', '.join(map(str, later))} of "
-                f"{str(self.ckpt_dir)!r} come after step {self.resume_from.step}: this run "
+                f"{str(self.ckpt_dir)!r} {'come' if len(later) > 1 else 'comes'} after step "
+                f"{self.resume_from.step}: this run "
                 f"replaces {'each' if len(later) > 1 else 'it'} when it saves that step."
             )
 
