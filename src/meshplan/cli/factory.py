@@ -129,12 +129,14 @@ def load_factory(spec: str) -> FactoryModel:
     module_name, _, attr = (s.strip() for s in spec.partition(":"))
     module = _import(module_name, spec)
     where = getattr(module, "__file__", None) or module_name
+    if where.startswith(os.getcwd() + os.sep):
+        where = os.path.relpath(where)  # in the current folder: its name is enough
     if not hasattr(module, attr):
         public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
         listed = ", ".join(public[:12]) + (", ..." if len(public) > 12 else "")
         raise ArgumentError(
-            f"--model {spec}: module {module_name!r} ({where}) has no attribute {attr!r}"
-            f"{f'; its functions: {listed}' if listed else ''}.\nPass --model "
+            f"--model {spec}: module {module_name!r} has no attribute {attr!r}"
+            f"{f'; its functions: {listed}' if listed else ''} (in {where}).\nPass --model "
             f"{module_name}:NAME with NAME a function of that module."
         )
     factory = getattr(module, attr)
