@@ -204,16 +204,15 @@ def _step_and_batch(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def _flags_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the numbers and the model's flags, or ``None`` (fills defaults)."""
-    bad = [
-        f"--{flag} {value}"
-        for flag, value in (("devices", args.devices), ("batch", args.batch),
-                            ("seq", args.seq), ("top-k", args.top_k), ("rows", args.rows))
-        if value is not None and value < (0 if flag == "top-k" else 1)
-    ]  # fmt: skip
+    least = {"devices": 1, "batch": 1, "seq": 1, "rows": 1, "top-k": 1 if args.measure else 0}
+    values = {"devices": args.devices, "batch": args.batch, "seq": args.seq,
+              "rows": args.rows, "top-k": args.top_k}  # fmt: skip
+    bad = [f"--{k} {v}" for k, v in values.items() if v is not None and v < least[k]]
     if bad:
         return (
-            f"{', '.join(bad)}: --devices, --batch, --seq and --rows must be at least 1, "
-            f"--top-k at least 0.\nPass e.g. --devices 8 --batch 32 --seq 128 --top-k 3."
+            f"{', '.join(bad)}: --devices, --batch and --top-k must be at least 1 (--seq and "
+            f"--rows too; --top-k may be 0 without --measure: nothing compiled).\nPass e.g. "
+            f"--devices 8 --batch 32 --seq 128 --top-k 3."
         )
     problem = model_args_problem(args)
     if problem is not None:
