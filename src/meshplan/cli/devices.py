@@ -53,6 +53,11 @@ _SET_HERE: list[int] = []
 names --devices; when XLA_FLAGS came from the user's environment, it names XLA_FLAGS."""
 
 
+def count_from_xla_flags() -> bool:
+    """Whether the user's ``XLA_FLAGS`` (not ``--devices``) set how many CPU devices are emulated."""
+    return not _SET_HERE and bool(_forced_count(os.environ.get("XLA_FLAGS", "")))
+
+
 def mesh_text(devices: int) -> str:
     """A two-axis mesh of ``devices`` devices, as near square as divides: ``'2x4'`` for 8.
 
@@ -401,5 +406,5 @@ def found_devices(
         needed=needed,
         mesh=mesh,
         jax_platforms=os.environ.get("JAX_PLATFORMS") or None,
-        xla_flags_count=not _SET_HERE and bool(_forced_count(os.environ.get("XLA_FLAGS", ""))),
+        xla_flags_count=count_from_xla_flags(),
     )

@@ -48,7 +48,7 @@ from meshplan._spmd.mesh_info import mesh_info
 from meshplan._spmd.rules import rules_problems
 from meshplan._spmd.validate import check_leaf, validate
 from meshplan._text import human_bytes
-from meshplan.cli.devices import DeviceChoice, choose_devices
+from meshplan.cli.devices import DeviceChoice, choose_devices, count_from_xla_flags
 from meshplan.examples.data import BATCH_NAMES, ByteCorpus, DataError, shard_batch
 from meshplan.examples.transformer import (
     CONFIG_SETTINGS,
@@ -768,6 +768,7 @@ def prepare(request: TrainRequest) -> Trainer:
                 choice.devices if choice.emulated else [],
                 needed=math.prod(shape.values()),
                 mesh=request.mesh,
+                xla_flags_count=count_from_xla_flags(),
             )
         mesh = make_mesh(shape, None if choice is None else choice.devices)
     except MeshplanError as e:
