@@ -201,17 +201,19 @@ def test_nnx_transformer_plan_matches_the_linen_one(capsys):
     assert specs["opt_state/0/mu/layers/mlp/wi"] == [None, "data", "model"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="search_rules' trace (meshplan/_search/trace.py) reads no parameter names from the "
-    "NNX state: 21 candidates against the Linen model's 951, fsdp on 1x8 pruned as symmetric",
-)
 def test_nnx_transformer_search_matches_the_linen_one(capsys, tmp_path, monkeypatch):
     """The same names, the same ranking (a published profile, no compile: prediction only)."""
     monkeypatch.chdir(tmp_path)  # search writes the best rules file here
     command = ["search", "--profile", "h100", "--top-k", "0"]
     linen = _json_of(capsys, *command, "--model", "transformer")
     nnx = _json_of(capsys, *command, "--model", "transformer-nnx")
-    for key in ("model", "seconds", "train_command"):  # the wall time and --model differ
-        nnx.pop(key), linen.pop(key)
-    assert nnx == linen
+    # The same candidates in the same order, with the same verdicts; the predicted times differ
+    # a little (the two step functions trace to slightly different programs).
+    def ranking(result):
+        return [(r["mesh_shape"], r["axis_names"], r["rules"], r["status"]) for r in result["rows"]]
+
+    assert ranking(nnx) == ranking(linen)
+    assert nnx["counts"] == linen["counts"]
+    for a, b in zip(nnx["rows"], linen["rows"], strict=True):
+        if a.get("predicted_step_s") and b.get("predicted_step_s"):
+            assert abs(a["predicted_step_s"] / b["predicted_step_s"] - 1) < 0.05

@@ -88,6 +88,9 @@ class Workload:
         return sum(d.flops * n for d, n in self.dots.items())
 
 
+_READ_AS_LOGICAL = (("meshplan.search: names are logical", None),)
+
+
 def _itemsize(aval: Any) -> int:
     try:
         return int(np.dtype(aval.dtype).itemsize)
@@ -258,7 +261,9 @@ def trace_workload(
         rules: Rules for NNX variables whose names depend on them (else the active ones).
         batch_names: The names of one batch array (default: ``('batch', None, ...)``).
     """
-    leaves, _ = array_leaves(abstract_state, rules)
+    # Flax NNX names are logical only when rules are in effect (else mesh axes, as in Flax): a
+    # search is looking for those rules, so it reads them as logical (a rule that names nothing).
+    leaves, _ = array_leaves(abstract_state, rules or _READ_AS_LOGICAL)
     by_id = {id(leaf.value): leaf for leaf in leaves}
     flat_state = jax.tree.leaves(abstract_state)
     state_names: list[Names] = []
