@@ -207,6 +207,7 @@ def test_nnx_transformer_search_matches_the_linen_one(capsys, tmp_path, monkeypa
     command = ["search", "--profile", "h100", "--top-k", "0"]
     linen = _json_of(capsys, *command, "--model", "transformer")
     nnx = _json_of(capsys, *command, "--model", "transformer-nnx")
+
     # The same candidates in the same order, with the same verdicts; the predicted times differ
     # a little (the two step functions trace to slightly different programs).
     def ranking(result):

@@ -166,7 +166,7 @@ def test_the_top_choice_as_a_train_command_with_its_rules_file(tmp_path):
         f"--rules {path}"
     )
     rules = meshplan.layouts.get_layout(str(path))
-    assert [list(r) for r in rules][0][0] == "batch"
+    assert next(iter(rules))[0] == "batch"
     assert "best:" in str(result) and "enumerated" in str(result)
 
 

@@ -174,7 +174,9 @@ def test_resume_with_other_shapes(first_half, tmp_path):
     message = _problems(_request(folder, resume=True, overrides=overrides))
     assert "  * model config mlp_dim: the checkpoint has 64, this run asks for 128\n" in message
     assert "(step 4, " in message
-    assert "arrays) and this model: they do not fit the model, e.g. params/layers/mlp/wi: " in message
+    assert (
+        "arrays) and this model: they do not fit the model, e.g. params/layers/mlp/wi: " in message
+    )
     assert "checkpoint shape (1, 32, 64), this model (1, 32, 128)" in message
     assert "Resume with the checkpoint's config: leave out --config" in message
 
