@@ -86,8 +86,13 @@ def session(tmp_path_factory) -> Session:
 
 
 def cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    """``meshplan ARGS`` in a fresh process of this Python, on CPU devices."""
+    """``meshplan ARGS`` in a fresh process of this Python, on CPU devices.
+
+    As a reader's shell runs them: without the test session's XLA_FLAGS (the command sets
+    its own from --devices, and its messages differ when the user's XLA_FLAGS set the count).
+    """
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
     return subprocess.run(
         [sys.executable, "-m", "meshplan.cli", *args],
         cwd=cwd,

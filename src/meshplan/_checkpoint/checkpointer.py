@@ -175,6 +175,33 @@ def _quiet_late_callbacks() -> None:
     sys.unraisablehook = hook
 
 
+class _OrphanedOrbaxTasks(logging.Filter):
+    """After a save failed: asyncio's "Task exception was never retrieved" for Orbax's writes.
+
+    The writes still in flight when a save fails end with an exception nobody awaits; when
+    collected, asyncio logs each with a screen of TensorStore traceback (at exit, or in the
+    middle of the next message). The failure was reported once, as a CheckpointError;
+    these add nothing. Only Orbax's tasks, and only once a save has failed, are left out.
+    """
+
+    failed = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.failed or not str(record.msg).startswith("Task exception was never"):
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        tb = exc.__traceback__ if exc is not None else None
+        while tb is not None:
+            if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
+                return False
+            tb = tb.tb_next
+        return True
+
+
+_ORPHANED_TASKS = _OrphanedOrbaxTasks()
+logging.getLogger("asyncio").addFilter(_ORPHANED_TASKS)
+
+
 class _OrbaxErrorLogs(logging.Filter):
     """Leaves out Orbax's error logs (with tracebacks) while a Checkpointer is open.
 
@@ -415,6 +442,7 @@ class Checkpointer:
     def _write_failed(self, e: BaseException, step: int | None) -> CheckpointError:
         """Records a failed write (once) and lets Orbax's waiting threads end."""
         _quiet_late_callbacks()
+        _ORPHANED_TASKS.failed = True
         _unblock_orbax_threads()
         if self._failure is None:
             try:
