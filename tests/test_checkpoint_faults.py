@@ -425,3 +425,29 @@ def test_lock_is_released_at_exit_and_held_once_per_process(tmp_path):
 
     gc.collect()
     meshplan.Checkpointer(tmp_path).close()
+
+
+def test_orbax_tasks_whose_exception_nobody_awaited_are_not_logged(tmp_path):
+    """asyncio logs a collected task's unretrieved exception with its whole traceback; for
+    Orbax's writes after a failed save that is a screen of TensorStore text, left out."""
+    import logging
+
+    from meshplan._checkpoint.checkpointer import _ORPHANED_TASKS
+
+    def record_with(filename: str) -> logging.LogRecord:
+        code = compile("raise ValueError('RESOURCE_EXHAUSTED')", filename, "exec")
+        try:
+            exec(code)
+        except ValueError as e:
+            error = e
+        return logging.LogRecord(
+            "asyncio", logging.ERROR, "base_events.py", 1,
+            "Task exception was never retrieved\nfuture: <Task finished>", None,
+            (ValueError, error, error.__traceback__),
+        )  # fmt: skip
+
+    orbax_file = os.path.join("site-packages", "orbax", "checkpoint", "serialization.py")
+    assert _ORPHANED_TASKS.filter(record_with(orbax_file)) is False
+    assert _ORPHANED_TASKS.filter(record_with("mine.py")) is True
+    with meshplan.Checkpointer(tmp_path):  # opening one installs the filter
+        assert _ORPHANED_TASKS in logging.getLogger("asyncio").filters

@@ -158,12 +158,14 @@ def _quiet_late_callbacks() -> None:
     asyncio loop; their callbacks then raise ``RuntimeError('Event loop is
     closed')``, which Python prints as a bare traceback. Nothing is lost: the save
     failed and said so. Installed once (the first Checkpointer opened: the callbacks
-    may come before Orbax reports the failure), chained to the previous hook.
+    may come before Orbax reports the failure), chained to the previous hook; with it,
+    the filter of Orbax's orphaned asyncio tasks (:class:`_OrphanedOrbaxTasks`).
     """
     global _LATE_CALLBACKS_QUIET
     if _LATE_CALLBACKS_QUIET:
         return
     _LATE_CALLBACKS_QUIET = True
+    logging.getLogger("asyncio").addFilter(_ORPHANED_TASKS)
     previous = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
@@ -176,30 +178,32 @@ def _quiet_late_callbacks() -> None:
 
 
 class _OrphanedOrbaxTasks(logging.Filter):
-    """After a save failed: asyncio's "Task exception was never retrieved" for Orbax's writes.
+    """asyncio's "Task exception was never retrieved" for Orbax's own writes: left out.
 
     The writes still in flight when a save fails end with an exception nobody awaits; when
     collected, asyncio logs each with a screen of TensorStore traceback (at exit, or in the
-    middle of the next message). The failure was reported once, as a CheckpointError;
-    these add nothing. Only Orbax's tasks, and only once a save has failed, are left out.
+    middle of the next message), sometimes before the failure reaches the Checkpointer.
+    The failure itself is reported once, as a CheckpointError from save, wait or close
+    (Orbax's manager raises it there); these add nothing. Only tasks whose exception passed
+    through Orbax's code are left out, and only in a process that opened a Checkpointer.
     """
 
-    failed = False
-
     def filter(self, record: logging.LogRecord) -> bool:
-        if not self.failed or not str(record.msg).startswith("Task exception was never"):
+        try:
+            if not str(record.msg).startswith("Task exception was never retrieved"):
+                return True
+            exc = record.exc_info[1] if record.exc_info else None
+            tb = exc.__traceback__ if exc is not None else None
+            while tb is not None:
+                if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
+                    return False
+                tb = tb.tb_next
+        except Exception:  # never let a log filter raise (this may run during shutdown)
             return True
-        exc = record.exc_info[1] if record.exc_info else None
-        tb = exc.__traceback__ if exc is not None else None
-        while tb is not None:
-            if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
-                return False
-            tb = tb.tb_next
         return True
 
 
 _ORPHANED_TASKS = _OrphanedOrbaxTasks()
-logging.getLogger("asyncio").addFilter(_ORPHANED_TASKS)
 
 
 class _OrbaxErrorLogs(logging.Filter):
@@ -442,7 +446,6 @@ class Checkpointer:
     def _write_failed(self, e: BaseException, step: int | None) -> CheckpointError:
         """Records a failed write (once) and lets Orbax's waiting threads end."""
         _quiet_late_callbacks()
-        _ORPHANED_TASKS.failed = True
         _unblock_orbax_threads()
         if self._failure is None:
             try:
