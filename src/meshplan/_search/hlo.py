@@ -113,6 +113,33 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
     return by_kind
 
 
+def candidate_shardings(
+    mesh_shape: Mapping[str, int], state: Any, example_batch: Any, rules: Any
+) -> tuple[Any, Any, Any]:
+    """A candidate's mesh on the first devices (Auto axes), its state's and batch's shardings.
+
+    The batch's first dimension is ``'batch'``. Shared by :func:`measure_step` and the
+    search's timing, so both compile a candidate the same way.
+    """
+    import jax
+    from jax.sharding import AxisType, NamedSharding
+
+    from meshplan._spmd.rules import logical_to_mesh_axes
+    from meshplan._spmd.shardings import get_partition_spec, logical_to_mesh_sharding
+
+    shape, n = tuple(mesh_shape.values()), math.prod(mesh_shape.values())
+    auto = (AxisType.Auto,) * len(shape)
+    mesh = jax.make_mesh(shape, tuple(mesh_shape), devices=jax.devices()[:n], axis_types=auto)
+    shardings = logical_to_mesh_sharding(get_partition_spec(state), mesh, rules)
+    batch_shardings = jax.tree.map(
+        lambda x: NamedSharding(
+            mesh, logical_to_mesh_axes(("batch",) + (None,) * (x.ndim - 1), rules)
+        ),
+        example_batch,
+    )
+    return mesh, shardings, batch_shardings
+
+
 def measure_step(
     step_fn: Callable[[Any, Any], Any],
     state: Any,
@@ -136,23 +163,11 @@ def measure_step(
         MeshplanError: the backend gives no HLO text for the compiled step.
     """
     import jax
-    from jax.sharding import AxisType, NamedSharding
 
-    from meshplan._spmd.rules import logical_axis_rules, logical_to_mesh_axes
-    from meshplan._spmd.shardings import get_partition_spec, logical_to_mesh_sharding
+    from meshplan._spmd.rules import logical_axis_rules
 
-    shape, n = tuple(mesh_shape.values()), math.prod(mesh_shape.values())
-    auto = (AxisType.Auto,) * len(shape)
-    mesh = jax.make_mesh(shape, tuple(mesh_shape), devices=jax.devices()[:n], axis_types=auto)
+    mesh, shardings, batch_shardings = candidate_shardings(mesh_shape, state, example_batch, rules)
     with jax.set_mesh(mesh), logical_axis_rules(rules):
-        shardings = logical_to_mesh_sharding(get_partition_spec(state), mesh, rules)
-        batch_shardings = jax.tree.map(
-            lambda x: NamedSharding(
-                mesh, logical_to_mesh_axes(("batch",) + (None,) * (x.ndim - 1), rules)
-            ),
-            example_batch,
-        )
-
         # A new function each time: JAX's trace cache does not know the active rules,
         # so reusing step_fn would reuse constraints traced under another layout.
         def step(state: Any, batch: Any) -> Any:

@@ -7,7 +7,6 @@ shardings, compiled, run once to warm up, then timed.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -43,22 +42,14 @@ def prepare_step(
     """Compiles ``step_fn`` on the first devices as a ``mesh_shape`` mesh, with zero state."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import AxisType, NamedSharding
 
-    from meshplan._spmd.rules import logical_axis_rules, logical_to_mesh_axes
-    from meshplan._spmd.shardings import get_partition_spec, logical_to_mesh_sharding
+    from meshplan._search.hlo import candidate_shardings
+    from meshplan._spmd.rules import logical_axis_rules
 
-    shape, n = tuple(mesh_shape.values()), math.prod(mesh_shape.values())
-    auto = (AxisType.Auto,) * len(shape)
-    mesh = jax.make_mesh(shape, tuple(mesh_shape), devices=jax.devices()[:n], axis_types=auto)
+    mesh, shardings, batch_sh = candidate_shardings(
+        mesh_shape, abstract_state, example_batch, rules
+    )
     with jax.set_mesh(mesh), logical_axis_rules(rules):
-        shardings = logical_to_mesh_sharding(get_partition_spec(abstract_state), mesh, rules)
-        batch_sh = jax.tree.map(
-            lambda x: NamedSharding(
-                mesh, logical_to_mesh_axes(("batch",) + (None,) * (x.ndim - 1), rules)
-            ),
-            example_batch,
-        )
 
         def zeros(tree: Any) -> Any:
             return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree)
