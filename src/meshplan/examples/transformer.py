@@ -406,6 +406,27 @@ class Block(nn.Module):
         return _constrain(x, names), None
 
 
+def check_length(cfg: TransformerConfig, tokens: Array) -> None:
+    """Raises when ``tokens`` has more positions than the model's ``max_len``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from meshplan.examples.transformer import check_length, config_from_name
+        >>> check_length(config_from_name("tiny", max_len=4), jnp.zeros((1, 8), jnp.int32))
+        Traceback (most recent call last):
+        ...
+        ValueError: Sequence length 8 (tokens of shape (1, 8)) exceeds max_len=4.
+        Feed at most 4 tokens per row, or use a TransformerConfig with max_len >= 8.
+    """
+    length = tokens.shape[1]
+    if length > cfg.max_len:
+        raise ValueError(
+            f"Sequence length {length} (tokens of shape {tuple(tokens.shape)}) exceeds "
+            f"max_len={cfg.max_len}.\nFeed at most {cfg.max_len} tokens per row, or use a "
+            f"TransformerConfig with max_len >= {length}."
+        )
+
+
 class Transformer(nn.Module):
     """Decoder-only language model: ``tokens[batch, length] -> logits[batch, length, vocab]``.
 
@@ -421,13 +442,8 @@ class Transformer(nn.Module):
     def __call__(self, tokens: Array) -> Array:
         cfg = self.config
         dtype = cfg.compute_dtype
+        check_length(cfg, tokens)
         length = tokens.shape[1]
-        if length > cfg.max_len:
-            raise ValueError(
-                f"Sequence length {length} (tokens of shape {tuple(tokens.shape)}) exceeds "
-                f"max_len={cfg.max_len}.\nFeed at most {cfg.max_len} tokens per row, or use a "
-                f"TransformerConfig with max_len >= {length}."
-            )
         tokens = _constrain(tokens, ("batch", "length"))
         embed_names = ("batch", "length", "embed")
 

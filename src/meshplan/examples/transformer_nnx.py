@@ -49,6 +49,7 @@ from meshplan.examples.transformer import (
     TransformerConfig,
     _dense_init,
     _rotary,
+    check_length,
     gathered,
     loss_fn,
 )
@@ -234,13 +235,8 @@ class Transformer(nnx.Module):
     def __call__(self, tokens: Array) -> Array:
         cfg = self.config
         dtype = cfg.compute_dtype
+        check_length(cfg, tokens)
         length = tokens.shape[1]
-        if length > cfg.max_len:
-            raise ValueError(
-                f"Sequence length {length} (tokens of shape {tuple(tokens.shape)}) exceeds "
-                f"max_len={cfg.max_len}.\nFeed at most {cfg.max_len} tokens per row, or use a "
-                f"TransformerConfig with max_len >= {length}."
-            )
         tokens = _constrain(tokens, ("batch", "length"))
         embed_names = ("batch", "length", "embed")
         one_hot = jax.nn.one_hot(tokens, cfg.vocab_size, dtype=dtype)
