@@ -184,3 +184,40 @@ def test_measure_runs_the_top_few_and_ranks_them_by_measured_time():
 def test_search_rules_needs_a_step_or_a_model():
     with pytest.raises(meshplan.ArgumentError, match="abstract_state, step_fn, example_batch"):
         meshplan.search_rules(8)
+
+
+def test_a_timed_step_is_the_program_traced_under_the_candidates_rules():
+    # Called outside the mesh and rules it was traced under, a jitted step is traced again
+    # without them: the timing would measure another program (it did, up to 10x slower).
+    from meshplan._search.timing import prepare_step
+    from meshplan._spmd.rules import get_logical_axis_rules
+
+    state, step, x = mlp_case(depth=128, batch=32)
+    seen = []
+
+    def counted(state, x):
+        seen.append(tuple(get_logical_axis_rules()))
+        return step(state, x)
+
+    rules = (("batch", "data"), ("hidden", "model"))
+    prepared = prepare_step(counted, state, x, {"data": 2, "model": 4}, rules)
+    assert len(prepared.run(3)) == 3
+    assert seen == [rules]  # traced once, under the candidate's rules, never again
+    text = prepared.compiled.as_text()
+    assert "all-reduce" in text  # the program timed is the sharded one
+
+
+def test_a_scanned_carry_takes_the_names_its_body_gives_it():
+    # The first layer's input comes from the batch ('batch', None); the body returns it
+    # as ('batch', 'embed'). XLA gives the carry one sharding, so every matmul of the
+    # scanned body is priced with 'embed' split, not replicated.
+    state, step, x = mlp_case()
+    work = trace_workload(step, state, x)
+    carried = [  # x @ W1: the layer input against W1's 'embed'
+        d.lhs_names
+        for d in work.dots
+        if d.rhs_names == ("embed", "hidden") and d.contract == ((1,), (0,))
+    ]
+    assert carried and all(names == ("batch", "embed") for names in carried)
+    cost = predict(work, {"tensor": 8}, (("embed", "tensor"),), get_profile("h100"))
+    assert cost.flops_per_device == pytest.approx(work.flops / 8)

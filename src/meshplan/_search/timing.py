@@ -1,8 +1,14 @@
 """Running a step for real under a mesh and rules, to time it (``measure=True``, the benchmark).
 
 The state is made of zeros of the abstract state's shapes, placed as the rules
-say (values do not change a step's time); the step is jitted with those
-shardings, compiled, run once to warm up, then timed.
+say (values do not change a step's time); the step is compiled ahead of time
+under the candidate's mesh and rules, run once to warm up, then timed.
+
+The compiled executable is what runs, never the jitted function: called
+outside the ``jax.set_mesh``/``logical_axis_rules`` context it was traced in,
+a jitted step is traced again without the candidate's rules, and its logical
+constraints then place the activations differently. That program is not the
+candidate's, and it can be ten times slower.
 """
 
 from __future__ import annotations
@@ -15,10 +21,14 @@ __all__ = ["Prepared", "prepare_step"]
 
 
 class Prepared:
-    """A compiled step with its placed state and batch: :meth:`run` times ``n`` steps."""
+    """A compiled step with its placed state and batch: :meth:`run` times ``n`` steps.
 
-    def __init__(self, fn: Any, state: Any, batch: Any) -> None:
-        self.fn, self.state, self.batch = fn, state, batch
+    ``compiled`` is the ``jax.stages.Compiled`` that runs (its ``cost_analysis()``
+    and ``as_text()`` describe the very program timed).
+    """
+
+    def __init__(self, compiled: Any, state: Any, batch: Any) -> None:
+        self.compiled, self.state, self.batch = compiled, state, batch
 
     def run(self, n: int = 1) -> list[float]:
         """Seconds of each of ``n`` steps (each from the same state: no state grows)."""
@@ -27,7 +37,7 @@ class Prepared:
         times = []
         for _ in range(n):
             t0 = time.perf_counter()
-            jax.block_until_ready(self.fn(self.state, self.batch))
+            jax.block_until_ready(self.compiled(self.state, self.batch))
             times.append(time.perf_counter() - t0)
         return times
 
@@ -60,6 +70,7 @@ def prepare_step(
         def step(state: Any, batch: Any) -> Any:
             return step_fn(state, batch)
 
-        fn = jax.jit(step, in_shardings=(shardings, batch_sh), out_shardings=None)
-        jax.block_until_ready(fn(state, batch))
-    return Prepared(fn, state, batch)
+        jitted = jax.jit(step, in_shardings=(shardings, batch_sh), out_shardings=None)
+        compiled = jitted.lower(state, batch).compile()
+        jax.block_until_ready(compiled(state, batch))
+    return Prepared(compiled, state, batch)
