@@ -175,6 +175,7 @@ class _Walker:
             body, length = p["jaxpr"], int(p["length"])
             nc, ncarry = p["num_consts"], p["num_carry"]
             body_in = [*ins[: nc + ncarry], *(n[1:] for n in ins[nc + ncarry :])]
+            body_in[nc : nc + ncarry] = _carry_fixpoint(body.jaxpr, body_in, nc, ncarry)
             body_out = self.walk(body.jaxpr, body_in, times * length)
             lead = next((n[0] for n in ins[nc + ncarry :] if n and n[0] is not None), None)
             return [*body_out[:ncarry], *((lead, *n) for n in body_out[ncarry:])]
@@ -183,6 +184,7 @@ class _Walker:
             nc = p["body_nconsts"]
             carry = ins[p["cond_nconsts"] + nc :]
             consts = ins[p["cond_nconsts"] : p["cond_nconsts"] + nc]
+            carry = _carry_fixpoint(body, [*consts, *carry], nc, len(carry))
             return self.walk(body, [*consts, *carry], times)
         if prim == "cond":
             branch = p["branches"][-1].jaxpr
@@ -227,6 +229,28 @@ class _Walker:
             return [tuple(n for i, n in enumerate(ins[0]) if i not in axes)] * len(out_shapes)
         pairs = list(zip(ins, shapes, strict=True))
         return [_elementwise(shape, pairs) for shape in out_shapes]
+
+
+def _carry_fixpoint(body: Any, body_in: list[Names], nc: int, ncarry: int) -> list[Names]:
+    """A loop carry's names, filled in from what the body gives it back.
+
+    A carry that enters a loop unnamed (a scanned layer's input, the first layer
+    fed by the batch) leaves it named by the body (the layer's output takes its
+    weight's ``embed``). XLA's sharding propagation gives the carry one sharding
+    for every trip, so the names the body returns are merged into those it
+    receives, until they settle (a dry walk each time, nothing counted).
+    """
+    carry = list(body_in[nc : nc + ncarry])
+    for _ in range(3):
+        out = _Walker().walk(body, [*body_in[:nc], *carry, *body_in[nc + ncarry :]], 0)
+        merged = [
+            tuple(_merge(a, b) for a, b in zip(c, o, strict=True)) if len(c) == len(o) else c
+            for c, o in zip(carry, out[:ncarry], strict=True)
+        ]
+        if merged == carry:
+            break
+        carry = merged
+    return carry
 
 
 def _batch_names(leaf: Any) -> Names:
