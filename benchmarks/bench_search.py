@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import optax
 
 import meshplan
+from meshplan._search.hlo import collective_bytes
 from meshplan._search.timing import prepare_step
 from meshplan.examples.mlp import LogicalMLP, init_fn
 from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
@@ -121,6 +122,18 @@ def bench(name: str, case: tuple[Any, Any, Any], args: argparse.Namespace) -> di
     )
     predicted = [r.predicted_s or 0.0 for r in chosen]
     rho = spearman(predicted, measured)
+    # The model's inputs against the very programs timed: FLOPs per device (XLA's cost
+    # analysis) and collective bytes per device (the HLO), the median relative error.
+    flops_err, bytes_err = [], []
+    for r, p in zip(chosen, prepared, strict=True):
+        assert r.cost is not None
+        analysis = p.compiled.cost_analysis()
+        analysis = analysis[0] if isinstance(analysis, list) else analysis
+        if analysis and analysis.get("flops"):
+            flops_err.append(abs(r.cost.flops_per_device / analysis["flops"] - 1))
+        hlo = sum(collective_bytes(p.compiled.as_text()).values())
+        if hlo:
+            bytes_err.append(abs(sum(r.cost.comm_bytes.values()) / hlo - 1))
     best = min(measured)
     top1 = measured[0]
     builtin = min(m for r, m in zip(chosen, measured, strict=True) if r.layout != "searched")
@@ -130,6 +143,13 @@ def bench(name: str, case: tuple[Any, Any, Any], args: argparse.Namespace) -> di
         f"{name}: measured {len(chosen)} of {len(ok)} ok (compile {compile_s:.0f} s); "
         f"top-1 {top1_row.mesh_text} {top1_row.short_rules} {top1 * 1e3:.1f} ms; "
         f"best measured {best_row.mesh_text} {best_row.short_rules} {best * 1e3:.1f} ms",
+        flush=True,
+    )
+    print(
+        f"{name}: the model against the programs timed: matmul FLOPs per device off XLA's "
+        f"cost analysis by {100 * statistics.median(flops_err or [0]):.1f}% (median; XLA counts "
+        f"elementwise FLOPs too), collective bytes off the HLO's by "
+        f"{100 * statistics.median(bytes_err or [0]):.1f}% (median of {len(bytes_err)})",
         flush=True,
     )
     return {
