@@ -4,16 +4,23 @@ For each model (the guide's MLP, the Transformer ``tiny`` and ``small``), one at
 
 1. the search (``profile='cpu'``, calibrated here; ``compile_top`` compiled), timed;
 2. the ground truth: EVERY candidate that passed (or the first ``--limit`` by
-   prediction plus an even spread of the rest, when capped), compiled and run,
-   interleaved round by round (``--rounds`` rounds of one step each), the median
-   per candidate; the noise is the median relative spread (IQR / median);
+   prediction plus an even spread of the rest, when capped), compiled and run in
+   chunks of ``--chunk`` (compiled executables are large), interleaved round by
+   round within a chunk (``--rounds`` turns of ``--turn`` steps, the first step of
+   a turn dropped: it pays for switching programs), the median per candidate; a
+   data-parallel candidate runs in every chunk as the reference that cancels the
+   machine's drift between chunks; the noise is the median relative spread (IQR /
+   median) of a candidate's steps, the drift the range of the reference's medians;
 3. the figures, with targets: Spearman rank correlation of predicted vs measured
    (>= 0.8); top-1 measured / best measured (<= 1.05); top-1 measured / best
    built-in measured (<= 1.0, 1.05 with noise); search wall time (< 60 s);
-   compiled / enumerated (<= 10%).
+   compiled / enumerated (<= 10%);
+4. the search again with ``measure=True``: the first few by prediction (at most 10,
+   and within 10% of the candidates compiled) run, the fastest kept, and the same
+   figures for its choice.
 
     .venv/bin/python benchmarks/bench_search.py --models mlp          # one model at a time
-    .venv/bin/python benchmarks/bench_search.py --models tiny --limit 60
+    .venv/bin/python benchmarks/bench_search.py --models small --limit 48
 
 It ends with the 1B-parameter Transformer planned only (no arrays) under the
 ``h100`` and ``tpu_v5e`` profiles (``--plan-1b``).
@@ -27,6 +34,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse
 import functools
+import math
 import statistics
 import time
 from typing import Any
@@ -109,12 +117,8 @@ def bench(name: str, case: tuple[Any, Any, Any], args: argparse.Namespace) -> di
         builtins = [r for r in ok if r.layout != "searched" and r not in head and r not in spread]
         chosen = head + spread + builtins
     t1 = time.perf_counter()
-    prepared = [prepare_step(step, state, batch, r.mesh, r.rules) for r in chosen]
-    compile_s = time.perf_counter() - t1
-    samples: list[list[float]] = [[] for _ in chosen]
-    for _ in range(args.rounds):
-        for i, p in enumerate(prepared):
-            samples[i] += p.run(1)
+    samples, bytes_err, drift = measure_all(step, state, batch, chosen, args)
+    measure_all_s = time.perf_counter() - t1
     measured = [statistics.median(s) for s in samples]
     noise = statistics.median(
         (statistics.quantiles(s, n=4)[2] - statistics.quantiles(s, n=4)[0]) / statistics.median(s)
@@ -122,33 +126,37 @@ def bench(name: str, case: tuple[Any, Any, Any], args: argparse.Namespace) -> di
     )
     predicted = [r.predicted_s or 0.0 for r in chosen]
     rho = spearman(predicted, measured)
-    # The model's inputs against the very programs timed: FLOPs per device (XLA's cost
-    # analysis) and collective bytes per device (the HLO), the median relative error.
-    flops_err, bytes_err = [], []
-    for r, p in zip(chosen, prepared, strict=True):
-        assert r.cost is not None
-        analysis = p.compiled.cost_analysis()
-        analysis = analysis[0] if isinstance(analysis, list) else analysis
-        if analysis and analysis.get("flops"):
-            flops_err.append(abs(r.cost.flops_per_device / analysis["flops"] - 1))
-        hlo = sum(collective_bytes(p.compiled.as_text()).values())
-        if hlo:
-            bytes_err.append(abs(sum(r.cost.comm_bytes.values()) / hlo - 1))
     best = min(measured)
     top1 = measured[0]
     builtin = min(m for r, m in zip(chosen, measured, strict=True) if r.layout != "searched")
     top1_row = chosen[0]
     best_row = chosen[measured.index(best)]
+    # The search with measure=True: the first measure_top by prediction run, the fastest kept;
+    # by default as many as keep compiles within 10% of the candidates (at most 10).
+    enumerated = result.counts["enumerated"]
+    measure_top = args.measure_top or max(1, min(10, enumerated // 10 - args.compile_top))
+    t2 = time.perf_counter()
+    timed = meshplan.search_rules(
+        8, state, step, batch, profile="cpu", compile_top=args.compile_top, measure=True,
+        measure_top=measure_top, measure_steps=args.rounds,
+    )  # fmt: skip
+    measure_s = time.perf_counter() - t2
+    pick = timed.best
+    assert pick is not None
+    same = [
+        m
+        for r, m in zip(chosen, measured, strict=True)
+        if (r.mesh, r.rules) == (pick.mesh, pick.rules)
+    ]
+    picked = same[0] if same else (pick.measured_s or math.nan)
     print(
-        f"{name}: measured {len(chosen)} of {len(ok)} ok (compile {compile_s:.0f} s); "
+        f"{name}: measured {len(chosen)} of {len(ok)} ok (compiled and run in {measure_all_s:.0f} s, chunk drift {100 * drift:.1f}%); "
         f"top-1 {top1_row.mesh_text} {top1_row.short_rules} {top1 * 1e3:.1f} ms; "
         f"best measured {best_row.mesh_text} {best_row.short_rules} {best * 1e3:.1f} ms",
         flush=True,
     )
     print(
-        f"{name}: the model against the programs timed: matmul FLOPs per device off XLA's "
-        f"cost analysis by {100 * statistics.median(flops_err or [0]):.1f}% (median; XLA counts "
-        f"elementwise FLOPs too), collective bytes off the HLO's by "
+        f"{name}: predicted collective bytes off the timed programs' HLO by "
         f"{100 * statistics.median(bytes_err or [0]):.1f}% (median of {len(bytes_err)})",
         flush=True,
     )
@@ -157,8 +165,62 @@ def bench(name: str, case: tuple[Any, Any, Any], args: argparse.Namespace) -> di
         "measured": len(chosen), "spearman": rho, "top1_best": top1 / best,
         "top1_builtin": top1 / builtin, "search_s": search_s,
         "compiled_frac": result.counts["compiled"] / result.counts["enumerated"],
-        "noise": noise,
+        "noise": noise, "measured_best": picked / best, "measured_builtin": picked / builtin,
+        "measure_s": measure_s, "measure_top": measure_top,
+        "measured_frac": (timed.counts["compiled"] + timed.counts["measured"])
+        / timed.counts["enumerated"],
     }  # fmt: skip
+
+
+def measure_all(
+    step: Any, state: Any, batch: Any, chosen: list[Any], args: argparse.Namespace
+) -> tuple[list[list[float]], list[float], float]:
+    """Every chosen candidate's step times, and its predicted collective bytes' error.
+
+    Compiled executables are large on the CPU (all of the tiny Transformer's 176 at once
+    exhaust 24 GiB), so candidates run in chunks of ``--chunk``, interleaved round by round
+    within a chunk. A data-parallel candidate runs in every chunk as the reference:
+    each chunk's times are scaled by the reference's overall median over its median in
+    that chunk, so that drift in the machine's speed between chunks cancels out. Returns
+    the samples, the relative errors of the predicted collective bytes against the HLO of
+    the programs timed, and the drift (the range of the reference's chunk medians over
+    their median).
+    """
+    # The reference: data parallelism's step has one reduction at its end, so its time
+    # follows the machine's speed, not the scheduling of collectives mid-step.
+    r0 = next((i for i, r in enumerate(chosen) if r.layout == "data_parallel"), 0)
+    others = [i for i in range(len(chosen)) if i != r0]
+    per = max(1, args.chunk - 1)
+    chunks = [others[i : i + per] for i in range(0, len(others), per)] or [[]]
+    samples: list[list[float]] = [[] for _ in chosen]
+    ref_by_chunk: list[list[float]] = []
+    errors: list[float] = []
+    for c, chunk in enumerate(chunks):
+        idx = [r0, *chunk]
+        prepared = [prepare_step(step, state, batch, chosen[i].mesh, chosen[i].rules) for i in idx]
+        for n, (i, p) in enumerate(zip(idx, prepared, strict=True)):
+            cost = chosen[i].cost
+            hlo = sum(collective_bytes(p.compiled.as_text()).values())
+            if hlo and cost is not None and (n or not c):
+                errors.append(abs(sum(cost.comm_bytes.values()) / hlo - 1))
+        times: list[list[float]] = [[] for _ in idx]
+        for _ in range(args.rounds):
+            for n, p in enumerate(prepared):
+                # A turn of --turn steps, the first dropped: it pays for switching programs.
+                times[n] += p.run(args.turn)[1:]
+        ref_by_chunk.append(times[0])
+        for n, i in enumerate(chunk, 1):
+            samples[i] = times[n]
+        del prepared, p
+        print(f"  chunk {c + 1}/{len(chunks)}: {len(idx)} candidates", flush=True)
+    overall = statistics.median(t for ts in ref_by_chunk for t in ts)
+    medians = [statistics.median(ts) for ts in ref_by_chunk]
+    for c, chunk in enumerate(chunks):
+        for i in chunk:
+            samples[i] = [t * overall / medians[c] for t in samples[i]]
+    samples[r0] = [t for ts in ref_by_chunk for t in ts]
+    drift = (max(medians) - min(medians)) / statistics.median(medians)
+    return samples, errors, drift
 
 
 def plan_1b() -> None:
@@ -203,6 +265,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--limit", type=int, default=0, help="measure at most this many")
     parser.add_argument("--compile-top", type=int, default=3)
+    parser.add_argument("--chunk", type=int, default=24, help="candidates compiled at once")
+    parser.add_argument(
+        "--turn", type=int, default=3, help="steps per candidate per round, the first dropped"
+    )
+    parser.add_argument(
+        "--measure-top",
+        type=int,
+        default=0,
+        help="the search's measure_top (default: 10, or fewer to compile at most 10%%)",
+    )
     parser.add_argument("--plan-1b", action="store_true")
     args = parser.parse_args()
     cases = {
@@ -223,6 +295,16 @@ def main() -> None:
                 f"| {r['model']} | {r['enumerated']} | {r['ok']} | {r['measured']} | "
                 f"{r['spearman']:.2f} | {r['top1_best']:.3f} | {r['top1_builtin']:.3f} | "
                 f"{r['search_s']:.1f} | {100 * r['compiled_frac']:.1f}% | {100 * r['noise']:.1f}% |"
+            )
+        print("\nWith measure=True (the first few by prediction run, the fastest kept):")
+        print(
+            "\n| model | measured | top-1/best | top-1/best built-in | search s | compiled/enumerated |"
+        )
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            print(
+                f"| {r['model']} | {r['measure_top']} | {r['measured_best']:.3f} | {r['measured_builtin']:.3f} | "
+                f"{r['measure_s']:.1f} | {100 * r['measured_frac']:.1f}% |"
             )
     if args.plan_1b:
         plan_1b()
