@@ -451,3 +451,25 @@ def test_orbax_tasks_whose_exception_nobody_awaited_are_not_logged(tmp_path):
     assert _ORPHANED_TASKS.filter(record_with("mine.py")) is True
     with meshplan.Checkpointer(tmp_path):  # opening one installs the filter
         assert _ORPHANED_TASKS in logging.getLogger("asyncio").filters
+
+
+def test_the_leftover_filter_drops_only_orbax_coroutines(monkeypatch):
+    import sys
+    import types
+
+    from meshplan._checkpoint import restore as restore_module
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    monkeypatch.setattr(restore_module, "_LEFTOVERS_QUIET", False)
+    restore_module._drop_orbax_leftovers()
+
+    def event(filename):
+        code = compile("pass", filename, "exec")
+        return types.SimpleNamespace(object=types.SimpleNamespace(cr_code=code))
+
+    orbax = event(f"{os.sep}site-packages{os.sep}orbax{os.sep}serialization.py")
+    mine = event(f"{os.sep}home{os.sep}me{os.sep}app.py")
+    sys.unraisablehook(orbax)
+    sys.unraisablehook(mine)
+    assert seen == [mine]
