@@ -16,7 +16,7 @@ from typing import Any
 
 from meshplan._errors import MeshplanError
 
-__all__ = ["COLLECTIVES", "DTYPE_BYTES", "collective_bytes", "measure_step"]
+__all__ = ["COLLECTIVES", "DTYPE_BYTES", "collective_bytes", "compile_candidate", "measure_step"]
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 """The collective kinds counted, in the order :func:`collective_bytes` returns them."""
@@ -118,8 +118,7 @@ def candidate_shardings(
 ) -> tuple[Any, Any, Any]:
     """A candidate's mesh on the first devices (Auto axes), its state's and batch's shardings.
 
-    The batch's first dimension is ``'batch'``. Shared by :func:`measure_step` and the
-    search's timing, so both compile a candidate the same way.
+    The batch's first dimension is ``'batch'``.
     """
     import jax
     from jax.sharding import AxisType, NamedSharding
@@ -138,6 +137,37 @@ def candidate_shardings(
         example_batch,
     )
     return mesh, shardings, batch_shardings
+
+
+def compile_candidate(
+    step_fn: Callable[[Any, Any], Any],
+    state: Any,
+    example_batch: Any,
+    mesh_shape: Mapping[str, int],
+    rules: Any,
+) -> tuple[Any, Any, Any]:
+    """``step_fn`` compiled as the candidate runs it; its state's and batch's shardings.
+
+    Traced and compiled under the candidate's mesh and rules, the executable is the
+    candidate's program: a jitted step called outside that context would be traced
+    again without the rules. Shared by :func:`measure_step` and the search's timing,
+    so both compile a candidate the same way. ``state`` and ``example_batch`` may be
+    abstract.
+    """
+    import jax
+
+    from meshplan._spmd.rules import logical_axis_rules
+
+    mesh, shardings, batch_shardings = candidate_shardings(mesh_shape, state, example_batch, rules)
+    with jax.set_mesh(mesh), logical_axis_rules(rules):
+        # A new function each time: JAX's trace cache does not know the active rules,
+        # so reusing step_fn would reuse constraints traced under another layout.
+        def step(state: Any, batch: Any) -> Any:
+            return step_fn(state, batch)
+
+        jitted = jax.jit(step, in_shardings=(shardings, batch_shardings))
+        compiled = jitted.lower(state, example_batch).compile()
+    return compiled, shardings, batch_shardings
 
 
 def measure_step(
@@ -162,21 +192,9 @@ def measure_step(
     Raises:
         MeshplanError: the backend gives no HLO text for the compiled step.
     """
-    import jax
-
-    from meshplan._spmd.rules import logical_axis_rules
-
-    mesh, shardings, batch_shardings = candidate_shardings(mesh_shape, state, example_batch, rules)
-    with jax.set_mesh(mesh), logical_axis_rules(rules):
-        # A new function each time: JAX's trace cache does not know the active rules,
-        # so reusing step_fn would reuse constraints traced under another layout.
-        def step(state: Any, batch: Any) -> Any:
-            return step_fn(state, batch)
-
-        t0 = time.perf_counter()
-        jitted = jax.jit(step, in_shardings=(shardings, batch_shardings))
-        compiled = jitted.lower(state, example_batch).compile()
-        seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    compiled, _, _ = compile_candidate(step_fn, state, example_batch, mesh_shape, rules)
+    seconds = time.perf_counter() - t0
     hlo_text = compiled.as_text()
     if hlo_text is None:  # JAX: "None if unavailable, e.g. based on backend"
         raise MeshplanError(

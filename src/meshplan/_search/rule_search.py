@@ -556,7 +556,7 @@ def search_rules(
         for _ in range(measure_steps):  # interleaved: noise hits every candidate alike
             for i, p in enumerate(prepared):
                 # The first step after switching programs pays for the switch (caches,
-                # the thread pool): on emulated devices up to 30%. Keep the second.
+                # the thread pool). Keep the second.
                 samples[i] += p.run(2)[1:]
         for row, s in zip(top, samples, strict=True):
             row.measured_s = statistics.median(s)

@@ -53,24 +53,16 @@ def prepare_step(
     import jax
     import jax.numpy as jnp
 
-    from meshplan._search.hlo import candidate_shardings
-    from meshplan._spmd.rules import logical_axis_rules
+    from meshplan._search.hlo import compile_candidate
 
-    mesh, shardings, batch_sh = candidate_shardings(
-        mesh_shape, abstract_state, example_batch, rules
+    compiled, shardings, batch_sh = compile_candidate(
+        step_fn, abstract_state, example_batch, mesh_shape, rules
     )
-    with jax.set_mesh(mesh), logical_axis_rules(rules):
 
-        def zeros(tree: Any) -> Any:
-            return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree)
+    def zeros(tree: Any) -> Any:
+        return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree)
 
-        state = jax.jit(lambda: zeros(abstract_state), out_shardings=shardings)()
-        batch = jax.jit(lambda: zeros(example_batch), out_shardings=batch_sh)()
-
-        def step(state: Any, batch: Any) -> Any:
-            return step_fn(state, batch)
-
-        jitted = jax.jit(step, in_shardings=(shardings, batch_sh), out_shardings=None)
-        compiled = jitted.lower(state, batch).compile()
-        jax.block_until_ready(compiled(state, batch))
+    state = jax.jit(lambda: zeros(abstract_state), out_shardings=shardings)()
+    batch = jax.jit(lambda: zeros(example_batch), out_shardings=batch_sh)()
+    jax.block_until_ready(compiled(state, batch))
     return Prepared(compiled, state, batch)
