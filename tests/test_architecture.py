@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 from pathlib import Path
 
 import grimp
@@ -112,3 +113,16 @@ def test_every_module_lives_in_a_subpackage_of_one_concern():
     flat = sorted(p.name for p in SRC.glob("*.py") if p.name not in ("__init__.py", "py.typed"))
     # The bottom layer's three small modules and the two public modules; the rest is packaged.
     assert flat == ["_errors.py", "_text.py", "_version.py", "layouts.py", "testing.py"]
+
+
+def test_every_module_is_in_the_architecture_page_and_every_listed_module_exists():
+    page = (SRC.parent.parent / "docs" / "architecture.md").read_text()
+    index = page.split("## Every module", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `src/meshplan/([\w/]+\.py)` \|", index, flags=re.M))
+    modules = {
+        str(p.relative_to(SRC))
+        for p in SRC.rglob("*.py")
+        if p.name not in ("__init__.py", "__main__.py")
+    }
+    assert sorted(modules - listed) == [], "add these to docs/architecture.md's 'Every module'"
+    assert sorted(listed - modules) == [], "these are listed but no longer exist"
