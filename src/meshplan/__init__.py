@@ -36,8 +36,13 @@ from meshplan._spmd.boxes import (
     with_logical_partitioning,
     with_partitioning,
 )
-from meshplan._spmd.constraints import RulesFallback, explicit_out_sharding, with_logical_constraint
-from meshplan._spmd.mesh import active_mesh
+from meshplan._spmd.constraints import (
+    RulesFallback,
+    explicit_out_sharding,
+    logical_dot_general,
+    with_logical_constraint,
+)
+from meshplan._spmd.mesh import UnevenShardWarning, active_mesh
 from meshplan._spmd.nnx import nnx_sharding, with_nnx_partitioning
 from meshplan._spmd.rules import (
     get_logical_axis_rules,
@@ -75,6 +80,7 @@ __all__ = [
     "RulesFallback",
     "SearchResult",
     "ShardingValidationError",
+    "UnevenShardWarning",
     "UnmatchedLogicalAxisError",
     "active_mesh",
     "check",
@@ -84,6 +90,7 @@ __all__ = [
     "get_partition_spec",
     "get_sharding",
     "logical_axis_rules",
+    "logical_dot_general",
     "logical_to_mesh",
     "logical_to_mesh_axes",
     "logical_to_mesh_sharding",

@@ -121,8 +121,11 @@ class Partitioned(AxisMetadata[A], Generic[A]):
             ...     print(box.unbox().sharding.spec)
             P('data', None)
         """
+        if _defer_rank(self):
+            return self.value
         if apply_constraint and (self.mesh is not None or active_mesh() is not None):
-            return apply_spec(self.value, self._checked_spec(), self.mesh, what=self._what())
+            value = apply_spec(self.value, self._checked_spec(), self.mesh, what=self._what())
+            return _gathered_for_use(self, value, self.get_partition_spec(), None)
         return self.value
 
     def replace_boxed(self, val: Any) -> Partitioned[Any]:
@@ -257,12 +260,15 @@ class Partitioned(AxisMetadata[A], Generic[A]):
         fields = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in metadata.items() if k in fields})
 
-    def _checked_spec(self) -> PartitionSpec:
+    def _checked_spec(self, path: str = "") -> PartitionSpec:
         spec = self.get_partition_spec()
         shape = getattr(self.value, "shape", None)
         if shape is not None and len(spec) > len(shape):  # fewer names: the rest unsharded
-            problem = rank_problem(tuple(spec), tuple(shape))
-            raise LogicalNamesError(f"{self._what()}: {problem.message}.\n{problem.fix}", [problem])
+            problem = dataclasses.replace(rank_problem(tuple(spec), tuple(shape)), path=path)
+            where = f"{path}: " if path else ""
+            raise LogicalNamesError(
+                f"{where}{self._what()}: {problem.message}.\n{problem.fix}", [problem]
+            )
         return spec
 
     def _what(self) -> str:
@@ -326,13 +332,22 @@ class LogicallyPartitioned(Partitioned[A]):
             ...     print(box.unbox().sharding.spec)
             P('data', None)
         """
+        if _defer_rank(self):
+            return self.value
         if apply_constraint and (self.mesh is not None or active_mesh() is not None):
             from meshplan._spmd.constraints import with_logical_constraint
 
             self._checked_spec()
-            return with_logical_constraint(
+            value = with_logical_constraint(
                 self.value, self.get_partition_spec(), rules=self.rules, mesh=self.mesh
             )
+            from meshplan._spmd.rules import get_logical_axis_rules, logical_to_mesh_axes
+
+            rules = self.rules if self.rules is not None else get_logical_axis_rules()
+            if not rules:
+                return value
+            spec = logical_to_mesh_axes(self.get_partition_spec(), rules)
+            return _gathered_for_use(self, value, spec, rules)
         return self.value
 
     def get_sharding(self, mesh: jax.sharding.Mesh) -> NamedSharding:
@@ -367,6 +382,81 @@ class LogicallyPartitioned(Partitioned[A]):
             )
             raise LogicalNamesError(f"{problem.message}.\n{problem.fix}", [problem])
         return NamedSharding(mesh, logical_to_mesh_axes(tuple(spec), rules))
+
+
+def _stored_param_path(box: Partitioned[Any]) -> str | None:
+    """``box``'s path if the Flax module being run holds it as a variable.
+
+    ``""`` when a module is running but holds no such box, ``None`` outside any module.
+
+    Flax's ``Scope.param`` stores an initializer's result before unboxing it; an
+    initializer wrapper such as ``nn.DenseGeneral``'s unboxes the *flat* value it asked
+    for before reshaping it and putting it back (``replace_boxed``). A box the scope
+    already holds is the parameter itself; one it does not hold is such an
+    intermediate value.
+    """
+    from flax.linen.module import _context  # the module whose method is running
+
+    module = _context.module_stack[-1] if _context.module_stack else None
+    scope = getattr(module, "scope", None)
+    if scope is None:
+        return None
+    for col, variables in scope.variables().items():
+        for name, value in variables.items():
+            if value is box:
+                return "/".join((col, *scope.path, name))
+    return ""
+
+
+def _defer_rank(box: Partitioned[Any]) -> bool:
+    """Whether ``box`` has more names than its value has dimensions *for now*.
+
+    Inside a Flax module, a box the module does not hold yet is an initializer's
+    intermediate value (``nn.DenseGeneral`` initializes a flat 2-D kernel, then reshapes
+    it into the box): its names describe the final shape, so it is returned as it is,
+    unconstrained. A box the module holds as a parameter with too many names raises,
+    naming the parameter's path; outside a module, the caller's check decides.
+    """
+    shape = getattr(box.value, "shape", None)
+    if shape is None or len(box.names) <= len(shape):
+        return False
+    path = _stored_param_path(box)
+    if path is None:  # not inside a Flax module: the usual checks apply
+        return False
+    if path == "":
+        return True
+    box._checked_spec(path)  # raises, naming the parameter
+    return False
+
+
+def _gathered_for_use(box: Partitioned[Any], value: A, spec: PartitionSpec, rules: Any) -> A:
+    """On an Explicit mesh, a parameter a Flax module reads is gathered over the batch's axes.
+
+    That is FSDP: the parameter is stored split over the mesh axes of ``'batch'`` and
+    all-gathered where it is used (its gradient is reduce-scattered back). On an Auto mesh
+    XLA inserts the gather itself; on an Explicit one ``x @ kernel`` with both split over
+    ``data`` is a ``ShardingTypeError``, so ordinary layers (``nn.Dense``) would fail.
+    Outside a module (``meshplan.unbox(tree)``) the value keeps its own sharding.
+    """
+    mesh = box.mesh if box.mesh is not None else jax.sharding.get_abstract_mesh()
+    if mesh is None or getattr(mesh, "empty", False):
+        return value
+    from jax.sharding import AxisType
+
+    if set(mesh.axis_types) != {AxisType.Explicit} or not _stored_param_path(box):
+        return value
+    from meshplan._spmd.rules import get_logical_axis_rules, logical_to_mesh_axes, mesh_axes_of
+
+    rules = rules if rules is not None else get_logical_axis_rules()
+    if not rules:
+        return value
+    batch = set(mesh_axes_of(logical_to_mesh_axes(("batch",), rules)[0]))
+    entries = [tuple(mesh_axes_of(e)) for e in spec]
+    if not batch or not any(batch & set(e) for e in entries):
+        return value
+    kept = [tuple(a for a in e if a not in batch) for e in entries]
+    gathered = PartitionSpec(*(e[0] if len(e) == 1 else (e or None) for e in kept))
+    return apply_spec(value, gathered, box.mesh, what=f"{box._what()}, gathered for use")
 
 
 for _cls, _meta in (

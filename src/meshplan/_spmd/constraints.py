@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import jax
@@ -12,7 +13,7 @@ from meshplan._errors import UnmatchedLogicalAxisError
 from meshplan._spmd.mesh import active_mesh, apply_spec
 from meshplan._spmd.rules import UNASSIGNED, get_logical_axis_rules, resolve
 
-__all__ = ["RulesFallback", "with_logical_constraint"]
+__all__ = ["RulesFallback", "logical_dot_general", "with_logical_constraint"]
 
 T = TypeVar("T")
 
@@ -149,3 +150,49 @@ def explicit_out_sharding(logical_names: Any, rules: Any = None) -> PartitionSpe
         rules = get_logical_axis_rules()
     resolved = resolve(logical_names, rules)
     return PartitionSpec(*(None if r is UNASSIGNED else r for r in resolved))
+
+
+def logical_dot_general(out_names: Any, rules: Any = None) -> Callable[..., Any]:
+    """A ``dot_general`` for Flax layers whose output is sharded by logical names.
+
+    On an Explicit mesh, a contraction over a dimension split in both operands (a
+    row-parallel kernel: ``nn.DenseGeneral(axis=(-2, -1))`` over ``heads``, or an
+    attention output projection) is ambiguous and JAX asks for ``out_sharding``. Flax
+    layers take the contraction as ``dot_general=`` (``nn.Dense``, ``nn.DenseGeneral``,
+    ``nn.Einsum``) or ``out_dot_general_cls=`` (``nn.MultiHeadDotProductAttention``):
+    this one passes :func:`explicit_out_sharding` of ``out_names`` (``None``, the
+    compiler's choice, on an Auto mesh).
+
+    Example:
+        >>> import flax.linen as nn, jax, jax.numpy as jnp, meshplan
+        >>> rules = (("batch", "data"), ("heads", "model"))
+        >>> init = meshplan.with_logical_partitioning(
+        ...     nn.initializers.lecun_normal(), ("heads", "kv", "embed"))
+        >>> out = nn.DenseGeneral(16, axis=(-2, -1), kernel_init=init,
+        ...     dot_general=meshplan.logical_dot_general(("batch", "embed")))
+        >>> with jax.set_mesh(jax.make_mesh((2, 4), ("data", "model"))), \\
+        ...         meshplan.logical_axis_rules(rules):
+        ...     x = jnp.ones((8, 4, 8), out_sharding=jax.P("data", "model"))
+        ...     print(jax.jit(out.init_with_output)(jax.random.key(0), x)[0].sharding.spec)
+        P('data', None)
+    """
+
+    def dot_general(
+        lhs: Any,
+        rhs: Any,
+        dimension_numbers: Any,
+        precision: Any = None,
+        preferred_element_type: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        kwargs.setdefault("out_sharding", explicit_out_sharding(out_names, rules))
+        return jax.lax.dot_general(
+            lhs,
+            rhs,
+            dimension_numbers,
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+            **kwargs,
+        )
+
+    return dot_general

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, TypeVar, cast
 
 import jax
@@ -13,7 +14,7 @@ from meshplan._spmd.validate import check_leaf
 
 T = TypeVar("T")
 
-__all__ = ["active_mesh", "apply_spec"]
+__all__ = ["UnevenShardWarning", "active_mesh", "apply_spec"]
 
 
 def _legacy_mesh() -> Mesh | None:
@@ -53,6 +54,46 @@ def _fill_unconstrained(value: Any, spec: PartitionSpec) -> PartitionSpec:
     return PartitionSpec(
         *(c if e is PartitionSpec.UNCONSTRAINED else e for e, c in zip(spec, current, strict=False))
     )
+
+
+class UnevenShardWarning(UserWarning):
+    """A dimension an Explicit mesh cannot split evenly was left unsharded (:func:`apply_spec`)."""
+
+
+def _divisible(spec: PartitionSpec, mesh: Any, what: str, shape: Any) -> PartitionSpec:
+    """``spec`` without the axes of any dimension they do not divide, with a warning.
+
+    An ``Auto`` mesh pads such a dimension; ``jax.sharding.reshard`` on an ``Explicit``
+    one refuses it. The common case is Flax's ``model.init(key, jnp.zeros((1, ...)))``:
+    a batch of one constrained to ``('batch', ...)``. The value is then left unsharded
+    along that dimension, and a warning says so.
+    """
+    if shape is None:
+        return spec
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    entries, dropped, splits = list(spec), [], [1]
+    for i, (entry, size) in enumerate(zip(entries, shape, strict=False)):
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        split = 1
+        for a in axes:
+            split *= sizes.get(a, 1)
+        if split > 1 and size % split:
+            dropped.append(f"dimension {i} (size {size}) over {'x'.join(axes)} ({split} ways)")
+            entries[i] = None
+            splits.append(split)
+    if not dropped:
+        return spec
+    import warnings
+
+    warnings.warn(
+        f"{what}: on an Explicit mesh {'; '.join(dropped)} cannot be split evenly, so it is "
+        f"left unsharded here (an Auto mesh would pad it). Use sizes divisible by the mesh "
+        f"axes (e.g. model.init with a batch of {math.lcm(*splits)}), "
+        f"or initialise through jax.eval_shape and jit(init, out_shardings=...).",
+        UnevenShardWarning,
+        stacklevel=4,
+    )
+    return PartitionSpec(*entries)
 
 
 def check_spec(spec: PartitionSpec, mesh: Any, what: str, shape: Any = None) -> None:
@@ -119,7 +160,9 @@ def apply_spec(value: T, spec: PartitionSpec, mesh: Any = None, *, what: str = "
         # (an array, or a tree of them) as it came in, with the new sharding.
         return cast(T, jax.lax.with_sharding_constraint(value, sharding))
     if types == {AxisType.Explicit}:
-        spec = _fill_unconstrained(value, spec)
+        spec = _divisible(
+            _fill_unconstrained(value, spec), target, what, getattr(value, "shape", None)
+        )
         return cast(T, jax.sharding.reshard(value, NamedSharding(target, spec) if named else spec))
     raise MeshError(
         f"Cannot constrain {what} to {spec} on a mesh with mixed axis types "

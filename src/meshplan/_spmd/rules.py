@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import re
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeAlias, TypedDict, overload
@@ -104,8 +105,44 @@ def logical_axis_rules(rules: LogicalRules) -> Iterator[None]:
     _active.rules = normalize_rules(rules)
     try:
         yield
+    except ValueError as e:
+        hint = _eager_logical_hint(e, _active.rules)
+        if hint is None:
+            raise
+        raise hint from e
     finally:
         _active.rules = previous
+
+
+_MISSING_AXIS = re.compile(r"Resource axis: (\S+) of (.+?) is not found in mesh: (\(.*?\))")
+
+
+def _eager_logical_hint(error: ValueError, rules: Any) -> LogicalNamesError | None:
+    """meshplan's error for JAX's when Flax NNX placed a variable by *logical* names.
+
+    ``nnx.Param(value, out_sharding=("embed", "patch"))`` under ``jax.set_mesh`` is placed
+    at creation by Flax, which reads its own rules, not meshplan's: JAX then finds no
+    mesh axis ``embed``. ``None`` for any other error (it propagates unchanged).
+    """
+    found = _MISSING_AXIS.search(str(error))
+    if found is None or isinstance(error, LogicalNamesError):
+        return None
+    name, spec, mesh_axes = found.groups()
+    if name not in {n for n, _ in rules}:
+        return None
+    problem = Problem(
+        "error",
+        "",
+        f"Flax NNX placed a variable at creation (eager sharding) with out_sharding={spec}, "
+        f"whose names are logical, but Flax does not read meshplan's rules: {name!r} is not "
+        f"an axis of the mesh {mesh_axes}",
+        "Give the variable meshplan's placement: nnx.Param(value, "
+        "**meshplan.nnx_sharding(names)) or meshplan.with_nnx_partitioning(init, names); or "
+        "create it with eager_sharding=False and place the state with meshplan.get_sharding "
+        "(docs/nnx.md).",
+        "nnx-eager-logical",
+    )
+    return LogicalNamesError(f"{problem.message}.\n{problem.fix}", [problem])
 
 
 # --------------------------------------------------------------------------
