@@ -213,9 +213,13 @@ def test_init_with_a_batch_of_one_on_an_explicit_mesh_warns_and_works():
             x = meshplan.with_logical_constraint(x, ("batch", "embed"))
             return nn.Dense(16, kernel_init=logical(INIT, "embed", "mlp"))(x)
 
-    with jax.set_mesh(mesh_of("explicit")), meshplan.logical_axis_rules(meshplan.layouts.fsdp):
-        with pytest.warns(meshplan.UnevenShardWarning, match=r"dimension 0 \(size 1\)"):
-            params = Constrained().init(jax.random.key(0), jnp.zeros((1, 16)))
+    fsdp = meshplan.layouts.fsdp
+    with (
+        jax.set_mesh(mesh_of("explicit")),
+        meshplan.logical_axis_rules(fsdp),
+        pytest.warns(meshplan.UnevenShardWarning, match=r"dimension 0 \(size 1\)"),
+    ):
+        params = Constrained().init(jax.random.key(0), jnp.zeros((1, 16)))
     assert params["params"]["Dense_0"]["kernel"].value.shape == (16, 16)
 
 
@@ -223,7 +227,10 @@ def test_embed_lookup_from_a_vocab_split_table_on_an_explicit_mesh_is_refused_by
     """The documented limit: nn.Embed cannot say how its lookup is sharded (docs/guide.md)."""
     embed = nn.Embed(64, 16, embedding_init=logical(INIT, "vocab", "embed"))
     tokens = jnp.zeros((8, 12), jnp.int32)
-    with jax.set_mesh(mesh_of("explicit")), meshplan.logical_axis_rules(RULES):
-        # JAX's ShardingTypeError (no public name): "Use `.at[...].get(out_sharding=)`".
-        with pytest.raises(Exception, match=r"get\(out_sharding=\)"):
-            embed.init(jax.random.key(0), tokens)
+    # JAX's ShardingTypeError (no public name): "Use `.at[...].get(out_sharding=)`".
+    with (
+        jax.set_mesh(mesh_of("explicit")),
+        meshplan.logical_axis_rules(RULES),
+        pytest.raises(Exception, match=r"get\(out_sharding=\)"),
+    ):
+        embed.init(jax.random.key(0), tokens)

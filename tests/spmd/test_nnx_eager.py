@@ -19,9 +19,12 @@ class Patches(nnx.Module):
 
 
 def test_logical_out_sharding_at_creation_names_meshplans_fix(explicit_mesh):
-    with pytest.raises(meshplan.LogicalNamesError, match=r"'embed' is not an axis") as e:
-        with jax.set_mesh(explicit_mesh), meshplan.logical_axis_rules(RULES):
-            Patches(nnx.Rngs(0), {"out_sharding": ("embed", "patch")})
+    with (  # the rules' context turns JAX's error into meshplan's as it exits
+        pytest.raises(meshplan.LogicalNamesError, match=r"'embed' is not an axis") as e,
+        jax.set_mesh(explicit_mesh),
+        meshplan.logical_axis_rules(RULES),
+    ):
+        Patches(nnx.Rngs(0), {"out_sharding": ("embed", "patch")})
     assert e.value.problems[0].code == "nnx-eager-logical"
     assert "meshplan.nnx_sharding" in str(e.value)
     assert isinstance(e.value.__cause__, ValueError)  # JAX's own error stays as the cause
@@ -36,5 +39,5 @@ def test_nnx_sharding_places_the_same_variable_at_creation(mesh_kind, request):
 
 
 def test_other_value_errors_inside_the_rules_pass_through_unchanged():
-    with pytest.raises(ValueError, match="^unrelated$"), meshplan.logical_axis_rules(RULES):
+    with pytest.raises(ValueError, match=r"^unrelated$"), meshplan.logical_axis_rules(RULES):
         raise ValueError("unrelated")

@@ -143,7 +143,7 @@ def rank_problem(names: tuple[Any, ...], shape: tuple[int, ...]) -> Problem:
             "rank",
             f"{len(names)} axis names {tuple(names)!r} for an array of rank {ndim} "
             f"(shape {tuple(shape)})",
-            f"Give at most one name (or None) per dimension: {ndim} names.",
+            f"Give at most one name (or None) per dimension: {ndim} name{'' if ndim == 1 else 's'}.",
         )
     rest = ndim - len(names)
     return _problem(
