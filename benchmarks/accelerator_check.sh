@@ -7,7 +7,7 @@
 # In under 8 minutes:
 #   0. installs meshplan with `pip install --no-deps -e .` (PYTHONPATH=src if that fails);
 #   1. runs the tests marked `accelerator` (tests/test_accelerator.py; without pytest, as a script);
-#   2. trains `--config base --dtype bfloat16` for $STEPS steps: tokens/s, step time, MFU and
+#   2. trains `--size base --dtype bfloat16` for $STEPS steps: tokens/s, step time, MFU and
 #      peak device memory (device.memory_stats());
 #   3. resumes that run onto the same device for $RESUME_STEPS more steps.
 # Results: $OUT (or RESULTS_DIR)/accelerator_check.txt, with the logs and --metrics beside it.
@@ -35,13 +35,13 @@ failed=0
 note() { echo "$*" | tee -a "$results"; }
 
 if [ "$mode" = cpu ]; then
-  size=(--config tiny --layers 1 --embed 32 --mlp 64 --max-len 64 --batch 8 --seq 32)
+  size=(--size tiny --layers 1 --embed 32 --mlp 64 --max-len 64 --batch 8 --seq 32)
   where=(--platform cpu --devices 8 --mesh 2x4)
   export JAX_PLATFORMS=cpu
   steps="${STEPS:-4}"
   resume_steps="${RESUME_STEPS:-2}"
 else
-  size=(--config base --dtype bfloat16)
+  size=(--size base --dtype bfloat16)
   where=(--mesh 1x1)
   export JAX_PLATFORMS=  # every platform: the test suite's conftest would otherwise pick the CPU
   if ! "$python" -m pip install --quiet --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 \

@@ -176,7 +176,7 @@ def compile_in_subprocess(
     GB to compile, so the cap keeps the benchmark from taking a shared machine down.
     """
     cmd = [sys.executable, __file__, "--compile-one", f"{depth},{int(scan)}"]
-    cmd += ["--config", args.config, "--batch", str(args.batch), "--seq", str(args.seq)]
+    cmd += ["--size", args.config, "--batch", str(args.batch), "--seq", str(args.seq)]
     env = dict(os.environ, MESHPLAN_BENCH_MEMORY_CAP=str(int(args.compile_memory_gb * 2**30)))
     try:
         done = subprocess.run(
@@ -268,7 +268,7 @@ def compile_table(results: list[tuple[int, tuple, tuple]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="tiny", help="model preset (default tiny)")
+    parser.add_argument("--size", dest="config", default="tiny", help="model preset (default tiny)")
     parser.add_argument("--batch", type=int, default=32, help="sequences per step (default 32)")
     parser.add_argument("--seq", type=int, default=128, help="bytes per sequence (default 128)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per layout")

@@ -45,9 +45,11 @@ def test_a_large_mesh_is_planned_without_emulating_its_devices():
     started = time.monotonic()
     result = run_cli("--mesh", "128x128", "--model", "transformer", "--json", timeout=120)
     elapsed = time.monotonic() - started
-    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    errors = [p for p in data["problems"] if p["severity"] == "error"]  # 128 does not divide
+    assert errors and result.returncode == 1, result.stderr
     assert "emulated" not in result.stderr
-    mesh = json.loads(result.stdout)["plan"]["mesh"]
+    mesh = data["plan"]["mesh"]
     assert mesh["shape"] == {"data": 128, "model": 128}
     assert mesh["device_ids"] == list(range(128 * 128))
     assert elapsed < 30, f"planning 128x128 took {elapsed:.1f} s"
@@ -71,6 +73,14 @@ def test_strict_errors_exit_non_zero_listing_the_problems():
         "params/LogicalDotReluDot_0/Dense_0/kernel: dim 1 ('hidden') of size 1024" in result.stderr
     )
     assert "Pad dim 1 to 1026" in result.stderr
+
+
+@pytest.mark.parametrize("flags", [[], ["--json"]])
+def test_a_plan_with_errors_exits_one_without_strict(capsys, flags):
+    code = cli.main(["plan", "--mesh", "2x3", "--depth", "1024", "--layers", "1", *flags])
+    assert code == 1
+    out = capsys.readouterr().out
+    assert ("6 errors" in out) if not flags else (json.loads(out)["problems"])
 
 
 def test_json_output(capsys):

@@ -31,6 +31,16 @@ FACTORY = textwrap.dedent(
         batch = jax.ShapeDtypeStruct((32, 64), jnp.float32)
         return Net(), batch, lambda y, x: jnp.mean((y - x) ** 2)
 
+    def classifier():  # a tuple batch: the module gets the images, the loss both
+        images = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+        labels = jax.ShapeDtypeStruct((32,), jnp.int32)
+
+        def loss(logits, batch):
+            _, labels = batch
+            return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
+
+        return Net(), (images, labels), loss
+
     def step():
         state, step_fn, batch = linen_step()
         return state, step_fn, batch
@@ -85,7 +95,7 @@ def test_a_three_axis_row_trains_on_its_mesh(here, capsys):
     row = next(r for r in data["rows"] if r["status"] == "ok" and len(r["mesh_shape"]) == 3)
     (here / "r3.json").write_text(json.dumps(row["rules"]))
     mesh, axes = "x".join(map(str, row["mesh_shape"])), ",".join(row["axis_names"])
-    argv = ["train", "--mesh", mesh, "--axes", axes, "--rules", "r3.json", "--config", "tiny",
+    argv = ["train", "--mesh", mesh, "--axes", axes, "--rules", "r3.json", "--size", "tiny",
             "--batch", "8", "--seq", "16", *TRAIN_FAST]  # fmt: skip
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
@@ -100,7 +110,7 @@ def test_table_counts_rejections_and_the_command(here, capsys):
     assert "1x8 data,model tensor_parallel: invalid: dim 2 ('heads') of size 4" in out
     assert "candidates: enumerated " in out and "scored" in out and "compiled 0" in out
     assert "train it:  meshplan train --mesh " in out
-    assert "--config tiny --batch 8 --seq 16" in out
+    assert "--size tiny --batch 8 --seq 16" in out
 
 
 def test_rules_out_and_axes_names(here, capsys):
@@ -140,7 +150,9 @@ def test_a_pod_sized_search_finishes_without_devices(here, capsys):
     assert data["best"] is not None and data["best"]["mesh"]
 
 
-@pytest.mark.parametrize("factory", ["usermodels:linen", "usermodels:step"])
+@pytest.mark.parametrize(
+    "factory", ["usermodels:linen", "usermodels:step", "usermodels:classifier"]
+)
 def test_factory_models_search_and_plan(here, capsys, factory):
     data = search_json(capsys, "--model", factory, "--profile", "h100", "--top-k", "0")
     assert data["model"].startswith(factory) and data["best"] is not None

@@ -130,7 +130,7 @@ def test_resume_with_a_config_of_other_shapes(trained, tmp_path, capsys):
     assert "model config embed_dim: the checkpoint has 32, this run asks for 64" in err
     assert "do not fit the model, e.g. params/embed: checkpoint shape (256, 32), this model" in err
     assert "Resume with the checkpoint's config" in err
-    err = _bad(["train", "--resume", "--ckpt-dir", str(folder), "--config", "small"], capsys)
+    err = _bad(["train", "--resume", "--ckpt-dir", str(folder), "--size", "small"], capsys)
     assert "model config num_layers: the checkpoint has 1, this run asks for 6" in err
     assert "do not fit the model" in err
 
@@ -345,7 +345,7 @@ def test_a_linen_checkpoint_continues_as_nnx_with_the_linen_losses(tmp_path, cap
         "--model transformer (Flax Linen)" in err
     )
     assert "model config scan_layers: the checkpoint has True, this run asks for False" in err
-    assert "leave out --model, --config and the model size flags" in err
+    assert "leave out --model, --size and the model size flags" in err
 
 
 def test_a_checkpoint_from_before_model_was_recorded_holds_the_linen_model(trained, capsys):

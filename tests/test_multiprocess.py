@@ -321,7 +321,7 @@ def test_workers_get_every_flag_but_the_process_ones():
         "--mesh", "4x2", "--rules", "fsdp", "--data", "/d", "--ckpt-dir", "/c", "--resume",
         "--metrics", "/m", "--steps", "9", "--batch", "16", "--seq", "32", "--lr", "0.001",
         "--warmup", "3", "--weight-decay", "0.1", "--seed", "5", "--eval-every", "4",
-        "--eval-batches", "3", "--ckpt-every", "2", "--config", "small", "--layers", "3",
+        "--eval-batches", "3", "--ckpt-every", "2", "--size", "small", "--layers", "3",
         "--heads", "2", "--embed", "48", "--mlp", "96", "--max-len", "80",
         "--positions", "learned", "--dtype", "bfloat16", "--no-scan", "--remat",
         "--init-timeout", "7.5", "--resume-step", "4", "--keep", "2", "--clip", "0.5",

@@ -178,7 +178,7 @@ def test_resume_with_other_shapes(first_half, tmp_path):
         "arrays) and this model: they do not fit the model, e.g. params/layers/mlp/wi: " in message
     )
     assert "checkpoint shape (1, 32, 64), this model (1, 32, 128)" in message
-    assert "Resume with the checkpoint's config: leave out --config" in message
+    assert "Resume with the checkpoint's config: leave out --size" in message
 
 
 def test_fresh_run_into_a_used_folder(first_half):

@@ -41,8 +41,14 @@ def human_bytes(n: float) -> str:
 
 
 def shape_text(shape: tuple[int, ...] | None) -> str:
-    """``'(8, 4)'``; ``'-'`` for no shape."""
-    return "-" if shape is None else "(" + ", ".join(str(s) for s in shape) + ")"
+    """A shape as Python writes it; ``'-'`` for no shape.
+
+    Example:
+        >>> from meshplan._text import shape_text
+        >>> shape_text((8, 4)), shape_text((64,)), shape_text(()), shape_text(None)
+        ('(8, 4)', '(64,)', '()', '-')
+    """
+    return "-" if shape is None else str(tuple(int(s) for s in shape))
 
 
 def rule_text(index: int, rule: Any) -> str:

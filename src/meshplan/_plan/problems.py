@@ -20,6 +20,16 @@ DEFAULT_REPLICATED_THRESHOLD = 1 << 20
 """Arrays of at least this many bytes that every device holds whole are reported (1 MiB)."""
 
 
+ACTIVATION_NAMES = frozenset({"batch", "length", "seq", "sequence"})
+"""Logical names that, by convention, name activations, not parameters (Flax's guide,
+MaxText's ``activation_*`` too): a rule for one of them places no array of the state,
+and that is how it should be."""
+
+
+def _names_activations(name: str) -> bool:
+    return name in ACTIVATION_NAMES or name.startswith("activation_")
+
+
 def _leaves_text(n: int) -> str:
     return count_text(n, "leaf", "leaves")
 
@@ -128,20 +138,41 @@ def find_problems(
                     f"{rule_text(i, (name, axes))} is never used: no array dimension is "
                     f"named {name!r}"
                 )
-            warnings.append(
+            activation = not seen and _names_activations(name)
+            (infos if activation else warnings).append(
                 Problem(
-                    "warning",
+                    "info" if activation else "warning",
                     f"rules[{i}]",
-                    message,
-                    "Remove it, or keep it if it is meant for activations "
+                    message + (" (it names activations)" if activation else ""),
+                    "Nothing to do: with_logical_constraint uses it."
+                    if activation
+                    else "Remove it, or keep it if it is meant for activations "
                     "(with_logical_constraint).",
                     "dead-rule",
                 )
             )
 
+    splits_activations = {
+        a
+        for name, axes in rules
+        if _names_activations(name)
+        for a in ((axes,) if isinstance(axes, str) else (axes or ()))
+    }
     if plan.leaves:
         for axis, size in mesh.shape.items():
-            if size > 1 and axis not in used_axes:
+            if size > 1 and axis not in used_axes and axis in splits_activations:
+                infos.append(
+                    Problem(
+                        "info",
+                        f"mesh/{axis}",
+                        f"mesh axis {axis!r} (size {size}) shards no array of the state: it "
+                        f"splits activations only (data parallelism)",
+                        "Nothing to do; for FSDP map a parameter name to it, e.g. "
+                        f"('embed', {axis!r}).",
+                        "idle-axis",
+                    )
+                )
+            elif size > 1 and axis not in used_axes:
                 warnings.append(
                     Problem(
                         "warning",

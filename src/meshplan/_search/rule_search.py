@@ -306,9 +306,11 @@ def linen_step(
 
     The state is a ``flax.training.train_state.TrainState`` (``optimizer``, default
     Adam) from ``jax.eval_shape`` of ``model.init``; the step applies the gradient
-    of ``loss(model.apply({'params': params}, batch), batch)`` (default: the mean
+    of ``loss(model.apply({'params': params}, inputs), batch)`` (default: the mean
     of the squared outputs). ``example_inputs`` is the batch (first dimension
-    ``'batch'``): arrays or ``ShapeDtypeStruct``s.
+    ``'batch'``): arrays or ``ShapeDtypeStruct``s. A tuple or list batch is
+    ``(inputs, targets, ...)``: the model gets its first item, the loss all of it
+    (``loss(outputs, (images, labels))``).
     """
     import jax.numpy as jnp
     import optax
@@ -317,15 +319,18 @@ def linen_step(
     tx = optimizer if optimizer is not None else optax.adam(1e-3)
     loss_fn = loss if loss is not None else (lambda y, _: jnp.mean(jnp.square(y)))
 
-    def init(key: Any, x: Any) -> Any:
-        params = model.init(key, x)["params"]
+    def inputs(batch: Any) -> Any:
+        return batch[0] if isinstance(batch, tuple | list) else batch
+
+    def init(key: Any, batch: Any) -> Any:
+        params = model.init(key, inputs(batch))["params"]
         return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
     abstract = jax.eval_shape(init, jax.random.key(0), example_inputs)
 
     def step(state: Any, batch: Any) -> Any:
         def objective(params: Any) -> Any:
-            return loss_fn(state.apply_fn({"params": params}, batch), batch)
+            return loss_fn(state.apply_fn({"params": params}, inputs(batch)), batch)
 
         return state.apply_gradients(grads=jax.grad(objective)(state.params))
 

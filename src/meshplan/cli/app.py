@@ -51,7 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshplan", description="Lay Flax models out on device meshes.", allow_abbrev=False
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from meshplan._version import __version__
+
+    parser.add_argument("--version", action="version", version=f"meshplan {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module in _available().items():
         # No abbreviations: `--step 15` must not be read as `--steps 15`.
         p = sub.add_parser(name, help=module.HELP, description=module.HELP, allow_abbrev=False)
@@ -103,7 +106,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if reconfigure is not None and getattr(stream, "errors", "strict") == "strict":
             reconfigure(errors="replace")
     given = list(sys.argv[1:] if argv is None else argv)
-    args, extras = build_parser().parse_known_args(given)
+    parser = build_parser()
+    args, extras = parser.parse_known_args(given)
+    if args.command is None:  # a bare `meshplan`: what it can do, not an error
+        parser.print_help()
+        return 0
     args._argv = given  # a command may repeat the user's flags in the fix it suggests
     if extras:  # the command's own usage and a hint, not the top-level usage
         args._parser.error(_unknown(args._parser, extras))

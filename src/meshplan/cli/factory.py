@@ -10,7 +10,10 @@ The factory is a function of no arguments, imported from a module on
 * ``(module, example_batch)`` or ``(module, example_batch, loss)``: a Flax Linen
   module, its inputs, and ``loss(outputs, batch)`` (default: the mean of the
   squared outputs); the step is Adam on that loss
-  (:func:`meshplan._search.rule_search.linen_step`).
+  (:func:`meshplan._search.rule_search.linen_step`). A tuple batch
+  ``(images, labels)`` gives the module its first item and the loss all of it.
+  Flax NNX models use the first form: ``nnx.eval_shape`` of the model's
+  construction (or ``nnx.state`` of an abstract model) and a step function.
 
 A factory that cannot be imported, is missing, fails, or returns something
 else is refused with an :class:`~meshplan.ArgumentError` that says which, and
@@ -35,7 +38,9 @@ BUILT_IN_MODELS = ("mlp", "transformer", "transformer-nnx")
 
 _PROTOCOL = (
     "A --model factory is a function of no arguments returning (abstract_state, step_fn, "
-    "example_batch), or (linen_module, example_batch) or (linen_module, example_batch, loss)."
+    "example_batch) (Flax NNX models: this form), or (linen_module, example_batch) or "
+    "(linen_module, example_batch, loss); a tuple batch (inputs, targets) gives the module "
+    "its inputs and loss(outputs, batch) all of it."
 )
 
 

@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--strict",
         action="store_true",
-        help="exit with status 1, listing the problems, when the check finds errors",
+        help="also list the errors as one error message on stderr (a plan with errors "
+        "exits with status 1 either way)",
     )
 
 
@@ -302,10 +303,10 @@ def run(args: argparse.Namespace) -> int:
     if args.png:
         plan.save_png(args.png, title=f"{what} · rules {label}")
         say(err if args.json else out, f"Wrote {args.png}")
+    errors = [p for p in problems if p.severity == "error"]
     if args.strict:
         try:
             raise_for_errors(problems, plan.mesh)
         except meshplan.ShardingValidationError as e:
             print_error(e, err)
-            return 1
-    return 0
+    return 1 if errors else 0

@@ -269,7 +269,7 @@ def _train_command(args: argparse.Namespace, result: Any) -> tuple[str | None, P
     if not args.model.startswith("transformer"):
         return None, path
     extra = [] if args.model == "transformer" else ["--model", args.model]
-    extra += ["--config", args.size, "--batch", str(args.batch), "--seq", str(args.seq)]
+    extra += ["--size", args.size, "--batch", str(args.batch), "--seq", str(args.seq)]
     return f"{command} {' '.join(extra)}", path
 
 
@@ -398,10 +398,13 @@ def _print(
         key=lambda r: r.reason.startswith("symmetric"),
     )
     if rejected:
-        say(out, ("rejected", "bold"), f" ({len(rejected)} listed; --json has them all):")
-        for r in rejected[:8]:
+        shown = rejected[:8]
+        say(out, ("rejected", "bold"), f" ({len(rejected)}, {len(shown)} shown):")
+        for r in shown:
             name = f" {r.layout}" if r.layout != "searched" else f" {r.short_rules}"
             say(out, f"  {r.mesh_text} {r.axes_text}{name}: {r.reason}")
+        if len(rejected) > len(shown):
+            say(out, f"  … and {len(rejected) - len(shown)} more (--json lists them all)")
     say(out, _counts_line(result, args.top_k))
     best = result.best
     if best is None:

@@ -22,6 +22,7 @@ import contextlib
 import json
 import signal
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -148,9 +149,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(transformer-nnx): the same parameters and names",
     )
     model.add_argument(
-        "--config",
+        "--size",
+        dest="config",
         choices=("tiny", "small", "base"),
-        help="preset model size (base: 126M parameters for one GPU, with batch 32 x 1024)",
+        help="preset model size, as in plan and search (base: 126M parameters for one GPU, "
+        "with batch 32 x 1024)",
+    )
+    # The flag's earlier name, still read so that older commands run; not shown.
+    model.add_argument(
+        "--config", dest="config", choices=("tiny", "small", "base"), help=argparse.SUPPRESS
     )
     for flag, about in (
         ("--layers", "Transformer blocks"),
@@ -295,14 +302,16 @@ def _peak_memory(devices: Any) -> int | None:
     return max(peaks) if peaks else None
 
 
-def _summary(console: Console, trainer: Any, result: Any, devices: Any, peak: Any) -> None:
+def _summary(
+    console: Console, trainer: Any, result: Any, devices: Any, peak: Any, wall_s: float
+) -> None:
     from meshplan._text import human_bytes
 
     table = Table(title="Summary", title_justify="left", show_header=False)
     table.add_column("what")
     table.add_column("value")
     table.add_row("steps", f"{result.start_step} -> {result.end_step}")
-    table.add_row("time", f"{result.seconds:.1f} s")
+    table.add_row("time", f"{wall_s:.1f} s (wall clock, as the bar: compile, evaluations and saves in)")
     table.add_row("devices", devices.describe().removeprefix("devices: "))
     timed = len(result.step_times)
     table.add_row(
@@ -312,7 +321,9 @@ def _summary(console: Console, trainer: Any, result: Any, devices: Any, peak: An
         if timed
         else "- (no step timed: the first compiles)",
     )
-    table.add_row("tokens/s", f"{result.tokens_per_second:,.0f}")
+    table.add_row(
+        "tokens/s", f"{result.tokens_per_second:,.0f} (over the timed steps, as the bar)"
+    )
     if result.mfu is not None:
         table.add_row("MFU", text(f"{result.mfu:.1%} (against the {peak.label})"))
     else:
@@ -464,14 +475,18 @@ def run(args: argparse.Namespace) -> int:
 
     stop = _StopOnSigterm(enabled=jax.process_count() == 1)
 
+    timed = [0.0, 0.0]  # tokens and seconds of the timed steps: the summary's tokens/s too
+
     def on_step(record: Any) -> None:  # a StepRecord, while the device runs the next step
         assert task is not None  # added before the run starts
-        tps = record.tokens_per_s
+        if record.step_time_s and record.tokens_per_s:
+            timed[0] += record.tokens_per_s * record.step_time_s
+            timed[1] += record.step_time_s
         progress.update(
             task,
             completed=record.step,
             loss=f"{record.loss:.3f}",
-            tps=f"{tps:,.0f}" if tps else "-",
+            tps=f"{timed[0] / timed[1]:,.0f}" if timed[1] else "-",
         )
         log(record.to_dict())
         stop.check()
@@ -480,6 +495,7 @@ def run(args: argparse.Namespace) -> int:
         say(progress.console, f"step {step:>5}  valid loss {loss:.3f} nats/byte")
         log({"step": step, "valid_loss": loss})
 
+    started = time.perf_counter()  # the bar's clock: the summary's time is the same
     try:
         with stop, progress, log:
             stop.check()
@@ -516,7 +532,7 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         _close(trainer)  # any other error: let the save in progress reach the disk first
         raise
-    _summary(console, trainer, result, devices, peak)
+    _summary(console, trainer, result, devices, peak, time.perf_counter() - started)
     if jax.process_index() != 0:
         say(
             Console(stderr=True),

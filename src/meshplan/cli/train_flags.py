@@ -44,7 +44,9 @@ def flag(dest: str) -> str:
 
     Example:
         >>> from meshplan.cli.train_flags import flag
-        >>> flag("eval_every")
-        '--eval-every'
+        >>> flag("eval_every"), flag("config")
+        ('--eval-every', '--size')
     """
+    if dest == "config":  # the preset is --size on every command (--config: its old name)
+        return "--size"
     return "--" + dest.replace("_", "-")

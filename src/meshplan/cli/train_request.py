@@ -358,7 +358,7 @@ _FIXES = {
 def _resolve_settings(
     request: TrainRequest, stored: CheckpointMetadata | None, problems: _Problems
 ) -> TrainSettings:
-    """The defaults, overridden by the preset's (``--config base``), by the checkpoint's
+    """The defaults, overridden by the preset's (``--size base``), by the checkpoint's
     settings, then by the request's."""
     stored_train = (stored.extra.get("train") or {}) if stored else {}
     preset = CONFIG_SETTINGS.get(request.config or "", {})
@@ -430,7 +430,7 @@ def _check_config(
         problems.add(
             MeshplanError,
             f"model config: {e}",
-            "Use --config tiny|small|base with valid size flags.",
+            "Use --size tiny|small|base with valid size flags.",
         )
         return None
     if settings.seq_len > config.max_len:
@@ -536,7 +536,7 @@ def _check_state(
             for line in fields:
                 problems.add(CheckpointError, f"model config {line}", "")
             what = "model and config" if held != kind else "config"
-            flags = "--model, --config" if held != kind else "--config"
+            flags = "--model, --size" if held != kind else "--size"
             problems.add(
                 CheckpointError,
                 f"so {len(mismatch)} arrays differ between the checkpoint (step {stored.step}, "

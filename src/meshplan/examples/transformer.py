@@ -179,7 +179,7 @@ CONFIGS: dict[str, TransformerConfig] = {
 CONFIG_SETTINGS: dict[str, dict[str, Any]] = {
     "base": {"batch": 32, "seq_len": 1024, "lr": 6e-4, "warmup": 100},
 }
-"""Training settings a preset brings along (``meshplan train --config base``), unless given."""
+"""Training settings a preset brings along (``meshplan train --size base``), unless given."""
 
 
 def config_from_name(name: str, **overrides: Any) -> TransformerConfig:

@@ -556,7 +556,7 @@ class Trainer:
         if self.state is None:
             self.start()
         result = TrainResult(start_step=self.step, end_step=self.step)
-        if self.resume_from is None and self.step == 0:
+        if self.resume_from is None and self.step == 0 and s.eval_every:  # 0: only at the end
             result.evals[0] = self.evaluate()
             if on_eval:
                 on_eval(0, result.evals[0])
