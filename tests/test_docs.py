@@ -126,7 +126,58 @@ def parses(args: list[str]) -> Any:
         ) from None
 
 
-def small_run(args: list[str], session: Session, cwd: Path) -> None:
+NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+TIMED_ROWS = ("step time", "tokens/s", "MFU")  # their values depend on a step being timed
+
+
+def skeleton(line: str) -> tuple[str, str]:
+    """A line of ``meshplan train``'s output as (kind, shape): numbers ``#``, paths ``<path>``.
+
+    A summary row's kind is its label; any other line's is its shape. Two outputs of the
+    same command at different sizes and on different days have the same skeletons.
+
+    Example:
+        >>> skeleton("│ time   │ 355.7 s (wall clock) │")
+        ('row time', 'time | # s (wall clock)')
+        >>> skeleton("data: /tmp/x.py (1,024 train / 12 valid bytes)")
+        ('data: <path> (# train / # valid bytes)', 'data: <path> (# train / # valid bytes)')
+    """
+    text = re.sub(r"[┏┓┗┛┡┩└┘┌┐├┤┬┴┼┳┻╇━─]+", " ", line)
+    cells = [c.strip() for c in re.split(r"[│┃]", text) if c.strip()]
+    words = []
+    for word in " | ".join(cells).split():
+        words.append("<path>" if "/" in word and word != "/" and "tok/s" not in word else word)
+    shape = re.sub(r"# (\w+?)s\b", r"# \1", NUMBER.sub("#", " ".join(words)))
+    is_row = len(cells) >= 2 and "│" in line
+    return (f"row {cells[0]}" if is_row else shape), shape
+
+
+def check_shown_output(shown: list[str], printed: str, args: list[str]) -> None:
+    """Every line shown after a training command has a line of that shape in a real run's
+    output, and every line of the real run is shown (``...`` abridges, evaluations and the
+    progress bar aside): the docs cannot fall behind what ``meshplan train`` prints."""
+    real = [skeleton(line) for line in printed.splitlines() if line.strip()]
+    kinds, shapes = {k for k, _ in real}, {s for _, s in real}
+    where = f"`meshplan {' '.join(args)}`"
+    for line in shown:
+        if not line.strip() or "..." in line or line.lstrip().startswith("train "):
+            continue
+        kind, shape = skeleton(line)
+        if kind in {f"row {r}" for r in TIMED_ROWS}:
+            assert kind in kinds, f"{where}: shown, but never printed: {line!r}\n{printed}"
+        else:
+            assert shape in shapes, (
+                f"{where}: shown, but not printed in that shape: {line!r}\nprinted:\n{printed}"
+            )
+    shown_kinds = {skeleton(line)[0] for line in shown if line.strip()}
+    abridged = any("..." in line for line in shown)
+    for kind, _ in real:
+        if kind.startswith("step # valid loss") or kind.startswith("train ") or abridged:
+            continue
+        assert kind in shown_kinds, f"{where}: printed, but not shown: {kind!r}"
+
+
+def small_run(args: list[str], session: Session, cwd: Path, shown: list[str] = ()) -> None:
     """Trains as ``args`` ask, at the tiniest size and in one process: 2 steps per command."""
     if tuple(args) in session.runs:
         return  # the same command on an earlier page: its checkpoint is there
@@ -150,6 +201,8 @@ def small_run(args: list[str], session: Session, cwd: Path) -> None:
     result = cli(small, cwd)
     failed = f"the small run `meshplan {' '.join(small)}` failed:\n"
     assert result.returncode == 0, failed + _shown(result)
+    if shown:
+        check_shown_output(shown, result.stdout + result.stderr, args)
     session.runs.add(tuple(args))
     if folder:
         session.steps[folder] = step
@@ -169,7 +222,7 @@ def run_meshplan(command: Command, args: list[str], session: Session, cwd: Path)
             assert words in printed, f"not printed: {line!r}\n" + _shown(result)
     elif parsed.command == "train":
         if parsed.coordinator is None:
-            small_run(args, session, cwd)
+            small_run(args, session, cwd, output)
     elif parsed.command == "demo" or (parsed.command == "search" and parsed.measure):
         pass  # parsed above; `make demo` and tests/test_search.py run them
     else:

@@ -311,7 +311,9 @@ def _summary(
     table.add_column("what")
     table.add_column("value")
     table.add_row("steps", f"{result.start_step} -> {result.end_step}")
-    table.add_row("time", f"{wall_s:.1f} s (wall clock, as the bar: compile, evaluations and saves in)")
+    table.add_row(
+        "time", f"{wall_s:.1f} s (wall clock, as the bar: compile, evaluations and saves in)"
+    )
     table.add_row("devices", devices.describe().removeprefix("devices: "))
     timed = len(result.step_times)
     table.add_row(
@@ -321,9 +323,7 @@ def _summary(
         if timed
         else "- (no step timed: the first compiles)",
     )
-    table.add_row(
-        "tokens/s", f"{result.tokens_per_second:,.0f} (over the timed steps, as the bar)"
-    )
+    table.add_row("tokens/s", f"{result.tokens_per_second:,.0f} (over the timed steps, as the bar)")
     if result.mfu is not None:
         table.add_row("MFU", text(f"{result.mfu:.1%} (against the {peak.label})"))
     else:

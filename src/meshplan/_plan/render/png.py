@@ -19,6 +19,33 @@ if TYPE_CHECKING:
 __all__ = ["write_png"]
 
 
+_BOLD_WIDTH = 0.62
+"""Width of an average bold character, in font sizes (DejaVu Sans, matplotlib's default)."""
+
+
+def _fit_size(text: str, width_in: float, size: float, smallest: float = 8.0) -> float:
+    """The font size, at most ``size`` and at least ``smallest``, at which ``text`` fits."""
+    return max(smallest, min(size, width_in * 72 / max(1, len(text)) / _BOLD_WIDTH))
+
+
+def _fitted(text: str, width_in: float, size: float) -> str:
+    """``text``, cut in its middle with ``…`` only where even the smallest size is too wide.
+
+    Example:
+        >>> from meshplan._plan.render.png import _fitted
+        >>> _fitted("short", 10.0, 14.0)
+        'short'
+        >>> long = _fitted("a" * 400 + " · mesh data=2 × model=4", 6.0, 14.0)
+        >>> len(long) < 400, long.endswith("model=4"), "…" in long
+        (True, True, True)
+    """
+    fits = int(width_in * 72 / (_fit_size(text, width_in, size) * _BOLD_WIDTH))
+    if len(text) <= fits:
+        return text
+    keep = max(fits - 1, 8)
+    return text[: keep // 2] + "…" + text[len(text) - (keep - keep // 2) :]
+
+
 def write_png(
     plan: PlanData,
     problems: Sequence[Problem],
@@ -65,9 +92,9 @@ def write_png(
                     draw_tiles(fig.add_subplot(row_gs[c]), leaf, count, plan, colors)
 
     t = plan.totals["all"]
-    heading = title or "Sharding plan"
-    fig.text(0.05, 1 - 0.32 / fig_h, f"{heading} · mesh {plan.mesh.describe()}",
-             fontsize=14, weight="bold", color=INK)  # fmt: skip
+    heading = f"{title or 'Sharding plan'} · mesh {plan.mesh.describe()}"
+    fig.text(0.05, 1 - 0.32 / fig_h, _fitted(heading, 0.9 * fig_w, 14.0),
+             fontsize=_fit_size(heading, 0.9 * fig_w, 14.0), weight="bold", color=INK)  # fmt: skip
     n_err = sum(p.severity == "error" for p in problems)
     status = f" · {count_text(n_err, 'error')}" if n_err else ""
     fig.text(

@@ -117,6 +117,26 @@ def _draw_pieces_image(
               aspect="auto")  # fmt: skip
 
 
+def _label_fit(ax: Any, text: str, tw: float, th: float) -> tuple[float, int] | None:
+    """The font size and rotation at which ``text`` fits a ``tw`` x ``th`` piece, or ``None``.
+
+    Pieces are in the axes' data units (the array drawn within ``0..1``): labels wider
+    than their piece would run into their neighbours' (``0,41,52,63,7``), so a thin piece
+    gets its label turned, smaller, or none.
+    """
+    fig = ax.get_figure()
+    box = ax.get_position()
+    inch = min(box.width * fig.get_figwidth(), box.height * fig.get_figheight()) / 1.04
+    wide, tall = tw * inch * 0.9, th * inch * 0.9  # inches, less a margin
+    for rotation in (0, 90):  # across first, smaller, before turning it
+        for size in (8.0, 6.5, 5.0):
+            long, short = len(text) * size * 0.62 / 72 + 0.06, size * 1.5 / 72
+            across, up = (wide, tall) if rotation == 0 else (tall, wide)
+            if long <= across and short <= up:
+                return size, rotation
+    return None
+
+
 def draw_tiles(ax: Any, leaf: LeafPlan, count: int, plan: PlanData, colors: list[Any]) -> None:
     """``leaf`` cut into its pieces, each coloured by the devices holding it."""
     from matplotlib.patches import Rectangle
@@ -156,9 +176,13 @@ def draw_tiles(ax: Any, leaf: LeafPlan, count: int, plan: PlanData, colors: list
                 text = ",".join(map(str, devs)) if len(devs) < plan.mesh.size else "all"
                 if len(devs) == plan.mesh.size and plan.mesh.size > 1:
                     text = "all"
+                fit = _label_fit(ax, text, tw, th)
+                if fit is None:  # no room in this piece: its colour says which device holds it
+                    continue
+                size, rotation = fit
                 ax.text(
-                    x + tw / 2, y + th / 2, text, ha="center", va="center", fontsize=8,
-                    color=INK, weight="bold",
+                    x + tw / 2, y + th / 2, text, ha="center", va="center", fontsize=size,
+                    rotation=rotation, color=INK, weight="bold",
                     bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.85},
                 )  # fmt: skip
     ax.add_patch(Rectangle((x0, y0), width, height, fill=False, edgecolor=INK, lw=1))
