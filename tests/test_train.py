@@ -44,6 +44,11 @@ def test_loss_decreases_on_the_tiniest_config():
     assert result.tokens_per_second > 0
 
 
+def test_eval_every_zero_evaluates_only_at_the_end():
+    result = prepare(_request(settings={"steps": 3, "eval_every": 0})).run()
+    assert sorted(result.evals) == [3]
+
+
 @pytest.fixture(scope="module")
 def one_stretch():
     """8 steps without stopping, on 2x4 with fsdp_tp."""
