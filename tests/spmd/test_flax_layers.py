@@ -122,19 +122,22 @@ def test_flax_layers_with_logical_names_are_placed_by_their_names(kind):
     assert out.shape == (8, 12, 16)
 
 
-@pytest.mark.parametrize("kind", ["auto", "explicit"])
+@pytest.mark.parametrize("kind", ["auto", "explicit", "legacy"])
 def test_dense_general_matches_plain_flax_values(kind):
-    """The same kernel values as without boxes: the reshape is Flax's, not ours."""
+    """The same kernel values as without boxes: the reshape is Flax's, not ours; under
+    jax.set_mesh and under a legacy `with mesh:` alike."""
     tokens = jnp.ones((4, 16))
     plain = nn.DenseGeneral((4, 8), kernel_init=INIT).init(jax.random.key(1), tokens)
     boxed_model = nn.DenseGeneral((4, 8), kernel_init=logical(INIT, "embed", "heads", "kv"))
-    with jax.set_mesh(mesh_of(kind)), meshplan.logical_axis_rules(RULES):
+    mesh = mesh_of("auto" if kind == "legacy" else kind)
+    context = mesh if kind == "legacy" else jax.set_mesh(mesh)
+    with context, meshplan.logical_axis_rules(RULES):
         boxed = boxed_model.init(jax.random.key(1), tokens)
     kernel = boxed["params"]["kernel"]
     assert kernel.names == ("embed", "heads", "kv")
     np.testing.assert_array_equal(np.asarray(kernel.value), plain["params"]["kernel"])
     with meshplan.logical_axis_rules(RULES):
-        assert kernel.get_sharding(mesh_of(kind)).spec == P(None, "model", None)
+        assert kernel.get_sharding(mesh).spec == P(None, "model", None)
 
 
 class TooManyNames(nn.Module):
