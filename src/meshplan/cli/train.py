@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import signal
 import threading
@@ -92,7 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--resume-step",
         type=int,
         metavar="N",
-        help="continue from step N of --ckpt-dir (implies --resume); later steps are replaced",
+        help="continue from step N of --ckpt-dir (implies --resume); later steps are moved "
+        "into DIR/old-branch-after-step-N (kept, never resumed)",
     )
     run.add_argument(
         "--metrics",
@@ -389,18 +391,35 @@ def run(args: argparse.Namespace) -> int:
     from meshplan.train.flops import mesh_peak
 
     console = _console(jax.process_index() == 0)
-    try:
-        trainer = prepare(_request(args, devices))
-    except MeshplanError as e:
-        print_error(e)  # every problem, then the fixes in flag terms
-        return 2
-    try:
-        with warnings.catch_warnings():  # its note is printed below, once
-            warnings.simplefilter("ignore", UserWarning)
-            trainer.open()  # the checkpoint folder's lock: a second writer is refused here
-    except MeshplanError as e:
-        print_error(_for_the_command_line(e))
-        return 2
+    request = _request(args, devices)
+    while True:
+        try:
+            trainer = prepare(request)
+        except MeshplanError as e:
+            print_error(e)  # every problem, then the fixes in flag terms
+            return 2
+        try:
+            with warnings.catch_warnings():  # its note is printed below, once
+                warnings.simplefilter("ignore", UserWarning)
+                trainer.open()  # the checkpoint folder's lock: a second writer is refused here
+            resumed = trainer.resume_from
+            if resumed is not None and resumed.step < trainer.settings.steps:
+                trainer.start()  # reads the arrays and verifies their checksums
+        except MeshplanError as e:
+            _close(trainer)
+            problem = e.problems[0] if len(e.problems) == 1 else None
+            if (
+                problem is not None
+                and problem.code == "ckpt-damaged"
+                and trainer.resume_from is not None
+                and request.resume_step is None
+            ):
+                # Bytes changed in place (seen only when read): take the step before it.
+                request = dataclasses.replace(request, damaged=(*request.damaged, problem))
+                continue
+            print_error(_for_the_command_line(e))
+            return 2
+        break
     done = trainer.resume_from.step if trainer.resume_from is not None else None
     if done is not None and done >= trainer.settings.steps:
         failed = _close(trainer)

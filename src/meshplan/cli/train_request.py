@@ -130,6 +130,9 @@ class TrainRequest:
             (:func:`meshplan.cli.devices.found_devices`); ``None``: JAX's default devices.
         sync_every_step: Read every step's loss at once (``--sync-every-step``, for
             measuring what overlapping the host and the device gains).
+        damaged: ``'ckpt-damaged'`` problems of steps already found damaged when
+            their arrays were read (a checksum mismatch, which the cheap check
+            cannot see): ``resume`` takes the newest intact step before them.
     """
 
     mesh: str = "2x4"
@@ -146,6 +149,7 @@ class TrainRequest:
     model: str | None = None
     devices: DeviceChoice | None = None
     sync_every_step: bool = False
+    damaged: tuple[Problem, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,6 +269,18 @@ def _resolve_config(request: TrainRequest, stored: CheckpointMetadata | None) ->
     return dataclasses.replace(TransformerConfig.from_dict(stored.config), **request.overrides)
 
 
+def step_of_problem(problem: Problem) -> int:
+    """The step a ``'ckpt-damaged'`` problem is about (its path ends ``(step N)``).
+
+    Example:
+        >>> import meshplan
+        >>> from meshplan.cli.train_request import step_of_problem
+        >>> step_of_problem(meshplan.Problem("error", "'/r' (step 40)", "m", "f", "ckpt-damaged"))
+        40
+    """
+    return int(problem.path.rsplit("step ", 1)[-1].rstrip(")"))
+
+
 @dataclasses.dataclass
 class _Resume:
     """Where a run resumes from: the metadata, the damaged steps skipped, and what to say."""
@@ -300,22 +316,24 @@ def _check_checkpoint_dir(
                 if problem is not None:
                     raise CheckpointError(problem.message, [problem])
                 return ckpt_dir, found
-            intact = intact_step(ckpt_dir)
+            known = [step_of_problem(p) for p in request.damaged]
+            intact = intact_step(ckpt_dir, before=min(known) if known else None)
+            skipped = [*request.damaged, *intact.skipped]
             if intact.step is None:
                 problems.add(
                     CheckpointError,
                     f"no step of {str(ckpt_dir)!r} can be read: "
-                    + "; ".join(p.message for p in intact.skipped),
+                    + "; ".join(p.message for p in skipped),
                     "Train into a new --ckpt-dir (or without --resume into this one after "
                     "removing its steps).",
                     "ckpt-damaged",
                 )
                 return ckpt_dir, found
             found.stored = read_metadata(ckpt_dir, intact.step)
-            found.damaged = [int(p.path.rsplit("step ", 1)[-1].rstrip(")")) for p in intact.skipped]
-            for p in intact.skipped:
+            found.damaged = [step_of_problem(p) for p in skipped]
+            for p in skipped:
                 found.notes.append(f"Skipping damaged step: {p.message}")
-            if intact.skipped:
+            if skipped:
                 found.notes.append(
                     f"Resuming from step {intact.step}, the newest step that can be read."
                 )

@@ -225,7 +225,10 @@ class Trainer:
 
     Attributes:
         notes: Sentences for the user about the checkpoint folder (a stale lock
-            taken over, steps removed or to be replaced), filled by :meth:`open`.
+            taken over, damaged steps removed, later steps set aside), filled by
+            :meth:`open`.
+        set_aside: ``(steps, folder)``: the later steps of an old branch that
+            :meth:`open` moved aside, or ``None``.
         saved_on_disk: The complete steps in ``ckpt_dir`` when :meth:`close`
             ran (``[]`` before).
         latest_saved: The latest of them, or ``None``.
@@ -280,7 +283,7 @@ class Trainer:
         self.best_saved: tuple[int, float] | None = None
         self.latest_saved: int | None = None
         self.saved_on_disk: list[int] = []
-        self._replace: set[int] = set()
+        self.set_aside: tuple[list[int], str] | None = None
         self._last_eval: tuple[int, float] | None = None
         # A caller that has built both to check a request passes them: not traced twice.
         self.tx = make_optimizer(settings) if tx is None else tx
@@ -325,8 +328,10 @@ class Trainer:
 
         Call it before any work to fail early (:meth:`start` calls it). Steps
         after ``resume_from`` are dealt with here: damaged ones
-        (``discard_steps``) are removed; intact ones are replaced as this run
-        saves its own (a note says which).
+        (``discard_steps``) are removed; intact ones, the later steps of the
+        branch this run leaves, are moved into the sub-folder
+        ``old-branch-after-step-<resume step>`` (:meth:`Checkpointer.set_aside`:
+        never deleted, never resumed; a note says so, :attr:`set_aside` says where).
 
         Raises:
             CheckpointError: ``'ckpt-not-writable'``, ``'ckpt-not-a-folder'``,
@@ -350,14 +355,16 @@ class Trainer:
                 f"{', '.join(map(str, removed))} of {str(self.ckpt_dir)!r}: this run writes "
                 f"its own."
             )
-        self._replace = {s for s in after if s not in removed}
-        if self._replace:
-            later = sorted(self._replace)
+        later = [s for s in after if s not in removed]
+        if later:
+            aside = ckpt.set_aside(later, f"old-branch-after-step-{self.resume_from.step}")
+            self.set_aside = (later, str(aside))
             self.notes.append(
                 f"Step{'s' * (len(later) > 1)} {', '.join(map(str, later))} of "
-                f"{str(self.ckpt_dir)!r} {'come' if len(later) > 1 else 'comes'} after step "
-                f"{self.resume_from.step}: this run "
-                f"replaces {'each' if len(later) > 1 else 'it'} when it saves that step."
+                f"{str(self.ckpt_dir)!r} came after step {self.resume_from.step}, on the "
+                f"branch this run leaves: moved into {str(aside)!r} (nothing deleted), so that "
+                f"neither this run nor a later --resume mixes {'them' if len(later) > 1 else 'it'}"
+                f" in. Move {'them' if len(later) > 1 else 'it'} back to continue that branch."
             )
 
     def _delete_step(self, step: int) -> None:
@@ -472,11 +479,6 @@ class Trainer:
         metrics = None
         if self._last_eval is not None and self._last_eval[0] == self.step:
             metrics = {"valid_loss": self._last_eval[1]}
-        if self.step in self._replace:
-            self._checkpointer.wait()
-            if self.step in self._checkpointer.all_steps():
-                self._delete_step(self.step)
-            self._replace.discard(self.step)
         try:
             return self._checkpointer.save(
                 self.step,
