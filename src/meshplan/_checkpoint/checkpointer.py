@@ -252,7 +252,10 @@ def _quiet_orbax(delta: int) -> None:
 
 def _save_step(step: Any) -> int:
     """``step`` as the number of a step to save: a whole number of 0 or more."""
-    number = step_number(step)
+    try:
+        number = step_number(step)
+    except ArgumentError:
+        number = None
     if number is None or number < 0:
         raise error_for(
             ArgumentError, "ckpt-bad-step", "step",

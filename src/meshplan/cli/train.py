@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import json
+import os
 import signal
 import threading
 import warnings
@@ -346,18 +348,56 @@ def _summary(console: Console, trainer: Any, result: Any, devices: Any, peak: An
 
 
 class _MetricsLog(contextlib.AbstractContextManager["_MetricsLog", None]):
-    """Appends each record to ``path`` as one JSON line; does nothing without a path."""
+    """Appends each record to ``path`` as one JSON line; does nothing without a path.
+
+    A write that fails (a full disk) ends the run with a meshplan error naming the
+    file, the step and the cause (the checkpoints saved so far are kept).
+    """
 
     def __init__(self, path: str | None) -> None:
-        self._file = None if path is None else open(path, "a", buffering=1)  # noqa: SIM115
+        self.path = path
+        self._file: Any = None
+
+    def __enter__(self) -> _MetricsLog:
+        path = self.path
+        if path is not None:
+            try:
+                # Not blocking: a FIFO nobody reads (refused up front) cannot hang the run.
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+                os.set_blocking(fd, True)
+                self._file = open(fd, "a", buffering=1)  # noqa: SIM115
+            except OSError as e:
+                raise self._failed(e, "opening it") from e
+        return self
+
+    def _failed(self, e: OSError, when: str) -> Exception:
+        from meshplan._errors import MeshplanError, error_for
+
+        cause = f"{os.strerror(e.errno)} ({errno.errorcode.get(e.errno, e.errno)})" if e.errno else str(e)
+        return error_for(
+            MeshplanError, "metrics-write-failed", "--metrics",
+            f"--metrics {self.path!r}: {when} failed: {cause}",
+            "Free space on its disk or pass --metrics a file elsewhere, then continue with "
+            "--resume (the checkpoints saved so far are kept).",
+        )  # fmt: skip
 
     def __call__(self, record: dict[str, Any]) -> None:
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
+            try:
+                self._file.write(json.dumps(record) + "\n")
+            except OSError as e:
+                file, self._file = self._file, None
+                with contextlib.suppress(OSError):
+                    file.close()
+                raise self._failed(e, f"writing the record of step {record.get('step')}") from e
 
     def __exit__(self, *exc: object) -> None:
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as e:
+                self._file = None
+                raise self._failed(e, "closing it") from e
 
 
 def _console(main: bool) -> Console:

@@ -631,6 +631,14 @@ def _check_metrics_file(path: str | None, problems: _Problems) -> None:
     fix = "Pass --metrics a file path whose folder exists, e.g. --metrics run/metrics.jsonl."
     if p.is_dir():
         problems.add(MeshplanError, f"--metrics {path!r} is a folder, not a file", fix)
+    elif p.exists() and not p.is_file() and not p.is_char_device():
+        kind = "a FIFO (named pipe)" if p.is_fifo() else "a socket or special file"
+        problems.add(
+            MeshplanError,
+            f"--metrics {path!r} is {kind}, not a regular file: writing to it blocks until "
+            f"something reads it, so the run would stop without a word",
+            fix,
+        )
     elif p.exists():
         if not os.access(p, os.W_OK):
             problems.add(MeshplanError, f"--metrics {path!r} cannot be written by this user", fix)
