@@ -521,7 +521,7 @@ def run(args: argparse.Namespace) -> int:
 
     log = _MetricsLog(args.metrics if jax.process_index() == 0 else None)
 
-    stop = _StopOnSigterm(enabled=jax.process_count() == 1)
+    stop = _StopOnSigterm()
 
     def on_step(record: Any) -> None:  # a StepRecord, while the device runs the next step
         assert task is not None  # added before the run starts
@@ -533,7 +533,7 @@ def run(args: argparse.Namespace) -> int:
             tps=f"{tps:,.0f}" if tps else "-",
         )
         log(record.to_dict())
-        stop.check()
+        stop.check(record.step)
 
     def on_eval(step: int, loss: float) -> None:
         say(progress.console, f"step {step:>5}  valid loss {loss:.3f} nats/byte")
@@ -659,24 +659,38 @@ class _Terminated(Exception):
 
 
 class _StopOnSigterm(contextlib.AbstractContextManager["_StopOnSigterm", None]):
-    """While active, SIGTERM asks the run to stop after the current step (a second one: now).
+    """While active, SIGTERM asks the run to stop after the current step.
 
-    Only for a run of one process in the main thread (the processes of a run stop
-    together: their launcher or scheduler stops them all).
+    One process: a second SIGTERM stops it at once. Several processes (``--processes
+    N``, whose launcher forwards the signal, or one per host): a SIGTERM to any of
+    them stops all of them after the same step
+    (:class:`~meshplan.train.distributed.StopVote`), so that they finish the save in
+    progress together and the folder's lock is released. Only in the main thread.
     """
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled and threading.current_thread() is threading.main_thread()
-        self.asked = False
+    def __init__(self) -> None:
+        from meshplan.train.distributed import StopVote
+
+        self.enabled = threading.current_thread() is threading.main_thread()
+        self.vote = StopVote()
         self._previous: Any = None
 
-    def _handler(self, signum: int, frame: Any) -> None:
-        if self.asked:
-            raise _Terminated
-        self.asked = True
+    @property
+    def asked(self) -> bool:
+        return self.vote.asked
 
-    def check(self) -> None:
-        if self.asked:
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.vote.asked and self.vote.processes == 1:
+            raise _Terminated
+        self.vote.ask()
+
+    def check(self, step: int | None = None) -> None:
+        """Raises :class:`_Terminated` when the run stops now (after ``step``, when given)."""
+        if step is None:
+            if self.vote.processes == 1 and self.vote.asked:
+                raise _Terminated
+            return
+        if self.vote.after(step):
             raise _Terminated
 
     def __enter__(self) -> _StopOnSigterm:
