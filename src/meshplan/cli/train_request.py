@@ -298,9 +298,32 @@ def _check_checkpoint_dir(
     Without ``resume_step``: the newest intact step (a cheap check of each newer
     one, no array read); the damaged ones skipped are named in the notes.
     """
-    ckpt_dir = Path(request.ckpt_dir).absolute() if request.ckpt_dir else None
     resume = request.resume or request.resume_step is not None
     found = _Resume()
+    if request.ckpt_dir is not None and not request.ckpt_dir.strip():
+        problems.add(
+            CheckpointError,
+            f"--ckpt-dir {request.ckpt_dir!r} is empty: the run would save nothing",
+            "Pass a folder, e.g. --ckpt-dir runs/first, or leave --ckpt-dir out to train "
+            "without checkpoints.",
+            "ckpt-empty-path",
+        )
+        return None, found
+    if request.ckpt_dir is not None and "://" in request.ckpt_dir:
+        scheme = request.ckpt_dir.split("://", 1)[0]
+        problems.add(
+            CheckpointError,
+            f"--ckpt-dir {request.ckpt_dir!r} is a {scheme}:// URL: meshplan train saves into "
+            f"a folder of this machine (its lock file, the moved-aside branches and the checks "
+            f"before training are local files), and would make a local folder named "
+            f"'{scheme}:' instead",
+            f"Train into a local folder (or a mounted bucket, e.g. gcsfuse) and copy it to "
+            f"{scheme}:// afterwards; meshplan.restore and meshplan.Checkpointer take "
+            f"{scheme}:// paths from Python.",
+            "ckpt-url",
+        )
+        return None, found
+    ckpt_dir = Path(request.ckpt_dir).absolute() if request.ckpt_dir else None
     if resume and ckpt_dir is None:
         problems.add(
             MeshplanError,
@@ -365,7 +388,7 @@ _FIXES = {
     "warmup": "Pass --warmup 0 (no warm-up) or a positive number of steps.",
     "eval_every": "Pass --eval-every 0 (only at the end) or a positive number of steps.",
     "ckpt_every": "Pass --ckpt-every 0 (only at the end) or a positive number of steps.",
-    "seed": "Pass --seed 0 or another whole number of 0 or more.",
+    "seed": "Pass --seed 0 or another whole number from 0 to 2**63 - 1.",
     "lr": "Pass a finite learning rate above 0, e.g. --lr 3e-3.",
     "weight_decay": "Pass a finite --weight-decay of 0 or more, e.g. --weight-decay 0.01.",
     "clip": "Pass a finite gradient norm above 0, e.g. --clip 1.0.",
