@@ -101,8 +101,7 @@ def test_bytes_changed_in_place_are_named_and_skipped(tmp_path):
     assert problem.code == "ckpt-damaged"
     assert problem.path == where
     assert problem.message == (
-        f"{where}: the bytes of 1 array changed since it was saved (checksum mismatch): "
-        f"'params/w'"
+        f"{where}: the bytes of 1 array changed since it was saved (checksum mismatch): 'params/w'"
     )
     assert problem.fix.startswith("Restore an earlier step (step=10;")
     with warnings.catch_warnings(record=True) as caught:

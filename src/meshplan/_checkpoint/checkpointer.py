@@ -53,6 +53,7 @@ What a :class:`Checkpointer` guarantees:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import math
@@ -281,6 +282,38 @@ def _metric_key(name: str, mode: str) -> Any:
     return key
 
 
+GROUP_KEY = "best_group"
+"""The key of a step's Orbax ``metrics`` that holds its ``best_group`` (see :meth:`Checkpointer.save`)."""
+
+
+@dataclasses.dataclass
+class _BestPerGroup:
+    """Orbax preservation policy: the best step of each ``best_group`` (one group without one).
+
+    Metrics measured under different settings (another validation length or batch)
+    are not comparable: each group keeps its own best step.
+    """
+
+    get_metric_fn: Any
+    mode: str
+
+    def should_preserve(self, checkpoints: Any, *, context: Any) -> list[bool]:
+        best: dict[Any, tuple[float, int]] = {}
+        for i, checkpoint in enumerate(checkpoints):
+            metrics = checkpoint.metrics
+            if not isinstance(metrics, Mapping):
+                continue
+            value = float(self.get_metric_fn(metrics))
+            if not math.isfinite(value):
+                continue
+            score = value if self.mode == "min" else -value
+            group = metrics.get(GROUP_KEY)
+            if group not in best or score <= best[group][0]:  # ties: the newer step
+                best[group] = (score, i)
+        kept = {i for _, i in best.values()}
+        return [i in kept for i in range(len(checkpoints))]
+
+
 class Checkpointer:
     """Saves meshplan checkpoints with Orbax's ``CheckpointManager`` (asynchronously).
 
@@ -357,6 +390,7 @@ class Checkpointer:
         self._failure_raised = False
         self._closed = False
         self._metrics: dict[int, float | None] = {}
+        self._groups: dict[int, str | None] = {}
         # Saves, waits and deletes from several threads take turns (Orbax's manager is
         # not thread-safe: concurrent saves cancelled each other and lost steps).
         self._turn = threading.RLock()
@@ -378,12 +412,7 @@ class Checkpointer:
             else policies.AnyPreservationPolicy(
                 [
                     latest,
-                    policies.BestN(
-                        get_metric_fn=best_fn,
-                        reverse=best_mode == "min",
-                        n=1,
-                        keep_checkpoints_without_metrics=False,
-                    ),
+                    _BestPerGroup(best_fn, best_mode),
                 ]
             )
         )
@@ -531,6 +560,7 @@ class Checkpointer:
         extra: Mapping[str, Any] | None = None,
         metrics: Mapping[str, float] | None = None,
         check_finite: bool = True,
+        best_group: str | None = None,
     ) -> bool:
         """Starts saving ``state`` (boxed or raw arrays) as ``step``; ``False`` if it exists.
 
@@ -551,6 +581,9 @@ class Checkpointer:
             check_finite: Refuse a state with a NaN or an infinity in a floating
                 array (one jitted reduction over the state, see
                 :mod:`meshplan._checkpoint.finite`).
+            best_group: Which metrics this step's may be compared with, e.g. its
+                validation setting: the best step of each group is kept (and
+                :meth:`best` takes a group). ``None``: the group of steps without one.
 
         Raises:
             ArgumentError: ``'ckpt-bad-step'``: ``step`` is negative or not a whole number.
@@ -578,7 +611,9 @@ class Checkpointer:
         """
         step = _save_step(step)
         with self._turn:
-            return self._save(step, state, rules, mesh, config, extra, metrics, check_finite)
+            return self._save(
+                step, state, rules, mesh, config, extra, metrics, check_finite, best_group
+            )
 
     def _save(
         self,
@@ -590,6 +625,7 @@ class Checkpointer:
         extra: Mapping[str, Any] | None,
         metrics: Mapping[str, float] | None,
         check_finite: bool,
+        best_group: str | None = None,
     ) -> bool:
         import orbax.checkpoint as ocp
 
@@ -627,7 +663,9 @@ class Checkpointer:
                             META_ITEM: ocp.args.JsonSave(metadata.to_json()),
                         }
                     ),
-                    metrics=metric_values,
+                    metrics=None
+                    if metric_values is None
+                    else {**metric_values, **({GROUP_KEY: best_group} if best_group else {})},
                     force=True,
                 )
             )
@@ -638,6 +676,7 @@ class Checkpointer:
             self._saving = step
             if self.keep_best is not None and metric_values is not None:
                 self._metrics[step] = metric_values.get(self.keep_best)
+                self._groups[step] = best_group
         return saved
 
     def _checked_metrics(
@@ -727,19 +766,24 @@ class Checkpointer:
                 metrics = self._manager.metrics(step)
             except Exception:
                 metrics = None
+            group = None
             if isinstance(metrics, Mapping) and self.keep_best is not None:
                 try:
                     value = float(metrics.get(self.keep_best))  # type: ignore[arg-type]
                 except (TypeError, ValueError):
                     value = None
+                raw = metrics.get(GROUP_KEY)
+                group = None if raw is None else str(raw)
             self._metrics[step] = value
+            self._groups[step] = group
         return self._metrics[step]
 
-    def best(self) -> tuple[int, float] | None:
+    def best(self, group: str | None = None) -> tuple[int, float] | None:
         """``(step, metric)`` of the complete step with the best ``keep_best`` metric, or ``None``.
 
         Only steps on disk count (the policy never deletes this one), so a
         summary can name it. ``None`` when no complete step has that metric.
+        ``group``: among the steps saved with that ``best_group`` only (``None``: all).
 
         Example:
             >>> import tempfile, jax.numpy as jnp, meshplan
@@ -755,7 +799,9 @@ class Checkpointer:
         scored = [
             (step, value)
             for step in self.all_steps()
-            if (value := self._metric_of(step)) is not None and math.isfinite(value)
+            if (value := self._metric_of(step)) is not None
+            and math.isfinite(value)
+            and (group is None or self._groups.get(step) == group)
         ]
         if not scored:
             return None
@@ -863,6 +909,7 @@ class Checkpointer:
             self._manager.reload()
             for step in steps:
                 self._metrics.pop(step, None)
+                self._groups.pop(step, None)
             return target
 
     # -- waiting and closing ---------------------------------------------------

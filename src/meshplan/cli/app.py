@@ -9,9 +9,9 @@ Each subcommand module defines ``HELP`` (one line), ``add_arguments(parser)`` an
 from __future__ import annotations
 
 import argparse
-import importlib
 import contextlib
 import errno
+import importlib
 import os
 import sys
 from collections.abc import Sequence

@@ -365,7 +365,7 @@ class _MetricsLog(contextlib.AbstractContextManager["_MetricsLog", None]):
                 # Not blocking: a FIFO nobody reads (refused up front) cannot hang the run.
                 fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
                 os.set_blocking(fd, True)
-                self._file = open(fd, "a", buffering=1)  # noqa: SIM115
+                self._file = open(fd, "a", buffering=1)
             except OSError as e:
                 raise self._failed(e, "opening it") from e
         return self
@@ -373,7 +373,11 @@ class _MetricsLog(contextlib.AbstractContextManager["_MetricsLog", None]):
     def _failed(self, e: OSError, when: str) -> Exception:
         from meshplan._errors import MeshplanError, error_for
 
-        cause = f"{os.strerror(e.errno)} ({errno.errorcode.get(e.errno, e.errno)})" if e.errno else str(e)
+        cause = (
+            f"{os.strerror(e.errno)} ({errno.errorcode.get(e.errno, e.errno)})"
+            if e.errno
+            else str(e)
+        )
         return error_for(
             MeshplanError, "metrics-write-failed", "--metrics",
             f"--metrics {self.path!r}: {when} failed: {cause}",
@@ -632,15 +636,15 @@ def _for_the_command_line(
         problem = error.problems[0]
         lower = "--lr <smaller>" if lr is None else f"--lr {lr / 10:g}"
         now = "" if lr is None else f" (this run's is {lr:g})"
-        if error.last_good is not None and error.ckpt_dir is not None:
+        if error.resume_at is not None and error.ckpt_dir is not None:
             again = _again(
                 argv,
                 {"--resume": False, "--resume-step": True, "--lr": True},
-                ["--resume-step", str(error.last_good), *lower.split()],
+                ["--resume-step", str(error.resume_at), *lower.split()],
             )
             if "--ckpt-dir" not in again:
                 again += f" --ckpt-dir {error.ckpt_dir}"
-            fix = f"Lower --lr{now} and resume from step {error.last_good}: {again}."
+            fix = f"Lower --lr{now} and resume from step {error.resume_at}: {again}."
         else:
             fix = f"Lower --lr{now} and train again, e.g. with {lower}."
         return f"{problem.message}.\n{fix}"

@@ -766,7 +766,7 @@ class StopVote:
         if self.me == 0:
             stop = self.asked or _has_key(client, _STOP_KEY)
         else:
-            return client.blocking_key_value_get(key, self.timeout_ms) == "1"
+            return bool(client.blocking_key_value_get(key, self.timeout_ms) == "1")
         client.key_value_set(key, "1" if stop else "0", allow_overwrite=True)
         with contextlib.suppress(Exception):  # read by everyone long ago
             client.key_value_delete(f"{_STOP_AT}{step - 100}")

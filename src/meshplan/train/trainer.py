@@ -65,7 +65,7 @@ from meshplan.train.state import (
     state_shardings,
 )
 
-__all__ = ["Batches", "Diverged", "Loss", "StepRecord", "TrainResult", "Trainer"]
+__all__ = ["Batches", "Diverged", "Loss", "StepRecord", "TrainResult", "Trainer", "sane_step"]
 
 Loss = Callable[[Any, Any], jax.Array]
 """``loss(params, batch) -> scalar``: the loss to minimise (``params``: the model's
@@ -75,6 +75,78 @@ Batches = Callable[[str, int], Any]
 """``batches(split, index) -> batch``: batch number ``index`` of ``split``
 (``"train"``: the batch of step ``index``; ``"valid"``: the ``index``-th fixed
 validation batch), as ``jax.Array``\\ s already placed on the mesh."""
+
+
+_VALID_FIELDS = {"seq_len": "--seq", "batch": "--batch", "eval_batches": "--eval-batches",
+                 "seed": "--seed"}  # fmt: skip
+"""The settings validation batches depend on (with ``data``), and their flags."""
+
+
+def valid_setting(settings: Mapping[str, Any], data: Any) -> str:
+    """What a validation loss was measured on, as text: losses of two settings do not compare.
+
+    Example:
+        >>> from meshplan.train.trainer import valid_setting
+        >>> valid_setting({"seq_len": 16, "batch": 8, "eval_batches": 2, "seed": 0}, None)
+        'seq 16, batch 8, eval_batches 2, seed 0, data stdlib'
+    """
+    parts = [f"{name.removesuffix('_len')} {settings.get(name)}" for name in _VALID_FIELDS]
+    return ", ".join([*parts, f"data {data or 'stdlib'}"])
+
+
+def _changed(before: Mapping[str, Any], now: Mapping[str, Any], data: Any) -> str:
+    out = [
+        f"{flag} {now.get(name)} instead of {before.get(name)}"
+        for name, flag in _VALID_FIELDS.items()
+        if before.get(name) != now.get(name)
+    ]
+    if (before.get("data") or None) != (data or None):
+        out.append(f"--data {data or 'stdlib'} instead of {before.get('data') or 'stdlib'}")
+    return "; ".join(out)
+
+
+def sane_step(
+    saved: list[int],
+    losses: Mapping[int, float],
+    best: tuple[int, float] | None,
+    start: int = 0,
+) -> tuple[int | None, str]:
+    """The step to resume a diverged run from, and why (``''``: the latest, nothing to say).
+
+    The newest ``saved`` step whose training loss (``losses``, this run's, by step) is
+    at or below the running median of the losses up to it: a loss that had started
+    to climb (``3.4e13``) is above it. A saved step this run has no loss of (the
+    step it started from, or older) counts as sane. When none is, the ``best``
+    step by validation loss.
+
+    Example:
+        >>> from meshplan.train.trainer import sane_step
+        >>> losses = {1: 5.0, 2: 4.0, 3: 3.5, 4: 3.6, 5: 80.0, 6: 3.4e13}
+        >>> sane_step([2, 4, 6], losses, None)
+        (4, 'the last saved step whose training loss (3.6) was at or below the running median (3.8); step 6 had 3.4e+13')
+        >>> sane_step([2, 4], losses, None)
+        (4, '')
+    """
+    skipped: list[str] = []
+    for s in reversed(saved):
+        if s not in losses:
+            why = "the step this run started from" if s == start else "saved before this run"
+            return s, (
+                f"{why} (its loss was not seen climbing); " + ", ".join(skipped)
+            ) if skipped else ""
+        upto = [v for k, v in losses.items() if k <= s]
+        median = float(np.median(upto))
+        if losses[s] <= median:
+            if not skipped:
+                return s, ""
+            return s, (
+                f"the last saved step whose training loss ({losses[s]:.4g}) was at or below "
+                f"the running median ({median:.4g}); " + ", ".join(skipped)
+            )
+        skipped.append(f"step {s} had {losses[s]:.4g}")
+    if best is not None:
+        return best[0], f"the best by validation loss ({best[1]:.4g}); " + ", ".join(skipped)
+    return (saved[-1] if saved else None), ""
 
 
 class Diverged(MeshplanError, FloatingPointError):
@@ -89,6 +161,11 @@ class Diverged(MeshplanError, FloatingPointError):
         last_good: The latest complete checkpoint step, or ``None`` (none, or no folder).
         best: ``(step, valid_loss)`` of the best checkpoint kept, or ``None``.
         ckpt_dir: The checkpoint folder, or ``None``.
+        resume_at: The step to resume from: the last complete step whose training loss
+            was sane (at or below the running median of the losses before it), which is
+            ``last_good`` unless the loss was already climbing when it was saved; else the
+            best step. ``None`` when there is none.
+        resume_why: Why that step (a phrase for the message).
     """
 
     def __init__(
@@ -99,8 +176,12 @@ class Diverged(MeshplanError, FloatingPointError):
         last_good: int | None,
         best: tuple[int, float] | None,
         ckpt_dir: Path | None,
+        resume_at: int | None = None,
+        resume_why: str = "",
     ) -> None:
         self.step, self.last_good, self.best, self.ckpt_dir = step, last_good, best, ckpt_dir
+        self.resume_at = last_good if resume_at is None else resume_at
+        self.resume_why = resume_why
         if ckpt_dir is None:
             kept = "No checkpoint folder was given, so no step is saved"
             fix = "Lower the learning rate and train again."
@@ -111,9 +192,11 @@ class Diverged(MeshplanError, FloatingPointError):
             kept = f"The last good checkpoint is step {last_good} of {str(ckpt_dir)!r}"
             if best is not None and best[0] != last_good:
                 kept += f" (the best, by validation loss {best[1]:.4g}, is step {best[0]})"
+            if self.resume_why:
+                kept += f". Resume from step {self.resume_at}: {self.resume_why}"
             fix = (
-                f"Lower the learning rate and resume from step {last_good} "
-                f"(Trainer(resume_from=read_metadata(path, step={last_good})))."
+                f"Lower the learning rate and resume from step {self.resume_at} "
+                f"(Trainer(resume_from=read_metadata(path, step={self.resume_at})))."
             )
         message = f"Training diverged at step {step}: {what}, so step {step} was not saved. {kept}"
         super().__init__(
@@ -274,15 +357,17 @@ class Trainer:
         self.ckpt_dir = ckpt_dir
         self.resume_from = resume_from
         self.layout_name = layout_name
+        self.notes: list[str] = []
         self.max_to_keep = settings.keep if max_to_keep is None else max_to_keep
         self.discard_steps = tuple(int(s) for s in discard_steps)
         self.flops_per_step = flops_per_step
         self.peak_flops_per_s = peak_flops_per_s
         self.sync_every_step = sync_every_step
-        self.notes: list[str] = []
         self.best_saved: tuple[int, float] | None = None
         self.latest_saved: int | None = None
         self.saved_on_disk: list[int] = []
+        self.losses_seen: dict[int, float] = {}
+        self._start_step = 0
         self.set_aside: tuple[list[int], str] | None = None
         self._last_eval: tuple[int, float] | None = None
         # A caller that has built both to check a request passes them: not traced twice.
@@ -296,9 +381,21 @@ class Trainer:
         self.state: Any = None
         self.step = 0
         self.best_valid: tuple[int, float] | None = None
+        self.valid_setting = valid_setting(settings.to_dict(), self.record.get("data"))
         if resume_from is not None:
             best = resume_from.extra.get("best_valid")
             self.best_valid = (int(best[0]), float(best[1])) if best else None
+            stored = dict(resume_from.extra.get("train") or {})
+            before = valid_setting(stored, stored.get("data"))
+            if stored and before != self.valid_setting:
+                changed = _changed(stored, settings.to_dict(), self.record.get("data"))
+                self.best_valid = None
+                self.notes.append(
+                    f"This run validates otherwise than step {resume_from.step} of the checkpoint "
+                    f"({changed}): validation losses of the two are not comparable, so the best "
+                    f"step is kept per validation setting; this run's best is chosen among its "
+                    f"own validations, and the checkpoint's best stays kept."
+                )
         self._checkpointer: Checkpointer | None = None
         self._train_step: Callable[[Any, Any], tuple[Any, jax.Array]] | None = None
         self._eval_step: Callable[[Any, Any], jax.Array] | None = None
@@ -449,14 +546,18 @@ class Trainer:
     def _diverged(self, what: str, path: str, step: int | None = None) -> NoReturn:
         """Raises :class:`Diverged` for ``step`` (default the current one), once the save in
         progress is done."""
-        last_good = best = None
+        last_good = best = resume_at = None
+        why = ""
         if self._checkpointer is not None:
             self._checkpointer.wait()  # the step being written counts (or its failure is raised)
-            last_good = self._checkpointer.latest_step()
-            best = self._checkpointer.best()
+            saved = self._checkpointer.all_steps()
+            last_good = saved[-1] if saved else None
+            best = self._checkpointer.best(self.valid_setting)
+            resume_at, why = sane_step(saved, self.losses_seen, best, self._start_step)
         raise Diverged(
-            self.step if step is None else step, what, path, last_good, best, self.ckpt_dir
-        )
+            self.step if step is None else step, what, path, last_good, best, self.ckpt_dir,
+            resume_at, why,
+        )  # fmt: skip
 
     def save(self) -> bool:
         """Starts an asynchronous save of the current step; ``False`` if not saving.
@@ -488,6 +589,7 @@ class Trainer:
                 config=self.config,
                 extra=extra,
                 metrics=metrics,
+                best_group=self.valid_setting,
             )
         except CheckpointError as e:
             problem = e.problems[0] if e.problems else None
@@ -518,7 +620,7 @@ class Trainer:
                 with contextlib.suppress(Exception):
                     self.saved_on_disk = ckpt.all_steps()
                     self.latest_saved = self.saved_on_disk[-1] if self.saved_on_disk else None
-                    self.best_saved = ckpt.best()
+                    self.best_saved = ckpt.best(self.valid_setting)
         finally:
             ckpt.close()
 
@@ -558,6 +660,7 @@ class Trainer:
         if self.state is None:
             self.start()
         result = TrainResult(start_step=self.step, end_step=self.step)
+        self._start_step = self.step
         if self.resume_from is None and self.step == 0:
             result.evals[0] = self.evaluate()
             if on_eval:
@@ -584,6 +687,7 @@ class Trainer:
                     step, loss, seconds, tokens_per_step / max(seconds, 1e-12), self.mfu(seconds)
                 )
             result.losses[step] = loss
+            self.losses_seen[step] = loss
             if on_step:
                 on_step(record)
 
