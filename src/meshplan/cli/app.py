@@ -151,14 +151,12 @@ def _closed_stream() -> int | None:
 
 
 def _is_stdout_error(e: OSError) -> bool:
-    """Whether ``e`` came from writing standard output (flushing it fails again)."""
-    if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG):
-        return False
-    try:
-        sys.stdout.flush()
-    except OSError:
-        return True
-    return False
+    """Whether ``e`` came from writing standard output: a full disk, with no file name.
+
+    The commands turn their own files' failures (checkpoints, ``--metrics``, ``--png``)
+    into meshplan errors; what is left with no file name is a stream they print to.
+    """
+    return e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG) and not e.filename
 
 
 def _stdout_failed(e: OSError) -> int:
