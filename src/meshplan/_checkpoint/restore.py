@@ -250,7 +250,8 @@ def restore(
         CheckpointError: the folder is missing, empty, not a meshplan
             checkpoint, lacks ``step``, or the mesh cannot hold its arrays; the
             step is damaged (code ``'ckpt-damaged'``, naming the step and what is
-            damaged; with ``fallback=True``: only when no step can be read).
+            damaged, including arrays whose bytes no longer match the checksum
+            stored at save; with ``fallback=True``: only when no step can be read).
         ArgumentError: ``mesh`` is not a ``jax.sharding.Mesh`` (e.g. ``"2x4"``),
             or ``step`` is not a whole number.
 

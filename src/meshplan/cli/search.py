@@ -202,8 +202,8 @@ def _step_and_batch(args: argparse.Namespace) -> tuple[Any, Any]:
     return mlp_step, jax.ShapeDtypeStruct((args.batch, args.depth), jnp.float32)
 
 
-MAX_SEARCH_DEVICES = 65536
-"""The most devices ``meshplan search`` searches (2**16): beyond, a search runs for many minutes."""
+MAX_SEARCH_DEVICES = 16384
+"""The most devices ``meshplan search`` searches (2**14): beyond, a search runs for many minutes."""
 
 
 def devices_problem(devices: int | None) -> str | None:
@@ -211,24 +211,24 @@ def devices_problem(devices: int | None) -> str | None:
 
     The search lists every factorisation of the device count into 1 to 3 mesh axes
     (by trial division) and prices every rule set on each; both grow with the count:
-    on a loaded 2-core machine 256 devices took 38 s, 4096 took 89 s, and 1,048,576 or
-    the prime 1,000,000,007 gave no output in 150 s.
+    on a loaded 2-core machine 256 devices took 38 s, 4096 took 89 s, 65,536 ran past
+    300 s, and 1,048,576 or the prime 1,000,000,007 gave no output in 150 s.
 
     Example:
         >>> from meshplan.cli.search import devices_problem
         >>> devices_problem(4096) is None
         True
         >>> print(devices_problem(1_000_000_007).splitlines()[0])
-        --devices 1000000007 is more than meshplan search searches: at most 65,536 (2**16).
+        --devices 1000000007 is more than meshplan search searches: at most 16,384 (2**14).
     """
     if devices is None or devices <= MAX_SEARCH_DEVICES:
         return None
     return (
         f"--devices {devices} is more than meshplan search searches: at most "
-        f"{MAX_SEARCH_DEVICES:,} (2**16).\nThe search factorises the device count into 1 to 3 "
+        f"{MAX_SEARCH_DEVICES:,} (2**14).\nThe search factorises the device count into 1 to 3 "
         f"mesh axes and prices every rule set on each mesh shape, and both grow with the "
-        f"count (4096 devices take about a minute and a half on 2 cores; 1,048,576 gave no "
-        f"output in 150 s).\nSearch at most {MAX_SEARCH_DEVICES:,} devices (e.g. --devices "
+        f"count (on 2 loaded cores 4096 devices took 89 s, 65,536 ran past 300 s; 1,048,576 "
+        f"gave no output in 150 s).\nSearch at most {MAX_SEARCH_DEVICES:,} devices (e.g. --devices "
         f"{_smaller(devices)}), or call meshplan.search_rules yourself with the patience it "
         f"takes."
     )
