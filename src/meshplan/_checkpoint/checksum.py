@@ -22,8 +22,9 @@ Cost: like :mod:`meshplan._checkpoint.finite`, one jitted reduction per device
 set that reads each element once where it lives and returns two words per
 array to the host; compiled once per state structure. At save it runs before
 the arrays are handed to Orbax; at restore, on the arrays just read, before
-they are returned. ``benchmarks/checkpoint_checksum.py`` measures it against
-the save and the restore themselves.
+they are returned. ``benchmarks/bench_checksum.py`` measures it against the
+save and the restore themselves: for 64 MB on 8 emulated CPU devices of a
+loaded 2-core machine, 0.19 of a synchronous save and 0.06 of a restore.
 """
 
 from __future__ import annotations

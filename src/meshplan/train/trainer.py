@@ -113,40 +113,47 @@ def sane_step(
 ) -> tuple[int | None, str]:
     """The step to resume a diverged run from, and why (``''``: the latest, nothing to say).
 
-    The newest ``saved`` step whose training loss (``losses``, this run's, by step) is
-    at or below the running median of the losses up to it: a loss that had started
-    to climb (``3.4e13``) is above it. A saved step this run has no loss of (the
-    step it started from, or older) counts as sane. When none is, the ``best``
-    step by validation loss.
+    A saved step's state is judged by the training loss it then gave (the loss of
+    the next step, ``losses[s + 1]``, computed with it; the step's own loss when no
+    later one was read): sane when at or below the running median of the losses up
+    to there. So a state saved while the loss had started to climb (``3.4e13``) is
+    passed over. The newest sane saved step is chosen; a saved step this run has no
+    loss of (older than the run) counts as sane; when none is, the ``best`` step by
+    validation loss.
 
     Example:
         >>> from meshplan.train.trainer import sane_step
-        >>> losses = {1: 5.0, 2: 4.0, 3: 3.5, 4: 3.6, 5: 80.0, 6: 3.4e13}
+        >>> losses = {1: 5.0, 2: 4.0, 3: 3.9, 4: 3.8, 5: 9.0, 6: 3.4e13}
         >>> sane_step([2, 4, 6], losses, None)
-        (4, 'the last saved step whose training loss (3.6) was at or below the running median (3.8); step 6 had 3.4e+13')
-        >>> sane_step([2, 4], losses, None)
+        (2, 'the last saved step whose state then gave a training loss at or below the running median (3.9 at step 3, median 4); passed over: step 6 (3.4e+13 at step 6), step 4 (9 at step 5)')
+        >>> sane_step([2, 4], {1: 5.0, 2: 4.5, 3: 4.2, 4: 4.0}, None)
         (4, '')
     """
     skipped: list[str] = []
+    passed = "; passed over: "
     for s in reversed(saved):
-        if s not in losses:
+        measured = s + 1 if s + 1 in losses else s if s in losses else None
+        if measured is None:  # from before this run: not seen climbing
+            if not skipped:
+                return s, ""
             why = "the step this run started from" if s == start else "saved before this run"
-            return s, (
-                f"{why} (its loss was not seen climbing); " + ", ".join(skipped)
-            ) if skipped else ""
-        upto = [v for k, v in losses.items() if k <= s]
-        median = float(np.median(upto))
-        if losses[s] <= median:
+            return s, f"{why} (its loss was not seen climbing){passed}" + ", ".join(skipped)
+        value = losses[measured]
+        median = float(np.median([v for k, v in losses.items() if k <= measured]))
+        if value <= median:
             if not skipped:
                 return s, ""
             return s, (
-                f"the last saved step whose training loss ({losses[s]:.4g}) was at or below "
-                f"the running median ({median:.4g}); " + ", ".join(skipped)
+                f"the last saved step whose state then gave a training loss at or below the "
+                f"running median ({value:.4g} at step {measured}, median {median:.4g})"
+                f"{passed}" + ", ".join(skipped)
             )
-        skipped.append(f"step {s} had {losses[s]:.4g}")
+        skipped.append(f"step {s} ({value:.4g} at step {measured})")
     if best is not None:
-        return best[0], f"the best by validation loss ({best[1]:.4g}); " + ", ".join(skipped)
-    return (saved[-1] if saved else None), ""
+        return best[0], f"the best by validation loss ({best[1]:.4g}){passed}" + ", ".join(skipped)
+    return (saved[0] if saved else None), (
+        f"the oldest step kept{passed}" + ", ".join(skipped) if saved else ""
+    )
 
 
 class Diverged(MeshplanError, FloatingPointError):
@@ -161,10 +168,10 @@ class Diverged(MeshplanError, FloatingPointError):
         last_good: The latest complete checkpoint step, or ``None`` (none, or no folder).
         best: ``(step, valid_loss)`` of the best checkpoint kept, or ``None``.
         ckpt_dir: The checkpoint folder, or ``None``.
-        resume_at: The step to resume from: the last complete step whose training loss
-            was sane (at or below the running median of the losses before it), which is
-            ``last_good`` unless the loss was already climbing when it was saved; else the
-            best step. ``None`` when there is none.
+        resume_at: The step to resume from: the last complete step whose state gave a
+            sane training loss (at or below the running median, see :func:`sane_step`),
+            which is ``last_good`` unless the loss was already climbing when it was
+            saved; else the best step. ``None`` when there is none.
         resume_why: Why that step (a phrase for the message).
     """
 
