@@ -390,9 +390,9 @@ def backend_error(e: BaseException) -> MeshError:
     Example:
         >>> from meshplan.cli.devices import backend_error
         >>> e = backend_error(RuntimeError("Unable to initialize backend 'tpu': INTERNAL: "
-        ...                                "Failed to open libtpu.so\nmore"))
-        >>> e.problems[0].code, str(e).splitlines()[0][:46]
-        ('no-backend', "JAX could not start the devices JAX_PLATFORMS")
+        ...                                "Failed to open libtpu.so\\nmore"))
+        >>> e.problems[0].code, e.problems[0].path, "Failed to open libtpu.so" in str(e)
+        ('no-backend', 'JAX_PLATFORMS', True)
     """
     value = os.environ.get("JAX_PLATFORMS")
     text = str(e).strip().splitlines()
