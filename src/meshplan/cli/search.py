@@ -251,7 +251,8 @@ def _flags_problem(args: argparse.Namespace) -> str | None:
             f"--rows too; --top-k may be 0 without --measure: nothing compiled).\nPass e.g. "
             f"--devices 8 --batch 32 --seq 128 --top-k 3."
         )
-    too_many = devices_problem(args.devices)
+    # (--measure needs the devices themselves: their own limit is checked, and said, first.)
+    too_many = None if args.measure else devices_problem(args.devices)
     if too_many is not None:
         return too_many
     problem = model_args_problem(args)
