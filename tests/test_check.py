@@ -312,3 +312,31 @@ def test_check_warns_where_flax_nnx_would_place_a_variable_differently():
     (problem,) = [p for p in problems if p.code == "flax-placement"]
     assert problem.severity == "warning" and problem.path == "w"
     assert "P('model', 'model')" in problem.message and "P('data', 'model')" in problem.message
+
+
+@pytest.mark.parametrize(
+    "shape, fragment",
+    [
+        ((-64, 128), "dim 0 has size -64: a size is a whole number of 0 or more"),
+        ((64, float("nan")), "dim 1 has size nan"),
+        ((2.5, 4), "dim 0 has size 2.5"),
+        ((2**62, 128), "has 5.9e+20 elements, more than 2**56"),
+    ],
+    ids=["negative", "nan", "fraction", "2**62"],
+)
+def test_a_shape_that_is_no_shape_is_a_problem_not_a_crash(shape, fragment):
+    rules = (("embed", "data"), ("mlp", "model"))
+    [problem] = meshplan.validate("params/w", shape, ("embed", "mlp"), MESH, rules)
+    assert (problem.code, problem.path, problem.severity) == ("bad-shape", "params/w", "error")
+    assert fragment in problem.message and problem.fix
+
+
+def test_a_negative_dim_in_a_tree_is_reported_and_counts_no_bytes():
+    w = jax.ShapeDtypeStruct((-64, 128), jnp.float32)  # JAX accepts it abstractly
+    tree = {"params": {"w": meshplan.LogicallyPartitioned(w, ("embed", "mlp"))}}
+    rules = (("embed", "data"), ("mlp", "model"))
+    plan = meshplan.explain(tree, MESH, rules)
+    assert [(p.code, p.path) for p in plan.problems] == [("bad-shape", "params/w")]
+    assert plan.totals["all"].max_device_bytes == 0  # not -4096
+    with pytest.raises(meshplan.ShardingValidationError, match="dim 0 has size -64"):
+        meshplan.check(tree, MESH, rules, strict=True)

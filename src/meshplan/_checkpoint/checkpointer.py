@@ -42,11 +42,18 @@ What a :class:`Checkpointer` guarantees:
   carries the cause (``__cause__``).
 * **One writer per folder.** Process 0 holds ``<folder>/meshplan.lock`` (see
   :mod:`meshplan._checkpoint.lock`) from ``__init__`` to ``close`` (or exit).
+* **Threads take turns.** ``save``, ``wait``, ``delete``, ``all_steps`` and
+  ``close`` of one Checkpointer hold one lock, so saves from several threads
+  run one after the other (each waits for the previous write): every save that
+  returned ``True`` is on disk after ``close``, and a failure names its own step.
+* **Checksums.** Every array's checksum is stored in the ``meshplan`` item and
+  :func:`~meshplan.restore` verifies it (see :mod:`meshplan._checkpoint.checksum`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import math
@@ -54,13 +61,16 @@ import os
 import re
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import jax
+from etils import epath
 from jax.sharding import Mesh
 
+from meshplan._checkpoint.checksum import array_checksums
 from meshplan._checkpoint.finite import nonfinite_paths
 from meshplan._checkpoint.folder import (
     ITEM_NAMES,
@@ -241,6 +251,22 @@ def _quiet_orbax(delta: int) -> None:
             logging.getLogger("absl").removeFilter(_ORBAX_LOGS)
 
 
+def _save_step(step: Any) -> int:
+    """``step`` as the number of a step to save: a whole number of 0 or more."""
+    try:
+        number = step_number(step)
+    except ArgumentError:
+        number = None
+    if number is None or number < 0:
+        raise error_for(
+            ArgumentError, "ckpt-bad-step", "step",
+            f"Checkpointer.save: step must be a whole number of 0 or more, got {step!r}",
+            "Pass the training step, e.g. save(20, state); a negative or missing step "
+            "cannot be restored.",
+        )  # fmt: skip
+    return number
+
+
 def _metric_key(name: str, mode: str) -> Any:
     """Orbax's ``get_metric_fn``: the metric, with a missing or non-finite one ranked worst."""
     worst = math.inf if mode == "min" else -math.inf
@@ -254,6 +280,38 @@ def _metric_key(name: str, mode: str) -> Any:
         return value if math.isfinite(value) else worst
 
     return key
+
+
+GROUP_KEY = "best_group"
+"""The key of a step's Orbax ``metrics`` that holds its ``best_group`` (see :meth:`Checkpointer.save`)."""
+
+
+@dataclasses.dataclass
+class _BestPerGroup:
+    """Orbax preservation policy: the best step of each ``best_group`` (one group without one).
+
+    Metrics measured under different settings (another validation length or batch)
+    are not comparable: each group keeps its own best step.
+    """
+
+    get_metric_fn: Any
+    mode: str
+
+    def should_preserve(self, checkpoints: Any, *, context: Any) -> list[bool]:
+        best: dict[Any, tuple[float, int]] = {}
+        for i, checkpoint in enumerate(checkpoints):
+            metrics = checkpoint.metrics
+            if not isinstance(metrics, Mapping):
+                continue
+            value = float(self.get_metric_fn(metrics))
+            if not math.isfinite(value):
+                continue
+            score = value if self.mode == "min" else -value
+            group = metrics.get(GROUP_KEY)
+            if group not in best or score <= best[group][0]:  # ties: the newer step
+                best[group] = (score, i)
+        kept = {i for _, i in best.values()}
+        return [i in kept for i in range(len(checkpoints))]
 
 
 class Checkpointer:
@@ -332,6 +390,10 @@ class Checkpointer:
         self._failure_raised = False
         self._closed = False
         self._metrics: dict[int, float | None] = {}
+        self._groups: dict[int, str | None] = {}
+        # Saves, waits and deletes from several threads take turns (Orbax's manager is
+        # not thread-safe: concurrent saves cancelled each other and lost steps).
+        self._turn = threading.RLock()
         self.check_writable(self.directory)
         if jax.process_index() == 0:
             if "://" not in str(self.directory):
@@ -350,12 +412,7 @@ class Checkpointer:
             else policies.AnyPreservationPolicy(
                 [
                     latest,
-                    policies.BestN(
-                        get_metric_fn=best_fn,
-                        reverse=best_mode == "min",
-                        n=1,
-                        keep_checkpoints_without_metrics=False,
-                    ),
+                    _BestPerGroup(best_fn, best_mode),
                 ]
             )
         )
@@ -503,11 +560,16 @@ class Checkpointer:
         extra: Mapping[str, Any] | None = None,
         metrics: Mapping[str, float] | None = None,
         check_finite: bool = True,
+        best_group: str | None = None,
     ) -> bool:
         """Starts saving ``state`` (boxed or raw arrays) as ``step``; ``False`` if it exists.
 
+        A step that exists is not saved again: ``False``, with a ``UserWarning``
+        saying so (delete it first to replace it). Several threads may call it:
+        their saves take turns.
+
         Args:
-            step: The step number (the folder name).
+            step: The step number (the folder name): a whole number of 0 or more.
             state: Any pytree of arrays; boxes record their axis names.
             rules: The rules of the run (default: the active ones).
             mesh: The run's mesh (default: the mesh of the first sharded array).
@@ -519,32 +581,63 @@ class Checkpointer:
             check_finite: Refuse a state with a NaN or an infinity in a floating
                 array (one jitted reduction over the state, see
                 :mod:`meshplan._checkpoint.finite`).
+            best_group: Which metrics this step's may be compared with, e.g. its
+                validation setting: the best step of each group is kept (and
+                :meth:`best` takes a group). ``None``: the group of steps without one.
 
         Raises:
+            ArgumentError: ``'ckpt-bad-step'``: ``step`` is negative or not a whole number.
             CheckpointError: ``'ckpt-not-finite'`` (nothing is written; names the
                 step and the first arrays or metrics), ``'ckpt-write-failed'``
                 (this or the previous save could not be written), ``'ckpt-locked'``
                 (another process took the folder's lock).
 
         Example:
-            >>> import tempfile, jax.numpy as jnp, meshplan
+            >>> import tempfile, warnings, jax.numpy as jnp, meshplan
             >>> with tempfile.TemporaryDirectory() as folder:
             ...     with meshplan.Checkpointer(folder, async_save=False) as ckpt:
             ...         print(ckpt.save(5, {"w": jnp.ones(2)}, config={"layers": 2}))
-            ...         print(ckpt.save(5, {"w": jnp.zeros(2)}))  # step 5 exists
+            ...         with warnings.catch_warnings(record=True) as caught:
+            ...             print(ckpt.save(5, {"w": jnp.zeros(2)}))  # step 5 exists: a warning
+            ...         print(str(caught[0].message).split(";")[0])
             ...         try:
             ...             ckpt.save(6, {"w": jnp.array([1.0, jnp.nan])})
             ...         except meshplan.CheckpointError as e:
             ...             print(e.problems[0].code, e.problems[0].path)
             True
             False
+            Checkpointer.save: step 5 already exists in '...'
             ckpt-not-finite w
         """
+        step = _save_step(step)
+        with self._turn:
+            return self._save(
+                step, state, rules, mesh, config, extra, metrics, check_finite, best_group
+            )
+
+    def _save(
+        self,
+        step: int,
+        state: Any,
+        rules: Any,
+        mesh: Mesh | None,
+        config: Mapping[str, Any] | None,
+        extra: Mapping[str, Any] | None,
+        metrics: Mapping[str, float] | None,
+        check_finite: bool,
+        best_group: str | None = None,
+    ) -> bool:
         import orbax.checkpoint as ocp
 
         self._raise_failure()
-        step = step_number(step)  # type: ignore[assignment]
         if step in self._manager.all_steps():  # finalized, or being written
+            warnings.warn(
+                f"Checkpointer.save: step {step} already exists in {str(self.directory)!r}; "
+                f"it was not saved again (save returns False). Delete it first "
+                f"(ckpt.delete({step})) to replace it, or save another step.",
+                UserWarning,
+                stacklevel=3,
+            )
             return False
         flat = flatten_state(state, rules)
         metric_values = self._checked_metrics(step, metrics)
@@ -553,8 +646,9 @@ class Checkpointer:
             if bad:
                 self._refuse_nonfinite(step, bad)
         metadata = CheckpointMetadata.from_flat(
-            step, flat, rules=rules, mesh=mesh, config=config, extra=extra
-        )
+            step, flat, rules=rules, mesh=mesh, config=config, extra=extra,
+            checksums=array_checksums(flat),
+        )  # fmt: skip
         raw = nest({key: value for key, (value, _) in flat.items()})
         self._check_still_ours(step)
         # Orbax waits for the previous save first; a failure there is that step's.
@@ -569,7 +663,9 @@ class Checkpointer:
                             META_ITEM: ocp.args.JsonSave(metadata.to_json()),
                         }
                     ),
-                    metrics=metric_values,
+                    metrics=None
+                    if metric_values is None
+                    else {**metric_values, **({GROUP_KEY: best_group} if best_group else {})},
                     force=True,
                 )
             )
@@ -580,6 +676,7 @@ class Checkpointer:
             self._saving = step
             if self.keep_best is not None and metric_values is not None:
                 self._metrics[step] = metric_values.get(self.keep_best)
+                self._groups[step] = best_group
         return saved
 
     def _checked_metrics(
@@ -642,11 +739,12 @@ class Checkpointer:
         """
         # The manager lists a step from the moment its save starts; leave that one out
         # until Orbax has finalized it (and a failed one for good).
-        in_progress = self._manager.is_saving_in_progress()
-        steps = sorted(self._manager.all_steps())
-        if (in_progress or self._failure is not None) and self._saving in steps:
-            steps.remove(self._saving)
-        return steps
+        with self._turn:
+            in_progress = self._manager.is_saving_in_progress()
+            steps = sorted(self._manager.all_steps())
+            if (in_progress or self._failure is not None) and self._saving in steps:
+                steps.remove(self._saving)
+            return steps
 
     def latest_step(self) -> int | None:
         """The latest complete step on disk, or ``None``.
@@ -668,19 +766,24 @@ class Checkpointer:
                 metrics = self._manager.metrics(step)
             except Exception:
                 metrics = None
+            group = None
             if isinstance(metrics, Mapping) and self.keep_best is not None:
                 try:
                     value = float(metrics.get(self.keep_best))  # type: ignore[arg-type]
                 except (TypeError, ValueError):
                     value = None
+                raw = metrics.get(GROUP_KEY)
+                group = None if raw is None else str(raw)
             self._metrics[step] = value
+            self._groups[step] = group
         return self._metrics[step]
 
-    def best(self) -> tuple[int, float] | None:
+    def best(self, group: str | None = None) -> tuple[int, float] | None:
         """``(step, metric)`` of the complete step with the best ``keep_best`` metric, or ``None``.
 
         Only steps on disk count (the policy never deletes this one), so a
         summary can name it. ``None`` when no complete step has that metric.
+        ``group``: among the steps saved with that ``best_group`` only (``None``: all).
 
         Example:
             >>> import tempfile, jax.numpy as jnp, meshplan
@@ -696,7 +799,9 @@ class Checkpointer:
         scored = [
             (step, value)
             for step in self.all_steps()
-            if (value := self._metric_of(step)) is not None and math.isfinite(value)
+            if (value := self._metric_of(step)) is not None
+            and math.isfinite(value)
+            and (group is None or self._groups.get(step) == group)
         ]
         if not scored:
             return None
@@ -736,15 +841,76 @@ class Checkpointer:
             ...         print(ckpt.all_steps())
             [1]
         """
-        self.wait()
-        steps = self.all_steps()
-        if step not in steps:
-            raise error_for(
-                CheckpointError, "ckpt-no-such-step", str(self.directory),
-                f"{str(self.directory)!r} has no complete step {step} to delete; it has {steps}",
-                "Pass one of those steps.",
-            )  # fmt: skip
-        self._manager.delete(step)
+        with self._turn:
+            self.wait()
+            steps = self.all_steps()
+            if step not in steps:
+                raise error_for(
+                    CheckpointError, "ckpt-no-such-step", str(self.directory),
+                    f"{str(self.directory)!r} has no complete step {step} to delete; it has "
+                    f"{steps}",
+                    "Pass one of those steps.",
+                )  # fmt: skip
+            self._manager.delete(step)
+
+    def set_aside(self, steps: list[int], name: str) -> epath.Path:
+        """Moves complete ``steps`` into the sub-folder ``name`` (created; never deleted).
+
+        For a run that continues from an earlier step: the later steps of the old
+        branch stay on disk, out of the way (Orbax lists only the steps at the top
+        of the folder, so nothing restores or resumes them by accident). If
+        ``name`` exists, ``.2``, ``.3``... is added. Waits for the save in
+        progress first; process 0 moves them and every process then re-reads the
+        folder (every process of a run calls it together).
+
+        Returns:
+            The folder the steps were moved into.
+
+        Raises:
+            CheckpointError: ``'ckpt-no-such-step'``: a step is not a complete step here.
+
+        Example:
+            >>> import os, tempfile, jax.numpy as jnp, meshplan
+            >>> with tempfile.TemporaryDirectory() as folder:
+            ...     with meshplan.Checkpointer(folder, async_save=False) as ckpt:
+            ...         for step in (1, 2, 3):
+            ...             _ = ckpt.save(step, {"w": jnp.ones(2)})
+            ...         aside = ckpt.set_aside([2, 3], "old-branch-after-step-1")
+            ...         print(ckpt.all_steps(), sorted(os.listdir(aside)))
+            [1] ['2', '3']
+        """
+        from meshplan._checkpoint.integrity import step_directory
+
+        with self._turn:
+            self.wait()
+            have = self.all_steps()
+            missing = [s for s in steps if s not in have]
+            if missing:
+                raise error_for(
+                    CheckpointError, "ckpt-no-such-step", str(self.directory),
+                    f"{str(self.directory)!r} has no complete step {missing[0]} to set aside; "
+                    f"it has {have}",
+                    "Pass some of those steps.",
+                )  # fmt: skip
+            target = self.directory / name
+            n = 1
+            while target.exists():
+                n += 1
+                target = self.directory / f"{name}.{n}"
+            if jax.process_index() == 0:
+                target.mkdir(parents=True)
+                for step in steps:
+                    source = step_directory(self.directory, step)
+                    source.rename(target / source.name)
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices(f"meshplan-set-aside-{name}")
+            self._manager.reload()
+            for step in steps:
+                self._metrics.pop(step, None)
+                self._groups.pop(step, None)
+            return target
 
     # -- waiting and closing ---------------------------------------------------
 
@@ -763,8 +929,9 @@ class Checkpointer:
             ...         print(ckpt.latest_step())
             1
         """
-        self._raise_failure()
-        self._wait_previous()
+        with self._turn:
+            self._raise_failure()
+            self._wait_previous()
 
     def _wait_previous(self) -> None:
         try:
@@ -792,6 +959,10 @@ class Checkpointer:
             ...     print(meshplan.restore(folder).metadata.step)
             1
         """
+        with self._turn:
+            self._close()
+
+    def _close(self) -> None:
         if self._closed:
             return
         self._closed = True

@@ -206,18 +206,23 @@ def step_number(step: Any) -> int | None:
     """
     if step is None:
         return None
-    if isinstance(step, str) and step.strip().isdigit():
-        return int(step.strip())
-    if not isinstance(step, bool):
+    if isinstance(step, str):
+        text = step.strip()
+        if text.isascii() and text.isdigit():  # "²".isdigit() too, and int("²") fails
+            return int(text)
+    elif not isinstance(step, bool):
         try:
-            return operator.index(step)
+            number = operator.index(step)
         except TypeError:
             pass
+        else:
+            if number >= 0:
+                return number
     raise error_for(
         ArgumentError, "ckpt-bad-step", "step",
-        f"step must be a whole number (or None for the latest), got {step!r} "
+        f"step must be a whole number of 0 or more (or None for the latest), got {step!r} "
         f"({type(step).__name__})",
-        "Pass step=20, for example.",
+        "Pass step=20, for example: a step number as saved (digits 0-9 in a string).",
     )  # fmt: skip
 
 
@@ -256,6 +261,23 @@ def damaged_fix(steps: list[int], step: int) -> str:
     )
 
 
+def _steps_with_metadata(path: epath.Path, steps: list[int]) -> list[int]:
+    """Those of ``steps`` whose folder has a ``meshplan`` item (looked up on disk, cheaply)."""
+    import orbax.checkpoint as ocp
+
+    found = []
+    for step in steps:
+        try:
+            directory = ocp.path.step.find_step_path(
+                path, ocp.path.step.standard_name_format(), step=int(step)
+            )
+        except ValueError:
+            continue
+        if (directory / META_ITEM).is_dir():
+            found.append(step)
+    return found
+
+
 def metadata_of(
     manager: Any, path: str | os.PathLike[str], step: int | str | None = None
 ) -> CheckpointMetadata:
@@ -272,6 +294,14 @@ def metadata_of(
         )
         data = restored[META_ITEM]
     except KeyError as e:
+        others = _steps_with_metadata(p, [s for s in steps if s != step])
+        if others:  # a meshplan folder: this step lost its item, like one that lost its arrays
+            raise error_for(
+                CheckpointError, "ckpt-damaged", where,
+                f"{where} has no '{META_ITEM}' metadata item (removed or never written; the "
+                f"folder's other steps have one, e.g. step {others[-1]})",
+                damaged_fix(steps, step),
+            ) from e  # fmt: skip
         raise error_for(
             CheckpointError, "ckpt-not-meshplan", where,
             f"{where} is not a meshplan checkpoint: it has no '{META_ITEM}' metadata item "

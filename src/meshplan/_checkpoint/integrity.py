@@ -13,8 +13,11 @@ reading its arrays:
 So the cost is one listing of the database's b-tree and one one-byte read per
 stored chunk (about the number of arrays times the shards each process wrote),
 whatever the checkpoint's size. Bytes changed in place (same length) are not
-detected here; :func:`~meshplan._checkpoint.restore.restore` reports them when
-it reads the arrays (and ``restore(..., fallback=True)`` then falls back).
+detected here (no array is read): :func:`~meshplan._checkpoint.restore.restore`
+verifies every array's checksum, stored at save
+(:mod:`meshplan._checkpoint.checksum`), once it has read the arrays, raises
+``'ckpt-damaged'`` naming the arrays, and ``restore(..., fallback=True)`` then
+falls back; ``meshplan train --resume`` skips such a step like a truncated one.
 """
 
 from __future__ import annotations

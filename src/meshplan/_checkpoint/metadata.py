@@ -39,6 +39,9 @@ class ArrayInfo:
             array that was saved unboxed (replicated on restore).
         logical: ``True`` when ``names`` are logical names (mapped through
             rules), ``False`` when they are mesh axis names.
+        checksum: The array's checksum at save (:mod:`meshplan._checkpoint.checksum`),
+            verified by :func:`~meshplan.restore`; ``None`` when not stored
+            (checkpoints of older meshplans, dtypes without one).
 
     Example:
         >>> from meshplan._checkpoint.metadata import ArrayInfo
@@ -51,15 +54,19 @@ class ArrayInfo:
     dtype: str
     names: tuple[str | None, ...] | None = None
     logical: bool = True
+    checksum: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict."""
-        return {
+        out: dict[str, Any] = {
             "shape": list(self.shape),
             "dtype": self.dtype,
             "names": None if self.names is None else list(self.names),
             "logical": self.logical,
         }
+        if self.checksum is not None:
+            out["checksum"] = self.checksum
+        return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ArrayInfo:
@@ -70,6 +77,7 @@ class ArrayInfo:
             dtype=str(data["dtype"]),
             names=None if names is None else tuple(_name_from_json(n) for n in names),
             logical=bool(data.get("logical", True)),
+            checksum=None if data.get("checksum") is None else str(data["checksum"]),
         )
 
 
@@ -175,8 +183,12 @@ class CheckpointMetadata:
         mesh: Mesh | None = None,
         config: Mapping[str, Any] | None = None,
         extra: Mapping[str, Any] | None = None,
+        checksums: Mapping[str, str] | None = None,
     ) -> CheckpointMetadata:
         """:meth:`describe` for a state already flattened by ``flatten_state``.
+
+        ``checksums``: each array's checksum by path (what :class:`~meshplan.Checkpointer`
+        stores, from :func:`meshplan._checkpoint.checksum.array_checksums`).
 
         Example:
             >>> import jax.numpy as jnp
@@ -195,6 +207,7 @@ class CheckpointMetadata:
                 dtype=str(np.dtype(value.dtype)),
                 names=None if box is None else tuple(box.names),
                 logical=box is None or box.logical,
+                checksum=None if checksums is None else checksums.get(key),
             )
             for key, (value, box) in flat.items()
         }

@@ -21,6 +21,7 @@ import numpy as np
 from etils import epath
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from meshplan._checkpoint.checksum import checksum_mismatches
 from meshplan._checkpoint.folder import (
     META_ITEM,
     STATE_ITEM,
@@ -249,7 +250,8 @@ def restore(
         CheckpointError: the folder is missing, empty, not a meshplan
             checkpoint, lacks ``step``, or the mesh cannot hold its arrays; the
             step is damaged (code ``'ckpt-damaged'``, naming the step and what is
-            damaged; with ``fallback=True``: only when no step can be read).
+            damaged, including arrays whose bytes no longer match the checksum
+            stored at save; with ``fallback=True``: only when no step can be read).
         ArgumentError: ``mesh`` is not a ``jax.sharding.Mesh`` (e.g. ``"2x4"``),
             or ``step`` is not a whole number.
 
@@ -362,6 +364,20 @@ def _restore_step(p: epath.Path, mesh: Mesh | None, rules: Any, step: int | None
             )
             raise error_for(
                 CheckpointError, "ckpt-damaged", where, detail,
+                damaged_fix(sorted(manager.all_steps()), metadata.step),
+            )  # fmt: skip
+        flat = dict(unnest(restored))
+        changed = checksum_mismatches(
+            {key: info.checksum for key, info in metadata.arrays.items()}, flat
+        )
+        if changed:
+            shown = ", ".join(repr(k) for k in changed[:5]) + (
+                f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+            )
+            raise error_for(
+                CheckpointError, "ckpt-damaged", where,
+                f"{where}: the bytes of {len(changed)} array{'s' * (len(changed) != 1)} "
+                f"changed since it was saved (checksum mismatch): {shown}",
                 damaged_fix(sorted(manager.all_steps()), metadata.step),
             )  # fmt: skip
     boxed = {}

@@ -56,6 +56,8 @@ def build_layout(
         A :class:`LeafLayout`.
     """
     leaf = check_leaf(kind, names, shape, rules, index_map, mesh)
+    if any(p.code == "bad-shape" for p in leaf.problems):
+        shape = None  # reported; no bytes are counted for a shape that is none
     dims = [DimPlan.of(d) for d in leaf.dims]
     spec = leaf.spec
     itemsize = _itemsize(dtype)

@@ -20,6 +20,7 @@ import dataclasses
 import math
 from typing import Any
 
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from meshplan._errors import Problem
@@ -157,6 +158,50 @@ def rank_problem(names: tuple[Any, ...], shape: tuple[int, ...]) -> Problem:
     )
 
 
+MAX_ELEMENTS = 2**56
+"""The most elements an array may have (its bytes must fit a 64-bit count, 8 bytes each)."""
+
+
+def shape_problems(shape: Any) -> list[Problem]:
+    """``'bad-shape'`` problems of a shape: dims that are not whole numbers of 0 or more, or
+    more elements than :data:`MAX_ELEMENTS` (``[]`` when it is a shape).
+
+    Example:
+        >>> from meshplan._spmd.validate import shape_problems
+        >>> [p.message for p in shape_problems((-64, 128))]
+        ['dim 0 has size -64: a size is a whole number of 0 or more']
+        >>> shape_problems((64, 128))
+        []
+    """
+    fix = "Give every dimension a whole-number size of 0 or more (check how the shape is computed)."
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        return [_problem("bad-shape", f"shape {shape!r} is not a tuple of sizes", fix)]
+    out = []
+    for i, d in enumerate(dims):
+        whole = isinstance(d, (int, np.integer)) and not isinstance(d, (bool, np.bool_))
+        if not whole or d < 0:
+            out.append(
+                _problem(
+                    "bad-shape",
+                    f"dim {i} has size {d!r}: a size is a whole number of 0 or more",
+                    fix,
+                )
+            )
+    if not out and math.prod(int(d) for d in dims) > MAX_ELEMENTS:
+        count = math.prod(int(d) for d in dims)
+        out.append(
+            _problem(
+                "bad-shape",
+                f"shape {tuple(int(d) for d in dims)} has {count:.3g} elements, more than "
+                f"2**56 ({MAX_ELEMENTS:.3g}): its bytes do not fit a 64-bit count",
+                "Check the shape: 2**56 elements are 72 petabytes even at one byte each.",
+            )
+        )
+    return out
+
+
 def check_leaf(
     kind: str,
     names: tuple[Any, ...] | None,
@@ -189,6 +234,11 @@ def check_leaf(
     """
     problems: list[Problem] = []
     sizes = mesh.shape
+    if shape is not None:
+        bad_shape = shape_problems(shape)
+        if bad_shape:
+            problems.extend(bad_shape)
+            shape = None  # the names are still checked; no size, so no bytes
     ndim = len(shape) if shape is not None else len(names or ())
     work: tuple[Any, ...] = (None,) * ndim if names is None else tuple(names)
     if shape is not None and names is not None and len(names) != ndim:

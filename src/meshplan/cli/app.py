@@ -9,7 +9,10 @@ Each subcommand module defines ``HELP`` (one line), ``add_arguments(parser)`` an
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import Protocol, cast
@@ -101,6 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     error that a command does not report itself is printed as ``error: ...``
     (exit status 2), never as a traceback.
     """
+    closed = _closed_stream()
+    if closed is not None:
+        return closed
     for stream in (sys.stdout, sys.stderr):  # text the terminal cannot show: replaced, not fatal
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None and getattr(stream, "errors", "strict") == "strict":
@@ -118,10 +124,62 @@ def main(argv: Sequence[str] | None = None) -> int:
     from meshplan.cli.output import print_error
 
     try:
-        return int(args._run(args) or 0)
+        code = int(args._run(args) or 0)
+        sys.stdout.flush()  # a full disk under a redirected stdout shows here, not at exit
+        return code
     except MeshplanError as e:
         print_error(e)
         return 2
+    except OSError as e:
+        if not _is_stdout_error(e):
+            raise
+        return _stdout_failed(e)
+
+
+def _closed_stream() -> int | None:
+    """Exit status 2, with a message where one can be shown, when stdout or stderr is closed.
+
+    ``meshplan plan >&-`` starts Python with ``sys.stdout`` set to ``None``.
+    """
+    if sys.stdout is not None and sys.stderr is not None:
+        return None
+    which = "standard output" if sys.stdout is None else "standard error"
+    message = (
+        f"error: meshplan: {which} is closed (e.g. run with '>&-'), so nothing could be "
+        f"printed.\nRun it with {which} open, or send it to a file or to /dev/null "
+        f"(> /dev/null).\n"
+    )
+    for stream in (sys.stderr, sys.stdout):
+        if stream is not None:
+            with contextlib.suppress(OSError):
+                stream.write(message)
+                stream.flush()
+    return 2
+
+
+def _is_stdout_error(e: OSError) -> bool:
+    """Whether ``e`` came from writing standard output: a full disk, with no file name.
+
+    The commands turn their own files' failures (checkpoints, ``--metrics``, ``--png``)
+    into meshplan errors; what is left with no file name is a stream they print to.
+    """
+    return e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG) and not e.filename
+
+
+def _stdout_failed(e: OSError) -> int:
+    """Exit status 1 after standard output could not be written (a full disk): said on stderr."""
+    with contextlib.suppress(OSError):  # what is still buffered goes nowhere, quietly at exit
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+    name = errno.errorcode.get(e.errno or 0, "")
+    with contextlib.suppress(OSError):
+        sys.stderr.write(
+            f"error: meshplan: writing its output failed: {os.strerror(e.errno or 0)} ({name}); "
+            f"what was printed is incomplete.\nFree space on the disk that standard output "
+            f"goes to, or send it elsewhere (> /other/disk/file).\n"
+        )
+    return 1
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from typing import Any
 
 from rich.console import Console
 
-from meshplan._errors import MeshError
+from meshplan._errors import MeshError, error_for
 from meshplan.cli.output import say
 
 __all__ = [
@@ -381,6 +381,32 @@ def select_platform(
         os.environ["JAX_PLATFORMS"] = "cpu"
 
 
+def backend_error(e: BaseException) -> MeshError:
+    """The error of JAX failing to start its backends (e.g. ``JAX_PLATFORMS=tpu`` without a TPU).
+
+    JAX raises a ``RuntimeError`` with a screen of traceback the first time, and a
+    bare ``AssertionError`` after that; this names the setting and the fix.
+
+    Example:
+        >>> from meshplan.cli.devices import backend_error
+        >>> e = backend_error(RuntimeError("Unable to initialize backend 'tpu': INTERNAL: "
+        ...                                "Failed to open libtpu.so\\nmore"))
+        >>> e.problems[0].code, e.problems[0].path, "Failed to open libtpu.so" in str(e)
+        ('no-backend', 'JAX_PLATFORMS', True)
+    """
+    value = os.environ.get("JAX_PLATFORMS")
+    text = str(e).strip().splitlines()
+    why = text[0] if text else "no platform could be initialised"
+    asked = f"JAX_PLATFORMS={value!r} asks for" if value else "JAX looked for"
+    return error_for(  # type: ignore[return-value]
+        MeshError, "no-backend", "JAX_PLATFORMS",
+        f"JAX could not start the devices {asked}: {why}",
+        "Unset JAX_PLATFORMS (or pass --platform cpu, where the command has it) to run on "
+        "this machine's CPU, or install JAX for that platform (e.g. pip install "
+        "'jax[cuda12]' or 'jax[tpu]') on a machine that has it.",
+    )  # fmt: skip
+
+
 def found_devices(
     platform: str = "auto",
     needed: int | None = None,
@@ -393,7 +419,10 @@ def found_devices(
     """
     import jax
 
-    default = jax.devices()
+    try:
+        default = jax.devices()
+    except (RuntimeError, AssertionError) as e:  # JAX_PLATFORMS names a platform JAX lacks
+        raise backend_error(e) from None
     accelerators = [] if default[0].platform == "cpu" else default
     try:
         cpus = default if not accelerators else jax.devices("cpu")

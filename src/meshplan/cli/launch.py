@@ -6,6 +6,12 @@ given its share of the emulated CPU devices. Process 0 writes to this
 process's standard output and error; the others' standard error goes to
 temporary files, shown only when that worker fails.
 
+SIGTERM to the launcher is forwarded to every worker: they stop together after
+the same step, finish the save in progress and release the checkpoint folder's
+lock (see ``meshplan train``); the launcher waits for them (up to
+:data:`_TERM_GRACE_SECONDS`, then kills what is left), says so, and exits 143,
+as one process does.
+
 If a worker fails (a non-zero exit or a signal), the others would wait for it
 forever in their next collective: the launcher stops them, names the worker
 and how it ended, and returns non-zero. Workers are also killed by the kernel
@@ -23,6 +29,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -35,6 +42,18 @@ __all__ = ["free_port", "launch", "worker_env"]
 
 _GRACE_SECONDS = 3.0
 """How long the other workers get to end by themselves after one fails (e.g. bad input)."""
+
+
+_TERM_GRACE_SECONDS = 300.0
+"""How long workers get to finish the save in progress after a forwarded SIGTERM."""
+
+
+class _Terminated(Exception):
+    """SIGTERM reached the launcher."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated
 
 
 def free_port() -> int:
@@ -139,10 +158,26 @@ def launch(
         the others and reporting which worker failed and how.
     """
     say = report or _say_on_stderr
-    processes = len(argvs)
     env = worker_env(local_devices)
     preexec = _die_with_parent if sys.platform.startswith("linux") else None
     procs: list[subprocess.Popen[bytes]] = []
+    if threading.current_thread() is not threading.main_thread():
+        return _launch(argvs, env, preexec, procs, say)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return _launch(argvs, env, preexec, procs, say)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _launch(
+    argvs: Sequence[list[str]],
+    env: dict[str, str],
+    preexec: Callable[[], None] | None,
+    procs: list[subprocess.Popen[bytes]],
+    say: Callable[[str], None],
+) -> int:
+    processes = len(argvs)
     with tempfile.TemporaryDirectory(prefix="meshplan-workers-") as logs:
         errs = [Path(logs) / f"process{i}.stderr" for i in range(processes)]
         try:
@@ -168,6 +203,25 @@ def launch(
             _stop(procs, signal.SIGINT, 10.0)
             _stop_all(procs)
             return 130
+        except _Terminated:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut this short
+            running = [i for i, p in enumerate(procs) if p.poll() is None]
+            say(
+                f"meshplan: SIGTERM: forwarded to the {len(running)} running worker"
+                f"{'s' * (len(running) != 1)}; they stop after the same step and finish the "
+                f"save in progress (waiting up to {_TERM_GRACE_SECONDS:g} s)."
+            )
+            _stop(procs, signal.SIGTERM, _TERM_GRACE_SECONDS)
+            left = [i for i, p in enumerate(procs) if p.poll() is None]
+            if left:
+                say(
+                    f"error: worker process{'es' * (len(left) > 1)} "
+                    f"{', '.join(map(str, left))} did not stop within "
+                    f"{_TERM_GRACE_SECONDS:g} s: killed. Continue with --resume (from the "
+                    f"latest complete checkpoint)."
+                )
+            _stop_all(procs)
+            return 143
         finally:
             _stop_all(procs)
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
-from meshplan._errors import MeshError
+from meshplan._errors import MeshError, MeshplanError, error_for
 from meshplan.cli.devices import use_cpu_backend
 from meshplan.cli.factory import is_factory, load_factory, model_problem
 from meshplan.cli.output import print_error, say
@@ -265,13 +267,84 @@ def model_args_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+MAX_PLAN_DEVICES = 2**20
+"""The most devices ``meshplan plan`` lays a model out on (1,048,576)."""
+
+
+def mesh_size_problem(text: str, shape: dict[str, int]) -> None:
+    """Refuses a mesh of more than :data:`MAX_PLAN_DEVICES` devices, with the limit and why.
+
+    A plan lists every device's bytes and draws the mesh device by device, so its
+    time and memory grow with the device count: 4096x4096 (16.8 million devices)
+    took 54 s; 10000x10000 passed 10 GB of memory with no output. The largest machines
+    built have about 10**5 accelerators, so the bound leaves room above them.
+
+    Raises:
+        MeshError: code ``'mesh-too-large'``.
+
+    Example:
+        >>> import meshplan
+        >>> from meshplan.cli.plan import mesh_size_problem
+        >>> mesh_size_problem("1024x1024", {"data": 1024, "model": 1024})  # at the limit
+        >>> try:
+        ...     mesh_size_problem("10000x10000", {"data": 10000, "model": 10000})
+        ... except meshplan.MeshError as e:
+        ...     print(e.problems[0].code, str(e).split(":")[0])
+        mesh-too-large --mesh 10000x10000 has 100,000,000 devices
+    """
+    devices = math.prod(shape.values())
+    if devices <= MAX_PLAN_DEVICES:
+        return
+    raise error_for(
+        MeshError, "mesh-too-large", "--mesh",
+        f"--mesh {text} has {devices:,} devices: meshplan plan lays out at most "
+        f"{MAX_PLAN_DEVICES:,} (2**20). A plan counts the bytes of every device, so its time "
+        f"and memory grow with the device count (4096x4096 took 54 s; 10000x10000 passed "
+        f"10 GB with no output), and the largest machines have about 100,000 accelerators",
+        f"Pass a mesh of at most {MAX_PLAN_DEVICES:,} devices, e.g. --mesh 1024x1024.",
+    )  # fmt: skip
+
+
+def png_problem(path: str | None) -> None:
+    """Refuses a ``--png`` path that is a folder, or whose folder is missing, before any work.
+
+    Raises:
+        MeshplanError: code ``'png-path'``.
+
+    Example:
+        >>> import meshplan, tempfile
+        >>> from meshplan.cli.plan import png_problem
+        >>> try:
+        ...     png_problem(tempfile.gettempdir())
+        ... except meshplan.MeshplanError as e:
+        ...     print(e.problems[0].code)
+        png-path
+    """
+    if path is None:
+        return
+    p = Path(path)
+    why = None
+    if p.is_dir():
+        why = "is a folder"
+    elif not p.absolute().parent.is_dir():
+        why = f"is in a folder that does not exist ({str(p.absolute().parent)!r})"
+    if why is not None:
+        raise error_for(
+            MeshplanError, "png-path", "--png",
+            f"--png {path!r} {why}: the picture is written to a file",
+            f"Pass a file path, e.g. --png {str(p / 'plan.png') if p.is_dir() else 'plan.png'}.",
+        )  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
     # Piped output (a file, a pager, a test) gets a wide table rather than 80 columns.
     out = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 180)
     err = Console(file=sys.stderr, width=None if sys.stderr.isatty() else 180)
     try:
         shape = parse_mesh_shape(args.mesh, args.axes)
-    except MeshError as e:
+        mesh_size_problem(args.mesh, shape)
+        png_problem(args.png)
+    except MeshplanError as e:
         print_error(e, err)
         return 2
     # Planning needs no devices (an AbstractMesh and jax.eval_shape): the CPU is enough.

@@ -203,6 +203,23 @@ class NnxModel:
         return params.into(abstract)
 
 
+def _damaged_fix(folder: str, problem: Any) -> str:
+    """The fix of a damaged step in flag terms: the newest intact earlier step, as ``--step N``."""
+    from meshplan._checkpoint.integrity import intact_step
+
+    try:
+        step = int(problem.path.rsplit("step ", 1)[-1].rstrip(")"))
+        found = intact_step(folder, before=step)
+    except Exception:  # the folder itself is unreadable: the library's fix stands
+        return str(problem.fix)
+    if found.step is None:
+        return "No earlier step can be read: sample from another --ckpt-dir."
+    return (
+        f"Sample from an earlier step: --step {found.step} is the newest one before it that "
+        f"passes the cheap check (its arrays are verified when read)."
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console()
     problem = settings_problem(args.length, args.temperature)
@@ -268,7 +285,11 @@ def run(args: argparse.Namespace) -> int:
             model, params, prompt, args.length, args.temperature, args.seed, window=seq_len
         )
     except (meshplan.MeshplanError, ValueError) as e:
-        print_error(e)
+        problems = getattr(e, "problems", None) or []
+        if len(problems) == 1 and problems[0].code == "ckpt-damaged":
+            print_error(f"{problems[0].message}.\n{_damaged_fix(args.ckpt_dir, problems[0])}")
+        else:
+            print_error(e)
         return 2
     # Bytes that are not UTF-8 (in the prompt or generated) print as U+FFFD.
     shown = prompt.decode("utf-8", errors="replace")

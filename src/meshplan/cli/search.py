@@ -202,6 +202,43 @@ def _step_and_batch(args: argparse.Namespace) -> tuple[Any, Any]:
     return mlp_step, jax.ShapeDtypeStruct((args.batch, args.depth), jnp.float32)
 
 
+MAX_SEARCH_DEVICES = 16384
+"""The most devices ``meshplan search`` searches (2**14): beyond, a search runs for many minutes."""
+
+
+def devices_problem(devices: int | None) -> str | None:
+    """Why ``--devices`` is too many to search, with the limit and the reason, or ``None``.
+
+    The search lists every factorisation of the device count into 1 to 3 mesh axes
+    (by trial division) and prices every rule set on each; both grow with the count:
+    on a loaded 2-core machine 256 devices took 38 s, 4096 took 89 s, 65,536 ran past
+    300 s, and 1,048,576 or the prime 1,000,000,007 gave no output in 150 s.
+
+    Example:
+        >>> from meshplan.cli.search import devices_problem
+        >>> devices_problem(4096) is None
+        True
+        >>> print(devices_problem(1_000_000_007).splitlines()[0])
+        --devices 1000000007 is more than meshplan search searches: at most 16,384 (2**14).
+    """
+    if devices is None or devices <= MAX_SEARCH_DEVICES:
+        return None
+    return (
+        f"--devices {devices} is more than meshplan search searches: at most "
+        f"{MAX_SEARCH_DEVICES:,} (2**14).\nThe search factorises the device count into 1 to 3 "
+        f"mesh axes and prices every rule set on each mesh shape, and both grow with the "
+        f"count (on 2 loaded cores 4096 devices took 89 s, 65,536 ran past 300 s; 1,048,576 "
+        f"gave no output in 150 s).\nSearch at most {MAX_SEARCH_DEVICES:,} devices (e.g. --devices "
+        f"{_smaller(devices)}), or call meshplan.search_rules yourself with the patience it "
+        f"takes."
+    )
+
+
+def _smaller(devices: int) -> int:
+    """The largest power of two up to :data:`MAX_SEARCH_DEVICES` (a count with many shapes)."""
+    return min(MAX_SEARCH_DEVICES, 1 << (devices.bit_length() - 1))
+
+
 def _flags_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the numbers and the model's flags, or ``None`` (fills defaults)."""
     least = {"devices": 1, "batch": 1, "seq": 1, "rows": 1, "top-k": 1 if args.measure else 0}
@@ -214,6 +251,10 @@ def _flags_problem(args: argparse.Namespace) -> str | None:
             f"--rows too; --top-k may be 0 without --measure: nothing compiled).\nPass e.g. "
             f"--devices 8 --batch 32 --seq 128 --top-k 3."
         )
+    # (--measure needs the devices themselves: their own limit is checked, and said, first.)
+    too_many = None if args.measure else devices_problem(args.devices)
+    if too_many is not None:
+        return too_many
     problem = model_args_problem(args)
     if problem is not None:
         return problem
@@ -345,6 +386,9 @@ def run(args: argparse.Namespace) -> int:
             say(err, choice.describe())
         else:  # searching needs only the count
             use_cpu_backend()
+        if args.devices >= 1024 and not args.json:  # never silent for a minute or more
+            say(err, f"searching {args.devices} devices: every mesh shape of 1 to 3 axes and "
+                f"its rule sets; this takes a minute or more")  # fmt: skip
     except MeshError as e:
         print_error(e, err)
         return 2

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import errno
 import json
+import os
 import signal
 import threading
 import time
@@ -93,7 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--resume-step",
         type=int,
         metavar="N",
-        help="continue from step N of --ckpt-dir (implies --resume); later steps are replaced",
+        help="continue from step N of --ckpt-dir (implies --resume); later steps are moved "
+        "into DIR/old-branch-after-step-N (kept, never resumed)",
     )
     run.add_argument(
         "--metrics",
@@ -355,18 +359,60 @@ def _summary(
 
 
 class _MetricsLog(contextlib.AbstractContextManager["_MetricsLog", None]):
-    """Appends each record to ``path`` as one JSON line; does nothing without a path."""
+    """Appends each record to ``path`` as one JSON line; does nothing without a path.
+
+    A write that fails (a full disk) ends the run with a meshplan error naming the
+    file, the step and the cause (the checkpoints saved so far are kept).
+    """
 
     def __init__(self, path: str | None) -> None:
-        self._file = None if path is None else open(path, "a", buffering=1)  # noqa: SIM115
+        self.path = path
+        self._file: Any = None
+
+    def __enter__(self) -> _MetricsLog:
+        path = self.path
+        if path is not None:
+            try:
+                # Not blocking: a FIFO nobody reads (refused up front) cannot hang the run.
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+                os.set_blocking(fd, True)
+                self._file = open(fd, "a", buffering=1)
+            except OSError as e:
+                raise self._failed(e, "opening it") from e
+        return self
+
+    def _failed(self, e: OSError, when: str) -> Exception:
+        from meshplan._errors import MeshplanError, error_for
+
+        cause = (
+            f"{os.strerror(e.errno)} ({errno.errorcode.get(e.errno, e.errno)})"
+            if e.errno
+            else str(e)
+        )
+        return error_for(
+            MeshplanError, "metrics-write-failed", "--metrics",
+            f"--metrics {self.path!r}: {when} failed: {cause}",
+            "Free space on its disk or pass --metrics a file elsewhere, then continue with "
+            "--resume (the checkpoints saved so far are kept).",
+        )  # fmt: skip
 
     def __call__(self, record: dict[str, Any]) -> None:
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
+            try:
+                self._file.write(json.dumps(record) + "\n")
+            except OSError as e:
+                file, self._file = self._file, None
+                with contextlib.suppress(OSError):
+                    file.close()
+                raise self._failed(e, f"writing the record of step {record.get('step')}") from e
 
     def __exit__(self, *exc: object) -> None:
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as e:
+                self._file = None
+                raise self._failed(e, "closing it") from e
 
 
 def _console(main: bool) -> Console:
@@ -400,18 +446,35 @@ def run(args: argparse.Namespace) -> int:
     from meshplan.train.flops import mesh_peak
 
     console = _console(jax.process_index() == 0)
-    try:
-        trainer = prepare(_request(args, devices))
-    except MeshplanError as e:
-        print_error(e)  # every problem, then the fixes in flag terms
-        return 2
-    try:
-        with warnings.catch_warnings():  # its note is printed below, once
-            warnings.simplefilter("ignore", UserWarning)
-            trainer.open()  # the checkpoint folder's lock: a second writer is refused here
-    except MeshplanError as e:
-        print_error(_for_the_command_line(e))
-        return 2
+    request = _request(args, devices)
+    while True:
+        try:
+            trainer = prepare(request)
+        except MeshplanError as e:
+            print_error(e)  # every problem, then the fixes in flag terms
+            return 2
+        try:
+            with warnings.catch_warnings():  # its note is printed below, once
+                warnings.simplefilter("ignore", UserWarning)
+                trainer.open()  # the checkpoint folder's lock: a second writer is refused here
+            resumed = trainer.resume_from
+            if resumed is not None and resumed.step < trainer.settings.steps:
+                trainer.start()  # reads the arrays and verifies their checksums
+        except MeshplanError as e:
+            _close(trainer)
+            problem = e.problems[0] if len(e.problems) == 1 else None
+            if (
+                problem is not None
+                and problem.code == "ckpt-damaged"
+                and trainer.resume_from is not None
+                and request.resume_step is None
+            ):
+                # Bytes changed in place (seen only when read): take the step before it.
+                request = dataclasses.replace(request, damaged=(*request.damaged, problem))
+                continue
+            print_error(_for_the_command_line(e))
+            return 2
+        break
     done = trainer.resume_from.step if trainer.resume_from is not None else None
     if done is not None and done >= trainer.settings.steps:
         failed = _close(trainer)
@@ -473,7 +536,7 @@ def run(args: argparse.Namespace) -> int:
 
     log = _MetricsLog(args.metrics if jax.process_index() == 0 else None)
 
-    stop = _StopOnSigterm(enabled=jax.process_count() == 1)
+    stop = _StopOnSigterm()
 
     timed = [0.0, 0.0]  # tokens and seconds of the timed steps: the summary's tokens/s too
 
@@ -489,7 +552,7 @@ def run(args: argparse.Namespace) -> int:
             tps=f"{timed[0] / timed[1]:,.0f}" if timed[1] else "-",
         )
         log(record.to_dict())
-        stop.check()
+        stop.check(record.step)
 
     def on_eval(step: int, loss: float) -> None:
         say(progress.console, f"step {step:>5}  valid loss {loss:.3f} nats/byte")
@@ -589,15 +652,15 @@ def _for_the_command_line(
         problem = error.problems[0]
         lower = "--lr <smaller>" if lr is None else f"--lr {lr / 10:g}"
         now = "" if lr is None else f" (this run's is {lr:g})"
-        if error.last_good is not None and error.ckpt_dir is not None:
+        if error.resume_at is not None and error.ckpt_dir is not None:
             again = _again(
                 argv,
                 {"--resume": False, "--resume-step": True, "--lr": True},
-                ["--resume-step", str(error.last_good), *lower.split()],
+                ["--resume-step", str(error.resume_at), *lower.split()],
             )
             if "--ckpt-dir" not in again:
                 again += f" --ckpt-dir {error.ckpt_dir}"
-            fix = f"Lower --lr{now} and resume from step {error.last_good}: {again}."
+            fix = f"Lower --lr{now} and resume from step {error.resume_at}: {again}."
         else:
             fix = f"Lower --lr{now} and train again, e.g. with {lower}."
         return f"{problem.message}.\n{fix}"
@@ -616,24 +679,38 @@ class _Terminated(Exception):
 
 
 class _StopOnSigterm(contextlib.AbstractContextManager["_StopOnSigterm", None]):
-    """While active, SIGTERM asks the run to stop after the current step (a second one: now).
+    """While active, SIGTERM asks the run to stop after the current step.
 
-    Only for a run of one process in the main thread (the processes of a run stop
-    together: their launcher or scheduler stops them all).
+    One process: a second SIGTERM stops it at once. Several processes (``--processes
+    N``, whose launcher forwards the signal, or one per host): a SIGTERM to any of
+    them stops all of them after the same step
+    (:class:`~meshplan.train.distributed.StopVote`), so that they finish the save in
+    progress together and the folder's lock is released. Only in the main thread.
     """
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled and threading.current_thread() is threading.main_thread()
-        self.asked = False
+    def __init__(self) -> None:
+        from meshplan.train.distributed import StopVote
+
+        self.enabled = threading.current_thread() is threading.main_thread()
+        self.vote = StopVote()
         self._previous: Any = None
 
-    def _handler(self, signum: int, frame: Any) -> None:
-        if self.asked:
-            raise _Terminated
-        self.asked = True
+    @property
+    def asked(self) -> bool:
+        return self.vote.asked
 
-    def check(self) -> None:
-        if self.asked:
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.vote.asked and self.vote.processes == 1:
+            raise _Terminated
+        self.vote.ask()
+
+    def check(self, step: int | None = None) -> None:
+        """Raises :class:`_Terminated` when the run stops now (after ``step``, when given)."""
+        if step is None:
+            if self.vote.processes == 1 and self.vote.asked:
+                raise _Terminated
+            return
+        if self.vote.after(step):
             raise _Terminated
 
     def __enter__(self) -> _StopOnSigterm:

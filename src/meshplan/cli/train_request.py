@@ -130,6 +130,9 @@ class TrainRequest:
             (:func:`meshplan.cli.devices.found_devices`); ``None``: JAX's default devices.
         sync_every_step: Read every step's loss at once (``--sync-every-step``, for
             measuring what overlapping the host and the device gains).
+        damaged: ``'ckpt-damaged'`` problems of steps already found damaged when
+            their arrays were read (a checksum mismatch, which the cheap check
+            cannot see): ``resume`` takes the newest intact step before them.
     """
 
     mesh: str = "2x4"
@@ -146,6 +149,7 @@ class TrainRequest:
     model: str | None = None
     devices: DeviceChoice | None = None
     sync_every_step: bool = False
+    damaged: tuple[Problem, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,6 +269,18 @@ def _resolve_config(request: TrainRequest, stored: CheckpointMetadata | None) ->
     return dataclasses.replace(TransformerConfig.from_dict(stored.config), **request.overrides)
 
 
+def step_of_problem(problem: Problem) -> int:
+    """The step a ``'ckpt-damaged'`` problem is about (its path ends ``(step N)``).
+
+    Example:
+        >>> import meshplan
+        >>> from meshplan.cli.train_request import step_of_problem
+        >>> step_of_problem(meshplan.Problem("error", "'/r' (step 40)", "m", "f", "ckpt-damaged"))
+        40
+    """
+    return int(problem.path.rsplit("step ", 1)[-1].rstrip(")"))
+
+
 @dataclasses.dataclass
 class _Resume:
     """Where a run resumes from: the metadata, the damaged steps skipped, and what to say."""
@@ -282,9 +298,32 @@ def _check_checkpoint_dir(
     Without ``resume_step``: the newest intact step (a cheap check of each newer
     one, no array read); the damaged ones skipped are named in the notes.
     """
-    ckpt_dir = Path(request.ckpt_dir).absolute() if request.ckpt_dir else None
     resume = request.resume or request.resume_step is not None
     found = _Resume()
+    if request.ckpt_dir is not None and not request.ckpt_dir.strip():
+        problems.add(
+            CheckpointError,
+            f"--ckpt-dir {request.ckpt_dir!r} is empty: the run would save nothing",
+            "Pass a folder, e.g. --ckpt-dir runs/first, or leave --ckpt-dir out to train "
+            "without checkpoints.",
+            "ckpt-empty-path",
+        )
+        return None, found
+    if request.ckpt_dir is not None and "://" in request.ckpt_dir:
+        scheme = request.ckpt_dir.split("://", 1)[0]
+        problems.add(
+            CheckpointError,
+            f"--ckpt-dir {request.ckpt_dir!r} is a {scheme}:// URL: meshplan train saves into "
+            f"a folder of this machine (its lock file, the moved-aside branches and the checks "
+            f"before training are local files), and would make a local folder named "
+            f"'{scheme}:' instead",
+            f"Train into a local folder (or a mounted bucket, e.g. gcsfuse) and copy it to "
+            f"{scheme}:// afterwards; meshplan.restore and meshplan.Checkpointer take "
+            f"{scheme}:// paths from Python.",
+            "ckpt-url",
+        )
+        return None, found
+    ckpt_dir = Path(request.ckpt_dir).absolute() if request.ckpt_dir else None
     if resume and ckpt_dir is None:
         problems.add(
             MeshplanError,
@@ -300,22 +339,24 @@ def _check_checkpoint_dir(
                 if problem is not None:
                     raise CheckpointError(problem.message, [problem])
                 return ckpt_dir, found
-            intact = intact_step(ckpt_dir)
+            known = [step_of_problem(p) for p in request.damaged]
+            intact = intact_step(ckpt_dir, before=min(known) if known else None)
+            skipped = [*request.damaged, *intact.skipped]
             if intact.step is None:
                 problems.add(
                     CheckpointError,
                     f"no step of {str(ckpt_dir)!r} can be read: "
-                    + "; ".join(p.message for p in intact.skipped),
+                    + "; ".join(p.message for p in skipped),
                     "Train into a new --ckpt-dir (or without --resume into this one after "
                     "removing its steps).",
                     "ckpt-damaged",
                 )
                 return ckpt_dir, found
             found.stored = read_metadata(ckpt_dir, intact.step)
-            found.damaged = [int(p.path.rsplit("step ", 1)[-1].rstrip(")")) for p in intact.skipped]
-            for p in intact.skipped:
+            found.damaged = [step_of_problem(p) for p in skipped]
+            for p in skipped:
                 found.notes.append(f"Skipping damaged step: {p.message}")
-            if intact.skipped:
+            if skipped:
                 found.notes.append(
                     f"Resuming from step {intact.step}, the newest step that can be read."
                 )
@@ -347,7 +388,7 @@ _FIXES = {
     "warmup": "Pass --warmup 0 (no warm-up) or a positive number of steps.",
     "eval_every": "Pass --eval-every 0 (only at the end) or a positive number of steps.",
     "ckpt_every": "Pass --ckpt-every 0 (only at the end) or a positive number of steps.",
-    "seed": "Pass --seed 0 or another whole number of 0 or more.",
+    "seed": "Pass --seed 0 or another whole number from 0 to 2**63 - 1.",
     "lr": "Pass a finite learning rate above 0, e.g. --lr 3e-3.",
     "weight_decay": "Pass a finite --weight-decay of 0 or more, e.g. --weight-decay 0.01.",
     "clip": "Pass a finite gradient norm above 0, e.g. --clip 1.0.",
@@ -613,6 +654,14 @@ def _check_metrics_file(path: str | None, problems: _Problems) -> None:
     fix = "Pass --metrics a file path whose folder exists, e.g. --metrics run/metrics.jsonl."
     if p.is_dir():
         problems.add(MeshplanError, f"--metrics {path!r} is a folder, not a file", fix)
+    elif p.exists() and not p.is_file() and not p.is_char_device():
+        kind = "a FIFO (named pipe)" if p.is_fifo() else "a socket or special file"
+        problems.add(
+            MeshplanError,
+            f"--metrics {path!r} is {kind}, not a regular file: writing to it blocks until "
+            f"something reads it, so the run would stop without a word",
+            fix,
+        )
     elif p.exists():
         if not os.access(p, os.W_OK):
             problems.add(MeshplanError, f"--metrics {path!r} cannot be written by this user", fix)

@@ -42,6 +42,7 @@ __all__ = [
     "INIT_FAILED_EXIT_CODE",
     "DistributedError",
     "ProcessGroup",
+    "StopVote",
     "join",
     "meet",
     "parse_coordinator",
@@ -699,3 +700,74 @@ def join(
         ) from e
     finally:
         done.set()
+
+
+_STOP_KEY = "meshplan/stop-asked"
+_STOP_AT = "meshplan/stop-after-step/"
+
+
+def _client() -> Any:
+    from jax._src.distributed import global_state
+
+    return global_state.client
+
+
+def _has_key(client: Any, key: str) -> bool:
+    try:
+        client.key_value_try_get(key)  # raises when it is not there
+    except Exception:
+        return False
+    return True
+
+
+class StopVote:
+    """A stop that every process of a run agrees on, at the same step (SIGTERM to any of them).
+
+    A run of several processes cannot stop one process at a time: the others would
+    wait for it in their next collective. So a process asked to stop says so in
+    the coordination service's key-value store (:meth:`ask`), and after each
+    step (:meth:`after`) process 0 decides for everyone, from its own request
+    and the others', and writes its decision under that step's key; every other
+    process reads it there. All of them then stop after the same step, finish
+    the save in progress together, and the lock is released.
+
+    Cost: one small key-value write (process 0) or blocking read (the others)
+    per step, over the coordinator's connection; the read returns as soon as
+    process 0 has read that step's loss, which every process waits for anyway.
+    With one process it is a flag.
+    """
+
+    def __init__(self, timeout_seconds: float = 3600.0) -> None:
+        import jax
+
+        self.processes = jax.process_count()
+        self.me = jax.process_index()
+        self.timeout_ms = int(timeout_seconds * 1000)
+        self.asked = False
+        self._said = False
+
+    def ask(self) -> None:
+        """This process was asked to stop (e.g. SIGTERM); safe to call from a signal handler."""
+        self.asked = True
+
+    def after(self, step: int) -> bool:
+        """Whether every process stops after ``step`` (the same answer on each of them).
+
+        Every process calls it once per step, in step order.
+        """
+        if self.processes == 1:
+            return self.asked
+        client = _client()
+        if self.asked and not self._said:
+            self._said = True
+            with contextlib.suppress(Exception):  # another process said it first
+                client.key_value_set(_STOP_KEY, str(self.me), allow_overwrite=True)
+        key = f"{_STOP_AT}{step}"
+        if self.me == 0:
+            stop = self.asked or _has_key(client, _STOP_KEY)
+        else:
+            return bool(client.blocking_key_value_get(key, self.timeout_ms) == "1")
+        client.key_value_set(key, "1" if stop else "0", allow_overwrite=True)
+        with contextlib.suppress(Exception):  # read by everyone long ago
+            client.key_value_delete(f"{_STOP_AT}{step - 100}")
+        return stop

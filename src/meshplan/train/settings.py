@@ -72,6 +72,8 @@ class TrainSettings:
             if kind in ("count", "index") and (not _is_int(value) or value < (kind == "count")):
                 at_least = "a whole number of 1 or more" if kind == "count" else "0 or more"
                 found.append((name, f"must be {at_least}, got {value!r}"))
+            elif name == "seed" and value >= 2**63:  # JAX's PRNG keys take a 64-bit seed
+                found.append((name, f"must be below 2**63 (a 64-bit seed), got {value!r}"))
             elif kind in ("rate", "weight"):
                 ok = _is_number(value) and math.isfinite(value)
                 ok = ok and (value > 0 if kind == "rate" else value >= 0)

@@ -65,7 +65,7 @@ from meshplan.train.state import (
     state_shardings,
 )
 
-__all__ = ["Batches", "Diverged", "Loss", "StepRecord", "TrainResult", "Trainer"]
+__all__ = ["Batches", "Diverged", "Loss", "StepRecord", "TrainResult", "Trainer", "sane_step"]
 
 Loss = Callable[[Any, Any], jax.Array]
 """``loss(params, batch) -> scalar``: the loss to minimise (``params``: the model's
@@ -75,6 +75,85 @@ Batches = Callable[[str, int], Any]
 """``batches(split, index) -> batch``: batch number ``index`` of ``split``
 (``"train"``: the batch of step ``index``; ``"valid"``: the ``index``-th fixed
 validation batch), as ``jax.Array``\\ s already placed on the mesh."""
+
+
+_VALID_FIELDS = {"seq_len": "--seq", "batch": "--batch", "eval_batches": "--eval-batches",
+                 "seed": "--seed"}  # fmt: skip
+"""The settings validation batches depend on (with ``data``), and their flags."""
+
+
+def valid_setting(settings: Mapping[str, Any], data: Any) -> str:
+    """What a validation loss was measured on, as text: losses of two settings do not compare.
+
+    Example:
+        >>> from meshplan.train.trainer import valid_setting
+        >>> valid_setting({"seq_len": 16, "batch": 8, "eval_batches": 2, "seed": 0}, None)
+        'seq 16, batch 8, eval_batches 2, seed 0, data stdlib'
+    """
+    parts = [f"{name.removesuffix('_len')} {settings.get(name)}" for name in _VALID_FIELDS]
+    return ", ".join([*parts, f"data {data or 'stdlib'}"])
+
+
+def _changed(before: Mapping[str, Any], now: Mapping[str, Any], data: Any) -> str:
+    out = [
+        f"{flag} {now.get(name)} instead of {before.get(name)}"
+        for name, flag in _VALID_FIELDS.items()
+        if before.get(name) != now.get(name)
+    ]
+    if (before.get("data") or None) != (data or None):
+        out.append(f"--data {data or 'stdlib'} instead of {before.get('data') or 'stdlib'}")
+    return "; ".join(out)
+
+
+def sane_step(
+    saved: list[int],
+    losses: Mapping[int, float],
+    best: tuple[int, float] | None,
+    start: int = 0,
+) -> tuple[int | None, str]:
+    """The step to resume a diverged run from, and why (``''``: the latest, nothing to say).
+
+    A saved step's state is judged by the training loss it then gave (the loss of
+    the next step, ``losses[s + 1]``, computed with it; the step's own loss when no
+    later one was read): sane when at or below the running median of the losses up
+    to there. So a state saved while the loss had started to climb (``3.4e13``) is
+    passed over. The newest sane saved step is chosen; a saved step this run has no
+    loss of (older than the run) counts as sane; when none is, the ``best`` step by
+    validation loss.
+
+    Example:
+        >>> from meshplan.train.trainer import sane_step
+        >>> losses = {1: 5.0, 2: 4.0, 3: 3.9, 4: 3.8, 5: 9.0, 6: 3.4e13}
+        >>> sane_step([2, 4, 6], losses, None)
+        (2, 'the last saved step whose state then gave a training loss at or below the running median (3.9 at step 3, median 4); passed over: step 6 (3.4e+13 at step 6), step 4 (9 at step 5)')
+        >>> sane_step([2, 4], {1: 5.0, 2: 4.5, 3: 4.2, 4: 4.0}, None)
+        (4, '')
+    """
+    skipped: list[str] = []
+    passed = "; passed over: "
+    for s in reversed(saved):
+        measured = s + 1 if s + 1 in losses else s if s in losses else None
+        if measured is None:  # from before this run: not seen climbing
+            if not skipped:
+                return s, ""
+            why = "the step this run started from" if s == start else "saved before this run"
+            return s, f"{why} (its loss was not seen climbing){passed}" + ", ".join(skipped)
+        value = losses[measured]
+        median = float(np.median([v for k, v in losses.items() if k <= measured]))
+        if value <= median:
+            if not skipped:
+                return s, ""
+            return s, (
+                f"the last saved step whose state then gave a training loss at or below the "
+                f"running median ({value:.4g} at step {measured}, median {median:.4g})"
+                f"{passed}" + ", ".join(skipped)
+            )
+        skipped.append(f"step {s} ({value:.4g} at step {measured})")
+    if best is not None:
+        return best[0], f"the best by validation loss ({best[1]:.4g}){passed}" + ", ".join(skipped)
+    return (saved[0] if saved else None), (
+        f"the oldest step kept{passed}" + ", ".join(skipped) if saved else ""
+    )
 
 
 class Diverged(MeshplanError, FloatingPointError):
@@ -89,6 +168,11 @@ class Diverged(MeshplanError, FloatingPointError):
         last_good: The latest complete checkpoint step, or ``None`` (none, or no folder).
         best: ``(step, valid_loss)`` of the best checkpoint kept, or ``None``.
         ckpt_dir: The checkpoint folder, or ``None``.
+        resume_at: The step to resume from: the last complete step whose state gave a
+            sane training loss (at or below the running median, see :func:`sane_step`),
+            which is ``last_good`` unless the loss was already climbing when it was
+            saved; else the best step. ``None`` when there is none.
+        resume_why: Why that step (a phrase for the message).
     """
 
     def __init__(
@@ -99,8 +183,12 @@ class Diverged(MeshplanError, FloatingPointError):
         last_good: int | None,
         best: tuple[int, float] | None,
         ckpt_dir: Path | None,
+        resume_at: int | None = None,
+        resume_why: str = "",
     ) -> None:
         self.step, self.last_good, self.best, self.ckpt_dir = step, last_good, best, ckpt_dir
+        self.resume_at = last_good if resume_at is None else resume_at
+        self.resume_why = resume_why
         if ckpt_dir is None:
             kept = "No checkpoint folder was given, so no step is saved"
             fix = "Lower the learning rate and train again."
@@ -111,9 +199,11 @@ class Diverged(MeshplanError, FloatingPointError):
             kept = f"The last good checkpoint is step {last_good} of {str(ckpt_dir)!r}"
             if best is not None and best[0] != last_good:
                 kept += f" (the best, by validation loss {best[1]:.4g}, is step {best[0]})"
+            if self.resume_why:
+                kept += f". Resume from step {self.resume_at}: {self.resume_why}"
             fix = (
-                f"Lower the learning rate and resume from step {last_good} "
-                f"(Trainer(resume_from=read_metadata(path, step={last_good})))."
+                f"Lower the learning rate and resume from step {self.resume_at} "
+                f"(Trainer(resume_from=read_metadata(path, step={self.resume_at})))."
             )
         message = f"Training diverged at step {step}: {what}, so step {step} was not saved. {kept}"
         super().__init__(
@@ -225,7 +315,10 @@ class Trainer:
 
     Attributes:
         notes: Sentences for the user about the checkpoint folder (a stale lock
-            taken over, steps removed or to be replaced), filled by :meth:`open`.
+            taken over, damaged steps removed, later steps set aside), filled by
+            :meth:`open`.
+        set_aside: ``(steps, folder)``: the later steps of an old branch that
+            :meth:`open` moved aside, or ``None``.
         saved_on_disk: The complete steps in ``ckpt_dir`` when :meth:`close`
             ran (``[]`` before).
         latest_saved: The latest of them, or ``None``.
@@ -271,16 +364,18 @@ class Trainer:
         self.ckpt_dir = ckpt_dir
         self.resume_from = resume_from
         self.layout_name = layout_name
+        self.notes: list[str] = []
         self.max_to_keep = settings.keep if max_to_keep is None else max_to_keep
         self.discard_steps = tuple(int(s) for s in discard_steps)
         self.flops_per_step = flops_per_step
         self.peak_flops_per_s = peak_flops_per_s
         self.sync_every_step = sync_every_step
-        self.notes: list[str] = []
         self.best_saved: tuple[int, float] | None = None
         self.latest_saved: int | None = None
         self.saved_on_disk: list[int] = []
-        self._replace: set[int] = set()
+        self.losses_seen: dict[int, float] = {}
+        self._start_step = 0
+        self.set_aside: tuple[list[int], str] | None = None
         self._last_eval: tuple[int, float] | None = None
         # A caller that has built both to check a request passes them: not traced twice.
         self.tx = make_optimizer(settings) if tx is None else tx
@@ -293,9 +388,21 @@ class Trainer:
         self.state: Any = None
         self.step = 0
         self.best_valid: tuple[int, float] | None = None
+        self.valid_setting = valid_setting(settings.to_dict(), self.record.get("data"))
         if resume_from is not None:
             best = resume_from.extra.get("best_valid")
             self.best_valid = (int(best[0]), float(best[1])) if best else None
+            stored = dict(resume_from.extra.get("train") or {})
+            before = valid_setting(stored, stored.get("data"))
+            if stored and before != self.valid_setting:
+                changed = _changed(stored, settings.to_dict(), self.record.get("data"))
+                self.best_valid = None
+                self.notes.append(
+                    f"This run validates otherwise than step {resume_from.step} of the checkpoint "
+                    f"({changed}): validation losses of the two are not comparable, so the best "
+                    f"step is kept per validation setting; this run's best is chosen among its "
+                    f"own validations, and the checkpoint's best stays kept."
+                )
         self._checkpointer: Checkpointer | None = None
         self._train_step: Callable[[Any, Any], tuple[Any, jax.Array]] | None = None
         self._eval_step: Callable[[Any, Any], jax.Array] | None = None
@@ -325,8 +432,10 @@ class Trainer:
 
         Call it before any work to fail early (:meth:`start` calls it). Steps
         after ``resume_from`` are dealt with here: damaged ones
-        (``discard_steps``) are removed; intact ones are replaced as this run
-        saves its own (a note says which).
+        (``discard_steps``) are removed; intact ones, the later steps of the
+        branch this run leaves, are moved into the sub-folder
+        ``old-branch-after-step-<resume step>`` (:meth:`Checkpointer.set_aside`:
+        never deleted, never resumed; a note says so, :attr:`set_aside` says where).
 
         Raises:
             CheckpointError: ``'ckpt-not-writable'``, ``'ckpt-not-a-folder'``,
@@ -350,14 +459,16 @@ class Trainer:
                 f"{', '.join(map(str, removed))} of {str(self.ckpt_dir)!r}: this run writes "
                 f"its own."
             )
-        self._replace = {s for s in after if s not in removed}
-        if self._replace:
-            later = sorted(self._replace)
+        later = [s for s in after if s not in removed]
+        if later:
+            aside = ckpt.set_aside(later, f"old-branch-after-step-{self.resume_from.step}")
+            self.set_aside = (later, str(aside))
             self.notes.append(
                 f"Step{'s' * (len(later) > 1)} {', '.join(map(str, later))} of "
-                f"{str(self.ckpt_dir)!r} {'come' if len(later) > 1 else 'comes'} after step "
-                f"{self.resume_from.step}: this run "
-                f"replaces {'each' if len(later) > 1 else 'it'} when it saves that step."
+                f"{str(self.ckpt_dir)!r} came after step {self.resume_from.step}, on the "
+                f"branch this run leaves: moved into {str(aside)!r} (nothing deleted), so that "
+                f"neither this run nor a later --resume mixes {'them' if len(later) > 1 else 'it'}"
+                f" in. Move {'them' if len(later) > 1 else 'it'} back to continue that branch."
             )
 
     def _delete_step(self, step: int) -> None:
@@ -442,14 +553,18 @@ class Trainer:
     def _diverged(self, what: str, path: str, step: int | None = None) -> NoReturn:
         """Raises :class:`Diverged` for ``step`` (default the current one), once the save in
         progress is done."""
-        last_good = best = None
+        last_good = best = resume_at = None
+        why = ""
         if self._checkpointer is not None:
             self._checkpointer.wait()  # the step being written counts (or its failure is raised)
-            last_good = self._checkpointer.latest_step()
-            best = self._checkpointer.best()
+            saved = self._checkpointer.all_steps()
+            last_good = saved[-1] if saved else None
+            best = self._checkpointer.best(self.valid_setting)
+            resume_at, why = sane_step(saved, self.losses_seen, best, self._start_step)
         raise Diverged(
-            self.step if step is None else step, what, path, last_good, best, self.ckpt_dir
-        )
+            self.step if step is None else step, what, path, last_good, best, self.ckpt_dir,
+            resume_at, why,
+        )  # fmt: skip
 
     def save(self) -> bool:
         """Starts an asynchronous save of the current step; ``False`` if not saving.
@@ -472,11 +587,6 @@ class Trainer:
         metrics = None
         if self._last_eval is not None and self._last_eval[0] == self.step:
             metrics = {"valid_loss": self._last_eval[1]}
-        if self.step in self._replace:
-            self._checkpointer.wait()
-            if self.step in self._checkpointer.all_steps():
-                self._delete_step(self.step)
-            self._replace.discard(self.step)
         try:
             return self._checkpointer.save(
                 self.step,
@@ -486,6 +596,7 @@ class Trainer:
                 config=self.config,
                 extra=extra,
                 metrics=metrics,
+                best_group=self.valid_setting,
             )
         except CheckpointError as e:
             problem = e.problems[0] if e.problems else None
@@ -516,7 +627,7 @@ class Trainer:
                 with contextlib.suppress(Exception):
                     self.saved_on_disk = ckpt.all_steps()
                     self.latest_saved = self.saved_on_disk[-1] if self.saved_on_disk else None
-                    self.best_saved = ckpt.best()
+                    self.best_saved = ckpt.best(self.valid_setting)
         finally:
             ckpt.close()
 
@@ -556,6 +667,7 @@ class Trainer:
         if self.state is None:
             self.start()
         result = TrainResult(start_step=self.step, end_step=self.step)
+        self._start_step = self.step
         if self.resume_from is None and self.step == 0 and s.eval_every:  # 0: only at the end
             result.evals[0] = self.evaluate()
             if on_eval:
@@ -582,6 +694,7 @@ class Trainer:
                     step, loss, seconds, tokens_per_step / max(seconds, 1e-12), self.mfu(seconds)
                 )
             result.losses[step] = loss
+            self.losses_seen[step] = loss
             if on_step:
                 on_step(record)
 
