@@ -3,6 +3,7 @@ profiles, a 16,384-device analytic search, the train command."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -111,7 +112,10 @@ CASES = [
 def test_predicted_collective_bytes_are_within_10_percent_of_the_compiled_hlo(model, layout):
     state, step, batch = mlp_case() if model == "mlp" else tiny_case()
     mesh, rules = {"data": 2, "model": 4}, meshplan.layouts.get_layout(layout)
-    cost = predict(trace_workload(step, state, batch), mesh, rules, get_profile("h100"))
+    # XLA on CPU keeps a gathered weight for the backward pass (``regather=False``); the
+    # h100 profile gathers it again, as GPUs do.
+    cpu_like = dataclasses.replace(get_profile("h100"), regather=False)
+    cost = predict(trace_workload(step, state, batch), mesh, rules, cpu_like)
     hlo = measure_step(step, state, batch, mesh, rules)
     predicted = sum(cost.comm_bytes.values())
     assert abs(predicted - hlo["collective_bytes"]) <= 0.1 * hlo["collective_bytes"]
@@ -130,8 +134,8 @@ def test_profiles_are_data_and_cpu_is_measured():
     cpu = calibrate_cpu(8)
     assert cpu is get_profile("cpu", 8)  # measured once per process
     assert cpu.peak_flops > 1e8 and cpu.memory_bandwidth > 1e7 and cpu.latency_s > 0
-    with pytest.raises(meshplan.ArgumentError, match="Unknown hardware profile 'a100'"):
-        get_profile("a100")
+    with pytest.raises(meshplan.ArgumentError, match="Unknown hardware profile 'a1000'"):
+        get_profile("a1000")
 
 
 class Wide(nn.Module):
