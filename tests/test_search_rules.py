@@ -225,3 +225,23 @@ def test_a_scanned_carry_takes_the_names_its_body_gives_it():
     assert carried and all(names == ("batch", "embed") for names in carried)
     cost = predict(work, {"tensor": 8}, (("embed", "tensor"),), get_profile("h100"))
     assert cost.flops_per_device == pytest.approx(work.flops / 8)
+
+
+def test_a_learned_position_table_the_length_of_the_sequence_searches():
+    model = Transformer(config_from_name("tiny", positions="learned", max_len=16))
+    state = abstract_train_state(model, optax.adam(1e-3), TrainSettings(batch=8, seq_len=16))
+
+    def step(state, tokens):
+        return state.apply_gradients(grads=jax.grad(loss_fn)(state.params, tokens, model))
+
+    tokens = jax.ShapeDtypeStruct((8, 17), jnp.int32)
+    work = trace_workload(step, state, tokens)
+    for dot in work.dots:  # q·kᵀ gives ('batch', 'heads', 'length', 'length'): one is dropped
+        for names in (dot.lhs_names, dot.rhs_names):
+            named = [n for n in names if n is not None]
+            assert len(named) == len(set(named))
+    result = meshplan.search_rules(8, workload=work, profile="h100", compile_top=0)
+    assert result.best is not None
+    first = result.best.mesh_text, result.best.rules
+    again = meshplan.search_rules(8, workload=work, profile="h100", compile_top=0).best
+    assert (again.mesh_text, again.rules) == first

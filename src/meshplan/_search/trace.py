@@ -76,7 +76,8 @@ class Workload:
     shape, itemsize)]`` of the state's arrays (``None`` names: unboxed); ``names``:
     every logical name seen, in order of first appearance (state first);
     ``memory``: the liveness program (:mod:`meshplan._search.memory`) of the step;
-    ``score_dots``: the dots that read or write attention scores.
+    ``score_dots``: the dots that read or write attention scores; ``batch_state``: the
+    batch arrays (names, shape, itemsize); ``tokens``: tokens (or examples) per step.
     """
 
     dots: dict[Dot, int]
@@ -88,6 +89,7 @@ class Workload:
     memory: Any = None
     score_dots: frozenset[Dot] = frozenset()
     batch_state: list[tuple[Names, tuple[int, ...], int]] = dataclasses.field(default_factory=list)
+    tokens: int | None = None
 
     @property
     def flops(self) -> int:
@@ -450,7 +452,10 @@ def trace_workload(
     batch_state = [
         (tuple(name_of(b)), tuple(getattr(b, "shape", ())), _itemsize(b)) for b in flat_batch
     ]
+    tokens = batch
+    if flat_batch and np.issubdtype(np.dtype(flat_batch[0].dtype), np.integer):
+        tokens = math.prod(flat_batch[0].shape[:2])  # token ids: sequences x positions
     return Workload(
         walker.dots, walker.traffic, state, tuple(walker.seen), batch, params, program,
-        frozenset(walker.score_dots), batch_state,
+        frozenset(walker.score_dots), batch_state, tokens,
     )  # fmt: skip

@@ -8,7 +8,9 @@ policy (``remat``: ``'none'``, ``'full'``, ``'dots'``: every matmul saved, or
 ``parallel=True`` computes attention and MLP from the same input (PaLM's block).
 
 The logical names: ``batch``, ``length``, ``embed``, ``heads``, ``kv_heads``, ``kv``
-(head dimension), ``mlp``, ``vocab``, and ``layer`` for the scanned stack.
+(head dimension), ``mlp``, ``vocab``, and ``layer`` for the scanned stack; the
+activations between layers are ``('batch', 'length', 'activation_embed')``, MaxText's
+name, so that a layout may split them apart from the weights' ``embed``.
 :func:`llama_step` gives what :func:`meshplan.search_rules` and the planner take:
 ``(abstract_state, step_fn, example_batch)``, with AdamW.
 """
@@ -107,7 +109,7 @@ class _Block(nn.Module):
     def __call__(self, x: Any, _: Any = None) -> tuple[Any, None]:
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         e, q, k, d = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim
-        act = ("batch", "length", "embed")
+        act = ("batch", "length", "activation_embed")
         h = _Norm(name="attn_norm")(x)
         wq = _param(self, "query", (e, q, d), ("embed", "heads", "kv")).astype(dt)
         wk = _param(self, "key", (e, k, d), ("embed", "kv_heads", "kv")).astype(dt)
@@ -151,7 +153,7 @@ class Llama(nn.Module):
     def __call__(self, tokens: Any) -> Any:
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         table = _param(self, "embed", (cfg.vocab, cfg.embed), ("vocab", "embed"))
-        x = _c(jnp.take(table.astype(dt), tokens, axis=0), ("batch", "length", "embed"))
+        x = _c(jnp.take(table.astype(dt), tokens, axis=0), ("batch", "length", "activation_embed"))
         block: Any = _Block
         if cfg.remat != "none":
             policy = _POLICIES.get(cfg.remat)
