@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import bench_published  # noqa: E402
+import bench_published
 
 ROWS = ["MaxText 16B v5e-256", "llm-foundry MPT-30B 8x A100"]
 

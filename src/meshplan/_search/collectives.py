@@ -73,7 +73,8 @@ def collective_time(
     """
     k, m = split_group(mesh, axes, profile.domain_devices)
     fast, slow = profile.fast_bandwidth, profile.slow_bandwidth
-    lat = (profile.latency_s if k > 1 else 0.0) + (profile.slow_latency_s if m > 1 else 0.0)
+    slow_lat = profile.slow_latency_s if profile.slow_latency_s is not None else profile.latency_s
+    lat = (profile.latency_s if k > 1 else 0.0) + (slow_lat if m > 1 else 0.0)
     b = float(nbytes)
     if kind == "all-reduce":
         t = 2 * (k - 1) / k * b / fast + 2 * (m - 1) / m * (b / k) / slow

@@ -103,6 +103,7 @@ class _Specs:
     def __init__(self, sizes: Mapping[str, int], rules: Any) -> None:
         self.sizes, self.rules = sizes, tuple(rules)
         self.cache: dict[Names, Spec] = {}
+        self.bytes_cache: dict[tuple[Any, ...], int] = {}
 
     def __call__(self, names: Names | None, ndim: int) -> Spec:
         if names is None:
@@ -121,11 +122,16 @@ class _Specs:
 
     def shard_bytes(self, names: Names | None, shape: tuple[int, ...], item: int) -> int:
         """Bytes of one device's shard (rounded up per dimension)."""
-        spec = self(names, len(shape))
-        return item * math.prod(
-            -(-s // math.prod(self.sizes[a] for a in axes))
-            for s, axes in zip(shape, spec, strict=True)
-        )
+        key = (names, shape, item)
+        got = self.bytes_cache.get(key)
+        if got is None:
+            spec = self(names, len(shape))
+            got = item * math.prod(
+                -(-s // math.prod(self.sizes[a] for a in axes))
+                for s, axes in zip(shape, spec, strict=True)
+            )
+            self.bytes_cache[key] = got
+        return got
 
 
 Coll = tuple[str, tuple[str, ...], int, Any]

@@ -26,10 +26,10 @@ def prediction_fields(
         >>> from meshplan._search.cost import Cost
         >>> from meshplan._search.profiles import get_profile
         >>> from meshplan._search.report import prediction_fields
-        >>> c = Cost(2.0, 1.5, 0.1, 0.4, 1e15, {}, {}, 4 << 30, 6 << 30, 10, 1 << 30, 0)
+        >>> c = Cost(2.0, 1.5, 0.1, 0.4, 2e14, {}, {}, 4 << 30, 6 << 30, 10, 1 << 30, 0, 1.0)
         >>> f = prediction_fields(c, 1 << 20, 256, get_profile("tpu_v5e"), 16 << 30)
         >>> f["tokens_per_s"], round(f["mfu"], 3), f["fits"]
-        (524288.0, 0.005, True)
+        (524288.0, 0.508, True)
     """
     step = cost.step_s
     return {
@@ -56,10 +56,10 @@ def prediction_lines(fields: dict[str, Any]) -> list[str]:
         >>> from meshplan._search.cost import Cost
         >>> from meshplan._search.profiles import get_profile
         >>> from meshplan._search.report import prediction_fields, prediction_lines
-        >>> c = Cost(2.0, 1.5, 0.1, 0.4, 1e15, {}, {}, 4 << 30, 6 << 30, 10, 1 << 30, 0)
+        >>> c = Cost(2.0, 1.5, 0.1, 0.4, 2e14, {}, {}, 4 << 30, 6 << 30, 10, 1 << 30, 0, 1.0)
         >>> print("\\n".join(prediction_lines(prediction_fields(c, 1 << 20, 256, get_profile("tpu_v5e"), 16 << 30))))
-        predicted step 2.000 s on 256 tpu_v5e (compute 1.500 s, memory traffic 0.100 s, exposed communication 0.400 s of 0.000 s)
-        throughput 524,288 tokens/s · MFU 0.5% (traced matmul FLOPs, recomputation included)
+        predicted step 2.000 s on 256 tpu_v5e (compute 1.500 s, memory traffic 0.100 s, exposed communication 0.400 s of 1.000 s)
+        throughput 524,288 tokens/s · MFU 50.8% (traced matmul FLOPs, recomputation included)
         memory/device 11.00 GiB of 16.00 GiB (fits): state 4.00 GiB, batch 0 B, activations 6.00 GiB, temporaries 1.00 GiB
     """
     f = fields

@@ -245,7 +245,7 @@ class RuleSearchResult:
               #  mesh ...
               1  1x8 data,model ...
             enumerated ..., pruned ...
-            best: 1x8 data,model heads=model mlp=model vocab=model
+            best: 1x8 data,model mlp=model
         """
         lines = [
             f"{self.devices} devices, profile {self.profile.name}, budget "
@@ -296,7 +296,7 @@ class RuleSearchResult:
             >>> result = meshplan.search_rules(8, state, step, x, profile="h100", compile_top=0)
             >>> data = result.to_dict()
             >>> data["best"]["mesh_shape"], data["best"]["axis_names"], data["best"]["rules"][1]
-            ([1, 8], ['data', 'model'], ['heads', 'model'])
+            ([1, 8], ['data', 'model'], ['mlp', 'model'])
         """
         return {
             "schema": "meshplan.rule_search/1", "devices": self.devices, "batch": self.batch,
@@ -348,6 +348,10 @@ TIE = 0.03
 measured CPU profile moves that much from run to run): broken by a fixed order."""
 
 
+def _step(row: RuleRow) -> float:
+    return row.cost.step_s if row.cost is not None else math.inf
+
+
 def _rank(rows: list[RuleRow]) -> list[RuleRow]:
     """Rows by predicted time; ties (:data:`TIE`) broken deterministically: built-in layouts,
     fewer mesh axes, less memory, then the mesh and rules' text."""
@@ -358,9 +362,7 @@ def _rank(rows: list[RuleRow]) -> list[RuleRow]:
         first = by_time[i].cost
         limit = first.step_s * (1 + TIE) if first else math.inf
         j = i
-        while (
-            j < len(by_time) and (by_time[j].cost.step_s if by_time[j].cost else math.inf) <= limit
-        ):
+        while j < len(by_time) and _step(by_time[j]) <= limit:
             j += 1
         j = max(j, i + 1)
         group = by_time[i:j]

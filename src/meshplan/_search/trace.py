@@ -21,6 +21,7 @@ candidate is priced in a few hundred operations, whatever the model's depth.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -55,7 +56,7 @@ class Dot:
     lhs_itemsize: int
     rhs_itemsize: int
 
-    @property
+    @functools.cached_property
     def flops(self) -> int:
         """Global FLOPs of one run: 2 x every dimension's size (batch, free, contracting)."""
         lhs = math.prod(self.lhs_shape)
@@ -220,7 +221,7 @@ class _Walker:
         if not all("batch" in n for n in ins):
             return False
         sizes = [math.prod(getattr(v.aval, "shape", ())) for v in eqn.invars]
-        return math.prod(eqn.outvars[0].aval.shape) > max(sizes)
+        return bool(math.prod(eqn.outvars[0].aval.shape) > max(sizes))
 
     def _score_input(self, eqn: Any) -> bool:
         size = math.prod(getattr(eqn.outvars[0].aval, "shape", ())) if eqn.outvars else 0

@@ -52,7 +52,7 @@ class LlamaConfig:
         Example:
             >>> from meshplan.examples.llama import maxtext_config
             >>> round(maxtext_config(16).params() / 1e9, 1)
-            16.0
+            15.8
         """
         e, q, k, d = self.embed, self.heads, self.kv_heads, self.head_dim
         attn = e * d * (2 * q + 2 * k)
