@@ -19,6 +19,7 @@ from meshplan._search.candidates import generate, mesh_factorizations
 from meshplan._search.cost import predict
 from meshplan._search.hlo import measure_step
 from meshplan._search.profiles import PROFILES, calibrate_cpu, get_profile
+from meshplan._search.rule_search import TIE
 from meshplan._search.trace import trace_workload
 from meshplan.examples.mlp import LogicalMLP, init_fn
 from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
@@ -80,7 +81,9 @@ def test_candidates_are_counted_and_pruned_with_reasons():
     ok = result.ok
     assert [r.rank for r in ok] == list(range(1, len(ok) + 1))
     times = [r.predicted_s for r in ok]
-    assert times == sorted(times)
+    # Ranked by predicted time; predictions within TIE (3%) of each other are ties, broken
+    # by a fixed order (so that two runs rank alike).
+    assert all(a <= b * (1 + TIE) for a, b in zip(times, times[1:], strict=False))
     assert {r.layout for r in ok} >= {"data_parallel", "fsdp"}
 
 
