@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 
 import flax.linen as nn
@@ -83,7 +84,7 @@ def test_candidates_are_counted_and_pruned_with_reasons():
     times = [r.predicted_s for r in ok]
     # Ranked by predicted time; predictions within TIE (3%) of each other are ties, broken
     # by a fixed order (so that two runs rank alike).
-    assert all(a <= b * (1 + TIE) for a, b in zip(times, times[1:], strict=False))
+    assert all(a <= b * (1 + TIE) for a, b in itertools.pairwise(times))
     assert {r.layout for r in ok} >= {"data_parallel", "fsdp"}
 
 
