@@ -9,6 +9,7 @@ model is known to miss by more, the case is listed as such (``xfail`` with why).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -66,7 +67,10 @@ def _step(remat: str, scan: bool):
 def test_memory_per_device_matches_xla_memory_analysis(remat, scan, layout):
     state, step, batch, work = _step(remat, scan)
     mesh, rules = LAYOUTS[layout]
-    cost = predict(work, mesh, rules, get_profile("h100"))
+    # XLA on CPU has no fused attention kernel: the scores are materialised.
+    cost = predict(
+        work, mesh, rules, dataclasses.replace(get_profile("h100"), fused_attention=False)
+    )
     xla = measure_step(step, state, batch, mesh, rules)
     assert cost.state_bytes + cost.batch_bytes == xla["xla_argument_bytes"]
     predicted = cost.activation_bytes + cost.temporary_bytes
