@@ -218,13 +218,17 @@ def test_nnx_transformer_search_matches_the_linen_one(capsys, tmp_path, monkeypa
     linen = _json_of(capsys, *command, "--model", "transformer")
     nnx = _json_of(capsys, *command, "--model", "transformer-nnx")
 
-    # The same candidates in the same order, with the same verdicts; the predicted times differ
-    # a little (the two step functions trace to slightly different programs).
-    def ranking(result):
-        return [(r["mesh_shape"], r["axis_names"], r["rules"], r["status"]) for r in result["rows"]]
+    # The same candidates with the same verdicts and the same best; the predicted times differ
+    # a little (the two step functions trace to slightly different programs), so candidates
+    # near a tie (within 3%) may swap places further down.
+    def key(r):
+        return json.dumps([r["mesh_shape"], r["axis_names"], r["rules"], r["status"]])
 
-    assert ranking(nnx) == ranking(linen)
+    assert sorted(map(key, nnx["rows"])) == sorted(map(key, linen["rows"]))
+    assert key(nnx["best"]) == key(linen["best"])
     assert nnx["counts"] == linen["counts"]
-    for a, b in zip(nnx["rows"], linen["rows"], strict=True):
-        if a.get("predicted_step_s") and b.get("predicted_step_s"):
-            assert abs(a["predicted_step_s"] / b["predicted_step_s"] - 1) < 0.05
+    times = {key(r): r.get("predicted_step_s") for r in linen["rows"]}
+    for a in nnx["rows"]:
+        b = times[key(a)]
+        if a.get("predicted_step_s") and b:
+            assert abs(a["predicted_step_s"] / b - 1) < 0.05

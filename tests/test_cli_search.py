@@ -76,10 +76,20 @@ def search_json(capsys, *args: str) -> dict:
     return json.loads(captured.out)
 
 
-def test_the_printed_top_choice_trains(here, capsys):
+def test_search_writes_no_rules_file_unless_asked(here, capsys):
     data = search_json(capsys, *TINY_SEARCH, "--top-k", "0")
+    assert data["rules_file"] is None and not list(here.glob("rules*.json"))
+    assert "--rules rules.json" in data["train_command"]
+    assert cli.main(["search", *TINY_SEARCH, "--top-k", "0"]) == 0
+    assert "rules not written: pass --rules-out" in capsys.readouterr().out
+    assert not list(here.glob("rules*.json"))
+
+
+def test_the_printed_top_choice_trains(here, capsys):
+    data = search_json(capsys, *TINY_SEARCH, "--top-k", "0", "--rules-out", "rules.json")
     best = data["best"]
     assert best["rank"] == 1 and best["predicted_step_s"] > 0
+    assert best["tokens_per_s"] > 0 and best["fits"] and best["activation_bytes_per_device"] > 0
     assert data["counts"]["enumerated"] > data["counts"]["scored"] > 0
     rules_file = here / data["rules_file"]
     assert json.loads(rules_file.read_text()) == best["rules"]
@@ -154,7 +164,9 @@ def test_a_pod_sized_search_finishes_without_devices(here, capsys):
     "factory", ["usermodels:linen", "usermodels:step", "usermodels:classifier"]
 )
 def test_factory_models_search_and_plan(here, capsys, factory):
-    data = search_json(capsys, "--model", factory, "--profile", "h100", "--top-k", "0")
+    data = search_json(
+        capsys, "--model", factory, "--profile", "h100", "--top-k", "0", "--rules-out", "r.json"
+    )
     assert data["model"].startswith(factory) and data["best"] is not None
     assert data["train_command"] is None and (here / data["rules_file"]).exists()
     assert cli.main(["plan", "--model", factory, "--mesh", "2x4", "--json"]) == 0
@@ -210,7 +222,29 @@ def test_flags_that_would_be_ignored_or_are_out_of_range(here, capsys, args, fra
 
 
 def test_bad_axes_and_profile_exit_2(capsys):
-    for argv in (["--axes", "model"], ["--profile", "a100"]):
+    for argv in (["--axes", "model"], ["--profile", "a1000"]):
         with pytest.raises(SystemExit) as exit_info:
             cli.main(["search", *argv])
         assert exit_info.value.code == 2
+
+
+def test_a_bad_profile_file_exits_2_naming_every_problem(here, capsys):
+    (here / "bad.json").write_text(json.dumps({"name": "x", "peak_flops": -1, "extra": 1}))
+    assert cli.main(["search", "--profile", "bad.json", "--top-k", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "'peak_flops' is -1" in err and "unknown field 'extra'" in err
+    assert "missing field 'memory_bytes'" in err
+
+
+def test_plan_predicts_the_step_on_a_profile_without_devices(capsys):
+    argv = ["plan", "--model", "transformer", "--mesh", "2x4", "--rules", "fsdp",
+            "--profile", "tpu_v5e", "--devices", "8"]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "predicted step" in out and "tokens/s" in out and "MFU" in out
+    assert "state" in out and "activations" in out and "temporaries" in out
+    assert cli.main([*argv, "--json"]) == 0
+    pred = json.loads(capsys.readouterr().out)["prediction"]
+    assert pred["fits"] and pred["tokens_per_s"] > 0 and pred["activation_bytes_per_device"] > 0
+    assert cli.main([*argv[:-1], "16"]) == 2
+    assert "--devices 16 but --mesh 2x4 has 8 devices" in capsys.readouterr().err

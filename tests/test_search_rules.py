@@ -3,7 +3,9 @@ profiles, a 16,384-device analytic search, the train command."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import json
 
 import flax.linen as nn
@@ -18,6 +20,7 @@ from meshplan._search.candidates import generate, mesh_factorizations
 from meshplan._search.cost import predict
 from meshplan._search.hlo import measure_step
 from meshplan._search.profiles import PROFILES, calibrate_cpu, get_profile
+from meshplan._search.rule_search import TIE
 from meshplan._search.trace import trace_workload
 from meshplan.examples.mlp import LogicalMLP, init_fn
 from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
@@ -79,7 +82,9 @@ def test_candidates_are_counted_and_pruned_with_reasons():
     ok = result.ok
     assert [r.rank for r in ok] == list(range(1, len(ok) + 1))
     times = [r.predicted_s for r in ok]
-    assert times == sorted(times)
+    # Ranked by predicted time; predictions within TIE (3%) of each other are ties, broken
+    # by a fixed order (so that two runs rank alike).
+    assert all(a <= b * (1 + TIE) for a, b in itertools.pairwise(times))
     assert {r.layout for r in ok} >= {"data_parallel", "fsdp"}
 
 
@@ -111,7 +116,10 @@ CASES = [
 def test_predicted_collective_bytes_are_within_10_percent_of_the_compiled_hlo(model, layout):
     state, step, batch = mlp_case() if model == "mlp" else tiny_case()
     mesh, rules = {"data": 2, "model": 4}, meshplan.layouts.get_layout(layout)
-    cost = predict(trace_workload(step, state, batch), mesh, rules, get_profile("h100"))
+    # XLA on CPU keeps a gathered weight for the backward pass (``regather=False``); the
+    # h100 profile gathers it again, as GPUs do.
+    cpu_like = dataclasses.replace(get_profile("h100"), regather=False)
+    cost = predict(trace_workload(step, state, batch), mesh, rules, cpu_like)
     hlo = measure_step(step, state, batch, mesh, rules)
     predicted = sum(cost.comm_bytes.values())
     assert abs(predicted - hlo["collective_bytes"]) <= 0.1 * hlo["collective_bytes"]
@@ -130,8 +138,8 @@ def test_profiles_are_data_and_cpu_is_measured():
     cpu = calibrate_cpu(8)
     assert cpu is get_profile("cpu", 8)  # measured once per process
     assert cpu.peak_flops > 1e8 and cpu.memory_bandwidth > 1e7 and cpu.latency_s > 0
-    with pytest.raises(meshplan.ArgumentError, match="Unknown hardware profile 'a100'"):
-        get_profile("a100")
+    with pytest.raises(meshplan.ArgumentError, match="Unknown hardware profile 'a1000'"):
+        get_profile("a1000")
 
 
 class Wide(nn.Module):
@@ -221,3 +229,23 @@ def test_a_scanned_carry_takes_the_names_its_body_gives_it():
     assert carried and all(names == ("batch", "embed") for names in carried)
     cost = predict(work, {"tensor": 8}, (("embed", "tensor"),), get_profile("h100"))
     assert cost.flops_per_device == pytest.approx(work.flops / 8)
+
+
+def test_a_learned_position_table_the_length_of_the_sequence_searches():
+    model = Transformer(config_from_name("tiny", positions="learned", max_len=16))
+    state = abstract_train_state(model, optax.adam(1e-3), TrainSettings(batch=8, seq_len=16))
+
+    def step(state, tokens):
+        return state.apply_gradients(grads=jax.grad(loss_fn)(state.params, tokens, model))
+
+    tokens = jax.ShapeDtypeStruct((8, 17), jnp.int32)
+    work = trace_workload(step, state, tokens)
+    for dot in work.dots:  # q·kᵀ gives ('batch', 'heads', 'length', 'length'): one is dropped
+        for names in (dot.lhs_names, dot.rhs_names):
+            named = [n for n in names if n is not None]
+            assert len(named) == len(set(named))
+    result = meshplan.search_rules(8, workload=work, profile="h100", compile_top=0)
+    assert result.best is not None
+    first = result.best.mesh_text, result.best.rules
+    again = meshplan.search_rules(8, workload=work, profile="h100", compile_top=0).best
+    assert (again.mesh_text, again.rules) == first

@@ -7,7 +7,14 @@ one *role*, and names the axis after it:
 * ``fsdp``: splits the batch and one parameter name ``F`` (ZeRO-3: the state is
   sharded, each weight gathered before use);
 * ``tensor``: splits a set ``T`` of parameter names (Megatron-style: heads, MLP,
-  vocabulary), never the batch.
+  vocabulary), never the batch;
+* ``context``: splits the sequence of the activations (a name of
+  :data:`CONTEXT_NAMES` the model uses: ``length``, ``seq``...), never a parameter
+  (context parallelism: keys and values are gathered, or passed round a ring);
+* ``expert``: splits the parameters named ``expert`` (a mixture of experts' weights) and
+  the batch (expert parallelism: tokens go to their experts by all-to-all).
+
+``context`` and ``expert`` are offered only to models with such names.
 
 Its rules are ``('batch', data and fsdp axes)``, ``(F, fsdp axis)``, ``(t,
 tensor axis)`` for ``t`` in ``T``, and ``None`` for every other name, batch first
@@ -28,10 +35,26 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-__all__ = ["Candidate", "generate", "mesh_factorizations"]
+__all__ = [
+    "ALL_ROLES",
+    "CONTEXT_NAMES",
+    "EXPERT_NAMES",
+    "Candidate",
+    "generate",
+    "mesh_factorizations",
+]
 
 ROLES = ("data", "fsdp", "tensor")
-"""The mesh axis vocabulary, by role."""
+"""The mesh axis roles every model gets."""
+
+ALL_ROLES = ("data", "fsdp", "tensor", "context", "expert")
+"""Every role; ``context`` and ``expert`` only where the model has the names."""
+
+CONTEXT_NAMES = ("length", "seq", "sequence", "context", "activation_length")
+"""Names of an activation's sequence dimension, which a ``context`` axis splits."""
+
+EXPERT_NAMES = ("expert", "experts")
+"""Names of a mixture of experts' expert dimension, which an ``expert`` axis splits."""
 
 
 @dataclasses.dataclass
@@ -104,19 +127,28 @@ def generate(
         batch_name: The batch's name.
         other_names: More names, always ``None`` (activations' ``length``, ``layer``...).
         max_axes: At most this many mesh axes.
-        roles: The axis names (roles) to use, of ``('data', 'fsdp', 'tensor')``.
+        roles: The axis names (roles) to use, of :data:`ALL_ROLES` (``context`` and
+            ``expert`` are dropped where the model lacks their names).
     """
     all_names = [batch_name, *param_names, *(n for n in other_names if n not in param_names)]
+    context = [n for n in all_names if n in CONTEXT_NAMES]
+    experts = [n for n in param_names if n in EXPERT_NAMES]
+    roles = [r for r in roles if (r != "context" or context) and (r != "expert" or experts)]
+    plain = [n for n in param_names if n not in experts]
     for shape in mesh_factorizations(devices, max_axes):
         for axes in itertools.permutations(roles, len(shape)):
             mesh = dict(zip(axes, shape, strict=True))
-            batch_axes = tuple(a for a in axes if a in ("data", "fsdp"))
-            fsdp_names: Sequence[str | None] = param_names if "fsdp" in axes else [None]
+            batch_axes = tuple(a for a in axes if a in ("data", "fsdp", "expert"))
+            fsdp_names: Sequence[str | None] = plain if "fsdp" in axes else [None]
             for f in fsdp_names:
-                rest = [n for n in param_names if n != f]
+                rest = [n for n in plain if n != f]
                 t_sets: list[tuple[str, ...]] = _tensor_sets(rest) if "tensor" in axes else [()]
                 for t in t_sets:
                     rules: list[tuple[str, Any]] = [(batch_name, batch_axes or None)]
+                    if "expert" in axes:
+                        rules += [(n, "expert") for n in experts]
+                    if "context" in axes:
+                        rules += [(n, "context") for n in context]
                     if f is not None:
                         rules.append((f, "fsdp"))
                     rules += [(n, "tensor") for n in t]

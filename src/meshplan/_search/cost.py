@@ -15,15 +15,28 @@ partitioned the way XLA's SPMD partitioner does in the common cases:
   parallelism's activation all-reduces; data parallelism's gradient
   reductions, where the contracting dimension is the batch);
 * an operand whose dimension is not split where the other's is, is sliced
-  locally (free).
+  locally (free);
+* a contracting dimension split over an axis an output dimension also holds is
+  either a gather of the operand or partial sums **reduce-scattered** into the
+  output's shards, whichever moves fewer bytes, where the backend reduce-scatters
+  (``HardwareProfile.reduce_scatter``; FSDP's weight gradients).
 
-Per device, a matmul costs its FLOPs divided by the product of the axes that
-split it, over the profile's ``peak_flops``; every other op costs the bytes it
-writes per device over ``memory_bandwidth``; a collective over a group of ``n``
-devices costs ``latency_s`` plus, for an all-reduce of ``b`` bytes,
-``2 (n - 1) / n * b`` and, for an all-gather of a ``b``-byte shard,
-``(n - 1) * b``, over the slowest axis of the group (``HardwareProfile.axis_bandwidth``).
-The three add up: no overlap of compute and communication is assumed.
+Per device, a matmul runs at the roofline: the larger of its FLOPs (divided by the
+product of the axes that split it) over ``peak_flops * matmul_efficiency`` and the
+bytes of its operands and output over ``memory_bandwidth``. Other ops cost only
+the bytes XLA's fusions read and write (:mod:`meshplan._search.trace` counts what
+leaves a fusion); on a backend with fused attention the scores cost nothing but
+their matmuls' FLOPs. Collectives are priced by :mod:`meshplan._search.collectives`
+(hierarchical where a group crosses domains). Those on the critical path (tensor
+parallelism's activation reductions) add up; the independent ones (weight gathers
+and gradient reductions: arrays without a ``'batch'`` dimension) are combined up to
+``combine_bytes`` (one latency per combined group) and hidden behind up to
+``overlap`` of the compute: only what is left is exposed. A weight gathered for the
+forward pass is gathered again for the backward pass where the profile says so
+(``regather``: TPU and GPU).
+
+The memory per device is :mod:`meshplan._search.memory`'s: the state, the batch and
+the largest point of the step's liveness program (activations and temporaries).
 
 Bytes are reported as :func:`meshplan._search.hlo.collective_bytes` counts them
 (operands, per device, per step), so a prediction can be checked against a
@@ -37,6 +50,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from meshplan._search import memory as memory_model
+from meshplan._search.collectives import collective_time
 from meshplan._search.profiles import HardwareProfile
 from meshplan._search.trace import Dot, Names, Workload
 from meshplan._spmd.rules import logical_to_mesh_axes, mesh_axes_of
@@ -50,8 +65,13 @@ Spec = tuple[tuple[str, ...], ...]
 class Cost:
     """One candidate's prediction (seconds per step; bytes per device).
 
-    ``comm_bytes``: operand bytes by collective kind (as the HLO counts them);
-    ``comm_by_axis``: the same by mesh axis group (``'data'``, ``'data+tensor'``).
+    ``comm_s``: the exposed communication (what compute does not hide); ``comm_total_s``:
+    all of it; ``comm_bytes``: operand bytes by collective kind (as the HLO counts them);
+    ``comm_by_axis``: the same by mesh axis group (``'data'``, ``'data+tensor'``);
+    ``state_bytes``: parameters and optimizer state; ``batch_bytes``: the batch;
+    ``activation_bytes``: values kept across layers at the peak (residuals for the
+    backward pass, gradients); ``temporary_bytes``: the rest of the peak (the layer
+    being computed, gathered weights, the optimizer update).
     """
 
     step_s: float
@@ -64,14 +84,17 @@ class Cost:
     state_bytes: int
     activation_bytes: int
     collectives: int
+    temporary_bytes: int = 0
+    batch_bytes: int = 0
+    comm_total_s: float = 0.0
 
     @property
     def memory_bytes(self) -> int:
-        """State plus the activation estimate, per device."""
-        return self.state_bytes + self.activation_bytes
+        """State, batch, activations and temporaries: the peak on one device."""
+        return self.state_bytes + self.batch_bytes + self.activation_bytes + self.temporary_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "memory_bytes": self.memory_bytes}
 
 
 class _Specs:
@@ -80,6 +103,7 @@ class _Specs:
     def __init__(self, sizes: Mapping[str, int], rules: Any) -> None:
         self.sizes, self.rules = sizes, tuple(rules)
         self.cache: dict[Names, Spec] = {}
+        self.bytes_cache: dict[tuple[Any, ...], int] = {}
 
     def __call__(self, names: Names | None, ndim: int) -> Spec:
         if names is None:
@@ -96,14 +120,30 @@ class _Specs:
     def split(self, spec: Spec) -> int:
         return math.prod(self.sizes[a] for axes in spec for a in axes)
 
+    def shard_bytes(self, names: Names | None, shape: tuple[int, ...], item: int) -> int:
+        """Bytes of one device's shard (rounded up per dimension)."""
+        key = (names, shape, item)
+        got = self.bytes_cache.get(key)
+        if got is None:
+            spec = self(names, len(shape))
+            got = item * math.prod(
+                -(-s // math.prod(self.sizes[a] for a in axes))
+                for s, axes in zip(shape, spec, strict=True)
+            )
+            self.bytes_cache[key] = got
+        return got
+
+
+Coll = tuple[str, tuple[str, ...], int, Any]
+
 
 def _dot_cost(
-    dot: Dot, specs: _Specs
-) -> tuple[float, list[tuple[str, tuple[str, ...], int, Any]], int]:
+    dot: Dot, specs: _Specs, reduce_scatter: bool = False
+) -> tuple[float, list[Coll], int]:
     """Per-device FLOPs, the collectives ``(kind, axes, bytes, key)``, output bytes per device.
 
-    ``key``: for an all-gather, the gathered array's (names, shape, axis): XLA gathers an
-    array once per step and reuses it (forward, backward, rematerialised forward)."""
+    ``key``: for an all-gather, the gathered array's (names, shape, axes): XLA gathers an
+    array once per pass and reuses it (the rematerialised forward shares the backward's)."""
     sizes = specs.sizes
     ls, rs = specs(dot.lhs_names, len(dot.lhs_shape)), specs(dot.rhs_names, len(dot.rhs_shape))
     (lc, rc), (lb, rb) = dot.contract, dot.batch
@@ -131,45 +171,66 @@ def _dot_cost(
         if j not in rc and j not in rb:
             take(rs[j], 1)
     reduce: list[str] = []
+    contract_used: dict[str, list[int]] = {}
     for i, j in zip(lc, rc, strict=True):
         for a in dict.fromkeys((*ls[i], *rs[j])):
             if a in used:
-                if a in ls[i]:
-                    gather[(0, a)] = None
-                if a in rs[j]:
-                    gather[(1, a)] = None
+                sides = [s for s, spec in ((0, ls[i]), (1, rs[j])) if a in spec]
+                contract_used.setdefault(a, []).extend(sides)
             else:
                 used.add(a)
                 reduce.append(a)
+    out_elems = dot.flops // 2 // max(1, math.prod(dot.lhs_shape[i] for i in lc))
+    out_bytes = out_elems * dot.itemsize // max(1, math.prod(sizes[a] for a in out_axes))
+    shard = (
+        math.prod(dot.lhs_shape) * dot.lhs_itemsize // specs.split(ls),
+        math.prod(dot.rhs_shape) * dot.rhs_itemsize // specs.split(rs),
+    )
+    scatter: list[str] = []
+    for a, sides in contract_used.items():
+        n = sizes[a]
+        gathered = sum(shard[s] for s in set(sides)) * (n - 1)
+        if reduce_scatter and a in out_axes and out_bytes * (n - 1) < gathered:
+            scatter.append(a)  # partial sums over ``a``, reduce-scattered into the output
+        else:
+            for side in set(sides):
+                gather[(side, a)] = None
     split = math.prod(sizes[a] for a in used)
     flops = dot.flops / split
-    out_elems = dot.flops // 2 // math.prod(dot.lhs_shape[i] for i in lc)
-    out_bytes = out_elems * dot.itemsize // max(1, math.prod(sizes[a] for a in out_axes))
-    colls: list[tuple[str, tuple[str, ...], int, Any]] = []
+    colls: list[Coll] = []
     if reduce:
         colls.append(("all-reduce", tuple(reduce), out_bytes, None))
+    if scatter:
+        n = math.prod(sizes[a] for a in scatter)
+        colls.append(("reduce-scatter", tuple(scatter), out_bytes * n, None))
     for side in (0, 1):
         axes = tuple(a for s, a in gather if s == side)
         if not axes:
             continue
-        shape, spec = (dot.lhs_shape, ls) if side == 0 else (dot.rhs_shape, rs)
-        item = dot.lhs_itemsize if side == 0 else dot.rhs_itemsize
+        shape = dot.lhs_shape if side == 0 else dot.rhs_shape
         names = dot.lhs_names if side == 0 else dot.rhs_names
-        nbytes = math.prod(shape) * item // specs.split(spec)
-        colls.append(("all-gather", axes, nbytes, (names, shape, axes)))
+        colls.append(("all-gather", axes, shard[side], (names, shape, axes)))
     return flops, colls, out_bytes
 
 
 def state_bytes(workload: Workload, specs: _Specs) -> int:
     """Per-device bytes of the state (shards rounded up, as ``explain`` counts them)."""
-    total = 0
-    for names, shape, item in workload.state:
-        spec = specs(names, len(shape))
-        total += item * math.prod(
-            -(-s // math.prod(specs.sizes[a] for a in axes))
-            for s, axes in zip(shape, spec, strict=True)
-        )
-    return total
+    return sum(specs.shard_bytes(names, shape, item) for names, shape, item in workload.state)
+
+
+def _independent(kind: str, key: Any, dot: Dot) -> bool:
+    """A collective no later op of its layer waits for: a weight's gather, a weight
+    gradient's reduction (arrays without ``'batch'``)."""
+    if kind == "all-gather":
+        return "batch" not in (key[0] or ())
+    return not _batch_out(dot)
+
+
+def _batch_out(dot: Dot) -> bool:
+    (lc, rc) = dot.contract
+    keep = [n for i, n in enumerate(dot.lhs_names) if i not in lc]
+    keep += [n for j, n in enumerate(dot.rhs_names) if j not in rc and j not in dot.batch[1]]
+    return "batch" in keep
 
 
 def predict(
@@ -195,40 +256,68 @@ def predict(
     """
     specs = _Specs(mesh, rules)
     sizes = specs.sizes
-    flops, comm_s, n_coll = 0.0, 0.0, 0
+    eff_flops = profile.peak_flops * profile.matmul_efficiency
+    fused = profile.fused_attention
+    flops, compute_s = 0.0, 0.0
     by_kind: dict[str, int] = {}
     by_axis: dict[str, int] = {}
-    act = 0
-    bw_cache: dict[str, float] = {}
-
-    def bandwidth(axes: tuple[str, ...]) -> float:
-        return min(bw_cache.setdefault(a, profile.axis_bandwidth(sizes, a)) for a in axes)
-
-    gathers: dict[Any, tuple[str, tuple[str, ...], int, int]] = {}
-    colls_all: list[tuple[str, tuple[str, ...], int, int]] = []
+    gathers: dict[Any, list[Any]] = {}  # key -> [kind, axes, bytes, count, dots]
+    dependent: list[tuple[str, tuple[str, ...], int, int]] = []
+    independent: dict[tuple[str, tuple[str, ...], int], int] = {}
+    gathered_extra: dict[Dot, int] = {}
     for dot, count in workload.dots.items():
-        f, colls, out_bytes = _dot_cost(dot, specs)
+        f, colls, out_bytes = _dot_cost(dot, specs, profile.reduce_scatter)
         flops += f * count
-        act += out_bytes * count
+        score = fused and dot in workload.score_dots
+        moved = 0 if score else (
+            specs.shard_bytes(dot.lhs_names, dot.lhs_shape, dot.lhs_itemsize)
+            + specs.shard_bytes(dot.rhs_names, dot.rhs_shape, dot.rhs_itemsize) + out_bytes
+        )  # fmt: skip
+        compute_s += count * max(f / eff_flops, moved / profile.memory_bandwidth)
+        extra = 0
         for kind, axes, nbytes, key in colls:
-            if key is None:
-                colls_all.append((kind, axes, nbytes, count))
-            elif key not in gathers or gathers[key][3] < count:
-                gathers[key] = (kind, axes, nbytes, count)
-    for kind, axes, nbytes, count in [*colls_all, *gathers.values()]:
-        if True:
-            n = math.prod(sizes[a] for a in axes)
-            moved = 2 * (n - 1) / n * nbytes if kind == "all-reduce" else (n - 1) * nbytes
-            comm_s += count * (profile.latency_s + moved / bandwidth(axes))
+            if key is not None:
+                g = gathers.setdefault(key, [kind, axes, nbytes, 0, 0])
+                g[3] = max(g[3], count)
+                g[4] += 1
+                extra += nbytes * (math.prod(sizes[a] for a in axes) - 1)
+            elif _independent(kind, key, dot):
+                k = (kind, axes, count)
+                independent[k] = independent.get(k, 0) + nbytes * count
+            else:
+                dependent.append((kind, axes, nbytes, count))
+        gathered_extra[dot] = extra
+    for key, (kind, axes, nbytes, count, ndots) in gathers.items():
+        passes = min(2, ndots) if profile.regather else 1  # forward, again for the backward
+        if "batch" in (key[0] or ()):
+            dependent.append((kind, axes, nbytes, count * passes))
+        else:
+            k = (kind, axes, count * passes)
+            independent[k] = independent.get(k, 0) + nbytes * count * passes
+    n_coll, exposed, hidden = 0, 0.0, 0.0
+    for kind, axes, nbytes, count in dependent:
+        exposed += count * collective_time(profile, kind, sizes, axes, nbytes)
+        n_coll += count
+        _tally(by_kind, by_axis, kind, axes, nbytes * count)
+    for (kind, axes, count), nbytes in independent.items():
+        per_run = nbytes / count if count else nbytes
+        groups = max(1, math.ceil(per_run / profile.combine_bytes)) if profile.combine_bytes else 0
+        if groups:  # combined: one latency per group, the bandwidth term for all the bytes
+            t = count * groups * collective_time(profile, kind, sizes, axes, per_run / groups)
+            n_coll += count * groups
+        else:
+            t = count * collective_time(profile, kind, sizes, axes, per_run)
             n_coll += count
-            by_kind[kind] = by_kind.get(kind, 0) + nbytes * count
-            key = "+".join(axes)
-            by_axis[key] = by_axis.get(key, 0) + nbytes * count
+        hidden += t
+        _tally(by_kind, by_axis, kind, axes, int(nbytes))
     traffic = 0
-    for (names, shape), nbytes in workload.traffic.items():
-        traffic += nbytes // specs.split(specs(names, len(shape)))
-    compute_s = flops / profile.peak_flops
+    for (names, shape, score), nbytes in workload.traffic.items():
+        if not (fused and score):
+            traffic += nbytes // specs.split(specs(names, len(shape)))
     memory_s = traffic / profile.memory_bandwidth
+    comm_s = exposed + max(0.0, hidden - profile.overlap * (compute_s + memory_s))
+    peak = _peak(workload, specs, fused, gathered_extra)
+    batch_bytes = sum(specs.shard_bytes(n, s, i) for n, s, i in workload.batch_state)
     return Cost(
         step_s=compute_s + memory_s + comm_s,
         compute_s=compute_s,
@@ -238,6 +327,34 @@ def predict(
         comm_bytes=by_kind,
         comm_by_axis=by_axis,
         state_bytes=state_bytes(workload, specs),
-        activation_bytes=act // 3,
+        activation_bytes=peak.activations,
         collectives=n_coll,
+        temporary_bytes=peak.temporaries,
+        batch_bytes=batch_bytes,
+        comm_total_s=exposed + hidden,
     )
+
+
+def _tally(
+    by_kind: dict[str, int], by_axis: dict[str, int], kind: str, axes: tuple[str, ...], n: int
+) -> None:
+    by_kind[kind] = by_kind.get(kind, 0) + n
+    key = "+".join(axes)
+    by_axis[key] = by_axis.get(key, 0) + n
+
+
+def _peak(
+    workload: Workload, specs: _Specs, fused: bool, gathered: Mapping[Dot, int]
+) -> memory_model.Peak:
+    program = workload.memory
+    if program is None:
+        return memory_model.Peak(0, 0, 0)
+
+    def bytes_of(cell: memory_model.Cell) -> int:
+        names, shape, item, score = cell
+        if fused and score:
+            return 0
+        return specs.shard_bytes(names, shape, item)
+
+    extra = [gathered.get(d, 0) for d in program.dots]
+    return memory_model.peak(program, bytes_of, extra)

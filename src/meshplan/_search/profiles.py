@@ -22,7 +22,7 @@ from typing import Any
 
 from meshplan._errors import ArgumentError
 
-__all__ = ["PROFILES", "HardwareProfile", "calibrate_cpu", "get_profile"]
+__all__ = ["PROFILES", "HardwareProfile", "calibrate_cpu", "get_profile", "load_profile"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +37,21 @@ class HardwareProfile:
         fast_bandwidth: Bytes per second per device on an axis within a fast domain.
         slow_bandwidth: Bytes per second per device on an axis that crosses domains.
         domain_devices: Devices per fast domain (NVLink host, TPU slice).
-        latency_s: Seconds each collective costs whatever its size.
+        latency_s: Seconds each collective within a domain costs whatever its size.
         source: Where the figures come from.
+        slow_latency_s: The same across domains (default: ``latency_s``).
+        matmul_efficiency: The fraction of ``peak_flops`` large matmuls reach.
+        fused_attention: The backend runs attention as one fused (flash) kernel: its
+            scores never reach memory.
+        reduce_scatter: The backend reduces a gradient into its shards (FSDP) with a
+            reduce-scatter rather than an all-reduce.
+        overlap: The fraction of compute time that hides independent collectives
+            (weight gathers, gradient reductions; XLA's async collectives); 0: none.
+        combine_bytes: Independent collectives are combined up to this many bytes (as
+            XLA's combiner passes do), so they pay one latency; 0: never combined.
+        regather: A weight FSDP gathers for the forward pass is gathered again for the
+            backward pass (not kept alive between them), as on TPU and GPU; XLA on CPU
+            keeps it.
 
     Example:
         >>> import meshplan
@@ -56,6 +69,17 @@ class HardwareProfile:
     domain_devices: int
     latency_s: float
     source: str = ""
+    slow_latency_s: float | None = None
+    matmul_efficiency: float = 1.0
+    fused_attention: bool = False
+    reduce_scatter: bool = True
+    overlap: float = 0.0
+    combine_bytes: int = 0
+    regather: bool = False
+
+    def __post_init__(self) -> None:
+        if self.slow_latency_s is None:
+            object.__setattr__(self, "slow_latency_s", self.latency_s)
 
     def axis_bandwidth(self, mesh: Mapping[str, int], axis: str) -> float:
         """The bandwidth of ``axis`` of ``mesh`` (row-major over the devices).
@@ -73,7 +97,7 @@ class HardwareProfile:
         return self.fast_bandwidth if span <= self.domain_devices else self.slow_bandwidth
 
     def to_dict(self) -> dict[str, Any]:
-        """The figures as plain data.
+        """The figures as plain data (what :func:`load_profile` reads back).
 
         Example:
             >>> import meshplan
@@ -85,7 +109,33 @@ class HardwareProfile:
 
 GiB = 1 << 30
 
+# Physical parameters shared by a backend's profiles (never fitted per model or run):
+# XLA on TPU and on GPU runs collectives asynchronously, overlapping weight gathers and
+# gradient reductions with the layers around them, combines small ones (the combiner
+# passes' thresholds are tens of MiB), reduce-scatters FSDP gradients, and has fused
+# (flash) attention kernels (Pallas on TPU, cuDNN on GPU). The matmul efficiency is the
+# fraction of the datasheet peak large bf16 matmuls reach; the collective latencies are
+# a hop's start-up on the fast links and on the data-centre network.
+_TPU: dict[str, Any] = dict(
+    matmul_efficiency=0.86, fused_attention=True, overlap=0.9, combine_bytes=32 << 20, regather=True
+)
+_GPU: dict[str, Any] = dict(
+    fused_attention=True, overlap=0.9, combine_bytes=32 << 20, regather=True
+)
+# GPU matmul efficiencies, from the calibration rows of benchmarks/bench_published.py
+# (llm-foundry's PyTorch FSDP runs; the held-out rows check them): A100 0.62 of 312 TFLOP/s,
+# H100-class 0.45 of 989 (Hopper's bf16 peak is rarely approached by those kernels).
+_A100_EFF, _HOPPER_EFF = 0.62, 0.45
+
 PROFILES: dict[str, HardwareProfile] = {
+    # NVIDIA A100 SXM4 80GB datasheet (nvidia.com/en-us/data-center/a100): 312 TFLOP/s dense
+    # bf16, 80 GB HBM2e at 2,039 GB/s, NVLink 3 600 GB/s per GPU (300 GB/s each way). DGX A100:
+    # 8x 200 Gb/s HDR InfiniBand per 8 GPUs = 25 GB/s per GPU each way.
+    "a100": HardwareProfile(
+        "a100", 312e12, 80 * 10**9, 2.039e12, 300e9, 25e9, 8, 10e-6,
+        "NVIDIA A100 SXM4 80GB datasheet; DGX A100 (8x HDR 200 Gb/s InfiniBand)",
+        slow_latency_s=20e-6, matmul_efficiency=_A100_EFF, **_GPU,
+    ),
     # NVIDIA H100 SXM5 datasheet (nvidia.com/en-us/data-center/h100): 989 TFLOP/s dense bf16
     # (1,979 with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s per GPU (both
     # directions: 450 GB/s each way). Between hosts: DGX H100, 8x 400 Gb/s ConnectX-7
@@ -93,20 +143,57 @@ PROFILES: dict[str, HardwareProfile] = {
     "h100": HardwareProfile(
         "h100", 989e12, 80 * 10**9, 3.35e12, 450e9, 50e9, 8, 10e-6,
         "NVIDIA H100 SXM5 datasheet; DGX H100 (8x ConnectX-7 400 Gb/s)",
+        slow_latency_s=20e-6, matmul_efficiency=_HOPPER_EFF, **_GPU,
     ),
     # NVIDIA H200 SXM datasheet (nvidia.com/en-us/data-center/h200): 989 TFLOP/s dense bf16,
     # 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s (450 GB/s each way); hosts as DGX H100.
     "h200": HardwareProfile(
         "h200", 989e12, 141 * 10**9, 4.8e12, 450e9, 50e9, 8, 10e-6,
         "NVIDIA H200 SXM datasheet; DGX-style hosts (8x 400 Gb/s InfiniBand)",
+        slow_latency_s=20e-6, matmul_efficiency=_HOPPER_EFF, **_GPU,
+    ),
+    # NVIDIA DGX B200 datasheet (nvidia.com/en-us/data-center/dgx-b200): 72 PFLOP/s FP8
+    # training per 8 GPUs, i.e. 2.25 PFLOP/s dense bf16 per GPU; 1,440 GB HBM3e per 8 GPUs
+    # (180 GB each) at 8 TB/s; NVLink 5 1.8 TB/s per GPU (900 GB/s each way); 8x 400 Gb/s
+    # ConnectX-7 per 8 GPUs (50 GB/s per GPU each way).
+    "b200": HardwareProfile(
+        "b200", 2.25e15, 180 * 10**9, 8e12, 900e9, 50e9, 8, 10e-6,
+        "NVIDIA DGX B200 datasheet (per GPU: 1/8 of the system)",
+        slow_latency_s=20e-6, matmul_efficiency=_HOPPER_EFF, **_GPU,
+    ),
+    # Google Cloud TPU v4 (cloud.google.com/tpu/docs/v4): 275 TFLOP/s bf16, 32 GiB HBM2 at
+    # 1,200 GB/s, 3D torus of 6 ICI ports of 50 GB/s each way (Jouppi et al., ISCA 2023); a
+    # ring along one axis uses 2 of them: 100 GB/s each way; a pod (ICI domain) is 4,096
+    # chips. DCN between pods: 100 Gb/s per host of 4 chips = 3.1 GB/s per chip.
+    "tpu_v4": HardwareProfile(
+        "tpu_v4", 275e12, 32 * GiB, 1.2e12, 100e9, 3.1e9, 4096, 5e-6,
+        "Google Cloud TPU v4 documentation (system architecture); Jouppi et al., ISCA 2023",
+        slow_latency_s=50e-6, **_TPU,
     ),
     # Google Cloud TPU v5e (cloud.google.com/tpu/docs/v5e): 197 TFLOP/s bf16, 16 GiB HBM2
-    # at 819 GB/s, inter-chip interconnect 1,600 Gbps (200 GB/s) per chip; a pod (one ICI
-    # domain) is 256 chips. Between pods (DCN, multislice): assumed 100 Gbps = 12.5 GB/s
-    # per chip each way (an assumption, not a published per-chip figure).
+    # at 819 GB/s, bidirectional ICI 400 GB/s per chip over 4 ports (a ring along one torus
+    # axis: 2 ports, 100 GB/s each way); a pod (one ICI domain) is 256 chips. DCN: 2x 100 Gb/s
+    # NIC per host of 8 chips (6.4 Tb/s per pod) = 3.1 GB/s per chip.
     "tpu_v5e": HardwareProfile(
-        "tpu_v5e", 197e12, 16 * GiB, 819e9, 100e9, 12.5e9, 256, 5e-6,
-        "Google Cloud TPU v5e documentation; DCN bandwidth assumed",
+        "tpu_v5e", 197e12, 16 * GiB, 819e9, 100e9, 3.125e9, 256, 5e-6,
+        "Google Cloud TPU v5e documentation (system architecture)",
+        slow_latency_s=50e-6, **_TPU,
+    ),
+    # Google Cloud TPU v5p (cloud.google.com/tpu/docs/v5p): 459 TFLOP/s bf16, 95 GB HBM2e at
+    # 2,765 GB/s, ICI 4,800 Gb/s per chip (600 GB/s) over 6 ports of a 3D torus (a ring:
+    # 2 ports, 200 GB/s each way); a pod is 8,960 chips. DCN assumed as v5e per chip.
+    "tpu_v5p": HardwareProfile(
+        "tpu_v5p", 459e12, 95 * 10**9, 2.765e12, 200e9, 3.125e9, 8960, 5e-6,
+        "Google Cloud TPU v5p documentation (system architecture)",
+        slow_latency_s=50e-6, **_TPU,
+    ),
+    # Google Cloud TPU v6e Trillium (cloud.google.com/tpu/docs/v6e): 918 TFLOP/s bf16, 32 GB
+    # HBM at 1,640 GB/s, ICI 3,584 Gb/s per chip (448 GB/s) over 4 ports of a 2D torus (a ring:
+    # 2 ports, 112 GB/s each way); a pod is 256 chips. DCN: 4x 200 Gb/s per host of 8 chips.
+    "tpu_v6e": HardwareProfile(
+        "tpu_v6e", 918e12, 32 * 10**9, 1.64e12, 112e9, 12.5e9, 256, 5e-6,
+        "Google Cloud TPU v6e documentation (system architecture)",
+        slow_latency_s=50e-6, **_TPU,
     ),
 }  # fmt: skip
 """Published profiles by name; ``cpu`` is measured (:func:`get_profile`)."""
@@ -127,7 +214,9 @@ def _median_seconds(fn: Any, *args: Any, repeat: int = 7) -> float:
 
 
 def calibrate_cpu(devices: int | None = None) -> HardwareProfile:
-    """Measures this machine's emulated JAX devices, all busy at once (cached per count).
+    """Measures this machine's emulated JAX devices, all busy at once (cached per count, in
+    this process and in ``~/.cache/meshplan/cpu-profile-N.json``: ``MESHPLAN_RECALIBRATE=1``
+    measures again).
 
     Matmul FLOP/s per device (a 384^3 float32 matmul on each device at once), memory
     bandwidth per device (an elementwise op on 4 MiB each), and a ``psum`` over all
@@ -141,6 +230,10 @@ def calibrate_cpu(devices: int | None = None) -> HardwareProfile:
     n = min(devices or jax.device_count(), jax.device_count())
     if n in _CPU:
         return _CPU[n]
+    cached = _cached_cpu(n)
+    if cached is not None:
+        _CPU[n] = cached
+        return cached
     mesh = jax.make_mesh((n,), ("d",), devices=jax.devices()[:n])
     split = NamedSharding(mesh, PartitionSpec("d"))
     m = 384
@@ -171,30 +264,137 @@ def calibrate_cpu(devices: int | None = None) -> HardwareProfile:
         f"measured on this machine: {n} emulated devices ({jax.devices()[0].platform})",
     )  # fmt: skip
     _CPU[n] = profile
+    _save_cpu(n, profile)
     return profile
 
 
+def _cache_path(n: int) -> Any:
+    import os
+    from pathlib import Path
+
+    root = os.environ.get("MESHPLAN_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "meshplan"
+    )
+    return Path(root) / f"cpu-profile-{n}.json"
+
+
+def _cached_cpu(n: int) -> HardwareProfile | None:
+    """The measured profile of an earlier run (so two runs rank alike), unless
+    ``MESHPLAN_RECALIBRATE=1`` asks for a new measurement."""
+    import json
+    import os
+
+    if os.environ.get("MESHPLAN_RECALIBRATE") == "1":
+        return None
+    try:
+        data = json.loads(_cache_path(n).read_text())
+        return HardwareProfile(**data)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _save_cpu(n: int, profile: HardwareProfile) -> None:
+    import json
+
+    path = _cache_path(n)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(profile.to_dict()))
+    except OSError:
+        pass  # a read-only home: measured again next time
+
+
+def load_profile(path: str) -> HardwareProfile:
+    """A profile from a JSON file: an object of :class:`HardwareProfile`'s fields.
+
+    Required: ``name``, ``peak_flops``, ``memory_bytes``, ``memory_bandwidth``,
+    ``fast_bandwidth``, ``slow_bandwidth``, ``domain_devices``, ``latency_s``; the others
+    have defaults. Every problem (a missing or unknown field, a value of the wrong type
+    or not positive) is listed in one error.
+
+    Example:
+        >>> import json, os, tempfile
+        >>> from meshplan._search.profiles import get_profile, load_profile
+        >>> mine = dict(get_profile("tpu_v5e").to_dict(), name="mine", peak_flops=100e12)
+        >>> path = os.path.join(tempfile.mkdtemp(), "mine.json")
+        >>> with open(path, "w") as f:
+        ...     json.dump(mine, f)
+        >>> load_profile(path).peak_flops
+        100000000000000.0
+    """
+    import json
+
+    fields = {f.name: f for f in dataclasses.fields(HardwareProfile)}
+    required = [n for n, f in fields.items() if f.default is dataclasses.MISSING]
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ArgumentError(
+            f"Cannot read the profile {path!r}: {e.strerror}.\nPass a JSON file of "
+            f"HardwareProfile fields, or a profile name: cpu, {', '.join(PROFILES)}."
+        ) from None
+    except ValueError as e:
+        raise ArgumentError(
+            f"The profile {path!r} is not JSON: {e}.\nWrite an object of HardwareProfile "
+            f"fields, e.g. meshplan.get_profile('h100').to_dict() saved with json.dump."
+        ) from None
+    if not isinstance(data, dict):
+        raise ArgumentError(
+            f"The profile {path!r} holds a {type(data).__name__}, not an object of fields.\n"
+            f'Write an object like {{"name": "mine", "peak_flops": 1e14, ...}}.'
+        )
+    problems = [f"missing field {n!r}" for n in required if n not in data]
+    problems += [f"unknown field {n!r}" for n in data if n not in fields]
+    kinds: dict[str, Any] = {"name": str, "source": str, "fused_attention": bool,
+                             "reduce_scatter": bool, "regather": bool, "domain_devices": int,
+                             "memory_bytes": int, "combine_bytes": int}  # fmt: skip
+    for n, v in data.items():
+        if n not in fields or (n == "slow_latency_s" and v is None):
+            continue
+        kind = kinds.get(n, float)
+        ok = isinstance(v, kind) if kind is not float else isinstance(v, int | float)
+        if isinstance(v, bool) and kind is not bool:
+            ok = False
+        if not ok:
+            problems.append(f"{n!r} is {v!r}, not a {kind.__name__}")
+        elif kind in (int, float) and v < 0:
+            problems.append(f"{n!r} is {v!r}: it cannot be negative")
+        elif n in ("peak_flops", "memory_bandwidth", "fast_bandwidth", "slow_bandwidth",
+                   "domain_devices", "memory_bytes") and v <= 0:  # fmt: skip
+            problems.append(f"{n!r} is {v!r}: it must be positive")
+    if problems:
+        raise ArgumentError(
+            f"The profile {path!r} is not a valid hardware profile: {'; '.join(problems)}.\n"
+            f"Required fields: {', '.join(required)}; see meshplan.HardwareProfile."
+        )
+    return HardwareProfile(**data)
+
+
 def get_profile(profile: str | HardwareProfile, devices: int | None = None) -> HardwareProfile:
-    """A profile by name (``cpu``, ``h100``, ``h200``, ``tpu_v5e``), or ``profile`` itself.
+    """A profile by name (``cpu``, :data:`PROFILES`), a JSON file (``*.json``), or ``profile`` itself.
 
     Example:
         >>> from meshplan._search.profiles import get_profile
         >>> p = get_profile("tpu_v5e")
         >>> p.peak_flops, p.memory_bytes // 2**30
         (197000000000000.0, 16)
-        >>> get_profile("a100")
+        >>> get_profile("a1000")
         Traceback (most recent call last):
         ...
-        meshplan.ArgumentError: Unknown hardware profile 'a100'. Known: cpu, h100, h200, tpu_v5e.
-        Pass one of those, or a meshplan HardwareProfile with your own figures.
+        meshplan.ArgumentError: Unknown hardware profile 'a1000'. Known: cpu, a100, h100, h200, b200, tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e.
+        Pass one of those, a JSON file of HardwareProfile fields, or a meshplan HardwareProfile.
     """
     if isinstance(profile, HardwareProfile):
         return profile
     if profile == "cpu":
         return calibrate_cpu(devices)
+    if profile.endswith(".json"):
+        return load_profile(profile)
     if profile not in PROFILES:
         raise ArgumentError(
             f"Unknown hardware profile {profile!r}. Known: cpu, {', '.join(PROFILES)}.\n"
-            f"Pass one of those, or a meshplan HardwareProfile with your own figures."
+            f"Pass one of those, a JSON file of HardwareProfile fields, or a meshplan "
+            f"HardwareProfile."
         )
     return PROFILES[profile]

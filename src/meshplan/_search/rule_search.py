@@ -25,8 +25,8 @@ from typing import Any
 import jax
 
 from meshplan._errors import ArgumentError
-from meshplan._search.candidates import ROLES, Candidate, generate
-from meshplan._search.cost import Cost, _Specs, predict
+from meshplan._search.candidates import ALL_ROLES, CONTEXT_NAMES, Candidate, generate
+from meshplan._search.cost import Cost, _Specs, predict, state_bytes
 from meshplan._search.hlo import measure_step
 from meshplan._search.profiles import HardwareProfile, get_profile
 from meshplan._search.search import mesh_shapes
@@ -107,9 +107,11 @@ class RuleRow:
             f"meshplan train --mesh {self.mesh_text} --axes {self.axes_text} --rules {rules_path}"
         )
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, result: RuleSearchResult | None = None) -> dict[str, Any]:
+        """Plain data; with ``result``, the prediction's fields of ``meshplan plan --json``
+        (tokens/s, MFU, memory by kind against the budget: :mod:`meshplan._search.report`)."""
         cost = self.cost
-        return {
+        data: dict[str, Any] = {
             "mesh": dict(self.mesh), "mesh_shape": list(self.mesh.values()),
             "axis_names": list(self.mesh), "layout": self.layout, "rules": self.rules_pairs,
             "status": self.status, "reason": self.reason, "rank": self.rank,
@@ -122,6 +124,14 @@ class RuleRow:
             "comm_s": None if cost is None else cost.comm_s,
             "compiled": self.compiled, "measured_step_s": self.measured_s,
         }  # fmt: skip
+        if cost is not None and result is not None:
+            from meshplan._search.report import prediction_fields
+
+            fields = prediction_fields(
+                cost, result.tokens, result.devices, result.profile, result.budget_bytes
+            )
+            data.update({k: v for k, v in fields.items() if k not in ("devices", "profile")})
+        return data
 
 
 @dataclasses.dataclass
@@ -151,6 +161,7 @@ class RuleSearchResult:
     counts: dict[str, Any]
     seconds: float
     batch: int | None = None
+    tokens: int | None = None
 
     @property
     def ok(self) -> list[RuleRow]:
@@ -234,7 +245,7 @@ class RuleSearchResult:
               #  mesh ...
               1  1x8 data,model ...
             enumerated ..., pruned ...
-            best: 1x8 data,model heads=model mlp=model vocab=model
+            best: 1x8 data,model mlp=model
         """
         lines = [
             f"{self.devices} devices, profile {self.profile.name}, budget "
@@ -285,14 +296,14 @@ class RuleSearchResult:
             >>> result = meshplan.search_rules(8, state, step, x, profile="h100", compile_top=0)
             >>> data = result.to_dict()
             >>> data["best"]["mesh_shape"], data["best"]["axis_names"], data["best"]["rules"][1]
-            ([1, 8], ['data', 'model'], ['heads', 'model'])
+            ([1, 8], ['data', 'model'], ['mlp', 'model'])
         """
         return {
             "schema": "meshplan.rule_search/1", "devices": self.devices, "batch": self.batch,
             "profile": self.profile.to_dict(), "budget_bytes": self.budget_bytes,
             "counts": self.counts, "seconds": self.seconds,
-            "best": None if self.best is None else self.best.to_dict(),
-            "rows": [r.to_dict() for r in self.rows],
+            "best": None if self.best is None else self.best.to_dict(self),
+            "rows": [r.to_dict(self) for r in self.rows],
         }  # fmt: skip
 
 
@@ -335,6 +346,47 @@ def linen_step(
         return state.apply_gradients(grads=jax.grad(objective)(state.params))
 
     return abstract, step, example_inputs
+
+
+TIE = 0.03
+"""Predictions within 3% of each other are ties (the cost model is not that exact, and a
+measured CPU profile moves that much from run to run): broken by a fixed order."""
+
+
+def _step(row: RuleRow) -> float:
+    return row.cost.step_s if row.cost is not None else math.inf
+
+
+def _rank(rows: list[RuleRow]) -> list[RuleRow]:
+    """Rows by predicted time; ties (:data:`TIE`) broken deterministically: built-in layouts,
+    fewer mesh axes, less memory, then the mesh and rules' text."""
+    by_time = sorted(rows, key=lambda r: r.cost.step_s if r.cost else math.inf)
+    out: list[RuleRow] = []
+    i = 0
+    while i < len(by_time):
+        first = by_time[i].cost
+        limit = first.step_s * (1 + TIE) if first else math.inf
+        j = i
+        while j < len(by_time) and _step(by_time[j]) <= limit:
+            j += 1
+        j = max(j, i + 1)
+        group = by_time[i:j]
+        group.sort(key=lambda r: (r.layout == "searched", len(r.mesh),
+                                  r.cost.memory_bytes if r.cost else 0, r.mesh_text,
+                                  r.axes_text, r.short_rules))  # fmt: skip
+        out += group
+        i = j
+    return out
+
+
+def _own_rules(rules: Any, workload: Workload) -> tuple[tuple[str, Any], ...]:
+    """A built-in layout's rules for this model: only the names the model has (``batch``
+    too), then every other name it has, unsplit, so that a rules file written from it names
+    all of them (``meshplan check`` then finds nothing unknown)."""
+    model = set(workload.names) | {"batch"}
+    own = [(n, a) for n, a in rules if n in model]
+    given = {n for n, _ in own}
+    return (*own, *((n, None) for n in workload.names if n not in given))
 
 
 def _signature(
@@ -403,6 +455,8 @@ def _prune(
     specs = _Specs(c.mesh, c.rules)
     used = {a for names, shape in leaves for axes in specs(names, len(shape)) for a in axes}
     used |= {a for axes in specs(batch_names, len(batch_names)) for a in axes}
+    acts = tuple(n for n in work.names if n in CONTEXT_NAMES or n.startswith("activation_"))
+    used |= {a for axes in specs(acts, len(acts)) for a in axes}
     idle = [a for a, s in c.mesh.items() if s > 1 and a not in used]
     if idle:
         return f"idle: mesh axis {idle[0]!r} ({c.mesh[idle[0]]}) splits nothing"
@@ -422,7 +476,7 @@ def search_rules(
     memory_budget_bytes: int | None = None,
     layouts: Mapping[str, Any] | Sequence[str] | None = None,
     names: Sequence[str] | None = None,
-    roles: Sequence[str] = ROLES,
+    roles: Sequence[str] = ALL_ROLES,
     max_axes: int = 3,
     compile_top: int = 3,
     measure: bool = False,
@@ -464,7 +518,8 @@ def search_rules(
             built-in layouts; their mesh axes are ``('data', 'model')``).
         names: Parameter names the search may split (default: every name the state
             carries but ``layer``).
-        roles: Mesh axis roles to use (``data``, ``fsdp``, ``tensor``).
+        roles: Mesh axis roles to use (``data``, ``fsdp``, ``tensor``, and ``context``,
+            ``expert`` where the model has a sequence or expert name).
         max_axes: At most this many mesh axes.
         compile_top: Compile the first this many (needs ``devices`` JAX devices; else 0).
         measure: Run the first ``measure_top`` and rank them by measured time.
@@ -503,9 +558,12 @@ def search_rules(
     elif not isinstance(layouts, Mapping):
         layouts = {n: LAYOUTS[n] for n in layouts}
     search_names = [n for n in (names or workload.param_names) if n != "layer"]
+    if names is None:  # activations' own names (MaxText's activation_embed) may split too
+        search_names += [n for n in workload.names
+                         if n.startswith("activation_") and n not in CONTEXT_NAMES]  # fmt: skip
     other = [n for n in workload.names if n not in search_names and n != "batch"]
     candidates: list[Candidate] = [
-        Candidate(dict(zip(("data", "model"), s, strict=True)), tuple(r), name)
+        Candidate(dict(zip(("data", "model"), s, strict=True)), _own_rules(r, workload), name)
         for name, r in layouts.items()
         for s in mesh_shapes(devices, 2)
     ]
@@ -515,18 +573,30 @@ def search_rules(
     batch = workload.batch
     batch_names: tuple[Any, ...] = ("batch",)
     pruned = dict.fromkeys(PRUNE_REASONS, 0)
+    acts = tuple(n for n in workload.names if n in CONTEXT_NAMES or n.startswith("activation_"))
+    sig_arrays = [*leaves, (acts, (0,) * len(acts))] if acts else leaves
     seen: set[Any] = set()
     rows: list[RuleRow] = []
     out: list[RuleRow] = []
     for c in candidates:
         row = RuleRow(c.mesh, c.rules, c.layout)
-        reason = _prune(c, workload, batch, batch_names, leaves)
-        if reason is None:
-            sig = _signature(c, hierarchical, leaves, batch_names)
-            if sig in seen:
+        # A generated candidate with the splits of one listed before is that candidate
+        # (asked first: it is cheaper than the validator, and most are).
+        sig = _signature(c, hierarchical, sig_arrays, batch_names)
+        if c.layout == "searched" and sig in seen:
+            reason: str | None = "symmetric: the same splits as a candidate listed before"
+        else:
+            reason = _prune(c, workload, batch, batch_names, leaves)
+            if reason is None and sig in seen:
                 reason = "symmetric: the same splits as a candidate listed before"
+            if c.layout == "searched" or reason is None:
+                seen.add(sig)
         if reason is None:
-            seen.add(sig)
+            held = state_bytes(workload, _Specs(c.mesh, c.rules))
+            if held > budget:  # the state alone: no need to price the step
+                reason = (f"memory: the state alone, {human_bytes(held)} per device, is over "
+                          f"the budget of {human_bytes(budget)}")  # fmt: skip
+        if reason is None:
             row.cost = predict(workload, c.mesh, c.rules, prof)
             if row.cost.memory_bytes > budget:
                 reason = (f"memory: {human_bytes(row.cost.memory_bytes)} per device is over "
@@ -539,7 +609,7 @@ def search_rules(
             continue
         rows.append(row)
     scored = sum(1 for r in [*rows, *out] if r.cost is not None)
-    rows.sort(key=lambda r: r.cost.step_s if r.cost else math.inf)
+    rows = _rank(rows)
     compiled = 0
     if compile_top and have_devices and step_fn is not None:
         for row in rows[:compile_top]:
@@ -572,8 +642,9 @@ def search_rules(
     counts = {"enumerated": len(candidates), "pruned": pruned, "scored": scored,
               "compiled": compiled, "measured": measured}  # fmt: skip
     return RuleSearchResult(
-        rows + out, devices, prof, budget, counts, time.perf_counter() - t0, batch
-    )
+        rows + out, devices, prof, budget, counts, time.perf_counter() - t0, batch,
+        workload.tokens,
+    )  # fmt: skip
 
 
 def _refine(row: RuleRow) -> None:

@@ -21,6 +21,7 @@ candidate is priced in a few hundred operations, whatever the model's depth.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,6 +30,7 @@ import jax
 import numpy as np
 from jax.extend.core import Literal
 
+from meshplan._search import memory
 from meshplan._spmd.leaves import array_leaves
 
 __all__ = ["Dot", "Workload", "trace_workload"]
@@ -54,7 +56,7 @@ class Dot:
     lhs_itemsize: int
     rhs_itemsize: int
 
-    @property
+    @functools.cached_property
     def flops(self) -> int:
         """Global FLOPs of one run: 2 x every dimension's size (batch, free, contracting)."""
         lhs = math.prod(self.lhs_shape)
@@ -68,19 +70,27 @@ class Dot:
 class Workload:
     """What a step does, as :func:`trace_workload` found it.
 
-    ``dots``: ``{Dot: count}``; ``traffic``: ``{(names, shape): bytes written per
-    step}`` of every other op; ``state``: ``[(names, shape, itemsize)]`` of the
-    state's arrays (``None`` names: unboxed); ``batch_names``: the names given to
-    the batch's arrays; ``names``: every logical name seen, in order of first
-    appearance (state first).
+    ``dots``: ``{Dot: count}``; ``traffic``: ``{(names, shape, score): bytes}`` that
+    XLA's fusions read and write in memory per step (values a fusion keeps in
+    registers are not counted: :func:`materialized`); ``score`` marks attention
+    scores, which a fused attention kernel never writes; ``state``: ``[(names,
+    shape, itemsize)]`` of the state's arrays (``None`` names: unboxed); ``names``:
+    every logical name seen, in order of first appearance (state first);
+    ``memory``: the liveness program (:mod:`meshplan._search.memory`) of the step;
+    ``score_dots``: the dots that read or write attention scores; ``batch_state``: the
+    batch arrays (names, shape, itemsize); ``tokens``: tokens (or examples) per step.
     """
 
     dots: dict[Dot, int]
-    traffic: dict[tuple[Names, tuple[int, ...]], int]
+    traffic: dict[tuple[Names, tuple[int, ...], bool], int]
     state: list[tuple[Names | None, tuple[int, ...], int]]
     names: tuple[str, ...]
     batch: int | None = None
     param_names: tuple[str, ...] = ()
+    memory: Any = None
+    score_dots: frozenset[Dot] = frozenset()
+    batch_state: list[tuple[Names, tuple[int, ...], int]] = dataclasses.field(default_factory=list)
+    tokens: int | None = None
 
     @property
     def flops(self) -> int:
@@ -126,12 +136,53 @@ def _reshape(names: Names, old: tuple[int, ...], new: tuple[int, ...]) -> Names:
 
 _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
+# Ops after which XLA writes a value to memory: what a loop fusion cannot hold in
+# registers (matmuls, control flow, calls, data movement, collectives). Elementwise
+# ops, broadcasts, reshapes and reductions fuse into their neighbours.
+_BOUNDARY = frozenset({
+    "dot_general", "scan", "while", "cond", "pjit", "jit", "closed_call", "core_call",
+    "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
+    "gather", "scatter", "scatter-add", "scatter_add", "dynamic_slice",
+    "dynamic_update_slice", "sort", "cumsum", "cumprod", "cummax", "cumlogsumexp",
+    "all_gather", "psum", "all_to_all", "ppermute", "reduce_scatter", "conv_general_dilated",
+    "argsort", "top_k", "fft", "custom_call",
+})  # fmt: skip
+
+
+def dedupe(names: Names) -> Names:
+    """``names`` with every repeat of a name dropped to ``None`` (the first one keeps it).
+
+    An array's dimensions take one mesh axis each: two dimensions with one name (q·kᵀ
+    gives ``('batch', 'heads', 'seq', 'seq')``) would be an invalid sharding.
+
+    Example:
+        >>> from meshplan._search.trace import dedupe
+        >>> dedupe(("batch", "heads", "seq", "seq"))
+        ('batch', 'heads', 'seq', None)
+    """
+    seen: set[Any] = set()
+    out: list[Any] = []
+    for n in names:
+        if n is not None and n in seen:
+            out.append(None)
+        else:
+            seen.add(n)
+            out.append(n)
+    return tuple(out)
+
 
 class _Walker:
     def __init__(self) -> None:
         self.dots: dict[Dot, int] = {}
-        self.traffic: dict[tuple[Names, tuple[int, ...]], int] = {}
+        self.traffic: dict[tuple[Names, tuple[int, ...], bool], int] = {}
         self.seen: dict[str, None] = {}
+        self.var_names: dict[Any, Names] = {}
+        self.scores: set[Any] = set()  # vars holding attention scores
+        self.score_dots: set[Dot] = set()
+        self.consumers: dict[Any, list[str]] = {}
+        self.dot_by_eqn: dict[int, Dot] = {}
+        self.materialized: set[Any] = set()  # values XLA writes to memory (not fused away)
+        self.constlike: set[Any] = set()  # computed from no input (iotas, masks): recomputed
 
     def note(self, names: Names) -> None:
         for n in names:
@@ -148,16 +199,42 @@ class _Walker:
 
         for v, n in zip(jaxpr.invars, in_names, strict=True):
             env[v] = n
+            self.var_names[v] = n
+        for eqn in jaxpr.eqns:
+            for v in eqn.invars:
+                if not isinstance(v, Literal):
+                    self.consumers.setdefault(v, []).append(eqn.primitive.name)
+        for v in jaxpr.outvars:
+            if not isinstance(v, Literal):
+                self.consumers.setdefault(v, []).append("return")
         for eqn in jaxpr.eqns:
             ins = [read(v) for v in eqn.invars]
-            outs = self.eqn(eqn, ins, times)
+            outs = [dedupe(n) for n in self.eqn(eqn, ins, times)]
             for v, n in zip(eqn.outvars, outs, strict=True):
                 env[v] = n
+                self.var_names[v] = n
                 self.note(n)
         return [read(v) for v in jaxpr.outvars]
 
+    def _is_score_dot(self, eqn: Any, ins: list[Names]) -> bool:
+        """A product of two activations that is larger than both: q·kᵀ (or its gradient)."""
+        if not all("batch" in n for n in ins):
+            return False
+        sizes = [math.prod(getattr(v.aval, "shape", ())) for v in eqn.invars]
+        return bool(math.prod(eqn.outvars[0].aval.shape) > max(sizes))
+
+    def _score_input(self, eqn: Any) -> bool:
+        size = math.prod(getattr(eqn.outvars[0].aval, "shape", ())) if eqn.outvars else 0
+        return any(
+            v in self.scores and math.prod(v.aval.shape) == size
+            for v in eqn.invars
+            if not isinstance(v, Literal)
+        )
+
     def eqn(self, eqn: Any, ins: list[Names], times: int) -> list[Names]:
         prim, p = eqn.primitive.name, eqn.params
+        if prim in ("scan", "while", "cond"):  # a loop's outputs are buffers in memory
+            self.materialized.update(eqn.outvars)
         shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
         out_shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars]
         if prim == "dot_general":
@@ -167,16 +244,30 @@ class _Walker:
                       (tuple(lb), tuple(rb)), _itemsize(eqn.outvars[0].aval),
                       _itemsize(eqn.invars[0].aval), _itemsize(eqn.invars[1].aval))  # fmt: skip
             self.dots[dot] = self.dots.get(dot, 0) + times
+            self.dot_by_eqn[id(eqn)] = dot
+            if self._is_score_dot(eqn, ins):
+                self.scores.add(eqn.outvars[0])
+                self.score_dots.add(dot)
+            elif any(v in self.scores for v in eqn.invars if not isinstance(v, Literal)):
+                self.score_dots.add(dot)
             out = [_merge(lhs[i], rhs[j]) for i, j in zip(lb, rb, strict=True)]
             out += [lhs[i] for i in range(len(lhs)) if i not in lc and i not in lb]
             out += [rhs[i] for i in range(len(rhs)) if i not in rc and i not in rb]
-            return [tuple(out)]
+            names = dedupe(tuple(out))
+            self._count(eqn.outvars[0], names, times, eqn.outvars[0] in self.scores, dot_out=True)
+            return [names]
         if prim == "scan":
             body, length = p["jaxpr"], int(p["length"])
             nc, ncarry = p["num_consts"], p["num_carry"]
             body_in = [*ins[: nc + ncarry], *(n[1:] for n in ins[nc + ncarry :])]
             body_in[nc : nc + ncarry] = _carry_fixpoint(body.jaxpr, body_in, nc, ncarry)
+            for outer, inner in zip(eqn.invars, body.jaxpr.invars, strict=True):
+                if not isinstance(outer, Literal) and outer in self.scores:
+                    self.scores.add(inner)
             body_out = self.walk(body.jaxpr, body_in, times * length)
+            for outer, inner in zip(eqn.outvars, body.jaxpr.outvars, strict=True):
+                if not isinstance(inner, Literal) and inner in self.scores:
+                    self.scores.add(outer)
             lead = next((n[0] for n in ins[nc + ncarry :] if n and n[0] is not None), None)
             return [*body_out[:ncarry], *((lead, *n) for n in body_out[ncarry:])]
         if prim == "while":
@@ -194,14 +285,56 @@ class _Walker:
             if sub is not None:
                 sub = getattr(sub, "jaxpr", sub)
                 if len(sub.invars) == len(ins):
-                    return self.walk(sub, ins, times)
-        outs = self.other(prim, p, ins, shapes, out_shapes)
-        for n, shape, v in zip(outs, out_shapes, eqn.outvars, strict=True):
-            size = math.prod(shape) * _itemsize(v.aval)
-            if size:
-                cell = (n, shape)
-                self.traffic[cell] = self.traffic.get(cell, 0) + size * times
+                    for outer, inner in zip(eqn.invars, sub.invars, strict=True):
+                        if isinstance(outer, Literal) or outer in self.constlike:
+                            self.constlike.add(inner)
+                        if not isinstance(outer, Literal) and outer in self.scores:
+                            self.scores.add(inner)
+                    result = self.walk(sub, ins, times)
+                    for outer, inner in zip(eqn.outvars, sub.outvars, strict=True):
+                        if not isinstance(inner, Literal) and inner in self.scores:
+                            self.scores.add(outer)
+                        if isinstance(inner, Literal) or inner in self.constlike:
+                            self.constlike.add(outer)
+                        elif inner in self.materialized or inner in sub.invars:
+                            self.materialized.add(outer)
+                    return result
+        if prim not in _BOUNDARY and all(
+            isinstance(v, Literal) or v in self.constlike for v in eqn.invars
+        ):
+            self.constlike.update(eqn.outvars)
+        outs = [dedupe(n) for n in self.other(prim, p, ins, shapes, out_shapes)]
+        score = prim not in _BOUNDARY and self._score_input(eqn)
+        for n, v in zip(outs, eqn.outvars, strict=True):
+            if score:
+                self.scores.add(v)
+            self._count(v, n, times, score, boundary=prim in _BOUNDARY)
         return outs
+
+    def _count(
+        self, v: Any, names: Any, times: int, score: bool, *, boundary: bool = False,
+        dot_out: bool = False,
+    ) -> None:  # fmt: skip
+        """The bytes XLA moves for ``v``: written once and read by each consumer that is not
+        fused with its producer, when it leaves a fusion (:data:`_BOUNDARY`); nothing else.
+        A matmul's operands and output are priced with the matmul (:mod:`.cost`)."""
+        if v in self.constlike:
+            return  # XLA computes it where it is used (constant sinking, fusion)
+        shape = tuple(getattr(v.aval, "shape", ()))
+        size = math.prod(shape) * _itemsize(v.aval)
+        consumers = self.consumers.get(v, [])
+        readers = sum(1 for c in consumers if c in _BOUNDARY and c != "dot_general")
+        if dot_out:
+            moved = size * readers
+            self.materialized.add(v)
+        elif boundary or any(c in _BOUNDARY or c == "return" for c in consumers):
+            moved = size * (1 + readers)
+            self.materialized.add(v)
+        else:
+            moved = 0
+        if moved and times:
+            cell = (names, shape, score)
+            self.traffic[cell] = self.traffic.get(cell, 0) + moved * times
 
     @staticmethod
     def other(
@@ -313,4 +446,17 @@ def trace_workload(
     walker.walk(jaxpr, in_names, 1)
     batch = int(flat_batch[0].shape[0]) if flat_batch and flat_batch[0].shape else None
     params = tuple(dict.fromkeys(n for names, _, _ in state if names for n in names if n))
-    return Workload(walker.dots, walker.traffic, state, tuple(walker.seen), batch, params)
+    program = memory.build(
+        jaxpr, walker.var_names, walker.scores, lambda e: walker.dot_by_eqn[id(e)],
+        walker.materialized,
+    )  # fmt: skip
+    batch_state = [
+        (tuple(name_of(b)), tuple(getattr(b, "shape", ())), _itemsize(b)) for b in flat_batch
+    ]
+    tokens = batch
+    if flat_batch and np.issubdtype(np.dtype(flat_batch[0].dtype), np.integer):
+        tokens = math.prod(flat_batch[0].shape[:2])  # token ids: sequences x positions
+    return Workload(
+        walker.dots, walker.traffic, state, tuple(walker.seen), batch, params, program,
+        frozenset(walker.score_dots), batch_state, tokens,
+    )  # fmt: skip

@@ -15,6 +15,7 @@ from meshplan._errors import MeshError, MeshplanError, error_for
 from meshplan.cli.devices import use_cpu_backend
 from meshplan.cli.factory import is_factory, load_factory, model_problem
 from meshplan.cli.output import print_error, say
+from meshplan.cli.sizes import parse_bytes
 from meshplan.train.mesh import parse_mesh_shape
 
 HELP = (
@@ -51,6 +52,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: guide for the MLP, fsdp_tp for the Transformers and factories)",
     )
     add_model_size_arguments(parser)
+    parser.add_argument(
+        "--profile",
+        default=None,
+        help="also predict the step on this hardware, without devices: its time, tokens/s, "
+        "MFU and memory per device (state, activations, temporaries) against the budget; a "
+        "profile name (a100, h100, h200, b200, tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e, cpu) or a "
+        ".json file of meshplan.HardwareProfile fields",
+    )
+    parser.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="the device count (checked against --mesh, whose sizes multiply to it)",
+    )
+    parser.add_argument(
+        "--budget", type=parse_bytes, default=None, help="bytes one device may hold, e.g. "
+        "16GiB (default: the profile's memory)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--batch", type=int, default=None, help="global batch of a built-in model's step, with "
+        "--profile (default 32)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--seq", type=int, default=None, help="Transformer sequence length, with --profile "
+        "(default 128)",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead")
     parser.add_argument("--png", metavar="PATH", help="also draw the plan into a PNG")
     parser.add_argument("--full", action="store_true", help="list every leaf in the table")
@@ -144,6 +171,60 @@ def abstract_state(args: argparse.Namespace) -> tuple[str, Any]:
     )
     how = "nn.scan" if args.scan else "for-loop"
     return f"MLP ({args.layers} layers of {args.depth}, {how})", state
+
+
+def _prediction_problem(args: argparse.Namespace, shape: dict[str, int]) -> str | None:
+    """What is wrong with ``--devices``, ``--batch``, ``--seq`` and ``--budget``, or ``None``."""
+    import math
+
+    devices = math.prod(shape.values())
+    if args.devices is not None and args.devices != devices:
+        return (
+            f"--devices {args.devices} but --mesh {args.mesh} has {devices} devices.\nPass a "
+            f"mesh whose sizes multiply to {args.devices}, or --devices {devices}."
+        )
+    given = [f"--{k}" for k in ("batch", "seq", "budget", "devices") if getattr(args, k, None)]
+    if args.profile is None and [g for g in given if g != "--devices"]:
+        return (
+            f"{', '.join(g for g in given if g != '--devices')} size the predicted step: they "
+            f"need --profile.\nPass --profile (e.g. --profile tpu_v5e), or leave them out."
+        )
+    if is_factory(args.model) and (args.batch or args.seq):
+        return (
+            "--batch and --seq size the built-in models' step; your factory's example batch "
+            "sets yours.\nLeave them out."
+        )
+    for k in ("batch", "seq"):
+        v = getattr(args, k, None)
+        if v is not None and v < 1:
+            return f"--{k} {v}: it must be at least 1.\nPass e.g. --batch 32 --seq 128."
+    return None
+
+
+def _predict(
+    args: argparse.Namespace, loaded: Any, state: Any, shape: dict[str, int], rules: Any
+) -> dict[str, Any]:
+    """The prediction's fields (:mod:`meshplan._search.report`) of the step on ``shape``."""
+    import math
+
+    from meshplan._search.cost import predict
+    from meshplan._search.profiles import get_profile
+    from meshplan._search.report import prediction_fields
+    from meshplan._search.trace import trace_workload
+    from meshplan.cli.steps import step_and_batch
+
+    if loaded is not None:
+        step, batch = loaded.step_fn, loaded.example_batch
+    else:
+        args.batch = args.batch or 32
+        args.seq = args.seq or 128
+        step, batch = step_and_batch(args)
+    devices = math.prod(shape.values())
+    profile = get_profile(args.profile, devices)
+    budget = args.budget if args.budget is not None else profile.memory_bytes
+    work = trace_workload(step, state, batch)
+    cost = predict(work, shape, rules, profile)
+    return prediction_fields(cost, work.tokens, devices, profile, budget)
 
 
 def abstract_mesh(shape: dict[str, int]) -> Any:
@@ -349,7 +430,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # Planning needs no devices (an AbstractMesh and jax.eval_shape): the CPU is enough.
     use_cpu_backend()
-    problem = model_args_problem(args)
+    problem = model_args_problem(args) or _prediction_problem(args, shape)
     if problem is not None:
         print_error(problem, err)
         return 2
@@ -359,7 +440,12 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         label, rules = load_rules(args.rules, args.model)
-        what, state = abstract_state(args)  # a --model factory is imported and called here
+        loaded = load_factory(args.model) if is_factory(args.model) else None
+        if loaded is not None:  # a --model factory is imported and called once
+            what, state = loaded.what, loaded.abstract_state
+        else:
+            what, state = abstract_state(args)
+        prediction = None if args.profile is None else _predict(args, loaded, state, shape, rules)
     except (meshplan.MeshplanError, OSError) as e:
         print_error(e, err)
         return 2
@@ -369,10 +455,17 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         data = {"model": what, "rules_name": label, "plan": plan.to_dict(),
                 "problems": [p.to_dict() for p in problems]}  # fmt: skip
+        if prediction is not None:
+            data["prediction"] = prediction
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
     else:
         say(out, (what, "bold"), " · rules ", (label, "bold"))
         out.print(plan.table(full=args.full))
+        if prediction is not None:
+            from meshplan._search.report import prediction_lines
+
+            for line in prediction_lines(prediction):
+                say(out, line)
     if args.png:
         plan.save_png(args.png, title=f"{what} · rules {label}")
         say(err if args.json else out, f"Wrote {args.png}")

@@ -26,6 +26,8 @@ from meshplan.cli.devices import PLATFORMS, use_cpu_backend
 from meshplan.cli.factory import is_factory, load_factory
 from meshplan.cli.output import print_error, say
 from meshplan.cli.plan import abstract_state, add_model_size_arguments, model_args_problem
+from meshplan.cli.sizes import parse_bytes
+from meshplan.cli.steps import step_and_batch
 
 HELP = (
     "Search meshes of --devices and logical rules for a model (built-in or --model "
@@ -33,34 +35,35 @@ HELP = (
     "print the best as a meshplan train command (--budget, --measure, --json)."
 )
 
-PROFILES = ("cpu", "h100", "h200", "tpu_v5e")
-ROLES = ("data", "fsdp", "tensor")
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+PROFILES = ("cpu", "a100", "h100", "h200", "b200", "tpu_v4", "tpu_v5e", "tpu_v5p", "tpu_v6e")
+ROLES = ("data", "fsdp", "tensor", "context", "expert")
 
 
-def parse_bytes(text: str) -> int:
-    """``'1MiB'`` -> 1048576; ``'2GB'`` -> 2000000000; ``'4096'`` -> 4096.
+def parse_profile(text: str) -> str:
+    """``--profile``: a profile's name or a ``.json`` file of ``meshplan.HardwareProfile`` fields.
 
     Example:
-        >>> from meshplan.cli.search import parse_bytes
-        >>> parse_bytes("1MiB"), parse_bytes("1.5 KiB"), parse_bytes("2GB"), parse_bytes("4096")
-        (1048576, 1536, 2000000000, 4096)
+        >>> from meshplan.cli.search import parse_profile
+        >>> parse_profile("tpu_v5e"), parse_profile("mine.json")
+        ('tpu_v5e', 'mine.json')
+        >>> parse_profile("tpu")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: --profile 'tpu' is not a profile: give one of cpu, a100, h100, h200, b200, tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e, or a .json file of HardwareProfile fields
     """
-    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = found.group(2).lower() if found else None
-    if found is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"cannot read the size {text!r}: write e.g. 1MiB, 512KiB, 2GB or 4096 (bytes)"
-        )
-    return int(float(found.group(1)) * _UNITS[unit])
+    if text in PROFILES or text.endswith(".json"):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"--profile {text!r} is not a profile: give one of {', '.join(PROFILES)}, or a .json "
+        f"file of HardwareProfile fields"
+    )
 
 
 def parse_axes(text: str) -> dict[str, str]:
     """``--axes``: the roles the search uses and the names of their mesh axes.
 
-    Each item is a role (``data``, ``fsdp``, ``tensor``) or ``role=name``.
+    Each item is a role (``data``, ``fsdp``, ``tensor``, ``context``, ``expert``) or
+    ``role=name``.
 
     Example:
         >>> from meshplan.cli.search import parse_axes
@@ -69,7 +72,7 @@ def parse_axes(text: str) -> dict[str, str]:
         >>> parse_axes("model")
         Traceback (most recent call last):
         ...
-        argparse.ArgumentTypeError: --axes 'model': 'model' is not a role (data, fsdp, tensor); write a role, or role=name to name its mesh axis, e.g. --axes data=dp,tensor=model
+        argparse.ArgumentTypeError: --axes 'model': 'model' is not a role (data, fsdp, tensor, context, expert); write a role, or role=name to name its mesh axis, e.g. --axes data=dp,tensor=model
     """
     out: dict[str, str] = {}
     for item in (i.strip() for i in str(text).split(",")):
@@ -115,10 +118,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--profile",
-        choices=PROFILES,
+        type=parse_profile,
         default="cpu",
         help="hardware the step time is predicted for: cpu (measured on this machine, default), "
-        "h100, h200 or tpu_v5e (published figures)",
+        "a100, h100, h200, b200, tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e (published figures), or a "
+        ".json file of meshplan.HardwareProfile fields",
     )
     parser.add_argument(
         "--budget",
@@ -162,44 +166,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rules-out",
         metavar="PATH",
         default=None,
-        help="where to write the best choice's rules (JSON); default rules-MESH-AXES.json in "
-        "the current folder",
+        help="write the best choice's rules (JSON, with every name the model uses) here; "
+        "nothing is written without it",
     )
     parser.add_argument("--rows", type=int, default=10, help="ranked rows shown (default 10)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead")
-
-
-def _step_and_batch(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The train step ``step(state, batch)`` (the state's Adam), and an abstract batch."""
-    import jax
-    import jax.numpy as jnp
-
-    if args.model == "transformer":
-        from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
-
-        model = Transformer(config_from_name(args.size))
-
-        def step(state: Any, tokens: jax.Array) -> Any:
-            return state.apply_gradients(grads=jax.grad(loss_fn)(state.params, tokens, model))
-
-        return step, jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32)
-
-    if args.model == "transformer-nnx":
-        from meshplan.examples.transformer import config_from_name
-        from meshplan.examples.transformer_nnx import FunctionalTransformer
-
-        functional = FunctionalTransformer(config_from_name(args.size))
-
-        def nnx_step(state: Any, tokens: jax.Array) -> Any:
-            return state.apply_gradients(grads=jax.grad(functional.loss)(state.params, tokens))
-
-        return nnx_step, jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32)
-
-    def mlp_step(state: Any, x: jax.Array) -> Any:
-        grads = jax.grad(lambda p: state.apply_fn({"params": p}, x).sum())(state.params)
-        return state.apply_gradients(grads=grads)
-
-    return mlp_step, jax.ShapeDtypeStruct((args.batch, args.depth), jnp.float32)
 
 
 MAX_SEARCH_DEVICES = 16384
@@ -292,21 +263,16 @@ def _rename(result: Any, names: dict[str, str]) -> None:
             row.rules = tuple((n, axes(a)) for n, a in row.rules)
 
 
-def _rules_path(args: argparse.Namespace, row: Any) -> Path:
-    if args.rules_out:
-        return Path(args.rules_out)
-    return Path(f"rules-{row.mesh_text}-{'-'.join(row.mesh)}.json")
-
-
 def _train_command(args: argparse.Namespace, result: Any) -> tuple[str | None, Path | None]:
-    """Writes the best row's rules; its ``meshplan train`` command for the Transformers."""
+    """Writes the best row's rules (only with ``--rules-out``); its ``meshplan train`` command
+    for the Transformers (naming ``rules.json`` when nothing was written)."""
     best = result.best
     if best is None:
         return None, None
-    path = _rules_path(args, best)
-    if path.parent != Path(""):
+    path = Path(args.rules_out) if args.rules_out else None
+    if path is not None and path.parent != Path(""):
         path.parent.mkdir(parents=True, exist_ok=True)
-    command = best.train_command(str(path))
+    command = best.train_command(str(path or "rules.json"), write=path is not None)
     if not args.model.startswith("transformer"):
         return None, path
     extra = [] if args.model == "transformer" else ["--model", args.model]
@@ -315,14 +281,16 @@ def _train_command(args: argparse.Namespace, result: Any) -> tuple[str | None, P
 
 
 def _table(result: Any, rows: int) -> Table:
+    from meshplan._search.report import prediction_fields
     from meshplan._text import human_bytes
 
     ok = result.ok[:rows]
     kinds = sorted({k for r in ok if r.cost for k, v in r.cost.comm_bytes.items() if v})
     table = Table(box=None, header_style="bold", pad_edge=False)
     for name, justify in (("#", "right"), ("mesh", "left"), ("axes", "left"),
-                          ("predicted", "right"), ("measured", "right"),
-                          ("memory/device", "right")):  # fmt: skip
+                          ("predicted", "right"), ("measured", "right"), ("tokens/s", "right"),
+                          ("MFU", "right"), ("state", "right"), ("activations", "right"),
+                          ("temporaries", "right"), ("memory/device", "right")):  # fmt: skip
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for kind in kinds:
         table.add_column(kind, justify="right")
@@ -331,14 +299,24 @@ def _table(result: Any, rows: int) -> Table:
     for r in ok:
         c = r.cost
         measured = "-" if r.measured_s is None else f"{r.measured_s * 1e3:.3f} ms"
+        if c is None:
+            continue
+        f = prediction_fields(c, result.tokens, result.devices, result.profile, result.budget_bytes)
+        tps = "-" if f["tokens_per_s"] is None else f"{f['tokens_per_s']:,.0f}"
+        mfu = "-" if f["mfu"] is None else f"{f['mfu']:.1%}"
         table.add_row(
-            str(r.rank), r.mesh_text, r.axes_text,
-            "-" if c is None else f"{c.step_s * 1e3:.3f} ms", measured,
-            "-" if c is None else human_bytes(c.memory_bytes),
-            *[human_bytes(c.comm_bytes.get(k, 0)) if c else "-" for k in kinds],
+            str(r.rank), r.mesh_text, r.axes_text, _seconds(c.step_s), measured, tps, mfu,
+            human_bytes(c.state_bytes), human_bytes(c.activation_bytes),
+            human_bytes(c.temporary_bytes + c.batch_bytes),
+            f"{human_bytes(c.memory_bytes)} / {human_bytes(result.budget_bytes)}",
+            *[human_bytes(c.comm_bytes.get(k, 0)) for k in kinds],
             r.short_rules, r.layout if r.layout != "searched" else "",
         )  # fmt: skip
     return table
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.3f} s" if s >= 1 else f"{s * 1e3:.3f} ms"
 
 
 def _counts_line(result: Any, top_k: int) -> str:
@@ -365,7 +343,7 @@ def _load(args: argparse.Namespace) -> tuple[str, Any, Any, Any]:
         loaded = load_factory(args.model)
         return loaded.what, loaded.abstract_state, loaded.step_fn, loaded.example_batch
     what, state = abstract_state(args)
-    step, batch = _step_and_batch(args)
+    step, batch = step_and_batch(args)
     return what, state, step, batch
 
 
@@ -458,9 +436,13 @@ def _print(
     say(
         out, ("best: ", "bold"),
         f"{best.mesh_text} {best.axes_text} {best.short_rules} · predicted "
-        f"{best.cost.step_s * 1e3:.3f} ms/step, {human_bytes(best.cost.memory_bytes)}/device",
+        f"{_seconds(best.cost.step_s)}/step, {human_bytes(best.cost.memory_bytes)}/device",
     )  # fmt: skip
-    say(out, f"rules written to {path}")
+    if path is None:
+        say(out, "rules not written: pass --rules-out PATH to write them (JSON)")
+        path = Path("rules.json")
+    else:
+        say(out, f"rules written to {path}")
     if command is not None:
         say(out, "train it:  ", (command, "bold"))
     else:

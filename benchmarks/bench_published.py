@@ -1,0 +1,220 @@
+"""Predictions against published training results of public frameworks (no devices needed).
+
+Each row is a configuration a framework published with its measured speed: the model's
+dimensions, batch, sequence, hardware, layout and remat, and the published throughput,
+with its source. The step is traced once, abstractly (``jax.make_jaxpr`` of the global
+step: no device, no compile), and priced by meshplan's planner on the published layout
+and by the search (``meshplan.search_rules``, analytic: ``compile_top=0``).
+
+Per row: predicted / published step time, whether the published layout fits the
+predicted memory (it ran, so it must), the search's top-1 (its predicted time relative
+to the published layout's, whether it fits) and the search's wall time. The profiles
+(``meshplan._search.profiles``) carry one set of physical parameters per hardware
+(matmul efficiency, latencies, overlap), never a figure per row; rows marked ``held
+out`` were not looked at while choosing those parameters.
+
+Run: ``.venv/bin/python benchmarks/bench_published.py [--rows N] [--no-search] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import jax
+
+import meshplan
+from meshplan._search.cost import predict
+from meshplan._search.profiles import get_profile
+from meshplan._search.trace import trace_workload
+from meshplan.examples.llama import LlamaConfig, llama_step, maxtext_config
+
+MAXTEXT_V5E = "https://github.com/AI-Hypercomputer/maxtext/blob/main/MaxText/configs/v5e/README.md"
+MAXTEXT_V5P = (
+    "https://github.com/AI-Hypercomputer/maxtext (README, 'Runtime Performance Results', TPU v5p)"
+)
+FOUNDRY = "https://github.com/mosaicml/llm-foundry/blob/main/scripts/train/benchmarking/README.md"
+PALM = "Chowdhery et al. 2022, PaLM, arXiv:2204.02311, sec. 4 and appendix B (46.2% MFU)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One published configuration and its published speed.
+
+    ``mesh``/``rules``: the published layout; ``published_s``: the published step time
+    (``how``: how it follows from the source's figures); ``batch``: sequences per step.
+    """
+
+    name: str
+    profile: str
+    cfg: LlamaConfig
+    batch: int
+    seq: int
+    mesh: dict[str, int]
+    rules: tuple[tuple[str, Any], ...]
+    published_s: float
+    how: str
+    source: str
+    held_out: bool = False
+
+
+def _maxtext_flops(cfg: LlamaConfig, batch: int, seq: int) -> float:
+    """MaxText's model FLOPs of a training step (``calculate_tflops_training_per_device``,
+    times the devices): weights' matmuls forward and backward (3x), attention 3x,
+    non-causal, no remat."""
+    b, s, e = batch, seq, cfg.embed
+    ffn = 2 * b * s * cfg.mlp * e * (3 if cfg.gated else 2)
+    qkv = 2 * b * s * e * (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
+    proj = 2 * b * s * e * cfg.heads * cfg.head_dim
+    attn = 4 * b * s * s * cfg.heads * cfg.head_dim
+    emb = 2 * b * s * e * cfg.vocab
+    return 3 * ((ffn + qkv + proj) * cfg.layers + emb) + 3 * attn * cfg.layers
+
+
+FSDP_TP: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")), ("embed", "fsdp"), ("heads", "tensor"), ("kv_heads", "tensor"),
+    ("mlp", "tensor"), ("vocab", "tensor"), ("activation_embed", "tensor"), ("kv", None),
+    ("length", None), ("layer", None),
+)  # fmt: skip
+
+
+def _maxtext(
+    name: str, profile: str, scale: int, chips: int, pdb: int, tflops_chip: float,
+    remat: str, source: str, *, slices: int = 1, tensor: int = 1, held_out: bool = False,
+) -> Row:  # fmt: skip
+    cfg = maxtext_config(scale, remat=remat)
+    devices = chips * slices
+    batch, seq = pdb * devices, 2048
+    flops = _maxtext_flops(cfg, batch, seq) / devices
+    mesh = {"data": slices, "fsdp": chips // tensor, "tensor": tensor}
+    mesh = {a: n for a, n in mesh.items() if n > 1}
+    how = f"MaxText model FLOPs per chip / {tflops_chip:g} TFLOP/s per chip"
+    return Row(name, profile, cfg, batch, seq, mesh, FSDP_TP, flops / (tflops_chip * 1e12),
+               how, source, held_out)  # fmt: skip
+
+
+def _mpt(
+    name: str, profile: str, d: int, heads: int, layers: int, gpus: int, micro: int, seq: int,
+    tokens_s_gpu: float, ckpt: bool, *, held_out: bool = False,
+) -> Row:  # fmt: skip
+    cfg = LlamaConfig(embed=d, heads=heads, kv_heads=heads, head_dim=d // heads, mlp=4 * d,
+                      layers=layers, vocab=50368, gated=False,
+                      remat="full" if ckpt else "none")  # fmt: skip
+    how = f"{micro} x {seq} tokens per GPU / {tokens_s_gpu:g} tokens/s/GPU (one microbatch)"
+    return Row(name, profile, cfg, micro * gpus, seq, {"fsdp": gpus}, FSDP_TP,
+               micro * seq / tokens_s_gpu, how, FOUNDRY, held_out)  # fmt: skip
+
+
+def rows() -> list[Row]:
+    """The published configurations (module docstring)."""
+    v5e, v5p = "tpu_v5e", "tpu_v5p"
+    out = [
+        _maxtext("MaxText 16B v5e-256", v5e, 16, 256, 6, 120, "full", MAXTEXT_V5E),
+        _maxtext("MaxText 32B v5e-256", v5e, 32, 256, 4, 132, "full", MAXTEXT_V5E),
+        _maxtext("MaxText 64B v5e-256", v5e, 64, 256, 2, 118, "full", MAXTEXT_V5E, held_out=True),
+        _maxtext("MaxText 16B 2x v5e-256", v5e, 16, 256, 6, 117, "full", MAXTEXT_V5E, slices=2),
+        _maxtext("MaxText 32B 4x v5e-256", v5e, 32, 256, 4, 126, "full", MAXTEXT_V5E, slices=4,
+                 held_out=True),
+        _maxtext("MaxText 32B v5p-128", v5p, 32, 64, 7, 328, "minimal", MAXTEXT_V5P, tensor=4),
+        _maxtext("MaxText 64B v5p-128", v5p, 64, 64, 3, 323, "minimal", MAXTEXT_V5P, tensor=4),
+        _maxtext("MaxText 128B v5p-256", v5p, 128, 128, 1, 315, "minimal", MAXTEXT_V5P, tensor=8,
+                 held_out=True),
+        _mpt("llm-foundry MPT-7B 8x H100", "h100", 4096, 32, 32, 8, 6, 2048, 10643, False),
+        _mpt("llm-foundry MPT-13B 8x H100", "h100", 5120, 40, 40, 8, 2, 2048, 4792, False),
+        _mpt("llm-foundry MPT-30B 32x H100", "h100", 7168, 64, 48, 32, 14, 2048, 2308, True,
+             held_out=True),
+        _mpt("llm-foundry MPT-13B 8x A100", "a100", 5120, 40, 40, 8, 2, 2048, 2262, False),
+        _mpt("llm-foundry MPT-30B 8x A100", "a100", 7168, 64, 48, 8, 3, 2048, 916, True,
+             held_out=True),
+    ]  # fmt: skip
+    palm = LlamaConfig(embed=18432, heads=48, kv_heads=1, head_dim=256, mlp=73728, layers=118,
+                       vocab=256000, parallel=True, remat="full")  # fmt: skip
+    tokens = 2048 * 2048
+    flops_token = 6 * 540.35e9 + 12 * 118 * 48 * 256 * 2048
+    palm_s = tokens * flops_token / (0.462 * 275e12 * 6144)
+    out.append(Row("PaLM 540B 2x TPU v4 pod (6144 chips)", "tpu_v4", palm, 2048, 2048,
+                   {"data": 2, "fsdp": 256, "tensor": 12}, FSDP_TP, palm_s,
+                   "tokens x (6N + 12LHQT) / (46.2% x 275 TFLOP/s x 6144)", PALM))  # fmt: skip
+    return out
+
+
+def run_row(row: Row, search: bool) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    state, step, batch = llama_step(row.cfg, row.batch, row.seq)
+    work = trace_workload(step, state, batch)
+    trace_s = time.perf_counter() - t0
+    prof = get_profile(row.profile)
+    cost = predict(work, row.mesh, row.rules, prof)
+    out: dict[str, Any] = {
+        "name": row.name, "profile": row.profile, "held_out": row.held_out,
+        "mesh": row.mesh, "params": row.cfg.params(), "published_s": row.published_s,
+        "predicted_s": cost.step_s, "error": cost.step_s / row.published_s - 1,
+        "memory_bytes": cost.memory_bytes, "budget_bytes": prof.memory_bytes,
+        "fits": cost.memory_bytes <= prof.memory_bytes, "cost": cost.to_dict(),
+        "trace_s": trace_s, "source": row.source, "how": row.how,
+    }  # fmt: skip
+    if search:
+        t0 = time.perf_counter()
+        devices = 1
+        for n in row.mesh.values():
+            devices *= n
+        result = meshplan.search_rules(devices, workload=work, profile=prof, compile_top=0)
+        out["search_s"] = time.perf_counter() - t0
+        best = result.best
+        if best is not None and best.cost is not None:
+            out["top1"] = f"{best.mesh_text} {best.axes_text} {best.short_rules}"
+            out["top1_vs_published"] = best.cost.step_s / cost.step_s
+            out["top1_fits"] = best.cost.memory_bytes <= prof.memory_bytes
+        else:
+            out["top1"], out["top1_vs_published"], out["top1_fits"] = None, None, False
+    return out
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=None, help="only the first N rows")
+    parser.add_argument("--no-search", action="store_true", help="skip the search per row")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    print(f"meshplan {meshplan.__version__}, jax {jax.__version__}; traced abstractly, no devices")
+    head = (f"{'configuration':<38} {'pub s':>7} {'pred s':>7} {'err':>6} {'mem GiB':>8} "
+            f"{'fits':>4}  {'top-1 vs pub':>12} {'fits':>4} {'search s':>8}  top-1")  # fmt: skip
+    print(head)
+    results = []
+    for row in rows()[: args.rows]:
+        r = run_row(row, not args.no_search)
+        results.append(r)
+        mem = f"{_gib(r['memory_bytes'])}/{_gib(r['budget_bytes'])}"
+        top = "-" if r.get("top1_vs_published") is None else f"{r['top1_vs_published']:.2f}"
+        name = row.name + (" *" if row.held_out else "")
+        print(f"{name:<38} {r['published_s']:>7.2f} {r['predicted_s']:>7.2f} "
+              f"{r['error']:>+6.0%} {mem:>8} {'yes' if r['fits'] else 'NO':>4}  {top:>12} "
+              f"{'yes' if r.get('top1_fits') else '-':>4} {r.get('search_s', 0):>8.1f}  "
+              f"{r.get('top1') or '-'}", flush=True)  # fmt: skip
+    for label, group in (("calibration", [r for r in results if not r["held_out"]]),
+                         ("held out (*)", [r for r in results if r["held_out"]]),
+                         ("all", results)):  # fmt: skip
+        if not group:
+            continue
+        errs = [abs(r["error"]) for r in group]
+        within = sum(e <= 0.25 for e in errs)
+        print(f"{label}: {len(group)} rows, median |error| {statistics.median(errs):.1%}, "
+              f"worst {max(errs):.1%}, within 25%: {within}/{len(group)}, published layout fits: "
+              f"{sum(r['fits'] for r in group)}/{len(group)}")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

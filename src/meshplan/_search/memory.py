@@ -1,0 +1,250 @@
+"""Memory per device of a traced step: its state, what it keeps for the backward pass, its peak.
+
+The step's jaxpr, as :func:`meshplan._search.trace.trace_workload` traced it, is the
+program JAX's autodiff wrote: the forward pass, the residuals partial evaluation chose
+to keep (following ``jax.checkpoint``/``nn.remat`` and their policies: a rematerialised
+block keeps only its inputs and what its policy saves, and recomputes the rest inside the
+backward pass), then the backward pass and the optimizer update. So the values it keeps
+are JAX's own choice; this module only asks how long each one lives.
+
+:func:`build` walks the program in order (scan and loop bodies once, as XLA runs one
+iteration at a time, inside the buffers of the loop's stacked outputs; calls inline)
+and records, at every equation, which values are alive, each as a *cell* (its logical
+names, shape and item size, so that one candidate prices it in a few vector products).
+A value is alive from the equation that defines it to its last use; the step's inputs
+(state, batch) are the arguments and its outputs the new state (XLA counts both apart
+from its temporaries, and a donated state aliases them).
+
+:func:`peak` prices the program on a candidate: each cell's bytes per device (its shape
+split by the mesh axes its names map to), plus, at each matmul, the all-gathered operand
+the partitioner materialises (FSDP's gathered weight), and returns the largest point,
+split into *activations* (values defined before the top-level equation where the peak
+falls: the residuals, the gradients so far) and *temporaries* (the current layer's
+values, gathered weights, the optimizer update's intermediates).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from jax.extend.core import Literal
+
+__all__ = ["MemoryProgram", "Peak", "build", "peak"]
+
+Cell = tuple[tuple[Any, ...], tuple[int, ...], int, bool]
+"""(names, shape, itemsize, score)"""
+
+_LOOPS = ("scan", "while")
+_CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+@dataclasses.dataclass
+class MemoryProgram:
+    """Alive cells at every point of a step (module docstring).
+
+    ``long``/``short``: ``[points, cells]`` counts of values defined before the point's
+    top-level equation, and of those defined within it; ``dot``: per point, the index in
+    ``dots`` of the matmul running there (``-1``: none); ``output``: counts of the step's
+    outputs (the updated state), not temporaries.
+    """
+
+    cells: list[Cell]
+    long: np.ndarray
+    short: np.ndarray
+    dot: np.ndarray
+    dots: list[Any]
+    output: np.ndarray
+
+    def sizes(self, bytes_of: Callable[[Cell], int]) -> np.ndarray:
+        """Bytes per device of each cell, by ``bytes_of``."""
+        return np.array([float(bytes_of(c)) for c in self.cells])
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    """The largest point of a step's memory on one device (bytes).
+
+    ``activations``: alive across the top-level equation of the peak (residuals kept for
+    the backward pass, gradients so far); ``temporaries``: the rest (the layer being
+    computed, gathered weights, the optimizer update); ``outputs``: the updated state.
+    """
+
+    activations: int
+    temporaries: int
+    outputs: int
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.temporaries
+
+
+class _Builder:
+    def __init__(
+        self, names: Mapping[Any, Any], scores: set[Any], dot_of: Callable[[Any], Any],
+        materialized: set[Any] | None,
+    ) -> None:  # fmt: skip
+        self.names, self.scores, self.dot_of = names, scores, dot_of
+        self.materialized = materialized
+        self.cells: dict[Cell, int] = {}
+        self.points: dict[tuple[Any, ...], tuple[dict[int, int], dict[int, int], int]] = {}
+        self.dots: dict[Any, int] = {}
+
+    def cell(self, v: Any, outer: bool = False) -> int | None:
+        if not outer and self.materialized is not None and v not in self.materialized:
+            return None  # fused into its consumers: never in memory
+        shape = tuple(getattr(v.aval, "shape", ()))
+        try:
+            item = int(np.dtype(v.aval.dtype).itemsize)
+        except TypeError:
+            item = 4
+        if not math.prod(shape) * item:
+            return None
+        names = self.names.get(v, (None,) * len(shape))
+        key = (tuple(names), shape, item, v in self.scores)
+        return self.cells.setdefault(key, len(self.cells))
+
+    def add(self, long: dict[int, int], short: dict[int, int], dot: int) -> None:
+        key = (tuple(sorted(long.items())), tuple(sorted(short.items())), dot)
+        self.points.setdefault(key, (long, short, dot))
+
+    def walk(
+        self, jaxpr: Any, long: dict[int, int], short: dict[int, int], top: bool,
+        skip: set[Any],
+    ) -> None:  # fmt: skip
+        """Record the points of ``jaxpr`` over the outer alive cells ``long``/``short``.
+
+        ``skip``: variables not counted (inputs and outputs held by an outer buffer)."""
+        last: dict[Any, int] = {}
+        n = len(jaxpr.eqns)
+        for i, eqn in enumerate(jaxpr.eqns):
+            for v in eqn.invars:
+                if not isinstance(v, Literal):
+                    last[v] = i
+        for v in jaxpr.outvars:
+            if not isinstance(v, Literal):
+                last[v] = n
+        alive: dict[Any, int] = {}  # var -> cell, defined here and still alive
+        for v in jaxpr.invars:
+            if v in skip or v not in last:
+                continue
+            c = self.cell(v)
+            if c is not None:
+                alive[v] = c
+        for i, eqn in enumerate(jaxpr.eqns):
+            prim = eqn.primitive.name
+            outs = {}
+            for v in eqn.outvars:
+                if type(v).__name__ == "DropVar" or v in skip:
+                    continue
+                c = self.cell(v)
+                if c is not None and v in last:
+                    outs[v] = c
+            here_long, here_short = dict(long), dict(short)
+            for c in alive.values():
+                target = here_long if top else here_short
+                target[c] = target.get(c, 0) + 1
+            sub = self._sub(eqn)
+            if sub is not None:
+                body, inner_skip, loop = sub
+                with_outs = dict(here_short)
+                if loop:  # a loop's outputs are allocated first; its body writes into them
+                    for c in outs.values():
+                        with_outs[c] = with_outs.get(c, 0) + 1
+                self.walk(body, here_long, with_outs, False, inner_skip)
+            else:
+                for c in outs.values():
+                    here_short[c] = here_short.get(c, 0) + 1
+                dot = -1
+                if prim == "dot_general":
+                    d = self.dot_of(eqn)
+                    dot = self.dots.setdefault(d, len(self.dots))
+                self.add(here_long, here_short, dot)
+            for v in [v for v in alive if last.get(v, -1) <= i]:
+                del alive[v]
+            alive.update(outs)
+
+    def _sub(self, eqn: Any) -> tuple[Any, set[Any], bool] | None:
+        p, prim = eqn.params, eqn.primitive.name
+        if prim == "scan":
+            body = p["jaxpr"].jaxpr
+            return body, {*body.invars, *body.outvars}, True
+        if prim == "while":
+            body = p["body_jaxpr"].jaxpr
+            return body, {*body.invars, *body.outvars}, True
+        if prim == "cond":
+            branch = max(p["branches"], key=lambda b: len(b.jaxpr.eqns)).jaxpr
+            return branch, set(branch.invars), False
+        for key in _CALLS:
+            sub = p.get(key)
+            if sub is not None:
+                sub = getattr(sub, "jaxpr", sub)
+                if len(sub.invars) == len(eqn.invars):
+                    return sub, set(sub.invars), False
+        return None
+
+
+def build(
+    jaxpr: Any,
+    names: Mapping[Any, Any],
+    scores: set[Any],
+    dot_of: Callable[[Any], Any],
+    materialized: set[Any] | None = None,
+) -> MemoryProgram:
+    """The liveness program of a step's (closed) ``jaxpr`` (module docstring).
+
+    ``names``: each variable's logical names; ``scores``: the variables holding attention
+    scores; ``dot_of(eqn)``: the :class:`meshplan._search.trace.Dot` of a ``dot_general``;
+    ``materialized``: the values XLA writes to memory (others are fused away; ``None``: all).
+    """
+    b = _Builder(names, scores, dot_of, materialized)
+    b.walk(jaxpr, {}, {}, True, set(jaxpr.invars) | set(jaxpr.outvars))
+    outputs: dict[int, int] = {}
+    for v in dict.fromkeys(v for v in jaxpr.outvars if not isinstance(v, Literal)):
+        if v in set(jaxpr.invars):
+            continue
+        c = b.cell(v, outer=True)
+        if c is not None:
+            outputs[c] = outputs.get(c, 0) + 1
+    ncell = max(1, len(b.cells))
+    pts = list(b.points.values()) or [({}, {}, -1)]
+    long = np.zeros((len(pts), ncell))
+    short = np.zeros((len(pts), ncell))
+    for k, (lo, sh, _) in enumerate(pts):
+        for c, m in lo.items():
+            long[k, c] = m
+        for c, m in sh.items():
+            short[k, c] = m
+    out = np.zeros(ncell)
+    for c, m in outputs.items():
+        out[c] = m
+    cells = sorted(b.cells, key=lambda c: b.cells[c])
+    if not cells:
+        cells = [((), (), 0, False)]
+    dots = sorted(b.dots, key=lambda d: b.dots[d])
+    return MemoryProgram(cells, long, short, np.array([d for _, _, d in pts]), dots, out)
+
+
+def peak(
+    program: MemoryProgram,
+    bytes_of: Callable[[Cell], int],
+    gathered: Sequence[int] = (),
+) -> Peak:
+    """The largest point of ``program`` with cells sized by ``bytes_of``.
+
+    ``gathered``: per matmul of ``program.dots``, the bytes the partitioner adds at that
+    point (an all-gathered operand).
+    """
+    size = program.sizes(bytes_of)
+    lo, sh = program.long @ size, program.short @ size
+    extra = np.zeros(len(lo))
+    if len(gathered):
+        g = np.asarray(gathered, dtype=float)
+        has = program.dot >= 0
+        extra[has] = g[program.dot[has]]
+    total = lo + sh + extra
+    k = int(np.argmax(total)) if len(total) else 0
+    return Peak(int(lo[k]), int(sh[k] + extra[k]), int(program.output @ size))

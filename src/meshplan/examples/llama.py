@@ -1,0 +1,195 @@
+"""A Llama-style decoder (MaxText's default model) with logical names, for planning at scale.
+
+Gated-SiLU MLP, RMSNorm, rotary-free attention through ``jax.nn.dot_product_attention``
+(grouped-query when ``kv_heads < heads``), untied embedding and head, layers stacked by
+``nn.scan`` (``scan=True``) or a for-loop, and rematerialised by ``nn.remat`` with a
+policy (``remat``: ``'none'``, ``'full'``, ``'dots'``: every matmul saved, or
+``'minimal'``: matmuls without batch dimensions saved, MaxText's ``minimal``).
+``parallel=True`` computes attention and MLP from the same input (PaLM's block).
+
+The logical names: ``batch``, ``length``, ``embed``, ``heads``, ``kv_heads``, ``kv``
+(head dimension), ``mlp``, ``vocab``, and ``layer`` for the scanned stack; the
+activations between layers are ``('batch', 'length', 'activation_embed')``, MaxText's
+name, so that a layout may split them apart from the weights' ``embed``.
+:func:`llama_step` gives what :func:`meshplan.search_rules` and the planner take:
+``(abstract_state, step_fn, example_batch)``, with AdamW.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import meshplan
+
+__all__ = ["Llama", "LlamaConfig", "llama_step", "maxtext_config"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """The decoder's sizes and how it is run (module docstring)."""
+
+    embed: int = 256
+    heads: int = 4
+    kv_heads: int = 4
+    head_dim: int = 64
+    mlp: int = 512
+    layers: int = 2
+    vocab: int = 512
+    gated: bool = True
+    parallel: bool = False
+    remat: str = "none"
+    scan: bool = True
+    dtype: str = "bfloat16"
+
+    def params(self) -> int:
+        """Parameter count.
+
+        Example:
+            >>> from meshplan.examples.llama import maxtext_config
+            >>> round(maxtext_config(16).params() / 1e9, 1)
+            15.8
+        """
+        e, q, k, d = self.embed, self.heads, self.kv_heads, self.head_dim
+        attn = e * d * (2 * q + 2 * k)
+        mlp = (3 if self.gated else 2) * e * self.mlp
+        return self.layers * (attn + mlp + 2 * e) + 2 * self.vocab * e + e
+
+
+def maxtext_config(scale: int, **overrides: Any) -> LlamaConfig:
+    """MaxText's ``global_parameter_scale`` model (its ``base.yml`` scaled as its ``pyconfig``).
+
+    Example:
+        >>> from meshplan.examples.llama import maxtext_config
+        >>> c = maxtext_config(32)
+        >>> c.embed, c.heads, c.mlp, c.layers
+        (8192, 64, 28672, 32)
+    """
+    log2 = scale.bit_length() - 1
+    base, rem = divmod(log2, 3)
+    heads_scale = base + int(rem > 0)
+    emb_scale = base + int(rem > 1)
+    fields: dict[str, Any] = dict(
+        embed=2048 * 2**emb_scale, heads=16 * 2**heads_scale, kv_heads=16 * 2**heads_scale,
+        head_dim=128, mlp=7168 * 2**heads_scale, layers=16 * 2**base, vocab=32000,
+    )  # fmt: skip
+    fields.update(overrides)
+    return LlamaConfig(**fields)
+
+
+def _param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    init = meshplan.with_logical_partitioning(nn.initializers.normal(0.02), names)
+    return module.param(name, init, shape, unbox=True)
+
+
+def _c(x: Any, names: tuple[str | None, ...]) -> Any:
+    return meshplan.with_logical_constraint(x, names)
+
+
+class _Norm(nn.Module):
+    @nn.compact
+    def __call__(self, x: Any) -> Any:
+        scale = self.param(
+            "scale", meshplan.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+            (x.shape[-1],), unbox=True,
+        )  # fmt: skip
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+        return (y * scale).astype(x.dtype)
+
+
+class _Block(nn.Module):
+    cfg: LlamaConfig
+
+    @nn.compact
+    def __call__(self, x: Any, _: Any = None) -> tuple[Any, None]:
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        e, q, k, d = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim
+        act = ("batch", "length", "activation_embed")
+        h = _Norm(name="attn_norm")(x)
+        wq = _param(self, "query", (e, q, d), ("embed", "heads", "kv")).astype(dt)
+        wk = _param(self, "key", (e, k, d), ("embed", "kv_heads", "kv")).astype(dt)
+        wv = _param(self, "value", (e, k, d), ("embed", "kv_heads", "kv")).astype(dt)
+        wo = _param(self, "out", (q, d, e), ("heads", "kv", "embed")).astype(dt)
+        qh = _c(jnp.einsum("ble,ehd->blhd", h, wq), ("batch", "length", "heads", "kv"))
+        kh = _c(jnp.einsum("ble,ehd->blhd", h, wk), ("batch", "length", "kv_heads", "kv"))
+        vh = _c(jnp.einsum("ble,ehd->blhd", h, wv), ("batch", "length", "kv_heads", "kv"))
+        att = jax.nn.dot_product_attention(qh, kh, vh, is_causal=True)
+        att = _c(att, ("batch", "length", "heads", "kv"))
+        y = _c(jnp.einsum("blhd,hde->ble", att, wo), act)
+        if not cfg.parallel:
+            x = _c(x + y, act)
+            h = _Norm(name="mlp_norm")(x)
+        wi = _param(self, "wi", (e, cfg.mlp), ("embed", "mlp")).astype(dt)
+        wout = _param(self, "wo", (cfg.mlp, e), ("mlp", "embed")).astype(dt)
+        hid = _c(jnp.einsum("ble,em->blm", h, wi), ("batch", "length", "mlp"))
+        if cfg.gated:
+            wg = _param(self, "wg", (e, cfg.mlp), ("embed", "mlp")).astype(dt)
+            gate = _c(jnp.einsum("ble,em->blm", h, wg), ("batch", "length", "mlp"))
+            hid = jax.nn.silu(gate) * hid
+        else:
+            hid = jax.nn.gelu(hid)
+        z = _c(jnp.einsum("blm,me->ble", hid, wout), act)
+        out = x + y + z if cfg.parallel else x + z
+        return _c(out, act), None
+
+
+_POLICIES = {
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Llama(nn.Module):
+    """``tokens[batch, length] -> logits[batch, length, vocab]`` (module docstring)."""
+
+    cfg: LlamaConfig
+
+    @nn.compact
+    def __call__(self, tokens: Any) -> Any:
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        table = _param(self, "embed", (cfg.vocab, cfg.embed), ("vocab", "embed"))
+        x = _c(jnp.take(table.astype(dt), tokens, axis=0), ("batch", "length", "activation_embed"))
+        block: Any = _Block
+        if cfg.remat != "none":
+            policy = _POLICIES.get(cfg.remat)
+            block = nn.remat(_Block, prevent_cse=not cfg.scan, policy=policy)
+        if cfg.scan:
+            x, _ = nn.scan(
+                block, variable_axes={"params": 0}, split_rngs={"params": True},
+                length=cfg.layers, metadata_params={meshplan.PARTITION_NAME: "layer"},
+            )(cfg, name="layers")(x, None)  # fmt: skip
+        else:
+            for i in range(cfg.layers):
+                x, _ = block(cfg, name=f"layers_{i}")(x, None)
+        x = _Norm(name="final_norm")(x)
+        head = _param(self, "head", (cfg.embed, cfg.vocab), ("embed", "vocab")).astype(dt)
+        logits = jnp.einsum("ble,ev->blv", x, head, preferred_element_type=jnp.float32)
+        return _c(logits, ("batch", "length", "vocab"))
+
+
+def _loss(logits: Any, tokens: Any) -> Any:
+    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+    target = jax.nn.one_hot(tokens[:, 1:], logits.shape[-1], dtype=logp.dtype)
+    return -jnp.mean(jnp.sum(logp * target, axis=-1))
+
+
+def llama_step(cfg: LlamaConfig, batch: int, seq: int) -> tuple[Any, Any, Any]:
+    """``(abstract_state, step_fn, example_batch)`` of a training step (AdamW, float32 state).
+
+    Example:
+        >>> from meshplan.examples.llama import LlamaConfig, llama_step
+        >>> state, step, tokens = llama_step(LlamaConfig(), batch=8, seq=64)
+        >>> tokens.shape, state.params["layers"]["query"].names
+        ((8, 64), ('layer', 'embed', 'heads', 'kv'))
+    """
+    import optax
+
+    from meshplan._search.rule_search import linen_step
+
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    return linen_step(Llama(cfg), tokens, _loss, optax.adamw(1e-4))

@@ -1,0 +1,88 @@
+"""The planner's memory per device against XLA's ``memory_analysis()`` of compiled steps.
+
+A Llama-style decoder (``meshplan.examples.llama``) compiled here on 8 CPU devices, under
+remat none, full and dots-saveable, scanned or looped, data parallel, FSDP and tensor
+parallel. The arguments (state and batch) must match exactly; the temporaries (what the
+step keeps for its backward pass and its largest transient) within 20%, or, where the
+model is known to miss by more, the case is listed as such (``xfail`` with why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+
+from meshplan._search.cost import predict
+from meshplan._search.hlo import measure_step
+from meshplan._search.profiles import get_profile
+from meshplan._search.trace import trace_workload
+from meshplan.examples.llama import LlamaConfig, llama_step
+
+LAYOUTS = {
+    "dp": ({"data": 8}, (("batch", "data"),)),
+    "fsdp": ({"fsdp": 8}, (("batch", "fsdp"), ("embed", "fsdp"))),
+    "tp": (
+        {"data": 2, "tensor": 4},
+        (("batch", "data"), ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"),
+         ("vocab", "tensor")),
+    ),
+}  # fmt: skip
+
+# XLA on CPU schedules an unrolled loop's collectives and gradient buffers with no memory
+# limit (every layer's gathered weight and gradient alive at once), and places a data-parallel
+# gradient into its optimizer output's buffer: the planner, which models accelerators'
+# schedules, misses those by more than 20%.
+_LOOP = "XLA on CPU keeps every unrolled layer's buffers alive at once"
+_DP_REMAT = "XLA on CPU updates the replicated gradient in its output buffer"
+MISSES = {
+    ("full", False, "dp"): _LOOP, ("full", False, "fsdp"): _LOOP, ("full", False, "tp"): _LOOP,
+    ("dots", False, "dp"): _LOOP, ("dots", False, "fsdp"): _LOOP, ("dots", False, "tp"): _LOOP,
+    ("none", False, "fsdp"): _LOOP, ("none", False, "tp"): _LOOP,
+    ("full", True, "dp"): _DP_REMAT, ("dots", True, "dp"): _DP_REMAT,
+    ("full", True, "fsdp"): _LOOP,
+}  # fmt: skip
+
+CASES = [
+    pytest.param(
+        remat, scan, layout,
+        marks=[pytest.mark.xfail(reason=MISSES[(remat, scan, layout)], strict=False)]
+        if (remat, scan, layout) in MISSES else [],
+        id=f"{remat}-{'scan' if scan else 'loop'}-{layout}",
+    )
+    for remat in ("none", "full", "dots") for scan in (True, False) for layout in LAYOUTS
+]  # fmt: skip
+
+
+@functools.cache
+def _step(remat: str, scan: bool):
+    cfg = LlamaConfig(embed=256, heads=8, kv_heads=8, head_dim=32, mlp=1024, layers=4,
+                      vocab=1024, remat=remat, scan=scan, dtype="float32")  # fmt: skip
+    state, step, batch = llama_step(cfg, 16, 256)
+    return state, step, batch, trace_workload(step, state, batch)
+
+
+@pytest.mark.parametrize(("remat", "scan", "layout"), CASES)
+def test_memory_per_device_matches_xla_memory_analysis(remat, scan, layout):
+    state, step, batch, work = _step(remat, scan)
+    mesh, rules = LAYOUTS[layout]
+    # XLA on CPU has no fused attention kernel: the scores are materialised.
+    cost = predict(
+        work, mesh, rules, dataclasses.replace(get_profile("h100"), fused_attention=False)
+    )
+    xla = measure_step(step, state, batch, mesh, rules)
+    assert cost.state_bytes + cost.batch_bytes == xla["xla_argument_bytes"]
+    predicted = cost.activation_bytes + cost.temporary_bytes
+    assert abs(predicted - xla["xla_temp_bytes"]) <= 0.2 * xla["xla_temp_bytes"]
+
+
+def test_remat_keeps_less_than_no_remat_and_fused_attention_keeps_no_scores():
+    *_, none = _step("none", True)
+    *_, full = _step("full", True)
+    mesh, rules = LAYOUTS["fsdp"]
+    h100 = get_profile("h100")
+    kept = {name: predict(w, mesh, rules, h100) for name, w in (("none", none), ("full", full))}
+    assert kept["full"].activation_bytes < kept["none"].activation_bytes / 2
+    unfused = predict(none, mesh, rules, get_profile("cpu"))
+    assert kept["none"].activation_bytes < unfused.activation_bytes  # no [b, h, s, s] scores
