@@ -94,3 +94,14 @@ def train_losses(
             params, opt_state, value = step(params, opt_state, batch)
             losses.append(float(value))
     return losses
+
+
+def counting_batches(steps: int, batch: int = 8, length: int = 32) -> list[np.ndarray]:
+    """Counting sequences (random start and stride) of ``length + 1`` tokens: learnable fast."""
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(steps):
+        start = rng.integers(0, 256, (batch, 1))
+        stride = rng.integers(1, 4, (batch, 1))
+        out.append(((start + stride * np.arange(length + 1)) % 256).astype(np.int32))
+    return out

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from collectives import axis_groups, collective_groups, train_losses
+from collectives import axis_groups, collective_groups, counting_batches, train_losses
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -64,17 +64,6 @@ def test_context_shards_follow_the_rules_and_mesh():
         assert context_shards() == 1
 
 
-def batches(steps: int, batch: int = 8, length: int = 32) -> list[np.ndarray]:
-    """Counting sequences (random start and stride): something 20 steps can learn."""
-    rng = np.random.default_rng(0)
-    out = []
-    for _ in range(steps):
-        start = rng.integers(0, 256, (batch, 1))
-        stride = rng.integers(1, 4, (batch, 1))
-        out.append(((start + stride * np.arange(length + 1)) % 256).astype(np.int32))
-    return out
-
-
 @pytest.mark.parametrize("layout", ["context_parallel", "fsdp_cp"])
 def test_twenty_steps_match_data_parallel(layout):
     model = Transformer(CONFIG)
@@ -83,7 +72,7 @@ def test_twenty_steps_match_data_parallel(layout):
     def init(key):
         return model.init(key, jnp.zeros((1, 32), jnp.int32))["params"]
 
-    data = batches(20)
+    data = counting_batches(20)
     dp = train_losses(init, loss, data, make_mesh((8, 1)), layouts.data_parallel, lr=1e-2)
     mesh = make_mesh({"data": 2, "context": 4})
     cp = train_losses(init, loss, data, mesh, layouts.get_layout(layout), lr=1e-2)

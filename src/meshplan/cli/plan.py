@@ -49,6 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: guide for the MLP, fsdp_tp for the Transformers and factories)",
     )
     add_model_size_arguments(parser)
+    parser.add_argument(
+        "--experts",
+        type=int,
+        metavar="E",
+        help="the Transformers with a mixture-of-experts block of E experts in each layer "
+        "(e.g. with --rules expert_parallel --axes data,expert: each device's experts)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead")
     parser.add_argument("--png", metavar="PATH", help="also draw the plan into a PNG")
     parser.add_argument("--full", action="store_true", help="list every leaf in the table")
@@ -102,7 +109,7 @@ def abstract_state(args: argparse.Namespace) -> tuple[str, Any]:
     if args.model == "transformer":
         from meshplan.examples.transformer import Transformer, config_from_name
 
-        config = config_from_name(args.size)
+        config = config_from_name(args.size, num_experts=getattr(args, "experts", None) or 0)
         transformer = Transformer(config)
 
         def init(key: jax.Array) -> train_state.TrainState:
@@ -119,7 +126,8 @@ def abstract_state(args: argparse.Namespace) -> tuple[str, Any]:
         from meshplan.examples.transformer import config_from_name
         from meshplan.examples.transformer_nnx import FunctionalTransformer
 
-        functional = FunctionalTransformer(config_from_name(args.size))
+        experts = getattr(args, "experts", None) or 0
+        functional = FunctionalTransformer(config_from_name(args.size, num_experts=experts))
 
         def init_nnx(key: jax.Array) -> train_state.TrainState:
             created: train_state.TrainState = train_state.TrainState.create(

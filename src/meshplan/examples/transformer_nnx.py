@@ -371,7 +371,8 @@ class FunctionalTransformer:
 
     def apply(self, state: nnx.State[Any, Any], tokens: Array) -> Array:
         """``logits[batch, length, vocab]`` (float32) of ``tokens[batch, length]``."""
-        return self.module(state)(tokens)
+        logits: Array = self.module(state)(tokens)
+        return logits
 
     def loss(self, state: nnx.State[Any, Any], batch: Array) -> Array:
         """Mean next-byte cross-entropy of ``batch`` (``int32[batch, length + 1]``), in nats.

@@ -157,8 +157,11 @@ class StepRecord:
     metrics: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-able dict (``--metrics`` writes one per step)."""
-        return dataclasses.asdict(self)
+        """A JSON-able dict (``--metrics`` writes one per step); ``metrics`` only when measured."""
+        out = dataclasses.asdict(self)
+        if out["metrics"] is None:
+            del out["metrics"]
+        return out
 
 
 @dataclasses.dataclass
@@ -323,7 +326,7 @@ class Trainer:
             best = resume_from.extra.get("best_valid")
             self.best_valid = (int(best[0]), float(best[1])) if best else None
         self._checkpointer: Checkpointer | None = None
-        self._train_step: Callable[[Any, Any], tuple[Any, jax.Array]] | None = None
+        self._train_step: Callable[[Any, Any], tuple[Any, jax.Array, Any]] | None = None
         self._eval_step: Callable[[Any, Any], jax.Array] | None = None
         self._valid_batches: list[Any] | None = None
         self._step_metrics: dict[int, Any] = {}
