@@ -253,12 +253,21 @@ def _header(console: Console, trainer: Any, devices: Any, peak: Any) -> None:
             f": Transformer{'' if kind == 'transformer' else f' ({MODELS.get(kind, kind)})'} of "
             f"{config.num_layers} "
             f"layer{'s' * (config.num_layers != 1)}, embed {config.embed_dim}, "
-            f"{config.num_heads} heads, mlp {config.mlp_dim} ({summary['parameters']:,} parameters)",
+            f"{config.num_heads} heads, mlp {config.mlp_dim}"
+            + (
+                f" x {config.num_experts} experts (top {config.top_k}, capacity factor "
+                f"{config.capacity_factor:g})"
+                if config.num_experts
+                else ""
+            )
+            + f" ({summary['parameters']:,} parameters)",
         ],
         [
             f"on a {mesh} mesh {tuple(trainer.mesh.axis_names)} with layout ",
             (str(summary["layout"]), "bold"),
-            f"; batch {s.batch} x {s.seq_len} bytes, lr {s.lr:g}, seed {s.seed}",
+            f"; batch {s.batch} x {s.seq_len} bytes"
+            + (f" in {s.grad_accum} microbatches" if s.grad_accum > 1 else "")
+            + f", lr {s.lr:g}, seed {s.seed}",
         ],
         [
             f"data: {corpus.source} ({len(corpus.train):,} train / {len(corpus.valid):,} "
