@@ -5,7 +5,11 @@ target tree), and the model is re-created from the config stored beside the
 arrays: the Flax Linen Transformer, or the Flax NNX one for a checkpoint of
 ``meshplan train --model transformer-nnx`` (its parameters go back into the
 model's ``nnx.State``). Generation is byte by byte: greedy at temperature 0,
-else sampled.
+else sampled, decoding with a key/value cache (:mod:`meshplan.examples.decode`):
+the prompt is read once, then each byte is one step of one token.
+``--no-kv-cache`` runs the whole window through the model for every byte
+instead; ``--compare-cache`` runs both, and reports the tokens per second of
+each and whether they gave the same bytes.
 """
 
 from __future__ import annotations
@@ -41,6 +45,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed", type=int, default=0, metavar="S", help="sampling seed (default 0)"
     )
     parser.add_argument("--step", type=int, metavar="N", help="checkpoint step (default: latest)")
+    parser.add_argument(
+        "--no-kv-cache",
+        dest="kv_cache",
+        action="store_false",
+        help="read the whole window again for every byte, instead of decoding with a key/value "
+        "cache",
+    )
+    parser.add_argument(
+        "--compare-cache",
+        action="store_true",
+        help="decode with and without the key/value cache: tokens/s of each, and whether the "
+        "bytes are the same",
+    )
     parser.add_argument(
         "--platform",
         choices=("auto", "cpu", "gpu", "tpu"),
@@ -203,6 +220,47 @@ class NnxModel:
         return params.into(abstract)
 
 
+def _decode(
+    console: Console, args: argparse.Namespace, model: Any, params: Any, prompt: bytes, seq_len: Any
+) -> bytes:
+    """The bytes generated, with the key/value cache or without (``--compare-cache``: both)."""
+    import time
+
+    from meshplan.examples.decode import greedy_cached
+
+    def cached() -> bytes:
+        from flax import nnx
+
+        tree = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
+        return greedy_cached(
+            model.config, tree, prompt, args.length, seq_len, args.temperature, args.seed
+        )
+
+    def plain() -> bytes:
+        return generate(
+            model, params, prompt, args.length, args.temperature, args.seed, window=seq_len
+        )
+
+    if not getattr(args, "compare_cache", False):
+        return cached() if getattr(args, "kv_cache", True) else plain()
+    rates = {}
+    texts = {}
+    for name, decode in (("with the key/value cache", cached), ("without", plain)):
+        start = time.perf_counter()
+        texts[name] = decode()  # bytes: every step was read back
+        rates[name] = args.length / max(time.perf_counter() - start, 1e-9)
+    same = texts["with the key/value cache"] == texts["without"]
+    say(
+        console,
+        (
+            "; ".join(f"{name}: {rate:,.1f} tokens/s" for name, rate in rates.items())
+            + f" (compiling included); the same bytes: {'yes' if same else 'no'}",
+            "dim",
+        ),
+    )
+    return texts["with the key/value cache"]
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console()
     problem = settings_problem(args.length, args.temperature)
@@ -264,9 +322,7 @@ def run(args: argparse.Namespace) -> int:
                 f"bytes only.",
                 soft_wrap=True,
             )
-        text = generate(
-            model, params, prompt, args.length, args.temperature, args.seed, window=seq_len
-        )
+        text = _decode(console, args, model, params, prompt, seq_len)
     except (meshplan.MeshplanError, ValueError) as e:
         print_error(e)
         return 2
