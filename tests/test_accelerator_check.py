@@ -15,7 +15,7 @@ def test_the_accelerator_check_runs_in_cpu_mode(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env.update(MESHPLAN_CHECK_MODE="cpu", PYTHON=sys.executable, OUT=str(tmp_path / "out"))
     done = subprocess.run(
-        ["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420
+        ["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
     results = (tmp_path / "out" / "accelerator_check.txt").read_text()
     assert done.returncode == 0, done.stdout + done.stderr
