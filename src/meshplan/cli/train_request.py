@@ -473,8 +473,14 @@ def _check_batch(
         )
     shape = (settings.batch, settings.seq_len + 1)
     leaf = check_leaf("logical", BATCH_NAMES, shape, valid, index_map, mesh_info(mesh))
+    # The activations' 'length' (context parallelism): its mesh axes must exist (the stripes
+    # are checked above).
+    activations = check_leaf(
+        "logical", ("batch", "length"), (settings.batch, settings.seq_len), valid, index_map,
+        mesh_info(mesh),
+    )  # fmt: skip
     shards = 1
-    for d in leaf.dims:
+    for d in [*leaf.dims, *(d for d in activations.dims[1:] if d.missing_axes)]:
         if d.index == 0 and not d.missing_axes:
             shards = max(int(d.shards), 1)
         if d.missing_axes:

@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 import jax
@@ -163,8 +164,12 @@ def greedy_cached(
     window: int | None = None,
     temperature: float = 0.0,
     seed: int = 0,
+    times: list[float] | None = None,
 ) -> bytes:
     """Continues ``prompt`` by ``length`` bytes, decoding with a key/value cache.
+
+    ``times``, when given, receives the seconds each byte took (the first ones
+    compile).
 
     The prompt is read in one pass (its keys and values fill the cache), then
     each new byte is one step of a single token. The cache holds ``window``
@@ -186,6 +191,7 @@ def greedy_cached(
     cache: dict[str, Array] | None = None
     logits = None
     for _ in range(length):
+        began = time.perf_counter()
         if len(tokens) > window or cache is None:
             context = tokens[-window:]
             fresh = init_cache(config, 1, window)
@@ -208,4 +214,7 @@ def greedy_cached(
             )
             logits = step_logits[0, -1]
             filled += 1
+        if times is not None:
+            jax.block_until_ready(logits)
+            times.append(time.perf_counter() - began)
     return bytes(out)
