@@ -32,7 +32,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any
 
@@ -180,11 +179,15 @@ def greedy_cached(
     """
     window = decode_window(config, window)
     tokens = list(prompt) or [ord("\n")]
-    prefill = jax.jit(functools.partial(forward_cached, config=config))
+    @jax.jit
+    def prefill(params: Any, tokens: Array, cache: Any) -> Any:
+        logits, cache = forward_cached(params, config, tokens, cache, 0)
+        return logits[0, -1], cache
 
     @jax.jit
     def step(params: Any, token: Array, cache: Any, start: Array) -> Any:
-        return forward_cached(params, config, token, cache, start)
+        logits, cache = forward_cached(params, config, token, cache, start)
+        return logits[0, -1], cache
 
     key = jax.random.key(seed)
     out = bytearray()
@@ -195,10 +198,7 @@ def greedy_cached(
         if len(tokens) > window or cache is None:
             context = tokens[-window:]
             fresh = init_cache(config, 1, window)
-            all_logits, cache = prefill(
-                params, tokens=jnp.asarray([context], jnp.int32), cache=fresh, start=0
-            )
-            logits = all_logits[0, -1]
+            logits, cache = prefill(params, jnp.asarray([context], jnp.int32), fresh)
             filled = len(context)
         assert logits is not None
         if temperature == 0:
@@ -209,10 +209,8 @@ def greedy_cached(
         tokens.append(byte)
         out.append(byte)
         if len(tokens) <= window:
-            step_logits, cache = step(
-                params, jnp.asarray([[byte]], jnp.int32), cache, jnp.asarray(filled, jnp.int32)
-            )
-            logits = step_logits[0, -1]
+            token = np.array([[byte]], np.int32)
+            logits, cache = step(params, token, cache, np.int32(filled))
             filled += 1
         if times is not None:
             jax.block_until_ready(logits)
