@@ -179,6 +179,7 @@ def greedy_cached(
     """
     window = decode_window(config, window)
     tokens = list(prompt) or [ord("\n")]
+
     @jax.jit
     def prefill(params: Any, tokens: Array, cache: Any) -> Any:
         logits, cache = forward_cached(params, config, tokens, cache, 0)
