@@ -9,7 +9,11 @@
 #   1. runs the tests marked `accelerator` (tests/test_accelerator.py; without pytest, as a script);
 #   2. trains `--size base --dtype bfloat16` for $STEPS steps: tokens/s, step time, MFU and
 #      peak device memory (device.memory_stats());
-#   3. resumes that run onto the same device for $RESUME_STEPS more steps.
+#   3. resumes that run onto the same device for $RESUME_STEPS more steps;
+#   4. context parallelism: `--rules fsdp_cp` at sequence 4096 (batch 8), $LAYOUT_STEPS steps;
+#   5. mixture of experts: `--experts 8 --top-k 2 --rules expert_parallel`, $LAYOUT_STEPS steps
+#      (with one device the context and expert axes have size 1: these measure the long-sequence
+#      and MoE steps' time and memory, and that the layouts run on the device).
 # Results: $OUT (or RESULTS_DIR)/accelerator_check.txt, with the logs and --metrics beside it.
 #
 # MESHPLAN_CHECK_MODE=cpu runs the same steps on a tiny config on 8 emulated CPU devices, with
@@ -40,9 +44,15 @@ if [ "$mode" = cpu ]; then
   export JAX_PLATFORMS=cpu
   steps="${STEPS:-4}"
   resume_steps="${RESUME_STEPS:-2}"
+  layout_steps="${LAYOUT_STEPS:-2}"
+  long=(--seq 32)
+  experts=(--experts 4)
 else
   size=(--size base --dtype bfloat16)
   where=(--mesh 1x1)
+  layout_steps="${LAYOUT_STEPS:-20}"
+  long=(--seq 4096 --max-len 4096 --batch 8)
+  experts=(--experts 8 --top-k 2 --batch 16)
   export JAX_PLATFORMS=  # every platform: the test suite's conftest would otherwise pick the CPU
   if ! "$python" -m pip install --quiet --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 \
      && ! "$python" -m pip install --quiet --no-deps -e . >>"$out/install.log" 2>&1; then
@@ -89,6 +99,13 @@ train() {  # train NAME SECONDS ARGS...: runs meshplan train, its output in $out
 }
 train 2-train 240 "${where[@]}" "${size[@]}" --steps "$steps" "${common[@]}"
 train 3-resume 150 "${where[@]}" --resume --steps "$((steps + resume_steps))" "${common[@]}"
+# 4. and 5.: the context- and expert-parallel layouts (their mesh axes: data,context and
+# data,expert, from the layout), without checkpoints.
+layout_common=(--eval-every 0 --eval-batches 1 --ckpt-every 0 --steps "$layout_steps")
+train 4-context 150 "${where[@]}" "${size[@]}" --rules fsdp_cp "${long[@]}" \
+  "${layout_common[@]}" --metrics "$out/metrics-context.jsonl"
+train 5-experts 150 "${where[@]}" "${size[@]}" --rules expert_parallel "${experts[@]}" \
+  "${layout_common[@]}" --metrics "$out/metrics-experts.jsonl"
 
 # The figures: from --metrics (every timed step) and the summaries (MFU's peak, memory).
 "$python" - "$out" "$steps" <<'PY' 2>&1 | tee -a "$results"
@@ -109,7 +126,22 @@ for name, part in (("train", lambda s: s <= steps), ("resume", lambda s: s > ste
     losses = [r["loss"] for r in records if "loss" in r and part(r["step"])]
     print(f"{name}: {len(timed)} timed steps, median step time {median * 1e3:.1f} ms, "
           f"{tps:,.0f} tokens/s, MFU {mfu}, last loss {losses[-1]:.3f}")
-for log in ("2-train", "3-resume"):
+for name in ("context", "experts"):
+    path = out / f"metrics-{name}.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x] if path.exists() else []
+    timed = [r for r in rows if r.get("step_time_s")]
+    if not timed:
+        print(f"{name}: no timed step")
+        continue
+    median = statistics.median(r["step_time_s"] for r in timed)
+    tps = statistics.median(r["tokens_per_s"] for r in timed)
+    line = f"{name}: {len(timed)} timed steps, median step time {median * 1e3:.1f} ms, {tps:,.0f} tokens/s"
+    moe = [r["metrics"] for r in rows if r.get("metrics") and r["metrics"].get("routed")]
+    if moe:
+        dropped = sum(m["dropped"] for m in moe) / sum(m["routed"] for m in moe)
+        line += f", {dropped:.2%} of expert choices dropped"
+    print(line)
+for log in ("2-train", "3-resume", "4-context", "5-experts"):
     path = out / f"{log}.log"
     if not path.exists():
         continue

@@ -15,12 +15,16 @@ def test_the_accelerator_check_runs_in_cpu_mode(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env.update(MESHPLAN_CHECK_MODE="cpu", PYTHON=sys.executable, OUT=str(tmp_path / "out"))
     done = subprocess.run(
-        ["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        ["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
     results = (tmp_path / "out" / "accelerator_check.txt").read_text()
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1. accelerator tests: passed" in results
     assert "2-train: ok" in results and "3-resume: ok" in results
+    assert "4-context: ok" in results and "5-experts: ok" in results
+    lines_of = {line.split(":", 1)[0]: line for line in results.splitlines()}
+    assert "tokens/s" in lines_of["context"]
+    assert "of expert choices dropped" in lines_of["experts"]
     lines = results.splitlines()
     train = next(line for line in lines if line.startswith("train: "))
     assert "median step time" in train and "tokens/s" in train and "MFU " in train

@@ -220,16 +220,13 @@ def test_every_parameter_the_layout_cannot_split_is_named(tmp_path):
     assert len(more.split(": ", 1)[1].split(", ")) == count  # each one named, none dropped
 
 
-def test_rules_that_shard_the_token_length_are_refused_before_any_work(tmp_path):
+def test_rules_that_shard_the_length_need_a_sequence_they_can_stripe(tmp_path):
+    """Sharding 'length' is context parallelism: the sequence must cut into 2N chunks."""
     rules = tmp_path / "rules.json"
     rules.write_text('[["batch", "data"], ["length", "model"]]')
-    message = _problems(_request(rules=str(rules)))
-    assert (
-        "--seq 32 gives token windows of 33 (the model reads 32 bytes and predicts the " in message
-    )
-    assert "do not split over the 4 devices that --rules" in message
-    assert "shard 'length' over (mesh axes ('model',) of the 2x4 mesh)" in message
-    assert "Leave 'length' unsharded: ('length', None) in the rules." in message
+    message = _problems(_request(rules=str(rules), settings={"seq_len": 20}))
+    assert "--seq 20 cannot be striped over the 4 context shards that --rules" in message
+    assert "Use a --seq that is a multiple of 8." in message
     rules.write_text('[["batch", "data"], ["length", "seq"]]')
     message = _problems(_request(rules=str(rules)))
     assert "shard 'length' over mesh axis 'seq', which the 2x4 mesh" in message

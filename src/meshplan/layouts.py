@@ -1,9 +1,15 @@
 """Built-in layouts: logical axis rules for a mesh with axes ``('data', 'model')``.
 
+The context-parallel layouts (:data:`context_parallel`, :data:`fsdp_cp`) are
+for a mesh with axes ``('data', 'context')``, the expert-parallel ones
+(:data:`expert_parallel`, :data:`fsdp_ep`) for ``('data', 'expert')``
+(``meshplan train --mesh 2x4 --axes data,context --rules fsdp_cp``).
+
 Each layout is a plain tuple of ``(logical_name, mesh_axes)`` rules that covers
 every name of the Transformer's vocabulary (``batch``, ``length``, ``embed``,
 ``heads``, ``kv``, ``mlp``, ``vocab``, ``layer``; see
-:mod:`meshplan.examples.transformer`). Rules are applied in order, so
+:mod:`meshplan.examples.transformer`; the expert-parallel layouts also
+``expert``, ``expert_batch`` and ``capacity``, :mod:`meshplan.examples.moe`). Rules are applied in order, so
 ``batch`` comes first: an activation named ``('batch', 'length', 'embed')``
 gives its mesh axes to ``batch``, and ``embed`` (which a parameter may shard
 over the same axes) stays whole in activations.
@@ -35,9 +41,16 @@ from meshplan._errors import RulesError, bullets, error_from_problems
 from meshplan._spmd.rules import rules_problems
 
 __all__ = [
+    "ALL_LAYOUTS",
+    "CONTEXT_EXPERT_LAYOUTS",
     "LAYOUTS",
+    "LAYOUT_AXES",
+    "context_parallel",
     "data_parallel",
+    "expert_parallel",
     "fsdp",
+    "fsdp_cp",
+    "fsdp_ep",
     "fsdp_tp",
     "get_layout",
     "guide",
@@ -127,6 +140,99 @@ Pick it for the largest models: per-device state is as small as with
 :data:`fsdp`, with less gathering of parameters per step.
 """
 
+context_parallel: Rules = (
+    ("batch", "data"),
+    ("length", "context"),
+    ("embed", None),
+    ("heads", None),
+    ("kv", None),
+    ("mlp", None),
+    ("vocab", None),
+    ("layer", None),
+)
+"""Context parallel: the batch over ``data``, every sequence split along ``length`` over ``context``.
+
+For a mesh with axes ``('data', 'context')``. Each device holds its examples'
+activations for ``1/context`` of the positions, so activation memory falls
+about as ``1/context``; parameters are replicated. Attention stays exact: keys
+and values are all-gathered over ``context`` once per layer, and the sequence
+is fed in load-balanced order so that the causal mask leaves every shard the
+same work (:mod:`meshplan.examples.context`). Pick it for long sequences,
+when one sequence's activations no longer fit a device (the batch per device
+cannot go below one sequence). The sequence length must be a multiple of
+``2 * context``.
+"""
+
+fsdp_cp: Rules = (
+    ("batch", "data"),
+    ("length", "context"),
+    ("embed", ("data", "context")),
+    ("heads", None),
+    ("kv", None),
+    ("mlp", None),
+    ("vocab", None),
+    ("layer", None),
+)
+"""FSDP over all devices combined with context parallel over ``context``.
+
+For a mesh with axes ``('data', 'context')``. Activations are split as in
+:data:`context_parallel` (batch over ``data``, ``length`` over ``context``),
+and every parameter's ``embed`` dimension over both axes, so each device keeps
+``1/devices`` of the parameters and optimizer state; they are all-gathered
+before use and gradients reduce-scattered. Pick it for long sequences of a
+model whose state does not fit one device either. ``embed_dim`` must be a
+multiple of the device count, the sequence length of ``2 * context``.
+"""
+
+expert_parallel: Rules = (
+    ("batch", ("data", "expert")),
+    ("expert", "expert"),
+    ("expert_batch", "data"),
+    ("capacity", None),
+    ("length", None),
+    ("embed", None),
+    ("heads", None),
+    ("kv", None),
+    ("mlp", None),
+    ("vocab", None),
+    ("layer", None),
+)
+"""Expert parallel: each device of the ``expert`` axis holds its own experts; data parallel elsewhere.
+
+For a mesh with axes ``('data', 'expert')`` and a mixture-of-experts model
+(``meshplan train --experts E``). The batch is split over all devices, as in
+:data:`data_parallel`; the experts' weights (``'expert'`` dimension) over the
+``expert`` axis, so each device keeps ``E / expert`` experts. Tokens go to
+their experts by an all-to-all over ``expert`` (the dispatched tokens are
+named ``('expert', 'expert_batch', 'capacity', 'embed')``, ``expert_batch``
+over ``data``) and come back by another. Pick it when the experts' weights
+dominate the model: they are never replicated nor gathered. ``num_experts``
+must be a multiple of the ``expert`` axis size.
+"""
+
+fsdp_ep: Rules = (
+    ("batch", ("data", "expert")),
+    ("expert", "expert"),
+    ("expert_batch", "data"),
+    ("embed", ("data", "expert")),
+    ("embed", "data"),
+    ("capacity", None),
+    ("length", None),
+    ("heads", None),
+    ("kv", None),
+    ("mlp", None),
+    ("vocab", None),
+    ("layer", None),
+)
+"""Expert parallel over ``expert`` combined with FSDP: every weight split over the devices.
+
+For a mesh with axes ``('data', 'expert')``. As :data:`expert_parallel`, and
+the dense parameters' ``embed`` dimension over all devices (FSDP), the
+experts' ``embed`` dimension over ``data`` (their ``expert`` dimension holds
+the ``expert`` axis): each device keeps ``1/devices`` of every weight. Pick
+it for a large MoE model whose dense part does not fit one device either.
+"""
+
 guide: Rules = (("batch", "data"), ("hidden", "model"))
 """The guide's rules, for its MLP demo: ``batch`` over ``data``, ``hidden`` over ``model``.
 
@@ -141,7 +247,33 @@ LAYOUTS: dict[str, Rules] = {
     "fsdp_tp": fsdp_tp,
     "guide": guide,
 }
-"""The built-in layouts by name."""
+"""The built-in layouts for a mesh with axes ``('data', 'model')``, by name."""
+
+CONTEXT_EXPERT_LAYOUTS: dict[str, Rules] = {
+    "context_parallel": context_parallel,
+    "fsdp_cp": fsdp_cp,
+    "expert_parallel": expert_parallel,
+    "fsdp_ep": fsdp_ep,
+}
+"""The built-in layouts for meshes with a ``context`` or an ``expert`` axis, by name."""
+
+ALL_LAYOUTS: dict[str, Rules] = {**LAYOUTS, **CONTEXT_EXPERT_LAYOUTS}
+"""Every built-in layout by name: :data:`LAYOUTS` and :data:`CONTEXT_EXPERT_LAYOUTS`."""
+
+LAYOUT_AXES: dict[str, tuple[str, ...]] = {
+    **{name: ("data", "model") for name in LAYOUTS},
+    "context_parallel": ("data", "context"),
+    "fsdp_cp": ("data", "context"),
+    "expert_parallel": ("data", "expert"),
+    "fsdp_ep": ("data", "expert"),
+}
+"""The mesh axis names each built-in layout is written for.
+
+Example:
+    >>> import meshplan.layouts
+    >>> meshplan.layouts.LAYOUT_AXES["fsdp_cp"]
+    ('data', 'context')
+"""
 
 
 def _attribute_docs() -> dict[str, str]:
@@ -159,7 +291,7 @@ def _attribute_docs() -> dict[str, str]:
         elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
             target = node.targets[0].id
         if (
-            target in LAYOUTS
+            target in ALL_LAYOUTS
             and isinstance(after, ast.Expr)
             and isinstance(after.value, ast.Constant)
             and isinstance(after.value.value, str)
@@ -173,11 +305,13 @@ def list_layouts() -> list[tuple[str, str]]:
 
     Example:
         >>> import meshplan.layouts
-        >>> [name for name, _ in meshplan.layouts.list_layouts()]
+        >>> [name for name, _ in meshplan.layouts.list_layouts()][:5]
         ['data_parallel', 'fsdp', 'tensor_parallel', 'fsdp_tp', 'guide']
+        >>> [name for name, _ in meshplan.layouts.list_layouts()][5:]
+        ['context_parallel', 'fsdp_cp', 'expert_parallel', 'fsdp_ep']
     """
     docs = _attribute_docs()
-    return [(name, docs.get(name, "").split("\n", 1)[0]) for name in LAYOUTS]
+    return [(name, docs.get(name, "").split("\n", 1)[0]) for name in ALL_LAYOUTS]
 
 
 def describe_layout(name: str) -> str:
@@ -192,9 +326,9 @@ def describe_layout(name: str) -> str:
         ...
         meshplan.RulesError: Unknown layout 'zero3'. Built-in layouts: ...
     """
-    if name not in LAYOUTS:
+    if name not in ALL_LAYOUTS:
         raise RulesError(
-            f"Unknown layout {name!r}. Built-in layouts: {', '.join(LAYOUTS)}.\n"
+            f"Unknown layout {name!r}. Built-in layouts: {', '.join(ALL_LAYOUTS)}.\n"
             f"Pick one of those (meshplan.layouts.list_layouts() describes each)."
         )
     return _attribute_docs().get(name, "")
@@ -274,7 +408,7 @@ def get_layout(name_or_path: str | os.PathLike[str]) -> Rules:
         (('batch', 'data'), ('hidden', 'model'))
 
     Args:
-        name_or_path: A name from :data:`LAYOUTS`, or the path of a Python file
+        name_or_path: A name from :data:`ALL_LAYOUTS`, or the path of a Python file
             defining ``RULES`` (or ``rules``), or of a JSON file holding a list
             of ``[name, axes]`` pairs (axes a string, a list of strings, or null).
 
@@ -286,11 +420,11 @@ def get_layout(name_or_path: str | os.PathLike[str]) -> Rules:
             a file that is missing, unreadable or does not hold valid rules.
     """
     text = os.fspath(name_or_path)
-    if text in LAYOUTS:
-        return LAYOUTS[text]
+    if text in ALL_LAYOUTS:
+        return ALL_LAYOUTS[text]
     is_path = text.endswith((".py", ".json")) or os.sep in text or os.path.exists(text)
     if not is_path:
-        names = ", ".join(LAYOUTS)
+        names = ", ".join(ALL_LAYOUTS)
         raise RulesError(
             f"Unknown layout {text!r}. Built-in layouts: {names}.\n"
             f"Pick one of those, or give the path of a .py file defining RULES or of a "
@@ -300,7 +434,8 @@ def get_layout(name_or_path: str | os.PathLike[str]) -> Rules:
         raise _file_error(
             text,
             "no such file." if not os.path.exists(text) else "it is not a file.",
-            f"Give a built-in layout ({', '.join(LAYOUTS)}) or the path of a .py or .json rules file.",
+            f"Give a built-in layout ({', '.join(ALL_LAYOUTS)}) or the path of a .py or .json "
+            "rules file.",
         )
     if text.endswith(".json"):
         rules: Any = _load_json(text)

@@ -78,6 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seq", type=int, default=None, help="Transformer sequence length, with --profile "
         "(default 128)",
     )  # fmt: skip
+    parser.add_argument(
+        "--experts",
+        type=int,
+        metavar="E",
+        help="the Transformers with a mixture-of-experts block of E experts in each layer "
+        "(e.g. with --rules expert_parallel --axes data,expert: each device's experts)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead")
     parser.add_argument("--png", metavar="PATH", help="also draw the plan into a PNG")
     parser.add_argument("--full", action="store_true", help="list every leaf in the table")
@@ -132,7 +139,7 @@ def abstract_state(args: argparse.Namespace) -> tuple[str, Any]:
     if args.model == "transformer":
         from meshplan.examples.transformer import Transformer, config_from_name
 
-        config = config_from_name(args.size)
+        config = config_from_name(args.size, num_experts=getattr(args, "experts", None) or 0)
         transformer = Transformer(config)
 
         def init(key: jax.Array) -> train_state.TrainState:
@@ -149,7 +156,8 @@ def abstract_state(args: argparse.Namespace) -> tuple[str, Any]:
         from meshplan.examples.transformer import config_from_name
         from meshplan.examples.transformer_nnx import FunctionalTransformer
 
-        functional = FunctionalTransformer(config_from_name(args.size))
+        experts = getattr(args, "experts", None) or 0
+        functional = FunctionalTransformer(config_from_name(args.size, num_experts=experts))
 
         def init_nnx(key: jax.Array) -> train_state.TrainState:
             created: train_state.TrainState = train_state.TrainState.create(

@@ -5,7 +5,11 @@ target tree), and the model is re-created from the config stored beside the
 arrays: the Flax Linen Transformer, or the Flax NNX one for a checkpoint of
 ``meshplan train --model transformer-nnx`` (its parameters go back into the
 model's ``nnx.State``). Generation is byte by byte: greedy at temperature 0,
-else sampled.
+else sampled, decoding with a key/value cache (:mod:`meshplan.examples.decode`):
+the prompt is read once, then each byte is one step of one token.
+``--no-kv-cache`` runs the whole window through the model for every byte
+instead; ``--compare-cache`` runs both, and reports the tokens per second of
+each and whether they gave the same bytes.
 """
 
 from __future__ import annotations
@@ -41,6 +45,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed", type=int, default=0, metavar="S", help="sampling seed (default 0)"
     )
     parser.add_argument("--step", type=int, metavar="N", help="checkpoint step (default: latest)")
+    parser.add_argument(
+        "--no-kv-cache",
+        dest="kv_cache",
+        action="store_false",
+        help="read the whole window again for every byte, instead of decoding with a key/value "
+        "cache",
+    )
+    parser.add_argument(
+        "--compare-cache",
+        action="store_true",
+        help="decode with and without the key/value cache: tokens/s of each, and whether the "
+        "bytes are the same",
+    )
     parser.add_argument(
         "--platform",
         choices=("auto", "cpu", "gpu", "tpu"),
@@ -110,6 +127,7 @@ def generate(
     temperature: float = 0.0,
     seed: int = 0,
     window: int | None = None,
+    times: list[float] | None = None,
 ) -> bytes:
     """Continues ``prompt`` by ``length`` bytes with ``model`` and unboxed ``params``.
 
@@ -118,7 +136,8 @@ def generate(
     the model has learned; :func:`context_window`), so a longer prompt is read
     from its last ``window`` bytes only (``meshplan sample`` says so), padded to a fixed shape so that one compiled
     forward pass serves every position (the model is causal, so the padding
-    after the last byte does not matter).
+    after the last byte does not matter). ``times``, when given, receives the
+    seconds each byte took (the first compiles).
 
     Example:
         >>> import jax, jax.numpy as jnp, meshplan
@@ -132,6 +151,8 @@ def generate(
         >>> list(generate(model, params, b"def ", 5))  # equal logits: greedy picks byte 0
         [0, 0, 0, 0, 0]
     """
+    import time
+
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -153,6 +174,7 @@ def generate(
     key = jax.random.key(seed)
     out = bytearray()
     for _ in range(length):
+        began = time.perf_counter()
         context = tokens[-window:]
         x = np.zeros((1, window), np.int32)
         x[0, : len(context)] = context
@@ -164,6 +186,8 @@ def generate(
             byte = int(jax.random.categorical(sub, logits / temperature))
         tokens.append(byte)
         out.append(byte)
+        if times is not None:
+            times.append(time.perf_counter() - began)
     return bytes(out)
 
 
@@ -218,6 +242,47 @@ def _damaged_fix(folder: str, problem: Any) -> str:
         f"Sample from an earlier step: --step {found.step} is the newest one before it that "
         f"passes the cheap check (its arrays are verified when read)."
     )
+
+
+def _decode(
+    console: Console, args: argparse.Namespace, model: Any, params: Any, prompt: bytes, seq_len: Any
+) -> bytes:
+    """The bytes generated, with the key/value cache or without (``--compare-cache``: both)."""
+    import statistics
+
+    from meshplan.examples.decode import greedy_cached
+
+    def cached(times: list[float] | None = None) -> bytes:
+        from flax import nnx
+
+        tree = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
+        return greedy_cached(
+            model.config, tree, prompt, args.length, seq_len, args.temperature, args.seed, times
+        )
+
+    def plain(times: list[float] | None = None) -> bytes:
+        return generate(
+            model, params, prompt, args.length, args.temperature, args.seed, seq_len, times
+        )
+
+    if not getattr(args, "compare_cache", False):
+        return cached() if getattr(args, "kv_cache", True) else plain()
+    rates, texts = {}, {}
+    for name, decode in (("with the key/value cache", cached), ("without", plain)):
+        times: list[float] = []
+        texts[name] = decode(times)
+        steady = times[2:] or times  # the first two bytes compile (the prompt, then one byte)
+        rates[name] = 1.0 / max(statistics.median(steady), 1e-9)
+    same = texts["with the key/value cache"] == texts["without"]
+    say(
+        console,
+        (
+            "; ".join(f"{name}: {rate:,.1f} tokens/s" for name, rate in rates.items())
+            + f" (median per byte, compiling left out); the same bytes: {'yes' if same else 'no'}",
+            "dim",
+        ),
+    )
+    return texts["with the key/value cache"]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -281,9 +346,7 @@ def run(args: argparse.Namespace) -> int:
                 f"bytes only.",
                 soft_wrap=True,
             )
-        text = generate(
-            model, params, prompt, args.length, args.temperature, args.seed, window=seq_len
-        )
+        text = _decode(console, args, model, params, prompt, seq_len)
     except (meshplan.MeshplanError, ValueError) as e:
         problems = getattr(e, "problems", None) or []
         if len(problems) == 1 and problems[0].code == "ckpt-damaged":

@@ -141,6 +141,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--ckpt-every", int, "K", "checkpoint every K steps and at the end (default 100)"),
         ("--keep", int, "N", "latest checkpoints kept, besides the best valid one (default 3)"),
         ("--clip", float, "NORM", "clip gradients to this global norm (default 1.0)"),
+        (
+            "--grad-accum",
+            int,
+            "N",
+            "microbatches per step: gradients of N slices of the batch accumulated, one update "
+            "(default 1)",
+        ),
     ):
         train.add_argument(flag, type=kind, metavar=metavar, help=about)
     model = parser.add_argument_group(
@@ -185,7 +192,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="stack blocks with a for-loop instead of nn.scan",
     )
     model.add_argument(
-        "--remat", action="store_true", default=None, help="rematerialise block activations"
+        "--remat",
+        nargs="?",
+        const="full",
+        default=None,
+        choices=("none", "full", "dots-saveable"),
+        help="rematerialise block activations: full (the default of a bare --remat) keeps each "
+        "block's input only, dots-saveable its matrix products too, none keeps everything",
+    )
+    model.add_argument(
+        "--experts",
+        type=int,
+        metavar="E",
+        help="a mixture-of-experts feed-forward block of E experts in every layer (default 0: "
+        "the dense MLP); with --rules expert_parallel or fsdp_ep on a data x expert mesh",
+    )
+    model.add_argument(
+        "--top-k", type=int, metavar="K", help="experts each token is routed to (default 2)"
+    )
+    model.add_argument(
+        "--capacity-factor",
+        type=float,
+        metavar="C",
+        help="slots of an expert per sequence, in multiples of its fair share (default 1.25); "
+        "choices beyond are dropped and counted",
     )
 
 
@@ -194,7 +224,10 @@ def _request(args: argparse.Namespace, devices: Any = None) -> Any:
 
     overrides = {field: getattr(args, dest) for dest, field in MODEL_FLAGS.items()}
     overrides["scan_layers"] = args.scan_layers
-    overrides["remat"] = args.remat
+    if args.remat is not None:
+        overrides["remat"] = args.remat != "none"
+        if args.remat != "none":
+            overrides["remat_policy"] = args.remat.replace("-", "_")
     settings = {field: getattr(args, dest) for dest, field in SETTINGS_FLAGS.items()}
     return TrainRequest(
         mesh=args.mesh,
@@ -231,12 +264,21 @@ def _header(console: Console, trainer: Any, devices: Any, peak: Any) -> None:
             f": Transformer{'' if kind == 'transformer' else f' ({MODELS.get(kind, kind)})'} of "
             f"{config.num_layers} "
             f"layer{'s' * (config.num_layers != 1)}, embed {config.embed_dim}, "
-            f"{config.num_heads} heads, mlp {config.mlp_dim} ({summary['parameters']:,} parameters)",
+            f"{config.num_heads} heads, mlp {config.mlp_dim}"
+            + (
+                f" x {config.num_experts} experts (top {config.top_k}, capacity factor "
+                f"{config.capacity_factor:g})"
+                if config.num_experts
+                else ""
+            )
+            + f" ({summary['parameters']:,} parameters)",
         ],
         [
             f"on a {mesh} mesh {tuple(trainer.mesh.axis_names)} with layout ",
             (str(summary["layout"]), "bold"),
-            f"; batch {s.batch} x {s.seq_len} bytes, lr {s.lr:g}, seed {s.seed}",
+            f"; batch {s.batch} x {s.seq_len} bytes"
+            + (f" in {s.grad_accum} microbatches" if s.grad_accum > 1 else "")
+            + f", lr {s.lr:g}, seed {s.seed}",
         ],
         [
             f"data: {corpus.source} ({len(corpus.train):,} train / {len(corpus.valid):,} "
@@ -339,6 +381,16 @@ def _summary(
         if memory is not None
         else "- (these devices report no memory_stats())",
     )
+    routed = sum(m.get("routed", 0.0) for m in result.metrics.values())
+    if routed:
+        dropped = sum(m.get("dropped", 0.0) for m in result.metrics.values())
+        last = result.metrics[max(result.metrics)]
+        table.add_row(
+            "experts",
+            f"{dropped / routed:.2%} of the expert choices dropped (over capacity) in "
+            f"{len(result.metrics)} steps; load-balancing loss {last.get('aux_loss', 0.0):.3f} "
+            f"(1 when balanced) at step {max(result.metrics)}",
+        )
     if result.losses:
         last = max(result.losses)
         table.add_row("final train loss", f"{result.losses[last]:.3f} nats/byte (step {last})")

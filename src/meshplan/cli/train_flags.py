@@ -23,6 +23,7 @@ SETTINGS_FLAGS = {
     "ckpt_every": "ckpt_every",
     "keep": "keep",
     "clip": "clip",
+    "grad_accum": "grad_accum",
 }
 """``argparse`` destination -> :class:`meshplan.train.settings.TrainSettings` field."""
 
@@ -35,6 +36,9 @@ MODEL_FLAGS = {
     "max_len": "max_len",
     "positions": "positions",
     "dtype": "dtype",
+    "experts": "num_experts",
+    "top_k": "top_k",
+    "capacity_factor": "capacity_factor",
 }
 """``argparse`` destination -> field of the example Transformer's config."""
 

@@ -64,7 +64,7 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     if args.scan_layers is False:
         out.append("--no-scan")
     if args.remat:
-        out.append("--remat")
+        out += ["--remat", str(args.remat)]
     return out
 
 

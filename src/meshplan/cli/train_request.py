@@ -45,21 +45,23 @@ from meshplan._errors import (
     problem_message,
 )
 from meshplan._spmd.mesh_info import mesh_info
-from meshplan._spmd.rules import rules_problems
+from meshplan._spmd.rules import logical_axis_rules, rules_problems
 from meshplan._spmd.validate import check_leaf, validate
 from meshplan._text import human_bytes
 from meshplan.cli.devices import DeviceChoice, choose_devices, count_from_xla_flags
+from meshplan.examples.context import context_shards
 from meshplan.examples.data import BATCH_NAMES, ByteCorpus, DataError, shard_batch
 from meshplan.examples.transformer import (
     CONFIG_SETTINGS,
     Transformer,
     TransformerConfig,
     config_from_name,
+    loss_and_stats,
     loss_fn,
     train_flops,
 )
 from meshplan.examples.transformer_nnx import FunctionalTransformer
-from meshplan.layouts import get_layout
+from meshplan.layouts import CONTEXT_EXPERT_LAYOUTS, LAYOUT_AXES, get_layout
 from meshplan.train.mesh import MESH_AXES, make_mesh, parse_mesh_shape
 from meshplan.train.settings import TrainSettings, make_optimizer
 from meshplan.train.state import abstract_train_state, per_device_bytes, state_shardings
@@ -95,13 +97,17 @@ def build_model(kind: str, config: TransformerConfig) -> tuple[Any, Any]:
 
     ``transformer``: the Linen module and ``loss(params, batch)``;
     ``transformer-nnx``: the NNX model's ``init(key) -> nnx.State`` and its ``loss(state, batch)``.
+    A mixture-of-experts config's loss returns ``(loss, stats)`` (the trainer's ``has_aux``).
     """
     if kind == "transformer-nnx":
         functional = FunctionalTransformer(config)
-        return functional.init, functional.loss
+        loss = functional.loss_and_stats if config.num_experts else functional.loss
+        return functional.init, loss
     if kind != "transformer":
         raise ValueError(f"unknown model {kind!r}: expected one of {', '.join(MODELS)}")
     model = Transformer(config)
+    if config.num_experts:  # (loss, stats): the trainer reports dropped tokens (has_aux)
+        return model, functools.partial(loss_and_stats, model=model)
     return model, functools.partial(loss_fn, model=model)
 
 
@@ -112,7 +118,9 @@ class TrainRequest:
     Attributes:
         mesh: ``"2x4"``-style mesh axis sizes (``"2x2x2"`` with ``axes``).
         axes: ``"data,fsdp,tensor"``: the mesh axis names, one per size; ``None``:
-            ``('data', 'model')`` (the built-in layouts' axes).
+            the axes the built-in layout is written for (``('data', 'model')``;
+            ``('data', 'context')`` for ``context_parallel`` and ``fsdp_cp``,
+            ``('data', 'expert')`` for ``expert_parallel`` and ``fsdp_ep``).
         rules: A built-in layout name (:mod:`meshplan.layouts`) or a rules file.
         config: A preset name (``tiny``, ``small``); ``None`` resumes with the
             stored config, or uses ``tiny``.
@@ -392,6 +400,7 @@ _FIXES = {
     "lr": "Pass a finite learning rate above 0, e.g. --lr 3e-3.",
     "weight_decay": "Pass a finite --weight-decay of 0 or more, e.g. --weight-decay 0.01.",
     "clip": "Pass a finite gradient norm above 0, e.g. --clip 1.0.",
+    "grad_accum": "Pass a --grad-accum that divides --batch, e.g. --grad-accum 2 with --batch 32.",
 }
 """The flag-level fix of each setting :meth:`TrainSettings.problems` refuses."""
 
@@ -492,10 +501,27 @@ def _check_batch(
     Returns the number of devices 'batch' is split over.
     """
     valid, index_map, _ = rules_problems(rules)
+    with jax.set_mesh(mesh), logical_axis_rules(valid):
+        context = context_shards()
+    if context > 1 and settings.seq_len % (2 * context):
+        problems.add(
+            MeshplanError,
+            f"--seq {settings.seq_len} cannot be striped over the {context} context shards that "
+            f"--rules {request.rules} split 'length' into (load balancing cuts a sequence into "
+            f"{2 * context} equal chunks)",
+            f"Use a --seq that is a multiple of {2 * context}.",
+            "seq-not-striped",
+        )
     shape = (settings.batch, settings.seq_len + 1)
     leaf = check_leaf("logical", BATCH_NAMES, shape, valid, index_map, mesh_info(mesh))
+    # The activations' 'length' (context parallelism): its mesh axes must exist (the stripes
+    # are checked above).
+    activations = check_leaf(
+        "logical", ("batch", "length"), (settings.batch, settings.seq_len), valid, index_map,
+        mesh_info(mesh),
+    )  # fmt: skip
     shards = 1
-    for d in leaf.dims:
+    for d in [*leaf.dims, *(d for d in activations.dims[1:] if d.missing_axes)]:
         if d.index == 0 and not d.missing_axes:
             shards = max(int(d.shards), 1)
         if d.missing_axes:
@@ -530,6 +556,17 @@ def _check_batch(
                     "Leave 'length' unsharded: ('length', None) in the rules.",
                     "indivisible",
                 )
+    accum = settings.grad_accum
+    if accum > 1 and not settings.batch % accum and (settings.batch // accum) % shards:
+        problems.add(
+            MeshplanError,
+            f"--grad-accum {accum} cuts --batch {settings.batch} into microbatches of "
+            f"{settings.batch // accum}, which do not split over the {shards} devices that "
+            f"--rules {request.rules} shard 'batch' over",
+            f"Use a --batch that is a multiple of {accum * shards} (--grad-accum x {shards}), "
+            f"or fewer microbatches.",
+            "indivisible",
+        )
     return shards
 
 
@@ -750,8 +787,12 @@ def _check_memory(
     shardings = state_shardings(abstract, mesh, rules)
     state = per_device_bytes(abstract, shardings)
     grads = per_device_bytes(abstract.params, shardings.params)
-    per_sequence = _activation_bytes(config, settings.seq_len)
-    sequences = math.ceil(settings.batch / batch_shards)
+    with jax.set_mesh(mesh), logical_axis_rules(rules):
+        context = context_shards()
+    # A device holds 1/context of each sequence's positions (the scores: of its queries), and
+    # the activations of one microbatch at a time.
+    per_sequence = _activation_bytes(config, settings.seq_len) // context
+    sequences = math.ceil(settings.batch / settings.grad_accum / batch_shards)
     need = state + grads + per_sequence * sequences
     if need <= limit:
         return
@@ -809,7 +850,10 @@ def prepare(request: TrainRequest) -> Trainer:
     except MeshplanError as e:
         problems.add_error(e, f"--rules {request.rules}")
     try:
-        shape = _parse_train_mesh(request.mesh, request.axes)
+        axes = request.axes
+        if axes is None and request.rules in CONTEXT_EXPERT_LAYOUTS:
+            axes = ",".join(LAYOUT_AXES[request.rules])  # ('data', 'context'), ('data', 'expert')
+        shape = _parse_train_mesh(request.mesh, axes)
         choice = request.devices
         if choice is not None:  # refused with the numbers and the fix in flag terms
             choose_devices(
@@ -875,6 +919,7 @@ def prepare(request: TrainRequest) -> Trainer:
         discard_steps=resume.damaged,
         flops_per_step=train_flops(config, settings.batch, settings.seq_len),
         sync_every_step=request.sync_every_step,
+        has_aux=bool(config.num_experts),
     )
     trainer.notes.extend(resume.notes)
     note = _model_note(kind, stored)

@@ -35,8 +35,14 @@ import meshplan
 
 __all__ = ["BATCH_NAMES", "ByteCorpus", "DataError", "shard_batch"]
 
-BATCH_NAMES = ("batch", "length")
-"""The logical names of a batch of token sequences, ``int32[batch, length]``."""
+BATCH_NAMES = ("batch", None)
+"""The logical names of a batch of token sequences, ``int32[batch, length]``.
+
+The positions stay whole: a window holds ``seq_len + 1`` tokens (the last one
+only predicted), which a split of ``length`` would rarely divide, and the
+model splits its activations along ``length`` itself when the rules say so
+(context parallelism, :mod:`meshplan.examples.context`). The tokens are a
+negligible part of the memory."""
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "node_modules"}
 _SPLITS = ("train", "valid")

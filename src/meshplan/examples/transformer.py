@@ -28,6 +28,17 @@ The logical axis vocabulary:
 ``layer``   the stacked-layers axis that ``nn.scan`` adds
 =========  ==========================================================
 
+A mixture-of-experts model (``num_experts > 0``) adds ``expert``,
+``expert_batch`` and ``capacity`` (:mod:`meshplan.examples.moe`).
+
+Context parallelism: a rule for ``length`` (``('length', 'context')``) splits
+every activation along the sequence. Attention stays exact: queries keep their
+piece of the sequence and keys and values are gathered whole over that axis
+(one all-gather per layer; see :class:`Attention` for why not ring attention),
+and :func:`loss_fn` feeds the sequence in load-balanced order
+(:mod:`meshplan.examples.context`) so that the causal mask leaves every shard
+the same work.
+
 Parameters sharded over the mesh axes that also split the batch (FSDP) are
 gathered over those axes just before use (:func:`gathered`): the forward pass
 all-gathers them and the backward pass reduce-scatters their gradients.
@@ -47,7 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -57,6 +68,8 @@ from jax.sharding import PartitionSpec
 
 import meshplan
 from meshplan._spmd.mesh import apply_spec  # not public: constrain on Auto, reshard on Explicit
+from meshplan.examples.context import context_shards, load_balanced_order
+from meshplan.examples.moe import expert_capacity, route
 
 __all__ = [
     "AXIS_NAMES",
@@ -72,6 +85,9 @@ __all__ = [
     "parameter_count",
     "train_flops",
 ]
+
+REMAT_POLICIES = ("full", "dots_saveable")
+"""What a rematerialised block may keep (:attr:`TransformerConfig.remat_policy`)."""
 
 AXIS_NAMES = ("batch", "length", "embed", "heads", "kv", "mlp", "vocab", "layer")
 """Every logical axis name the model uses; each rule set in :mod:`meshplan.layouts` covers them."""
@@ -99,6 +115,16 @@ class TransformerConfig:
             Python for-loop (``layers_0``, ``layers_1``, ...).
         remat: Recompute each block's activations in the backward pass
             (``nn.remat``): less memory, about a third more compute.
+        remat_policy: What a rematerialised block keeps (with ``remat``):
+            ``"full"`` keeps only its input; ``"dots_saveable"`` keeps the
+            results of its matrix products too (``jax.checkpoint_policies.dots_saveable``)
+            and recomputes the rest (norms, softmax, activations).
+        num_experts: Experts of a mixture-of-experts feed-forward block in each
+            layer (:class:`MoeMlp`); 0 (the default): the dense :class:`Mlp`.
+        top_k: Experts each token is routed to (with ``num_experts``).
+        capacity_factor: Slots of an expert per sequence, as a multiple of its
+            fair share ``top_k * length / num_experts``; choices beyond them are dropped.
+        aux_loss_coef: Weight of the load-balancing loss (the mean over layers) in :func:`loss_fn`.
     """
 
     vocab_size: int = 256
@@ -111,6 +137,11 @@ class TransformerConfig:
     positions: str = "rope"
     scan_layers: bool = True
     remat: bool = False
+    remat_policy: str = "full"
+    num_experts: int = 0
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    aux_loss_coef: float = 0.01
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
@@ -126,6 +157,20 @@ class TransformerConfig:
         for field in ("vocab_size", "num_layers", "num_heads", "embed_dim", "mlp_dim", "max_len"):
             if getattr(self, field) < 1:
                 problems.append(f"{field} must be positive, got {getattr(self, field)}")
+        if self.remat_policy not in REMAT_POLICIES:
+            problems.append(
+                f"remat_policy must be one of {', '.join(REMAT_POLICIES)}, got {self.remat_policy!r}"
+            )
+        if self.num_experts < 0:
+            problems.append(f"num_experts must be 0 (dense) or more, got {self.num_experts}")
+        elif self.num_experts and not 1 <= self.top_k <= self.num_experts:
+            problems.append(
+                f"top_k must be between 1 and num_experts={self.num_experts}, got {self.top_k}"
+            )
+        if not self.capacity_factor > 0:
+            problems.append(f"capacity_factor must be above 0, got {self.capacity_factor}")
+        if not self.aux_loss_coef >= 0:
+            problems.append(f"aux_loss_coef must be 0 or more, got {self.aux_loss_coef}")
         if problems:
             raise ValueError("Invalid TransformerConfig: " + "; ".join(problems) + ".")
 
@@ -215,15 +260,17 @@ def _axes(entry: Any) -> tuple[str, ...]:
     return ()
 
 
-def gathered(weight: Array, names: tuple[str | None, ...]) -> Array:
-    """``weight`` as the computation uses it: gathered over the mesh axes of ``'batch'``.
+def gathered(weight: Array, names: tuple[str | None, ...], keep: tuple[str, ...] = ()) -> Array:
+    """``weight`` as the computation uses it: gathered over the mesh axes that split activations.
 
     With rules that shard a parameter over the same mesh axes as the batch
-    (FSDP), each device holds a slice of the parameter but needs all of it to
-    process its own examples. This constrains the parameter to its spec with
-    the batch's mesh axes removed: an all-gather in the forward pass, a
-    reduce-scatter of its gradient in the backward pass. Without a mesh, rules,
-    or such axes it returns ``weight`` unchanged.
+    (FSDP), or as the sequence (``length``, context parallelism), each device
+    holds a slice of the parameter but needs all of it to process its own
+    tokens. This constrains the parameter to its spec with those mesh axes
+    removed: an all-gather in the forward pass, a reduce-scatter of its
+    gradient in the backward pass. Dimensions named in ``keep`` keep their
+    axes (an MoE block's ``'expert'`` dimension: each device runs its own
+    experts). Without a mesh, rules, or such axes it returns ``weight`` unchanged.
 
     Example:
         >>> import jax, jax.numpy as jnp, meshplan
@@ -240,13 +287,18 @@ def gathered(weight: Array, names: tuple[str | None, ...]) -> Array:
     rules = meshplan.get_logical_axis_rules()
     if not rules:
         return weight
-    batch_axes = set(_axes(meshplan.logical_to_mesh_axes(("batch",), rules)[0]))
+    split = meshplan.logical_to_mesh_axes(("batch", "length"), rules)
+    batch_axes = set(_axes(split[0])) | set(_axes(split[1]))
     spec = meshplan.logical_to_mesh_axes(names, rules)
-    if not any(batch_axes & set(_axes(e)) for e in spec):
+    drop = [
+        name not in keep and bool(batch_axes & set(_axes(e)))
+        for name, e in zip(names, spec, strict=False)
+    ]
+    if not any(drop):
         return weight
     kept = []
-    for entry in spec:
-        left = tuple(a for a in _axes(entry) if a not in batch_axes)
+    for entry, dropped in zip(spec, drop, strict=False):
+        left = tuple(a for a in _axes(entry) if not dropped or a not in batch_axes)
         kept.append(None if not left else left[0] if len(left) == 1 else left)
     return apply_spec(weight, PartitionSpec(*kept), what=f"a parameter named {names!r}")
 
@@ -313,19 +365,62 @@ def _rotary(x: Array, positions: Array) -> Array:
     return out.astype(x.dtype)
 
 
+def causal_mask(positions: Any) -> Any:
+    """``mask[q, k]``: query ``q`` may attend to key ``k`` (position ``k <= q``), in any order.
+
+    Example:
+        >>> import numpy as np
+        >>> from meshplan.examples.transformer import causal_mask
+        >>> causal_mask(np.array([0, 3, 1, 2])).astype(int).tolist()
+        [[1, 0, 0, 0], [1, 1, 1, 1], [1, 0, 1, 0], [1, 0, 1, 1]]
+    """
+    xp = np if isinstance(positions, np.ndarray) else jnp
+    return xp.asarray(positions)[:, None] >= xp.asarray(positions)[None, :]
+
+
+def attend(q: Array, k: Array, v: Array, positions: Any, dtype: Any) -> Array:
+    """Exact causal attention of ``q[batch, length, heads, kv]`` over all of ``k`` and ``v``.
+
+    Queries keep their piece of the sequence; keys and values are constrained
+    whole along it (``(batch, None, heads, kv)``), so when a rule splits
+    ``length`` over a ``context`` mesh axis XLA all-gathers them over that
+    axis, once per layer, and each device computes the scores of its own
+    queries against every key: exact, and memory ``~1/N`` for everything but
+    the gathered keys and values. Ring attention (collective permutes of key
+    and value blocks, overlapped with compute) would avoid holding all of them
+    at once, but it needs a hand-written ``shard_map`` loop with an online
+    softmax; the all-gather is what MaxText does by default, is exact by
+    construction, and any rules place it.
+    """
+    kv_names = ("batch", None, "heads", "kv")
+    k, v = _constrain(k, kv_names), _constrain(v, kv_names)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    scores = scores / np.sqrt(q.shape[-1]).astype(np.float32)
+    scores = _constrain(scores, ("batch", "heads", "length", None))
+    scores = jnp.where(causal_mask(positions)[None, None], scores, np.finfo(np.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    y = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    return _constrain(y, ("batch", "length", "heads", "kv"))
+
+
 class Attention(nn.Module):
-    """Causal multi-head self-attention; projections named ``('embed', 'heads', 'kv')``."""
+    """Causal multi-head self-attention; projections named ``('embed', 'heads', 'kv')``.
+
+    ``positions`` (``int[length]``) are the positions of the tokens, in the
+    order they come (:func:`attend` explains the context-parallel case).
+    """
 
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, positions: Any = None) -> Array:
         cfg = self.config
         dtype = cfg.compute_dtype
         e, h, d = cfg.embed_dim, cfg.num_heads, cfg.head_dim
         in_names = ("embed", "heads", "kv")
         in_init = meshplan.with_logical_partitioning(_dense_init((0,), (1, 2)), in_names)
         heads_names = ("batch", "length", "heads", "kv")
+        positions = np.arange(x.shape[1]) if positions is None else positions
 
         def project(name: str) -> Array:
             w = gathered(self.param(name, in_init, (e, h, d), unbox=True), in_names).astype(dtype)
@@ -334,17 +429,8 @@ class Attention(nn.Module):
 
         q, k, v = project("query"), project("key"), project("value")
         if cfg.positions == "rope":
-            positions = jnp.arange(x.shape[1])
             q, k = _rotary(q, positions), _rotary(k, positions)
-
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-        scores = scores / np.sqrt(d).astype(np.float32)
-        length = x.shape[1]
-        causal = np.tril(np.ones((length, length), dtype=bool))
-        scores = jnp.where(causal[None, None], scores, np.finfo(np.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        y = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-        y = _constrain(y, heads_names)
+        y = attend(q, k, v, positions, dtype)
 
         out_names = ("heads", "kv", "embed")
         out_init = meshplan.with_logical_partitioning(_dense_init((0, 1), (2,)), out_names)
@@ -389,21 +475,133 @@ class Mlp(nn.Module):
         return _constrain(y, embed_names)
 
 
-class Block(nn.Module):
-    """A pre-norm Transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+ROUTER_NAMES = ("embed", "expert")
+EXPERT_WI_NAMES = ("expert", "embed", "mlp")
+EXPERT_WO_NAMES = ("expert", "mlp", "embed")
 
-    Its signature ``(carry, _) -> (carry, None)`` is the one ``nn.scan`` wants.
+
+def moe_forward(
+    x: Array, router: Array, wi: Array, wo: Array, cfg: TransformerConfig
+) -> tuple[Array, dict[str, Array]]:
+    """The mixture-of-experts feed-forward of ``x[batch, length, embed]``, and its statistics.
+
+    Route (:func:`meshplan.examples.moe.route`), dispatch each token to its
+    experts' slots (an all-to-all over the ``expert`` mesh axis when rules
+    shard experts), run every expert's ``gelu(x @ wi) @ wo`` on its slots, and
+    combine the outputs weighted by the gates (the all-to-all back). Returns
+    the output and ``{"aux_loss", "dropped", "routed"}`` (float32 scalars).
+    Shared by the Linen and the NNX models.
+    """
+    dtype = cfg.compute_dtype
+    capacity = expert_capacity(
+        x.shape[1],
+        num_experts=cfg.num_experts,
+        top_k=cfg.top_k,
+        capacity_factor=cfg.capacity_factor,
+    )
+    logits = jnp.einsum(
+        "blm,me->ble",
+        x.astype(jnp.float32),
+        gathered(router, ROUTER_NAMES),
+        out_sharding=_out(("batch", "length", "expert")),
+    )
+    probs = jax.nn.softmax(_constrain(logits, ("batch", "length", "expert")), axis=-1)
+    routing = route(probs, top_k=cfg.top_k, capacity=capacity)
+    slot_names = ("batch", "length", "expert", "capacity")
+    dispatch = _constrain(routing.dispatch.astype(dtype), slot_names)
+    combine = _constrain(routing.combine.astype(dtype), slot_names)
+    token_names = ("expert", "expert_batch", "capacity", "embed")
+    tokens = jnp.einsum("blec,blm->ebcm", dispatch, x, out_sharding=_out(token_names))
+    tokens = _constrain(tokens, token_names)
+    wi = gathered(wi, EXPERT_WI_NAMES, keep=("expert",)).astype(dtype)
+    hidden_names = ("expert", "expert_batch", "capacity", "mlp")
+    hidden = jnp.einsum("ebcm,emh->ebch", tokens, wi, out_sharding=_out(hidden_names))
+    hidden = _constrain(jax.nn.gelu(hidden), hidden_names)
+    wo = gathered(wo, EXPERT_WO_NAMES, keep=("expert",)).astype(dtype)
+    out = jnp.einsum("ebch,ehm->ebcm", hidden, wo, out_sharding=_out(token_names))
+    out = _constrain(out, token_names)
+    embed_names = ("batch", "length", "embed")
+    y = jnp.einsum("blec,ebcm->blm", combine, out, out_sharding=_out(embed_names))
+    stats = {"aux_loss": routing.aux_loss, "dropped": routing.dropped, "routed": routing.routed}
+    return _constrain(y, embed_names), stats
+
+
+class MoeMlp(nn.Module):
+    """A mixture-of-experts feed-forward block: ``num_experts`` MLPs and a top-k router.
+
+    Parameters ``router`` ``('embed', 'expert')``, ``wi`` ``('expert', 'embed',
+    'mlp')`` and ``wo`` ``('expert', 'mlp', 'embed')``; the computation is
+    :func:`moe_forward`. Returns ``(y, stats)``.
     """
 
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x: Array, _: Any = None) -> tuple[Array, None]:
+    def __call__(self, x: Array) -> tuple[Array, dict[str, Array]]:
+        cfg = self.config
+        n, e, m = cfg.num_experts, cfg.embed_dim, cfg.mlp_dim
+        router = self.param(
+            "router",
+            meshplan.with_logical_partitioning(_dense_init((0,), (1,)), ROUTER_NAMES),
+            (e, n),
+            unbox=True,
+        )
+        wi = self.param(
+            "wi",
+            meshplan.with_logical_partitioning(_dense_init((1,), (2,)), EXPERT_WI_NAMES),
+            (n, e, m),
+            unbox=True,
+        )
+        wo = self.param(
+            "wo",
+            meshplan.with_logical_partitioning(_dense_init((1,), (2,)), EXPERT_WO_NAMES),
+            (n, m, e),
+            unbox=True,
+        )
+        return moe_forward(x, router, wi, wo, cfg)
+
+
+class Block(nn.Module):
+    """A pre-norm Transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+
+    Its signature ``(carry, positions) -> (carry, stats)`` is the one ``nn.scan``
+    wants (``positions`` broadcast to every layer); ``stats`` is ``None`` for
+    the dense MLP and the :class:`MoeMlp` statistics otherwise.
+    """
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x: Array, positions: Any = None) -> tuple[Array, Any]:
         names = ("batch", "length", "embed")
-        x = x + Attention(self.config, name="attention")(LayerNorm(name="attention_norm")(x))
+        attention = Attention(self.config, name="attention")
+        x = x + attention(LayerNorm(name="attention_norm")(x), positions)
         x = _constrain(x, names)
-        x = x + Mlp(self.config, name="mlp")(LayerNorm(name="mlp_norm")(x))
-        return _constrain(x, names), None
+        normed = LayerNorm(name="mlp_norm")(x)
+        stats = None
+        if self.config.num_experts:
+            y, stats = MoeMlp(self.config, name="mlp")(normed)
+        else:
+            y = Mlp(self.config, name="mlp")(normed)
+        return _constrain(x + y, names), stats
+
+
+def remat_policy(cfg: TransformerConfig) -> Any:
+    """The ``jax.checkpoint`` policy of :attr:`TransformerConfig.remat_policy` (``None``: full)."""
+    return jax.checkpoint_policies.dots_saveable if cfg.remat_policy == "dots_saveable" else None
+
+
+def _layer_stats(stats: Any) -> dict[str, Array] | None:
+    """Per-layer MoE statistics (stacked by scan, or a list) -> aux loss mean, counts summed."""
+    if stats is None or (isinstance(stats, list) and not stats):
+        return None
+    if isinstance(stats, list):
+        stats = jax.tree.map(lambda *xs: jnp.stack(xs), *stats)
+    return {
+        "aux_loss": jnp.mean(stats["aux_loss"]),
+        "dropped": jnp.sum(stats["dropped"]),
+        "routed": jnp.sum(stats["routed"]),
+    }
 
 
 def check_length(cfg: TransformerConfig, tokens: Array) -> None:
@@ -439,7 +637,12 @@ class Transformer(nn.Module):
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, tokens: Array) -> Array:
+    def __call__(self, tokens: Array, positions: Any = None, return_stats: bool = False) -> Any:
+        """``logits``, or ``(logits, stats)`` with ``return_stats`` (``None`` for a dense model).
+
+        ``positions`` (``int[length]``, default ``arange(length)``): the position
+        of each token, for a sequence fed in another order (context parallelism).
+        """
         cfg = self.config
         dtype = cfg.compute_dtype
         check_length(cfg, tokens)
@@ -469,23 +672,32 @@ class Transformer(nn.Module):
                 (cfg.max_len, cfg.embed_dim),
                 unbox=True,
             )
-            x = x + gathered(pos, pos_names)[None, :length].astype(dtype)
+            pos = gathered(pos, pos_names)
+            picked = pos[:length] if positions is None else jnp.take(pos, positions, axis=0)
+            x = x + picked[None].astype(dtype)
         x = _constrain(x, embed_names)
+        if positions is None:
+            positions = np.arange(length)
 
         block: Any = Block
         if cfg.remat:
-            block = nn.remat(Block, prevent_cse=not cfg.scan_layers)
+            block = nn.remat(Block, prevent_cse=not cfg.scan_layers, policy=remat_policy(cfg))
+        stats: Any
         if cfg.scan_layers:
-            x, _ = nn.scan(
+            x, stats = nn.scan(
                 block,
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
+                in_axes=nn.broadcast,
                 length=cfg.num_layers,
                 metadata_params={meshplan.PARTITION_NAME: "layer"},
-            )(cfg, name="layers")(x, None)
+            )(cfg, name="layers")(x, positions)
         else:
+            stats = []
             for i in range(cfg.num_layers):
-                x, _ = block(cfg, name=f"layers_{i}")(x, None)
+                x, layer_stats = block(cfg, name=f"layers_{i}")(x, positions)
+                if layer_stats is not None:
+                    stats.append(layer_stats)
 
         x = LayerNorm(name="final_norm")(x)
         head_names = ("embed", "vocab")
@@ -504,15 +716,43 @@ class Transformer(nn.Module):
             preferred_element_type=jnp.float32,
             out_sharding=_out(logits_names),
         )
-        return _constrain(logits.astype(jnp.float32), logits_names)
+        logits = _constrain(logits.astype(jnp.float32), logits_names)
+        return (logits, _layer_stats(stats)) if return_stats else logits
+
+
+def loss_and_stats(params: Any, batch_tokens: Array, model: Any) -> tuple[Array, dict[str, Array]]:
+    """:func:`loss_fn` and what it measured: ``{"ce"}``, and for MoE ``aux_loss``, ``dropped``, ``routed``.
+
+    The sequence goes in load-balanced order (:func:`meshplan.examples.context.load_balanced_order`)
+    when the active rules split ``length``; inputs, targets and positions are
+    permuted alike, so the loss is the same as in order. ``model`` is anything
+    with Linen's ``apply({"params": params}, tokens, positions=..., return_stats=True)``.
+    """
+    inputs, targets = batch_tokens[:, :-1], batch_tokens[:, 1:]
+    shards = context_shards()
+    positions = None
+    if shards > 1:
+        positions = load_balanced_order(inputs.shape[1], shards)
+        inputs, targets = inputs[:, positions], targets[:, positions]
+    logits, stats = model.apply({"params": params}, inputs, positions=positions, return_stats=True)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    one_hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=log_probs.dtype)
+    ce = -jnp.mean(jnp.sum(log_probs * one_hot, axis=-1))
+    if stats is None:
+        return ce, {"ce": ce}
+    loss = ce + model.config.aux_loss_coef * stats["aux_loss"]
+    return loss, {"ce": ce, **stats}
 
 
 def loss_fn(params: Any, batch_tokens: Array, model: Transformer) -> Array:
-    """Mean cross-entropy of next-byte prediction, in nats per byte.
+    """Mean cross-entropy of next-byte prediction, in nats per byte (plus, for MoE, the aux loss).
 
     ``batch_tokens`` is ``int32[batch, length + 1]``: the model reads
     ``[:, :-1]`` and predicts ``[:, 1:]``. The log-probabilities are picked by
     a one-hot product, which works whatever the sharding of the vocabulary.
+    A mixture-of-experts model adds ``aux_loss_coef`` times its load-balancing
+    loss; under rules that split ``length`` the sequence is fed in
+    load-balanced order (:func:`loss_and_stats`).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -531,12 +771,7 @@ def loss_fn(params: Any, batch_tokens: Array, model: Transformer) -> Array:
     Returns:
         A float32 scalar.
     """
-    inputs, targets = batch_tokens[:, :-1], batch_tokens[:, 1:]
-    # flax types apply's result as "output, or (output, variables) when mutable": not mutable here.
-    logits = cast(Array, model.apply({"params": params}, inputs))
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    one_hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=log_probs.dtype)
-    return -jnp.mean(jnp.sum(log_probs * one_hot, axis=-1))
+    return loss_and_stats(params, batch_tokens, model)[0]
 
 
 def parameter_count(config: TransformerConfig) -> int:
@@ -547,8 +782,16 @@ def parameter_count(config: TransformerConfig) -> int:
         >>> parameter_count(CONFIGS["tiny"]), parameter_count(CONFIGS["base"])
         (460032, 126396416)
     """
-    e, m, v = config.embed_dim, config.mlp_dim, config.vocab_size
-    block = 4 * e * e + 2 * e * m + 4 * e  # query, key, value, out; wi, wo; two norms
+    return _parameters(config, active=False)
+
+
+def _parameters(config: TransformerConfig, *, active: bool) -> int:
+    """All parameters, or (``active``) those one token uses: ``top_k`` of the experts."""
+    e, m, v, n = config.embed_dim, config.mlp_dim, config.vocab_size, config.num_experts
+    mlp = 2 * e * m
+    if n:
+        mlp = (config.top_k if active else n) * 2 * e * m + e * n  # experts, router
+    block = 4 * e * e + mlp + 4 * e  # query, key, value, out; the MLP or experts; two norms
     positions = config.max_len * e if config.positions == "learned" else 0
     return config.num_layers * block + 2 * v * e + 2 * e + positions
 
@@ -556,8 +799,8 @@ def parameter_count(config: TransformerConfig) -> int:
 def train_flops(config: TransformerConfig, batch: int, seq_len: int) -> int:
     """Model FLOPs of one training step (forward and backward) on ``batch`` x ``seq_len`` tokens.
 
-    ``6 * N * tokens + 12 * L * T * E * tokens``: ``N`` the parameters
-    (:func:`parameter_count`), each used in one multiply-add per token forward
+    ``6 * N * tokens + 12 * L * T * E * tokens``: ``N`` the parameters a token
+    uses (:func:`parameter_count`; of a mixture of experts, ``top_k`` experts), each used in one multiply-add per token forward
     and two backward; and attention's two ``T x T`` products (scores and the
     weighted sum) per layer, ``4 * T * E`` FLOPs a token forward, twice that
     backward (``L`` layers, ``T = seq_len``, ``E = embed_dim``). The full ``T x
@@ -571,4 +814,4 @@ def train_flops(config: TransformerConfig, batch: int, seq_len: int) -> int:
     """
     tokens = batch * seq_len
     attention = 12 * config.num_layers * seq_len * config.embed_dim
-    return 6 * parameter_count(config) * tokens + attention * tokens
+    return 6 * _parameters(config, active=True) * tokens + attention * tokens

@@ -37,7 +37,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,12 +46,19 @@ from flax import nnx
 
 import meshplan
 from meshplan.examples.transformer import (
+    EXPERT_WI_NAMES,
+    EXPERT_WO_NAMES,
+    ROUTER_NAMES,
     TransformerConfig,
     _dense_init,
+    _layer_stats,
     _rotary,
+    attend,
     check_length,
     gathered,
-    loss_fn,
+    loss_and_stats,
+    moe_forward,
+    remat_policy,
 )
 
 __all__ = [
@@ -60,6 +67,7 @@ __all__ = [
     "FunctionalTransformer",
     "LayerNorm",
     "Mlp",
+    "MoeMlp",
     "Transformer",
 ]
 
@@ -115,10 +123,11 @@ class Attention(nnx.Module):
         self.value = _param(rngs, in_init, (e, h, d), self.IN_NAMES)
         self.out = _param(rngs, _dense_init((0, 1), (2,)), (h, d, e), self.OUT_NAMES)
 
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, positions: Any = None) -> Array:
         cfg = self.config
         dtype = cfg.compute_dtype
         heads_names = ("batch", "length", "heads", "kv")
+        positions = np.arange(x.shape[1]) if positions is None else positions
 
         def project(param: nnx.Param[Array]) -> Array:
             w = gathered(param[...], self.IN_NAMES).astype(dtype)
@@ -127,17 +136,8 @@ class Attention(nnx.Module):
 
         q, k, v = project(self.query), project(self.key), project(self.value)
         if cfg.positions == "rope":
-            positions = jnp.arange(x.shape[1])
             q, k = _rotary(q, positions), _rotary(k, positions)
-
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-        scores = scores / np.sqrt(cfg.head_dim).astype(np.float32)
-        length = x.shape[1]
-        causal = np.tril(np.ones((length, length), dtype=bool))
-        scores = jnp.where(causal[None, None], scores, np.finfo(np.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        y = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-        y = _constrain(y, heads_names)
+        y = attend(q, k, v, positions, dtype)
 
         w_out = gathered(self.out[...], self.OUT_NAMES).astype(dtype)
         embed_names = ("batch", "length", "embed")
@@ -166,24 +166,44 @@ class Mlp(nnx.Module):
         return _constrain(y, embed_names)
 
 
+class MoeMlp(nnx.Module):
+    """A mixture-of-experts feed-forward block, as Linen's :class:`~meshplan.examples.transformer.MoeMlp`.
+
+    ``router`` ``('embed', 'expert')``, ``wi`` ``('expert', 'embed', 'mlp')``,
+    ``wo`` ``('expert', 'mlp', 'embed')``; returns ``(y, stats)``
+    (:func:`~meshplan.examples.transformer.moe_forward`).
+    """
+
+    def __init__(self, config: TransformerConfig, rngs: nnx.Rngs) -> None:
+        self.config = config
+        n, e, m = config.num_experts, config.embed_dim, config.mlp_dim
+        self.router = _param(rngs, _dense_init((0,), (1,)), (e, n), ROUTER_NAMES)
+        self.wi = _param(rngs, _dense_init((1,), (2,)), (n, e, m), EXPERT_WI_NAMES)
+        self.wo = _param(rngs, _dense_init((1,), (2,)), (n, m, e), EXPERT_WO_NAMES)
+
+    def __call__(self, x: Array) -> tuple[Array, dict[str, Array]]:
+        return moe_forward(x, self.router[...], self.wi[...], self.wo[...], self.config)
+
+
 class Block(nnx.Module):
-    """A pre-norm Transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """A pre-norm Transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+
+    Returns ``(x, stats)``: ``stats`` ``None`` for the dense MLP, the
+    :class:`MoeMlp` statistics otherwise.
+    """
 
     def __init__(self, config: TransformerConfig, rngs: nnx.Rngs) -> None:
         self.attention_norm = LayerNorm(config.embed_dim, rngs)
         self.attention = Attention(config, rngs)
         self.mlp_norm = LayerNorm(config.embed_dim, rngs)
-        self.mlp = Mlp(config, rngs)
+        self.mlp: Mlp | MoeMlp = MoeMlp(config, rngs) if config.num_experts else Mlp(config, rngs)
 
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, positions: Any = None) -> tuple[Array, Any]:
         names = ("batch", "length", "embed")
-        x = _constrain(x + self.attention(self.attention_norm(x)), names)
-        x = x + self.mlp(self.mlp_norm(x))
-        return _constrain(x, names)
-
-
-def _run_block(x: Array, block: Block) -> tuple[Array, None]:
-    return block(x), None
+        x = _constrain(x + self.attention(self.attention_norm(x), positions), names)
+        out = self.mlp(self.mlp_norm(x))
+        y, stats = out if isinstance(out, tuple) else (out, None)
+        return _constrain(x + y, names), stats
 
 
 class Transformer(nnx.Module):
@@ -232,7 +252,8 @@ class Transformer(nnx.Module):
             ("embed", "vocab"),
         )
 
-    def __call__(self, tokens: Array) -> Array:
+    def __call__(self, tokens: Array, positions: Any = None, return_stats: bool = False) -> Any:
+        """``logits``, or ``(logits, stats)`` with ``return_stats``, as the Linen model's."""
         cfg = self.config
         dtype = cfg.compute_dtype
         check_length(cfg, tokens)
@@ -244,17 +265,28 @@ class Transformer(nnx.Module):
         x = jnp.einsum("blv,ve->ble", one_hot, table, out_sharding=_out(embed_names))
         if cfg.positions == "learned":
             pos = gathered(self.pos_embed[...], ("length", "embed"))
-            x = x + pos[None, :length].astype(dtype)
+            picked = pos[:length] if positions is None else jnp.take(pos, positions, axis=0)
+            x = x + picked[None].astype(dtype)
         x = _constrain(x, embed_names)
+        order = np.arange(length) if positions is None else positions
 
-        run: Callable[[Array, Block], tuple[Array, None]] = _run_block
+        def run_block(x: Array, block: Block) -> tuple[Array, Any]:
+            return block(x, order)
+
+        run: Callable[[Array, Block], tuple[Array, Any]] = run_block
         if cfg.remat:
-            run = jax.checkpoint(_run_block, prevent_cse=not cfg.scan_layers)
+            run = jax.checkpoint(
+                run_block, prevent_cse=not cfg.scan_layers, policy=remat_policy(cfg)
+            )
+        stats: Any
         if cfg.scan_layers:
-            x, _ = jax.lax.scan(run, x, self.layers)
+            x, stats = jax.lax.scan(run, x, self.layers)
         else:
+            stats = []
             for i in range(cfg.num_layers):
-                x, _ = run(x, getattr(self, f"layers_{i}"))
+                x, layer_stats = run(x, getattr(self, f"layers_{i}"))
+                if layer_stats is not None:
+                    stats.append(layer_stats)
 
         x = self.final_norm(x)
         logits_names = ("batch", "length", "vocab")
@@ -266,7 +298,8 @@ class Transformer(nnx.Module):
             preferred_element_type=jnp.float32,
             out_sharding=_out(logits_names),
         )
-        return _constrain(logits.astype(jnp.float32), logits_names)
+        logits = _constrain(logits.astype(jnp.float32), logits_names)
+        return (logits, _layer_stats(stats)) if return_stats else logits
 
 
 def _create(config: TransformerConfig, key: jax.Array) -> Transformer:
@@ -280,8 +313,12 @@ class _LinenApply:
     def __init__(self, model: FunctionalTransformer) -> None:
         self.model = model
 
-    def apply(self, variables: dict[str, Any], tokens: Array) -> Array:
-        return self.model.apply(variables["params"], tokens)
+    @property
+    def config(self) -> TransformerConfig:
+        return self.model.config
+
+    def apply(self, variables: dict[str, Any], tokens: Array, **kwargs: Any) -> Any:
+        return self.model.module(variables["params"])(tokens, **kwargs)
 
 
 class FunctionalTransformer:
@@ -334,11 +371,18 @@ class FunctionalTransformer:
 
     def apply(self, state: nnx.State[Any, Any], tokens: Array) -> Array:
         """``logits[batch, length, vocab]`` (float32) of ``tokens[batch, length]``."""
-        return self.module(state)(tokens)
+        logits: Array = self.module(state)(tokens)
+        return logits
 
     def loss(self, state: nnx.State[Any, Any], batch: Array) -> Array:
         """Mean next-byte cross-entropy of ``batch`` (``int32[batch, length + 1]``), in nats.
 
         The Linen model's :func:`~meshplan.examples.transformer.loss_fn`, run on this model.
         """
-        return loss_fn(state, batch, cast(Any, _LinenApply(self)))
+        return self.loss_and_stats(state, batch)[0]
+
+    def loss_and_stats(
+        self, state: nnx.State[Any, Any], batch: Array
+    ) -> tuple[Array, dict[str, Array]]:
+        """:meth:`loss` and what it measured (:func:`~meshplan.examples.transformer.loss_and_stats`)."""
+        return loss_and_stats(state, batch, _LinenApply(self))

@@ -39,6 +39,9 @@ class TrainSettings:
         keep: The latest checkpoints kept (the one with the best validation
             loss is kept as well, whatever this says).
         clip: Gradients are clipped to this global norm.
+        grad_accum: Microbatches per step: the batch of ``batch`` sequences is
+            cut into this many, their gradients accumulated, one update made
+            (the same update, with the activation memory of one microbatch).
     """
 
     steps: int = 300
@@ -53,6 +56,7 @@ class TrainSettings:
     ckpt_every: int = 100
     keep: int = 3
     clip: float = 1.0
+    grad_accum: int = 1
 
     def problems(self) -> list[tuple[str, str]]:
         """What is wrong with these settings: ``(field, why)`` pairs; ``[]`` when none.
@@ -80,6 +84,11 @@ class TrainSettings:
                 if not ok:
                     bound = "above 0" if kind == "rate" else "of 0 or more"
                     found.append((name, f"must be a finite number {bound}, got {_show(value)}"))
+        accum = self.grad_accum
+        if _is_int(accum) and accum >= 1 and _is_int(self.batch) and self.batch % accum:
+            found.append(
+                ("grad_accum", f"{accum} microbatches do not divide a batch of {self.batch}")
+            )
         return found
 
     def to_dict(self) -> dict[str, Any]:
@@ -106,6 +115,7 @@ _LIMITS = {
     "ckpt_every": "index",
     "keep": "count",
     "clip": "rate",
+    "grad_accum": "count",
 }
 """What each setting may be: a count (>= 1), an index (>= 0), a rate (finite, > 0), a weight
 (finite, >= 0)."""

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -156,6 +157,15 @@ def sane_step(
     )
 
 
+def _fold(x: jax.Array, accum: int) -> jax.Array:
+    """``x[batch, ...]`` as ``[batch / accum, accum, ...]``: row ``r`` at ``(r // accum, r % accum)``.
+
+    Each device keeps the rows it holds (the first dimension stays split as
+    the batch was), so microbatch ``i``, ``[:, i]``, needs no communication.
+    """
+    return x.reshape(x.shape[0] // accum, accum, *x.shape[1:])
+
+
 class Diverged(MeshplanError, FloatingPointError):
     """Training stopped: a step's loss or state is not finite (code ``'train-not-finite'``).
 
@@ -224,6 +234,9 @@ class StepRecord:
         tokens_per_s: ``tokens_per_step / step_time_s``, or ``None``.
         mfu: Model FLOPs utilisation of the step, ``flops_per_step /
             step_time_s / peak_flops_per_s``, when the trainer knows both, else ``None``.
+        metrics: What a loss with ``has_aux`` measured of the step (e.g. an MoE
+            model's ``dropped`` and ``routed`` expert choices), averaged over its
+            microbatches; ``None`` without.
     """
 
     step: int
@@ -231,10 +244,14 @@ class StepRecord:
     step_time_s: float | None = None
     tokens_per_s: float | None = None
     mfu: float | None = None
+    metrics: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-able dict (``--metrics`` writes one per step)."""
-        return dataclasses.asdict(self)
+        """A JSON-able dict (``--metrics`` writes one per step); ``metrics`` only when measured."""
+        out = dataclasses.asdict(self)
+        if out["metrics"] is None:
+            del out["metrics"]
+        return out
 
 
 @dataclasses.dataclass
@@ -256,6 +273,7 @@ class TrainResult:
         step_time_s: The median of :attr:`step_times` (``0.0`` if none).
         mfu: Model FLOPs utilisation at the median step time, or ``None``
             (the trainer knows no FLOP count or no peak).
+        metrics: :attr:`StepRecord.metrics` by step (a loss with ``has_aux``).
     """
 
     start_step: int
@@ -269,6 +287,7 @@ class TrainResult:
     step_times: dict[int, float] = dataclasses.field(default_factory=dict)
     step_time_s: float = 0.0
     mfu: float | None = None
+    metrics: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
 class Trainer:
@@ -312,6 +331,14 @@ class Trainer:
             ``None``: unknown.
         sync_every_step: Read each step's loss as soon as it is dispatched (the
             host waits for every step; for measuring what the overlap gains).
+        has_aux: ``loss`` returns ``(loss, metrics)``, ``metrics`` a dict of
+            float32 scalars reported with each step (:attr:`StepRecord.metrics`).
+
+    With ``settings.grad_accum = N`` a step's batch is cut into ``N``
+    microbatches (rows ``i, i + N, i + 2N, ...`` are microbatch ``i``: each
+    device keeps its own rows), their gradients summed by a ``jax.lax.scan``
+    and averaged: the update of the whole batch, with the activations of one
+    microbatch alive at a time.
 
     Attributes:
         notes: Sentences for the user about the checkpoint folder (a stale lock
@@ -351,8 +378,10 @@ class Trainer:
         flops_per_step: float | None = None,
         peak_flops_per_s: float | None = None,
         sync_every_step: bool = False,
+        has_aux: bool = False,
     ) -> None:
         self.model = model
+        self.has_aux = has_aux
         self.loss = loss
         self.batches = batches
         self.settings = settings
@@ -404,9 +433,10 @@ class Trainer:
                     f"own validations, and the checkpoint's best stays kept."
                 )
         self._checkpointer: Checkpointer | None = None
-        self._train_step: Callable[[Any, Any], tuple[Any, jax.Array]] | None = None
+        self._train_step: Callable[[Any, Any], tuple[Any, jax.Array, Any]] | None = None
         self._eval_step: Callable[[Any, Any], jax.Array] | None = None
         self._valid_batches: list[Any] | None = None
+        self._step_metrics: dict[int, Any] = {}
 
     # -- context ---------------------------------------------------------------
 
@@ -496,25 +526,47 @@ class Trainer:
 
     def _compile(self, batch: Any) -> None:
         """Jits the steps for batches placed like ``batch``."""
-        loss = self.loss
         batch_shardings = jax.tree.map(lambda x: x.sharding, batch)
+        value_and_grad = jax.value_and_grad(self._loss_and_metrics, has_aux=True)
+        accum = self.settings.grad_accum
 
-        def train_step(state: Any, batch: Any) -> tuple[Any, jax.Array]:
-            value, grads = jax.value_and_grad(loss)(state.params, batch)
-            return state.apply_gradients(grads=grads), value
+        def gradients(params: Any, batch: Any) -> Any:
+            (value, metrics), grads = value_and_grad(params, batch)
+            return value, metrics, grads
+
+        def train_step(state: Any, batch: Any) -> tuple[Any, jax.Array, Any]:
+            if accum == 1:
+                value, metrics, grads = gradients(state.params, batch)
+                return state.apply_gradients(grads=grads), value, metrics
+            micro = jax.tree.map(lambda x: jnp.swapaxes(_fold(x, accum), 0, 1), batch)
+            first = jax.tree.map(lambda x: x[0], micro)
+            shapes = jax.eval_shape(gradients, state.params, first)
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+            def add(total: Any, microbatch: Any) -> tuple[Any, None]:
+                part = gradients(state.params, microbatch)
+                return jax.tree.map(jnp.add, total, part), None
+
+            total, _ = jax.lax.scan(add, zeros, micro)
+            value, metrics, grads = jax.tree.map(lambda x: x / accum, total)
+            return state.apply_gradients(grads=grads), value, metrics
 
         replicated = NamedSharding(self.mesh, PartitionSpec())
         self._train_step = jax.jit(
             train_step,
             in_shardings=(self.shardings, batch_shardings),
-            out_shardings=(self.shardings, replicated),
+            out_shardings=(self.shardings, replicated, replicated),
             donate_argnums=(0,),
         )
         self._eval_step = jax.jit(
-            loss,
+            lambda params, batch: self._loss_and_metrics(params, batch)[0],
             in_shardings=(self.shardings.params, batch_shardings),
             out_shardings=replicated,
         )
+
+    def _loss_and_metrics(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
+        out = self.loss(params, batch)
+        return (out[0], out[1]) if self.has_aux else (out, {})
 
     def train_step(self, batch: Any = None) -> jax.Array:
         """Runs one step on the batch of the current step; returns its loss (not synced).
@@ -527,8 +579,10 @@ class Trainer:
             self._compile(batch)
         assert self._train_step is not None  # set by _compile
         with self.active():
-            self.state, loss = self._train_step(self.state, batch)
+            self.state, loss, metrics = self._train_step(self.state, batch)
         self.step += 1
+        if metrics:
+            self._step_metrics[self.step] = metrics
         return loss
 
     def evaluate(self) -> float:
@@ -687,11 +741,20 @@ class Trainer:
                 self._diverged(f"its training loss is {loss}", "loss", step)
             seconds = None if since is None else done - since
             since = done
-            record = StepRecord(step, loss)
+            found = self._step_metrics.pop(step, None)
+            metrics = None if found is None else {k: float(v) for k, v in found.items()}
+            if metrics is not None:
+                result.metrics[step] = metrics
+            record = StepRecord(step, loss, metrics=metrics)
             if seconds is not None:
                 result.step_times[step] = seconds
                 record = StepRecord(
-                    step, loss, seconds, tokens_per_step / max(seconds, 1e-12), self.mfu(seconds)
+                    step,
+                    loss,
+                    seconds,
+                    tokens_per_step / max(seconds, 1e-12),
+                    self.mfu(seconds),
+                    metrics,
                 )
             result.losses[step] = loss
             self.losses_seen[step] = loss
