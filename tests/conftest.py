@@ -43,7 +43,7 @@ def _can_mount(tmp_path: Path) -> bool:
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 1 MiB tmpfs (``None`` where ``mount`` is not permitted); unmounted afterwards.
+    """A 3 MiB tmpfs (``None`` where ``mount`` is not permitted); unmounted afterwards.
 
     Faults are tested on real files: a full disk is this tmpfs filling up, a read-only
     folder is it remounted read-only (``chmod`` denies nothing to root). Where ``mount``
@@ -54,7 +54,7 @@ def small_disk(tmp_path):
         return
     disk = tmp_path / "disk"
     disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], check=True)
     try:
         yield disk
     finally:

@@ -216,7 +216,7 @@ def test_failing_io_ends_the_run_in_seconds_and_keeps_the_last_step(tmp_path, sm
                 while proc.poll() is None and not (folder.is_dir() and complete_steps(folder)):
                     time.sleep(0.01)
                 subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
-            code = proc.wait(timeout=120)  # a 1 MiB disk fills within a few steps
+            code = proc.wait(timeout=120)  # a 3 MiB disk fills within a few steps
         finally:
             if proc.poll() is None:
                 proc.kill()

@@ -207,8 +207,9 @@ def test_metrics_on_a_full_disk_ends_the_run_with_one_error(tmp_path):
                   "--metrics", "/dev/full", "--ckpt-dir", str(folder))  # fmt: skip
     assert result.returncode == 1, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
+    # --eval-every 0 evaluates only at the end: the first record is step 1's.
     assert (
-        "error: --metrics '/dev/full': writing the record of step 0 failed: No space left on device (ENOSPC)"
+        "error: --metrics '/dev/full': writing the record of step 1 failed: No space left on device (ENOSPC)"
         in result.stderr
     )
     assert "then continue with --resume" in result.stderr
