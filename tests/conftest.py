@@ -41,21 +41,32 @@ def _can_mount(tmp_path: Path) -> bool:
     return True
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 3 MiB tmpfs (``None`` where ``mount`` is not permitted); unmounted afterwards.
-
-    Faults are tested on real files: a full disk is this tmpfs filling up, a read-only
-    folder is it remounted read-only (``chmod`` denies nothing to root). Where ``mount``
-    is refused the tests inject the same errors into the write path instead.
-    """
+def _tmpfs(tmp_path, size: str):
     if not _can_mount(tmp_path):
         yield None
         return
     disk = tmp_path / "disk"
     disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)], check=True)
     try:
         yield disk
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (``None`` where ``mount`` is not permitted); unmounted afterwards.
+
+    Faults are tested on real files: a full disk is this tmpfs filling up, a read-only
+    folder is it remounted read-only (``chmod`` denies nothing to root). Where ``mount``
+    is refused the tests inject the same errors into the write path instead.
+    """
+    yield from _tmpfs(tmp_path, "1m")
+
+
+@pytest.fixture
+def train_disk(tmp_path):
+    """The same as ``small_disk``, 3 MiB: a training run's first checkpoint (with its
+    checksums) fits, a few more fill it."""
+    yield from _tmpfs(tmp_path, "3m")

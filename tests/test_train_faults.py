@@ -198,7 +198,8 @@ def test_metrics_pointing_at_a_folder(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("fault", ["disk-full", "read-only"])
-def test_failing_io_ends_the_run_in_seconds_and_keeps_the_last_step(tmp_path, small_disk, fault):
+def test_failing_io_ends_the_run_in_seconds_and_keeps_the_last_step(tmp_path, train_disk, fault):
+    small_disk = train_disk
     args = [*FAST, "--steps", "200", "--eval-every", "0", "--ckpt-every", "1"]
     log = tmp_path / "log"
     if small_disk is None:
