@@ -157,6 +157,8 @@ def generate(
     import jax.numpy as jnp
     import numpy as np
 
+    from meshplan.examples.decode import choose_byte
+
     problem = settings_problem(length, temperature)
     if problem is not None:
         raise ValueError(problem)
@@ -179,11 +181,7 @@ def generate(
         x = np.zeros((1, window), np.int32)
         x[0, : len(context)] = context
         logits = next_logits(params, jnp.asarray(x), len(context) - 1)
-        if temperature == 0:
-            byte = int(jnp.argmax(logits))
-        else:
-            key, sub = jax.random.split(key)
-            byte = int(jax.random.categorical(sub, logits / temperature))
+        byte, key = choose_byte(logits, temperature, key)
         tokens.append(byte)
         out.append(byte)
         if times is not None:

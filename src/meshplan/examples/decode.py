@@ -50,6 +50,17 @@ CACHE_NAMES = ("layer", "batch", "length", "heads", "kv")
 Array = jax.Array
 
 
+def choose_byte(logits: Any, temperature: float, key: Any) -> tuple[int, Any]:
+    """The next byte from ``logits``: the most likely at temperature 0, else sampled; the next key.
+
+    The cached and cache-free decoders (``meshplan sample``) choose alike.
+    """
+    if temperature == 0:
+        return int(jnp.argmax(logits)), key
+    key, sub = jax.random.split(key)
+    return int(jax.random.categorical(sub, logits / temperature)), key
+
+
 def init_cache(config: TransformerConfig, batch: int, length: int) -> dict[str, Array]:
     """Empty ``key`` and ``value`` caches for ``batch`` sequences of up to ``length`` tokens.
 
@@ -202,11 +213,7 @@ def greedy_cached(
             logits, cache = prefill(params, jnp.asarray([context], jnp.int32), fresh)
             filled = len(context)
         assert logits is not None
-        if temperature == 0:
-            byte = int(jnp.argmax(logits))
-        else:
-            key, sub = jax.random.split(key)
-            byte = int(jax.random.categorical(sub, logits / temperature))
+        byte, key = choose_byte(logits, temperature, key)
         tokens.append(byte)
         out.append(byte)
         if len(tokens) <= window:
