@@ -56,7 +56,7 @@ PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.
 LANGS = {"python", "json", "text", "", *SHELL}
 MAX_NOT_RUN = 2  # blocks skipped by a marker, in all pages together: keep them rare
 
-# Training at the tiniest size: what replaces a doc's long run (see tests/test_cli_train.py).
+# Training at the tiniest size: what replaces a doc's long run (see tests/cli/test_train_command.py).
 FAST = ["--batch", "8", "--seq", "16", "--eval-every", "0", "--eval-batches", "1"]
 TINY = ["--layers", "1", "--embed", "32", "--mlp", "64", "--max-len", "64"]
 MULTI = {"--processes": 1, "--coordinator": 1, "--num-processes": 1, "--process-id": 1}
@@ -245,7 +245,7 @@ def run_meshplan(command: Command, args: list[str], session: Session, cwd: Path)
         if parsed.coordinator is None:
             small_run(args, session, cwd, output)
     elif parsed.command == "demo" or (parsed.command == "search" and parsed.measure):
-        pass  # parsed above; `make demo` and tests/test_search.py run them
+        pass  # parsed above; `make demo` and tests/search/test_search_layouts.py run them
     else:
         result = cli(args, cwd)
         assert result.returncode == 0, f"`meshplan {' '.join(args)}` failed:\n" + _shown(result)

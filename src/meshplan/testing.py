@@ -9,7 +9,7 @@ Typical use, in a test::
 
     def test_transformer_plan_is_stable():
         plan = meshplan.explain(abstract_state, mesh, rules)
-        meshplan.testing.assert_plan_matches(plan, "tests/snapshots/transformer.json")
+        meshplan.testing.assert_plan_matches(plan, "tests/plan/snapshots/transformer.json")
 
 Run the tests with ``MESHPLAN_UPDATE_SNAPSHOTS=1`` (or pass ``update=True``)
 to write or rewrite the snapshots after an intended change.

@@ -5,7 +5,7 @@ The guide's steps: a sharded variable and a sharded ``nnx.Linear``; the
 step with ``nnx.Optimizer``; an Orbax checkpoint restored onto another mesh;
 the logical-axis model (here with meshplan's rules, and its activation
 constraint in logical names, which Flax cannot write); the Explicit-axis model.
-``meshplan demo --nnx`` prints what these return; ``tests/test_nnx_workflow.py``
+``meshplan demo --nnx`` prints what these return; ``tests/examples/test_nnx_workflow.py``
 asserts the guide's own asserts on them.
 
 Where meshplan changes the guide's code:

@@ -1,7 +1,7 @@
 """Golden snapshots of the demo model's plan, and what a snapshot failure says.
 
 Rewrite the snapshots after an intended change with
-``MESHPLAN_UPDATE_SNAPSHOTS=1 .venv/bin/pytest tests/test_snapshots.py``.
+``MESHPLAN_UPDATE_SNAPSHOTS=1 .venv/bin/pytest tests/plan/test_snapshots.py``.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from meshplan.train.trainer import sane_step
 
 TINY = ["--layers", "1", "--embed", "32", "--mlp", "64", "--max-len", "64"]
 FAST = ["--batch", "8", "--seq", "16", "--eval-batches", "2", *TINY]
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
 _CLI = [sys.executable, "-m", "meshplan.cli"]
 
 
@@ -56,7 +56,7 @@ def _change_stored_values(folder: Path, step: int, key: str = "params.embed") ->
 
     What a damaged byte looks like once decoded: the files still parse, the array
     reads without error, its values differ. (Raw bytes overwritten in place are the
-    library test's case: tests/test_checkpoint_reliability.py.)
+    library test's case: tests/checkpoint/test_checkpoint_reliability.py.)
     """
     import tensorstore as ts
 

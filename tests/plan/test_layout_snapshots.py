@@ -2,7 +2,7 @@
 
 A layout edit that moves a parameter fails here with the parameter, its old
 and new spec, and its bytes per device. Rewrite after an intended change with
-``MESHPLAN_UPDATE_SNAPSHOTS=1 .venv/bin/pytest tests/test_layout_snapshots.py``.
+``MESHPLAN_UPDATE_SNAPSHOTS=1 .venv/bin/pytest tests/plan/test_layout_snapshots.py``.
 """
 
 from __future__ import annotations

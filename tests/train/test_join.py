@@ -2,7 +2,7 @@
 
 Each process runs in a thread of this test over loopback: no JAX, so each case
 takes about its timeout. The same with real ``meshplan train`` processes, and
-JAX's own start, is in ``tests/test_multiprocess.py``.
+JAX's own start, is in ``tests/train/test_multiprocess.py``.
 """
 
 from __future__ import annotations

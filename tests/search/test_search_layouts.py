@@ -133,7 +133,7 @@ def test_to_dict_is_plain_json():
 # `meshplan search` now runs search_rules (issue 10): it ranks meshes and rules by predicted
 # step time under a hardware profile, not built-in layouts by bytes; these tests check the
 # same things (the table, the best, the budget, exit codes) in its terms. More in
-# tests/test_cli_search.py.
+# tests/cli/test_search_command.py.
 
 
 def test_cli_search_prints_the_ranked_table_and_the_best(capsys, tmp_path, monkeypatch):
