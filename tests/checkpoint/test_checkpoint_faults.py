@@ -30,7 +30,9 @@ from meshplan._checkpoint.integrity import check_step, intact_step, step_directo
 from meshplan._checkpoint.lock import LOCK_NAME, read_lock
 from meshplan.train.mesh import make_mesh
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
+SRC = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src"
+)
 
 
 def _run(code: str, *args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:

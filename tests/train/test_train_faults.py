@@ -29,7 +29,9 @@ from meshplan.cli import main
 
 TINY = ["--layers", "1", "--embed", "32", "--mlp", "64", "--max-len", "64"]
 FAST = ["--batch", "8", "--seq", "16", "--eval-batches", "2", *TINY]
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
+SRC = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src"
+)
 
 # The command line, with a failure injected at the second save when asked (no mount).
 _CHILD = """

@@ -27,7 +27,9 @@ from meshplan.train.trainer import sane_step
 
 TINY = ["--layers", "1", "--embed", "32", "--mlp", "64", "--max-len", "64"]
 FAST = ["--batch", "8", "--seq", "16", "--eval-batches", "2", *TINY]
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
+SRC = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src"
+)
 _CLI = [sys.executable, "-m", "meshplan.cli"]
 
 
