@@ -3,8 +3,10 @@
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
+# One pytest worker per core (at most 4): tests compile XLA programs on one thread each.
+PYTEST_WORKERS ?= -n auto --maxprocesses 4 --dist worksteal
 
-.PHONY: demo test lint format bench clean
+.PHONY: demo test quick lint format bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +22,11 @@ test: $(STAMP)
 	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q $(PYTEST_WORKERS)
+
+# Everything but the tests marked slow (subprocesses, several processes, long compiles).
+quick: $(STAMP)
+	$(VENV)/bin/pytest -q -m "not slow" $(PYTEST_WORKERS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -1,8 +1,26 @@
-"""Runs before JAX is imported anywhere in the test session: 8 emulated CPU devices."""
+"""Runs before JAX is imported anywhere in the test session: 8 emulated CPU devices, and
+one compilation cache for the session.
 
+The cache is JAX's persistent compilation cache in a fresh temporary folder, shared by the
+pytest workers and by the ``meshplan`` processes the tests start: a program compiled once
+(the same tiny Transformer's step, say) is read back instead of compiled again. The folder
+is made new for each session and removed after it, so no test sees an earlier run's
+programs. ``JAX_COMPILATION_CACHE_DIR`` set in the environment is used as it is.
+"""
+
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # pytest workers inherit the folder
+    _cache = tempfile.mkdtemp(prefix="meshplan-tests-jax-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
