@@ -126,3 +126,23 @@ def test_every_module_is_in_the_architecture_page_and_every_listed_module_exists
     }
     assert sorted(modules - listed) == [], "add these to docs/architecture.md's 'Every module'"
     assert sorted(listed - modules) == [], "these are listed but no longer exist"
+
+
+def _module_rows() -> list[tuple[str, str]]:
+    page = (SRC.parent.parent / "docs" / "architecture.md").read_text()
+    index = page.split("## Every module", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `src/meshplan/([\w/]+\.py)` \| (.*) \|$", index, flags=re.M)
+
+
+def test_every_module_row_says_what_it_holds_in_path_order():
+    rows = _module_rows()
+    assert [path for path, what in rows if len(what.strip()) < 20] == []
+    paths = [path for path, _ in rows]
+    assert paths == sorted(paths), "keep 'Every module' sorted by path"
+
+
+def test_every_subpackage_is_a_layer_of_the_architecture_page():
+    page = (SRC.parent.parent / "docs" / "architecture.md").read_text()
+    layers = page.split("## The layers", 1)[1].split("\n## ", 1)[0]
+    packages = sorted(p.parent.name for p in SRC.glob("*/__init__.py"))
+    assert [p for p in packages if f"`meshplan.{p}`" not in layers] == []

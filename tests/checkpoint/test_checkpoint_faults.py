@@ -434,7 +434,7 @@ def test_orbax_tasks_whose_exception_nobody_awaited_are_not_logged(tmp_path):
     Orbax's writes after a failed save that is a screen of TensorStore text, left out."""
     import logging
 
-    from meshplan._checkpoint.checkpointer import _ORPHANED_TASKS
+    from meshplan._checkpoint.quiet import ORPHANED_TASKS
 
     def record_with(filename: str) -> logging.LogRecord:
         code = compile("raise ValueError('RESOURCE_EXHAUSTED')", filename, "exec")
@@ -449,22 +449,24 @@ def test_orbax_tasks_whose_exception_nobody_awaited_are_not_logged(tmp_path):
         )  # fmt: skip
 
     orbax_file = os.path.join("site-packages", "orbax", "checkpoint", "serialization.py")
-    assert _ORPHANED_TASKS.filter(record_with(orbax_file)) is False
-    assert _ORPHANED_TASKS.filter(record_with("mine.py")) is True
+    assert ORPHANED_TASKS.filter(record_with(orbax_file)) is False
+    assert ORPHANED_TASKS.filter(record_with("mine.py")) is True
     with meshplan.Checkpointer(tmp_path):  # opening one installs the filter
-        assert _ORPHANED_TASKS in logging.getLogger("asyncio").filters
+        assert ORPHANED_TASKS in logging.getLogger("asyncio").filters
 
 
 def test_the_leftover_filter_drops_only_orbax_coroutines(monkeypatch):
     import sys
     import types
 
-    from meshplan._checkpoint import restore as restore_module
+    from meshplan._checkpoint import quiet
 
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", seen.append)
-    monkeypatch.setattr(restore_module, "_LEFTOVERS_QUIET", False)
-    restore_module._drop_orbax_leftovers()
+    monkeypatch.setattr(quiet, "_INSTALLED", False)
+    monkeypatch.setattr(quiet, "_FILTERS", set())
+    monkeypatch.setattr(quiet, "_previous", None)  # restored after: the real chain stays
+    quiet.drop_orbax_leftovers()
 
     def event(filename):
         code = compile("pass", filename, "exec")
@@ -472,6 +474,10 @@ def test_the_leftover_filter_drops_only_orbax_coroutines(monkeypatch):
 
     orbax = event(f"{os.sep}site-packages{os.sep}orbax{os.sep}serialization.py")
     mine = event(f"{os.sep}home{os.sep}me{os.sep}app.py")
-    sys.unraisablehook(orbax)
-    sys.unraisablehook(mine)
-    assert seen == [mine]
+    closed = types.SimpleNamespace(object=None, exc_value=RuntimeError("Event loop is closed"))
+    for event_ in (orbax, mine, closed):
+        sys.unraisablehook(event_)
+    assert seen == [mine, closed]  # the closed-loop filter is off until a Checkpointer opens
+    quiet.quiet_late_callbacks()  # the same one hook, one more filter
+    sys.unraisablehook(closed)
+    assert seen == [mine, closed]

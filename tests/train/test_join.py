@@ -1,4 +1,4 @@
-"""Processes meeting at the coordinator before JAX starts (``meshplan.train.distributed.meet``).
+"""Processes meeting at the coordinator before JAX starts (``meshplan.cli.rendezvous.meet``).
 
 Each process runs in a thread of this test over loopback: no JAX, so each case
 takes about its timeout. The same with real ``meshplan train`` processes, and
@@ -12,15 +12,18 @@ import time
 
 import pytest
 
+from meshplan.cli import rendezvous, train_processes
+from meshplan.cli.app import build_parser
 from meshplan.cli.launch import free_port
+from meshplan.cli.rendezvous import meet
 from meshplan.train import distributed
-from meshplan.train.distributed import DistributedError, ProcessGroup, meet
+from meshplan.train.distributed import DistributedError, ProcessGroup
 
 
 @pytest.fixture(autouse=True)
 def _report_soon(monkeypatch):
-    monkeypatch.setattr(distributed, "_FIRST_REPORT", 0.2)
-    monkeypatch.setattr(distributed, "_REPORT_EVERY", 0.5)
+    monkeypatch.setattr(rendezvous, "_FIRST_REPORT", 0.2)
+    monkeypatch.setattr(rendezvous, "_REPORT_EVERY", 0.5)
 
 
 class Process(threading.Thread):
@@ -172,6 +175,18 @@ def test_one_process_meets_no_one():
 
 def test_join_refuses_a_timeout_that_is_not_positive():
     for bad in (0, -5, float("nan")):
-        with pytest.raises(DistributedError, match="--init-timeout must be a positive") as info:
+        with pytest.raises(
+            DistributedError, match=r"timeout_seconds=\.\.\.\) must be a positive"
+        ) as e:
             distributed.join(ProcessGroup("127.0.0.1:1", 2, 0), bad)
-        assert info.value.problems[0].code == "bad-init-timeout"
+        assert e.value.problems[0].code == "bad-init-timeout"
+        assert "--" not in str(e.value)  # the library names no flags
+
+
+def test_the_command_line_refuses_an_init_timeout_that_is_not_positive():
+    argv = ["train", "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"]
+    for bad in ("0", "-5", "nan"):
+        args = build_parser().parse_args([*argv, "--init-timeout", bad])
+        with pytest.raises(DistributedError, match="--init-timeout must be a positive") as e:
+            train_processes.join_if_asked(args)
+        assert e.value.problems[0].code == "bad-init-timeout"

@@ -39,7 +39,8 @@ What a :class:`Checkpointer` guarantees:
   notices it, and no Orbax thread is left waiting. Step folders are created in
   the calling thread, so a folder that cannot be written fails in ``save``.
   Orbax's own error logs are left out while a Checkpointer is open: the error
-  carries the cause (``__cause__``).
+  carries the cause (``__cause__``); :mod:`meshplan._checkpoint.quiet` holds
+  all of that quieting.
 * **One writer per folder.** Process 0 holds ``<folder>/meshplan.lock`` (see
   :mod:`meshplan._checkpoint.lock`) from ``__init__`` to ``close`` (or exit).
 * **Threads take turns.** ``save``, ``wait``, ``delete``, ``all_steps`` and
@@ -55,11 +56,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import logging
 import math
 import os
 import re
-import sys
 import threading
 import warnings
 import weakref
@@ -83,6 +82,11 @@ from meshplan._checkpoint.folder import (
 )
 from meshplan._checkpoint.lock import FolderLock
 from meshplan._checkpoint.metadata import CheckpointMetadata
+from meshplan._checkpoint.quiet import (
+    quiet_late_callbacks,
+    quiet_orbax_logs,
+    unblock_orbax_threads,
+)
 from meshplan._checkpoint.tree import flatten_state, nest
 from meshplan._errors import ArgumentError, CheckpointError, error_for
 from meshplan._text import paths_text
@@ -128,127 +132,6 @@ def _write_fix(code: int | None) -> str:
     if code == errno.ENOENT:
         return "The folder (or part of it) was removed while saving: save into a new folder."
     return "Check the disk and the folder, or save into another folder."
-
-
-def _unblock_orbax_threads(timeout: float = 5.0) -> None:
-    """Lets Orbax threads that wait for a signal from a failed one end (they would wait minutes).
-
-    After a failed save, Orbax's background threads that wait for another
-    thread's signal (e.g. "the step folder exists") wait for their whole
-    timeout (5 minutes) and keep the interpreter alive. Each is cancelled and
-    its awaited signals are set, so it wakes, sees the cancellation and returns.
-    """
-    try:
-        from orbax.checkpoint._src.futures import future
-    except ImportError:  # pragma: no cover - Orbax moved it
-        return
-    waiting = [
-        t for t in threading.enumerate() if isinstance(t, future._SignalingThread) and t.is_alive()
-    ]
-    for thread in waiting:
-        try:
-            thread.cancel()
-            future.set_signals(
-                thread._receive_signals,
-                operation_id=thread._operation_id,
-            )
-        except Exception:
-            pass
-    for thread in waiting:
-        threading.Thread.join(thread, timeout=timeout)
-
-
-_LATE_CALLBACKS_QUIET = False
-
-
-def _quiet_late_callbacks() -> None:
-    """Leaves out TensorStore callbacks into Orbax's closed event loop (after a failed save).
-
-    The writes still in flight when a save fails finish after Orbax closed its
-    asyncio loop; their callbacks then raise ``RuntimeError('Event loop is
-    closed')``, which Python prints as a bare traceback. Nothing is lost: the save
-    failed and said so. Installed once (the first Checkpointer opened: the callbacks
-    may come before Orbax reports the failure), chained to the previous hook; with it,
-    the filter of Orbax's orphaned asyncio tasks (:class:`_OrphanedOrbaxTasks`).
-    """
-    global _LATE_CALLBACKS_QUIET
-    if _LATE_CALLBACKS_QUIET:
-        return
-    _LATE_CALLBACKS_QUIET = True
-    logging.getLogger("asyncio").addFilter(_ORPHANED_TASKS)
-    previous = sys.unraisablehook
-
-    def hook(unraisable: Any) -> None:
-        value = unraisable.exc_value
-        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
-            return
-        previous(unraisable)
-
-    sys.unraisablehook = hook
-
-
-class _OrphanedOrbaxTasks(logging.Filter):
-    """asyncio's "Task exception was never retrieved" for Orbax's own writes: left out.
-
-    The writes still in flight when a save fails end with an exception nobody awaits; when
-    collected, asyncio logs each with a screen of TensorStore traceback (at exit, or in the
-    middle of the next message), sometimes before the failure reaches the Checkpointer.
-    The failure itself is reported once, as a CheckpointError from save, wait or close
-    (Orbax's manager raises it there); these add nothing. Only tasks whose exception passed
-    through Orbax's code are left out, and only in a process that opened a Checkpointer.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            if not str(record.msg).startswith("Task exception was never retrieved"):
-                return True
-            exc = record.exc_info[1] if record.exc_info else None
-            tb = exc.__traceback__ if exc is not None else None
-            while tb is not None:
-                if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
-                    return False
-                tb = tb.tb_next
-        except Exception:  # never let a log filter raise (this may run during shutdown)
-            return True
-        return True
-
-
-_ORPHANED_TASKS = _OrphanedOrbaxTasks()
-
-
-class _OrbaxErrorLogs(logging.Filter):
-    """Leaves out Orbax's error logs (with tracebacks) while a Checkpointer is open.
-
-    Also its warning at every save without ``metrics`` (they are optional here).
-
-    A failed save logs the same traceback from each of Orbax's threads (hundreds of
-    lines); the :class:`CheckpointError` raised instead names the folder, the cause
-    and the fix, and keeps Orbax's exception as its ``__cause__``.
-    """
-
-    open_count = 0
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if self.open_count <= 0 or f"{os.sep}orbax{os.sep}" not in record.pathname:
-            return True
-        if record.levelno >= logging.ERROR:
-            return False
-        # Logged at every save without metrics: they are optional here.
-        return not str(record.msg).startswith("Requested `tracked_metric`")
-
-
-_ORBAX_LOGS = _OrbaxErrorLogs()
-_ORBAX_LOGS_LOCK = threading.Lock()
-
-
-def _quiet_orbax(delta: int) -> None:
-    with _ORBAX_LOGS_LOCK:
-        if _ORBAX_LOGS.open_count == 0 and delta > 0:
-            logging.getLogger("absl").addFilter(_ORBAX_LOGS)
-        _ORBAX_LOGS.open_count += delta
-        if _ORBAX_LOGS.open_count <= 0:
-            _ORBAX_LOGS.open_count = 0
-            logging.getLogger("absl").removeFilter(_ORBAX_LOGS)
 
 
 def _save_step(step: Any) -> int:
@@ -426,14 +309,14 @@ class Checkpointer:
             # written fails in save(), not in a thread that others wait on.
             async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False),
         )
-        _quiet_orbax(+1)
-        _quiet_late_callbacks()
+        quiet_orbax_logs(+1)
+        quiet_late_callbacks()
         try:
             self._manager = ocp.CheckpointManager(
                 self.directory, options=options, item_names=ITEM_NAMES
             )
         except BaseException as e:
-            _quiet_orbax(-1)
+            quiet_orbax_logs(-1)
             if self._lock is not None:
                 self._lock.release()
             if isinstance(e, OSError):
@@ -502,8 +385,8 @@ class Checkpointer:
 
     def _write_failed(self, e: BaseException, step: int | None) -> CheckpointError:
         """Records a failed write (once) and lets Orbax's waiting threads end."""
-        _quiet_late_callbacks()
-        _unblock_orbax_threads()
+        quiet_late_callbacks()
+        unblock_orbax_threads()
         if self._failure is None:
             try:
                 kept = complete_steps(self.directory)
@@ -842,16 +725,23 @@ class Checkpointer:
             [1]
         """
         with self._turn:
-            self.wait()
-            steps = self.all_steps()
-            if step not in steps:
-                raise error_for(
-                    CheckpointError, "ckpt-no-such-step", str(self.directory),
-                    f"{str(self.directory)!r} has no complete step {step} to delete; it has "
-                    f"{steps}",
-                    "Pass one of those steps.",
-                )  # fmt: skip
+            self._complete_steps([step], "delete", "Pass one of those steps.")
             self._manager.delete(step)
+
+    def _complete_steps(self, steps: list[int], what: str, fix: str) -> list[int]:
+        """Waits for the save in progress; the complete steps, or an error naming one of
+        ``steps`` that is not among them (code ``'ckpt-no-such-step'``)."""
+        self.wait()
+        have = self.all_steps()
+        missing = [s for s in steps if s not in have]
+        if missing:
+            raise error_for(
+                CheckpointError, "ckpt-no-such-step", str(self.directory),
+                f"{str(self.directory)!r} has no complete step {missing[0]} to {what}; it has "
+                f"{have}",
+                fix,
+            )  # fmt: skip
+        return have
 
     def set_aside(self, steps: list[int], name: str) -> epath.Path:
         """Moves complete ``steps`` into the sub-folder ``name`` (created; never deleted).
@@ -882,16 +772,7 @@ class Checkpointer:
         from meshplan._checkpoint.integrity import step_directory
 
         with self._turn:
-            self.wait()
-            have = self.all_steps()
-            missing = [s for s in steps if s not in have]
-            if missing:
-                raise error_for(
-                    CheckpointError, "ckpt-no-such-step", str(self.directory),
-                    f"{str(self.directory)!r} has no complete step {missing[0]} to set aside; "
-                    f"it has {have}",
-                    "Pass some of those steps.",
-                )  # fmt: skip
+            self._complete_steps(steps, "set aside", "Pass some of those steps.")
             target = self.directory / name
             n = 1
             while target.exists():
@@ -978,8 +859,8 @@ class Checkpointer:
                 error = self._write_failed(e, self._saving)
         finally:
             if self._failure is not None:
-                _unblock_orbax_threads()
-            _quiet_orbax(-1)
+                unblock_orbax_threads()
+            quiet_orbax_logs(-1)
             if self._lock is not None:
                 self._lock.release()
         if self._failure is not None and not self._failure_raised:

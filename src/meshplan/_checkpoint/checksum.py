@@ -19,7 +19,7 @@ elements goes unnoticed with a chance of about 2**-64. It is a check against
 damage, not against tampering (not a cryptographic hash).
 
 Cost: like :mod:`meshplan._checkpoint.finite`, one jitted reduction per device
-set that reads each element once where it lives and returns two words per
+set (:mod:`meshplan._checkpoint.reduction`) that reads each element once where it lives and returns two words per
 array to the host; compiled once per state structure. At save it runs before
 the arrays are handed to Orbax; at restore, on the arrays just read, before
 they are returned. ``benchmarks/bench_checksum.py`` measures it against the
@@ -29,14 +29,14 @@ loaded 2-core machine, 0.19 of a synchronous save and 0.06 of a restore.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+
+from meshplan._checkpoint.reduction import reduce_arrays
 
 __all__ = ["SCHEME", "array_checksums", "checksum_mismatches"]
 
@@ -90,15 +90,6 @@ def _device_sums(arrays: Sequence[jax.Array]) -> jax.Array:
     return jnp.stack(out)
 
 
-_sums_jit = jax.jit(_device_sums)
-
-
-@functools.lru_cache(maxsize=8)
-def _sums_on(mesh: Any) -> Any:
-    """``_device_sums`` with a replicated result on ``mesh`` (readable by every process)."""
-    return jax.jit(_device_sums, out_shardings=NamedSharding(mesh, PartitionSpec()))
-
-
 def _text(pair: Any) -> str:
     a, b = (int(v) for v in pair)
     return f"{SCHEME}:{a:08x}{b:08x}"
@@ -112,14 +103,6 @@ def _kept(value: Any) -> bool:
         return True
     dtype = np.dtype(dtype)
     return dtype == np.bool_ or (dtype.kind != "c" and dtype.itemsize in (1, 2, 4, 8))
-
-
-def _group_key(value: jax.Array) -> Any:
-    sharding = value.sharding
-    if isinstance(sharding, NamedSharding):
-        return ("mesh", sharding.mesh)
-    ids = sorted(int(d.id) for d in sharding.device_set)  # type: ignore[attr-defined]
-    return ("devices", tuple(ids))
 
 
 def array_checksums(flat: Mapping[str, Any]) -> dict[str, str]:
@@ -140,25 +123,20 @@ def array_checksums(flat: Mapping[str, Any]) -> dict[str, str]:
         >>> sums["w"] != array_checksums({"w": jnp.arange(6.0).reshape(2, 3).at[1, 2].set(-5.0)})["w"]
         True
     """
-    groups: dict[Any, list[tuple[str, jax.Array]]] = {}
+    on_devices: dict[str, jax.Array] = {}
     out: dict[str, str] = {}
     for key, item in flat.items():
         value = item[0] if isinstance(item, tuple) else item
         if not _kept(value):
             continue
         if isinstance(value, jax.Array):
-            groups.setdefault(_group_key(value), []).append((key, value))
+            on_devices[key] = value
         else:
             words = _words(np.asarray(value), np)
             if words is not None:
                 with np.errstate(over="ignore"):
                     out[key] = _text(_sums(words, np))
-    for (kind, where), items in groups.items():
-        arrays = [value for _, value in items]
-        sums = _sums_on(where)(arrays) if kind == "mesh" else _sums_jit(arrays)
-        # Replicated: any shard this process holds is the whole answer.
-        host = np.asarray(sums.addressable_shards[0].data)
-        out.update((key, _text(pair)) for (key, _), pair in zip(items, host, strict=True))
+    out.update((key, _text(pair)) for key, pair in reduce_arrays(on_devices, _device_sums).items())
     return {key: out[key] for key in flat if key in out}
 
 

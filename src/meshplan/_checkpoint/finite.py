@@ -1,7 +1,7 @@
 """Which floating arrays of a state hold a NaN or an infinity: one jitted reduction.
 
 Cost: every floating array on devices goes through one compiled program (one per
-device set, e.g. the run's mesh) that reduces each to one ``bool``
+device set, e.g. the run's mesh: :mod:`meshplan._checkpoint.reduction`) that reduces each to one ``bool``
 (``all(isfinite(x))``), on the devices where it lives, in parallel; only those
 booleans (one byte per array) come to the host. So it reads each element once
 from device memory (about ``state bytes / memory bandwidth``: ~1 ms per GB on
@@ -13,37 +13,20 @@ Host arrays (NumPy) are checked with NumPy.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+
+from meshplan._checkpoint.reduction import reduce_arrays
 
 __all__ = ["nonfinite_paths"]
 
 
 def _flags(arrays: Sequence[jax.Array]) -> jax.Array:
     return jnp.stack([jnp.all(jnp.isfinite(x)) for x in arrays])
-
-
-_flags_jit = jax.jit(_flags)
-
-
-@functools.lru_cache(maxsize=8)
-def _flags_on(mesh: Any) -> Any:
-    """``_flags`` jitted with a replicated result on ``mesh`` (readable by every process)."""
-    return jax.jit(_flags, out_shardings=NamedSharding(mesh, PartitionSpec()))
-
-
-def _group_key(value: jax.Array) -> Any:
-    sharding = value.sharding
-    if isinstance(sharding, NamedSharding):
-        return ("mesh", sharding.mesh)
-    ids = sorted(int(d.id) for d in sharding.device_set)  # type: ignore[attr-defined]
-    return ("devices", tuple(ids))
 
 
 def nonfinite_paths(flat: Mapping[str, tuple[Any, Any]]) -> list[str]:
@@ -59,20 +42,15 @@ def nonfinite_paths(flat: Mapping[str, tuple[Any, Any]]) -> list[str]:
         >>> nonfinite_paths(flatten_state(state))
         ['w']
     """
-    groups: dict[Any, list[tuple[str, jax.Array]]] = {}
+    on_devices: dict[str, jax.Array] = {}
     bad: set[str] = set()
     for key, (value, _) in flat.items():
         dtype = getattr(value, "dtype", None)
         if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
             continue
         if isinstance(value, jax.Array):
-            groups.setdefault(_group_key(value), []).append((key, value))
+            on_devices[key] = value
         elif not np.isfinite(np.asarray(value)).all():
             bad.add(key)
-    for (kind, where), items in groups.items():
-        arrays = [value for _, value in items]
-        flags = _flags_on(where)(arrays) if kind == "mesh" else _flags_jit(arrays)
-        # Replicated: any shard this process holds is the whole answer.
-        host = np.asarray(flags.addressable_shards[0].data)
-        bad.update(key for (key, _), ok in zip(items, host, strict=True) if not ok)
+    bad.update(key for key, ok in reduce_arrays(on_devices, _flags).items() if not ok)
     return [key for key in flat if key in bad]

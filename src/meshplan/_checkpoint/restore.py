@@ -10,9 +10,7 @@ restores in one (or the other way round).
 
 from __future__ import annotations
 
-import gc
 import os
-import sys
 import warnings
 from typing import Any, NamedTuple
 
@@ -33,6 +31,7 @@ from meshplan._checkpoint.folder import (
 )
 from meshplan._checkpoint.integrity import check_step, intact_step
 from meshplan._checkpoint.metadata import CheckpointMetadata
+from meshplan._checkpoint.quiet import drop_orbax_leftovers
 from meshplan._checkpoint.tree import flatten_state, nest, path_of, unnest
 from meshplan._errors import (
     ArgumentError,
@@ -43,8 +42,7 @@ from meshplan._errors import (
     problem_message,
 )
 from meshplan._spmd.boxes import LogicallyPartitioned, Partitioned, is_box
-from meshplan._spmd.leaves import is_leaf
-from meshplan._spmd.nnx import is_variable
+from meshplan._spmd.leaves import is_leaf, leaf_kind
 from meshplan._spmd.rules import logical_to_mesh_axes, normalize_rules
 from meshplan._spmd.validate import validate
 
@@ -175,10 +173,9 @@ class Restored(NamedTuple):
         new = []
         for path, leaf in leaves:
             key = path_of(path)
-            if is_box(leaf):
-                new.append(leaf.replace_boxed(arrays[key]))
-            elif is_variable(leaf):  # a Flax NNX variable keeps its metadata, takes the value
-                new.append(leaf.replace(arrays[key]))
+            kind = leaf_kind(leaf)
+            if kind is not None:  # a box or a Flax NNX variable keeps its metadata
+                new.append(kind.with_value(leaf, arrays[key]))
             elif hasattr(leaf, "shape"):
                 new.append(arrays[key])
             else:
@@ -354,7 +351,7 @@ def _restore_step(p: epath.Path, mesh: Mesh | None, rules: Any, step: int | None
             # Raised outside the except block: Orbax's exception (a screen of TensorStore
             # traceback, holding the failed read coroutines) is neither chained nor kept, so
             # its coroutines are collected here, quietly, not printed at exit.
-            _drop_orbax_leftovers()
+            drop_orbax_leftovers()
             # Name what is damaged: the cheap check usually finds it; else Orbax's words.
             found = check_step(p, metadata.step, manager)
             detail = (
@@ -390,37 +387,6 @@ def _restore_step(p: epath.Path, mesh: Mesh | None, rules: Any, step: int | None
         else:
             boxed[key] = Partitioned(value, info.names)
     return Restored(nest(boxed), metadata)
-
-
-_LEFTOVERS_QUIET = False
-
-
-def _is_orbax_coroutine(unraisable: Any) -> bool:
-    code = getattr(unraisable.object, "cr_code", None)
-    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
-
-
-def _drop_orbax_leftovers() -> None:
-    """Collects the read coroutines a failed Orbax restore leaves, without their tracebacks.
-
-    Each failed array read leaves a coroutine whose exception Python prints as
-    "Exception ignored in: <coroutine ...>" (a screen of TensorStore spec) when it
-    is collected; the :class:`CheckpointError` raised instead says what is damaged.
-    Some are still referenced when this runs and are collected later (at exit: seen
-    once in a loaded CI run), so the filter, chained to the previous hook, stays
-    installed from the first failed restore on; it drops only Orbax's coroutines.
-    """
-    global _LEFTOVERS_QUIET
-    if not _LEFTOVERS_QUIET:
-        _LEFTOVERS_QUIET = True
-        previous = sys.unraisablehook
-
-        def hook(unraisable: Any) -> None:
-            if not _is_orbax_coroutine(unraisable):
-                previous(unraisable)
-
-        sys.unraisablehook = hook
-    gc.collect()
 
 
 def _first_line(e: BaseException) -> str:

@@ -1,30 +1,96 @@
 """The one walk over a model's state: every array leaf with its path, kind, names and shape.
 
-This is the seam a front end plugs into. :func:`array_leaves` reads Linen's
-metadata boxes (meshplan's, Flax's, or anything with ``names``) and Flax NNX
-variables (their ``out_sharding`` metadata, :mod:`meshplan._spmd.nnx`); a leaf
-without either is ``'unboxed'`` (replicated). :func:`meshplan.explain`,
-:func:`meshplan.check` and the strict shardings all walk a tree through it, so a
-new kind of metadata is taught to meshplan here, once.
+This is the seam a front end plugs into. A :class:`LeafKind` says what one kind
+of container around an array is: Linen's metadata boxes (meshplan's, Flax's, or
+anything with ``names``) and Flax NNX variables (their ``out_sharding``
+metadata, :mod:`meshplan._spmd.nnx`) are the two built in; a leaf of no kind is
+``'unboxed'`` (replicated). :func:`array_leaves` reads leaves through them, and
+so do :func:`meshplan.explain`, :func:`meshplan.check`, the shardings
+(:mod:`meshplan._spmd.shardings`: ``get_partition_spec``, ``get_sharding``,
+``logical_to_mesh``, ``logical_to_mesh_sharding``), the strict checks
+(:mod:`meshplan._spmd.tree_check`) and checkpoints (save and
+``Restored.into``). So a new kind of metadata is taught to meshplan here, once:
+one :class:`LeafKind`, given to :func:`register_leaf_kind`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
-from meshplan._spmd.boxes import LogicallyPartitioned, is_box
-from meshplan._spmd.nnx import is_variable, variable_names
+from meshplan._spmd.boxes import LogicallyPartitioned, Partitioned, is_box
+from meshplan._spmd.nnx import is_variable, variable_names, variable_spec
+from meshplan._spmd.rules import logical_to_mesh_axes
 
-__all__ = ["ArrayLeaf", "array_leaves", "is_leaf", "unwrap"]
+__all__ = [
+    "ArrayLeaf",
+    "LeafKind",
+    "LeafNames",
+    "array_leaves",
+    "is_leaf",
+    "is_spec_leaf",
+    "leaf_kind",
+    "register_leaf_kind",
+    "unwrap",
+]
+
+Named = Callable[[PartitionSpec], NamedSharding]
+"""A checked, cached ``NamedSharding`` on the mesh of one call, for a mesh spec."""
 
 
-def is_leaf(x: Any) -> bool:
-    """Where the walk stops: a metadata box or a Flax NNX variable."""
-    return is_box(x) or is_variable(x)
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeafNames:
+    """What a leaf says about its layout: ``(kind, names, value, own_rules)``.
+
+    Attributes:
+        kind: ``'logical'``, ``'mesh'`` or ``'unboxed'``.
+        names: Its names (``None`` when unboxed).
+        value: The array (or abstract value, or a spec) out of its container.
+        own_rules: Rules carried by the container, if any (``None``: the rules in effect).
+    """
+
+    kind: str
+    names: tuple[Any, ...] | None
+    value: Any
+    own_rules: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafKind:
+    """One kind of container around an array, as every walk of meshplan reads it.
+
+    Attributes:
+        name: What it is, for messages and tests (``'linen-box'``, ``'nnx-variable'``).
+        matches: Whether a value is one (the walks stop there: it is a leaf).
+        read: ``(leaf, rules) -> LeafNames``: its names, value and own rules
+            (``rules``: the caller's, ``None``: the active ones).
+        spec: What :func:`meshplan.get_partition_spec` puts at the leaf
+            (``cache``: one dict per call, for the kind's own use).
+        sharding: ``(leaf, mesh, named, cache)``: what :func:`meshplan.get_sharding` puts
+            at the leaf; ``named(spec)`` gives the checked ``NamedSharding`` of a mesh spec.
+        with_value: The same container around a new value (a restored array).
+        resolve: For a kind that may sit in a tree of *logical* specs
+            (:func:`meshplan.logical_to_mesh`): ``(leaf, rules)`` -> its mesh spec
+            (``None``: not an array). ``None`` when the kind never does.
+        put: ``(leaf, out)``: what a tree of specs or shardings holds at such a
+            leaf (the container around ``out``).
+        logical: ``(leaf, rules)`` -> ``(logical spec, shape, own rules)`` for the strict
+            check of a spec tree, or ``None`` when the leaf has no names.
+    """
+
+    name: str
+    matches: Callable[[Any], bool]
+    read: Callable[[Any, Any], LeafNames]
+    spec: Callable[[Any, dict[Any, Any]], Any]
+    sharding: Callable[[Any, Any, Named, dict[Any, Any]], Any]
+    with_value: Callable[[Any, Any], Any]
+    resolve: Callable[[Any, Any], PartitionSpec | None] | None = None
+    put: Callable[[Any, Any], Any] | None = None
+    logical: Callable[[Any, Any], tuple[PartitionSpec, Any, Any] | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -94,13 +160,12 @@ def array_leaves(tree: Any, rules: Any = None) -> tuple[list[ArrayLeaf], int]:
     out: list[ArrayLeaf] = []
     skipped = 0
     for keypath, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
-        if is_variable(leaf):
-            info = variable_names(leaf, rules)
-            kind, names, value, own_rules = info.kind, info.names, leaf.get_value(), info.rules
-        elif is_box(leaf):
-            kind, names, value, own_rules = unwrap(leaf)
-        else:
+        found = leaf_kind(leaf)
+        if found is None:
             kind, names, value, own_rules = "unboxed", None, leaf, None
+        else:
+            read = found.read(leaf, rules)
+            kind, names, value, own_rules = read.kind, read.names, read.value, read.own_rules
         shape = getattr(value, "shape", None)
         if shape is None:
             skipped += 1
@@ -110,3 +175,154 @@ def array_leaves(tree: Any, rules: Any = None) -> tuple[list[ArrayLeaf], int]:
         dtype = getattr(value, "dtype", None)
         out.append(ArrayLeaf(keypath, kind, names, shape, dtype, own_rules, value))
     return out, skipped
+
+
+# -- the two kinds built in ---------------------------------------------------
+
+_OWN_BOXES = (Partitioned, LogicallyPartitioned)  # exact types: spec is PartitionSpec(*names)
+
+
+def _box_spec(box: Any, cache: dict[Any, Any]) -> PartitionSpec:
+    if type(box) in _OWN_BOXES:  # boxes with equal names share one spec
+        spec = cache.get(("spec", box.names))
+        if spec is None:
+            spec = cache[("spec", box.names)] = box.get_partition_spec()
+        return spec  # type: ignore[no-any-return]
+    out: PartitionSpec = box.get_partition_spec()  # a box of any kind: Flax's method
+    return out
+
+
+def _box_sharding(box: Any, mesh: Any, named: Named, cache: dict[Any, Any]) -> Any:
+    if type(box) is Partitioned:  # checked already for these names: skip the spec
+        shape = getattr(box.value, "shape", None)
+        if shape is None or len(shape) == len(box.names):
+            sharding = cache.get(("sharding", box.names))
+            if sharding is not None:
+                return sharding
+        sharding = cache[("sharding", box.names)] = named(box._checked_spec())
+        return sharding
+    return box.get_sharding(mesh)
+
+
+LINEN_BOX = LeafKind(
+    name="linen-box",
+    matches=is_box,
+    read=lambda box, rules: LeafNames(*unwrap(box)),
+    spec=_box_spec,
+    sharding=_box_sharding,
+    with_value=lambda box, value: box.replace_boxed(value),
+)
+"""Linen's metadata boxes: meshplan's ``Partitioned``/``LogicallyPartitioned``, any Flax
+``AxisMetadata``. In a tree of specs or shardings a box becomes its spec or sharding."""
+
+
+def _variable_read(var: Any, rules: Any) -> LeafNames:
+    info = variable_names(var, rules)
+    return LeafNames(info.kind, info.names, var.get_value(), info.rules)
+
+
+def _variable_sharding(var: Any, mesh: Any, named: Named, cache: dict[Any, Any]) -> Any:
+    spec = variable_spec(var)
+    return var.replace(None if spec is None else named(spec))
+
+
+def _variable_resolve(var: Any, rules: Any) -> PartitionSpec | None:
+    """A variable's logical spec through ``rules``: its value when that is a spec (the result
+    of ``nnx.get_partition_spec``), else its ``out_sharding`` names read as logical names."""
+    value = var.get_value()
+    if isinstance(value, PartitionSpec):
+        return logical_to_mesh_axes(value, rules)
+    return variable_spec(var, rules, logical=True)
+
+
+def _variable_logical(var: Any, rules: Any) -> tuple[PartitionSpec, Any, Any] | None:
+    """Its spec value, or its names read as logical; with its shape and own rules."""
+    names = variable_names(var, rules)
+    value = var.get_value()
+    if isinstance(value, PartitionSpec):
+        return value, None, names.rules
+    if names.names is None:
+        return None
+    return PartitionSpec(*names.names), getattr(value, "shape", None), names.rules
+
+
+NNX_VARIABLE = LeafKind(
+    name="nnx-variable",
+    matches=is_variable,
+    read=_variable_read,
+    spec=lambda var, cache: var.replace(variable_spec(var)),
+    sharding=_variable_sharding,
+    with_value=lambda var, value: var.replace(value),
+    resolve=_variable_resolve,
+    put=lambda var, out: var.replace(out),
+    logical=_variable_logical,
+)
+"""Flax NNX variables: their ``out_sharding`` metadata (:mod:`meshplan._spmd.nnx`). In a
+tree of specs or shardings a variable stays, holding its spec or sharding, as in Flax NNX."""
+
+
+# -- the registry ---------------------------------------------------------------
+
+_KINDS: list[LeafKind] = [NNX_VARIABLE, LINEN_BOX]
+_BY_TYPE: dict[type, LeafKind | None] = {}
+"""The kind of each type seen: every leaf of a state asks, so ``matches`` runs once a type."""
+
+
+def leaf_kind(x: Any) -> LeafKind | None:
+    """The :class:`LeafKind` of ``x``, or ``None`` for a plain leaf (an array, a number).
+
+    Example:
+        >>> import jax.numpy as jnp, meshplan
+        >>> from meshplan._spmd.leaves import leaf_kind
+        >>> leaf_kind(meshplan.Partitioned(jnp.ones(2), ("data",))).name, leaf_kind(jnp.ones(2))
+        ('linen-box', None)
+    """
+    t = type(x)
+    if t in _BY_TYPE:
+        return _BY_TYPE[t]
+    found = _BY_TYPE[t] = next((k for k in _KINDS if k.matches(x)), None)
+    return found
+
+
+def is_leaf(x: Any) -> bool:
+    """Where the walks stop: a value of some :class:`LeafKind` (a box, a Flax NNX variable)."""
+    return leaf_kind(x) is not None
+
+
+def is_spec_leaf(x: Any) -> bool:
+    """Where a walk of a *logical spec* tree stops: a spec, or a kind that may sit there."""
+    if isinstance(x, PartitionSpec):
+        return True
+    found = leaf_kind(x)
+    return found is not None and found.resolve is not None
+
+
+def register_leaf_kind(kind: LeafKind) -> Callable[[], None]:
+    """Teaches every walk of meshplan a new kind of container; returns what unregisters it.
+
+    It is asked before the built-in kinds. ``kind.matches`` must depend on a value's
+    type only (the answer is kept per type).
+
+    Example:
+        >>> from meshplan._spmd.leaves import LINEN_BOX, leaf_kind, register_leaf_kind
+        >>> import dataclasses
+        >>> class Tagged:  # a value with mesh axes, as a new front end might carry
+        ...     def __init__(self, value, axes): self.value, self.axes = value, axes
+        >>> kind = dataclasses.replace(LINEN_BOX, name="tagged",
+        ...                            matches=lambda x: isinstance(x, Tagged))
+        >>> unregister = register_leaf_kind(kind)
+        >>> leaf_kind(Tagged(None, ())).name
+        'tagged'
+        >>> unregister()
+        >>> leaf_kind(Tagged(None, ())) is None
+        True
+    """
+    _KINDS.insert(0, kind)
+    _BY_TYPE.clear()
+
+    def unregister() -> None:
+        if kind in _KINDS:
+            _KINDS.remove(kind)
+        _BY_TYPE.clear()
+
+    return unregister

@@ -17,10 +17,8 @@ from meshplan._errors import (
     Problem,
     error_from_problems,
 )
-from meshplan._spmd.boxes import LogicallyPartitioned, Partitioned, is_box
-from meshplan._spmd.leaves import is_leaf
+from meshplan._spmd.leaves import is_leaf, is_spec_leaf, leaf_kind
 from meshplan._spmd.mesh import active_mesh, check_spec
-from meshplan._spmd.nnx import is_variable, variable_spec
 from meshplan._spmd.rules import logical_to_mesh_axes, normalize_rules
 from meshplan._spmd.tree_check import raise_for_errors, spec_errors, tree_errors
 from meshplan._text import path_text
@@ -35,16 +33,9 @@ __all__ = [
 _REPLICATED = PartitionSpec()
 
 
-_OWN_BOXES = (Partitioned, LogicallyPartitioned)  # exact types: spec is PartitionSpec(*names)
-
-
-def _leaf_spec(x: Any) -> PartitionSpec | None:
-    if is_box(x):
-        spec: PartitionSpec = x.get_partition_spec()  # a box of any kind: Flax's method
-        return spec
-    if hasattr(x, "shape"):
-        return _REPLICATED
-    return None
+def _plain_spec(x: Any) -> PartitionSpec | None:
+    """The spec of a leaf of no kind: replicated when it is an array, else ``None``."""
+    return _REPLICATED if hasattr(x, "shape") else None
 
 
 def _leaf_problems(path: str, error: MeshplanError) -> list[Problem]:
@@ -88,19 +79,6 @@ def _logical_spec(x: Any) -> PartitionSpec:
         "names",
     )
     raise LogicalNamesError(f"{problem.message}.\n{problem.fix}", [problem])
-
-
-def _is_spec_leaf(x: Any) -> bool:
-    return isinstance(x, PartitionSpec) or is_variable(x)
-
-
-def _variable_logical(x: Any, rules: Any) -> PartitionSpec | None:
-    """A variable's logical spec through ``rules``: its value when that is a spec (the result
-    of ``nnx.get_partition_spec``), else its ``out_sharding`` names read as logical names."""
-    value = x.get_value()
-    if isinstance(value, PartitionSpec):
-        return logical_to_mesh_axes(value, rules)
-    return variable_spec(x, rules, logical=True)
 
 
 def _named(mesh: Any, spec: PartitionSpec, cache: dict[PartitionSpec, NamedSharding]) -> Any:
@@ -157,17 +135,11 @@ def get_partition_spec(tree: Any) -> Any:
         >>> specs["w"].get_value()
         P('data', 'model')
     """
-    specs: dict[tuple[Any, ...], PartitionSpec] = {}  # boxes with equal names share one spec
+    cache: dict[Any, Any] = {}
 
     def leaf(x: Any) -> Any:
-        if is_variable(x):
-            return x.replace(variable_spec(x))
-        if type(x) in _OWN_BOXES:
-            spec = specs.get(x.names)
-            if spec is None:
-                spec = specs[x.names] = x.get_partition_spec()
-            return spec
-        return _leaf_spec(x)
+        kind = leaf_kind(x)
+        return _plain_spec(x) if kind is None else kind.spec(x, cache)
 
     return _map_collecting(leaf, tree, is_leaf)
 
@@ -199,24 +171,18 @@ def get_sharding(tree: Any, mesh: jax.sharding.Mesh | None, *, strict: bool = Fa
     if strict:
         raise_for_errors(tree_errors(tree, mesh), mesh)
     cache: dict[PartitionSpec, NamedSharding] = {}
-    by_names: dict[tuple[Any, ...], NamedSharding] = {}  # checked already: skip the spec
+    kinds_cache: dict[Any, Any] = {}
+
+    def named(spec: PartitionSpec) -> NamedSharding:
+        sharding: NamedSharding = _named(mesh, spec, cache)
+        return sharding
 
     def leaf(x: Any) -> Any:
-        if is_variable(x):
-            spec = variable_spec(x)
-            return x.replace(None if spec is None else _named(mesh, spec, cache))
-        if is_box(x):
-            if type(x) is Partitioned:
-                shape = getattr(x.value, "shape", None)
-                if shape is None or len(shape) == len(x.names):
-                    sharding = by_names.get(x.names)
-                    if sharding is not None:
-                        return sharding
-                sharding = by_names[x.names] = _named(mesh, x._checked_spec(), cache)
-                return sharding
-            return x.get_sharding(mesh)
-        spec = _leaf_spec(x)
-        return None if spec is None else _named(mesh, spec, cache)
+        kind = leaf_kind(x)
+        if kind is not None:
+            return kind.sharding(x, mesh, named, kinds_cache)
+        spec = _plain_spec(x)
+        return None if spec is None else named(spec)
 
     return _map_collecting(leaf, tree, is_leaf)
 
@@ -235,11 +201,12 @@ def logical_to_mesh(tree: Any, rules: Any = None) -> Any:
         rules = normalize_rules(rules)
 
     def leaf(x: Any) -> Any:
-        if is_variable(x):
-            return x.replace(_variable_logical(x, rules))
+        kind = leaf_kind(x)
+        if kind is not None and kind.resolve is not None and kind.put is not None:
+            return kind.put(x, kind.resolve(x, rules))
         return logical_to_mesh_axes(_logical_spec(x), rules)
 
-    return _map_collecting(leaf, tree, _is_spec_leaf)
+    return _map_collecting(leaf, tree, is_spec_leaf)
 
 
 def logical_to_mesh_sharding(
@@ -270,9 +237,10 @@ def logical_to_mesh_sharding(
     cache: dict[PartitionSpec, NamedSharding] = {}
 
     def leaf(x: Any) -> Any:  # None is an empty subtree: it stays None
-        if is_variable(x):
-            spec = _variable_logical(x, rules)
-            return x.replace(None if spec is None else _named(mesh, spec, cache))
+        kind = leaf_kind(x)
+        if kind is not None and kind.resolve is not None and kind.put is not None:
+            spec = kind.resolve(x, rules)
+            return kind.put(x, None if spec is None else _named(mesh, spec, cache))
         return _named(mesh, logical_to_mesh_axes(_logical_spec(x), rules), cache)
 
-    return _map_collecting(leaf, tree, _is_spec_leaf)
+    return _map_collecting(leaf, tree, is_spec_leaf)

@@ -19,9 +19,8 @@ import jax
 from jax.sharding import PartitionSpec
 
 from meshplan._errors import Problem, ShardingValidationError, problem_message
-from meshplan._spmd.leaves import array_leaves
+from meshplan._spmd.leaves import array_leaves, is_spec_leaf, leaf_kind
 from meshplan._spmd.mesh_info import MeshInfo, axis_names_fix, mesh_info
-from meshplan._spmd.nnx import is_variable, variable_names
 from meshplan._spmd.rules import get_logical_axis_rules, mesh_axes_of, rules_problems
 from meshplan._spmd.validate import LeafCheck, check_leaf
 from meshplan._text import axes_text, count_text, path_text, paths_text, rule_text
@@ -143,25 +142,17 @@ def spec_errors(tree: Any, mesh: Any, rules: Any = None) -> list[Problem]:
     info = mesh_info(mesh)
     valid, index_map, errors = rules_problems(get_logical_axis_rules() if rules is None else rules)
     users: dict[int, list[str]] = {}
-    flat = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, PartitionSpec) or is_variable(x)
-    )[0]
-    for keypath, spec in flat:
+    for keypath, spec in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_spec_leaf)[0]:
         r, m = valid, index_map
-        if is_variable(spec):  # an NNX variable: its spec value, or its names read as logical
-            names = variable_names(spec, rules)
-            value = spec.get_value()
-            shape = None if isinstance(value, PartitionSpec) else getattr(value, "shape", None)
-            if isinstance(value, PartitionSpec):
-                spec = value
-            elif names.names is None:
+        shape = None
+        kind = leaf_kind(spec)
+        if kind is not None and kind.logical is not None:  # e.g. an NNX variable
+            found = kind.logical(spec, rules)
+            if found is None:  # no names
                 continue
-            else:
-                spec = PartitionSpec(*names.names)
-            if names.rules is not None:
-                r, m, _ = rules_problems(names.rules)
-        else:
-            shape = None
+            spec, shape, own_rules = found
+            if own_rules is not None:
+                r, m, _ = rules_problems(own_rules)
         if not isinstance(spec, PartitionSpec):
             continue
         path = path_text(keypath)

@@ -20,7 +20,7 @@ from typing import Any
 
 from rich.console import Console
 
-from meshplan._errors import MeshError, error_for
+from meshplan._errors import MeshError, MeshplanError, error_for
 from meshplan.cli.output import say
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "check_device_count",
     "choose_devices",
     "found_devices",
+    "mesh_flag_advice",
     "select_platform",
     "use_cpu_backend",
     "use_cpu_devices",
@@ -68,6 +69,49 @@ def mesh_text(devices: int) -> str:
     """
     first = max(d for d in range(1, int(devices**0.5) + 1) if devices % d == 0)
     return f"{first}x{devices // first}"
+
+
+def mesh_flag_advice(error: MeshplanError, needed: int | None = None) -> MeshplanError:
+    """``error`` with its fix in flags, for the codes of :mod:`meshplan.train.mesh`'s errors.
+
+    The library's fixes name its functions' arguments; the command line's name
+    ``--mesh``, ``--axes`` and ``--devices``. ``needed``: the devices the mesh asked
+    for (for ``'mesh-too-few-devices'``). Other errors come back as they are.
+
+    Example:
+        >>> from meshplan.cli.devices import mesh_flag_advice
+        >>> from meshplan.train.mesh import parse_mesh_shape
+        >>> try:
+        ...     parse_mesh_shape("2x2x2")
+        ... except Exception as e:
+        ...     print(mesh_flag_advice(e))
+        The mesh '2x2x2' has 3 axes; the default names are ('data', 'model').
+        Name them with --axes, e.g. --axes data,fsdp,model.
+    """
+    if len(error.problems) != 1:
+        return error
+    problem = error.problems[0]
+    fix = {
+        "mesh-unreadable": "Write it like 2x4, 4x2, 8 or 2x2x2 (the last with --axes a,b,c).",
+        "mesh-axes-unnamed": "Name them with --axes, e.g. --axes data,fsdp,model.",
+        "mesh-axis-names": "Give one distinct name per axis, in order, with --axes.",
+    }.get(problem.code)
+    if problem.code == "mesh-too-few-devices" and needed is not None:
+        fix = (
+            f"Use a smaller mesh, or more devices (meshplan train --devices {needed} emulates "
+            f"them on the CPU)."
+        )
+    elif problem.code == "mesh-not-every-device":
+        import jax
+
+        total, local = jax.device_count(), jax.local_device_count()
+        fix = (
+            f"Use a mesh of {total} devices (e.g. --mesh {jax.process_count()}x{local}), or "
+            f"fewer processes."
+        )
+    if fix is None:
+        return error
+    return error_for(type(error), problem.code, problem.path, problem.message, fix)
 
 
 def check_device_count(count: object, flag: str = "--devices") -> int:

@@ -12,7 +12,7 @@ from typing import Any
 from rich.console import Console
 
 from meshplan._errors import MeshError, MeshplanError, error_for
-from meshplan.cli.devices import use_cpu_backend
+from meshplan.cli.devices import mesh_flag_advice, use_cpu_backend
 from meshplan.cli.factory import is_factory, load_factory, model_problem
 from meshplan.cli.output import print_error, say
 from meshplan.cli.sizes import parse_bytes
@@ -434,7 +434,7 @@ def run(args: argparse.Namespace) -> int:
         mesh_size_problem(args.mesh, shape)
         png_problem(args.png)
     except MeshplanError as e:
-        print_error(e, err)
+        print_error(mesh_flag_advice(e), err)
         return 2
     # Planning needs no devices (an AbstractMesh and jax.eval_shape): the CPU is enough.
     use_cpu_backend()

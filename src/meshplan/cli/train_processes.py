@@ -10,8 +10,10 @@ the same command on each with ``--coordinator HOST:PORT --num-processes N
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
 from rich.console import Console
@@ -19,15 +21,9 @@ from rich.console import Console
 from meshplan._errors import MeshplanError, error_for, problem_message
 from meshplan.cli.launch import free_port, launch
 from meshplan.cli.output import print_error, say
+from meshplan.cli.rendezvous import meet, process_group, quiet_native_stdout
 from meshplan.cli.train_flags import MODEL_FLAGS, SETTINGS_FLAGS, flag
-from meshplan.train.distributed import (
-    DEFAULT_INIT_TIMEOUT,
-    INIT_FAILED_EXIT_CODE,
-    DistributedError,
-    ProcessGroup,
-    join,
-    process_group,
-)
+from meshplan.train.distributed import DEFAULT_INIT_TIMEOUT, DistributedError, ProcessGroup, join
 
 __all__ = ["join_if_asked", "launch_workers", "worker_argv"]
 
@@ -129,20 +125,49 @@ def _say_waiting(line: str) -> None:
     say(Console(stderr=True), line, soft_wrap=True)
 
 
+INIT_FAILED_EXIT_CODE = 2
+"""The exit status of a process that gives up joining (as for any refused input)."""
+
+_INIT_FAILED_FIX = (
+    "Start every process with the same --coordinator and --num-processes, and a "
+    "--coordinator port that process 0 can listen on and the others reach."
+)
+"""Flag-level advice for the library's ``'init-failed'`` (its own fix names no flags)."""
+
+
 def _give_up(error: MeshplanError) -> NoReturn:
     """Prints ``error`` and ends the process at once: JAX's threads must not keep it alive."""
-    sys.stdout.flush()
-    print_error(error)
-    sys.stderr.flush()
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    with contextlib.suppress(Exception):
+        print_error(error)
+        sys.stderr.flush()
     os._exit(INIT_FAILED_EXIT_CODE)
+
+
+def _stuck_after_meeting(group: ProcessGroup) -> Callable[[MeshplanError], None]:
+    """What to do when JAX's start hangs once everyone met: say so, then end the process."""
+
+    def give_up(error: MeshplanError) -> None:
+        problem = error.problems[0]
+        message = (
+            f"All {group.num_processes} processes met at the coordinator {group.coordinator}, "
+            f"but {problem.message}"
+        )
+        _give_up(error_for(DistributedError, problem.code, problem.path, message, problem.fix))
+
+    return give_up
 
 
 def join_if_asked(args: argparse.Namespace) -> ProcessGroup | None:
     """Joins the multi-process run the flags describe (before JAX starts); ``None`` if none.
 
-    While processes are missing, says who every few seconds on standard error;
-    gives up after ``--init-timeout`` seconds (default
-    :data:`~meshplan.train.distributed.DEFAULT_INIT_TIMEOUT`, as JAX).
+    The processes first meet at the coordinator (:func:`~meshplan.cli.rendezvous.meet`):
+    while some are missing, says who every few seconds on standard error; gives up
+    after ``--init-timeout`` seconds (default
+    :data:`~meshplan.train.distributed.DEFAULT_INIT_TIMEOUT`, as JAX). What native
+    code prints to standard output (Gloo's lines) goes to ``/dev/null``; a JAX start
+    that hangs after the meeting ends the process (exit status 2), saying why.
 
     Raises:
         DistributedError: the flags do not fit together, or the processes did
@@ -161,10 +186,26 @@ def join_if_asked(args: argparse.Namespace) -> ProcessGroup | None:
                 "or leave it out.",
             )
         return None
-    join(
-        group,
-        DEFAULT_INIT_TIMEOUT if timeout is None else timeout,
-        report=_say_waiting,
-        give_up=_give_up,
-    )
+    if timeout is None:
+        timeout = DEFAULT_INIT_TIMEOUT
+    elif not timeout > 0:  # also refuses NaN
+        raise error_for(
+            DistributedError,
+            "bad-init-timeout",
+            "--init-timeout",
+            f"--init-timeout must be a positive number of seconds, got {timeout}",
+            f"Give --init-timeout SECONDS, e.g. {DEFAULT_INIT_TIMEOUT} (JAX's default).",
+        )
+    if group.num_processes > 1:
+        quiet_native_stdout()
+    meet(group, timeout, _say_waiting)
+    try:
+        join(group, timeout, on_stuck=_stuck_after_meeting(group))
+    except DistributedError as e:
+        problem = e.problems[0] if e.problems else None
+        if problem is None or problem.code != "init-failed":
+            raise
+        raise error_for(
+            DistributedError, problem.code, problem.path, problem.message, _INIT_FAILED_FIX
+        ) from e
     return group

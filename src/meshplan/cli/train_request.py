@@ -48,7 +48,12 @@ from meshplan._spmd.mesh_info import mesh_info
 from meshplan._spmd.rules import logical_axis_rules, rules_problems
 from meshplan._spmd.validate import check_leaf, validate
 from meshplan._text import human_bytes
-from meshplan.cli.devices import DeviceChoice, choose_devices, count_from_xla_flags
+from meshplan.cli.devices import (
+    DeviceChoice,
+    choose_devices,
+    count_from_xla_flags,
+    mesh_flag_advice,
+)
 from meshplan.examples.context import context_shards
 from meshplan.examples.data import BATCH_NAMES, ByteCorpus, DataError, shard_batch
 from meshplan.examples.transformer import (
@@ -849,11 +854,13 @@ def prepare(request: TrainRequest) -> Trainer:
         rules = get_layout(request.rules)
     except MeshplanError as e:
         problems.add_error(e, f"--rules {request.rules}")
+    needed = None  # the devices the mesh asks for, once read
     try:
         axes = request.axes
         if axes is None and request.rules in CONTEXT_EXPERT_LAYOUTS:
             axes = ",".join(LAYOUT_AXES[request.rules])  # ('data', 'context'), ('data', 'expert')
         shape = _parse_train_mesh(request.mesh, axes)
+        needed = math.prod(shape.values())
         choice = request.devices
         if choice is not None:  # refused with the numbers and the fix in flag terms
             choose_devices(
@@ -865,7 +872,7 @@ def prepare(request: TrainRequest) -> Trainer:
             )
         mesh = make_mesh(shape, None if choice is None else choice.devices)
     except MeshplanError as e:
-        problems.add_error(e)
+        problems.add_error(mesh_flag_advice(e, needed))
     ckpt_dir, resume = _check_checkpoint_dir(request, problems)
     stored = resume.stored
     settings = _resolve_settings(request, stored, problems)

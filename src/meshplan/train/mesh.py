@@ -1,8 +1,11 @@
-"""The meshes ``meshplan train`` builds, from ``--mesh 2x4``-style text (and ``--axes``).
+"""The meshes ``meshplan train`` builds, from ``'2x4'``-style text (and axis names).
 
 Two axes ``('data', 'model')`` by default (the built-in layouts' axes); any
-number of named axes with ``--axes`` (``--mesh 2x2x2 --axes data,fsdp,tensor``,
-as ``meshplan search`` prints them).
+number of named axes with ``axes`` (``parse_mesh_shape('2x2x2', 'data,fsdp,tensor')``,
+as ``meshplan search`` prints them). Every error carries a code (``'mesh-unreadable'``,
+``'mesh-axes-unnamed'``, ``'mesh-axis-names'``, ``'mesh-too-few-devices'``,
+``'mesh-not-every-device'``) and a fix in terms of these functions; the command
+line gives its own in flags (:func:`meshplan.cli.devices.mesh_flag_advice`).
 """
 
 from __future__ import annotations
@@ -14,12 +17,12 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh
 
-from meshplan._errors import MeshError
+from meshplan._errors import MeshError, error_for
 
 __all__ = ["MESH_AXES", "make_mesh", "parse_mesh", "parse_mesh_shape"]
 
 MESH_AXES = ("data", "model")
-"""Axis names of the meshes ``meshplan train`` builds without ``--axes`` (the layouts' axes)."""
+"""Axis names of the meshes ``meshplan train`` builds without axis names (the layouts' axes)."""
 
 
 def parse_mesh_shape(text: str, axes: str | None = None) -> dict[str, int]:
@@ -45,27 +48,31 @@ def parse_mesh_shape(text: str, axes: str | None = None) -> dict[str, int]:
     except ValueError:
         sizes = []
     if not sizes or min(sizes) < 1:
-        raise MeshError(
-            f"Cannot read the mesh {text!r}: expected positive axis sizes separated by 'x'.\n"
-            f"Write it like 2x4, 4x2, 8 or 2x2x2 (the last with --axes a,b,c)."
-        )
+        raise error_for(
+            MeshError, "mesh-unreadable", str(text),
+            f"Cannot read the mesh {text!r}: expected positive axis sizes separated by 'x'",
+            "Write it like '2x4', '4x2', '8' or '2x2x2' (the last with axes='a,b,c').",
+        )  # fmt: skip
     names: tuple[str, ...]
     if axes is None:
         if len(sizes) == 1:
             sizes.append(1)
         if len(sizes) != len(MESH_AXES):
-            raise MeshError(
-                f"The mesh {text!r} has {len(sizes)} axes; the default names are "
-                f"{MESH_AXES}.\nName them with --axes, e.g. --axes data,fsdp,model."
-            )
+            raise error_for(
+                MeshError, "mesh-axes-unnamed", str(text),
+                f"The mesh {text!r} has {len(sizes)} axes; the default names are {MESH_AXES}",
+                "Name them with axes, e.g. axes='data,fsdp,model'.",
+            )  # fmt: skip
         names = MESH_AXES
     else:
         names = tuple(a.strip() for a in axes.split(",") if a.strip())
         if len(names) != len(sizes) or len(set(names)) != len(names):
-            raise MeshError(
-                f"--axes {axes!r} gives {len(names)} distinct names for the {len(sizes)} "
-                f"mesh axes of {text!r}.\nGive one distinct name per axis."
-            )
+            raise error_for(
+                MeshError, "mesh-axis-names", str(text),
+                f"The axis names {axes!r} are {len(set(names))} distinct names for the "
+                f"{len(sizes)} mesh axes of {text!r}",
+                "Give one distinct name per axis.",
+            )  # fmt: skip
     return dict(zip(names, sizes, strict=True))
 
 
@@ -120,27 +127,33 @@ def make_mesh(
         names = tuple(axes) if axes is not None else MESH_AXES
     text = "x".join(str(s) for s in sizes)
     if len(names) != len(sizes) or len(set(names)) != len(names):
-        raise MeshError(
+        raise error_for(
+            MeshError, "mesh-axis-names", text,
             f"The mesh {text} has {len(sizes)} axes, but the axis names {names} are not one "
-            f"distinct name per axis.\nGive one distinct name per axis (e.g. --axes "
-            f"{','.join(('data', 'fsdp', 'tensor', 'model')[: len(sizes)])})."
-        )
+            f"distinct name per axis",
+            f"Give one distinct name per axis (e.g. axes="
+            f"{('data', 'fsdp', 'tensor', 'model')[: len(sizes)]}).",
+        )  # fmt: skip
     devices = list(jax.devices() if devices is None else devices)
     size = math.prod(sizes)
     if size > len(devices):
-        raise MeshError(
-            f"The mesh {text} needs {size} devices, but there are only "
-            f"{len(devices)} ({devices[0].platform}).\nUse a smaller mesh, or more devices "
-            f"(meshplan train --devices {size} emulates them on the CPU)."
-        )
+        raise error_for(
+            MeshError, "mesh-too-few-devices", text,
+            f"The mesh {text} needs {size} devices, but there are only {len(devices)} "
+            f"({devices[0].platform})",
+            f"Use a smaller mesh, or more devices (on the CPU, XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={size} emulates them).",
+        )  # fmt: skip
     if jax.process_count() > 1 and size < len(devices):
         processes, local = jax.process_count(), jax.local_device_count()
-        raise MeshError(
-            f"The mesh {text} uses {size} of the {len(devices)} devices, but "
-            f"with {processes} processes it must use all of them ({local} per process), so "
-            f"that every process holds part of it.\nUse a mesh of {len(devices)} devices "
-            f"(e.g. --mesh {processes}x{local}), or fewer processes."
-        )
+        raise error_for(
+            MeshError, "mesh-not-every-device", text,
+            f"The mesh {text} uses {size} of the {len(devices)} devices, but with {processes} "
+            f"processes it must use all of them ({local} per process), so that every process "
+            f"holds part of it",
+            f"Use a mesh of {len(devices)} devices (e.g. shape ({processes}, {local})), or "
+            f"fewer processes.",
+        )  # fmt: skip
     return jax.make_mesh(
         sizes, names, axis_types=(AxisType.Auto,) * len(sizes), devices=devices[:size]
     )
