@@ -31,6 +31,7 @@ __all__ = [
     "PruneKind",
     "RankedBy",
     "RowStatus",
+    "SearchCounts",
     "SearchResult",
     "SearchRow",
     "require_devices",
@@ -56,6 +57,17 @@ CommEstimate = TypedDict(
 )
 """The static estimate, bytes per step per device (:mod:`meshplan._search.search`);
 ``activations`` is ``None`` when the model's code decides it (tensor parallelism)."""
+
+
+class SearchCounts(TypedDict):
+    """How many candidates a search ``enumerated``, ``pruned`` (by kind), ``scored``,
+    ``compiled`` and ``measured``."""
+
+    enumerated: int
+    pruned: dict[PruneKind, int]
+    scored: int
+    compiled: int
+    measured: int
 
 
 def require_devices(devices: int, doing: str) -> None:
@@ -244,7 +256,11 @@ class SearchResult:
     devices: int
     profile: HardwareProfile | None = None
     budget_bytes: int | None = None
-    counts: dict[str, Any] = dataclasses.field(default_factory=dict)
+    counts: SearchCounts = dataclasses.field(
+        default_factory=lambda: SearchCounts(
+            enumerated=0, pruned={}, scored=0, compiled=0, measured=0
+        )
+    )
     seconds: float = 0.0
     batch: int | None = None
     tokens: int | None = None

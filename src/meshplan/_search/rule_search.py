@@ -37,6 +37,7 @@ from meshplan._search.profiles import HardwareProfile, get_profile
 from meshplan._search.result import (
     PRUNE_REASONS,
     PruneKind,
+    SearchCounts,
     SearchResult,
     SearchRow,
     require_devices,
@@ -421,8 +422,8 @@ def search_rules(
         rows[:measure_top] = sorted(top, key=lambda r: r.measured_s or 0)
     for i, row in enumerate(rows, 1):
         row.rank = i
-    counts = {"enumerated": len(candidates), "pruned": pruned, "scored": scored,
-              "compiled": compiled, "measured": measured}  # fmt: skip
+    counts = SearchCounts(enumerated=len(candidates), pruned=pruned, scored=scored,
+                          compiled=compiled, measured=measured)  # fmt: skip
     for row in rows:
         row.fits = True  # every ranked row fits: the others were pruned as "memory"
     return SearchResult(

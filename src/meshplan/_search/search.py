@@ -1,5 +1,11 @@
 """Searching for a layout: every mesh shape and rule set, checked, sized and ranked.
 
+The step-less ranking of the one search: :func:`search_layouts` takes given layouts
+(no generated rules, nothing traced) and returns the :class:`SearchResult` of
+:class:`SearchRow` that :func:`meshplan.search_rules` returns, ``ranked_by``
+``'static'``; with a step, ``search_rules(..., layouts=..., max_axes=0)`` searches the
+same layouts by predicted step time.
+
 A candidate (mesh shape, layout) is *rejected* when :func:`meshplan.check` finds
 an error or the batch does not divide by the devices ``'batch'`` is split over.
 The others rank by: within the budget, then state bytes on the fullest device
@@ -31,7 +37,14 @@ from meshplan._plan.explain import explain
 from meshplan._plan.plan import Plan
 from meshplan._search.candidates import layout_candidates, mesh_shapes
 from meshplan._search.hlo import measure_step
-from meshplan._search.result import CommEstimate, SearchResult, SearchRow, require_devices
+from meshplan._search.result import (
+    CommEstimate,
+    PruneKind,
+    SearchCounts,
+    SearchResult,
+    SearchRow,
+    require_devices,
+)
 from meshplan._spmd.rules import (
     LogicalRules,
     RulePairs,
@@ -65,7 +78,9 @@ def _estimate(
     return comm, tuple(a for a in sizes if sizes[a] > 1 and a not in used)
 
 
-def _evaluate(row: SearchRow, state: Any, batch: int | None, budget: int | None) -> str | None:
+def _evaluate(
+    row: SearchRow, state: Any, batch: int | None, budget: int | None
+) -> PruneKind | None:
     """Fills ``row``'s static estimate, or says why the checks reject it (its pruned kind)."""
     plan = explain(state, row.mesh, row.rules)
     errors = [p for p in plan.problems if p.severity == "error"]
@@ -172,7 +187,7 @@ def search_layouts(
         require_devices(devices, "measuring")
     candidates = layout_candidates(devices, given, axis_names)
     rows = [SearchRow(c.mesh, c.rules, c.layout) for c in candidates]
-    pruned = {"invalid": 0, "batch": 0}
+    pruned: dict[PruneKind, int] = {"invalid": 0, "batch": 0}
     for row in rows:
         kind = _evaluate(row, abstract_state, batch, memory_budget_bytes)
         if kind is not None:
@@ -187,8 +202,8 @@ def search_layouts(
         ok[:top_k] = sorted(ok[:top_k], key=SearchRow._static_key)
     for i, row in enumerate(ok, 1):
         row.rank = i
-    counts = {"enumerated": len(rows), "pruned": pruned, "scored": len(ok),
-              "compiled": compiled, "measured": 0}  # fmt: skip
+    counts = SearchCounts(enumerated=len(rows), pruned=pruned, scored=len(ok),
+                          compiled=compiled, measured=0)  # fmt: skip
     return SearchResult(
         ok + [r for r in rows if r.status != "ok"], devices, None, memory_budget_bytes, counts,
         time.perf_counter() - t0, batch, ranked_by="static",
