@@ -19,7 +19,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -47,6 +47,10 @@ from meshplan._spmd.rules import LogicalRules, RulePairs, normalize_rules
 from meshplan._spmd.validate import validate
 from meshplan._text import human_bytes
 from meshplan.layouts import LAYOUTS
+
+if TYPE_CHECKING:
+    import flax.linen as nn
+    import optax
 
 __all__ = [
     "PRUNE_REASONS",
@@ -95,10 +99,10 @@ def example_search() -> SearchResult:
 
 
 def linen_step(
-    model: Any,
+    model: nn.Module,
     example_inputs: Any,
     loss: Callable[[Any, Any], Any] | None = None,
-    optimizer: Any = None,
+    optimizer: optax.GradientTransformation | None = None,
 ) -> tuple[Any, Callable[[Any, Any], Any], Any]:
     """``(abstract_state, step_fn, example_batch)`` of a Flax Linen model's train step.
 
@@ -251,9 +255,9 @@ def search_rules(
     step_fn: Callable[[Any, Any], Any] | None = None,
     example_batch: Any = None,
     *,
-    model: Any = None,
+    model: nn.Module | None = None,
     loss: Callable[[Any, Any], Any] | None = None,
-    optimizer: Any = None,
+    optimizer: optax.GradientTransformation | None = None,
     profile: str | HardwareProfile = "cpu",
     memory_budget_bytes: int | None = None,
     layouts: Mapping[str, LogicalRules] | Sequence[str] | None = None,
