@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
+from typing import Literal, TypeAlias
 
 import flax.errors
 
@@ -24,9 +25,14 @@ __all__ = [
     "PartitioningUnspecifiedError",
     "Problem",
     "RulesError",
+    "Severity",
     "ShardingValidationError",
     "UnmatchedLogicalAxisError",
 ]
+
+
+Severity: TypeAlias = Literal["error", "warning", "info"]
+"""How bad a :class:`Problem` is (its ``severity``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +61,7 @@ class Problem:
         to 8 (the nearest multiple of 4), or map it to mesh axes whose size divides 6.
     """
 
-    severity: str
+    severity: Severity
     path: str
     message: str
     fix: str

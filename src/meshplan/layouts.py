@@ -9,7 +9,7 @@ Each layout is a plain tuple of ``(logical_name, mesh_axes)`` rules that covers
 every name of the Transformer's vocabulary (``batch``, ``length``, ``embed``,
 ``heads``, ``kv``, ``mlp``, ``vocab``, ``layer``; see
 :mod:`meshplan.examples.transformer`; the expert-parallel layouts also
-``expert``, ``expert_batch`` and ``capacity``, :mod:`meshplan.examples.moe`). Rules are applied in order, so
+``expert``, ``expert_batch`` and ``capacity``, :mod:`meshplan.examples.moe`). RulePairs are applied in order, so
 ``batch`` comes first: an activation named ``('batch', 'length', 'embed')``
 gives its mesh axes to ``batch``, and ``embed`` (which a parameter may shard
 over the same axes) stays whole in activations.
@@ -28,17 +28,14 @@ Example:
 
 from __future__ import annotations
 
-import ast
 import inspect
-import itertools
 import json
 import os
 import runpy
-import sys
 from typing import Any
 
 from meshplan._errors import RulesError, bullets, error_from_problems
-from meshplan._spmd.rules import rules_problems
+from meshplan._spmd.rules import RulePairs, check_rules
 
 __all__ = [
     "ALL_LAYOUTS",
@@ -58,38 +55,49 @@ __all__ = [
     "tensor_parallel",
 ]
 
-Rules = tuple[tuple[str, Any], ...]
+_DATA_MODEL = ("data", "model")
+_CONTEXT = ("data", "context")
+_EXPERT = ("data", "expert")
 
-data_parallel: Rules = (
-    ("batch", ("data", "model")),
-    ("length", None),
-    ("embed", None),
-    ("heads", None),
-    ("kv", None),
-    ("mlp", None),
-    ("vocab", None),
-    ("layer", None),
-)
-"""Data parallel: the batch split over all devices, every parameter replicated.
+_REGISTRY: dict[str, tuple[RulePairs, tuple[str, ...], str]] = {}
+"""Every built-in layout by name: its rules, the mesh axes it is written for, its description."""
+
+
+def _layout(name: str, axes: tuple[str, ...], doc: str, rules: RulePairs) -> RulePairs:
+    """Registers a built-in layout (its one entry: rules, axes and description) and returns
+    its rules."""
+    _REGISTRY[name] = (rules, axes, inspect.cleandoc(doc))
+    return rules
+
+
+data_parallel: RulePairs = _layout(
+    "data_parallel",
+    _DATA_MODEL,
+    """Data parallel: the batch split over all devices, every parameter replicated.
 
 Shards ``batch`` over ``('data', 'model')`` (all 8 devices of a 2x4 mesh);
 every parameter and optimizer state is whole on every device, and gradients
 are all-reduced each step. Pick it when the model and its Adam state fit on
 one device several times over: it is the simplest layout and moves the fewest
 bytes for small models. The batch must be a multiple of the device count.
-"""
-
-fsdp: Rules = (
-    ("batch", ("data", "model")),
-    ("embed", ("data", "model")),
-    ("length", None),
-    ("heads", None),
-    ("kv", None),
-    ("mlp", None),
-    ("vocab", None),
-    ("layer", None),
+""",
+    (
+        ("batch", ("data", "model")),
+        ("length", None),
+        ("embed", None),
+        ("heads", None),
+        ("kv", None),
+        ("mlp", None),
+        ("vocab", None),
+        ("layer", None),
+    ),
 )
-"""Fully sharded data parallel (ZeRO-3): batch and parameters split over all devices.
+
+
+fsdp: RulePairs = _layout(
+    "fsdp",
+    _DATA_MODEL,
+    """Fully sharded data parallel (ZeRO-3): batch and parameters split over all devices.
 
 Shards ``batch`` over ``('data', 'model')`` as :data:`data_parallel` does, and
 every parameter's ``embed`` dimension over the same axes, so each device keeps
@@ -97,19 +105,24 @@ every parameter's ``embed`` dimension over the same axes, so each device keeps
 before use and gradients reduce-scattered. Pick it when parameters plus
 optimizer state no longer fit one device but activations do. ``embed_dim``
 and the batch must be multiples of the device count.
-"""
-
-tensor_parallel: Rules = (
-    ("batch", "data"),
-    ("heads", "model"),
-    ("mlp", "model"),
-    ("vocab", "model"),
-    ("length", None),
-    ("embed", None),
-    ("kv", None),
-    ("layer", None),
+""",
+    (
+        ("batch", ("data", "model")),
+        ("embed", ("data", "model")),
+        ("length", None),
+        ("heads", None),
+        ("kv", None),
+        ("mlp", None),
+        ("vocab", None),
+        ("layer", None),
+    ),
 )
-"""Tensor parallel (Megatron-style): heads, MLP and vocabulary split over ``model``.
+
+
+tensor_parallel: RulePairs = _layout(
+    "tensor_parallel",
+    _DATA_MODEL,
+    """Tensor parallel (Megatron-style): heads, MLP and vocabulary split over ``model``.
 
 Shards ``batch`` over ``data`` only, and the ``heads``, ``mlp`` and ``vocab``
 dimensions of parameters and activations over ``model``: each block needs one
@@ -118,19 +131,24 @@ Parameters are replicated over ``data``. Pick it for wide layers (large
 ``mlp_dim``/``heads``) on fast interconnect, or when the batch per device
 would be too small for data parallel. ``num_heads``, ``mlp_dim`` and
 ``vocab_size`` must be multiples of the ``model`` axis size.
-"""
-
-fsdp_tp: Rules = (
-    ("batch", "data"),
-    ("embed", "data"),
-    ("heads", "model"),
-    ("mlp", "model"),
-    ("vocab", "model"),
-    ("length", None),
-    ("kv", None),
-    ("layer", None),
+""",
+    (
+        ("batch", "data"),
+        ("heads", "model"),
+        ("mlp", "model"),
+        ("vocab", "model"),
+        ("length", None),
+        ("embed", None),
+        ("kv", None),
+        ("layer", None),
+    ),
 )
-"""FSDP over ``data`` combined with tensor parallel over ``model`` (2-D sharding).
+
+
+fsdp_tp: RulePairs = _layout(
+    "fsdp_tp",
+    _DATA_MODEL,
+    """FSDP over ``data`` combined with tensor parallel over ``model`` (2-D sharding).
 
 Shards ``batch`` and the parameters' ``embed`` dimension over ``data`` and
 ``heads``, ``mlp`` and ``vocab`` over ``model``: every weight matrix is split
@@ -138,19 +156,24 @@ over all devices (``('embed', 'mlp')`` becomes ``P('data', 'model')``), and
 activations are split by batch over ``data`` and by heads/MLP over ``model``.
 Pick it for the largest models: per-device state is as small as with
 :data:`fsdp`, with less gathering of parameters per step.
-"""
-
-context_parallel: Rules = (
-    ("batch", "data"),
-    ("length", "context"),
-    ("embed", None),
-    ("heads", None),
-    ("kv", None),
-    ("mlp", None),
-    ("vocab", None),
-    ("layer", None),
+""",
+    (
+        ("batch", "data"),
+        ("embed", "data"),
+        ("heads", "model"),
+        ("mlp", "model"),
+        ("vocab", "model"),
+        ("length", None),
+        ("kv", None),
+        ("layer", None),
+    ),
 )
-"""Context parallel: the batch over ``data``, every sequence split along ``length`` over ``context``.
+
+
+context_parallel: RulePairs = _layout(
+    "context_parallel",
+    _CONTEXT,
+    """Context parallel: the batch over ``data``, every sequence split along ``length`` over ``context``.
 
 For a mesh with axes ``('data', 'context')``. Each device holds its examples'
 activations for ``1/context`` of the positions, so activation memory falls
@@ -161,19 +184,24 @@ same work (:mod:`meshplan.examples.context`). Pick it for long sequences,
 when one sequence's activations no longer fit a device (the batch per device
 cannot go below one sequence). The sequence length must be a multiple of
 ``2 * context``.
-"""
-
-fsdp_cp: Rules = (
-    ("batch", "data"),
-    ("length", "context"),
-    ("embed", ("data", "context")),
-    ("heads", None),
-    ("kv", None),
-    ("mlp", None),
-    ("vocab", None),
-    ("layer", None),
+""",
+    (
+        ("batch", "data"),
+        ("length", "context"),
+        ("embed", None),
+        ("heads", None),
+        ("kv", None),
+        ("mlp", None),
+        ("vocab", None),
+        ("layer", None),
+    ),
 )
-"""FSDP over all devices combined with context parallel over ``context``.
+
+
+fsdp_cp: RulePairs = _layout(
+    "fsdp_cp",
+    _CONTEXT,
+    """FSDP over all devices combined with context parallel over ``context``.
 
 For a mesh with axes ``('data', 'context')``. Activations are split as in
 :data:`context_parallel` (batch over ``data``, ``length`` over ``context``),
@@ -182,22 +210,24 @@ and every parameter's ``embed`` dimension over both axes, so each device keeps
 before use and gradients reduce-scattered. Pick it for long sequences of a
 model whose state does not fit one device either. ``embed_dim`` must be a
 multiple of the device count, the sequence length of ``2 * context``.
-"""
-
-expert_parallel: Rules = (
-    ("batch", ("data", "expert")),
-    ("expert", "expert"),
-    ("expert_batch", "data"),
-    ("capacity", None),
-    ("length", None),
-    ("embed", None),
-    ("heads", None),
-    ("kv", None),
-    ("mlp", None),
-    ("vocab", None),
-    ("layer", None),
+""",
+    (
+        ("batch", "data"),
+        ("length", "context"),
+        ("embed", ("data", "context")),
+        ("heads", None),
+        ("kv", None),
+        ("mlp", None),
+        ("vocab", None),
+        ("layer", None),
+    ),
 )
-"""Expert parallel: each device of the ``expert`` axis holds its own experts; data parallel elsewhere.
+
+
+expert_parallel: RulePairs = _layout(
+    "expert_parallel",
+    _EXPERT,
+    """Expert parallel: each device of the ``expert`` axis holds its own experts; data parallel elsewhere.
 
 For a mesh with axes ``('data', 'expert')`` and a mixture-of-experts model
 (``meshplan train --experts E``). The batch is split over all devices, as in
@@ -208,65 +238,75 @@ named ``('expert', 'expert_batch', 'capacity', 'embed')``, ``expert_batch``
 over ``data``) and come back by another. Pick it when the experts' weights
 dominate the model: they are never replicated nor gathered. ``num_experts``
 must be a multiple of the ``expert`` axis size.
-"""
-
-fsdp_ep: Rules = (
-    ("batch", ("data", "expert")),
-    ("expert", "expert"),
-    ("expert_batch", "data"),
-    ("embed", ("data", "expert")),
-    ("embed", "data"),
-    ("capacity", None),
-    ("length", None),
-    ("heads", None),
-    ("kv", None),
-    ("mlp", None),
-    ("vocab", None),
-    ("layer", None),
+""",
+    (
+        ("batch", ("data", "expert")),
+        ("expert", "expert"),
+        ("expert_batch", "data"),
+        ("capacity", None),
+        ("length", None),
+        ("embed", None),
+        ("heads", None),
+        ("kv", None),
+        ("mlp", None),
+        ("vocab", None),
+        ("layer", None),
+    ),
 )
-"""Expert parallel over ``expert`` combined with FSDP: every weight split over the devices.
+
+
+fsdp_ep: RulePairs = _layout(
+    "fsdp_ep",
+    _EXPERT,
+    """Expert parallel over ``expert`` combined with FSDP: every weight split over the devices.
 
 For a mesh with axes ``('data', 'expert')``. As :data:`expert_parallel`, and
 the dense parameters' ``embed`` dimension over all devices (FSDP), the
 experts' ``embed`` dimension over ``data`` (their ``expert`` dimension holds
 the ``expert`` axis): each device keeps ``1/devices`` of every weight. Pick
 it for a large MoE model whose dense part does not fit one device either.
-"""
+""",
+    (
+        ("batch", ("data", "expert")),
+        ("expert", "expert"),
+        ("expert_batch", "data"),
+        ("embed", ("data", "expert")),
+        ("embed", "data"),
+        ("capacity", None),
+        ("length", None),
+        ("heads", None),
+        ("kv", None),
+        ("mlp", None),
+        ("vocab", None),
+        ("layer", None),
+    ),
+)
 
-guide: Rules = (("batch", "data"), ("hidden", "model"))
-"""The guide's rules, for its MLP demo: ``batch`` over ``data``, ``hidden`` over ``model``.
+
+guide: RulePairs = _layout(
+    "guide",
+    _DATA_MODEL,
+    """The guide's rules, for its MLP demo: ``batch`` over ``data``, ``hidden`` over ``model``.
 
 They do not cover the Transformer's vocabulary; use them with
 :mod:`meshplan.examples.mlp`.
-"""
+""",
+    (("batch", "data"), ("hidden", "model")),
+)
 
-LAYOUTS: dict[str, Rules] = {
-    "data_parallel": data_parallel,
-    "fsdp": fsdp,
-    "tensor_parallel": tensor_parallel,
-    "fsdp_tp": fsdp_tp,
-    "guide": guide,
-}
+
+LAYOUTS: dict[str, RulePairs] = {n: r for n, (r, a, _) in _REGISTRY.items() if a == _DATA_MODEL}
 """The built-in layouts for a mesh with axes ``('data', 'model')``, by name."""
 
-CONTEXT_EXPERT_LAYOUTS: dict[str, Rules] = {
-    "context_parallel": context_parallel,
-    "fsdp_cp": fsdp_cp,
-    "expert_parallel": expert_parallel,
-    "fsdp_ep": fsdp_ep,
+CONTEXT_EXPERT_LAYOUTS: dict[str, RulePairs] = {
+    n: r for n, (r, a, _) in _REGISTRY.items() if a != _DATA_MODEL
 }
 """The built-in layouts for meshes with a ``context`` or an ``expert`` axis, by name."""
 
-ALL_LAYOUTS: dict[str, Rules] = {**LAYOUTS, **CONTEXT_EXPERT_LAYOUTS}
+ALL_LAYOUTS: dict[str, RulePairs] = {**LAYOUTS, **CONTEXT_EXPERT_LAYOUTS}
 """Every built-in layout by name: :data:`LAYOUTS` and :data:`CONTEXT_EXPERT_LAYOUTS`."""
 
-LAYOUT_AXES: dict[str, tuple[str, ...]] = {
-    **{name: ("data", "model") for name in LAYOUTS},
-    "context_parallel": ("data", "context"),
-    "fsdp_cp": ("data", "context"),
-    "expert_parallel": ("data", "expert"),
-    "fsdp_ep": ("data", "expert"),
-}
+LAYOUT_AXES: dict[str, tuple[str, ...]] = {n: _REGISTRY[n][1] for n in ALL_LAYOUTS}
 """The mesh axis names each built-in layout is written for.
 
 Example:
@@ -274,30 +314,6 @@ Example:
     >>> meshplan.layouts.LAYOUT_AXES["fsdp_cp"]
     ('data', 'context')
 """
-
-
-def _attribute_docs() -> dict[str, str]:
-    """The docstrings written under each module-level layout constant."""
-    try:
-        tree = ast.parse(inspect.getsource(sys.modules[__name__]))
-    except (OSError, TypeError):  # no source available (e.g. a frozen build)
-        return {}
-    docs: dict[str, str] = {}
-    body = tree.body
-    for node, after in itertools.pairwise(body):
-        target = None
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            target = node.target.id
-        elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            target = node.targets[0].id
-        if (
-            target in ALL_LAYOUTS
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[target] = inspect.cleandoc(after.value.value)
-    return docs
 
 
 def list_layouts() -> list[tuple[str, str]]:
@@ -310,8 +326,7 @@ def list_layouts() -> list[tuple[str, str]]:
         >>> [name for name, _ in meshplan.layouts.list_layouts()][5:]
         ['context_parallel', 'fsdp_cp', 'expert_parallel', 'fsdp_ep']
     """
-    docs = _attribute_docs()
-    return [(name, docs.get(name, "").split("\n", 1)[0]) for name in ALL_LAYOUTS]
+    return [(name, _REGISTRY[name][2].split("\n", 1)[0]) for name in ALL_LAYOUTS]
 
 
 def describe_layout(name: str) -> str:
@@ -331,7 +346,7 @@ def describe_layout(name: str) -> str:
             f"Unknown layout {name!r}. Built-in layouts: {', '.join(ALL_LAYOUTS)}.\n"
             f"Pick one of those (meshplan.layouts.list_layouts() describes each)."
         )
-    return _attribute_docs().get(name, "")
+    return _REGISTRY[name][2]
 
 
 def _file_error(path: str, problem: str, fix: str) -> RulesError:
@@ -346,7 +361,7 @@ def _axes_from_json(entry: Any) -> Any:
     raise TypeError(entry)
 
 
-def _load_json(path: str) -> Rules:
+def _load_json(path: str) -> RulePairs:
     fix = 'Write a list of [name, axes] pairs, e.g. [["batch", "data"], ["mlp", "model"], ["embed", null]].'
     try:
         with open(path, encoding="utf-8") as f:
@@ -399,8 +414,8 @@ def _load_py(path: str) -> object:
     raise _file_error(path, "it defines neither RULES nor rules.", fix)
 
 
-def get_layout(name_or_path: str | os.PathLike[str]) -> Rules:
-    """Rules by built-in name, or from a ``.py`` file (``RULES``) or a ``.json`` file.
+def get_layout(name_or_path: str | os.PathLike[str]) -> RulePairs:
+    """RulePairs by built-in name, or from a ``.py`` file (``RULES``) or a ``.json`` file.
 
     Example:
         >>> import meshplan.layouts
@@ -438,7 +453,7 @@ def get_layout(name_or_path: str | os.PathLike[str]) -> Rules:
             "rules file.",
         )
     if text.endswith(".json"):
-        rules: Any = _load_json(text)
+        rules: object = _load_json(text)
     elif text.endswith(".py"):
         rules = _load_py(text)
     else:
@@ -448,14 +463,14 @@ def get_layout(name_or_path: str | os.PathLike[str]) -> Rules:
     return _check_file_rules(text, rules)
 
 
-def _check_file_rules(path: str, rules: Any) -> Rules:
+def _check_file_rules(path: str, rules: object) -> RulePairs:
     """``rules`` read from ``path``, validated; errors name the file and each ``rules[i]``.
 
-    The checks are :func:`meshplan._spmd.rules.rules_problems`'s (a mesh axis named
+    The checks are :func:`meshplan._spmd.rules.check_rules`'s (a mesh axis named
     twice in one rule, ``["batch", ["data", "data"]]``, among them).
     """
-    valid, _, problems = rules_problems(rules)
+    valid, problems = check_rules(rules)
     if not problems:
-        return valid
+        return valid.pairs
     where = "" if all(p.path == "rules" for p in problems) else " (rules[i] is rule i, from 0)"
     raise error_from_problems(RulesError, f"Cannot read rules from {path!r}{where}:", problems)

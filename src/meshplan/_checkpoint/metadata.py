@@ -9,7 +9,7 @@ marked with :data:`FORMAT` so a folder that is not meshplan's is recognised.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,7 +17,13 @@ from jax.sharding import Mesh, NamedSharding
 
 from meshplan._checkpoint.tree import flatten_state
 from meshplan._errors import CheckpointError, error_for
-from meshplan._spmd.rules import get_logical_axis_rules, normalize_rules
+from meshplan._spmd.rules import (
+    LogicalRules,
+    RulePairs,
+    get_logical_axis_rules,
+    normalize_rules,
+    rules_to_json,
+)
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "ArrayInfo", "CheckpointMetadata"]
 
@@ -85,11 +91,8 @@ def _name_from_json(name: Any) -> Any:
     return tuple(name) if isinstance(name, list) else name
 
 
-def _rules_to_json(rules: Any) -> list[list[Any]]:
-    return [[name, list(axes) if isinstance(axes, tuple) else axes] for name, axes in rules]
-
-
-def _rules_from_json(rules: Any) -> tuple[tuple[str, Any], ...]:
+def _rules_from_json(rules: Sequence[Any]) -> RulePairs:
+    """The rules of a metadata file (JSON ``[name, axes]`` lists), validated."""
     return normalize_rules(
         tuple((name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in rules)
     )
@@ -127,7 +130,7 @@ class CheckpointMetadata:
 
     step: int
     arrays: dict[str, ArrayInfo]
-    rules: tuple[tuple[str, Any], ...] = ()
+    rules: RulePairs = ()
     mesh_shape: dict[str, int] = dataclasses.field(default_factory=dict)
     config: dict[str, Any] | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -151,7 +154,7 @@ class CheckpointMetadata:
         step: int,
         state: Any,
         *,
-        rules: Any = None,
+        rules: LogicalRules | None = None,
         mesh: Mesh | None = None,
         config: Mapping[str, Any] | None = None,
         extra: Mapping[str, Any] | None = None,
@@ -179,7 +182,7 @@ class CheckpointMetadata:
         step: int,
         flat: Mapping[str, tuple[Any, Any]],
         *,
-        rules: Any = None,
+        rules: LogicalRules | None = None,
         mesh: Mesh | None = None,
         config: Mapping[str, Any] | None = None,
         extra: Mapping[str, Any] | None = None,
@@ -239,7 +242,7 @@ class CheckpointMetadata:
             "meshplan_version": self.meshplan_version,
             "step": self.step,
             "config": self.config,
-            "rules": _rules_to_json(self.rules),
+            "rules": rules_to_json(self.rules),
             "mesh": {"axis_names": list(self.mesh_shape), "shape": list(self.mesh_shape.values())},
             "arrays": {k: v.to_json() for k, v in self.arrays.items()},
             "extra": self.extra,

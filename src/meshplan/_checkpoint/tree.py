@@ -14,6 +14,7 @@ from typing import Any
 
 from meshplan._errors import CheckpointError
 from meshplan._spmd.leaves import array_leaves
+from meshplan._spmd.rules import LogicalRules
 from meshplan._text import path_text
 
 __all__ = ["SavedNames", "flatten_state", "nest", "path_of", "unnest"]
@@ -60,7 +61,9 @@ class SavedNames:
     logical: bool
 
 
-def flatten_state(tree: Any, rules: Any = None) -> dict[str, tuple[Any, SavedNames | None]]:
+def flatten_state(
+    tree: Any, rules: LogicalRules | None = None
+) -> dict[str, tuple[Any, SavedNames | None]]:
     """Every array of ``tree`` by its path: ``{"params/w": (value, SavedNames or None)}``.
 
     The walk is meshplan's one leaf walk (:func:`meshplan._spmd.leaves.array_leaves`), so

@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+
+from meshplan._spmd.rules import MeshAxes, RulePairs
 
 __all__ = [
     "ALL_ROLES",
@@ -41,7 +42,9 @@ __all__ = [
     "EXPERT_NAMES",
     "Candidate",
     "generate",
+    "layout_candidates",
     "mesh_factorizations",
+    "mesh_shapes",
 ]
 
 ROLES = ("data", "fsdp", "tensor")
@@ -62,8 +65,48 @@ class Candidate:
     """A mesh (axis name -> size) and rules; ``layout``: a built-in's name, else ``'searched'``."""
 
     mesh: dict[str, int]
-    rules: tuple[tuple[str, Any], ...]
+    rules: RulePairs
     layout: str = "searched"
+
+
+def mesh_shapes(devices: int, n_axes: int = 2) -> list[tuple[int, ...]]:
+    """Every ordered shape of ``n_axes`` axes whose sizes multiply to ``devices`` (sizes of 1 too).
+
+    Example:
+        >>> from meshplan._search.candidates import mesh_shapes
+        >>> mesh_shapes(8)
+        [(1, 8), (2, 4), (4, 2), (8, 1)]
+    """
+    if n_axes == 1:
+        return [(devices,)]
+    divisors = [d for d in range(1, devices + 1) if devices % d == 0]
+    return [(d, *rest) for d in divisors for rest in mesh_shapes(devices // d, n_axes - 1)]
+
+
+def layout_candidates(
+    devices: int,
+    layouts: Mapping[str, RulePairs],
+    axis_names: Sequence[str] = ("data", "model"),
+    *,
+    layouts_first: bool = False,
+) -> list[Candidate]:
+    """The given layouts over every shape of ``axis_names`` for ``devices``.
+
+    Shape by shape (every layout on ``1x8``, then on ``2x4``...), or layout by layout
+    with ``layouts_first``.
+
+    Example:
+        >>> from meshplan._search.candidates import layout_candidates
+        >>> [(c.mesh, c.layout) for c in layout_candidates(2, {"dp": (("batch", "data"),)})]
+        [({'data': 1, 'model': 2}, 'dp'), ({'data': 2, 'model': 1}, 'dp')]
+    """
+    shapes = mesh_shapes(devices, len(axis_names))
+    pairs = (
+        [(s, n) for n in layouts for s in shapes]
+        if layouts_first
+        else [(s, n) for s in shapes for n in layouts]
+    )
+    return [Candidate(dict(zip(axis_names, s, strict=True)), layouts[n], n) for s, n in pairs]
 
 
 def mesh_factorizations(devices: int, max_axes: int = 3) -> list[tuple[int, ...]]:
@@ -144,7 +187,7 @@ def generate(
                 rest = [n for n in plain if n != f]
                 t_sets: list[tuple[str, ...]] = _tensor_sets(rest) if "tensor" in axes else [()]
                 for t in t_sets:
-                    rules: list[tuple[str, Any]] = [(batch_name, batch_axes or None)]
+                    rules: list[tuple[str, MeshAxes]] = [(batch_name, batch_axes or None)]
                     if "expert" in axes:
                         rules += [(n, "expert") for n in experts]
                     if "context" in axes:

@@ -54,7 +54,7 @@ from meshplan._search import memory as memory_model
 from meshplan._search.collectives import collective_time
 from meshplan._search.profiles import HardwareProfile
 from meshplan._search.trace import Dot, Names, Workload
-from meshplan._spmd.rules import logical_to_mesh_axes, mesh_axes_of
+from meshplan._spmd.rules import LogicalRules, normalize_rules, split_axes
 
 __all__ = ["Cost", "predict"]
 
@@ -98,10 +98,11 @@ class Cost:
 
 
 class _Specs:
-    """Mesh axes (of size > 1) per dimension of an array named ``names``, cached."""
+    """Mesh axes (of size > 1) per dimension of an array named ``names``, cached per
+    candidate: the one resolver's answer (:func:`meshplan._spmd.rules.split_axes`)."""
 
-    def __init__(self, sizes: Mapping[str, int], rules: Any) -> None:
-        self.sizes, self.rules = sizes, tuple(rules)
+    def __init__(self, sizes: Mapping[str, int], rules: LogicalRules) -> None:
+        self.sizes, self.rules = sizes, normalize_rules(rules)
         self.cache: dict[Names, Spec] = {}
         self.bytes_cache: dict[tuple[Any, ...], int] = {}
 
@@ -110,11 +111,7 @@ class _Specs:
             return ((),) * ndim
         spec = self.cache.get(names)
         if spec is None:
-            pspec = logical_to_mesh_axes(names, self.rules)
-            spec = tuple(
-                tuple(a for a in mesh_axes_of(e) if self.sizes.get(a, 1) > 1) for e in pspec
-            )
-            self.cache[names] = spec
+            spec = self.cache[names] = split_axes(names, self.rules, self.sizes)
         return spec
 
     def split(self, spec: Spec) -> int:
@@ -234,7 +231,7 @@ def _batch_out(dot: Dot) -> bool:
 
 
 def predict(
-    workload: Workload, mesh: Mapping[str, int], rules: Any, profile: HardwareProfile
+    workload: Workload, mesh: Mapping[str, int], rules: LogicalRules, profile: HardwareProfile
 ) -> Cost:
     """The predicted step time and per-device bytes of ``workload`` on ``mesh`` under ``rules``.
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from meshplan._errors import MeshplanError
+from meshplan._spmd.rules import LogicalRules
 
 __all__ = ["COLLECTIVES", "DTYPE_BYTES", "collective_bytes", "compile_candidate", "measure_step"]
 
@@ -114,7 +115,7 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
 
 
 def candidate_shardings(
-    mesh_shape: Mapping[str, int], state: Any, example_batch: Any, rules: Any
+    mesh_shape: Mapping[str, int], state: Any, example_batch: Any, rules: LogicalRules
 ) -> tuple[Any, Any, Any]:
     """A candidate's mesh on the first devices (Auto axes), its state's and batch's shardings.
 
@@ -144,7 +145,7 @@ def compile_candidate(
     state: Any,
     example_batch: Any,
     mesh_shape: Mapping[str, int],
-    rules: Any,
+    rules: LogicalRules,
 ) -> tuple[Any, Any, Any]:
     """``step_fn`` compiled as the candidate runs it; its state's and batch's shardings.
 
@@ -175,7 +176,7 @@ def measure_step(
     state: Any,
     example_batch: Any,
     mesh_shape: Mapping[str, int],
-    rules: Any,
+    rules: LogicalRules,
 ) -> dict[str, Any]:
     """Compiles ``step_fn(state, batch)`` under ``rules`` and reports what XLA says of it.
 

@@ -14,304 +14,95 @@ devices unless it compiles or measures: a 16,384-device search is analytic.
 
 from __future__ import annotations
 
-import dataclasses
-import json
+import functools
 import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from meshplan._errors import ArgumentError
-from meshplan._search.candidates import ALL_ROLES, CONTEXT_NAMES, Candidate, generate
-from meshplan._search.cost import Cost, _Specs, predict, state_bytes
+from meshplan._search.candidates import (
+    ALL_ROLES,
+    CONTEXT_NAMES,
+    Candidate,
+    generate,
+    layout_candidates,
+)
+from meshplan._search.cost import _Specs, predict, state_bytes
 from meshplan._search.hlo import measure_step
 from meshplan._search.profiles import HardwareProfile, get_profile
-from meshplan._search.search import mesh_shapes
-from meshplan._search.trace import Workload, trace_workload
+from meshplan._search.result import (
+    PRUNE_REASONS,
+    PruneKind,
+    SearchCounts,
+    SearchResult,
+    SearchRow,
+    require_devices,
+)
+from meshplan._search.trace import Names, Workload, trace_workload
+from meshplan._spmd.rules import LogicalRules, RulePairs, normalize_rules
 from meshplan._spmd.validate import validate
 from meshplan._text import human_bytes
 from meshplan.layouts import LAYOUTS
 
-__all__ = ["RuleRow", "RuleSearchResult", "linen_step", "search_rules"]
+if TYPE_CHECKING:
+    import flax.linen as nn
+    import optax
 
-PRUNE_REASONS = ("invalid", "batch", "idle", "symmetric", "memory")
-"""Why a candidate is pruned, in the order the checks run."""
+__all__ = [
+    "PRUNE_REASONS",
+    "RuleRow",
+    "RuleSearchResult",
+    "example_search",
+    "linen_step",
+    "search_rules",
+]
 
+RuleRow = SearchRow
+"""The row of :func:`search_rules`: :class:`meshplan._search.result.SearchRow` (one row type)."""
 
-@dataclasses.dataclass
-class RuleRow:
-    """One candidate: its mesh (axis -> size), rules, and what the search found.
+RuleSearchResult = SearchResult
+"""What :func:`search_rules` returns: :class:`meshplan.SearchResult` (one result type)."""
 
-    ``status``: ``'ok'`` or ``'pruned'`` (``reason``: ``'<kind>: <detail>'``, the
-    kind one of ``PRUNE_REASONS``); ``cost``: the prediction; ``compiled``: what the
-    compiled step showed (:func:`meshplan._search.hlo.measure_step`); ``measured_s``:
-    the median step time when run; ``rank``: 1 is the best.
-    """
-
-    mesh: dict[str, int]
-    rules: tuple[tuple[str, Any], ...]
-    layout: str = "searched"
-    status: str = "ok"
-    reason: str = ""
-    cost: Cost | None = None
-    compiled: dict[str, Any] | None = None
-    measured_s: float | None = None
-    rank: int | None = None
-
-    @property
-    def mesh_text(self) -> str:
-        return "x".join(str(s) for s in self.mesh.values())
-
-    @property
-    def axes_text(self) -> str:
-        return ",".join(self.mesh)
-
-    @property
-    def predicted_s(self) -> float | None:
-        """The predicted step time in seconds (refined by the compile, when compiled)."""
-        return None if self.cost is None else self.cost.step_s
-
-    @property
-    def rules_pairs(self) -> list[list[Any]]:
-        """The rules as JSON-ready ``[name, axes]`` pairs (axes a name, a list or ``None``)."""
-        return [[n, list(a) if isinstance(a, tuple) else a] for n, a in self.rules]
-
-    @property
-    def short_rules(self) -> str:
-        """The rules that split something: ``batch=data+fsdp embed=fsdp mlp=tensor``."""
-        parts = []
-        for n, a in self.rules:
-            axes = a if isinstance(a, tuple) else (() if a is None else (a,))
-            axes = tuple(x for x in axes if self.mesh.get(x, 1) > 1)
-            if axes:
-                parts.append(f"{n}={'+'.join(axes)}")
-        return " ".join(parts) or "(all replicated)"
-
-    def train_command(self, rules_path: str = "rules.json", write: bool = True) -> str:
-        """A ready ``meshplan train`` command for this row; writes ``rules_path`` (the rules JSON).
-
-        Example:
-            >>> from meshplan._search.rule_search import RuleRow
-            >>> row = RuleRow({"data": 2, "tensor": 4}, (("batch", ("data",)), ("mlp", "tensor")))
-            >>> row.train_command("/tmp/rules.json", write=False)
-            'meshplan train --mesh 2x4 --axes data,tensor --rules /tmp/rules.json'
-        """
-        if write:
-            with open(rules_path, "w") as f:
-                json.dump(self.rules_pairs, f)
-                f.write("\n")
-        return (
-            f"meshplan train --mesh {self.mesh_text} --axes {self.axes_text} --rules {rules_path}"
-        )
-
-    def to_dict(self, result: RuleSearchResult | None = None) -> dict[str, Any]:
-        """Plain data; with ``result``, the prediction's fields of ``meshplan plan --json``
-        (tokens/s, MFU, memory by kind against the budget: :mod:`meshplan._search.report`)."""
-        cost = self.cost
-        data: dict[str, Any] = {
-            "mesh": dict(self.mesh), "mesh_shape": list(self.mesh.values()),
-            "axis_names": list(self.mesh), "layout": self.layout, "rules": self.rules_pairs,
-            "status": self.status, "reason": self.reason, "rank": self.rank,
-            "predicted_step_s": self.predicted_s,
-            "memory_bytes_per_device": None if cost is None else cost.memory_bytes,
-            "state_bytes_per_device": None if cost is None else cost.state_bytes,
-            "comm_bytes": None if cost is None else dict(cost.comm_bytes),
-            "comm_by_axis": None if cost is None else dict(cost.comm_by_axis),
-            "compute_s": None if cost is None else cost.compute_s,
-            "comm_s": None if cost is None else cost.comm_s,
-            "compiled": self.compiled, "measured_step_s": self.measured_s,
-        }  # fmt: skip
-        if cost is not None and result is not None:
-            from meshplan._search.report import prediction_fields
-
-            fields = prediction_fields(
-                cost, result.tokens, result.devices, result.profile, result.budget_bytes
-            )
-            data.update({k: v for k, v in fields.items() if k not in ("devices", "profile")})
-        return data
+Leaves = list[tuple[Names, tuple[int, ...]]]
+"""The distinct (names, shape) of the state's arrays."""
 
 
-@dataclasses.dataclass
-class RuleSearchResult:
-    """What :func:`search_rules` found: ``rows`` (ranked ``ok`` rows, then pruned), counts.
+@functools.cache
+def example_search() -> SearchResult:
+    """The search of :func:`search_rules`'s example, run once per process: the examples of
+    :class:`meshplan.SearchResult`'s methods share it.
 
-    ``counts``: ``enumerated``, ``pruned`` (by reason), ``scored``, ``compiled``,
-    ``measured``; ``best``: the first ``ok`` row, or ``None``; ``seconds``: the
-    search's wall time (tracing included).
+    It is ``meshplan.search_rules(8, state, step, x, profile="h100", compile_top=0)``
+    of one 4096x4096 weight ``('embed', 'mlp')`` and a batch of 64.
 
     Example:
-        >>> import jax, jax.numpy as jnp, meshplan
-        >>> w = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
-        >>> state = {"w": meshplan.LogicallyPartitioned(w, ("embed", "mlp"))}
-        >>> def step(s, x):
-        ...     return jax.grad(lambda w: ((x @ w) ** 2).mean())(s["w"].value)
-        >>> x = jax.ShapeDtypeStruct((64, 4096), jnp.float32)
-        >>> result = meshplan.search_rules(8, state, step, x, profile="h100", compile_top=0)
-        >>> result.counts["compiled"], result.best.rank
-        (0, 1)
+        >>> from meshplan._search.rule_search import example_search
+        >>> example_search() is example_search(), example_search().devices
+        (True, 8)
     """
+    import jax.numpy as jnp
 
-    rows: list[RuleRow]
-    devices: int
-    profile: HardwareProfile
-    budget_bytes: int
-    counts: dict[str, Any]
-    seconds: float
-    batch: int | None = None
-    tokens: int | None = None
+    from meshplan._spmd.boxes import LogicallyPartitioned
 
-    @property
-    def ok(self) -> list[RuleRow]:
-        """The rows that passed, ranked.
+    w = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
+    state = {"w": LogicallyPartitioned(w, ("embed", "mlp"))}
 
-        Example:
-            >>> import jax, jax.numpy as jnp, meshplan
-            >>> w = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
-            >>> state = {"w": meshplan.LogicallyPartitioned(w, ("embed", "mlp"))}
-            >>> def step(s, x):
-            ...     return jax.grad(lambda w: ((x @ w) ** 2).mean())(s["w"].value)
-            >>> x = jax.ShapeDtypeStruct((64, 4096), jnp.float32)
-            >>> result = meshplan.search_rules(8, state, step, x, profile="h100", compile_top=0)
-            >>> [r.rank for r in result.ok][:3]
-            [1, 2, 3]
-        """
-        return [r for r in self.rows if r.status == "ok"]
+    def step(s: Any, x: Any) -> Any:
+        return jax.grad(lambda w: ((x @ w) ** 2).mean())(s["w"].value)
 
-    @property
-    def best(self) -> RuleRow | None:
-        """The first ranked row, or ``None`` when nothing passed.
-
-        Example:
-            >>> import jax, jax.numpy as jnp, meshplan
-            >>> w = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
-            >>> state = {"w": meshplan.LogicallyPartitioned(w, ("embed", "mlp"))}
-            >>> def step(s, x):
-            ...     return jax.grad(lambda w: ((x @ w) ** 2).mean())(s["w"].value)
-            >>> x = jax.ShapeDtypeStruct((64, 4096), jnp.float32)
-            >>> result = meshplan.search_rules(8, state, step, x, profile="h100", compile_top=0)
-            >>> result.best.mesh_text, result.best.layout
-            ('1x8', 'tensor_parallel')
-        """
-        return next(iter(self.ok), None)
-
-    def best_builtin(self) -> RuleRow | None:
-        """The first ``ok`` row of a built-in layout.
-
-        Example:
-            >>> import jax, jax.numpy as jnp, meshplan
-            >>> w = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
-            >>> state = {"w": meshplan.LogicallyPartitioned(w, ("embed", "mlp"))}
-            >>> def step(s, x):
-            ...     return jax.grad(lambda w: ((x @ w) ** 2).mean())(s["w"].value)
-            >>> x = jax.ShapeDtypeStruct((64, 4096), jnp.float32)
-            >>> result = meshplan.search_rules(8, state, step, x, profile="h100", compile_top=0)
-            >>> result.best_builtin().layout
-            'tensor_parallel'
-        """
-        return next((r for r in self.ok if r.layout != "searched"), None)
-
-    def train_command(self, rules_path: str = "rules.json", write: bool = True) -> str | None:
-        """The best row's ``meshplan train`` command; writes its rules to ``rules_path``.
-
-        Example:
-            >>> import jax, jax.numpy as jnp, meshplan
-            >>> w = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
-            >>> state = {"w": meshplan.LogicallyPartitioned(w, ("embed", "mlp"))}
-            >>> def step(s, x):
-            ...     return jax.grad(lambda w: ((x @ w) ** 2).mean())(s["w"].value)
-            >>> x = jax.ShapeDtypeStruct((64, 4096), jnp.float32)
-            >>> result = meshplan.search_rules(8, state, step, x, profile="h100", compile_top=0)
-            >>> result.train_command("/tmp/rules.json")
-            'meshplan train --mesh 1x8 --axes data,model --rules /tmp/rules.json'
-        """
-        return None if self.best is None else self.best.train_command(rules_path, write)
-
-    def table(self, top: int = 10) -> str:
-        """The first ``top`` ranked rows and the pruning counts, as text.
-
-        Example:
-            >>> import jax, jax.numpy as jnp, meshplan
-            >>> w = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
-            >>> state = {"w": meshplan.LogicallyPartitioned(w, ("embed", "mlp"))}
-            >>> def step(s, x):
-            ...     return jax.grad(lambda w: ((x @ w) ** 2).mean())(s["w"].value)
-            >>> x = jax.ShapeDtypeStruct((64, 4096), jnp.float32)
-            >>> result = meshplan.search_rules(8, state, step, x, profile="h100", compile_top=0)
-            >>> print(result.table(1))  # doctest: +ELLIPSIS
-            8 devices, profile h100, budget 74.51 GiB/device, batch 64
-              #  mesh ...
-              1  1x8 data,model ...
-            enumerated ..., pruned ...
-            best: 1x8 data,model mlp=model
-        """
-        lines = [
-            f"{self.devices} devices, profile {self.profile.name}, budget "
-            f"{human_bytes(self.budget_bytes)}/device" + (f", batch {self.batch}" if self.batch else ""),
-            f"{'#':>3}  {'mesh':<14} {'predicted':>10} {'measured':>9} {'memory':>11} "
-            f"{'all-reduce':>11} {'all-gather':>11}  rules",
-        ]  # fmt: skip
-        for r in self.ok[:top]:
-            c = r.cost
-            assert c is not None
-            mesh = f"{r.mesh_text} {r.axes_text}"
-            measured = "-" if r.measured_s is None else f"{r.measured_s * 1e3:.2f}ms"
-            name = f" ({r.layout})" if r.layout != "searched" else ""
-            lines.append(
-                f"{r.rank:>3}  {mesh:<14} {c.step_s * 1e3:>8.3f}ms {measured:>9} "
-                f"{human_bytes(c.memory_bytes):>11} "
-                f"{human_bytes(c.comm_bytes.get('all-reduce', 0)):>11} "
-                f"{human_bytes(c.comm_bytes.get('all-gather', 0)):>11}  {r.short_rules}{name}"
-            )
-        pruned = self.counts["pruned"]
-        lines.append(
-            f"enumerated {self.counts['enumerated']}, pruned "
-            + ", ".join(f"{k} {v}" for k, v in pruned.items() if v)
-            + f"; scored {self.counts['scored']}, compiled {self.counts['compiled']}, "
-            f"measured {self.counts['measured']}; {self.seconds:.1f} s"
-        )
-        if self.best is not None:
-            lines.append(
-                f"best: {self.best.mesh_text} {self.best.axes_text} {self.best.short_rules}"
-            )
-        else:
-            lines.append("best: none (no candidate passes and fits)")
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.table()
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data (``schema`` ``meshplan.rule_search/1``).
-
-        Example:
-            >>> import jax, jax.numpy as jnp, meshplan
-            >>> w = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
-            >>> state = {"w": meshplan.LogicallyPartitioned(w, ("embed", "mlp"))}
-            >>> def step(s, x):
-            ...     return jax.grad(lambda w: ((x @ w) ** 2).mean())(s["w"].value)
-            >>> x = jax.ShapeDtypeStruct((64, 4096), jnp.float32)
-            >>> result = meshplan.search_rules(8, state, step, x, profile="h100", compile_top=0)
-            >>> data = result.to_dict()
-            >>> data["best"]["mesh_shape"], data["best"]["axis_names"], data["best"]["rules"][1]
-            ([1, 8], ['data', 'model'], ['mlp', 'model'])
-        """
-        return {
-            "schema": "meshplan.rule_search/1", "devices": self.devices, "batch": self.batch,
-            "profile": self.profile.to_dict(), "budget_bytes": self.budget_bytes,
-            "counts": self.counts, "seconds": self.seconds,
-            "best": None if self.best is None else self.best.to_dict(self),
-            "rows": [r.to_dict(self) for r in self.rows],
-        }  # fmt: skip
+    x = jax.ShapeDtypeStruct((64, 4096), jnp.float32)
+    return search_rules(8, state, step, x, profile="h100", compile_top=0)
 
 
 def linen_step(
-    model: Any,
+    model: nn.Module,
     example_inputs: Any,
     loss: Callable[[Any, Any], Any] | None = None,
-    optimizer: Any = None,
+    optimizer: optax.GradientTransformation | None = None,
 ) -> tuple[Any, Callable[[Any, Any], Any], Any]:
     """``(abstract_state, step_fn, example_batch)`` of a Flax Linen model's train step.
 
@@ -353,15 +144,15 @@ TIE = 0.03
 measured CPU profile moves that much from run to run): broken by a fixed order."""
 
 
-def _step(row: RuleRow) -> float:
+def _step(row: SearchRow) -> float:
     return row.cost.step_s if row.cost is not None else math.inf
 
 
-def _rank(rows: list[RuleRow]) -> list[RuleRow]:
+def _rank(rows: list[SearchRow]) -> list[SearchRow]:
     """Rows by predicted time; ties (:data:`TIE`) broken deterministically: built-in layouts,
     fewer mesh axes, less memory, then the mesh and rules' text."""
     by_time = sorted(rows, key=lambda r: r.cost.step_s if r.cost else math.inf)
-    out: list[RuleRow] = []
+    out: list[SearchRow] = []
     i = 0
     while i < len(by_time):
         first = by_time[i].cost
@@ -379,7 +170,7 @@ def _rank(rows: list[RuleRow]) -> list[RuleRow]:
     return out
 
 
-def _own_rules(rules: Any, workload: Workload) -> tuple[tuple[str, Any], ...]:
+def _own_rules(rules: RulePairs, workload: Workload) -> RulePairs:
     """A built-in layout's rules for this model: only the names the model has (``batch``
     too), then every other name it has, unsplit, so that a rules file written from it names
     all of them (``meshplan check`` then finds nothing unknown)."""
@@ -392,8 +183,8 @@ def _own_rules(rules: Any, workload: Workload) -> tuple[tuple[str, Any], ...]:
 def _signature(
     c: Candidate,
     hierarchical: bool,
-    leaves: list[tuple[tuple[Any, ...], tuple[int, ...]]],
-    batch_names: tuple[Any, ...],
+    leaves: Leaves,
+    batch_names: Names,
 ) -> tuple[Any, ...]:
     """What makes two candidates the same: where each mesh axis splits the state's arrays
     and the batch (dimension by dimension), whatever its name. Axes that split the same
@@ -414,7 +205,7 @@ def _signature(
     return tuple(sorted((size, w) for w, size in merged.items()))
 
 
-def _divides(c: Candidate, leaves: list[tuple[tuple[Any, ...], tuple[int, ...]]]) -> int | None:
+def _divides(c: Candidate, leaves: Leaves) -> int | None:
     """The index of the first leaf whose split does not divide its shape (fast), or None."""
     specs = _Specs(c.mesh, c.rules)
     for i, (names, shape) in enumerate(leaves):
@@ -425,11 +216,7 @@ def _divides(c: Candidate, leaves: list[tuple[tuple[Any, ...], tuple[int, ...]]]
 
 
 def _prune(
-    c: Candidate,
-    work: Workload,
-    batch: int | None,
-    batch_names: tuple[Any, ...],
-    leaves: list[tuple[tuple[Any, ...], tuple[int, ...]]],
+    c: Candidate, batch: int | None, batch_names: Names, leaves: Leaves, acts: Names
 ) -> str | None:
     """Why the validator (or an idle axis) rejects ``c``, or ``None``.
 
@@ -455,7 +242,6 @@ def _prune(
     specs = _Specs(c.mesh, c.rules)
     used = {a for names, shape in leaves for axes in specs(names, len(shape)) for a in axes}
     used |= {a for axes in specs(batch_names, len(batch_names)) for a in axes}
-    acts = tuple(n for n in work.names if n in CONTEXT_NAMES or n.startswith("activation_"))
     used |= {a for axes in specs(acts, len(acts)) for a in axes}
     idle = [a for a, s in c.mesh.items() if s > 1 and a not in used]
     if idle:
@@ -469,12 +255,12 @@ def search_rules(
     step_fn: Callable[[Any, Any], Any] | None = None,
     example_batch: Any = None,
     *,
-    model: Any = None,
+    model: nn.Module | None = None,
     loss: Callable[[Any, Any], Any] | None = None,
-    optimizer: Any = None,
+    optimizer: optax.GradientTransformation | None = None,
     profile: str | HardwareProfile = "cpu",
     memory_budget_bytes: int | None = None,
-    layouts: Mapping[str, Any] | Sequence[str] | None = None,
+    layouts: Mapping[str, LogicalRules] | Sequence[str] | None = None,
     names: Sequence[str] | None = None,
     roles: Sequence[str] = ALL_ROLES,
     max_axes: int = 3,
@@ -483,7 +269,7 @@ def search_rules(
     measure_top: int = 3,
     measure_steps: int = 5,
     workload: Workload | None = None,
-) -> RuleSearchResult:
+) -> SearchResult:
     """Searches meshes of ``devices`` and logical rules for the fastest predicted step.
 
     Give the step as ``(abstract_state, step_fn, example_batch)``, or a Flax Linen
@@ -503,6 +289,9 @@ def search_rules(
         >>> result.counts["enumerated"] > result.counts["scored"] > 0
         True
 
+        :class:`meshplan.SearchResult`'s examples use this search
+        (:func:`example_search`); ``max_axes=0`` searches only the ``layouts``.
+
     Args:
         devices: The device count (any: nothing runs unless compiling or measuring).
         abstract_state: The state (``jax.eval_shape`` of init), boxed or NNX.
@@ -520,7 +309,7 @@ def search_rules(
             carries but ``layer``).
         roles: Mesh axis roles to use (``data``, ``fsdp``, ``tensor``, and ``context``,
             ``expert`` where the model has a sequence or expert name).
-        max_axes: At most this many mesh axes.
+        max_axes: At most this many mesh axes of generated candidates (0: the ``layouts`` only).
         compile_top: Compile the first this many (needs ``devices`` JAX devices; else 0).
         measure: Run the first ``measure_top`` and rank them by measured time.
         measure_top: How many to run.
@@ -528,7 +317,9 @@ def search_rules(
         workload: A traced workload (skips tracing).
 
     Raises:
-        ArgumentError: neither a step nor a model; ``measure`` without the devices.
+        ArgumentError: neither a step nor a model.
+        MeshError: ``measure`` with fewer JAX devices than ``devices`` (code
+            ``'too-few-devices'``, as :func:`meshplan.search_layouts` raises).
     """
     t0 = time.perf_counter()
     if model is not None:
@@ -544,49 +335,44 @@ def search_rules(
                 "example_batch=, or workload=."
             )
         workload = trace_workload(step_fn, abstract_state, example_batch)
+    if measure and step_fn is None:
+        raise ArgumentError("search_rules(measure=True) runs the step: pass step_fn= or model=.")
+    if measure:
+        require_devices(devices, "measure=True (running the step)")
     have_devices = jax.device_count() >= devices
-    if measure and (not have_devices or step_fn is None):
-        raise ArgumentError(
-            f"measure=True runs the step on {devices} devices; JAX has {jax.device_count()} "
-            f"(and a step is needed).\nSet XLA_FLAGS=--xla_force_host_platform_device_count="
-            f"{devices} before JAX starts, or search without measure."
-        )
     prof = get_profile(profile, devices)
     budget = memory_budget_bytes if memory_budget_bytes is not None else prof.memory_bytes
     if layouts is None:
         layouts = dict(LAYOUTS)
     elif not isinstance(layouts, Mapping):
         layouts = {n: LAYOUTS[n] for n in layouts}
+    given = {n: _own_rules(normalize_rules(r), workload) for n, r in layouts.items()}
     search_names = [n for n in (names or workload.param_names) if n != "layer"]
     if names is None:  # activations' own names (MaxText's activation_embed) may split too
         search_names += [n for n in workload.names
                          if n.startswith("activation_") and n not in CONTEXT_NAMES]  # fmt: skip
     other = [n for n in workload.names if n not in search_names and n != "batch"]
-    candidates: list[Candidate] = [
-        Candidate(dict(zip(("data", "model"), s, strict=True)), _own_rules(r, workload), name)
-        for name, r in layouts.items()
-        for s in mesh_shapes(devices, 2)
-    ]
+    candidates = layout_candidates(devices, given, layouts_first=True)
     candidates += generate(devices, search_names, other_names=other, max_axes=max_axes, roles=roles)
     hierarchical = devices > prof.domain_devices
     leaves = list(dict.fromkeys((n, s) for n, s, _ in workload.state if n is not None))
     batch = workload.batch
-    batch_names: tuple[Any, ...] = ("batch",)
-    pruned = dict.fromkeys(PRUNE_REASONS, 0)
+    batch_names: Names = ("batch",)
+    pruned: dict[PruneKind, int] = dict.fromkeys(PRUNE_REASONS, 0)
     acts = tuple(n for n in workload.names if n in CONTEXT_NAMES or n.startswith("activation_"))
     sig_arrays = [*leaves, (acts, (0,) * len(acts))] if acts else leaves
     seen: set[Any] = set()
-    rows: list[RuleRow] = []
-    out: list[RuleRow] = []
+    rows: list[SearchRow] = []
+    out: list[SearchRow] = []
     for c in candidates:
-        row = RuleRow(c.mesh, c.rules, c.layout)
+        row = SearchRow(c.mesh, c.rules, c.layout)
         # A generated candidate with the splits of one listed before is that candidate
         # (asked first: it is cheaper than the validator, and most are).
         sig = _signature(c, hierarchical, sig_arrays, batch_names)
         if c.layout == "searched" and sig in seen:
             reason: str | None = "symmetric: the same splits as a candidate listed before"
         else:
-            reason = _prune(c, workload, batch, batch_names, leaves)
+            reason = _prune(c, batch, batch_names, leaves, acts)
             if reason is None and sig in seen:
                 reason = "symmetric: the same splits as a candidate listed before"
             if c.layout == "searched" or reason is None:
@@ -603,8 +389,9 @@ def search_rules(
                           f"the budget of {human_bytes(budget)}")  # fmt: skip
         if reason is not None:
             row.status, row.reason = "pruned", reason
-            pruned[reason.split(":")[0]] += 1
-            if c.layout != "searched" or reason.split(":")[0] != "symmetric":
+            kind = _kind(reason)
+            pruned[kind] += 1
+            if c.layout != "searched" or kind != "symmetric":
                 out.append(row)
             continue
         rows.append(row)
@@ -639,15 +426,24 @@ def search_rules(
         rows[:measure_top] = sorted(top, key=lambda r: r.measured_s or 0)
     for i, row in enumerate(rows, 1):
         row.rank = i
-    counts = {"enumerated": len(candidates), "pruned": pruned, "scored": scored,
-              "compiled": compiled, "measured": measured}  # fmt: skip
-    return RuleSearchResult(
+    counts = SearchCounts(enumerated=len(candidates), pruned=pruned, scored=scored,
+                          compiled=compiled, measured=measured)  # fmt: skip
+    for row in rows:
+        row.fits = True  # every ranked row fits: the others were pruned as "memory"
+    return SearchResult(
         rows + out, devices, prof, budget, counts, time.perf_counter() - t0, batch,
         workload.tokens,
     )  # fmt: skip
 
 
-def _refine(row: RuleRow) -> None:
+def _kind(reason: str) -> PruneKind:
+    """The kind a pruning reason starts with (``'memory: ...'``)."""
+    kind = reason.split(":")[0]
+    assert kind in PRUNE_REASONS, reason
+    return kind
+
+
+def _refine(row: SearchRow) -> None:
     """Scale the predicted communication time by the compiled step's bytes over the predicted."""
     cost, comp = row.cost, row.compiled
     if cost is None or comp is None:

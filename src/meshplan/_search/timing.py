@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from meshplan._spmd.rules import LogicalRules
+
 __all__ = ["Prepared", "prepare_step"]
 
 
@@ -47,7 +49,7 @@ def prepare_step(
     abstract_state: Any,
     example_batch: Any,
     mesh_shape: Mapping[str, int],
-    rules: Any,
+    rules: LogicalRules,
 ) -> Prepared:
     """Compiles ``step_fn`` on the first devices as a ``mesh_shape`` mesh, with zero state."""
     import jax

@@ -32,6 +32,7 @@ from jax.extend.core import Literal
 
 from meshplan._search import memory
 from meshplan._spmd.leaves import array_leaves
+from meshplan._spmd.rules import LogicalRules
 
 __all__ = ["Dot", "Workload", "trace_workload"]
 
@@ -395,7 +396,7 @@ def trace_workload(
     step_fn: Callable[..., Any],
     abstract_state: Any,
     example_batch: Any,
-    rules: Any = None,
+    rules: LogicalRules | None = None,
     batch_names: Callable[[Any], Names] | None = None,
 ) -> Workload:
     """Traces ``step_fn(abstract_state, example_batch)`` once and reads its work by logical names.

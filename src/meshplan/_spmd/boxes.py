@@ -25,7 +25,7 @@ from meshplan._errors import (
     Problem,
 )
 from meshplan._spmd.mesh import active_mesh, apply_spec
-from meshplan._spmd.rules import normalize_names, normalize_rules
+from meshplan._spmd.rules import LogicalRules, normalize_names, normalize_rules
 from meshplan._spmd.validate import rank_problem
 from meshplan._text import path_text
 
@@ -310,7 +310,7 @@ class LogicallyPartitioned(Partitioned[A]):
         rules: Rules for this value; ``None`` uses the active ones.
     """
 
-    rules: Any = None
+    rules: LogicalRules | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -429,7 +429,9 @@ def _defer_rank(box: Partitioned[Any]) -> bool:
     return False
 
 
-def _gathered_for_use(box: Partitioned[Any], value: A, spec: PartitionSpec, rules: Any) -> A:
+def _gathered_for_use(
+    box: Partitioned[Any], value: A, spec: PartitionSpec, rules: LogicalRules | None
+) -> A:
     """On an Explicit mesh, a parameter a Flax module reads is gathered over the batch's axes.
 
     That is FSDP: the parameter is stored split over the mesh axes of ``'batch'`` and
@@ -535,7 +537,7 @@ def with_logical_partitioning(
     fn: Callable[..., Any],
     names: tuple[Any, ...],
     mesh: jax.sharding.Mesh | None = None,
-    rules: Any = None,
+    rules: LogicalRules | None = None,
 ) -> Callable[..., LogicallyPartitioned[Any]]:
     """Wraps an initializer so that its result is a :class:`LogicallyPartitioned` box.
 

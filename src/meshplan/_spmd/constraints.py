@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec
 
 from meshplan._errors import UnmatchedLogicalAxisError
 from meshplan._spmd.mesh import active_mesh, apply_spec
-from meshplan._spmd.rules import UNASSIGNED, get_logical_axis_rules, resolve
+from meshplan._spmd.rules import UNASSIGNED, LogicalRules, get_logical_axis_rules, resolve
 
 __all__ = ["RulesFallback", "logical_dot_general", "with_logical_constraint"]
 
@@ -55,7 +55,9 @@ def _is_logical_spec(x: Any) -> bool:
     )
 
 
-def _constrain_one(spec: Any, x: Any, *, rules: Any, mesh: Any, fallback: RulesFallback) -> Any:
+def _constrain_one(
+    spec: Any, x: Any, *, rules: LogicalRules, mesh: Any, fallback: RulesFallback
+) -> Any:
     if spec is None:
         return x
     resolved = resolve(spec, rules)
@@ -77,7 +79,7 @@ def _constrain_one(spec: Any, x: Any, *, rules: Any, mesh: Any, fallback: RulesF
 def with_logical_constraint(
     x: T,
     logical_axis_resources: Any,
-    rules: Any = None,
+    rules: LogicalRules | None = None,
     mesh: jax.sharding.Mesh | None = None,
     fallback: RulesFallback = RulesFallback.AXIS_IS_UNSHARDED,
 ) -> T:
@@ -125,7 +127,9 @@ def with_logical_constraint(
     return cast(T, jax.tree_util.tree_map(one, logical_axis_resources, x, is_leaf=_is_logical_spec))
 
 
-def explicit_out_sharding(logical_names: Any, rules: Any = None) -> PartitionSpec | None:
+def explicit_out_sharding(
+    logical_names: Any, rules: LogicalRules | None = None
+) -> PartitionSpec | None:
     """The mesh spec of ``logical_names`` when the active mesh has Explicit axes, else None.
 
     On an Explicit mesh an op whose output sharding is ambiguous (a contraction
@@ -152,7 +156,7 @@ def explicit_out_sharding(logical_names: Any, rules: Any = None) -> PartitionSpe
     return PartitionSpec(*(None if r is UNASSIGNED else r for r in resolved))
 
 
-def logical_dot_general(out_names: Any, rules: Any = None) -> Callable[..., Any]:
+def logical_dot_general(out_names: Any, rules: LogicalRules | None = None) -> Callable[..., Any]:
     """A ``dot_general`` for Flax layers whose output is sharded by logical names.
 
     On an Explicit mesh, a contraction over a dimension split in both operands (a

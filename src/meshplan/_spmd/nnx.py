@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshplan._errors import ArgumentError, LogicalNamesError, Problem
 from meshplan._spmd.rules import (
+    LogicalRules,
     bad_entries,
     get_logical_axis_rules,
     logical_to_mesh_axes,
@@ -105,14 +106,14 @@ def _raw_names(var: Any) -> Any:
     return None
 
 
-def _has_rules(rules: Any) -> bool:
+def _has_rules(rules: object) -> bool:
     try:
         return bool(rules)
     except Exception:  # an odd object: the validator says what is wrong with it
         return True
 
 
-def variable_names(var: Any, rules: Any = None) -> NnxNames:
+def variable_names(var: Any, rules: LogicalRules | None = None) -> NnxNames:
     """Reads one variable's names and rules (``rules``: the caller's, ``None``: the active ones).
 
     Example:
@@ -133,7 +134,7 @@ def variable_names(var: Any, rules: Any = None) -> NnxNames:
     if isinstance(raw, NamedSharding):
         return NnxNames(tuple(raw.spec), "mesh", None, local_rules)
     names = tuple(raw) if isinstance(raw, PartitionSpec | list | tuple) else raw
-    active = get_logical_axis_rules() if rules is None else rules
+    active: object = get_logical_axis_rules() if rules is None else rules
     if not local_rules and not _has_rules(active):
         return NnxNames(names, "mesh", None, ())
     composed = None
@@ -150,7 +151,7 @@ def _names_error(path: str, what: str, problem: Problem) -> LogicalNamesError:
 
 
 def variable_spec(
-    var: Any, rules: Any = None, path: str = "", *, logical: bool | None = None
+    var: Any, rules: LogicalRules | None = None, path: str = "", *, logical: bool | None = None
 ) -> PartitionSpec | None:
     """The mesh ``PartitionSpec`` of one variable, as ``nnx.get_partition_spec`` gives it.
 
@@ -212,7 +213,9 @@ def flax_placement(names: Sequence[Any], rules: Sequence[tuple[str, Any]]) -> Pa
     )
 
 
-def nnx_sharding(names: Sequence[Any], rules: Any = None, mesh: Any = None) -> dict[str, Any]:
+def nnx_sharding(
+    names: Sequence[Any], rules: LogicalRules | None = None, mesh: Any = None
+) -> dict[str, Any]:
     """``flax.nnx.Variable`` metadata that makes Flax place a variable as meshplan's rules do.
 
     ``out_sharding`` keeps the logical names (so transforms, checkpoints and
@@ -261,7 +264,7 @@ def nnx_sharding(names: Sequence[Any], rules: Any = None, mesh: Any = None) -> d
 def with_nnx_partitioning(
     initializer: Any,
     names: Sequence[Any],
-    rules: Any = None,
+    rules: LogicalRules | None = None,
     mesh: Any = None,
 ) -> Callable[..., Any]:
     """Like ``nnx.with_partitioning``, with the names placed by meshplan's rules.

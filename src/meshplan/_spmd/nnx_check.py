@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec
 from meshplan._errors import LogicalNamesError, Problem, RulesError
 from meshplan._spmd.leaves import is_leaf
 from meshplan._spmd.nnx import flax_placement, is_variable, variable_names, variable_spec
-from meshplan._spmd.rules import get_logical_axis_rules
+from meshplan._spmd.rules import LogicalRules, get_logical_axis_rules
 from meshplan._text import path_text
 
 __all__ = ["flax_rules", "nnx_problems"]
@@ -57,7 +57,7 @@ def _spec_text(spec: PartitionSpec) -> str:
     return repr(spec).replace("PartitionSpec", "P")
 
 
-def nnx_problems(tree: Any, rules: Any = None) -> list[Problem]:
+def nnx_problems(tree: Any, rules: LogicalRules | None = None) -> list[Problem]:
     """Warnings about a tree's NNX variables that only Flax NNX's own semantics explain.
 
     ``rules``: the rules meshplan resolves with (``None``: the active ones). Bad
@@ -77,9 +77,9 @@ def nnx_problems(tree: Any, rules: Any = None) -> list[Problem]:
     """
     if not any(is_variable(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_leaf)):
         return []  # no NNX variable: skip the walk by path (a Linen state pays one cheap pass)
-    active = get_logical_axis_rules() if rules is None else rules
+    active: Any = get_logical_axis_rules() if rules is None else rules  # validated later
     try:
-        active_pairs = [tuple(r) for r in active]
+        active_pairs: list[tuple[str, Any]] = [tuple(r) for r in active]
     except TypeError:
         return []  # not rules at all: the validator reports that
     out: list[Problem] = []

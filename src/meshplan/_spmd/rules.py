@@ -12,8 +12,8 @@ import dataclasses
 import functools
 import re
 import threading
-from collections.abc import Iterator, Sequence
-from typing import Any, TypeAlias, TypedDict, overload
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypedDict, overload
 
 from jax.sharding import PartitionSpec
 
@@ -21,17 +21,90 @@ from meshplan._errors import LogicalNamesError, Problem, RulesError, error_from_
 
 __all__ = [
     "LogicalRules",
+    "MeshAxes",
+    "RulePairs",
+    "Rules",
     "get_logical_axis_rules",
     "logical_axis_rules",
     "logical_to_mesh_axes",
     "set_logical_axis_rules",
 ]
 
-MeshAxes: TypeAlias = str | tuple[str, ...] | Any | None
-LogicalRules: TypeAlias = Sequence[tuple[str, MeshAxes]]
-LogicalNames: TypeAlias = Sequence[str | Any | None]
+if TYPE_CHECKING:
+    from jax._src.partition_spec import UnconstrainedSingleton as Unconstrained
+else:
+    Unconstrained = type(PartitionSpec.UNCONSTRAINED)
+
+MeshAxes: TypeAlias = str | tuple[str, ...] | Unconstrained | None
+"""One rule's mesh axes: a mesh axis name, a tuple of them, ``None`` (unsplit) or
+``PartitionSpec.UNCONSTRAINED``."""
+RulePairs: TypeAlias = tuple[tuple[str, MeshAxes], ...]
+"""Rules, normalised: a tuple of ``(logical_name, mesh_axes)`` pairs."""
+LogicalRules: TypeAlias = Sequence[tuple[str, MeshAxes | list[str]]]
+"""Rules as a caller gives them: any sequence of pairs (tuples or lists, as Flax takes),
+a :class:`Rules` among them."""
+LogicalNames: TypeAlias = Sequence[str | tuple[str, ...] | Unconstrained | None]
 
 UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules(Sequence[tuple[str, MeshAxes]]):
+    """Valid rules, normalised (:data:`RulePairs`), and where each pair stood in the rules given.
+
+    ``positions[k]`` is the position of ``pairs[k]`` in what the caller gave, so that a
+    problem found later names ``rules[i]`` as the caller wrote it (invalid pairs are
+    dropped, and counted). A ``Rules`` is itself a sequence of pairs: every function
+    that takes rules takes one.
+
+    Example:
+        >>> from meshplan._spmd.rules import Rules
+        >>> rules = Rules.of([["batch", "data"], ["mlp", ["data", "model"]]])
+        >>> rules.pairs, rules.positions, list(rules) == list(rules.pairs)
+        ((('batch', 'data'), ('mlp', ('data', 'model'))), (0, 1), True)
+    """
+
+    pairs: RulePairs
+    positions: tuple[int, ...]
+
+    @classmethod
+    def of(cls, rules: LogicalRules) -> Rules:
+        """``rules`` validated and normalised; raises :class:`meshplan.RulesError` listing
+        every bad pair."""
+        return rules if isinstance(rules, Rules) else cls(normalize_rules(rules), ())._indexed()
+
+    def _indexed(self) -> Rules:
+        if self.positions or not self.pairs:
+            return self
+        return Rules(self.pairs, tuple(range(len(self.pairs))))
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[str, MeshAxes]: ...
+    @overload
+    def __getitem__(self, i: slice) -> RulePairs: ...
+    def __getitem__(self, i: int | slice) -> tuple[str, MeshAxes] | RulePairs:
+        return self.pairs[i]
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __iter__(self) -> Iterator[tuple[str, MeshAxes]]:
+        return iter(self.pairs)
+
+    def to_json(self) -> list[list[Any]]:
+        """The pairs as JSON-ready ``[name, axes]`` lists (axes a name, a list or ``None``).
+
+        Example:
+            >>> from meshplan._spmd.rules import Rules
+            >>> Rules.of((("batch", ("data", "fsdp")), ("mlp", None))).to_json()
+            [['batch', ['data', 'fsdp']], ['mlp', None]]
+        """
+        return rules_to_json(self.pairs)
+
+
+def rules_to_json(rules: Sequence[tuple[str, MeshAxes]]) -> list[list[Any]]:
+    """Rules as JSON-ready ``[name, axes]`` lists: a tuple of axes becomes a list."""
+    return [[n, list(a) if isinstance(a, tuple) else a] for n, a in rules]
 
 
 class _Unassigned:
@@ -117,7 +190,7 @@ def logical_axis_rules(rules: LogicalRules) -> Iterator[None]:
 _MISSING_AXIS = re.compile(r"Resource axis: (\S+) of (.+?) is not found in mesh: (\(.*?\))")
 
 
-def _eager_logical_hint(error: ValueError, rules: Any) -> LogicalNamesError | None:
+def _eager_logical_hint(error: ValueError, rules: RulePairs) -> LogicalNamesError | None:
     """meshplan's error for JAX's when Flax NNX placed a variable by *logical* names.
 
     ``nnx.Param(value, out_sharding=("embed", "patch"))`` under ``jax.set_mesh`` is placed
@@ -171,10 +244,15 @@ def _repeated_axes(axes: Any) -> list[str]:
     return [a for a in dict.fromkeys(axes) if list(axes).count(a) > 1]
 
 
-def rules_problems(
-    rules: Any,
-) -> tuple[tuple[tuple[str, MeshAxes], ...], tuple[int, ...], list[Problem]]:
-    """Checks ``rules``: the valid rules (normalised), their positions, and one problem per bad one.
+def rules_problems(rules: object) -> tuple[RulePairs, tuple[int, ...], list[Problem]]:
+    """:func:`check_rules` as ``(pairs, index, problems)``."""
+    valid, problems = check_rules(rules)
+    return valid.pairs, valid.positions, problems
+
+
+def check_rules(rules: object) -> tuple[Rules, list[Problem]]:
+    """Checks ``rules``: the valid rules (normalised, with their positions), and one problem
+    per bad one.
 
     Any sequence of pairs is accepted, as Flax does: tuples or lists (rules loaded
     from YAML or JSON), with a list or tuple for several mesh axes. Problems have
@@ -182,17 +260,19 @@ def rules_problems(
     of pairs) or ``'rules[i]'``.
 
     Example:
-        >>> from meshplan._spmd.rules import rules_problems
-        >>> valid, index, problems = rules_problems([["mlp", ["data", "model"]], ("embed", 3)])
-        >>> valid, index
+        >>> from meshplan._spmd.rules import check_rules
+        >>> valid, problems = check_rules([["mlp", ["data", "model"]], ("embed", 3)])
+        >>> valid.pairs, valid.positions
         ((('mlp', ('data', 'model')),), (0,))
         >>> problems[0].path, problems[0].code
         ('rules[1]', 'bad-rule')
     """
+    if isinstance(rules, Rules):
+        return rules._indexed(), []
+    none = Rules((), ())
     if isinstance(rules, dict):
         return (
-            (),
-            (),
+            none,
             [
                 Problem(
                     "error",
@@ -207,8 +287,7 @@ def rules_problems(
         )
     if not isinstance(rules, Sequence) or isinstance(rules, str):
         return (
-            (),
-            (),
+            none,
             [
                 Problem(
                     "error",
@@ -222,8 +301,7 @@ def rules_problems(
         )
     if len(rules) == 2 and isinstance(rules[0], str) and _is_mesh_axis_entry(rules[1]):
         return (
-            (),
-            (),
+            none,
             [
                 Problem(
                     "error",
@@ -279,10 +357,10 @@ def rules_problems(
             continue
         valid.append((name, tuple(axes) if isinstance(axes, list) else axes))
         index.append(i)
-    return tuple(valid), tuple(index), problems
+    return Rules(tuple(valid), tuple(index)), problems
 
 
-def normalize_rules(rules: Any) -> tuple[tuple[str, MeshAxes], ...]:
+def normalize_rules(rules: object) -> RulePairs:
     """Validates ``rules`` and returns them as a hashable tuple of pairs.
 
     Lists (of pairs, or of mesh axes) become tuples. Every problem is reported at once.
@@ -294,6 +372,8 @@ def normalize_rules(rules: Any) -> tuple[tuple[str, MeshAxes], ...]:
     """
     if rules is _last_normal_rules[0]:
         return rules  # type: ignore[no-any-return]  # validated already (deeply immutable)
+    if isinstance(rules, Rules):
+        return rules.pairs
     if (
         isinstance(rules, tuple)
         and all(
@@ -305,12 +385,12 @@ def normalize_rules(rules: Any) -> tuple[tuple[str, MeshAxes], ...]:
     ):
         _last_normal_rules[0] = rules
         return rules  # the common, already-normal case: no copy
-    valid, _, problems = rules_problems(rules)
+    valid, problems = check_rules(rules)
     if problems:
         if len(problems) == 1 and problems[0].path == "rules":
             raise RulesError(f"{problems[0].message}.\n{problems[0].fix}", problems)
         raise error_from_problems(RulesError, "Invalid logical axis rules:", problems)
-    return valid
+    return valid.pairs
 
 
 def _is_dim_entry(name: Any) -> bool:
@@ -432,13 +512,19 @@ def mesh_axes_of(entry: Any) -> tuple[str, ...]:
 _axes_of = mesh_axes_of
 
 
+SkipReason: TypeAlias = Literal[
+    "dimension already assigned", "mesh axis taken", "tuple partly taken"
+]
+"""Why a rule that names a dimension did not place it."""
+
+
 @dataclasses.dataclass(frozen=True)
 class SkippedRule:
     """A rule that named a dimension but did not place it, and why."""
 
     rule_index: int
     rule: tuple[str, MeshAxes]
-    reason: str  # "dimension already assigned" | "mesh axis taken" | "tuple partly taken"
+    reason: SkipReason
     taken_by: tuple[int, ...] = ()  # the dimensions already holding a requested mesh axis
 
 
@@ -478,6 +564,7 @@ def _resolve(
                 trace[pos]["rule_index"] = rule_index
         elif trace is not None:
             taken_by = tuple(i for i, r in enumerate(result) if set(mesh_axes_of(r)) & set(wanted))
+            reason: SkipReason
             if result[pos] is not UNASSIGNED:
                 reason = "dimension already assigned"
             elif len(wanted) > 1 and not all(
@@ -499,7 +586,7 @@ def _resolve_cached(
     return _resolve(normalize_names(names), normalize_rules(rules), None)
 
 
-def resolve(names: Any, rules: Any) -> tuple[Any, ...]:
+def resolve(names: Any, rules: LogicalRules) -> tuple[Any, ...]:
     """Mesh axes per dimension, with ``UNASSIGNED`` where no rule matched a logical name."""
     try:
         return _resolve_cached(names, rules)
@@ -507,17 +594,33 @@ def resolve(names: Any, rules: Any) -> tuple[Any, ...]:
         return _resolve(normalize_names(names), normalize_rules(rules), None)
 
 
-def resolve_with_trace(names: Any, rules: Any) -> tuple[DimResolution, ...]:
+def resolve_with_trace(names: Any, rules: LogicalRules) -> tuple[DimResolution, ...]:
     """Like :func:`resolve`, recording for each dimension which rule placed it and which
     rules named it but were skipped."""
     names = normalize_names(names)
-    rules = normalize_rules(rules)
+    pairs = normalize_rules(rules)
     trace: list[_DimTrace] = [{"rule_index": None, "skipped": []} for _ in names]
-    result = _resolve(names, rules, trace)
+    result = _resolve(names, pairs, trace)
     return tuple(
         DimResolution(n, r, t["rule_index"], tuple(t["skipped"]))
         for n, r, t in zip(names, result, trace, strict=True)
     )
+
+
+def split_axes(
+    names: LogicalNames, rules: LogicalRules, sizes: Mapping[str, int]
+) -> tuple[tuple[str, ...], ...]:
+    """The mesh axes of size above 1 that each dimension of an array named ``names`` is
+    split over: :func:`logical_to_mesh_axes`'s answer, on a mesh of ``sizes``.
+
+    Example:
+        >>> from meshplan._spmd.rules import split_axes
+        >>> split_axes(("batch", "embed"), (("batch", ("data", "fsdp")), ("embed", "fsdp")),
+        ...            {"data": 1, "fsdp": 4})
+        (('fsdp',), ())
+    """
+    spec = logical_to_mesh_axes(names, rules)
+    return tuple(tuple(a for a in mesh_axes_of(e) if sizes.get(a, 1) > 1) for e in spec)
 
 
 def to_partition_spec(resolved: Sequence[Any]) -> PartitionSpec:

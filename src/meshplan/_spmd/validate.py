@@ -23,11 +23,12 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from meshplan._errors import Problem
+from meshplan._errors import Problem, Severity
 from meshplan._spmd.mesh_info import MeshInfo, axis_names_fix, mesh_info
 from meshplan._spmd.rules import (
     UNASSIGNED,
     UNCONSTRAINED,
+    LogicalRules,
     SkippedRule,
     bad_entries,
     get_logical_axis_rules,
@@ -111,7 +112,7 @@ class LeafCheck:
         return [dataclasses.replace(p, path=path) for p in self.problems]
 
 
-def _problem(code: str, message: str, fix: str, severity: str = "error") -> Problem:
+def _problem(code: str, message: str, fix: str, severity: Severity = "error") -> Problem:
     return Problem(severity, "", message, fix, code)
 
 
@@ -351,7 +352,7 @@ def validate(
     shape: tuple[int, ...] | None,
     names: Any,
     mesh: Any,
-    rules: Any = None,
+    rules: LogicalRules | None = None,
     *,
     kind: str = "logical",
 ) -> list[Problem]:

@@ -5,8 +5,9 @@ meshes of 1 to 3 axes (``data``, ``fsdp``, ``tensor``) with rules, pruned by
 the validator, symmetry and ``--budget``, priced by a hardware ``--profile``,
 the first ``--top-k`` compiled (when this process has the devices) and, with
 ``--measure``, run. Nothing needs the devices otherwise: ``--devices 16384``
-is planned on axis sizes alone. The best choice's rules are written to a JSON
-file and printed as a ``meshplan train`` command.
+is planned on axis sizes alone. The best choice is printed as a ``meshplan
+train`` command (:func:`train_command`: the command line is the CLI's, not the
+library's); its rules are written to a JSON file only with ``--rules-out``.
 """
 
 from __future__ import annotations
@@ -263,6 +264,18 @@ def _rename(result: Any, names: dict[str, str]) -> None:
             row.rules = tuple((n, axes(a)) for n, a in row.rules)
 
 
+def train_command(row: Any, rules_path: str = "rules.json") -> str:
+    """The ``meshplan train`` command of a search row, its rules read from ``rules_path``.
+
+    Example:
+        >>> from meshplan._search.result import SearchRow
+        >>> from meshplan.cli.search import train_command
+        >>> train_command(SearchRow({"data": 2, "tensor": 4}, (("mlp", "tensor"),)), "r.json")
+        'meshplan train --mesh 2x4 --axes data,tensor --rules r.json'
+    """
+    return f"meshplan train --mesh {row.mesh_text} --axes {row.axes_text} --rules {rules_path}"
+
+
 def _train_command(args: argparse.Namespace, result: Any) -> tuple[str | None, Path | None]:
     """Writes the best row's rules (only with ``--rules-out``); its ``meshplan train`` command
     for the Transformers (naming ``rules.json`` when nothing was written)."""
@@ -270,9 +283,11 @@ def _train_command(args: argparse.Namespace, result: Any) -> tuple[str | None, P
     if best is None:
         return None, None
     path = Path(args.rules_out) if args.rules_out else None
-    if path is not None and path.parent != Path(""):
-        path.parent.mkdir(parents=True, exist_ok=True)
-    command = best.train_command(str(path or "rules.json"), write=path is not None)
+    if path is not None:
+        if path.parent != Path(""):
+            path.parent.mkdir(parents=True, exist_ok=True)
+        best.write_rules(str(path))
+    command = train_command(best, str(path or "rules.json"))
     if not args.model.startswith("transformer"):
         return None, path
     extra = [] if args.model == "transformer" else ["--model", args.model]

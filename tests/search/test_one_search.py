@@ -1,0 +1,100 @@
+"""One search: ``search_layouts`` and ``search_rules`` share one row and one result type, one
+error for too few devices, and write nothing unless asked."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import meshplan
+import meshplan.layouts
+from meshplan._search.result import SearchRow
+from meshplan._search.rule_search import example_search
+
+
+def _case() -> tuple[dict, object, jax.ShapeDtypeStruct]:
+    w = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+    state = {"params": {"w": meshplan.LogicallyPartitioned(w, ("embed", "mlp"))}}
+
+    def step(s, x):
+        return jax.grad(lambda w: ((x @ w) ** 2).mean())(s["params"]["w"].value)
+
+    return state, step, jax.ShapeDtypeStruct((32, 256), jnp.float32)
+
+
+def test_both_searches_return_one_result_type_of_one_row_type():
+    state, step, x = _case()
+    by_bytes = meshplan.search_layouts(state, 4, batch=32)
+    by_time = meshplan.search_rules(4, state, step, x, profile="h100", compile_top=0)
+    assert type(by_bytes) is type(by_time) is meshplan.SearchResult
+    assert meshplan.RuleSearchResult is meshplan.SearchResult
+    assert {type(r) for r in [*by_bytes.rows, *by_time.rows]} == {SearchRow}
+    assert (by_bytes.ranked_by, by_time.ranked_by) == ("static", "predicted")
+    # The same questions have answers on both: ranked rows, the best, a row by name, counts.
+    for result in (by_bytes, by_time):
+        assert [r.rank for r in result.ok] == list(range(1, len(result.ok) + 1))
+        assert result.best is result.ok[0]
+        assert result.row("2x2", "fsdp").layout == "fsdp"
+    assert by_bytes.counts["enumerated"] == len(by_bytes.rows) == 12  # 4 layouts x 3 shapes
+    assert by_time.counts["enumerated"] > len(by_time.rows)  # symmetric generated ones dropped
+
+
+def test_both_searches_give_rows_as_the_same_plain_data():
+    state, step, x = _case()
+    by_bytes = meshplan.search_layouts(state, 4, batch=32).to_dict()
+    by_time = meshplan.search_rules(4, state, step, x, profile="h100", compile_top=0).to_dict()
+    json.dumps([by_bytes, by_time])  # plain JSON
+    assert set(by_bytes) == set(by_time)
+    # One row type: a static row has every field a predicted one has, but the prediction's
+    # figures against the profile (tokens/s, MFU, memory by kind).
+    assert set(by_bytes["best"]) < set(by_time["best"])
+    assert {"predicted_step_s", "comm", "bytes_per_device"} <= set(by_bytes["best"])
+    assert by_bytes["best"]["predicted_step_s"] is None and by_time["best"]["comm"] is None
+    assert by_bytes["best"]["bytes_per_device"] > 0 and by_time["best"]["predicted_step_s"] > 0
+
+
+def test_search_rules_without_generated_axes_searches_only_the_layouts():
+    state, step, x = _case()
+    result = meshplan.search_rules(
+        4, state, step, x, profile="h100", compile_top=0, layouts=["fsdp", "tensor_parallel"],
+        max_axes=0,
+    )  # fmt: skip
+    assert {r.layout for r in result.rows} == {"fsdp", "tensor_parallel"}
+    assert {r.mesh_text for r in result.rows} <= {"1x4", "2x2", "4x1"}
+
+
+@pytest.mark.parametrize(
+    "search",
+    [
+        lambda state, step, x: meshplan.search_layouts(
+            state, 4096, measure=True, step_fn=step, example_batch=x
+        ),
+        lambda state, step, x: meshplan.search_rules(4096, state, step, x, measure=True),
+    ],
+    ids=["search_layouts", "search_rules"],
+)
+def test_too_few_devices_to_measure_is_one_error(search):
+    state, step, x = _case()
+    with pytest.raises(meshplan.MeshError, match="needs 4096 devices; JAX has 8") as info:
+        search(state, step, x)
+    assert info.value.problems[0].code == "too-few-devices"
+    assert "xla_force_host_platform_device_count=4096" in str(info.value)
+
+
+def test_a_search_writes_nothing_and_a_row_writes_its_rules_when_asked(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = example_search()
+    assert not hasattr(result, "train_command") and not hasattr(result.best, "train_command")
+    assert not list(tmp_path.iterdir())
+    result.best.write_rules(str(tmp_path / "best.json"))
+    assert [p.name for p in tmp_path.iterdir()] == ["best.json"]
+    rules = meshplan.layouts.get_layout(str(tmp_path / "best.json"))
+    assert rules == tuple(result.best.rules)
+
+
+def test_the_shared_example_search_runs_once_per_process():
+    assert example_search() is example_search()
+    assert example_search().best.layout == "tensor_parallel"
