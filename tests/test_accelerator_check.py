@@ -7,10 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "accelerator_check.sh"
 
 
+@pytest.mark.slow
 def test_the_accelerator_check_runs_in_cpu_mode(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env.update(MESHPLAN_CHECK_MODE="cpu", PYTHON=sys.executable, OUT=str(tmp_path / "out"))

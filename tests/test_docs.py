@@ -321,6 +321,7 @@ def page_blocks(page: str) -> list[Block]:
 
 
 @pytest.mark.parametrize("page", PAGES)
+@pytest.mark.slow
 def test_blocks_run(page, session, tmp_path, monkeypatch):
     """Every block of the page, in order, in one namespace, in a fresh folder."""
     monkeypatch.chdir(tmp_path)

@@ -99,6 +99,7 @@ def test_the_method_table_holds_what_the_module_finder_misses() -> None:
 
 
 @pytest.mark.parametrize(("name", "method"), METHODS, ids=[name for name, _ in METHODS])
+@pytest.mark.slow
 def test_examples_of_public_methods_run(name: str, method: Any) -> None:
     import doctest
 

@@ -67,6 +67,7 @@ def saved(tmp_path_factory):
     ],
     ids=["2x4-fsdp_tp", "4x2-data_parallel", "4x2-fsdp_tp", "8x1-fsdp", "2x4-tp", "1-device"],
 )
+@pytest.mark.slow
 def test_restore_onto_any_mesh_is_bit_identical(saved, shape, rules):
     folder, raw, _ = saved
     mesh = None if shape is None else make_mesh(shape)
@@ -166,6 +167,7 @@ def test_mesh_that_cannot_split_an_array_is_a_clear_error(saved):
     assert {p.code for p in e.value.problems} == {"unknown-axis"}
 
 
+@pytest.mark.slow
 def test_steps_rotation_and_incomplete_steps(tmp_path):
     tree = {"w": meshplan.LogicallyPartitioned(jnp.arange(8.0), ("embed",)), "n": jnp.int32(1)}
     with meshplan.Checkpointer(tmp_path, max_to_keep=2) as ckpt:
@@ -186,6 +188,7 @@ def test_steps_rotation_and_incomplete_steps(tmp_path):
     assert not (tmp_path / "4.orbax-checkpoint-tmp").exists()
 
 
+@pytest.mark.slow
 def test_mesh_axis_boxes_and_plain_arrays_round_trip(tmp_path):
     mesh = make_mesh((2, 4))
     w = jax.device_put(

@@ -53,6 +53,7 @@ def _run(code: str, *args: str, timeout: float = 120) -> tuple[subprocess.Comple
 # -- 1. keep policy -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_best_step_is_never_deleted_and_survives_reopening(tmp_path):
     tree = {"w": jnp.ones(4)}
     with meshplan.Checkpointer(tmp_path, max_to_keep=2, async_save=False) as ckpt:
@@ -191,6 +192,7 @@ except meshplan.CheckpointError as e:
 
 
 @pytest.mark.parametrize("fault", ["disk-full", "read-only", "vanished", "full-in-background"])
+@pytest.mark.slow
 def test_failed_save_ends_the_process_promptly_and_keeps_the_last_step(tmp_path, small_disk, fault):
     if fault in ("vanished", "full-in-background"):
         folder, mount = tmp_path / "run", ""
@@ -271,6 +273,7 @@ def _truncate_biggest_array_file(folder, step):
     os.truncate(biggest, 100)
 
 
+@pytest.mark.slow
 def test_truncated_array_file_is_named_and_skipped(tmp_path):
     _two_steps(tmp_path)
     _truncate_biggest_array_file(tmp_path, 20)
@@ -301,6 +304,7 @@ def test_truncated_array_file_is_named_and_skipped(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_restoring_a_damaged_step_prints_one_short_error_and_nothing_at_exit(tmp_path):
     _two_steps(tmp_path)
     _truncate_biggest_array_file(tmp_path, 20)
@@ -377,6 +381,7 @@ def _hold(folder, how="sleep"):
     return child
 
 
+@pytest.mark.slow
 def test_a_second_writer_is_refused_and_a_stale_lock_taken_over(tmp_path):
     child = _hold(tmp_path)
     try:
@@ -409,6 +414,7 @@ def test_a_second_writer_is_refused_and_a_stale_lock_taken_over(tmp_path):
     assert complete_steps(tmp_path) == [1]
 
 
+@pytest.mark.slow
 def test_lock_is_released_at_exit_and_held_once_per_process(tmp_path):
     child = _hold(tmp_path, "exit")
     assert child.wait(timeout=60) == 0
@@ -455,6 +461,7 @@ def test_orbax_tasks_whose_exception_nobody_awaited_are_not_logged(tmp_path):
         assert ORPHANED_TASKS in logging.getLogger("asyncio").filters
 
 
+@pytest.mark.slow
 def test_the_leftover_filter_drops_only_orbax_coroutines(monkeypatch):
     import sys
     import types

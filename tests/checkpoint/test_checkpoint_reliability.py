@@ -24,6 +24,7 @@ from meshplan._checkpoint.integrity import check_step, intact_step, step_directo
 
 
 @pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+@pytest.mark.slow
 def test_saves_from_eight_threads_all_reach_the_disk(tmp_path, async_save):
     ckpt = meshplan.Checkpointer(tmp_path, max_to_keep=100, async_save=async_save)
     results: dict[int, object] = {}
@@ -84,6 +85,7 @@ def _overwrite_4k_in_biggest_array_file(folder, step: int) -> None:
     assert os.path.getsize(biggest) == size  # same length
 
 
+@pytest.mark.slow
 def test_bytes_changed_in_place_are_named_and_skipped(tmp_path):
     # Random bits do not compress: the stored chunk is the raw bytes, so the damaged
     # chunk decodes to other numbers without any error from Orbax or TensorStore.
@@ -116,6 +118,7 @@ def test_bytes_changed_in_place_are_named_and_skipped(tmp_path):
     np.testing.assert_array_equal(restored.state["params"]["w"], expected)
 
 
+@pytest.mark.slow
 def test_checksums_do_not_depend_on_the_sharding(tmp_path):
     x = jax.random.normal(jax.random.key(0), (64, 32))
     mesh = jax.make_mesh((2, 4), ("data", "model"))
@@ -176,6 +179,7 @@ def _three_steps(folder):
             ckpt.save(step, {"w": jnp.full((100,), float(step))})
 
 
+@pytest.mark.slow
 def test_a_step_without_its_metadata_item_is_skipped_not_the_folder(tmp_path):
     _three_steps(tmp_path)
     (step_directory(tmp_path, 3) / "meshplan").rmtree()

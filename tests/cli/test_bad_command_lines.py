@@ -130,6 +130,7 @@ def test_train_refuses_bad_device_counts_before_jax_starts(capsys):
     assert "but --devices asks for 4" in err and "or pass --devices 8" in err
 
 
+@pytest.mark.slow
 def test_xla_flags_that_force_another_count_in_a_fresh_process():
     proc = subprocess.run(
         [*_CLI, "train", "--devices", "8", "--steps", "1"],
@@ -212,6 +213,7 @@ def untrained_checkpoint(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow
 def test_sample_takes_a_prompt_that_is_not_utf8(untrained_checkpoint):
     # Bytes from the command line that are not UTF-8 used to raise UnicodeEncodeError.
     args = [os.fsencode(a) for a in [*_CLI, "sample", "--ckpt-dir", str(untrained_checkpoint)]]
@@ -261,6 +263,7 @@ def test_an_unknown_option_shows_the_commands_usage_and_the_nearest_options(caps
     assert "unrecognized arguments: --step 15 (did you mean --steps or --resume-step?)" in err
 
 
+@pytest.mark.slow
 def test_when_xla_flags_set_the_device_count_the_advice_does_not_loop(tmp_path):
     """XLA_FLAGS forces 4 devices: each message's fix must work, not point back to --devices 8."""
     import os

@@ -4,6 +4,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # each test here takes seconds: processes or long compiles
+
 
 def test_demo_command_runs_every_step_and_restores_onto_another_mesh():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

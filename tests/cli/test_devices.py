@@ -84,6 +84,7 @@ def test_found_devices_on_this_machine_are_the_test_suites_cpu_devices():
     assert choice.describe().startswith("devices: JAX_PLATFORMS=cpu leaves accelerators out, so 8")
 
 
+@pytest.mark.slow
 def test_train_says_what_it_runs_on(tmp_path, capsys):
     from meshplan.cli import main
 

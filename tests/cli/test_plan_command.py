@@ -28,6 +28,7 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str
     )
 
 
+@pytest.mark.slow
 def test_plan_with_png_from_a_fresh_process(tmp_path):
     png = tmp_path / "plan.png"
     result = run_cli("--mesh", "2x4", "--rules", "guide", "--png", str(png))
@@ -39,6 +40,7 @@ def test_plan_with_png_from_a_fresh_process(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 20_000
 
 
+@pytest.mark.slow
 def test_a_large_mesh_is_planned_without_emulating_its_devices():
     # 128x128 used to emulate 16,384 CPU devices and sit in garbage collection for minutes;
     # a plan needs only the axis sizes (an AbstractMesh). About 1.5 s on 2 cores.
@@ -63,6 +65,7 @@ def test_png_of_a_mesh_larger_than_the_devices_here(tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_strict_errors_exit_non_zero_listing_the_problems():
     # 1024 does not divide by 3: every hidden dimension is an error.
     result = run_cli("--mesh", "2x3", "--depth", "1024", "--layers", "1", "--strict")
@@ -211,6 +214,7 @@ def test_nnx_transformer_plan_matches_the_linen_one(capsys):
     assert specs["opt_state/0/mu/layers/mlp/wi"] == [None, "data", "model"]
 
 
+@pytest.mark.slow
 def test_nnx_transformer_search_matches_the_linen_one(capsys, tmp_path, monkeypatch):
     """The same names, the same ranking (a published profile, no compile: prediction only)."""
     monkeypatch.chdir(tmp_path)  # search writes the best rules file here

@@ -76,6 +76,7 @@ def search_json(capsys, *args: str) -> dict:
     return json.loads(captured.out)
 
 
+@pytest.mark.slow
 def test_search_writes_no_rules_file_unless_asked(here, capsys):
     data = search_json(capsys, *TINY_SEARCH, "--top-k", "0")
     assert data["rules_file"] is None and not list(here.glob("rules*.json"))
@@ -85,6 +86,7 @@ def test_search_writes_no_rules_file_unless_asked(here, capsys):
     assert not list(here.glob("rules*.json"))
 
 
+@pytest.mark.slow
 def test_the_printed_top_choice_trains(here, capsys):
     data = search_json(capsys, *TINY_SEARCH, "--top-k", "0", "--rules-out", "rules.json")
     best = data["best"]
@@ -100,6 +102,7 @@ def test_the_printed_top_choice_trains(here, capsys):
     assert "final train loss" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_three_axis_row_trains_on_its_mesh(here, capsys):
     data = search_json(capsys, *TINY_SEARCH, "--top-k", "0")
     row = next(r for r in data["rows"] if r["status"] == "ok" and len(r["mesh_shape"]) == 3)
@@ -112,6 +115,7 @@ def test_a_three_axis_row_trains_on_its_mesh(here, capsys):
     assert f"on a {mesh} mesh {tuple(row['axis_names'])}" in out
 
 
+@pytest.mark.slow
 def test_table_counts_rejections_and_the_command(here, capsys):
     assert cli.main(["search", *TINY_SEARCH, "--devices", "8", "--top-k", "0"]) == 0
     out = capsys.readouterr().out
@@ -140,6 +144,7 @@ def test_top_k_compiles_when_the_devices_are_here(here, capsys):
     assert data["best"]["compiled"]["collective_bytes"] >= 0
 
 
+@pytest.mark.slow
 def test_measure_runs_the_top_candidates(here, capsys):
     data = search_json(
         capsys, "--model", "mlp", "--layers", "1", "--depth", "64", "--top-k", "2", "--measure",
@@ -151,6 +156,7 @@ def test_measure_runs_the_top_candidates(here, capsys):
     assert "train_command" in data and data["train_command"] is None  # the MLP: rules only
 
 
+@pytest.mark.slow
 def test_a_pod_sized_search_finishes_without_devices(here, capsys):
     data = search_json(
         capsys, "--model", "mlp", "--layers", "1", "--depth", "1024", "--batch", "16384",

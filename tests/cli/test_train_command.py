@@ -30,6 +30,7 @@ def trained(tmp_path_factory):
     return folder, args
 
 
+@pytest.mark.slow
 def test_train_resume_on_another_mesh_then_sample(trained, capsys):
     folder, args = trained
     assert main([*args, "--ckpt-dir", str(folder)]) == 0
@@ -142,6 +143,7 @@ def test_resume_with_a_config_of_other_shapes(trained, tmp_path, capsys):
     assert "do not fit the model" in err
 
 
+@pytest.mark.slow
 def test_sample_says_when_the_prompt_is_longer_than_the_context(trained, capsys):
     folder, args = trained
     if not folder.exists():
@@ -156,6 +158,7 @@ def test_sample_says_when_the_prompt_is_longer_than_the_context(trained, capsys)
     assert "it continues from the last 16 bytes only" in err
 
 
+@pytest.mark.slow
 def test_errors_exit_nonzero_without_traceback_in_a_real_process(tmp_path):
     proc = subprocess.run(
         [
@@ -278,6 +281,7 @@ def nnx_run(tmp_path_factory):
     return folder, _losses(metrics)
 
 
+@pytest.mark.slow
 def test_nnx_trains_and_records_its_model(nnx_run, capsys):
     folder, losses = nnx_run
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
@@ -288,6 +292,7 @@ def test_nnx_trains_and_records_its_model(nnx_run, capsys):
     assert wi.names == ("layer", "embed", "mlp") and wi.logical
 
 
+@pytest.mark.slow
 def test_nnx_resumes_onto_another_mesh_and_layout_with_the_same_losses(nnx_run, tmp_path, capsys):
     import shutil
 
@@ -308,6 +313,7 @@ def test_nnx_resumes_onto_another_mesh_and_layout_with_the_same_losses(nnx_run, 
     assert meshplan.restore(run).metadata.extra["train"]["model"] == "transformer-nnx"
 
 
+@pytest.mark.slow
 def test_nnx_sample(nnx_run, capsys):
     folder, _ = nnx_run
     capsys.readouterr()
@@ -321,6 +327,7 @@ def test_nnx_sample(nnx_run, capsys):
     assert "step 4 of" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_linen_checkpoint_continues_as_nnx_with_the_linen_losses(tmp_path, capsys):
     import shutil
 

@@ -43,6 +43,7 @@ def test_load_balanced_order_refuses_a_length_it_cannot_cut():
         load_balanced_order(20, 4)
 
 
+@pytest.mark.slow
 def test_a_permuted_sequence_with_its_positions_gives_the_permuted_logits():
     for positions in ("rope", "learned"):
         model = Transformer(
@@ -65,6 +66,7 @@ def test_context_shards_follow_the_rules_and_mesh():
 
 
 @pytest.mark.parametrize("layout", ["context_parallel", "fsdp_cp"])
+@pytest.mark.slow
 def test_twenty_steps_match_data_parallel(layout):
     model = Transformer(CONFIG)
     loss = functools.partial(loss_fn, model=model)
@@ -96,6 +98,7 @@ def compiled_step(length: int, mesh, rules, *, layers: int = 1):
         return step.lower(abstract, batch).compile()
 
 
+@pytest.mark.slow
 def test_keys_and_values_are_all_gathered_over_the_context_axis():
     mesh = make_mesh({"data": 2, "context": 4})
     hlo = compiled_step(64, mesh, layouts.context_parallel).as_text()
@@ -104,6 +107,7 @@ def test_keys_and_values_are_all_gathered_over_the_context_axis():
     assert any(set(groups) == context for groups in gathers), gathers
 
 
+@pytest.mark.slow
 def test_activation_memory_per_device_falls_as_one_over_the_context_shards():
     """XLA's own count of a step's temporary buffers (compiled.memory_analysis()), one
     sequence of 2048 bytes on 1, 2 and 4 context shards."""

@@ -47,6 +47,7 @@ def test_a_balanced_router_drops_nothing_at_capacity_factor_one_and_scores_one()
     np.testing.assert_allclose(routing.combine.sum(axis=(2, 3)), 1.0, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_choices_beyond_capacity_are_dropped_and_counted():
     probs = jax.nn.softmax(jnp.tile(jnp.array([4.0, 0.0, 0.0, 0.0]), (2, 8, 1)))  # all to expert 0
     routing = route(probs, top_k=1, capacity=3)
@@ -91,6 +92,7 @@ def compiled(model, rules, mesh, length=32):
 
 
 @pytest.mark.parametrize("layout", ["expert_parallel", "fsdp_ep"])
+@pytest.mark.slow
 def test_the_compiled_step_moves_tokens_by_all_to_alls_over_the_expert_axis(layout):
     mesh = make_mesh({"data": 2, "expert": 4})
     hlo = compiled(Transformer(CONFIG), layouts.get_layout(layout), mesh).as_text()
@@ -101,6 +103,7 @@ def test_the_compiled_step_moves_tokens_by_all_to_alls_over_the_expert_axis(layo
     assert collective_bytes(hlo)["all-to-all"] > 0
 
 
+@pytest.mark.slow
 def test_twenty_steps_under_expert_parallel_match_an_unsharded_run():
     model = Transformer(CONFIG)
     loss = functools.partial(loss_fn, model=model)
@@ -119,6 +122,7 @@ def test_twenty_steps_under_expert_parallel_match_an_unsharded_run():
     np.testing.assert_allclose(ep, one, rtol=0, atol=5e-5)
 
 
+@pytest.mark.slow
 def test_twenty_nnx_steps_under_fsdp_ep_match_an_unsharded_run():
     model = FunctionalTransformer(CONFIG)
     data = counting_batches(20)
@@ -144,6 +148,7 @@ def test_the_plan_shows_each_device_holding_its_own_expert(tmp_path):
     assert (tmp_path / "experts.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_stats_count_every_routed_choice():
     model = Transformer(CONFIG)
     tokens = jnp.asarray(counting_batches(1)[0])

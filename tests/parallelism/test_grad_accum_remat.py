@@ -43,6 +43,7 @@ def trainer(grad_accum: int, *, seq_len: int = 32, steps: int = 6, batch: int = 
     )
 
 
+@pytest.mark.slow
 def test_grad_accum_gives_the_updates_of_the_whole_batch():
     whole = trainer(1).run().losses
     accumulated = trainer(4).run().losses
@@ -50,6 +51,7 @@ def test_grad_accum_gives_the_updates_of_the_whole_batch():
     np.testing.assert_allclose(list(accumulated.values()), list(whole.values()), atol=2e-5)
 
 
+@pytest.mark.slow
 def test_grad_accum_holds_the_activations_of_one_microbatch():
     temp = {}
     for accum in (1, 4):
@@ -79,6 +81,7 @@ def remat_step(config, length: int = 512):
         return step, step.lower(abstract, batch).compile()
 
 
+@pytest.mark.slow
 def test_remat_policies_order_the_memory_and_keep_the_gradients():
     temp, values = {}, {}
     tokens = jnp.asarray(counting_batches(1, batch=8, length=512)[0])

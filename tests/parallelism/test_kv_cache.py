@@ -30,6 +30,7 @@ def scaled(tree):
 @pytest.mark.parametrize(
     "overrides", [{}, {"positions": "learned", "scan_layers": False}], ids=["rope", "learned-loop"]
 )
+@pytest.mark.slow
 def test_greedy_decoding_with_the_cache_gives_the_cache_free_bytes(overrides):
     config = config_from_name(
         "tiny", num_layers=2, embed_dim=32, mlp_dim=64, max_len=24, **overrides
@@ -43,6 +44,7 @@ def test_greedy_decoding_with_the_cache_gives_the_cache_free_bytes(overrides):
     assert len(set(plain)) > 3  # not a degenerate text
 
 
+@pytest.mark.slow
 def test_the_nnx_model_decodes_the_same_bytes_from_its_state():
     config = config_from_name("tiny", num_layers=2, embed_dim=32, mlp_dim=64, max_len=24)
     state = scaled(FunctionalTransformer(config).init(jax.random.key(0)))
@@ -61,6 +63,7 @@ def test_the_cache_has_logical_names_and_the_rules_place_it():
     assert cache["value"].shape == (2, 2, 64, 4, 32)
 
 
+@pytest.mark.slow
 def test_meshplan_sample_compares_the_two_paths(tmp_path, capsys):
     trainer = prepare(
         TrainRequest(

@@ -64,6 +64,7 @@ def _step(remat: str, scan: bool):
 
 
 @pytest.mark.parametrize(("remat", "scan", "layout"), CASES)
+@pytest.mark.slow
 def test_memory_per_device_matches_xla_memory_analysis(remat, scan, layout):
     state, step, batch, work = _step(remat, scan)
     mesh, rules = LAYOUTS[layout]

@@ -15,6 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import bench_published
 
+pytestmark = pytest.mark.slow  # each test here takes seconds: processes or long compiles
+
 ROWS = ["MaxText 16B v5e-256", "llm-foundry MPT-30B 8x A100"]
 
 

@@ -99,6 +99,7 @@ def test_rules_fallback_and_partition_name_match_flax():
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_one_spec_constrains_every_array_of_a_tree_like_flax(auto_mesh):
     tree = {"a": jnp.ones((8, 16)), "b": jnp.ones((8, 4)), "c": [jnp.ones((16, 8))]}
 

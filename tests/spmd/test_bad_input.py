@@ -348,6 +348,7 @@ def test_catalogue_is_large_enough():
 
 
 @pytest.mark.parametrize("case", list(CATALOGUE), ids=list(CATALOGUE))
+@pytest.mark.slow
 def test_bad_input_is_reported_with_its_fix(case):
     make, error, fragments = CATALOGUE[case]
     with pytest.raises(error) as info:

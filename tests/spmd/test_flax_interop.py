@@ -131,6 +131,7 @@ def test_scan_adds_the_partition_name_to_logical_boxes():
     )
 
 
+@pytest.mark.slow
 def test_scan_apply_removes_the_axis_again():
     # apply() runs remove_axis on every box entering the body: it must be add_axis's inverse.
     model = _scanned(0, {meshplan.PARTITION_NAME: "layer"})
@@ -262,6 +263,7 @@ def _loss(params: Any, apply_fn: Any) -> jax.Array:
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.slow
 def test_boxes_survive_apply_gradients(jit):
     state = _state()
     grads = jax.grad(_loss)(state.params, state.apply_fn)

@@ -97,6 +97,7 @@ EXPLICIT_RULES = tuple((name, None) if name == "vocab" else (name, axes) for nam
 
 
 @pytest.mark.parametrize("kind", ["auto", "explicit"])
+@pytest.mark.slow
 def test_flax_layers_with_logical_names_are_placed_by_their_names(kind):
     mesh = mesh_of(kind)
     rules = EXPLICIT_RULES if kind == "explicit" else RULES
@@ -123,6 +124,7 @@ def test_flax_layers_with_logical_names_are_placed_by_their_names(kind):
 
 
 @pytest.mark.parametrize("kind", ["auto", "explicit", "legacy"])
+@pytest.mark.slow
 def test_dense_general_matches_plain_flax_values(kind):
     """The same kernel values as without boxes: the reshape is Flax's, not ours; under
     jax.set_mesh and under a legacy `with mesh:` alike."""
@@ -154,6 +156,7 @@ class Outer(nn.Module):
 
 
 @pytest.mark.parametrize("kind", ["none", "auto", "explicit"])
+@pytest.mark.slow
 def test_a_box_whose_names_never_fit_its_parameter_names_the_path(kind):
     x = jnp.ones((2, 16))
     with pytest.raises(meshplan.LogicalNamesError, match=r"params/attn/w: .*3 axis names") as e:
@@ -183,6 +186,7 @@ class Mlp(nn.Module):
     ("layout", "row_dot_general"),
     [("fsdp", False), ("data_parallel", False), ("fsdp_tp", True), ("tensor_parallel", True)],
 )
+@pytest.mark.slow
 def test_dense_trains_on_an_explicit_mesh_under_every_layout(layout, row_dot_general):
     """FSDP: each kernel is stored split over the batch's axes and gathered where it is used,
     so plain nn.Dense runs unchanged; tensor parallelism's row-parallel layer says its output."""
@@ -209,6 +213,7 @@ def test_dense_trains_on_an_explicit_mesh_under_every_layout(layout, row_dot_gen
     )
 
 
+@pytest.mark.slow
 def test_init_with_a_batch_of_one_on_an_explicit_mesh_warns_and_works():
     class Constrained(nn.Module):
         @nn.compact
