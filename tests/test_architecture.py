@@ -146,3 +146,31 @@ def test_every_subpackage_is_a_layer_of_the_architecture_page():
     layers = page.split("## The layers", 1)[1].split("\n## ", 1)[0]
     packages = sorted(p.parent.name for p in SRC.glob("*/__init__.py"))
     assert [p for p in packages if f"`meshplan.{p}`" not in layers] == []
+
+
+TESTS = Path(__file__).parent
+WHOLE_PROJECT = {
+    "test_architecture.py",  # this file: the layers and the module index
+    "test_docs.py",  # every code block of README.md and docs/
+    "test_docstrings.py",  # the docstring rule over the public API
+    "test_readme.py",  # the README's quick start
+    "test_accelerator.py",  # the checks that need a GPU or TPU
+    "test_accelerator_check.py",  # benchmarks/accelerator_check.sh in its CPU mode
+}
+"""The test files about the whole project, which sit at the top of ``tests/``."""
+
+
+def test_test_folders_mirror_the_subpackages():
+    packages = {p.name.lstrip("_") for p in SRC.iterdir() if (p / "__init__.py").is_file()}
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    unmatched = sorted(folders - packages)
+    assert not unmatched, (
+        f"tests/{unmatched[0]}/ mirrors no subpackage of meshplan ({sorted(packages)}): "
+        "put its tests in the folder of the subpackage they test."
+    )
+    loose = sorted(p.name for p in TESTS.glob("test_*.py") if p.name not in WHOLE_PROJECT)
+    assert not loose, (
+        f"{loose} sit at the top of tests/: move each into the folder of the subpackage it "
+        "tests (tests/spmd/, tests/plan/, ...), or add it to WHOLE_PROJECT if it is about the "
+        "whole project."
+    )
