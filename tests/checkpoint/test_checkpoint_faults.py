@@ -435,9 +435,19 @@ def test_lock_is_released_at_exit_and_held_once_per_process(tmp_path):
     meshplan.Checkpointer(tmp_path).close()
 
 
-def test_orbax_tasks_whose_exception_nobody_awaited_are_not_logged(tmp_path):
-    """asyncio logs a collected task's unretrieved exception with its whole traceback; for
-    Orbax's writes after a failed save that is a screen of TensorStore text, left out."""
+@pytest.mark.parametrize(
+    "message",
+    [
+        "Task exception was never retrieved\nfuture: <Task finished>",
+        # a plain future of Orbax's writes (seen after a disk filled up mid-save)
+        "Future exception was never retrieved\nfuture: <Future finished exception=ValueError()>",
+    ],
+    ids=["task", "future"],
+)
+def test_orbax_tasks_whose_exception_nobody_awaited_are_not_logged(tmp_path, message):
+    """asyncio logs a collected task's (or future's) unretrieved exception with its whole
+    traceback; for Orbax's writes after a failed save that is a screen of TensorStore text,
+    left out."""
     import logging
 
     from meshplan._checkpoint.quiet import ORPHANED_TASKS
@@ -450,8 +460,7 @@ def test_orbax_tasks_whose_exception_nobody_awaited_are_not_logged(tmp_path):
             error = e
         return logging.LogRecord(
             "asyncio", logging.ERROR, "base_events.py", 1,
-            "Task exception was never retrieved\nfuture: <Task finished>", None,
-            (ValueError, error, error.__traceback__),
+            message, None, (ValueError, error, error.__traceback__),
         )  # fmt: skip
 
     orbax_file = os.path.join("site-packages", "orbax", "checkpoint", "serialization.py")

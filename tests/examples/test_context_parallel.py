@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from collectives import axis_groups, collective_groups, counting_batches, train_losses
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshplan
+from collectives import axis_groups, collective_groups, counting_batches, train_losses
 from meshplan import layouts
 from meshplan.examples.context import context_shards, load_balanced_order
 from meshplan.examples.transformer import Transformer, causal_mask, config_from_name, loss_fn

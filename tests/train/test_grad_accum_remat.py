@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from collectives import counting_batches
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshplan
+from collectives import counting_batches
 from meshplan import layouts
 from meshplan.examples.data import shard_batch
 from meshplan.examples.transformer import Transformer, config_from_name, loss_fn

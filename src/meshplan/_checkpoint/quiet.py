@@ -84,8 +84,12 @@ def install_hook() -> None:
 # -- after a failed save --------------------------------------------------------
 
 
+_NEVER_RETRIEVED = ("Task exception was never retrieved", "Future exception was never retrieved")
+"""How asyncio's log starts its message for a task's, or a plain future's, lost exception."""
+
+
 class _OrphanedOrbaxTasks(logging.Filter):
-    """asyncio's "Task exception was never retrieved" for Orbax's own writes: left out.
+    """asyncio's "Task (or Future) exception was never retrieved" for Orbax's writes: left out.
 
     The writes still in flight when a save fails end with an exception nobody awaits; when
     collected, asyncio logs each with a screen of TensorStore traceback (at exit, or in the
@@ -97,7 +101,7 @@ class _OrphanedOrbaxTasks(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         try:
-            if not str(record.msg).startswith("Task exception was never retrieved"):
+            if not str(record.msg).startswith(_NEVER_RETRIEVED):
                 return True
             exc = record.exc_info[1] if record.exc_info else None
             tb = exc.__traceback__ if exc is not None else None
