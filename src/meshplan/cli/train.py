@@ -34,7 +34,7 @@ from rich.table import Table
 
 from meshplan.cli.devices import PLATFORMS, select_platform
 from meshplan.cli.output import print_error, say, text
-from meshplan.cli.train_flags import MODEL_FLAGS, SETTINGS_FLAGS
+from meshplan.cli.train_flags import CODE_ADVICE, MODEL_FLAGS, SETTINGS, SETTINGS_FLAGS
 
 HELP = (
     "Train the byte-level Transformer on a device mesh, with checkpoints that resume on any mesh."
@@ -128,28 +128,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train = parser.add_argument_group(
         "training (when resuming, omitted values come from the checkpoint)"
     )
-    for flag, kind, metavar, about in (
-        ("--steps", int, "N", "train up to step N (default 300)"),
-        ("--batch", int, "B", "sequences per step (default 32)"),
-        ("--seq", int, "L", "bytes per sequence (default 128)"),
-        ("--lr", float, "LR", "peak learning rate (default 3e-3)"),
-        ("--warmup", int, "N", "warm-up steps (default 30)"),
-        ("--weight-decay", float, "WD", "AdamW weight decay (default 0.01)"),
-        ("--seed", int, "S", "seed of the initial parameters and the batches (default 0)"),
-        ("--eval-every", int, "E", "evaluate every E steps; 0: at the end (default 50)"),
-        ("--eval-batches", int, "N", "validation batches per evaluation (default 4)"),
-        ("--ckpt-every", int, "K", "checkpoint every K steps and at the end (default 100)"),
-        ("--keep", int, "N", "latest checkpoints kept, besides the best valid one (default 3)"),
-        ("--clip", float, "NORM", "clip gradients to this global norm (default 1.0)"),
-        (
-            "--grad-accum",
-            int,
-            "N",
-            "microbatches per step: gradients of N slices of the batch accumulated, one update "
-            "(default 1)",
-        ),
-    ):
-        train.add_argument(flag, type=kind, metavar=metavar, help=about)
+    for setting in SETTINGS:
+        train.add_argument(
+            setting.flag, type=setting.kind, metavar=setting.metavar, help=setting.help
+        )
     model = parser.add_argument_group(
         "model (default: the checkpoint's model and config when resuming, else transformer, tiny)"
     )
@@ -494,7 +476,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import jax
 
-    from meshplan.cli.train_request import prepare
+    from meshplan.cli.train_request import DamagedStep, prepare
     from meshplan.train.flops import mesh_peak
 
     console = _console(jax.process_index() == 0)
@@ -522,7 +504,8 @@ def run(args: argparse.Namespace) -> int:
                 and request.resume_step is None
             ):
                 # Bytes changed in place (seen only when read): take the step before it.
-                request = dataclasses.replace(request, damaged=(*request.damaged, problem))
+                damaged = DamagedStep(trainer.resume_from.step, problem)
+                request = dataclasses.replace(request, damaged=(*request.damaged, damaged))
                 continue
             print_error(_for_the_command_line(e))
             return 2
@@ -697,7 +680,6 @@ def _for_the_command_line(
     error: Exception, lr: float | None = None, argv: list[str] | None = None
 ) -> str:
     """The error's message with its fix in flag terms (the library's name API calls)."""
-    from meshplan.cli.train_request import _FLAG_ADVICE
     from meshplan.train.trainer import Diverged
 
     if isinstance(error, Diverged):
@@ -717,9 +699,9 @@ def _for_the_command_line(
             fix = f"Lower --lr{now} and train again, e.g. with {lower}."
         return f"{problem.message}.\n{fix}"
     problems = getattr(error, "problems", None) or []
-    if len(problems) == 1 and problems[0].code in _FLAG_ADVICE:
+    if len(problems) == 1 and problems[0].code in CODE_ADVICE:
         problem = problems[0]
-        fix = _FLAG_ADVICE[problem.code]
+        fix = CODE_ADVICE[problem.code]
         if problem.code == "ckpt-write-failed":
             fix = f"{problem.fix} Then continue with --resume (from the last complete step)."
         return f"{problem.message}.\n{fix}"

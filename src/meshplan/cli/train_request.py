@@ -20,11 +20,10 @@ comes from the checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,30 +48,25 @@ from meshplan._spmd.rules import logical_axis_rules, rules_problems
 from meshplan._spmd.validate import check_leaf, validate
 from meshplan._text import human_bytes
 from meshplan.cli.devices import DeviceChoice, choose_devices, count_from_xla_flags
+from meshplan.cli.train_flags import CODE_ADVICE, setting_fix, setting_flag
 from meshplan.examples.context import context_shards
 from meshplan.examples.data import BATCH_NAMES, ByteCorpus, DataError, shard_batch
+from meshplan.examples.models import EXAMPLE_MODELS, example
 from meshplan.examples.transformer import (
     CONFIG_SETTINGS,
-    Transformer,
     TransformerConfig,
     config_from_name,
-    loss_and_stats,
-    loss_fn,
     train_flops,
 )
-from meshplan.examples.transformer_nnx import FunctionalTransformer
 from meshplan.layouts import CONTEXT_EXPERT_LAYOUTS, LAYOUT_AXES, get_layout
 from meshplan.train.mesh import MESH_AXES, make_mesh, parse_mesh_shape
 from meshplan.train.settings import TrainSettings, make_optimizer
 from meshplan.train.state import abstract_train_state, per_device_bytes, state_shardings
 from meshplan.train.trainer import Trainer
 
-__all__ = ["MODELS", "ByteBatches", "TrainRequest", "build_model", "model_of", "prepare"]
+__all__ = ["MODELS", "ByteBatches", "DamagedStep", "TrainRequest", "model_of", "prepare"]
 
-MODELS = {
-    "transformer": "Flax Linen",
-    "transformer-nnx": "Flax NNX",
-}
+MODELS = {name: m.api for name, m in EXAMPLE_MODELS.items() if m.sequence}
 """The models ``meshplan train --model`` trains, and the Flax API each is written in."""
 
 DEFAULT_MODEL = "transformer"
@@ -92,23 +86,11 @@ def model_of(metadata: CheckpointMetadata) -> str:
     return str((metadata.extra.get("train") or {}).get("model") or DEFAULT_MODEL)
 
 
-def build_model(kind: str, config: TransformerConfig) -> tuple[Any, Any]:
-    """``(model, loss)`` for :class:`~meshplan.train.trainer.Trainer`: a ``--model`` of :data:`MODELS`.
+class DamagedStep(NamedTuple):
+    """A step found damaged when its arrays were read, and the problem the restore raised."""
 
-    ``transformer``: the Linen module and ``loss(params, batch)``;
-    ``transformer-nnx``: the NNX model's ``init(key) -> nnx.State`` and its ``loss(state, batch)``.
-    A mixture-of-experts config's loss returns ``(loss, stats)`` (the trainer's ``has_aux``).
-    """
-    if kind == "transformer-nnx":
-        functional = FunctionalTransformer(config)
-        loss = functional.loss_and_stats if config.num_experts else functional.loss
-        return functional.init, loss
-    if kind != "transformer":
-        raise ValueError(f"unknown model {kind!r}: expected one of {', '.join(MODELS)}")
-    model = Transformer(config)
-    if config.num_experts:  # (loss, stats): the trainer reports dropped tokens (has_aux)
-        return model, functools.partial(loss_and_stats, model=model)
-    return model, functools.partial(loss_fn, model=model)
+    step: int
+    problem: Problem
 
 
 @dataclasses.dataclass
@@ -138,9 +120,9 @@ class TrainRequest:
             (:func:`meshplan.cli.devices.found_devices`); ``None``: JAX's default devices.
         sync_every_step: Read every step's loss at once (``--sync-every-step``, for
             measuring what overlapping the host and the device gains).
-        damaged: ``'ckpt-damaged'`` problems of steps already found damaged when
-            their arrays were read (a checksum mismatch, which the cheap check
-            cannot see): ``resume`` takes the newest intact step before them.
+        damaged: Steps already found damaged when their arrays were read (a
+            checksum mismatch, which the cheap check cannot see), each with its
+            ``'ckpt-damaged'`` problem: ``resume`` takes the newest intact step before them.
     """
 
     mesh: str = "2x4"
@@ -157,7 +139,7 @@ class TrainRequest:
     model: str | None = None
     devices: DeviceChoice | None = None
     sync_every_step: bool = False
-    damaged: tuple[Problem, ...] = ()
+    damaged: tuple[DamagedStep, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,39 +169,6 @@ class ByteBatches:
         return shard_batch(tokens, self.mesh, self.rules)
 
 
-_FLAG_ADVICE = {
-    "ckpt-missing": "Check --ckpt-dir, or start without --resume to train into it.",
-    "ckpt-not-a-folder": "Pass a folder as --ckpt-dir.",
-    "ckpt-no-steps": "Pass the --ckpt-dir of an earlier run, or start without --resume.",
-    "ckpt-incomplete": "Its first save never finished: start again without --resume.",
-    "ckpt-not-meshplan": "Pass the --ckpt-dir of a meshplan train run.",
-    "ckpt-no-such-step": (
-        "Pass one of those steps as --resume-step, or leave it out for the newest intact one."
-    ),
-    "ckpt-bad-step": "Pass --resume-step a step number, e.g. --resume-step 20.",
-    "ckpt-damaged": (
-        "Resume from an earlier step with --resume-step N (or --resume alone, which takes the "
-        "newest intact step), or train into a new --ckpt-dir."
-    ),
-    "ckpt-newer-format": "Upgrade meshplan to resume this run.",
-    "ckpt-locked": (
-        "Wait for that run to finish or stop it, or pass another --ckpt-dir. If that process "
-        "is gone (e.g. on another host), delete the lock file."
-    ),
-    "ckpt-not-writable": (
-        "Make --ckpt-dir writable by this user, or pass a --ckpt-dir on another disk or folder."
-    ),
-    "ckpt-write-failed": (
-        "Free space or fix the folder's permissions, then continue with --resume (from the "
-        "last complete step), or pass another --ckpt-dir."
-    ),
-    "ckpt-not-finite": (
-        "The run diverged: lower --lr and resume from the last good step with --resume-step N."
-    ),
-}
-"""Flag-level advice for the library's problem codes (its own fixes name API calls)."""
-
-
 class _Problems:
     """Collects (error class, problem) pairs and raises them together."""
 
@@ -239,7 +188,7 @@ class _Problems:
             message = f"{p.path}: {p.message}" if p.path and p.path not in p.message else p.message
             if where and not message.startswith(where):
                 message = f"{where}: {message}"
-            fix = _FLAG_ADVICE.get(p.code, p.fix)
+            fix = CODE_ADVICE.get(p.code, p.fix)
             self.items.append((type(error), Problem("error", "", message, fix, p.code)))
 
     def raise_if_any(self, header: str) -> None:
@@ -275,18 +224,6 @@ def _resolve_config(request: TrainRequest, stored: CheckpointMetadata | None) ->
     if request.config is not None or stored is None or stored.config is None:
         return config_from_name(request.config or "tiny", **request.overrides)
     return dataclasses.replace(TransformerConfig.from_dict(stored.config), **request.overrides)
-
-
-def step_of_problem(problem: Problem) -> int:
-    """The step a ``'ckpt-damaged'`` problem is about (its path ends ``(step N)``).
-
-    Example:
-        >>> import meshplan
-        >>> from meshplan.cli.train_request import step_of_problem
-        >>> step_of_problem(meshplan.Problem("error", "'/r' (step 40)", "m", "f", "ckpt-damaged"))
-        40
-    """
-    return int(problem.path.rsplit("step ", 1)[-1].rstrip(")"))
 
 
 @dataclasses.dataclass
@@ -347,9 +284,9 @@ def _check_checkpoint_dir(
                 if problem is not None:
                     raise CheckpointError(problem.message, [problem])
                 return ckpt_dir, found
-            known = [step_of_problem(p) for p in request.damaged]
+            known = [d.step for d in request.damaged]
             intact = intact_step(ckpt_dir, before=min(known) if known else None)
-            skipped = [*request.damaged, *intact.skipped]
+            skipped = [*(d.problem for d in request.damaged), *intact.skipped]
             if intact.step is None:
                 problems.add(
                     CheckpointError,
@@ -361,7 +298,7 @@ def _check_checkpoint_dir(
                 )
                 return ckpt_dir, found
             found.stored = read_metadata(ckpt_dir, intact.step)
-            found.damaged = [step_of_problem(p) for p in skipped]
+            found.damaged = [*known, *intact.skipped_steps]
             for p in skipped:
                 found.notes.append(f"Skipping damaged step: {p.message}")
             if skipped:
@@ -379,32 +316,6 @@ def _check_checkpoint_dir(
     return ckpt_dir, found
 
 
-_FLAGS = {"seq_len": "--seq"}
-"""Settings whose flag is not ``--`` + the name with dashes."""
-
-
-def _flag_of(name: str) -> str:
-    return _FLAGS.get(name, "--" + name.replace("_", "-"))
-
-
-_FIXES = {
-    "steps": "Pass --steps 1 or more.",
-    "batch": "Pass --batch 1 or more (a multiple of the devices 'batch' is split over).",
-    "seq_len": "Pass --seq 1 or more.",
-    "eval_batches": "Pass --eval-batches 1 or more.",
-    "keep": "Pass --keep 1 or more (the best checkpoint is kept as well).",
-    "warmup": "Pass --warmup 0 (no warm-up) or a positive number of steps.",
-    "eval_every": "Pass --eval-every 0 (only at the end) or a positive number of steps.",
-    "ckpt_every": "Pass --ckpt-every 0 (only at the end) or a positive number of steps.",
-    "seed": "Pass --seed 0 or another whole number from 0 to 2**63 - 1.",
-    "lr": "Pass a finite learning rate above 0, e.g. --lr 3e-3.",
-    "weight_decay": "Pass a finite --weight-decay of 0 or more, e.g. --weight-decay 0.01.",
-    "clip": "Pass a finite gradient norm above 0, e.g. --clip 1.0.",
-    "grad_accum": "Pass a --grad-accum that divides --batch, e.g. --grad-accum 2 with --batch 32.",
-}
-"""The flag-level fix of each setting :meth:`TrainSettings.problems` refuses."""
-
-
 def _resolve_settings(
     request: TrainRequest, stored: CheckpointMetadata | None, problems: _Problems
 ) -> TrainSettings:
@@ -419,8 +330,8 @@ def _resolve_settings(
         where = "the checkpoint's " if name not in request.settings else ""
         problems.add(
             MeshplanError,
-            f"{where}{_flag_of(name)} {why}",
-            _FIXES.get(name, f"Pass a valid {_flag_of(name)}."),
+            f"{where}{setting_flag(name)} {why}",
+            setting_fix(name),
         )
     if stored is not None and settings.steps < stored.step:
         problems.add(
@@ -885,7 +796,8 @@ def prepare(request: TrainRequest) -> Trainer:
         _check_corpus(corpus, settings, problems)
     model = loss = tx = abstract = example_input = None
     if config is not None and kind is not None and not settings.problems():
-        (model, loss), tx = build_model(kind, config), make_optimizer(settings)
+        built, tx = example(kind, config).model, make_optimizer(settings)
+        model, loss = built.model, built.loss
         example_input = _example_tokens(config, settings)
         abstract = abstract_train_state(model, tx, settings, example_input)
         _check_state(request, config, abstract, stored, mesh, rules, problems, kind)
@@ -919,7 +831,7 @@ def prepare(request: TrainRequest) -> Trainer:
         discard_steps=resume.damaged,
         flops_per_step=train_flops(config, settings.batch, settings.seq_len),
         sync_every_step=request.sync_every_step,
-        has_aux=bool(config.num_experts),
+        has_aux=built.has_aux,
     )
     trainer.notes.extend(resume.notes)
     note = _model_note(kind, stored)
