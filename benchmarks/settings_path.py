@@ -180,6 +180,15 @@ class Walk:
                     built is not None and isinstance(value, ast.Call) and _passes(value, tainted)
                 )
                 for t in targets:
+                    if (
+                        isinstance(t, ast.Tuple)
+                        and isinstance(value, ast.Tuple)
+                        and len(t.elts) == len(value.elts)
+                    ):  # a, b = x.a, y.b: pairwise
+                        for part, v in zip(t.elts, value.elts, strict=True):
+                            if _carries(v, tainted):
+                                tainted |= _names(part)
+                        continue
                     for name in _names(t):
                         if hot:
                             tainted.add(name)

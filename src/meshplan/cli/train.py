@@ -27,13 +27,20 @@ import signal
 import threading
 import time
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
 from meshplan.cli.devices import PLATFORMS, select_platform
 from meshplan.cli.output import print_error, say, text
+
+if TYPE_CHECKING:
+    from meshplan.cli.devices import DeviceChoice
+    from meshplan.cli.train_request import PreparedRun, TrainRequest
+    from meshplan.train.flops import MeshPeak
+    from meshplan.train.trainer import Trainer, TrainResult
+
 from meshplan.cli.train_flags import CODE_ADVICE, MODEL_FLAGS, SETTINGS, SETTINGS_FLAGS
 
 HELP = (
@@ -201,7 +208,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _request(args: argparse.Namespace, devices: Any = None) -> Any:
+def _request(args: argparse.Namespace, devices: DeviceChoice | None = None) -> TrainRequest:
     from meshplan.cli.train_request import TrainRequest
 
     overrides = {field: getattr(args, dest) for dest, field in MODEL_FLAGS.items()}
@@ -229,16 +236,18 @@ def _request(args: argparse.Namespace, devices: Any = None) -> Any:
     )
 
 
-def _header(console: Console, trainer: Any, devices: Any, peak: Any) -> None:
+def _header(console: Console, prepared: PreparedRun, devices: Any, peak: MeshPeak) -> None:
     from meshplan._text import human_bytes
     from meshplan.cli.train_request import MODELS
-    from meshplan.examples.transformer import TransformerConfig
 
-    config = TransformerConfig.from_dict(trainer.config)
-    kind = str(trainer.record.get("model", "transformer"))
+    trainer, config, kind, corpus = (
+        prepared.trainer,
+        prepared.config,
+        prepared.model,
+        prepared.corpus,
+    )
     s = trainer.settings
     summary = trainer.plan_summary()
-    corpus = trainer.batches.corpus
     mesh = "x".join(str(v) for v in summary["mesh"].values())
     lines: list[list[Any]] = [
         [
@@ -268,7 +277,7 @@ def _header(console: Console, trainer: Any, devices: Any, peak: Any) -> None:
         ],
         [
             devices.describe() + f"; compute dtype {config.dtype}, parameters and AdamW "
-            f"state float32; {_flop_text(trainer.flops_per_step)} a step"
+            f"state float32; {_flop_text(trainer.flops_per_step or 0)} a step"
         ],
         [f"MFU against: {peak.label}" if peak.flops else f"no MFU: {peak.why}"],
     ]
@@ -331,7 +340,12 @@ def _peak_memory(devices: Any) -> int | None:
 
 
 def _summary(
-    console: Console, trainer: Any, result: Any, devices: Any, peak: Any, wall_s: float
+    console: Console,
+    trainer: Trainer,
+    result: TrainResult,
+    devices: DeviceChoice,
+    peak: MeshPeak,
+    wall_s: float,
 ) -> None:
     from meshplan._text import human_bytes
 
@@ -366,11 +380,11 @@ def _summary(
     routed = sum(m.get("routed", 0.0) for m in result.metrics.values())
     if routed:
         dropped = sum(m.get("dropped", 0.0) for m in result.metrics.values())
-        last = result.metrics[max(result.metrics)]
+        final = result.metrics[max(result.metrics)]
         table.add_row(
             "experts",
             f"{dropped / routed:.2%} of the expert choices dropped (over capacity) in "
-            f"{len(result.metrics)} steps; load-balancing loss {last.get('aux_loss', 0.0):.3f} "
+            f"{len(result.metrics)} steps; load-balancing loss {final.get('aux_loss', 0.0):.3f} "
             f"(1 when balanced) at step {max(result.metrics)}",
         )
     if result.losses:
@@ -476,14 +490,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import jax
 
-    from meshplan.cli.train_request import DamagedStep, prepare
-    from meshplan.train.flops import mesh_peak
+    from meshplan.cli.train_request import DamagedStep, prepare_run
 
     console = _console(jax.process_index() == 0)
     request = _request(args, devices)
     while True:
         try:
-            trainer = prepare(request)
+            prepared = prepare_run(request)
+            trainer = prepared.trainer
         except MeshplanError as e:
             print_error(e)  # every problem, then the fixes in flag terms
             return 2
@@ -538,14 +552,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         for note in trainer.notes:
             say(Console(stderr=True), ("note: ", "bold"), note, soft_wrap=True)
-    peak = mesh_peak(
-        devices.platform,
-        devices.kind,
-        trainer.mesh.devices.size,
-        str((trainer.config or {}).get("dtype", "float32")),
-    )
-    trainer.peak_flops_per_s = peak.flops
-    _header(console, trainer, devices, peak)
+    peak = prepared.peak
+    assert peak is not None  # the request names the devices
+    _header(console, prepared, devices, peak)
 
     from rich.progress import (
         BarColumn,
@@ -639,7 +648,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _close(trainer: Any) -> Exception | None:
+def _close(trainer: Trainer) -> Exception | None:
     """Closes the trainer's checkpoints; the error it raises (a save that failed), if any."""
     from meshplan._errors import MeshplanError
 

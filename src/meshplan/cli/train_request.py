@@ -46,9 +46,9 @@ from meshplan._errors import (
 from meshplan._spmd.mesh_info import mesh_info
 from meshplan._spmd.rules import logical_axis_rules, rules_problems
 from meshplan._spmd.validate import check_leaf, validate
-from meshplan._text import human_bytes
 from meshplan.cli.devices import DeviceChoice, choose_devices, count_from_xla_flags
 from meshplan.cli.train_flags import CODE_ADVICE, setting_fix, setting_flag
+from meshplan.cli.train_memory import memory_problem
 from meshplan.examples.context import context_shards
 from meshplan.examples.data import BATCH_NAMES, ByteCorpus, DataError, shard_batch
 from meshplan.examples.models import EXAMPLE_MODELS, example
@@ -59,12 +59,22 @@ from meshplan.examples.transformer import (
     train_flops,
 )
 from meshplan.layouts import CONTEXT_EXPERT_LAYOUTS, LAYOUT_AXES, get_layout
+from meshplan.train.flops import MeshPeak, mesh_peak
 from meshplan.train.mesh import MESH_AXES, make_mesh, parse_mesh_shape
 from meshplan.train.settings import TrainSettings, make_optimizer
-from meshplan.train.state import abstract_train_state, per_device_bytes, state_shardings
-from meshplan.train.trainer import Trainer
+from meshplan.train.state import abstract_train_state
+from meshplan.train.trainer import Checkpoints, Measures, Placement, Trainer
 
-__all__ = ["MODELS", "ByteBatches", "DamagedStep", "TrainRequest", "model_of", "prepare"]
+__all__ = [
+    "MODELS",
+    "ByteBatches",
+    "DamagedStep",
+    "PreparedRun",
+    "TrainRequest",
+    "model_of",
+    "prepare",
+    "prepare_run",
+]
 
 MODELS = {name: m.api for name, m in EXAMPLE_MODELS.items() if m.sequence}
 """The models ``meshplan train --model`` trains, and the Flax API each is written in."""
@@ -140,6 +150,38 @@ class TrainRequest:
     devices: DeviceChoice | None = None
     sync_every_step: bool = False
     damaged: tuple[DamagedStep, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedRun:
+    """A checked request: the :class:`Trainer`, and what the command says about the run.
+
+    Attributes:
+        trainer: The trainer, built once with everything it needs.
+        corpus: The byte corpus its batches come from (the header names it).
+        config: The model's config.
+        model: ``--model`` (:data:`MODELS`).
+        peak: The devices' peak for MFU (:func:`meshplan.train.flops.mesh_peak`);
+            ``None`` when the request names no devices.
+    """
+
+    trainer: Trainer
+    corpus: ByteCorpus
+    config: TransformerConfig
+    model: str
+    peak: MeshPeak | None
+
+
+def prepare(request: TrainRequest) -> Trainer:
+    """The :class:`Trainer` of :func:`prepare_run` (every problem raised first).
+
+    Example:
+        >>> from meshplan.cli.train_request import TrainRequest, prepare
+        >>> trainer = prepare(TrainRequest(mesh="2x4", config="tiny", settings={"steps": 1}))
+        >>> trainer.settings.steps, dict(trainer.mesh.shape)
+        (1, {'data': 2, 'model': 4})
+    """
+    return prepare_run(request).trainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -626,111 +668,9 @@ def _check_metrics_file(path: str | None, problems: _Problems) -> None:
         )
 
 
-def _activation_bytes(config: TransformerConfig, seq_len: int) -> int:
-    """A rough lower estimate of the activations one sequence keeps for the backward pass.
-
-    Per block: about 8 values per position of the model width (inputs, norms, the
-    query, key, value and attention outputs, residuals) and 2 of the MLP width,
-    plus the attention scores and weights (``heads x seq x seq``, twice); once
-    per block held (all of them, or one with ``remat``). Then the logits, their
-    softmax and its gradient over the vocabulary, in float32.
-    """
-    width = 2 if config.dtype == "bfloat16" else 4
-    per_block = seq_len * (8 * config.embed_dim + 2 * config.mlp_dim)
-    per_block += 2 * config.num_heads * seq_len * seq_len
-    blocks = config.num_layers if not config.remat else 1
-    kept = config.num_layers * seq_len * config.embed_dim if config.remat else 0
-    return int((blocks * per_block + kept) * width + 3 * seq_len * config.vocab_size * 4)
-
-
-_HOST_BASELINE = 1 << 30
-"""Host memory a CPU run needs besides its arrays (Python, JAX, XLA's compiler): about 1 GiB."""
-
-
-def _device_memory(mesh: Mesh) -> tuple[int, str] | None:
-    """Bytes one device can hold, and where that number comes from; ``None`` if unknown.
-
-    Emulated CPU devices share the host's memory: what is available now (not the total),
-    less the process's own baseline and a 20% margin, split between the mesh's devices on
-    this host (not every emulated device: a 2x4 mesh on 4,096 emulated devices uses 8).
-    """
-    device = jax.local_devices()[0]
-    try:
-        stats = device.memory_stats()
-    except Exception:  # not every backend has them
-        stats = None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"]), f"{device.platform} device memory"
-    if device.platform != "cpu":
-        return None
-    try:
-        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (ValueError, OSError):
-        return None
-    here = {d.id for d in jax.local_devices()}
-    count = max(sum(d.id in here for d in mesh.devices.flat), 1)
-    usable = max(int(available * 0.8) - _HOST_BASELINE, 0)
-    return usable // count, (
-        f"this host's {human_bytes(available)} of available memory, less about "
-        f"{human_bytes(_HOST_BASELINE)} for the process and a 20% margin, shared by the mesh's "
-        f"{count} CPU device{'s' * (count != 1)}"
-    )
-
-
-def _check_memory(
-    request: TrainRequest,
-    config: Any,
-    settings: TrainSettings,
-    abstract: Any,
-    mesh: Mesh,
-    rules: Any,
-    batch_shards: int,
-    problems: _Problems,
-) -> None:
-    """The state, its gradients and a step's activations fit in a device, roughly.
-
-    The estimate leaves out XLA's temporaries, so it refuses only what cannot fit.
-    """
-    found = _device_memory(mesh)
-    if found is None:
-        return
-    limit, source = found
-    shardings = state_shardings(abstract, mesh, rules)
-    state = per_device_bytes(abstract, shardings)
-    grads = per_device_bytes(abstract.params, shardings.params)
-    with jax.set_mesh(mesh), logical_axis_rules(rules):
-        context = context_shards()
-    # A device holds 1/context of each sequence's positions (the scores: of its queries), and
-    # the activations of one microbatch at a time.
-    per_sequence = _activation_bytes(config, settings.seq_len) // context
-    sequences = math.ceil(settings.batch / settings.grad_accum / batch_shards)
-    need = state + grads + per_sequence * sequences
-    if need <= limit:
-        return
-    room = max(limit - state - grads, 0) // max(per_sequence, 1)
-    largest = room * batch_shards
-    fix = (
-        f"Use --batch {largest} or less (each device holds about {room:,} sequences of "
-        f"{settings.seq_len} bytes besides the state), a shorter --seq"
-        f"{'' if config.remat else ', --remat'}, or a mesh and layout that split 'batch' over "
-        f"more devices."
-        if largest >= batch_shards
-        else "The state alone does not fit: use a smaller model, or a layout that splits it "
-        "over more devices (fsdp, fsdp_tp)."
-    )
-    problems.add(
-        MeshplanError,
-        f"--batch {settings.batch} needs about {human_bytes(need)} per device ({human_bytes(state)} "
-        f"of parameters and AdamW state, {human_bytes(grads)} of gradients, and about "
-        f"{human_bytes(per_sequence * sequences)} of activations for its {sequences:,} sequences "
-        f"of {settings.seq_len} bytes), but a device has about {human_bytes(limit)} ({source})",
-        fix,
-        "out-of-memory",
-    )
-
-
-def prepare(request: TrainRequest) -> Trainer:
-    """Checks everything in ``request`` and returns a :class:`Trainer` ready to run.
+def prepare_run(request: TrainRequest) -> PreparedRun:
+    """Checks everything in ``request`` and returns a :class:`PreparedRun`: a :class:`Trainer`
+    ready to run, and what the command shows about it.
 
     Every problem found is reported together, before any array is created:
     an unknown layout, a mesh larger than the devices, a batch (or token
@@ -747,9 +687,9 @@ def prepare(request: TrainRequest) -> Trainer:
 
     Example:
         >>> import meshplan
-        >>> from meshplan.cli.train_request import TrainRequest, prepare
+        >>> from meshplan.cli.train_request import TrainRequest, prepare_run
         >>> try:
-        ...     prepare(TrainRequest(rules="nope", mesh="3x3"))
+        ...     prepare_run(TrainRequest(rules="nope", mesh="3x3"))
         ... except meshplan.MeshplanError as e:
         ...     print(str(e).splitlines()[0])
         meshplan train cannot start:
@@ -794,16 +734,18 @@ def prepare(request: TrainRequest) -> Trainer:
     corpus = _load_corpus(data, problems)
     if corpus is not None and not settings.problems():
         _check_corpus(corpus, settings, problems)
-    model = loss = tx = abstract = example_input = None
+    tx = abstract = built = None
     if config is not None and kind is not None and not settings.problems():
-        built, tx = example(kind, config).model, make_optimizer(settings)
-        model, loss = built.model, built.loss
-        example_input = _example_tokens(config, settings)
-        abstract = abstract_train_state(model, tx, settings, example_input)
+        tokens = _example_tokens(config, settings)
+        built = dataclasses.replace(example(kind, config).model, example_input=tokens)
+        tx = make_optimizer(settings)
+        abstract = abstract_train_state(built.model, tx, settings, tokens)
         _check_state(request, config, abstract, stored, mesh, rules, problems, kind)
     if not problems.items and batch_shards is not None:
-        assert mesh is not None and config is not None
-        _check_memory(request, config, settings, abstract, mesh, rules, batch_shards, problems)
+        assert mesh is not None and config is not None and built is not None
+        oom = memory_problem(built, abstract, settings, mesh, rules, batch_shards, config.remat)
+        if oom is not None:
+            problems.items.append((MeshplanError, oom))
     if not problems.items and ckpt_dir is not None:
         try:  # before any work, and only then: it creates the folder
             Checkpointer.check_writable(ckpt_dir)
@@ -811,30 +753,32 @@ def prepare(request: TrainRequest) -> Trainer:
             problems.add_error(e)
 
     problems.raise_if_any("meshplan train cannot start:")
-    assert mesh is not None and model is not None and config is not None and corpus is not None
-    assert kind is not None and loss is not None
+    assert mesh is not None and built is not None and config is not None and corpus is not None
+    assert kind is not None
+    note = _model_note(kind, stored)
+    peak = None
+    if request.devices is not None:  # MFU against the devices the mesh uses, in its dtype
+        devices = request.devices
+        peak = mesh_peak(devices.platform, devices.kind, mesh.devices.size, config.dtype)
     trainer = Trainer(
-        model=model,
-        loss=loss,
-        batches=ByteBatches(corpus, settings, mesh, rules),
-        settings=settings,
-        mesh=mesh,
-        rules=rules,
-        example_input=example_input,
+        built,
+        ByteBatches(corpus, settings, mesh, rules),
+        settings,
+        Placement(mesh, rules, str(request.rules)),
+        Checkpoints(
+            ckpt_dir,
+            stored,
+            tuple(resume.damaged),
+            config=config.to_dict(),
+            record={"data": data, "model": kind},
+        ),
+        Measures(
+            train_flops(config, settings.batch, settings.seq_len),
+            None if peak is None else peak.flops,
+            request.sync_every_step,
+        ),
         tx=tx,
         abstract=abstract,
-        config=config.to_dict(),
-        record={"data": data, "model": kind},
-        ckpt_dir=ckpt_dir,
-        resume_from=stored,
-        layout_name=str(request.rules),
-        discard_steps=resume.damaged,
-        flops_per_step=train_flops(config, settings.batch, settings.seq_len),
-        sync_every_step=request.sync_every_step,
-        has_aux=built.has_aux,
+        notes=[*resume.notes, *([] if note is None else [note])],
     )
-    trainer.notes.extend(resume.notes)
-    note = _model_note(kind, stored)
-    if note is not None:
-        trainer.notes.append(note)
-    return trainer
+    return PreparedRun(trainer, corpus, config, kind, peak)
