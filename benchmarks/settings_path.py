@@ -17,7 +17,8 @@ code without running it:
 * a callee is resolved statically: a function of the same module, a name
   imported with ``from meshplan.x import f`` (at the top or inside a function), a
   class (its ``__init__``), ``self.method``, or ``obj.method`` when ``obj`` was
-  built by a known class or by a function annotated to return one, else (``obj``
+  built by a known class or by a function annotated to return one (or is a field
+  annotated with one of a known class: ``prepared.trainer``), else (``obj``
   a carrier) when exactly one class of the package defines that method. Calls that cannot be
   resolved (third-party code, callbacks, ``getattr``) are not followed.
 
@@ -206,7 +207,21 @@ class Walk:
                 self._call(f, node, tainted, types)
 
     def _type_of(self, f: Function, value: ast.AST, types: dict[str, str]) -> str | None:
-        """The project class ``value`` builds or returns, when known."""
+        """The project class ``value`` builds or returns (or a field of a known class holds)."""
+        if isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name):
+            owner = types.get(value.value.id)
+            if owner is None:
+                return None
+            module, cls = self.index.classes[owner]
+            for item in cls.body:  # `trainer: Trainer` in the class body
+                if (
+                    isinstance(item, ast.AnnAssign)
+                    and isinstance(item.target, ast.Name)
+                    and item.target.id == value.attr
+                ):
+                    found = self.index.resolve_name(module, ast.unparse(item.annotation))
+                    return found if found in self.index.classes else None
+            return None
         if not isinstance(value, ast.Call):
             return None
         target = self._callee(f, value, types)
