@@ -21,17 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from meshplan._checkpoint.checkpointer import Checkpointer
-from meshplan._checkpoint.folder import latest_step, read_metadata
-from meshplan._checkpoint.integrity import check_step, intact_step
 from meshplan._checkpoint.metadata import CheckpointMetadata
 from meshplan._checkpoint.restore import compatibility_problems
 from meshplan._checkpoint.tree import flatten_state
@@ -39,18 +36,21 @@ from meshplan._errors import (
     CheckpointError,
     MeshError,
     MeshplanError,
-    Problem,
-    error_for,
-    problem_message,
 )
-from meshplan._spmd.mesh_info import mesh_info
-from meshplan._spmd.rules import logical_axis_rules, rules_problems
-from meshplan._spmd.validate import check_leaf, validate
+from meshplan._spmd.validate import validate
 from meshplan.cli.devices import DeviceChoice, choose_devices, count_from_xla_flags
-from meshplan.cli.train_flags import CODE_ADVICE, setting_fix, setting_flag
+from meshplan.cli.train_checks import (
+    Problems,
+    check_batch,
+    check_corpus,
+    check_metrics_file,
+    load_corpus,
+    parse_train_mesh,
+)
+from meshplan.cli.train_flags import setting_fix, setting_flag
 from meshplan.cli.train_memory import memory_problem
-from meshplan.examples.context import context_shards
-from meshplan.examples.data import BATCH_NAMES, ByteCorpus, DataError, shard_batch
+from meshplan.cli.train_resume import DamagedStep, check_checkpoint_dir
+from meshplan.examples.data import ByteCorpus, shard_batch
 from meshplan.examples.models import EXAMPLE_MODELS, example
 from meshplan.examples.transformer import (
     CONFIG_SETTINGS,
@@ -60,10 +60,12 @@ from meshplan.examples.transformer import (
 )
 from meshplan.layouts import CONTEXT_EXPERT_LAYOUTS, LAYOUT_AXES, get_layout
 from meshplan.train.flops import MeshPeak, mesh_peak
-from meshplan.train.mesh import MESH_AXES, make_mesh, parse_mesh_shape
+from meshplan.train.mesh import make_mesh
 from meshplan.train.settings import TrainSettings, make_optimizer
 from meshplan.train.state import abstract_train_state
 from meshplan.train.trainer import Checkpoints, Measures, Placement, Trainer
+
+_Problems = Problems  # (its older name)
 
 __all__ = [
     "MODELS",
@@ -94,13 +96,6 @@ def model_of(metadata: CheckpointMetadata) -> str:
         ('transformer', 'transformer-nnx')
     """
     return str((metadata.extra.get("train") or {}).get("model") or DEFAULT_MODEL)
-
-
-class DamagedStep(NamedTuple):
-    """A step found damaged when its arrays were read, and the problem the restore raised."""
-
-    step: int
-    problem: Problem
 
 
 @dataclasses.dataclass
@@ -211,38 +206,6 @@ class ByteBatches:
         return shard_batch(tokens, self.mesh, self.rules)
 
 
-class _Problems:
-    """Collects (error class, problem) pairs and raises them together."""
-
-    def __init__(self) -> None:
-        self.items: list[tuple[type[MeshplanError], Problem]] = []
-
-    def add(self, cls: type[MeshplanError], problem: str, fix: str, code: str = "train") -> None:
-        self.items.append((cls, Problem("error", "", problem, fix, code)))
-
-    def add_error(self, error: MeshplanError, where: str = "") -> None:
-        """The error's problems, with flag-level advice for the codes the command line knows.
-
-        ``where``: the flag the problems come from (``--rules r.json``), put before each.
-        """
-        found = error.problems or [Problem("error", "", str(error), "", "error")]
-        for p in found:
-            message = f"{p.path}: {p.message}" if p.path and p.path not in p.message else p.message
-            if where and not message.startswith(where):
-                message = f"{where}: {message}"
-            fix = CODE_ADVICE.get(p.code, p.fix)
-            self.items.append((type(error), Problem("error", "", message, fix, p.code)))
-
-    def raise_if_any(self, header: str) -> None:
-        if not self.items:
-            return
-        found = [p for _, p in self.items]
-        fixes = list(dict.fromkeys(p.fix for p in found if p.fix))
-        raise self.items[0][0](
-            problem_message(header, [p.message for p in found], "\n".join(fixes)), found
-        )
-
-
 def _example_tokens(config: TransformerConfig, settings: TrainSettings) -> Any:
     """The tokens the model is initialised with: ``seq_len`` of them, at most ``max_len``.
 
@@ -252,114 +215,14 @@ def _example_tokens(config: TransformerConfig, settings: TrainSettings) -> Any:
     return jax.ShapeDtypeStruct((1, min(settings.seq_len, config.max_len)), jnp.int32)
 
 
-def _load_corpus(data: str | None, problems: _Problems) -> ByteCorpus | None:
-    try:
-        return ByteCorpus.from_stdlib() if data is None else ByteCorpus.from_path(data)
-    except MeshplanError as e:
-        problems.add_error(e)
-    except (ValueError, OSError) as e:  # the file system's words: the message is all there is
-        problems.add(DataError, f"cannot read --data {data!r}: {type(e).__name__}: {e}", "")
-    return None
-
-
 def _resolve_config(request: TrainRequest, stored: CheckpointMetadata | None) -> TransformerConfig:
     if request.config is not None or stored is None or stored.config is None:
         return config_from_name(request.config or "tiny", **request.overrides)
     return dataclasses.replace(TransformerConfig.from_dict(stored.config), **request.overrides)
 
 
-@dataclasses.dataclass
-class _Resume:
-    """Where a run resumes from: the metadata, the damaged steps skipped, and what to say."""
-
-    stored: CheckpointMetadata | None = None
-    damaged: list[int] = dataclasses.field(default_factory=list)
-    notes: list[str] = dataclasses.field(default_factory=list)
-
-
-def _check_checkpoint_dir(
-    request: TrainRequest, problems: _Problems
-) -> tuple[Path | None, _Resume]:
-    """The checkpoint folder, and the step to resume from when resuming.
-
-    Without ``resume_step``: the newest intact step (a cheap check of each newer
-    one, no array read); the damaged ones skipped are named in the notes.
-    """
-    resume = request.resume or request.resume_step is not None
-    found = _Resume()
-    if request.ckpt_dir is not None and not request.ckpt_dir.strip():
-        problems.add(
-            CheckpointError,
-            f"--ckpt-dir {request.ckpt_dir!r} is empty: the run would save nothing",
-            "Pass a folder, e.g. --ckpt-dir runs/first, or leave --ckpt-dir out to train "
-            "without checkpoints.",
-            "ckpt-empty-path",
-        )
-        return None, found
-    if request.ckpt_dir is not None and "://" in request.ckpt_dir:
-        scheme = request.ckpt_dir.split("://", 1)[0]
-        problems.add(
-            CheckpointError,
-            f"--ckpt-dir {request.ckpt_dir!r} is a {scheme}:// URL: meshplan train saves into "
-            f"a folder of this machine (its lock file, the moved-aside branches and the checks "
-            f"before training are local files), and would make a local folder named "
-            f"'{scheme}:' instead",
-            f"Train into a local folder (or a mounted bucket, e.g. gcsfuse) and copy it to "
-            f"{scheme}:// afterwards; meshplan.restore and meshplan.Checkpointer take "
-            f"{scheme}:// paths from Python.",
-            "ckpt-url",
-        )
-        return None, found
-    ckpt_dir = Path(request.ckpt_dir).absolute() if request.ckpt_dir else None
-    if resume and ckpt_dir is None:
-        problems.add(
-            MeshplanError,
-            f"{'--resume-step' if request.resume_step is not None else '--resume'} needs the "
-            f"checkpoint folder to resume from",
-            "Pass --ckpt-dir DIR with --resume.",
-        )
-    elif resume and ckpt_dir is not None:  # (not None: the case above)
-        try:
-            if request.resume_step is not None:
-                found.stored = read_metadata(ckpt_dir, request.resume_step)
-                problem = check_step(ckpt_dir, found.stored.step)
-                if problem is not None:
-                    raise CheckpointError(problem.message, [problem])
-                return ckpt_dir, found
-            known = [d.step for d in request.damaged]
-            intact = intact_step(ckpt_dir, before=min(known) if known else None)
-            skipped = [*(d.problem for d in request.damaged), *intact.skipped]
-            if intact.step is None:
-                problems.add(
-                    CheckpointError,
-                    f"no step of {str(ckpt_dir)!r} can be read: "
-                    + "; ".join(p.message for p in skipped),
-                    "Train into a new --ckpt-dir (or without --resume into this one after "
-                    "removing its steps).",
-                    "ckpt-damaged",
-                )
-                return ckpt_dir, found
-            found.stored = read_metadata(ckpt_dir, intact.step)
-            found.damaged = [*known, *intact.skipped_steps]
-            for p in skipped:
-                found.notes.append(f"Skipping damaged step: {p.message}")
-            if skipped:
-                found.notes.append(
-                    f"Resuming from step {intact.step}, the newest step that can be read."
-                )
-        except MeshplanError as e:
-            problems.add_error(e)
-    elif ckpt_dir is not None and (last := latest_step(ckpt_dir)) is not None:
-        problems.add(
-            CheckpointError,
-            f"--ckpt-dir {str(ckpt_dir)!r} already holds checkpoints (latest step {last})",
-            "Pass --resume to continue that run, or a new --ckpt-dir to start another.",
-        )
-    return ckpt_dir, found
-
-
 def _resolve_settings(
-    request: TrainRequest, stored: CheckpointMetadata | None, problems: _Problems
+    request: TrainRequest, stored: CheckpointMetadata | None, problems: Problems
 ) -> TrainSettings:
     """The defaults, overridden by the preset's (``--size base``), by the checkpoint's
     settings, then by the request's."""
@@ -385,7 +248,7 @@ def _resolve_settings(
 
 
 def _resolve_model(
-    request: TrainRequest, stored: CheckpointMetadata | None, problems: _Problems
+    request: TrainRequest, stored: CheckpointMetadata | None, problems: Problems
 ) -> str | None:
     """The ``--model`` of this run: the request's, else the checkpoint's, else ``transformer``."""
     saved = model_of(stored) if stored is not None else None
@@ -425,7 +288,7 @@ def _check_config(
     request: TrainRequest,
     stored: CheckpointMetadata | None,
     settings: TrainSettings,
-    problems: _Problems,
+    problems: Problems,
 ) -> Any:
     try:
         config = _resolve_config(request, stored)
@@ -445,93 +308,6 @@ def _check_config(
     return config
 
 
-def _check_batch(
-    request: TrainRequest, settings: TrainSettings, mesh: Mesh, rules: Any, problems: _Problems
-) -> int:
-    """A batch of tokens, ``[batch, seq_len + 1]``, splits over the mesh axes the rules give.
-
-    The validator checks the batch as one more array; this turns what it finds into flag advice.
-    Returns the number of devices 'batch' is split over.
-    """
-    valid, index_map, _ = rules_problems(rules)
-    with jax.set_mesh(mesh), logical_axis_rules(valid):
-        context = context_shards()
-    if context > 1 and settings.seq_len % (2 * context):
-        problems.add(
-            MeshplanError,
-            f"--seq {settings.seq_len} cannot be striped over the {context} context shards that "
-            f"--rules {request.rules} split 'length' into (load balancing cuts a sequence into "
-            f"{2 * context} equal chunks)",
-            f"Use a --seq that is a multiple of {2 * context}.",
-            "seq-not-striped",
-        )
-    shape = (settings.batch, settings.seq_len + 1)
-    leaf = check_leaf("logical", BATCH_NAMES, shape, valid, index_map, mesh_info(mesh))
-    # The activations' 'length' (context parallelism): its mesh axes must exist (the stripes
-    # are checked above).
-    activations = check_leaf(
-        "logical", ("batch", "length"), (settings.batch, settings.seq_len), valid, index_map,
-        mesh_info(mesh),
-    )  # fmt: skip
-    shards = 1
-    for d in [*leaf.dims, *(d for d in activations.dims[1:] if d.missing_axes)]:
-        if d.index == 0 and not d.missing_axes:
-            shards = max(int(d.shards), 1)
-        if d.missing_axes:
-            problems.add(
-                MeshError,
-                f"--rules {request.rules} shard {d.name!r} over mesh axis "
-                f"{', '.join(map(repr, d.missing_axes))}, which the {request.mesh} mesh "
-                f"{tuple(mesh.axis_names)} does not have",
-                f"Map {d.name!r} to the mesh's axes {tuple(mesh.axis_names)}, e.g. "
-                f"({d.name!r}, {mesh.axis_names[0]!r}).",
-                "unknown-axis",
-            )
-        elif not d.divides:
-            where = (
-                f"the {d.shards} devices that --rules {request.rules} shard {d.name!r} over (mesh "
-                f"axes {d.mesh_axes} of the {request.mesh} mesh)"
-            )
-            if d.index == 0:
-                problems.add(
-                    MeshplanError,
-                    f"--batch {settings.batch} does not split over {where}",
-                    f"Use a --batch that is a multiple of {d.shards} (e.g. {d.padded_size}), or "
-                    f"a mesh and rules that split 'batch' over fewer devices.",
-                    "indivisible",
-                )
-            else:
-                problems.add(
-                    MeshplanError,
-                    f"--seq {settings.seq_len} gives token windows of {d.size} (the model reads "
-                    f"{settings.seq_len} bytes and predicts the next), which do not split over "
-                    f"{where}",
-                    "Leave 'length' unsharded: ('length', None) in the rules.",
-                    "indivisible",
-                )
-    accum = settings.grad_accum
-    if accum > 1 and not settings.batch % accum and (settings.batch // accum) % shards:
-        problems.add(
-            MeshplanError,
-            f"--grad-accum {accum} cuts --batch {settings.batch} into microbatches of "
-            f"{settings.batch // accum}, which do not split over the {shards} devices that "
-            f"--rules {request.rules} shard 'batch' over",
-            f"Use a --batch that is a multiple of {accum * shards} (--grad-accum x {shards}), "
-            f"or fewer microbatches.",
-            "indivisible",
-        )
-    return shards
-
-
-def _check_corpus(corpus: Any, settings: TrainSettings, problems: _Problems) -> None:
-    """Both splits hold at least one window of ``seq_len + 1`` bytes."""
-    for split in ("train", "valid"):
-        try:
-            corpus.check_window(split, settings.seq_len)
-        except DataError as e:
-            problems.add_error(e)
-
-
 _SHOWN = 6
 """Parameters the layout cannot split shown in full; the rest are listed by path."""
 
@@ -543,7 +319,7 @@ def _check_state(
     stored: CheckpointMetadata | None,
     mesh: Mesh | None,
     rules: Any,
-    problems: _Problems,
+    problems: Problems,
     kind: str = DEFAULT_MODEL,
 ) -> None:
     """The checkpoint fits the model's shapes; the layout can split every parameter."""
@@ -602,72 +378,6 @@ def _check_state(
             )
 
 
-def _parse_train_mesh(text: str, axes: str | None = None) -> dict[str, int]:
-    """``--mesh`` (and ``--axes``) as ``{axis: size}``: ``('data', 'model')`` without ``--axes``."""
-    parts = str(text).lower().replace("×", "x").split("x")
-    readable = all(p.strip().isdigit() and int(p) > 0 for p in parts)
-    if axes is None and len(parts) > len(MESH_AXES) and readable:
-        names = ",".join(("data", "fsdp", "tensor", "model", "expert")[: len(parts)])
-        raise error_for(
-            MeshError, "mesh-axes", "--mesh",
-            f"--mesh {text} has {len(parts)} axes, but the default axis names {MESH_AXES} "
-            f"are two",
-            f"Pass --mesh DxM (e.g. 2x4), or name every axis: --mesh {text} --axes {names} (the "
-            f"axes your --rules map to).",
-        )  # fmt: skip
-    if axes is not None and readable:
-        names_given = [a.strip() for a in axes.split(",") if a.strip()]
-        if len(names_given) != len(parts) or len(set(names_given)) != len(names_given):
-            raise error_for(
-                MeshError, "mesh-axes", "--axes",
-                f"--axes {axes} gives {len(names_given)} distinct names for the {len(parts)} "
-                f"axes of --mesh {text}",
-                "Give one distinct name per mesh axis, in order, e.g. --mesh 2x2x2 --axes "
-                "data,fsdp,tensor.",
-            )  # fmt: skip
-    try:
-        return parse_mesh_shape(text, axes)
-    except MeshError as e:
-        raise error_for(
-            MeshError, "mesh-text", "--mesh",
-            f"Cannot read --mesh {text!r}: expected positive sizes separated by 'x'",
-            "Write it like 2x4, 4x2 or 8 (8x1), or 2x2x2 with --axes data,fsdp,tensor.",
-        ) from e  # fmt: skip
-
-
-def _check_metrics_file(path: str | None, problems: _Problems) -> None:
-    """``--metrics`` names a file that can be appended to (its folder exists), checked without
-    creating it."""
-    if path is None:
-        return
-    p = Path(path)
-    fix = "Pass --metrics a file path whose folder exists, e.g. --metrics run/metrics.jsonl."
-    if p.is_dir():
-        problems.add(MeshplanError, f"--metrics {path!r} is a folder, not a file", fix)
-    elif p.exists() and not p.is_file() and not p.is_char_device():
-        kind = "a FIFO (named pipe)" if p.is_fifo() else "a socket or special file"
-        problems.add(
-            MeshplanError,
-            f"--metrics {path!r} is {kind}, not a regular file: writing to it blocks until "
-            f"something reads it, so the run would stop without a word",
-            fix,
-        )
-    elif p.exists():
-        if not os.access(p, os.W_OK):
-            problems.add(MeshplanError, f"--metrics {path!r} cannot be written by this user", fix)
-    elif not p.absolute().parent.is_dir():
-        problems.add(
-            MeshplanError, f"--metrics {path!r}: its folder {str(p.absolute().parent)!r} does not "
-            "exist", fix,
-        )  # fmt: skip
-    elif not os.access(p.absolute().parent, os.W_OK):
-        problems.add(
-            MeshplanError,
-            f"--metrics {path!r}: its folder {str(p.absolute().parent)!r} cannot be written",
-            fix,
-        )
-
-
 def prepare_run(request: TrainRequest) -> PreparedRun:
     """Checks everything in ``request`` and returns a :class:`PreparedRun`: a :class:`Trainer`
     ready to run, and what the command shows about it.
@@ -694,7 +404,7 @@ def prepare_run(request: TrainRequest) -> PreparedRun:
         ...     print(str(e).splitlines()[0])
         meshplan train cannot start:
     """
-    problems = _Problems()
+    problems = Problems()
     rules = mesh = None
     try:
         rules = get_layout(request.rules)
@@ -704,7 +414,7 @@ def prepare_run(request: TrainRequest) -> PreparedRun:
         axes = request.axes
         if axes is None and request.rules in CONTEXT_EXPERT_LAYOUTS:
             axes = ",".join(LAYOUT_AXES[request.rules])  # ('data', 'context'), ('data', 'expert')
-        shape = _parse_train_mesh(request.mesh, axes)
+        shape = parse_train_mesh(request.mesh, axes)
         choice = request.devices
         if choice is not None:  # refused with the numbers and the fix in flag terms
             choose_devices(
@@ -717,23 +427,25 @@ def prepare_run(request: TrainRequest) -> PreparedRun:
         mesh = make_mesh(shape, None if choice is None else choice.devices)
     except MeshplanError as e:
         problems.add_error(e)
-    ckpt_dir, resume = _check_checkpoint_dir(request, problems)
+    ckpt_dir, resume = check_checkpoint_dir(request, problems)
     stored = resume.stored
     settings = _resolve_settings(request, stored, problems)
-    _check_metrics_file(request.metrics, problems)
+    check_metrics_file(request.metrics, problems)
     config = _check_config(request, stored, settings, problems)
     kind = _resolve_model(request, stored, problems)
     batch_shards = None
     if mesh is not None and rules is not None and not settings.problems():
-        batch_shards = _check_batch(request, settings, mesh, rules, problems)
+        batch_shards = check_batch(
+            str(request.rules), request.mesh, settings, mesh, rules, problems
+        )
     data = request.data
     if data is not None:
         data = str(Path(data).absolute())
     elif stored is not None:
         data = (stored.extra.get("train") or {}).get("data")
-    corpus = _load_corpus(data, problems)
+    corpus = load_corpus(data, problems)
     if corpus is not None and not settings.problems():
-        _check_corpus(corpus, settings, problems)
+        check_corpus(corpus, settings, problems)
     tx = abstract = built = None
     if config is not None and kind is not None and not settings.problems():
         tokens = _example_tokens(config, settings)
