@@ -204,6 +204,7 @@ def test_an_empty_step_folder_is_skipped_not_the_folder(tmp_path):
     found = intact_step(tmp_path)
     assert found.step == 3
     assert [p.path for p in found.skipped] == [f"'{tmp_path}' (step 4)"]
+    assert found.skipped_steps == [4]
     assert found.skipped[0].code == "ckpt-damaged"
     with pytest.raises(meshplan.CheckpointError) as e:
         meshplan.restore(tmp_path)

@@ -162,10 +162,13 @@ class IntactStep(NamedTuple):
         skipped: One ``'ckpt-damaged'`` :class:`Problem` per newer step that
             cannot be read (newest first): its ``path`` names the folder and step,
             its ``message`` what is damaged, its ``fix`` what to do.
+        skipped_steps: The step numbers of ``skipped``, in the same order: read
+            from here, never parsed back out of a problem's text.
     """
 
     step: int | None
     skipped: list[Problem]
+    skipped_steps: list[int]
 
 
 def intact_step(path: str | os.PathLike[str], before: int | None = None) -> IntactStep:
@@ -189,14 +192,15 @@ def intact_step(path: str | os.PathLike[str], before: int | None = None) -> Inta
         ...             _ = ckpt.save(step, {"w": jnp.ones(1000)})
         ...     os.remove(os.path.join(folder, "2", "meshplan", "metadata"))
         ...     found = intact_step(folder)
-        ...     print(found.step, [p.path.split()[-1] for p in found.skipped])
-        1 ['2)']
+        ...     print(found.step, found.skipped_steps)
+        1 [2]
     """
     p = checkpoint_path(path)
     if not complete_steps(p):
         with open_manager(p) as manager:
             metadata_of(manager, p)  # raises the folder's error (missing, empty, ...)
     skipped: list[Problem] = []
+    skipped_steps: list[int] = []
     with open_manager(p) as manager:
         steps = sorted(manager.all_steps())
         for step in reversed(steps):
@@ -204,6 +208,7 @@ def intact_step(path: str | os.PathLike[str], before: int | None = None) -> Inta
                 continue
             problem = check_step(p, step, manager)
             if problem is None:
-                return IntactStep(step, skipped)
+                return IntactStep(step, skipped, skipped_steps)
             skipped.append(problem)
-    return IntactStep(None, skipped)
+            skipped_steps.append(int(step))
+    return IntactStep(None, skipped, skipped_steps)

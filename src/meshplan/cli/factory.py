@@ -30,10 +30,11 @@ from collections.abc import Callable
 from typing import Any
 
 from meshplan._errors import ArgumentError
+from meshplan.examples.models import EXAMPLE_MODELS
 
 __all__ = ["BUILT_IN_MODELS", "FactoryModel", "is_factory", "load_factory"]
 
-BUILT_IN_MODELS = ("mlp", "transformer", "transformer-nnx")
+BUILT_IN_MODELS = tuple(EXAMPLE_MODELS)
 """The models ``--model`` knows by name."""
 
 _PROTOCOL = (

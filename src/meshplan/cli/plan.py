@@ -107,7 +107,10 @@ def load_rules(spec: str | None, model: str) -> tuple[str, Any]:
     from meshplan.layouts import get_layout
 
     if spec is None:
-        spec = "guide" if model == "mlp" else "fsdp_tp"
+        from meshplan.examples.models import EXAMPLE_MODELS
+
+        entry = EXAMPLE_MODELS.get(model)
+        spec = "fsdp_tp" if entry is None else entry.rules  # a factory: fsdp_tp
     return spec, get_layout(spec)
 
 
@@ -125,60 +128,13 @@ def abstract_state(args: argparse.Namespace) -> tuple[str, Any]:
         >>> what, state.params["layers"]["mlp"]["wi"].out_sharding
         ('Transformer (tiny, Flax NNX)', ('layer', 'embed', 'mlp'))
     """
-    import functools
-
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from flax.training import train_state
+    from meshplan.cli.steps import example_of
 
     if is_factory(args.model):
         loaded = load_factory(args.model)
         return loaded.what, loaded.abstract_state
-
-    if args.model == "transformer":
-        from meshplan.examples.transformer import Transformer, config_from_name
-
-        config = config_from_name(args.size, num_experts=getattr(args, "experts", None) or 0)
-        transformer = Transformer(config)
-
-        def init(key: jax.Array) -> train_state.TrainState:
-            tokens = jnp.zeros((1, min(config.max_len, 8)), jnp.int32)
-            params = transformer.init(key, tokens)["params"]
-            created: train_state.TrainState = train_state.TrainState.create(
-                apply_fn=transformer.apply, params=params, tx=optax.adam(1e-3)
-            )
-            return created
-
-        return f"Transformer ({args.size})", jax.eval_shape(init, jax.random.key(0))
-
-    if args.model == "transformer-nnx":
-        from meshplan.examples.transformer import config_from_name
-        from meshplan.examples.transformer_nnx import FunctionalTransformer
-
-        experts = getattr(args, "experts", None) or 0
-        functional = FunctionalTransformer(config_from_name(args.size, num_experts=experts))
-
-        def init_nnx(key: jax.Array) -> train_state.TrainState:
-            created: train_state.TrainState = train_state.TrainState.create(
-                apply_fn=None, params=functional.init(key), tx=optax.adam(1e-3)
-            )
-            return created
-
-        what = f"Transformer ({args.size}, Flax NNX)"
-        return what, jax.eval_shape(init_nnx, jax.random.key(0))
-
-    from meshplan.examples.mlp import LogicalMLP, init_fn
-
-    mlp = LogicalMLP(args.layers, args.depth, args.scan)
-    x = jax.ShapeDtypeStruct((8, args.depth), jnp.float32)
-    state = jax.eval_shape(
-        functools.partial(init_fn, model=mlp, optimizer=optax.adam(1e-3)),
-        jax.random.key(0),
-        x,
-    )
-    how = "nn.scan" if args.scan else "for-loop"
-    return f"MLP ({args.layers} layers of {args.depth}, {how})", state
+    built = example_of(args)
+    return built.what, built.model.abstract_state()
 
 
 def _prediction_problem(args: argparse.Namespace, shape: dict[str, int]) -> str | None:

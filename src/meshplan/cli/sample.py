@@ -225,13 +225,14 @@ class NnxModel:
         return params.into(abstract)
 
 
-def _damaged_fix(folder: str, problem: Any) -> str:
-    """The fix of a damaged step in flag terms: the newest intact earlier step, as ``--step N``."""
+def _damaged_fix(folder: str, step: int | None, problem: Any) -> str:
+    """The fix of a damaged ``step`` (``None``: the latest) in flag terms: the newest intact
+    earlier step, as ``--step N``."""
+    from meshplan._checkpoint.folder import latest_step
     from meshplan._checkpoint.integrity import intact_step
 
     try:
-        step = int(problem.path.rsplit("step ", 1)[-1].rstrip(")"))
-        found = intact_step(folder, before=step)
+        found = intact_step(folder, before=latest_step(folder) if step is None else step)
     except Exception:  # the folder itself is unreadable: the library's fix stands
         return str(problem.fix)
     if found.step is None:
@@ -348,7 +349,9 @@ def run(args: argparse.Namespace) -> int:
     except (meshplan.MeshplanError, ValueError) as e:
         problems = getattr(e, "problems", None) or []
         if len(problems) == 1 and problems[0].code == "ckpt-damaged":
-            print_error(f"{problems[0].message}.\n{_damaged_fix(args.ckpt_dir, problems[0])}")
+            print_error(
+                f"{problems[0].message}.\n{_damaged_fix(args.ckpt_dir, args.step, problems[0])}"
+            )
         else:
             print_error(e)
         return 2

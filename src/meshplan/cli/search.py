@@ -26,9 +26,9 @@ from meshplan._errors import MeshError, MeshplanError
 from meshplan.cli.devices import PLATFORMS, use_cpu_backend
 from meshplan.cli.factory import is_factory, load_factory
 from meshplan.cli.output import print_error, say
-from meshplan.cli.plan import abstract_state, add_model_size_arguments, model_args_problem
+from meshplan.cli.plan import add_model_size_arguments, model_args_problem
 from meshplan.cli.sizes import parse_bytes
-from meshplan.cli.steps import step_and_batch
+from meshplan.cli.steps import example_of
 
 HELP = (
     "Search meshes of --devices and logical rules for a model (built-in or --model "
@@ -357,9 +357,13 @@ def _load(args: argparse.Namespace) -> tuple[str, Any, Any, Any]:
     if is_factory(args.model):
         loaded = load_factory(args.model)
         return loaded.what, loaded.abstract_state, loaded.step_fn, loaded.example_batch
-    what, state = abstract_state(args)
-    step, batch = step_and_batch(args)
-    return what, state, step, batch
+    built = example_of(args)
+    return (
+        built.what,
+        built.model.abstract_state(),
+        built.model.step,
+        built.batch(args.batch, getattr(args, "seq", None) or 0),
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,11 +1,37 @@
-"""The train steps of the built-in models, for ``meshplan plan --profile`` and ``meshplan search``."""
+"""The built-in models from their flags, for ``meshplan plan`` and ``meshplan search``.
+
+A model is chosen by name in one place, :mod:`meshplan.examples.models`; this
+module only reads its config from the flags (``--size``, ``--experts``; the MLP's
+``--layers``, ``--depth``, ``--scan``).
+"""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-__all__ = ["step_and_batch"]
+from meshplan.examples.models import Example
+
+__all__ = ["example_of", "step_and_batch"]
+
+
+def example_of(args: argparse.Namespace) -> Example:
+    """The built-in ``--model`` of ``args`` (:data:`meshplan.examples.models.EXAMPLE_MODELS`).
+
+    Example:
+        >>> import argparse
+        >>> from meshplan.cli.steps import example_of
+        >>> example_of(argparse.Namespace(model="transformer-nnx", size="tiny")).what
+        'Transformer (tiny, Flax NNX)'
+    """
+    from meshplan.examples.models import EXAMPLE_MODELS, MLPConfig, example
+
+    if not EXAMPLE_MODELS[args.model].sequence:  # the guide's MLP
+        return example(args.model, MLPConfig(args.layers, args.depth, bool(args.scan)))
+    from meshplan.examples.transformer import config_from_name
+
+    config = config_from_name(args.size, num_experts=getattr(args, "experts", None) or 0)
+    return example(args.model, config, args.size)
 
 
 def step_and_batch(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -19,32 +45,5 @@ def step_and_batch(args: argparse.Namespace) -> tuple[Any, Any]:
         >>> batch.shape
         (4, 17)
     """
-    import jax
-    import jax.numpy as jnp
-
-    if args.model == "transformer":
-        from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
-
-        model = Transformer(config_from_name(args.size))
-
-        def step(state: Any, tokens: jax.Array) -> Any:
-            return state.apply_gradients(grads=jax.grad(loss_fn)(state.params, tokens, model))
-
-        return step, jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32)
-
-    if args.model == "transformer-nnx":
-        from meshplan.examples.transformer import config_from_name
-        from meshplan.examples.transformer_nnx import FunctionalTransformer
-
-        functional = FunctionalTransformer(config_from_name(args.size))
-
-        def nnx_step(state: Any, tokens: jax.Array) -> Any:
-            return state.apply_gradients(grads=jax.grad(functional.loss)(state.params, tokens))
-
-        return nnx_step, jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32)
-
-    def mlp_step(state: Any, x: jax.Array) -> Any:
-        grads = jax.grad(lambda p: state.apply_fn({"params": p}, x).sum())(state.params)
-        return state.apply_gradients(grads=grads)
-
-    return mlp_step, jax.ShapeDtypeStruct((args.batch, args.depth), jnp.float32)
+    built = example_of(args)
+    return built.model.step, built.batch(args.batch, getattr(args, "seq", None) or 0)

@@ -27,14 +27,21 @@ import signal
 import threading
 import time
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
 from meshplan.cli.devices import PLATFORMS, select_platform
 from meshplan.cli.output import print_error, say, text
-from meshplan.cli.train_flags import MODEL_FLAGS, SETTINGS_FLAGS
+
+if TYPE_CHECKING:
+    from meshplan.cli.devices import DeviceChoice
+    from meshplan.cli.train_request import PreparedRun, TrainRequest
+    from meshplan.train.flops import MeshPeak
+    from meshplan.train.trainer import Trainer, TrainResult
+
+from meshplan.cli.train_flags import CODE_ADVICE, MODEL_FLAGS, SETTINGS, SETTINGS_FLAGS
 
 HELP = (
     "Train the byte-level Transformer on a device mesh, with checkpoints that resume on any mesh."
@@ -128,28 +135,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train = parser.add_argument_group(
         "training (when resuming, omitted values come from the checkpoint)"
     )
-    for flag, kind, metavar, about in (
-        ("--steps", int, "N", "train up to step N (default 300)"),
-        ("--batch", int, "B", "sequences per step (default 32)"),
-        ("--seq", int, "L", "bytes per sequence (default 128)"),
-        ("--lr", float, "LR", "peak learning rate (default 3e-3)"),
-        ("--warmup", int, "N", "warm-up steps (default 30)"),
-        ("--weight-decay", float, "WD", "AdamW weight decay (default 0.01)"),
-        ("--seed", int, "S", "seed of the initial parameters and the batches (default 0)"),
-        ("--eval-every", int, "E", "evaluate every E steps; 0: at the end (default 50)"),
-        ("--eval-batches", int, "N", "validation batches per evaluation (default 4)"),
-        ("--ckpt-every", int, "K", "checkpoint every K steps and at the end (default 100)"),
-        ("--keep", int, "N", "latest checkpoints kept, besides the best valid one (default 3)"),
-        ("--clip", float, "NORM", "clip gradients to this global norm (default 1.0)"),
-        (
-            "--grad-accum",
-            int,
-            "N",
-            "microbatches per step: gradients of N slices of the batch accumulated, one update "
-            "(default 1)",
-        ),
-    ):
-        train.add_argument(flag, type=kind, metavar=metavar, help=about)
+    for setting in SETTINGS:
+        train.add_argument(
+            setting.flag, type=setting.kind, metavar=setting.metavar, help=setting.help
+        )
     model = parser.add_argument_group(
         "model (default: the checkpoint's model and config when resuming, else transformer, tiny)"
     )
@@ -219,7 +208,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _request(args: argparse.Namespace, devices: Any = None) -> Any:
+def _request(args: argparse.Namespace, devices: DeviceChoice | None = None) -> TrainRequest:
     from meshplan.cli.train_request import TrainRequest
 
     overrides = {field: getattr(args, dest) for dest, field in MODEL_FLAGS.items()}
@@ -247,16 +236,18 @@ def _request(args: argparse.Namespace, devices: Any = None) -> Any:
     )
 
 
-def _header(console: Console, trainer: Any, devices: Any, peak: Any) -> None:
+def _header(console: Console, prepared: PreparedRun, devices: Any, peak: MeshPeak) -> None:
     from meshplan._text import human_bytes
     from meshplan.cli.train_request import MODELS
-    from meshplan.examples.transformer import TransformerConfig
 
-    config = TransformerConfig.from_dict(trainer.config)
-    kind = str(trainer.record.get("model", "transformer"))
+    trainer, config, kind, corpus = (
+        prepared.trainer,
+        prepared.config,
+        prepared.model,
+        prepared.corpus,
+    )
     s = trainer.settings
     summary = trainer.plan_summary()
-    corpus = trainer.batches.corpus
     mesh = "x".join(str(v) for v in summary["mesh"].values())
     lines: list[list[Any]] = [
         [
@@ -286,7 +277,7 @@ def _header(console: Console, trainer: Any, devices: Any, peak: Any) -> None:
         ],
         [
             devices.describe() + f"; compute dtype {config.dtype}, parameters and AdamW "
-            f"state float32; {_flop_text(trainer.flops_per_step)} a step"
+            f"state float32; {_flop_text(trainer.flops_per_step or 0)} a step"
         ],
         [f"MFU against: {peak.label}" if peak.flops else f"no MFU: {peak.why}"],
     ]
@@ -349,7 +340,12 @@ def _peak_memory(devices: Any) -> int | None:
 
 
 def _summary(
-    console: Console, trainer: Any, result: Any, devices: Any, peak: Any, wall_s: float
+    console: Console,
+    trainer: Trainer,
+    result: TrainResult,
+    devices: DeviceChoice,
+    peak: MeshPeak,
+    wall_s: float,
 ) -> None:
     from meshplan._text import human_bytes
 
@@ -384,11 +380,11 @@ def _summary(
     routed = sum(m.get("routed", 0.0) for m in result.metrics.values())
     if routed:
         dropped = sum(m.get("dropped", 0.0) for m in result.metrics.values())
-        last = result.metrics[max(result.metrics)]
+        final = result.metrics[max(result.metrics)]
         table.add_row(
             "experts",
             f"{dropped / routed:.2%} of the expert choices dropped (over capacity) in "
-            f"{len(result.metrics)} steps; load-balancing loss {last.get('aux_loss', 0.0):.3f} "
+            f"{len(result.metrics)} steps; load-balancing loss {final.get('aux_loss', 0.0):.3f} "
             f"(1 when balanced) at step {max(result.metrics)}",
         )
     if result.losses:
@@ -494,14 +490,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import jax
 
-    from meshplan.cli.train_request import prepare
-    from meshplan.train.flops import mesh_peak
+    from meshplan.cli.train_request import DamagedStep, prepare_run
 
     console = _console(jax.process_index() == 0)
     request = _request(args, devices)
     while True:
         try:
-            trainer = prepare(request)
+            prepared = prepare_run(request)
+            trainer = prepared.trainer
         except MeshplanError as e:
             print_error(e)  # every problem, then the fixes in flag terms
             return 2
@@ -522,7 +518,8 @@ def run(args: argparse.Namespace) -> int:
                 and request.resume_step is None
             ):
                 # Bytes changed in place (seen only when read): take the step before it.
-                request = dataclasses.replace(request, damaged=(*request.damaged, problem))
+                damaged = DamagedStep(trainer.resume_from.step, problem)
+                request = dataclasses.replace(request, damaged=(*request.damaged, damaged))
                 continue
             print_error(_for_the_command_line(e))
             return 2
@@ -555,14 +552,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         for note in trainer.notes:
             say(Console(stderr=True), ("note: ", "bold"), note, soft_wrap=True)
-    peak = mesh_peak(
-        devices.platform,
-        devices.kind,
-        trainer.mesh.devices.size,
-        str((trainer.config or {}).get("dtype", "float32")),
-    )
-    trainer.peak_flops_per_s = peak.flops
-    _header(console, trainer, devices, peak)
+    peak = prepared.peak
+    assert peak is not None  # the request names the devices
+    _header(console, prepared, devices, peak)
 
     from rich.progress import (
         BarColumn,
@@ -656,7 +648,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _close(trainer: Any) -> Exception | None:
+def _close(trainer: Trainer) -> Exception | None:
     """Closes the trainer's checkpoints; the error it raises (a save that failed), if any."""
     from meshplan._errors import MeshplanError
 
@@ -697,7 +689,6 @@ def _for_the_command_line(
     error: Exception, lr: float | None = None, argv: list[str] | None = None
 ) -> str:
     """The error's message with its fix in flag terms (the library's name API calls)."""
-    from meshplan.cli.train_request import _FLAG_ADVICE
     from meshplan.train.trainer import Diverged
 
     if isinstance(error, Diverged):
@@ -717,9 +708,9 @@ def _for_the_command_line(
             fix = f"Lower --lr{now} and train again, e.g. with {lower}."
         return f"{problem.message}.\n{fix}"
     problems = getattr(error, "problems", None) or []
-    if len(problems) == 1 and problems[0].code in _FLAG_ADVICE:
+    if len(problems) == 1 and problems[0].code in CODE_ADVICE:
         problem = problems[0]
-        fix = _FLAG_ADVICE[problem.code]
+        fix = CODE_ADVICE[problem.code]
         if problem.code == "ckpt-write-failed":
             fix = f"{problem.fix} Then continue with --resume (from the last complete step)."
         return f"{problem.message}.\n{fix}"

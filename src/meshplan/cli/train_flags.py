@@ -1,31 +1,90 @@
-"""The flags of ``meshplan train`` that name training settings and model fields.
+"""The flags of ``meshplan train`` that name training settings and model fields, in one table.
 
-Shared by the command (:mod:`meshplan.cli.train`), which reads them into a
-request, and the launcher (:mod:`meshplan.cli.train_processes`), which passes
-them on to each worker process.
+Each training setting is one :class:`Setting`: its ``argparse`` destination, the
+:class:`~meshplan.train.settings.TrainSettings` field it sets, its type, help and
+the flag-level fix when the setting is refused. The parser
+(:mod:`meshplan.cli.train`) is built from :data:`SETTINGS`, the checks
+(:mod:`meshplan.cli.train_request`) read their fixes from it, and the launcher
+(:mod:`meshplan.cli.train_processes`) passes the same flags on to each worker.
+:data:`CODE_ADVICE` is the flag-level advice for the library's problem codes.
 """
 
 from __future__ import annotations
 
-__all__ = ["MODEL_FLAGS", "SETTINGS_FLAGS", "flag"]
+import dataclasses
 
-SETTINGS_FLAGS = {
-    # flag dest -> TrainSettings field
-    "steps": "steps",
-    "batch": "batch",
-    "seq": "seq_len",
-    "lr": "lr",
-    "warmup": "warmup",
-    "weight_decay": "weight_decay",
-    "seed": "seed",
-    "eval_every": "eval_every",
-    "eval_batches": "eval_batches",
-    "ckpt_every": "ckpt_every",
-    "keep": "keep",
-    "clip": "clip",
-    "grad_accum": "grad_accum",
-}
+__all__ = [
+    "CODE_ADVICE",
+    "MODEL_FLAGS",
+    "SETTINGS",
+    "SETTINGS_FLAGS",
+    "Setting",
+    "flag",
+    "setting_fix",
+    "setting_flag",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One training setting of ``meshplan train``: its flag, its field, its help and its fix.
+
+    Attributes:
+        dest: The ``argparse`` destination (``eval_every``; the flag is :attr:`flag`).
+        field: The :class:`~meshplan.train.settings.TrainSettings` field it sets.
+        kind: ``int`` or ``float``.
+        metavar: The value's name in ``--help``.
+        help: What it does, with its default.
+        fix: What to pass instead when :meth:`TrainSettings.problems` refuses it.
+    """
+
+    dest: str
+    field: str
+    kind: type
+    metavar: str
+    help: str
+    fix: str
+
+    @property
+    def flag(self) -> str:
+        return flag(self.dest)
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("steps", "steps", int, "N", "train up to step N (default 300)",
+            "Pass --steps 1 or more."),
+    Setting("batch", "batch", int, "B", "sequences per step (default 32)",
+            "Pass --batch 1 or more (a multiple of the devices 'batch' is split over)."),
+    Setting("seq", "seq_len", int, "L", "bytes per sequence (default 128)",
+            "Pass --seq 1 or more."),
+    Setting("lr", "lr", float, "LR", "peak learning rate (default 3e-3)",
+            "Pass a finite learning rate above 0, e.g. --lr 3e-3."),
+    Setting("warmup", "warmup", int, "N", "warm-up steps (default 30)",
+            "Pass --warmup 0 (no warm-up) or a positive number of steps."),
+    Setting("weight_decay", "weight_decay", float, "WD", "AdamW weight decay (default 0.01)",
+            "Pass a finite --weight-decay of 0 or more, e.g. --weight-decay 0.01."),
+    Setting("seed", "seed", int, "S", "seed of the initial parameters and the batches "
+            "(default 0)", "Pass --seed 0 or another whole number from 0 to 2**63 - 1."),
+    Setting("eval_every", "eval_every", int, "E", "evaluate every E steps; 0: at the end "
+            "(default 50)", "Pass --eval-every 0 (only at the end) or a positive number of steps."),
+    Setting("eval_batches", "eval_batches", int, "N", "validation batches per evaluation "
+            "(default 4)", "Pass --eval-batches 1 or more."),
+    Setting("ckpt_every", "ckpt_every", int, "K", "checkpoint every K steps and at the end "
+            "(default 100)", "Pass --ckpt-every 0 (only at the end) or a positive number of steps."),
+    Setting("keep", "keep", int, "N", "latest checkpoints kept, besides the best valid one "
+            "(default 3)", "Pass --keep 1 or more (the best checkpoint is kept as well)."),
+    Setting("clip", "clip", float, "NORM", "clip gradients to this global norm (default 1.0)",
+            "Pass a finite gradient norm above 0, e.g. --clip 1.0."),
+    Setting("grad_accum", "grad_accum", int, "N", "microbatches per step: gradients of N slices "
+            "of the batch accumulated, one update (default 1)",
+            "Pass a --grad-accum that divides --batch, e.g. --grad-accum 2 with --batch 32."),
+)  # fmt: skip
+"""Every training setting of ``meshplan train``, in ``--help`` order."""
+
+SETTINGS_FLAGS = {s.dest: s.field for s in SETTINGS}
 """``argparse`` destination -> :class:`meshplan.train.settings.TrainSettings` field."""
+
+_BY_FIELD = {s.field: s for s in SETTINGS}
 
 MODEL_FLAGS = {
     # flag dest -> TransformerConfig field
@@ -54,3 +113,60 @@ def flag(dest: str) -> str:
     if dest == "config":  # the preset is --size on every command (--config: its old name)
         return "--size"
     return "--" + dest.replace("_", "-")
+
+
+def setting_flag(field: str) -> str:
+    """The flag of a :class:`~meshplan.train.settings.TrainSettings` field.
+
+    Example:
+        >>> from meshplan.cli.train_flags import setting_flag
+        >>> setting_flag("seq_len"), setting_flag("grad_accum")
+        ('--seq', '--grad-accum')
+    """
+    found = _BY_FIELD.get(field)
+    return found.flag if found is not None else flag(field)
+
+
+def setting_fix(field: str) -> str:
+    """The flag-level fix of a refused :class:`~meshplan.train.settings.TrainSettings` field.
+
+    Example:
+        >>> from meshplan.cli.train_flags import setting_fix
+        >>> setting_fix("seq_len")
+        'Pass --seq 1 or more.'
+    """
+    found = _BY_FIELD.get(field)
+    return found.fix if found is not None else f"Pass a valid {setting_flag(field)}."
+
+
+CODE_ADVICE = {
+    "ckpt-missing": "Check --ckpt-dir, or start without --resume to train into it.",
+    "ckpt-not-a-folder": "Pass a folder as --ckpt-dir.",
+    "ckpt-no-steps": "Pass the --ckpt-dir of an earlier run, or start without --resume.",
+    "ckpt-incomplete": "Its first save never finished: start again without --resume.",
+    "ckpt-not-meshplan": "Pass the --ckpt-dir of a meshplan train run.",
+    "ckpt-no-such-step": (
+        "Pass one of those steps as --resume-step, or leave it out for the newest intact one."
+    ),
+    "ckpt-bad-step": "Pass --resume-step a step number, e.g. --resume-step 20.",
+    "ckpt-damaged": (
+        "Resume from an earlier step with --resume-step N (or --resume alone, which takes the "
+        "newest intact step), or train into a new --ckpt-dir."
+    ),
+    "ckpt-newer-format": "Upgrade meshplan to resume this run.",
+    "ckpt-locked": (
+        "Wait for that run to finish or stop it, or pass another --ckpt-dir. If that process "
+        "is gone (e.g. on another host), delete the lock file."
+    ),
+    "ckpt-not-writable": (
+        "Make --ckpt-dir writable by this user, or pass a --ckpt-dir on another disk or folder."
+    ),
+    "ckpt-write-failed": (
+        "Free space or fix the folder's permissions, then continue with --resume (from the "
+        "last complete step), or pass another --ckpt-dir."
+    ),
+    "ckpt-not-finite": (
+        "The run diverged: lower --lr and resume from the last good step with --resume-step N."
+    ),
+}
+"""Flag-level advice for the library's problem codes (its own fixes name API calls)."""

@@ -20,9 +20,7 @@ comes from the checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +29,6 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from meshplan._checkpoint.checkpointer import Checkpointer
-from meshplan._checkpoint.folder import latest_step, read_metadata
-from meshplan._checkpoint.integrity import check_step, intact_step
 from meshplan._checkpoint.metadata import CheckpointMetadata
 from meshplan._checkpoint.restore import compatibility_problems
 from meshplan._checkpoint.tree import flatten_state
@@ -40,44 +36,54 @@ from meshplan._errors import (
     CheckpointError,
     MeshError,
     MeshplanError,
-    Problem,
-    error_for,
-    problem_message,
 )
-from meshplan._spmd.mesh_info import mesh_info
-from meshplan._spmd.rules import logical_axis_rules, rules_problems
-from meshplan._spmd.validate import check_leaf, validate
-from meshplan._text import human_bytes
+from meshplan._spmd.validate import validate
 from meshplan.cli.devices import (
     DeviceChoice,
     choose_devices,
     count_from_xla_flags,
     mesh_flag_advice,
 )
-from meshplan.examples.context import context_shards
-from meshplan.examples.data import BATCH_NAMES, ByteCorpus, DataError, shard_batch
+from meshplan.cli.train_checks import (
+    Problems,
+    check_batch,
+    check_corpus,
+    check_metrics_file,
+    load_corpus,
+    parse_train_mesh,
+)
+from meshplan.cli.train_flags import setting_fix, setting_flag
+from meshplan.cli.train_memory import memory_problem
+from meshplan.cli.train_resume import DamagedStep, check_checkpoint_dir
+from meshplan.examples.data import ByteCorpus, shard_batch
+from meshplan.examples.models import EXAMPLE_MODELS, example
 from meshplan.examples.transformer import (
     CONFIG_SETTINGS,
-    Transformer,
     TransformerConfig,
     config_from_name,
-    loss_and_stats,
-    loss_fn,
     train_flops,
 )
-from meshplan.examples.transformer_nnx import FunctionalTransformer
 from meshplan.layouts import CONTEXT_EXPERT_LAYOUTS, LAYOUT_AXES, get_layout
-from meshplan.train.mesh import MESH_AXES, make_mesh, parse_mesh_shape
+from meshplan.train.flops import MeshPeak, mesh_peak
+from meshplan.train.mesh import make_mesh
 from meshplan.train.settings import TrainSettings, make_optimizer
-from meshplan.train.state import abstract_train_state, per_device_bytes, state_shardings
-from meshplan.train.trainer import Trainer
+from meshplan.train.state import abstract_train_state
+from meshplan.train.trainer import Checkpoints, Measures, Placement, Trainer
 
-__all__ = ["MODELS", "ByteBatches", "TrainRequest", "build_model", "model_of", "prepare"]
+_Problems = Problems  # (its older name)
 
-MODELS = {
-    "transformer": "Flax Linen",
-    "transformer-nnx": "Flax NNX",
-}
+__all__ = [
+    "MODELS",
+    "ByteBatches",
+    "DamagedStep",
+    "PreparedRun",
+    "TrainRequest",
+    "model_of",
+    "prepare",
+    "prepare_run",
+]
+
+MODELS = {name: m.api for name, m in EXAMPLE_MODELS.items() if m.sequence}
 """The models ``meshplan train --model`` trains, and the Flax API each is written in."""
 
 DEFAULT_MODEL = "transformer"
@@ -95,25 +101,6 @@ def model_of(metadata: CheckpointMetadata) -> str:
         ('transformer', 'transformer-nnx')
     """
     return str((metadata.extra.get("train") or {}).get("model") or DEFAULT_MODEL)
-
-
-def build_model(kind: str, config: TransformerConfig) -> tuple[Any, Any]:
-    """``(model, loss)`` for :class:`~meshplan.train.trainer.Trainer`: a ``--model`` of :data:`MODELS`.
-
-    ``transformer``: the Linen module and ``loss(params, batch)``;
-    ``transformer-nnx``: the NNX model's ``init(key) -> nnx.State`` and its ``loss(state, batch)``.
-    A mixture-of-experts config's loss returns ``(loss, stats)`` (the trainer's ``has_aux``).
-    """
-    if kind == "transformer-nnx":
-        functional = FunctionalTransformer(config)
-        loss = functional.loss_and_stats if config.num_experts else functional.loss
-        return functional.init, loss
-    if kind != "transformer":
-        raise ValueError(f"unknown model {kind!r}: expected one of {', '.join(MODELS)}")
-    model = Transformer(config)
-    if config.num_experts:  # (loss, stats): the trainer reports dropped tokens (has_aux)
-        return model, functools.partial(loss_and_stats, model=model)
-    return model, functools.partial(loss_fn, model=model)
 
 
 @dataclasses.dataclass
@@ -143,9 +130,9 @@ class TrainRequest:
             (:func:`meshplan.cli.devices.found_devices`); ``None``: JAX's default devices.
         sync_every_step: Read every step's loss at once (``--sync-every-step``, for
             measuring what overlapping the host and the device gains).
-        damaged: ``'ckpt-damaged'`` problems of steps already found damaged when
-            their arrays were read (a checksum mismatch, which the cheap check
-            cannot see): ``resume`` takes the newest intact step before them.
+        damaged: Steps already found damaged when their arrays were read (a
+            checksum mismatch, which the cheap check cannot see), each with its
+            ``'ckpt-damaged'`` problem: ``resume`` takes the newest intact step before them.
     """
 
     mesh: str = "2x4"
@@ -162,7 +149,39 @@ class TrainRequest:
     model: str | None = None
     devices: DeviceChoice | None = None
     sync_every_step: bool = False
-    damaged: tuple[Problem, ...] = ()
+    damaged: tuple[DamagedStep, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedRun:
+    """A checked request: the :class:`Trainer`, and what the command says about the run.
+
+    Attributes:
+        trainer: The trainer, built once with everything it needs.
+        corpus: The byte corpus its batches come from (the header names it).
+        config: The model's config.
+        model: ``--model`` (:data:`MODELS`).
+        peak: The devices' peak for MFU (:func:`meshplan.train.flops.mesh_peak`);
+            ``None`` when the request names no devices.
+    """
+
+    trainer: Trainer
+    corpus: ByteCorpus
+    config: TransformerConfig
+    model: str
+    peak: MeshPeak | None
+
+
+def prepare(request: TrainRequest) -> Trainer:
+    """The :class:`Trainer` of :func:`prepare_run` (every problem raised first).
+
+    Example:
+        >>> from meshplan.cli.train_request import TrainRequest, prepare
+        >>> trainer = prepare(TrainRequest(mesh="2x4", config="tiny", settings={"steps": 1}))
+        >>> trainer.settings.steps, dict(trainer.mesh.shape)
+        (1, {'data': 2, 'model': 4})
+    """
+    return prepare_run(request).trainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,71 +211,6 @@ class ByteBatches:
         return shard_batch(tokens, self.mesh, self.rules)
 
 
-_FLAG_ADVICE = {
-    "ckpt-missing": "Check --ckpt-dir, or start without --resume to train into it.",
-    "ckpt-not-a-folder": "Pass a folder as --ckpt-dir.",
-    "ckpt-no-steps": "Pass the --ckpt-dir of an earlier run, or start without --resume.",
-    "ckpt-incomplete": "Its first save never finished: start again without --resume.",
-    "ckpt-not-meshplan": "Pass the --ckpt-dir of a meshplan train run.",
-    "ckpt-no-such-step": (
-        "Pass one of those steps as --resume-step, or leave it out for the newest intact one."
-    ),
-    "ckpt-bad-step": "Pass --resume-step a step number, e.g. --resume-step 20.",
-    "ckpt-damaged": (
-        "Resume from an earlier step with --resume-step N (or --resume alone, which takes the "
-        "newest intact step), or train into a new --ckpt-dir."
-    ),
-    "ckpt-newer-format": "Upgrade meshplan to resume this run.",
-    "ckpt-locked": (
-        "Wait for that run to finish or stop it, or pass another --ckpt-dir. If that process "
-        "is gone (e.g. on another host), delete the lock file."
-    ),
-    "ckpt-not-writable": (
-        "Make --ckpt-dir writable by this user, or pass a --ckpt-dir on another disk or folder."
-    ),
-    "ckpt-write-failed": (
-        "Free space or fix the folder's permissions, then continue with --resume (from the "
-        "last complete step), or pass another --ckpt-dir."
-    ),
-    "ckpt-not-finite": (
-        "The run diverged: lower --lr and resume from the last good step with --resume-step N."
-    ),
-}
-"""Flag-level advice for the library's problem codes (its own fixes name API calls)."""
-
-
-class _Problems:
-    """Collects (error class, problem) pairs and raises them together."""
-
-    def __init__(self) -> None:
-        self.items: list[tuple[type[MeshplanError], Problem]] = []
-
-    def add(self, cls: type[MeshplanError], problem: str, fix: str, code: str = "train") -> None:
-        self.items.append((cls, Problem("error", "", problem, fix, code)))
-
-    def add_error(self, error: MeshplanError, where: str = "") -> None:
-        """The error's problems, with flag-level advice for the codes the command line knows.
-
-        ``where``: the flag the problems come from (``--rules r.json``), put before each.
-        """
-        found = error.problems or [Problem("error", "", str(error), "", "error")]
-        for p in found:
-            message = f"{p.path}: {p.message}" if p.path and p.path not in p.message else p.message
-            if where and not message.startswith(where):
-                message = f"{where}: {message}"
-            fix = _FLAG_ADVICE.get(p.code, p.fix)
-            self.items.append((type(error), Problem("error", "", message, fix, p.code)))
-
-    def raise_if_any(self, header: str) -> None:
-        if not self.items:
-            return
-        found = [p for _, p in self.items]
-        fixes = list(dict.fromkeys(p.fix for p in found if p.fix))
-        raise self.items[0][0](
-            problem_message(header, [p.message for p in found], "\n".join(fixes)), found
-        )
-
-
 def _example_tokens(config: TransformerConfig, settings: TrainSettings) -> Any:
     """The tokens the model is initialised with: ``seq_len`` of them, at most ``max_len``.
 
@@ -266,152 +220,14 @@ def _example_tokens(config: TransformerConfig, settings: TrainSettings) -> Any:
     return jax.ShapeDtypeStruct((1, min(settings.seq_len, config.max_len)), jnp.int32)
 
 
-def _load_corpus(data: str | None, problems: _Problems) -> ByteCorpus | None:
-    try:
-        return ByteCorpus.from_stdlib() if data is None else ByteCorpus.from_path(data)
-    except MeshplanError as e:
-        problems.add_error(e)
-    except (ValueError, OSError) as e:  # the file system's words: the message is all there is
-        problems.add(DataError, f"cannot read --data {data!r}: {type(e).__name__}: {e}", "")
-    return None
-
-
 def _resolve_config(request: TrainRequest, stored: CheckpointMetadata | None) -> TransformerConfig:
     if request.config is not None or stored is None or stored.config is None:
         return config_from_name(request.config or "tiny", **request.overrides)
     return dataclasses.replace(TransformerConfig.from_dict(stored.config), **request.overrides)
 
 
-def step_of_problem(problem: Problem) -> int:
-    """The step a ``'ckpt-damaged'`` problem is about (its path ends ``(step N)``).
-
-    Example:
-        >>> import meshplan
-        >>> from meshplan.cli.train_request import step_of_problem
-        >>> step_of_problem(meshplan.Problem("error", "'/r' (step 40)", "m", "f", "ckpt-damaged"))
-        40
-    """
-    return int(problem.path.rsplit("step ", 1)[-1].rstrip(")"))
-
-
-@dataclasses.dataclass
-class _Resume:
-    """Where a run resumes from: the metadata, the damaged steps skipped, and what to say."""
-
-    stored: CheckpointMetadata | None = None
-    damaged: list[int] = dataclasses.field(default_factory=list)
-    notes: list[str] = dataclasses.field(default_factory=list)
-
-
-def _check_checkpoint_dir(
-    request: TrainRequest, problems: _Problems
-) -> tuple[Path | None, _Resume]:
-    """The checkpoint folder, and the step to resume from when resuming.
-
-    Without ``resume_step``: the newest intact step (a cheap check of each newer
-    one, no array read); the damaged ones skipped are named in the notes.
-    """
-    resume = request.resume or request.resume_step is not None
-    found = _Resume()
-    if request.ckpt_dir is not None and not request.ckpt_dir.strip():
-        problems.add(
-            CheckpointError,
-            f"--ckpt-dir {request.ckpt_dir!r} is empty: the run would save nothing",
-            "Pass a folder, e.g. --ckpt-dir runs/first, or leave --ckpt-dir out to train "
-            "without checkpoints.",
-            "ckpt-empty-path",
-        )
-        return None, found
-    if request.ckpt_dir is not None and "://" in request.ckpt_dir:
-        scheme = request.ckpt_dir.split("://", 1)[0]
-        problems.add(
-            CheckpointError,
-            f"--ckpt-dir {request.ckpt_dir!r} is a {scheme}:// URL: meshplan train saves into "
-            f"a folder of this machine (its lock file, the moved-aside branches and the checks "
-            f"before training are local files), and would make a local folder named "
-            f"'{scheme}:' instead",
-            f"Train into a local folder (or a mounted bucket, e.g. gcsfuse) and copy it to "
-            f"{scheme}:// afterwards; meshplan.restore and meshplan.Checkpointer take "
-            f"{scheme}:// paths from Python.",
-            "ckpt-url",
-        )
-        return None, found
-    ckpt_dir = Path(request.ckpt_dir).absolute() if request.ckpt_dir else None
-    if resume and ckpt_dir is None:
-        problems.add(
-            MeshplanError,
-            f"{'--resume-step' if request.resume_step is not None else '--resume'} needs the "
-            f"checkpoint folder to resume from",
-            "Pass --ckpt-dir DIR with --resume.",
-        )
-    elif resume and ckpt_dir is not None:  # (not None: the case above)
-        try:
-            if request.resume_step is not None:
-                found.stored = read_metadata(ckpt_dir, request.resume_step)
-                problem = check_step(ckpt_dir, found.stored.step)
-                if problem is not None:
-                    raise CheckpointError(problem.message, [problem])
-                return ckpt_dir, found
-            known = [step_of_problem(p) for p in request.damaged]
-            intact = intact_step(ckpt_dir, before=min(known) if known else None)
-            skipped = [*request.damaged, *intact.skipped]
-            if intact.step is None:
-                problems.add(
-                    CheckpointError,
-                    f"no step of {str(ckpt_dir)!r} can be read: "
-                    + "; ".join(p.message for p in skipped),
-                    "Train into a new --ckpt-dir (or without --resume into this one after "
-                    "removing its steps).",
-                    "ckpt-damaged",
-                )
-                return ckpt_dir, found
-            found.stored = read_metadata(ckpt_dir, intact.step)
-            found.damaged = [step_of_problem(p) for p in skipped]
-            for p in skipped:
-                found.notes.append(f"Skipping damaged step: {p.message}")
-            if skipped:
-                found.notes.append(
-                    f"Resuming from step {intact.step}, the newest step that can be read."
-                )
-        except MeshplanError as e:
-            problems.add_error(e)
-    elif ckpt_dir is not None and (last := latest_step(ckpt_dir)) is not None:
-        problems.add(
-            CheckpointError,
-            f"--ckpt-dir {str(ckpt_dir)!r} already holds checkpoints (latest step {last})",
-            "Pass --resume to continue that run, or a new --ckpt-dir to start another.",
-        )
-    return ckpt_dir, found
-
-
-_FLAGS = {"seq_len": "--seq"}
-"""Settings whose flag is not ``--`` + the name with dashes."""
-
-
-def _flag_of(name: str) -> str:
-    return _FLAGS.get(name, "--" + name.replace("_", "-"))
-
-
-_FIXES = {
-    "steps": "Pass --steps 1 or more.",
-    "batch": "Pass --batch 1 or more (a multiple of the devices 'batch' is split over).",
-    "seq_len": "Pass --seq 1 or more.",
-    "eval_batches": "Pass --eval-batches 1 or more.",
-    "keep": "Pass --keep 1 or more (the best checkpoint is kept as well).",
-    "warmup": "Pass --warmup 0 (no warm-up) or a positive number of steps.",
-    "eval_every": "Pass --eval-every 0 (only at the end) or a positive number of steps.",
-    "ckpt_every": "Pass --ckpt-every 0 (only at the end) or a positive number of steps.",
-    "seed": "Pass --seed 0 or another whole number from 0 to 2**63 - 1.",
-    "lr": "Pass a finite learning rate above 0, e.g. --lr 3e-3.",
-    "weight_decay": "Pass a finite --weight-decay of 0 or more, e.g. --weight-decay 0.01.",
-    "clip": "Pass a finite gradient norm above 0, e.g. --clip 1.0.",
-    "grad_accum": "Pass a --grad-accum that divides --batch, e.g. --grad-accum 2 with --batch 32.",
-}
-"""The flag-level fix of each setting :meth:`TrainSettings.problems` refuses."""
-
-
 def _resolve_settings(
-    request: TrainRequest, stored: CheckpointMetadata | None, problems: _Problems
+    request: TrainRequest, stored: CheckpointMetadata | None, problems: Problems
 ) -> TrainSettings:
     """The defaults, overridden by the preset's (``--size base``), by the checkpoint's
     settings, then by the request's."""
@@ -424,8 +240,8 @@ def _resolve_settings(
         where = "the checkpoint's " if name not in request.settings else ""
         problems.add(
             MeshplanError,
-            f"{where}{_flag_of(name)} {why}",
-            _FIXES.get(name, f"Pass a valid {_flag_of(name)}."),
+            f"{where}{setting_flag(name)} {why}",
+            setting_fix(name),
         )
     if stored is not None and settings.steps < stored.step:
         problems.add(
@@ -437,7 +253,7 @@ def _resolve_settings(
 
 
 def _resolve_model(
-    request: TrainRequest, stored: CheckpointMetadata | None, problems: _Problems
+    request: TrainRequest, stored: CheckpointMetadata | None, problems: Problems
 ) -> str | None:
     """The ``--model`` of this run: the request's, else the checkpoint's, else ``transformer``."""
     saved = model_of(stored) if stored is not None else None
@@ -477,7 +293,7 @@ def _check_config(
     request: TrainRequest,
     stored: CheckpointMetadata | None,
     settings: TrainSettings,
-    problems: _Problems,
+    problems: Problems,
 ) -> Any:
     try:
         config = _resolve_config(request, stored)
@@ -497,93 +313,6 @@ def _check_config(
     return config
 
 
-def _check_batch(
-    request: TrainRequest, settings: TrainSettings, mesh: Mesh, rules: Any, problems: _Problems
-) -> int:
-    """A batch of tokens, ``[batch, seq_len + 1]``, splits over the mesh axes the rules give.
-
-    The validator checks the batch as one more array; this turns what it finds into flag advice.
-    Returns the number of devices 'batch' is split over.
-    """
-    valid, index_map, _ = rules_problems(rules)
-    with jax.set_mesh(mesh), logical_axis_rules(valid):
-        context = context_shards()
-    if context > 1 and settings.seq_len % (2 * context):
-        problems.add(
-            MeshplanError,
-            f"--seq {settings.seq_len} cannot be striped over the {context} context shards that "
-            f"--rules {request.rules} split 'length' into (load balancing cuts a sequence into "
-            f"{2 * context} equal chunks)",
-            f"Use a --seq that is a multiple of {2 * context}.",
-            "seq-not-striped",
-        )
-    shape = (settings.batch, settings.seq_len + 1)
-    leaf = check_leaf("logical", BATCH_NAMES, shape, valid, index_map, mesh_info(mesh))
-    # The activations' 'length' (context parallelism): its mesh axes must exist (the stripes
-    # are checked above).
-    activations = check_leaf(
-        "logical", ("batch", "length"), (settings.batch, settings.seq_len), valid, index_map,
-        mesh_info(mesh),
-    )  # fmt: skip
-    shards = 1
-    for d in [*leaf.dims, *(d for d in activations.dims[1:] if d.missing_axes)]:
-        if d.index == 0 and not d.missing_axes:
-            shards = max(int(d.shards), 1)
-        if d.missing_axes:
-            problems.add(
-                MeshError,
-                f"--rules {request.rules} shard {d.name!r} over mesh axis "
-                f"{', '.join(map(repr, d.missing_axes))}, which the {request.mesh} mesh "
-                f"{tuple(mesh.axis_names)} does not have",
-                f"Map {d.name!r} to the mesh's axes {tuple(mesh.axis_names)}, e.g. "
-                f"({d.name!r}, {mesh.axis_names[0]!r}).",
-                "unknown-axis",
-            )
-        elif not d.divides:
-            where = (
-                f"the {d.shards} devices that --rules {request.rules} shard {d.name!r} over (mesh "
-                f"axes {d.mesh_axes} of the {request.mesh} mesh)"
-            )
-            if d.index == 0:
-                problems.add(
-                    MeshplanError,
-                    f"--batch {settings.batch} does not split over {where}",
-                    f"Use a --batch that is a multiple of {d.shards} (e.g. {d.padded_size}), or "
-                    f"a mesh and rules that split 'batch' over fewer devices.",
-                    "indivisible",
-                )
-            else:
-                problems.add(
-                    MeshplanError,
-                    f"--seq {settings.seq_len} gives token windows of {d.size} (the model reads "
-                    f"{settings.seq_len} bytes and predicts the next), which do not split over "
-                    f"{where}",
-                    "Leave 'length' unsharded: ('length', None) in the rules.",
-                    "indivisible",
-                )
-    accum = settings.grad_accum
-    if accum > 1 and not settings.batch % accum and (settings.batch // accum) % shards:
-        problems.add(
-            MeshplanError,
-            f"--grad-accum {accum} cuts --batch {settings.batch} into microbatches of "
-            f"{settings.batch // accum}, which do not split over the {shards} devices that "
-            f"--rules {request.rules} shard 'batch' over",
-            f"Use a --batch that is a multiple of {accum * shards} (--grad-accum x {shards}), "
-            f"or fewer microbatches.",
-            "indivisible",
-        )
-    return shards
-
-
-def _check_corpus(corpus: Any, settings: TrainSettings, problems: _Problems) -> None:
-    """Both splits hold at least one window of ``seq_len + 1`` bytes."""
-    for split in ("train", "valid"):
-        try:
-            corpus.check_window(split, settings.seq_len)
-        except DataError as e:
-            problems.add_error(e)
-
-
 _SHOWN = 6
 """Parameters the layout cannot split shown in full; the rest are listed by path."""
 
@@ -595,7 +324,7 @@ def _check_state(
     stored: CheckpointMetadata | None,
     mesh: Mesh | None,
     rules: Any,
-    problems: _Problems,
+    problems: Problems,
     kind: str = DEFAULT_MODEL,
 ) -> None:
     """The checkpoint fits the model's shapes; the layout can split every parameter."""
@@ -654,177 +383,9 @@ def _check_state(
             )
 
 
-def _parse_train_mesh(text: str, axes: str | None = None) -> dict[str, int]:
-    """``--mesh`` (and ``--axes``) as ``{axis: size}``: ``('data', 'model')`` without ``--axes``."""
-    parts = str(text).lower().replace("×", "x").split("x")
-    readable = all(p.strip().isdigit() and int(p) > 0 for p in parts)
-    if axes is None and len(parts) > len(MESH_AXES) and readable:
-        names = ",".join(("data", "fsdp", "tensor", "model", "expert")[: len(parts)])
-        raise error_for(
-            MeshError, "mesh-axes", "--mesh",
-            f"--mesh {text} has {len(parts)} axes, but the default axis names {MESH_AXES} "
-            f"are two",
-            f"Pass --mesh DxM (e.g. 2x4), or name every axis: --mesh {text} --axes {names} (the "
-            f"axes your --rules map to).",
-        )  # fmt: skip
-    if axes is not None and readable:
-        names_given = [a.strip() for a in axes.split(",") if a.strip()]
-        if len(names_given) != len(parts) or len(set(names_given)) != len(names_given):
-            raise error_for(
-                MeshError, "mesh-axes", "--axes",
-                f"--axes {axes} gives {len(names_given)} distinct names for the {len(parts)} "
-                f"axes of --mesh {text}",
-                "Give one distinct name per mesh axis, in order, e.g. --mesh 2x2x2 --axes "
-                "data,fsdp,tensor.",
-            )  # fmt: skip
-    try:
-        return parse_mesh_shape(text, axes)
-    except MeshError as e:
-        raise error_for(
-            MeshError, "mesh-text", "--mesh",
-            f"Cannot read --mesh {text!r}: expected positive sizes separated by 'x'",
-            "Write it like 2x4, 4x2 or 8 (8x1), or 2x2x2 with --axes data,fsdp,tensor.",
-        ) from e  # fmt: skip
-
-
-def _check_metrics_file(path: str | None, problems: _Problems) -> None:
-    """``--metrics`` names a file that can be appended to (its folder exists), checked without
-    creating it."""
-    if path is None:
-        return
-    p = Path(path)
-    fix = "Pass --metrics a file path whose folder exists, e.g. --metrics run/metrics.jsonl."
-    if p.is_dir():
-        problems.add(MeshplanError, f"--metrics {path!r} is a folder, not a file", fix)
-    elif p.exists() and not p.is_file() and not p.is_char_device():
-        kind = "a FIFO (named pipe)" if p.is_fifo() else "a socket or special file"
-        problems.add(
-            MeshplanError,
-            f"--metrics {path!r} is {kind}, not a regular file: writing to it blocks until "
-            f"something reads it, so the run would stop without a word",
-            fix,
-        )
-    elif p.exists():
-        if not os.access(p, os.W_OK):
-            problems.add(MeshplanError, f"--metrics {path!r} cannot be written by this user", fix)
-    elif not p.absolute().parent.is_dir():
-        problems.add(
-            MeshplanError, f"--metrics {path!r}: its folder {str(p.absolute().parent)!r} does not "
-            "exist", fix,
-        )  # fmt: skip
-    elif not os.access(p.absolute().parent, os.W_OK):
-        problems.add(
-            MeshplanError,
-            f"--metrics {path!r}: its folder {str(p.absolute().parent)!r} cannot be written",
-            fix,
-        )
-
-
-def _activation_bytes(config: TransformerConfig, seq_len: int) -> int:
-    """A rough lower estimate of the activations one sequence keeps for the backward pass.
-
-    Per block: about 8 values per position of the model width (inputs, norms, the
-    query, key, value and attention outputs, residuals) and 2 of the MLP width,
-    plus the attention scores and weights (``heads x seq x seq``, twice); once
-    per block held (all of them, or one with ``remat``). Then the logits, their
-    softmax and its gradient over the vocabulary, in float32.
-    """
-    width = 2 if config.dtype == "bfloat16" else 4
-    per_block = seq_len * (8 * config.embed_dim + 2 * config.mlp_dim)
-    per_block += 2 * config.num_heads * seq_len * seq_len
-    blocks = config.num_layers if not config.remat else 1
-    kept = config.num_layers * seq_len * config.embed_dim if config.remat else 0
-    return int((blocks * per_block + kept) * width + 3 * seq_len * config.vocab_size * 4)
-
-
-_HOST_BASELINE = 1 << 30
-"""Host memory a CPU run needs besides its arrays (Python, JAX, XLA's compiler): about 1 GiB."""
-
-
-def _device_memory(mesh: Mesh) -> tuple[int, str] | None:
-    """Bytes one device can hold, and where that number comes from; ``None`` if unknown.
-
-    Emulated CPU devices share the host's memory: what is available now (not the total),
-    less the process's own baseline and a 20% margin, split between the mesh's devices on
-    this host (not every emulated device: a 2x4 mesh on 4,096 emulated devices uses 8).
-    """
-    device = jax.local_devices()[0]
-    try:
-        stats = device.memory_stats()
-    except Exception:  # not every backend has them
-        stats = None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"]), f"{device.platform} device memory"
-    if device.platform != "cpu":
-        return None
-    try:
-        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (ValueError, OSError):
-        return None
-    here = {d.id for d in jax.local_devices()}
-    count = max(sum(d.id in here for d in mesh.devices.flat), 1)
-    usable = max(int(available * 0.8) - _HOST_BASELINE, 0)
-    return usable // count, (
-        f"this host's {human_bytes(available)} of available memory, less about "
-        f"{human_bytes(_HOST_BASELINE)} for the process and a 20% margin, shared by the mesh's "
-        f"{count} CPU device{'s' * (count != 1)}"
-    )
-
-
-def _check_memory(
-    request: TrainRequest,
-    config: Any,
-    settings: TrainSettings,
-    abstract: Any,
-    mesh: Mesh,
-    rules: Any,
-    batch_shards: int,
-    problems: _Problems,
-) -> None:
-    """The state, its gradients and a step's activations fit in a device, roughly.
-
-    The estimate leaves out XLA's temporaries, so it refuses only what cannot fit.
-    """
-    found = _device_memory(mesh)
-    if found is None:
-        return
-    limit, source = found
-    shardings = state_shardings(abstract, mesh, rules)
-    state = per_device_bytes(abstract, shardings)
-    grads = per_device_bytes(abstract.params, shardings.params)
-    with jax.set_mesh(mesh), logical_axis_rules(rules):
-        context = context_shards()
-    # A device holds 1/context of each sequence's positions (the scores: of its queries), and
-    # the activations of one microbatch at a time.
-    per_sequence = _activation_bytes(config, settings.seq_len) // context
-    sequences = math.ceil(settings.batch / settings.grad_accum / batch_shards)
-    need = state + grads + per_sequence * sequences
-    if need <= limit:
-        return
-    room = max(limit - state - grads, 0) // max(per_sequence, 1)
-    largest = room * batch_shards
-    fix = (
-        f"Use --batch {largest} or less (each device holds about {room:,} sequences of "
-        f"{settings.seq_len} bytes besides the state), a shorter --seq"
-        f"{'' if config.remat else ', --remat'}, or a mesh and layout that split 'batch' over "
-        f"more devices."
-        if largest >= batch_shards
-        else "The state alone does not fit: use a smaller model, or a layout that splits it "
-        "over more devices (fsdp, fsdp_tp)."
-    )
-    problems.add(
-        MeshplanError,
-        f"--batch {settings.batch} needs about {human_bytes(need)} per device ({human_bytes(state)} "
-        f"of parameters and AdamW state, {human_bytes(grads)} of gradients, and about "
-        f"{human_bytes(per_sequence * sequences)} of activations for its {sequences:,} sequences "
-        f"of {settings.seq_len} bytes), but a device has about {human_bytes(limit)} ({source})",
-        fix,
-        "out-of-memory",
-    )
-
-
-def prepare(request: TrainRequest) -> Trainer:
-    """Checks everything in ``request`` and returns a :class:`Trainer` ready to run.
+def prepare_run(request: TrainRequest) -> PreparedRun:
+    """Checks everything in ``request`` and returns a :class:`PreparedRun`: a :class:`Trainer`
+    ready to run, and what the command shows about it.
 
     Every problem found is reported together, before any array is created:
     an unknown layout, a mesh larger than the devices, a batch (or token
@@ -841,14 +402,14 @@ def prepare(request: TrainRequest) -> Trainer:
 
     Example:
         >>> import meshplan
-        >>> from meshplan.cli.train_request import TrainRequest, prepare
+        >>> from meshplan.cli.train_request import TrainRequest, prepare_run
         >>> try:
-        ...     prepare(TrainRequest(rules="nope", mesh="3x3"))
+        ...     prepare_run(TrainRequest(rules="nope", mesh="3x3"))
         ... except meshplan.MeshplanError as e:
         ...     print(str(e).splitlines()[0])
         meshplan train cannot start:
     """
-    problems = _Problems()
+    problems = Problems()
     rules = mesh = None
     try:
         rules = get_layout(request.rules)
@@ -859,7 +420,7 @@ def prepare(request: TrainRequest) -> Trainer:
         axes = request.axes
         if axes is None and request.rules in CONTEXT_EXPERT_LAYOUTS:
             axes = ",".join(LAYOUT_AXES[request.rules])  # ('data', 'context'), ('data', 'expert')
-        shape = _parse_train_mesh(request.mesh, axes)
+        shape = parse_train_mesh(request.mesh, axes)
         needed = math.prod(shape.values())
         choice = request.devices
         if choice is not None:  # refused with the numbers and the fix in flag terms
@@ -873,32 +434,37 @@ def prepare(request: TrainRequest) -> Trainer:
         mesh = make_mesh(shape, None if choice is None else choice.devices)
     except MeshplanError as e:
         problems.add_error(mesh_flag_advice(e, needed))
-    ckpt_dir, resume = _check_checkpoint_dir(request, problems)
+    ckpt_dir, resume = check_checkpoint_dir(request, problems)
     stored = resume.stored
     settings = _resolve_settings(request, stored, problems)
-    _check_metrics_file(request.metrics, problems)
+    check_metrics_file(request.metrics, problems)
     config = _check_config(request, stored, settings, problems)
     kind = _resolve_model(request, stored, problems)
     batch_shards = None
     if mesh is not None and rules is not None and not settings.problems():
-        batch_shards = _check_batch(request, settings, mesh, rules, problems)
+        batch_shards = check_batch(
+            str(request.rules), request.mesh, settings, mesh, rules, problems
+        )
     data = request.data
     if data is not None:
         data = str(Path(data).absolute())
     elif stored is not None:
         data = (stored.extra.get("train") or {}).get("data")
-    corpus = _load_corpus(data, problems)
+    corpus = load_corpus(data, problems)
     if corpus is not None and not settings.problems():
-        _check_corpus(corpus, settings, problems)
-    model = loss = tx = abstract = example_input = None
+        check_corpus(corpus, settings, problems)
+    tx = abstract = built = None
     if config is not None and kind is not None and not settings.problems():
-        (model, loss), tx = build_model(kind, config), make_optimizer(settings)
-        example_input = _example_tokens(config, settings)
-        abstract = abstract_train_state(model, tx, settings, example_input)
+        tokens = _example_tokens(config, settings)
+        built = dataclasses.replace(example(kind, config).model, example_input=tokens)
+        tx = make_optimizer(settings)
+        abstract = abstract_train_state(built.model, tx, settings, tokens)
         _check_state(request, config, abstract, stored, mesh, rules, problems, kind)
     if not problems.items and batch_shards is not None:
-        assert mesh is not None and config is not None
-        _check_memory(request, config, settings, abstract, mesh, rules, batch_shards, problems)
+        assert mesh is not None and config is not None and built is not None
+        oom = memory_problem(built, abstract, settings, mesh, rules, batch_shards, config.remat)
+        if oom is not None:
+            problems.items.append((MeshplanError, oom))
     if not problems.items and ckpt_dir is not None:
         try:  # before any work, and only then: it creates the folder
             Checkpointer.check_writable(ckpt_dir)
@@ -906,30 +472,32 @@ def prepare(request: TrainRequest) -> Trainer:
             problems.add_error(e)
 
     problems.raise_if_any("meshplan train cannot start:")
-    assert mesh is not None and model is not None and config is not None and corpus is not None
-    assert kind is not None and loss is not None
+    assert mesh is not None and built is not None and config is not None and corpus is not None
+    assert kind is not None
+    note = _model_note(kind, stored)
+    peak = None
+    if request.devices is not None:  # MFU against the devices the mesh uses, in its dtype
+        devices = request.devices
+        peak = mesh_peak(devices.platform, devices.kind, mesh.devices.size, config.dtype)
     trainer = Trainer(
-        model=model,
-        loss=loss,
-        batches=ByteBatches(corpus, settings, mesh, rules),
-        settings=settings,
-        mesh=mesh,
-        rules=rules,
-        example_input=example_input,
+        built,
+        ByteBatches(corpus, settings, mesh, rules),
+        settings,
+        Placement(mesh, rules, str(request.rules)),
+        Checkpoints(
+            ckpt_dir,
+            stored,
+            tuple(resume.damaged),
+            config=config.to_dict(),
+            record={"data": data, "model": kind},
+        ),
+        Measures(
+            train_flops(config, settings.batch, settings.seq_len),
+            None if peak is None else peak.flops,
+            request.sync_every_step,
+        ),
         tx=tx,
         abstract=abstract,
-        config=config.to_dict(),
-        record={"data": data, "model": kind},
-        ckpt_dir=ckpt_dir,
-        resume_from=stored,
-        layout_name=str(request.rules),
-        discard_steps=resume.damaged,
-        flops_per_step=train_flops(config, settings.batch, settings.seq_len),
-        sync_every_step=request.sync_every_step,
-        has_aux=bool(config.num_experts),
+        notes=[*resume.notes, *([] if note is None else [note])],
     )
-    trainer.notes.extend(resume.notes)
-    note = _model_note(kind, stored)
-    if note is not None:
-        trainer.notes.append(note)
-    return trainer
+    return PreparedRun(trainer, corpus, config, kind, peak)

@@ -42,7 +42,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -56,6 +56,7 @@ from meshplan._checkpoint.metadata import CheckpointMetadata
 from meshplan._checkpoint.restore import restore
 from meshplan._errors import CheckpointError, MeshplanError, Problem
 from meshplan._spmd.rules import logical_axis_rules
+from meshplan.train.model import TrainModel
 from meshplan.train.settings import TrainSettings, make_optimizer
 from meshplan.train.state import (
     PlanSummary,
@@ -66,7 +67,18 @@ from meshplan.train.state import (
     state_shardings,
 )
 
-__all__ = ["Batches", "Diverged", "Loss", "StepRecord", "TrainResult", "Trainer", "sane_step"]
+__all__ = [
+    "Batches",
+    "Checkpoints",
+    "Diverged",
+    "Loss",
+    "Measures",
+    "Placement",
+    "StepRecord",
+    "TrainResult",
+    "Trainer",
+    "sane_step",
+]
 
 Loss = Callable[[Any, Any], jax.Array]
 """``loss(params, batch) -> scalar``: the loss to minimise (``params``: the model's
@@ -290,6 +302,113 @@ class TrainResult:
     metrics: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a run's state lives: the mesh, the layout's logical axis rules, and its name.
+
+    Attributes:
+        mesh: The mesh.
+        rules: The layout's logical axis rules.
+        layout_name: The layout's name, stored with every checkpoint.
+    """
+
+    mesh: Mesh
+    rules: Any
+    layout_name: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoints:
+    """Where a run saves, what it resumes, and what every checkpoint records.
+
+    Attributes:
+        ckpt_dir: Where to save checkpoints (``None``: no checkpoints).
+        resume_from: The checkpoint to resume from (in ``ckpt_dir``).
+        discard_steps: Steps of ``ckpt_dir`` after ``resume_from`` that cannot be
+            read (damaged): removed when the folder is opened, so that this run
+            writes its own.
+        max_to_keep: The latest checkpoints kept (default ``settings.keep``); the
+            one with the best validation loss is never deleted.
+        config: The model's config, stored with every checkpoint (``None``:
+            none), e.g. for a command that rebuilds the model from it.
+        record: Values stored beside the settings in every checkpoint's
+            ``extra["train"]`` (``meshplan train`` records its data path and model).
+    """
+
+    ckpt_dir: Path | None = None
+    resume_from: CheckpointMetadata | None = None
+    discard_steps: tuple[int, ...] = ()
+    max_to_keep: int | None = None
+    config: Mapping[str, Any] | None = None
+    record: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Measures:
+    """What a run measures and how: the FLOPs of a step and the devices' peak, for MFU.
+
+    Attributes:
+        flops_per_step: The model FLOPs of one training step (forward and
+            backward); ``None``: unknown.
+        peak_flops_per_s: What the mesh's devices can do together; ``None``: unknown.
+        sync_every_step: Read each step's loss as soon as it is dispatched (the
+            host waits for every step; for measuring what the overlap gains).
+    """
+
+    flops_per_step: float | None = None
+    peak_flops_per_s: float | None = None
+    sync_every_step: bool = False
+
+
+_MODEL_FIELDS = ("loss", "example_input", "has_aux")
+_PLACEMENT_FIELDS = tuple(f.name for f in dataclasses.fields(Placement))
+_CHECKPOINT_FIELDS = tuple(f.name for f in dataclasses.fields(Checkpoints))
+_MEASURE_FIELDS = tuple(f.name for f in dataclasses.fields(Measures))
+
+
+def _grouped(
+    model: Any,
+    placement: Placement | None,
+    checkpoints: Checkpoints | None,
+    measures: Measures | None,
+    separate: dict[str, Any],
+) -> tuple[TrainModel, Placement, Checkpoints, Measures]:
+    """The typed groups, from themselves or from their fields given one by one (the older
+    keywords: ``Trainer(model=module, loss=..., mesh=..., rules=..., ckpt_dir=...)``)."""
+    known = {*_MODEL_FIELDS, *_PLACEMENT_FIELDS, *_CHECKPOINT_FIELDS, *_MEASURE_FIELDS}
+    unknown = sorted(set(separate) - known)
+    if unknown:
+        raise TypeError(f"Trainer() got unexpected keyword arguments: {', '.join(unknown)}")
+
+    def pick(names: tuple[str, ...], group: Any, kind: str) -> dict[str, Any]:
+        given = {n: separate[n] for n in names if n in separate}
+        if given and group is not None:
+            raise TypeError(f"Trainer(): pass {kind}=... or {', '.join(given)}, not both")
+        return given
+
+    if not isinstance(model, TrainModel):
+        fields = pick(_MODEL_FIELDS, None, "model")
+        if "loss" not in fields:
+            raise TypeError("Trainer needs a TrainModel, or a model and its loss=")
+        model = TrainModel(model, **fields)
+    else:
+        pick(_MODEL_FIELDS, model, "model")
+    fields = pick(_PLACEMENT_FIELDS, placement, "placement")
+    if placement is None:
+        if "mesh" not in fields or "rules" not in fields:
+            raise TypeError("Trainer needs a Placement, or mesh= and rules=")
+        placement = Placement(**fields)
+    fields = pick(_CHECKPOINT_FIELDS, checkpoints, "checkpoints")
+    if "discard_steps" in fields:
+        fields["discard_steps"] = tuple(fields["discard_steps"])
+    if fields.get("record") is None:
+        fields.pop("record", None)
+    checkpoints = checkpoints if checkpoints is not None else Checkpoints(**fields)
+    fields = pick(_MEASURE_FIELDS, measures, "measures")
+    measures = measures if measures is not None else Measures(**fields)
+    return model, placement, checkpoints, measures
+
+
 class Trainer:
     """A training run: a model, its loss and batches, on a mesh under a layout.
 
@@ -298,41 +417,25 @@ class Trainer:
     first), then :meth:`run` (or :meth:`start` and :meth:`train_step`).
 
     Args:
-        model: The Flax Linen model, whose parameters are
-            ``model.init(key, x)["params"]`` for ``x`` like ``example_input``; or
-            an ``init_params(key) -> params`` callable, e.g. the ``init`` of a
-            functional Flax NNX model (``params``: an ``nnx.State``), see
-            :func:`meshplan.train.state.init_fn`.
-        loss: ``loss(params, batch) -> scalar`` (:data:`Loss`).
+        model: The :class:`~meshplan.train.model.TrainModel`: the Flax Linen
+            model (or ``init_params(key) -> params`` callable, e.g. the ``init`` of
+            a functional Flax NNX model), its ``loss(params, batch)``
+            (:data:`Loss`), the example input of ``init`` (default
+            :func:`meshplan.train.state.sequence_input`) and ``has_aux`` (the loss
+            returns ``(loss, metrics)``, reported with each step).
         batches: ``batches(split, index) -> batch`` (:data:`Batches`), placed
-            on ``mesh``.
+            on the mesh.
         settings: The :class:`TrainSettings`.
-        mesh: The mesh.
-        rules: The layout's logical axis rules.
-        example_input: Shapes and dtypes of the model's input for ``init``
-            (default :func:`meshplan.train.state.sequence_input`).
-        config: The model's config, stored with every checkpoint (``None``:
-            none), e.g. for a command that rebuilds the model from it.
-        record: Values stored beside the settings in every checkpoint's
-            ``extra["train"]`` (``meshplan train`` records its data path).
-        ckpt_dir: Where to save checkpoints (``None``: no checkpoints).
-        resume_from: The checkpoint to resume from (in ``ckpt_dir``).
-        layout_name: The layout's name, stored with every checkpoint.
-        max_to_keep: The latest checkpoints kept (default ``settings.keep``); the
-            one with the best validation loss is never deleted.
-        discard_steps: Steps of ``ckpt_dir`` after ``resume_from`` that cannot be
-            read (damaged): removed when the folder is opened, so that this run
-            writes its own.
+        placement: The :class:`Placement`: mesh, rules and layout name.
+        checkpoints: The :class:`Checkpoints`: folder, resume point, what is
+            recorded (default: no checkpoints).
+        measures: The :class:`Measures` (default: no MFU, the host runs ahead).
         tx: The optimizer (default :func:`meshplan.train.settings.make_optimizer`).
         abstract: ``jax.eval_shape`` of the state, when already traced.
-        flops_per_step: The model FLOPs of one training step (forward and
-            backward), for MFU; ``None``: unknown.
-        peak_flops_per_s: What the mesh's devices can do together, for MFU;
-            ``None``: unknown.
-        sync_every_step: Read each step's loss as soon as it is dispatched (the
-            host waits for every step; for measuring what the overlap gains).
-        has_aux: ``loss`` returns ``(loss, metrics)``, ``metrics`` a dict of
-            float32 scalars reported with each step (:attr:`StepRecord.metrics`).
+        notes: Sentences for the user known before the run (:attr:`notes`).
+        **separate: The fields of ``model`` (``loss``, ``example_input``,
+            ``has_aux``, with ``model`` the Flax model itself), of ``placement``, of
+            ``checkpoints`` and of ``measures`` one by one, instead of the groups.
 
     With ``settings.grad_accum = N`` a step's batch is cut into ``N``
     microbatches (rows ``i, i + N, i + 2N, ...`` are microbatch ``i``: each
@@ -358,47 +461,49 @@ class Trainer:
 
     def __init__(
         self,
+        model: TrainModel | Any = None,
+        batches: Batches | None = None,
+        settings: TrainSettings | None = None,
+        placement: Placement | None = None,
+        checkpoints: Checkpoints | None = None,
+        measures: Measures | None = None,
         *,
-        model: Any,
-        loss: Loss,
-        batches: Batches,
-        settings: TrainSettings,
-        mesh: Mesh,
-        rules: Any,
-        example_input: Any = None,
-        config: Mapping[str, Any] | None = None,
-        record: Mapping[str, Any] | None = None,
-        ckpt_dir: Path | None = None,
-        resume_from: CheckpointMetadata | None = None,
-        layout_name: str = "",
-        max_to_keep: int | None = None,
-        discard_steps: tuple[int, ...] | list[int] = (),
         tx: Any = None,
         abstract: Any = None,
-        flops_per_step: float | None = None,
-        peak_flops_per_s: float | None = None,
-        sync_every_step: bool = False,
-        has_aux: bool = False,
+        notes: Sequence[str] = (),
+        **separate: Any,
     ) -> None:
-        self.model = model
-        self.has_aux = has_aux
-        self.loss = loss
+        model, placement, checkpoints, measures = _grouped(
+            model, placement, checkpoints, measures, separate
+        )
+        if batches is None or settings is None:
+            raise TypeError("Trainer needs batches and settings")
+        self.train_model = model
+        self.model = model.model
+        self.has_aux = model.has_aux
+        self.loss = model.loss
         self.batches = batches
         self.settings = settings
-        self.mesh = mesh
-        self.rules = rules
-        self.example_input = sequence_input(settings) if example_input is None else example_input
-        self.config = None if config is None else dict(config)
-        self.record = dict(record or {})
-        self.ckpt_dir = ckpt_dir
-        self.resume_from = resume_from
-        self.layout_name = layout_name
-        self.notes: list[str] = []
-        self.max_to_keep = settings.keep if max_to_keep is None else max_to_keep
-        self.discard_steps = tuple(int(s) for s in discard_steps)
-        self.flops_per_step = flops_per_step
-        self.peak_flops_per_s = peak_flops_per_s
-        self.sync_every_step = sync_every_step
+        self.placement = placement
+        self.mesh = placement.mesh
+        self.rules = placement.rules
+        self.example_input = (
+            sequence_input(settings) if model.example_input is None else model.example_input
+        )
+        self.checkpoints = checkpoints
+        self.config = None if checkpoints.config is None else dict(checkpoints.config)
+        self.record = dict(checkpoints.record)
+        self.ckpt_dir = checkpoints.ckpt_dir
+        self.resume_from = checkpoints.resume_from
+        self.layout_name = placement.layout_name
+        self.notes: list[str] = list(notes)
+        keep = checkpoints.max_to_keep
+        self.max_to_keep = settings.keep if keep is None else keep
+        self.discard_steps = tuple(int(s) for s in checkpoints.discard_steps)
+        self.measures = measures
+        self.flops_per_step = measures.flops_per_step
+        self.peak_flops_per_s = measures.peak_flops_per_s
+        self.sync_every_step = measures.sync_every_step
         self.best_saved: tuple[int, float] | None = None
         self.latest_saved: int | None = None
         self.saved_on_disk: list[int] = []
@@ -409,15 +514,16 @@ class Trainer:
         # A caller that has built both to check a request passes them: not traced twice.
         self.tx = make_optimizer(settings) if tx is None else tx
         self.abstract = (
-            abstract_train_state(model, self.tx, settings, self.example_input)
+            abstract_train_state(self.model, self.tx, settings, self.example_input)
             if abstract is None
             else abstract
         )
-        self.shardings = state_shardings(self.abstract, mesh, rules)
+        self.shardings = state_shardings(self.abstract, self.mesh, self.rules)
         self.state: Any = None
         self.step = 0
         self.best_valid: tuple[int, float] | None = None
         self.valid_setting = valid_setting(settings.to_dict(), self.record.get("data"))
+        resume_from = self.resume_from
         if resume_from is not None:
             best = resume_from.extra.get("best_valid")
             self.best_valid = (int(best[0]), float(best[1])) if best else None

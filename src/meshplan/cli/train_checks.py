@@ -1,0 +1,230 @@
+"""The checks of ``meshplan train`` that need no model: problems collected, the mesh text,
+the batch against the mesh and rules, the corpus, the metrics file.
+
+Each check takes the values it checks (and the flag text to name them by) and adds
+its problems, in flag terms, to a :class:`Problems`; :mod:`meshplan.cli.train_request`
+calls them in order and raises every problem at once.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from meshplan._errors import MeshError, MeshplanError, Problem, error_for, problem_message
+from meshplan._spmd.mesh_info import mesh_info
+from meshplan._spmd.rules import logical_axis_rules, rules_problems
+from meshplan._spmd.validate import check_leaf
+from meshplan.cli.train_flags import CODE_ADVICE
+from meshplan.examples.context import context_shards
+from meshplan.examples.data import BATCH_NAMES, ByteCorpus, DataError
+from meshplan.train.mesh import MESH_AXES, parse_mesh_shape
+from meshplan.train.settings import TrainSettings
+
+__all__ = [
+    "Problems",
+    "check_batch",
+    "check_corpus",
+    "check_metrics_file",
+    "load_corpus",
+    "parse_train_mesh",
+]
+
+
+class Problems:
+    """Collects (error class, problem) pairs and raises them together."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[type[MeshplanError], Problem]] = []
+
+    def add(self, cls: type[MeshplanError], problem: str, fix: str, code: str = "train") -> None:
+        self.items.append((cls, Problem("error", "", problem, fix, code)))
+
+    def add_error(self, error: MeshplanError, where: str = "") -> None:
+        """The error's problems, with flag-level advice for the codes the command line knows.
+
+        ``where``: the flag the problems come from (``--rules r.json``), put before each.
+        """
+        found = error.problems or [Problem("error", "", str(error), "", "error")]
+        for p in found:
+            message = f"{p.path}: {p.message}" if p.path and p.path not in p.message else p.message
+            if where and not message.startswith(where):
+                message = f"{where}: {message}"
+            fix = CODE_ADVICE.get(p.code, p.fix)
+            self.items.append((type(error), Problem("error", "", message, fix, p.code)))
+
+    def raise_if_any(self, header: str) -> None:
+        if not self.items:
+            return
+        found = [p for _, p in self.items]
+        fixes = list(dict.fromkeys(p.fix for p in found if p.fix))
+        raise self.items[0][0](
+            problem_message(header, [p.message for p in found], "\n".join(fixes)), found
+        )
+
+
+def load_corpus(data: str | None, problems: Problems) -> ByteCorpus | None:
+    try:
+        return ByteCorpus.from_stdlib() if data is None else ByteCorpus.from_path(data)
+    except MeshplanError as e:
+        problems.add_error(e)
+    except (ValueError, OSError) as e:  # the file system's words: the message is all there is
+        problems.add(DataError, f"cannot read --data {data!r}: {type(e).__name__}: {e}", "")
+    return None
+
+
+def check_batch(
+    layout: str, mesh_text: str, settings: TrainSettings, mesh: Mesh, rules: Any, problems: Problems
+) -> int:
+    """A batch of tokens, ``[batch, seq_len + 1]``, splits over the mesh axes the rules give.
+
+    The validator checks the batch as one more array; this turns what it finds into flag advice.
+    Returns the number of devices 'batch' is split over.
+    """
+    valid, index_map, _ = rules_problems(rules)
+    with jax.set_mesh(mesh), logical_axis_rules(valid):
+        context = context_shards()
+    if context > 1 and settings.seq_len % (2 * context):
+        problems.add(
+            MeshplanError,
+            f"--seq {settings.seq_len} cannot be striped over the {context} context shards that "
+            f"--rules {layout} split 'length' into (load balancing cuts a sequence into "
+            f"{2 * context} equal chunks)",
+            f"Use a --seq that is a multiple of {2 * context}.",
+            "seq-not-striped",
+        )
+    shape = (settings.batch, settings.seq_len + 1)
+    leaf = check_leaf("logical", BATCH_NAMES, shape, valid, index_map, mesh_info(mesh))
+    # The activations' 'length' (context parallelism): its mesh axes must exist (the stripes
+    # are checked above).
+    activations = check_leaf(
+        "logical", ("batch", "length"), (settings.batch, settings.seq_len), valid, index_map,
+        mesh_info(mesh),
+    )  # fmt: skip
+    shards = 1
+    for d in [*leaf.dims, *(d for d in activations.dims[1:] if d.missing_axes)]:
+        if d.index == 0 and not d.missing_axes:
+            shards = max(int(d.shards), 1)
+        if d.missing_axes:
+            problems.add(
+                MeshError,
+                f"--rules {layout} shard {d.name!r} over mesh axis "
+                f"{', '.join(map(repr, d.missing_axes))}, which the {mesh_text} mesh "
+                f"{tuple(mesh.axis_names)} does not have",
+                f"Map {d.name!r} to the mesh's axes {tuple(mesh.axis_names)}, e.g. "
+                f"({d.name!r}, {mesh.axis_names[0]!r}).",
+                "unknown-axis",
+            )
+        elif not d.divides:
+            where = (
+                f"the {d.shards} devices that --rules {layout} shard {d.name!r} over (mesh "
+                f"axes {d.mesh_axes} of the {mesh_text} mesh)"
+            )
+            if d.index == 0:
+                problems.add(
+                    MeshplanError,
+                    f"--batch {settings.batch} does not split over {where}",
+                    f"Use a --batch that is a multiple of {d.shards} (e.g. {d.padded_size}), or "
+                    f"a mesh and rules that split 'batch' over fewer devices.",
+                    "indivisible",
+                )
+            else:
+                problems.add(
+                    MeshplanError,
+                    f"--seq {settings.seq_len} gives token windows of {d.size} (the model reads "
+                    f"{settings.seq_len} bytes and predicts the next), which do not split over "
+                    f"{where}",
+                    "Leave 'length' unsharded: ('length', None) in the rules.",
+                    "indivisible",
+                )
+    accum = settings.grad_accum
+    if accum > 1 and not settings.batch % accum and (settings.batch // accum) % shards:
+        problems.add(
+            MeshplanError,
+            f"--grad-accum {accum} cuts --batch {settings.batch} into microbatches of "
+            f"{settings.batch // accum}, which do not split over the {shards} devices that "
+            f"--rules {layout} shard 'batch' over",
+            f"Use a --batch that is a multiple of {accum * shards} (--grad-accum x {shards}), "
+            f"or fewer microbatches.",
+            "indivisible",
+        )
+    return shards
+
+
+def check_corpus(corpus: Any, settings: TrainSettings, problems: Problems) -> None:
+    """Both splits hold at least one window of ``seq_len + 1`` bytes."""
+    for split in ("train", "valid"):
+        try:
+            corpus.check_window(split, settings.seq_len)
+        except DataError as e:
+            problems.add_error(e)
+
+
+def parse_train_mesh(text: str, axes: str | None = None) -> dict[str, int]:
+    """``--mesh`` (and ``--axes``) as ``{axis: size}``: ``('data', 'model')`` without ``--axes``."""
+    parts = str(text).lower().replace("×", "x").split("x")
+    readable = all(p.strip().isdigit() and int(p) > 0 for p in parts)
+    if axes is None and len(parts) > len(MESH_AXES) and readable:
+        names = ",".join(("data", "fsdp", "tensor", "model", "expert")[: len(parts)])
+        raise error_for(
+            MeshError, "mesh-axes", "--mesh",
+            f"--mesh {text} has {len(parts)} axes, but the default axis names {MESH_AXES} "
+            f"are two",
+            f"Pass --mesh DxM (e.g. 2x4), or name every axis: --mesh {text} --axes {names} (the "
+            f"axes your --rules map to).",
+        )  # fmt: skip
+    if axes is not None and readable:
+        names_given = [a.strip() for a in axes.split(",") if a.strip()]
+        if len(names_given) != len(parts) or len(set(names_given)) != len(names_given):
+            raise error_for(
+                MeshError, "mesh-axes", "--axes",
+                f"--axes {axes} gives {len(names_given)} distinct names for the {len(parts)} "
+                f"axes of --mesh {text}",
+                "Give one distinct name per mesh axis, in order, e.g. --mesh 2x2x2 --axes "
+                "data,fsdp,tensor.",
+            )  # fmt: skip
+    try:
+        return parse_mesh_shape(text, axes)
+    except MeshError as e:
+        raise error_for(
+            MeshError, "mesh-text", "--mesh",
+            f"Cannot read --mesh {text!r}: expected positive sizes separated by 'x'",
+            "Write it like 2x4, 4x2 or 8 (8x1), or 2x2x2 with --axes data,fsdp,tensor.",
+        ) from e  # fmt: skip
+
+
+def check_metrics_file(path: str | None, problems: Problems) -> None:
+    """``--metrics`` names a file that can be appended to (its folder exists), checked without
+    creating it."""
+    if path is None:
+        return
+    p = Path(path)
+    fix = "Pass --metrics a file path whose folder exists, e.g. --metrics run/metrics.jsonl."
+    if p.is_dir():
+        problems.add(MeshplanError, f"--metrics {path!r} is a folder, not a file", fix)
+    elif p.exists() and not p.is_file() and not p.is_char_device():
+        kind = "a FIFO (named pipe)" if p.is_fifo() else "a socket or special file"
+        problems.add(
+            MeshplanError,
+            f"--metrics {path!r} is {kind}, not a regular file: writing to it blocks until "
+            f"something reads it, so the run would stop without a word",
+            fix,
+        )
+    elif p.exists():
+        if not os.access(p, os.W_OK):
+            problems.add(MeshplanError, f"--metrics {path!r} cannot be written by this user", fix)
+    elif not p.absolute().parent.is_dir():
+        problems.add(
+            MeshplanError, f"--metrics {path!r}: its folder {str(p.absolute().parent)!r} does not "
+            "exist", fix,
+        )  # fmt: skip
+    elif not os.access(p.absolute().parent, os.W_OK):
+        problems.add(
+            MeshplanError,
+            f"--metrics {path!r}: its folder {str(p.absolute().parent)!r} cannot be written",
+            fix,
+        )

@@ -1,0 +1,50 @@
+"""meshplan train's memory check is the planner's model (cli/train_memory.py)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from meshplan.cli import train_memory
+from meshplan.cli.train_memory import device_memory, memory_problem, step_memory
+from meshplan.examples.models import example
+from meshplan.examples.transformer import config_from_name
+from meshplan.layouts import get_layout
+from meshplan.train.mesh import make_mesh
+from meshplan.train.settings import TrainSettings, make_optimizer
+from meshplan.train.state import abstract_train_state
+
+
+def _run(batch):
+    settings = TrainSettings(batch=batch, seq_len=16)
+    model = example("transformer", config_from_name("tiny", num_layers=1)).model
+    model = dataclasses.replace(model, example_input=jax.ShapeDtypeStruct((1, 16), jnp.int32))
+    abstract = abstract_train_state(model.model, make_optimizer(settings), settings)
+    return model, abstract, settings, make_mesh({"data": 2, "model": 4}), get_layout("fsdp_tp")
+
+
+def test_a_step_that_fits_passes_and_one_that_does_not_names_a_batch_that_does(monkeypatch):
+    # A fixed device (the host's available memory moves while other processes run).
+    monkeypatch.setattr(train_memory, "device_memory", lambda mesh: (1 << 30, "a test device"))
+    model, abstract, settings, mesh, rules = _run(8)
+    assert memory_problem(model, abstract, settings, mesh, rules, 2, False) is None
+    model, abstract, settings, mesh, rules = _run(1 << 22)
+    problem = memory_problem(model, abstract, settings, mesh, rules, 2, False)
+    assert problem is not None and problem.code == "out-of-memory"
+    assert "--batch 4194304 needs about" in problem.message
+    assert "but a device has about 1.00 GiB (a test device)" in problem.message
+    largest = int(problem.fix.split("Use --batch ")[1].split()[0])
+    assert 0 < largest < 1 << 22 and largest % 2 == 0
+    fits = dataclasses.replace(settings, batch=largest)
+    assert memory_problem(model, abstract, fits, mesh, rules, 2, False) is None
+
+
+def test_the_prediction_grows_with_the_batch_and_keeps_the_state():
+    model, abstract, _, mesh, rules = _run(8)
+    small, large = (
+        step_memory(model, abstract, jax.ShapeDtypeStruct((b, 17), jnp.int32), mesh, rules)
+        for b in (8, 64)
+    )
+    assert small.state_bytes == large.state_bytes > 0
+    assert large.memory_bytes > small.memory_bytes
+    assert device_memory(mesh) is not None  # emulated CPU devices share the host's memory
