@@ -118,15 +118,21 @@ class _Builder:
         """Record the points of ``jaxpr`` over the outer alive cells ``long``/``short``.
 
         ``skip``: variables not counted (inputs and outputs held by an outer buffer)."""
+        from meshplan._search.trace import aliases
+
+        alias = aliases(jaxpr)  # a constraint's value is its input's buffer
+        skip = skip | {alias[v] for v in skip if v in alias}
         last: dict[Any, int] = {}
         n = len(jaxpr.eqns)
         for i, eqn in enumerate(jaxpr.eqns):
+            if eqn.outvars and eqn.outvars[0] in alias:
+                continue
             for v in eqn.invars:
                 if not isinstance(v, Literal):
-                    last[v] = i
+                    last[alias.get(v, v)] = i
         for v in jaxpr.outvars:
             if not isinstance(v, Literal):
-                last[v] = n
+                last[alias.get(v, v)] = n
         alive: dict[Any, int] = {}  # var -> cell, defined here and still alive
         for v in jaxpr.invars:
             if v in skip or v not in last:
@@ -135,6 +141,8 @@ class _Builder:
             if c is not None:
                 alive[v] = c
         for i, eqn in enumerate(jaxpr.eqns):
+            if eqn.outvars and eqn.outvars[0] in alias:
+                continue
             prim = eqn.primitive.name
             outs = {}
             for v in eqn.outvars:
@@ -171,10 +179,10 @@ class _Builder:
         p, prim = eqn.params, eqn.primitive.name
         if prim == "scan":
             body = p["jaxpr"].jaxpr
-            return body, {*body.invars, *body.outvars}, True
+            return body, _vars(*body.invars, *body.outvars), True
         if prim == "while":
             body = p["body_jaxpr"].jaxpr
-            return body, {*body.invars, *body.outvars}, True
+            return body, _vars(*body.invars, *body.outvars), True
         if prim == "cond":
             branch = max(p["branches"], key=lambda b: len(b.jaxpr.eqns)).jaxpr
             return branch, set(branch.invars), False
@@ -185,6 +193,11 @@ class _Builder:
                 if len(sub.invars) == len(eqn.invars):
                     return sub, set(sub.invars), False
         return None
+
+
+def _vars(*vs: Any) -> set[Any]:
+    """The variables of ``vs`` (a body may return a literal: a constant output)."""
+    return {v for v in vs if not isinstance(v, Literal)}
 
 
 def build(

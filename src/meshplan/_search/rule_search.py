@@ -543,7 +543,7 @@ def search_rules(
                 "search_rules needs (abstract_state, step_fn, example_batch), or model= with "
                 "example_batch=, or workload=."
             )
-        workload = trace_workload(step_fn, abstract_state, example_batch)
+        workload = trace_workload(step_fn, abstract_state, example_batch, read_constraints=True)
     have_devices = jax.device_count() >= devices
     if measure and (not have_devices or step_fn is None):
         raise ArgumentError(
