@@ -16,7 +16,8 @@ with 8 or 64 experts, top-1 or top-2. 64 devices (8 hosts of 8), profile ``h100`
 meshes of at most 2 axes (so each search takes seconds).
 
 Run: ``.venv/bin/python benchmarks/bench_roles.py [--devices 64] [--profile h100]
-[--max-axes 2] [--only long|moe] [--markdown] [--json PATH]``.
+[--max-axes 2] [--only long|moe] [--text] [--json PATH]`` (a Markdown table; ``--text``:
+plain lines with each search's wall time).
 """
 
 from __future__ import annotations
@@ -88,18 +89,18 @@ def why(v: RoleVerdict) -> str:
     most; or the memory that does not fit."""
     if not v.terms:
         return v.reason
-    saves = [f"{k} {-d * 1e3:.1f}" for k, d in sorted(v.terms.items(), key=lambda kv: kv[1])
+    saves = [f"{k} {-d * 1e3:.1f} ms" for k, d in sorted(v.terms.items(), key=lambda kv: kv[1])
              if d < -5e-5]  # fmt: skip
-    costs = [f"{k} {d * 1e3:.1f}" for k, d in sorted(v.terms.items(), key=lambda kv: -kv[1])
+    costs = [f"{k} {d * 1e3:.1f} ms" for k, d in sorted(v.terms.items(), key=lambda kv: -kv[1])
              if d > 5e-5]  # fmt: skip
-    line = (
-        f"{v.kind}: saves {', '.join(saves) or 'nothing'}; costs {', '.join(costs) or 'nothing'} ms"
-    )
+    line = f"**{v.kind}**: saves {', '.join(saves) or 'nothing'}; costs {', '.join(costs) or 'nothing'}"
     if v.with_row is not None and v.without_row is not None:
         w, n = v.with_row.cost.comm_bytes, v.without_row.cost.comm_bytes
-        kinds = sorted(set(w) | set(n), key=lambda k: -abs(w.get(k, 0) - n.get(k, 0)))
-        line += "; " + ", ".join(
-            f"{k} {human_bytes(w.get(k, 0))} vs {human_bytes(n.get(k, 0))}" for k in kinds[:2]
+        kinds = sorted(set(w) | set(n), key=lambda k: -abs(w.get(k, 0) - n.get(k, 0)))[:2]
+        if w.get("all-to-all") and "all-to-all" not in kinds:
+            kinds.append("all-to-all")
+        line += "; with/without: " + ", ".join(
+            f"{k} {human_bytes(w.get(k, 0))}/{human_bytes(n.get(k, 0))}" for k in kinds
         )
     return line
 
@@ -110,11 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default="h100")
     ap.add_argument("--max-axes", type=int, default=2)
     ap.add_argument("--only", choices=("long", "moe"))
-    ap.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    ap.add_argument("--text", action="store_true", help="plain lines, not a Markdown table")
     ap.add_argument("--json", help="write the verdicts to this file")
     args = ap.parse_args(argv)
     out: list[dict[str, Any]] = []
-    if args.markdown:
+    if not args.text:
         print("| configuration | role | proposed | best with it | best without it | why |")
         print("|---|---|---|---|---|---|")
     for group, name, role, build in ROWS:
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         secs = time.perf_counter() - t0
         cells = [name, role, "yes" if v.proposed else "no", _row_text(v, v.with_row),
                  _row_text(v, v.without_row), why(v)]  # fmt: skip
-        if args.markdown:
+        if not args.text:
             print("| " + " | ".join(cells) + " |")
         else:
             print("  ".join(cells) + f"  [{secs:.1f} s]")

@@ -97,7 +97,8 @@ def role_verdict(result: Any, role: str) -> RoleVerdict:
     proposed = best is not None and _uses(best, role)
     v = RoleVerdict(role, proposed, "", "", w, n, mem_n, mem_w)
     if not any_with:
-        v.kind, v.reason = "absent", f"the model has no name a {role} axis splits"
+        article = "an" if role[0] in "aeiou" else "a"
+        v.kind, v.reason = "absent", f"the model has no name {article} {role} axis splits"
         return v
     if n is None or w is None:
         side, least = ("without", mem_n) if n is None else ("with", mem_w)
