@@ -118,14 +118,14 @@ class _Builder:
         """Record the points of ``jaxpr`` over the outer alive cells ``long``/``short``.
 
         ``skip``: variables not counted (inputs and outputs held by an outer buffer)."""
-        from meshplan._search.trace import aliases
+        from meshplan._search.trace import aliases, is_alias
 
         alias = aliases(jaxpr)  # a constraint's value is its input's buffer
         skip = skip | {alias[v] for v in skip if v in alias}
         last: dict[Any, int] = {}
         n = len(jaxpr.eqns)
         for i, eqn in enumerate(jaxpr.eqns):
-            if eqn.outvars and eqn.outvars[0] in alias:
+            if is_alias(eqn):
                 continue
             for v in eqn.invars:
                 if not isinstance(v, Literal):
@@ -141,12 +141,12 @@ class _Builder:
             if c is not None:
                 alive[v] = c
         for i, eqn in enumerate(jaxpr.eqns):
-            if eqn.outvars and eqn.outvars[0] in alias:
+            if is_alias(eqn):
                 continue
             prim = eqn.primitive.name
             outs = {}
             for v in eqn.outvars:
-                if type(v).__name__ == "DropVar" or v in skip:
+                if type(v).__name__ == "DropVar" or v in skip or v in alias:
                     continue
                 c = self.cell(v)
                 if c is not None and v in last:

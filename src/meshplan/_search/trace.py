@@ -165,12 +165,32 @@ def is_alias(eqn: Any) -> bool:
 
 
 def aliases(jaxpr: Any) -> dict[Any, Any]:
-    """``{output: input}`` of ``jaxpr``'s sharding constraints, chains resolved."""
+    """``{output: input}`` of ``jaxpr``'s sharding constraints, chains resolved, and of the
+    calls (``pjit``...) that give back one of their inputs (a constraint inside them)."""
     out: dict[Any, Any] = {}
     for eqn in jaxpr.eqns:
         if is_alias(eqn):
             x = eqn.invars[0]
             out[eqn.outvars[0]] = out.get(x, x)
+            continue
+        prim = eqn.primitive.name
+        if prim in ("while", "cond"):
+            continue
+        sub = next((eqn.params[k] for k in _CALL_PARAMS if eqn.params.get(k) is not None), None)
+        sub = getattr(sub, "jaxpr", sub)
+        if sub is None or len(sub.invars) != len(eqn.invars):
+            continue
+        inner = aliases(sub)
+        position = {v: i for i, v in enumerate(sub.invars)}
+        nc, ncarry = eqn.params.get("num_consts", 0), eqn.params.get("num_carry", 0)
+        for j, (outer, v) in enumerate(zip(eqn.outvars, sub.outvars, strict=True)):
+            i = position.get(inner.get(v, v)) if not isinstance(v, Literal) else None
+            if i is None or isinstance(eqn.invars[i], Literal):
+                continue
+            if prim == "scan" and not (i == nc + j if j < ncarry else i >= nc + ncarry):
+                continue  # a scan gives back a carry as it came, or a slice of its xs
+            x = eqn.invars[i]
+            out[outer] = out.get(x, x)
     return out
 
 
@@ -228,7 +248,7 @@ class _Walker:
             self.var_names[v] = n
         alias = aliases(jaxpr)  # a constraint's value is its input's buffer
         for eqn in jaxpr.eqns:
-            if eqn.outvars and eqn.outvars[0] in alias:
+            if is_alias(eqn):
                 continue
             for v in eqn.invars:
                 if not isinstance(v, Literal):
