@@ -14,6 +14,8 @@ import optax
 import pytest
 
 import meshplan
+from meshplan._search.cost import predict
+from meshplan._search.profiles import get_profile
 from meshplan._search.reshard import reshard_collectives
 from meshplan._search.roles import role_verdict
 from meshplan._search.trace import trace_workload
@@ -22,6 +24,7 @@ from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
 from meshplan.train.settings import TrainSettings
 from meshplan.train.state import abstract_train_state
 
+H100 = get_profile("h100")
 LLAMA = LlamaConfig(embed=512, heads=8, kv_heads=8, head_dim=64, mlp=2048, layers=4, vocab=1024)
 
 
@@ -57,6 +60,18 @@ def test_the_trace_reads_length_and_the_experts_names_from_the_models_constraint
     assert {"length", "expert", "expert_batch", "capacity"} <= set(moe.names)
     # the dispatch: tokens move from batch-split to expert-split
     assert any(after[:2] == ("expert", "expert_batch") for _, after, _, _ in moe.reshards)
+
+
+def test_reading_the_constraints_leaves_the_memory_predicted_as_without_them():
+    # A constraint is its input's buffer, and so is a residual a scan passes through it.
+    state, step, tokens = llama_step(LLAMA, batch=8, seq=256)
+    mesh, rules = {"data": 8}, (("batch", "data"),)
+    plain, named = (
+        predict(trace_workload(step, state, tokens, read_constraints=r), mesh, rules, H100)
+        for r in (False, True)
+    )
+    assert named.memory_bytes == plain.memory_bytes
+    assert named.flops_per_device == plain.flops_per_device
 
 
 def test_a_sequence_too_long_for_a_device_is_given_a_context_axis():

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from jax.extend.core import Literal
 
-__all__ = ["MemoryProgram", "Peak", "build", "peak"]
+__all__ = ["MemoryProgram", "Peak", "aliases", "build", "is_alias", "peak"]
 
 Cell = tuple[tuple[Any, ...], tuple[int, ...], int, bool]
 """(names, shape, itemsize, score)"""
@@ -82,6 +82,44 @@ class Peak:
         return self.activations + self.temporaries
 
 
+def is_alias(eqn: Any) -> bool:
+    """A sharding constraint of one variable: the same buffer (a reshard is priced apart)."""
+    return (
+        eqn.primitive.name == "sharding_constraint" and len(eqn.invars) == 1
+        and len(eqn.outvars) == 1 and not isinstance(eqn.invars[0], Literal)
+    )  # fmt: skip
+
+
+def aliases(jaxpr: Any) -> dict[Any, Any]:
+    """``{output: input}`` of ``jaxpr``'s sharding constraints, chains resolved, and of the
+    calls (``pjit``...) that give back one of their inputs (a constraint inside them)."""
+    out: dict[Any, Any] = {}
+    for eqn in jaxpr.eqns:
+        if is_alias(eqn):
+            x = eqn.invars[0]
+            out[eqn.outvars[0]] = out.get(x, x)
+            continue
+        prim = eqn.primitive.name
+        if prim in ("while", "cond"):
+            continue
+        sub = next((eqn.params[k] for k in _CALLS if eqn.params.get(k) is not None), None)
+        sub = getattr(sub, "jaxpr", sub)
+        if sub is None or len(sub.invars) != len(eqn.invars):
+            continue
+        inner = aliases(sub)
+        position = {v: i for i, v in enumerate(sub.invars)}
+        nc, ncarry = eqn.params.get("num_consts", 0), eqn.params.get("num_carry", 0)
+        for j, (outer, v) in enumerate(zip(eqn.outvars, sub.outvars, strict=True)):
+            i = position.get(inner.get(v, v)) if not isinstance(v, Literal) else None
+            if i is None or isinstance(eqn.invars[i], Literal):
+                continue
+            if prim == "scan" and not (i == nc + j if j < ncarry else i >= nc + ncarry):
+                continue  # a scan gives back a carry as it came, or a slice of its xs
+            x = eqn.invars[i]
+            out[outer] = out.get(x, x)
+    return out
+
+
 class _Builder:
     def __init__(
         self, names: Mapping[Any, Any], scores: set[Any], dot_of: Callable[[Any], Any],
@@ -118,8 +156,6 @@ class _Builder:
         """Record the points of ``jaxpr`` over the outer alive cells ``long``/``short``.
 
         ``skip``: variables not counted (inputs and outputs held by an outer buffer)."""
-        from meshplan._search.trace import aliases, is_alias
-
         alias = aliases(jaxpr)  # a constraint's value is its input's buffer
         skip = skip | {alias[v] for v in skip if v in alias}
         last: dict[Any, int] = {}

@@ -156,44 +156,6 @@ _BOUNDARY = frozenset({
 })  # fmt: skip
 
 
-def is_alias(eqn: Any) -> bool:
-    """A sharding constraint of one variable: the same buffer (a reshard is priced apart)."""
-    return (
-        eqn.primitive.name == "sharding_constraint" and len(eqn.invars) == 1
-        and len(eqn.outvars) == 1 and not isinstance(eqn.invars[0], Literal)
-    )  # fmt: skip
-
-
-def aliases(jaxpr: Any) -> dict[Any, Any]:
-    """``{output: input}`` of ``jaxpr``'s sharding constraints, chains resolved, and of the
-    calls (``pjit``...) that give back one of their inputs (a constraint inside them)."""
-    out: dict[Any, Any] = {}
-    for eqn in jaxpr.eqns:
-        if is_alias(eqn):
-            x = eqn.invars[0]
-            out[eqn.outvars[0]] = out.get(x, x)
-            continue
-        prim = eqn.primitive.name
-        if prim in ("while", "cond"):
-            continue
-        sub = next((eqn.params[k] for k in _CALL_PARAMS if eqn.params.get(k) is not None), None)
-        sub = getattr(sub, "jaxpr", sub)
-        if sub is None or len(sub.invars) != len(eqn.invars):
-            continue
-        inner = aliases(sub)
-        position = {v: i for i, v in enumerate(sub.invars)}
-        nc, ncarry = eqn.params.get("num_consts", 0), eqn.params.get("num_carry", 0)
-        for j, (outer, v) in enumerate(zip(eqn.outvars, sub.outvars, strict=True)):
-            i = position.get(inner.get(v, v)) if not isinstance(v, Literal) else None
-            if i is None or isinstance(eqn.invars[i], Literal):
-                continue
-            if prim == "scan" and not (i == nc + j if j < ncarry else i >= nc + ncarry):
-                continue  # a scan gives back a carry as it came, or a slice of its xs
-            x = eqn.invars[i]
-            out[outer] = out.get(x, x)
-    return out
-
-
 def dedupe(names: Names) -> Names:
     """``names`` with every repeat of a name dropped to ``None`` (the first one keeps it).
 
@@ -246,9 +208,9 @@ class _Walker:
         for v, n in zip(jaxpr.invars, in_names, strict=True):
             env[v] = n
             self.var_names[v] = n
-        alias = aliases(jaxpr)  # a constraint's value is its input's buffer
+        alias = memory.aliases(jaxpr)  # a constraint's value is its input's buffer
         for eqn in jaxpr.eqns:
-            if is_alias(eqn):
+            if memory.is_alias(eqn):
                 continue
             for v in eqn.invars:
                 if not isinstance(v, Literal):
@@ -340,7 +302,7 @@ class _Walker:
                         if not isinstance(outer, Literal) and outer in self.scores:
                             self.scores.add(inner)
                     result = self.walk(sub, ins, times)
-                    alias = aliases(sub)
+                    alias = memory.aliases(sub)
                     for outer, inner in zip(eqn.outvars, sub.outvars, strict=True):
                         inner = alias.get(inner, inner)
                         if not isinstance(inner, Literal) and inner in self.scores:
@@ -354,7 +316,7 @@ class _Walker:
             isinstance(v, Literal) or v in self.constlike for v in eqn.invars
         ):
             self.constlike.update(eqn.outvars)
-        if is_alias(eqn):
+        if memory.is_alias(eqn):
             x, y = eqn.invars[0], eqn.outvars[0]
             for group in (self.scores, self.constlike, self.materialized):
                 if x in group:
