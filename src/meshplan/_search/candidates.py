@@ -12,7 +12,8 @@ one *role*, and names the axis after it:
   :data:`CONTEXT_NAMES` the model uses: ``length``, ``seq``...), never a parameter
   (context parallelism: keys and values are gathered, or passed round a ring);
 * ``expert``: splits the parameters named ``expert`` (a mixture of experts' weights) and
-  the batch (expert parallelism: tokens go to their experts by all-to-all).
+  the batch (expert parallelism: tokens go to their experts by all-to-all); the
+  dispatched tokens' batch (``expert_batch``) keeps the batch's other axes.
 
 ``context`` and ``expert`` are offered only to models with such names.
 
@@ -39,6 +40,7 @@ from meshplan._spmd.rules import MeshAxes, RulePairs
 __all__ = [
     "ALL_ROLES",
     "CONTEXT_NAMES",
+    "EXPERT_BATCH_NAMES",
     "EXPERT_NAMES",
     "Candidate",
     "generate",
@@ -58,6 +60,9 @@ CONTEXT_NAMES = ("length", "seq", "sequence", "context", "activation_length")
 
 EXPERT_NAMES = ("expert", "experts")
 """Names of a mixture of experts' expert dimension, which an ``expert`` axis splits."""
+
+EXPERT_BATCH_NAMES = ("expert_batch",)
+"""Names of the batch once tokens are with their experts: the batch's axes less ``expert``."""
 
 
 @dataclasses.dataclass
@@ -176,6 +181,7 @@ def generate(
     all_names = [batch_name, *param_names, *(n for n in other_names if n not in param_names)]
     context = [n for n in all_names if n in CONTEXT_NAMES]
     experts = [n for n in param_names if n in EXPERT_NAMES]
+    expert_batch = [n for n in all_names if n in EXPERT_BATCH_NAMES]
     roles = [r for r in roles if (r != "context" or context) and (r != "expert" or experts)]
     plain = [n for n in param_names if n not in experts]
     for shape in mesh_factorizations(devices, max_axes):
@@ -190,6 +196,8 @@ def generate(
                     rules: list[tuple[str, MeshAxes]] = [(batch_name, batch_axes or None)]
                     if "expert" in axes:
                         rules += [(n, "expert") for n in experts]
+                    rest_batch = tuple(a for a in batch_axes if a != "expert") or None
+                    rules += [(n, rest_batch) for n in expert_batch]
                     if "context" in axes:
                         rules += [(n, "context") for n in context]
                     if f is not None:

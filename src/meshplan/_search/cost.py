@@ -27,7 +27,9 @@ bytes of its operands and output over ``memory_bandwidth``. Other ops cost only
 the bytes XLA's fusions read and write (:mod:`meshplan._search.trace` counts what
 leaves a fusion); on a backend with fused attention the scores cost nothing but
 their matmuls' FLOPs. Collectives are priced by :mod:`meshplan._search.collectives`
-(hierarchical where a group crosses domains). Those on the critical path (tensor
+(hierarchical where a group crosses domains); a logical constraint that moves a value's
+axes (a mixture of experts' dispatch and combine) is an all-to-all or a gather
+(:mod:`meshplan._search.reshard`). Those on the critical path (tensor
 parallelism's activation reductions) add up; the independent ones (weight gathers
 and gradient reductions: arrays without a ``'batch'`` dimension) are combined up to
 ``combine_bytes`` (one latency per combined group) and hidden behind up to
@@ -53,6 +55,7 @@ from typing import Any
 from meshplan._search import memory as memory_model
 from meshplan._search.collectives import collective_time
 from meshplan._search.profiles import HardwareProfile
+from meshplan._search.reshard import batch_first, reshard_collectives
 from meshplan._search.trace import Dot, Names, Workload
 from meshplan._spmd.rules import LogicalRules, normalize_rules, split_axes
 
@@ -284,6 +287,13 @@ def predict(
             else:
                 dependent.append((kind, axes, nbytes, count))
         gathered_extra[dot] = extra
+    for (before, after, shape, item), count in workload.reshards.items():
+        nbytes = specs.shard_bytes(before, shape, item)  # a constraint that moves axes
+        order = batch_first(before)
+        taken = specs(tuple(before[i] for i in order), len(shape))
+        src = [taken[order.index(i)] for i in range(len(shape))]
+        for kind, axes in reshard_collectives(src, specs(after, len(shape))):
+            dependent.append((kind, axes, nbytes, count))
     for key, (kind, axes, nbytes, count, ndots) in gathers.items():
         passes = min(2, ndots) if profile.regather else 1  # forward, again for the backward
         if "batch" in (key[0] or ()):

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from jax.extend.core import Literal
 
-__all__ = ["MemoryProgram", "Peak", "build", "peak"]
+__all__ = ["MemoryProgram", "Peak", "aliases", "build", "is_alias", "peak"]
 
 Cell = tuple[tuple[Any, ...], tuple[int, ...], int, bool]
 """(names, shape, itemsize, score)"""
@@ -82,6 +82,44 @@ class Peak:
         return self.activations + self.temporaries
 
 
+def is_alias(eqn: Any) -> bool:
+    """A sharding constraint of one variable: the same buffer (a reshard is priced apart)."""
+    return (
+        eqn.primitive.name == "sharding_constraint" and len(eqn.invars) == 1
+        and len(eqn.outvars) == 1 and not isinstance(eqn.invars[0], Literal)
+    )  # fmt: skip
+
+
+def aliases(jaxpr: Any) -> dict[Any, Any]:
+    """``{output: input}`` of ``jaxpr``'s sharding constraints, chains resolved, and of the
+    calls (``pjit``...) that give back one of their inputs (a constraint inside them)."""
+    out: dict[Any, Any] = {}
+    for eqn in jaxpr.eqns:
+        if is_alias(eqn):
+            x = eqn.invars[0]
+            out[eqn.outvars[0]] = out.get(x, x)
+            continue
+        prim = eqn.primitive.name
+        if prim in ("while", "cond"):
+            continue
+        sub = next((eqn.params[k] for k in _CALLS if eqn.params.get(k) is not None), None)
+        sub = getattr(sub, "jaxpr", sub)
+        if sub is None or len(sub.invars) != len(eqn.invars):
+            continue
+        inner = aliases(sub)
+        position = {v: i for i, v in enumerate(sub.invars)}
+        nc, ncarry = eqn.params.get("num_consts", 0), eqn.params.get("num_carry", 0)
+        for j, (outer, v) in enumerate(zip(eqn.outvars, sub.outvars, strict=True)):
+            i = position.get(inner.get(v, v)) if not isinstance(v, Literal) else None
+            if i is None or isinstance(eqn.invars[i], Literal):
+                continue
+            if prim == "scan" and not (i == nc + j if j < ncarry else i >= nc + ncarry):
+                continue  # a scan gives back a carry as it came, or a slice of its xs
+            x = eqn.invars[i]
+            out[outer] = out.get(x, x)
+    return out
+
+
 class _Builder:
     def __init__(
         self, names: Mapping[Any, Any], scores: set[Any], dot_of: Callable[[Any], Any],
@@ -118,15 +156,19 @@ class _Builder:
         """Record the points of ``jaxpr`` over the outer alive cells ``long``/``short``.
 
         ``skip``: variables not counted (inputs and outputs held by an outer buffer)."""
+        alias = aliases(jaxpr)  # a constraint's value is its input's buffer
+        skip = skip | {alias[v] for v in skip if v in alias}
         last: dict[Any, int] = {}
         n = len(jaxpr.eqns)
         for i, eqn in enumerate(jaxpr.eqns):
+            if is_alias(eqn):
+                continue
             for v in eqn.invars:
                 if not isinstance(v, Literal):
-                    last[v] = i
+                    last[alias.get(v, v)] = i
         for v in jaxpr.outvars:
             if not isinstance(v, Literal):
-                last[v] = n
+                last[alias.get(v, v)] = n
         alive: dict[Any, int] = {}  # var -> cell, defined here and still alive
         for v in jaxpr.invars:
             if v in skip or v not in last:
@@ -135,10 +177,12 @@ class _Builder:
             if c is not None:
                 alive[v] = c
         for i, eqn in enumerate(jaxpr.eqns):
+            if is_alias(eqn):
+                continue
             prim = eqn.primitive.name
             outs = {}
             for v in eqn.outvars:
-                if type(v).__name__ == "DropVar" or v in skip:
+                if type(v).__name__ == "DropVar" or v in skip or v in alias:
                     continue
                 c = self.cell(v)
                 if c is not None and v in last:
@@ -171,10 +215,10 @@ class _Builder:
         p, prim = eqn.params, eqn.primitive.name
         if prim == "scan":
             body = p["jaxpr"].jaxpr
-            return body, {*body.invars, *body.outvars}, True
+            return body, _vars(*body.invars, *body.outvars), True
         if prim == "while":
             body = p["body_jaxpr"].jaxpr
-            return body, {*body.invars, *body.outvars}, True
+            return body, _vars(*body.invars, *body.outvars), True
         if prim == "cond":
             branch = max(p["branches"], key=lambda b: len(b.jaxpr.eqns)).jaxpr
             return branch, set(branch.invars), False
@@ -185,6 +229,11 @@ class _Builder:
                 if len(sub.invars) == len(eqn.invars):
                     return sub, set(sub.invars), False
         return None
+
+
+def _vars(*vs: Any) -> set[Any]:
+    """The variables of ``vs`` (a body may return a literal: a constant output)."""
+    return {v for v in vs if not isinstance(v, Literal)}
 
 
 def build(

@@ -334,7 +334,7 @@ def search_rules(
                 "search_rules needs (abstract_state, step_fn, example_batch), or model= with "
                 "example_batch=, or workload=."
             )
-        workload = trace_workload(step_fn, abstract_state, example_batch)
+        workload = trace_workload(step_fn, abstract_state, example_batch, read_constraints=True)
     if measure and step_fn is None:
         raise ArgumentError("search_rules(measure=True) runs the step: pass step_fn= or model=.")
     if measure:

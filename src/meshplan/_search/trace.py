@@ -79,7 +79,11 @@ class Workload:
     every logical name seen, in order of first appearance (state first);
     ``memory``: the liveness program (:mod:`meshplan._search.memory`) of the step;
     ``score_dots``: the dots that read or write attention scores; ``batch_state``: the
-    batch arrays (names, shape, itemsize); ``tokens``: tokens (or examples) per step.
+    batch arrays (names, shape, itemsize); ``tokens``: tokens (or examples) per step;
+    ``reshards``: ``{(names before, names after, shape, itemsize): count}`` of the
+    model's logical constraints that rename a value (the dispatch of a mixture of
+    experts: ``('batch', ..., 'embed')`` to ``('expert', 'expert_batch', ...)``), which
+    :mod:`meshplan._search.reshard` prices as all-to-alls or gathers.
     """
 
     dots: dict[Dot, int]
@@ -92,6 +96,9 @@ class Workload:
     score_dots: frozenset[Dot] = frozenset()
     batch_state: list[tuple[Names, tuple[int, ...], int]] = dataclasses.field(default_factory=list)
     tokens: int | None = None
+    reshards: dict[tuple[Names, Names, tuple[int, ...], int], int] = dataclasses.field(
+        default_factory=dict
+    )
 
     @property
     def flops(self) -> int:
@@ -184,6 +191,7 @@ class _Walker:
         self.dot_by_eqn: dict[int, Dot] = {}
         self.materialized: set[Any] = set()  # values XLA writes to memory (not fused away)
         self.constlike: set[Any] = set()  # computed from no input (iotas, masks): recomputed
+        self.reshards: dict[tuple[Names, Names, tuple[int, ...], int], int] = {}
 
     def note(self, names: Names) -> None:
         for n in names:
@@ -201,13 +209,16 @@ class _Walker:
         for v, n in zip(jaxpr.invars, in_names, strict=True):
             env[v] = n
             self.var_names[v] = n
+        alias = memory.aliases(jaxpr)  # a constraint's value is its input's buffer
         for eqn in jaxpr.eqns:
+            if memory.is_alias(eqn):
+                continue
             for v in eqn.invars:
                 if not isinstance(v, Literal):
-                    self.consumers.setdefault(v, []).append(eqn.primitive.name)
+                    self.consumers.setdefault(alias.get(v, v), []).append(eqn.primitive.name)
         for v in jaxpr.outvars:
             if not isinstance(v, Literal):
-                self.consumers.setdefault(v, []).append("return")
+                self.consumers.setdefault(alias.get(v, v), []).append("return")
         for eqn in jaxpr.eqns:
             ins = [read(v) for v in eqn.invars]
             outs = [dedupe(n) for n in self.eqn(eqn, ins, times)]
@@ -292,7 +303,9 @@ class _Walker:
                         if not isinstance(outer, Literal) and outer in self.scores:
                             self.scores.add(inner)
                     result = self.walk(sub, ins, times)
+                    alias = memory.aliases(sub)
                     for outer, inner in zip(eqn.outvars, sub.outvars, strict=True):
+                        inner = alias.get(inner, inner)
                         if not isinstance(inner, Literal) and inner in self.scores:
                             self.scores.add(outer)
                         if isinstance(inner, Literal) or inner in self.constlike:
@@ -304,6 +317,12 @@ class _Walker:
             isinstance(v, Literal) or v in self.constlike for v in eqn.invars
         ):
             self.constlike.update(eqn.outvars)
+        if memory.is_alias(eqn):
+            x, y = eqn.invars[0], eqn.outvars[0]
+            for group in (self.scores, self.constlike, self.materialized):
+                if x in group:
+                    group.add(y)
+            return [self._constraint(eqn, ins[0], shapes[0], times)]
         outs = [dedupe(n) for n in self.other(prim, p, ins, shapes, out_shapes)]
         score = prim not in _BOUNDARY and self._score_input(eqn)
         for n, v in zip(outs, eqn.outvars, strict=True):
@@ -311,6 +330,21 @@ class _Walker:
                 self.scores.add(v)
             self._count(v, n, times, score, boundary=prim in _BOUNDARY)
         return outs
+
+    def _constraint(self, eqn: Any, before: Names, shape: tuple[int, ...], times: int) -> Names:
+        """The names a logical constraint gives its value (read back from the name mesh
+        :func:`trace_workload` traces under: each name its own axis of size 1); a
+        dimension it leaves unnamed keeps its name. A renamed value is a reshard."""
+        spec = tuple(getattr(eqn.params.get("sharding"), "spec", ()))
+        spec += (None,) * (len(shape) - len(spec))
+        after = dedupe(tuple(
+            (e if isinstance(e, str) else (e[0] if e else None)) or b
+            for e, b in zip(spec[: len(shape)], before, strict=True)
+        ))  # fmt: skip
+        if after != before and times and eqn.invars[0] not in self.constlike:
+            key = (before, after, shape, _itemsize(eqn.invars[0].aval))
+            self.reshards[key] = self.reshards.get(key, 0) + times
+        return after
 
     def _count(
         self, v: Any, names: Any, times: int, score: bool, *, boundary: bool = False,
@@ -355,6 +389,8 @@ class _Walker:
             return [tuple(out)]
         if prim == "reshape" and ins:
             return [_reshape(ins[0], shapes[0], out_shapes[0])]
+        if prim == "slice" and ins and len(ins[0]) == len(out_shapes[0]):
+            return [ins[0]]  # a slice keeps its dimensions (logits[:, :-1] is still 'length')
         if prim == "squeeze" and ins:
             dims = set(p["dimensions"])
             return [tuple(n for i, n in enumerate(ins[0]) if i not in dims)]
@@ -387,6 +423,67 @@ def _carry_fixpoint(body: Any, body_in: list[Names], nc: int, ncarry: int) -> li
     return carry
 
 
+def constraint_names(state_names: Sequence[Names | None]) -> tuple[str, ...]:
+    """The logical names a traced step's constraints are read for: the state's names,
+    MaxText's ``activation_`` form of each, the sequence and expert names of
+    :mod:`meshplan._search.candidates`, and every name a built-in layout places.
+
+    Example:
+        >>> from meshplan._search.trace import constraint_names
+        >>> names = constraint_names([("embed", "mlp")])
+        >>> names[:3], "length" in names, "expert_batch" in names
+        (('embed', 'mlp', 'activation_embed'), True, True)
+    """
+    from meshplan._search.candidates import CONTEXT_NAMES, EXPERT_BATCH_NAMES, EXPERT_NAMES
+    from meshplan.layouts import ALL_LAYOUTS
+
+    own = [n for names in state_names if names for n in names if isinstance(n, str)]
+    out = [*own, *(f"activation_{n}" for n in own), "batch", *CONTEXT_NAMES, *EXPERT_NAMES]
+    out += [*EXPERT_BATCH_NAMES, *(n for r in ALL_LAYOUTS.values() for n, _ in r)]
+    return tuple(dict.fromkeys(n for n in out if isinstance(n, str)))
+
+
+def _make_jaxpr(
+    step_fn: Callable[..., Any], abstract_state: Any, example_batch: Any,
+    state: Sequence[tuple[Names | None, tuple[int, ...], int]], read_constraints: bool,
+) -> Any:  # fmt: skip
+    """``jax.make_jaxpr`` of the step; under the name mesh (``read_constraints``) when no
+    mesh is active."""
+    from meshplan._spmd.mesh import active_mesh
+    from meshplan._spmd.rules import logical_axis_rules
+
+    if read_constraints and active_mesh() is None:
+        names = constraint_names([n for n, _, _ in state])
+        auto = (jax.sharding.AxisType.Auto,) * len(names)
+        mesh = jax.make_mesh((1,) * len(names), names, axis_types=auto)
+        try:
+            with jax.set_mesh(mesh), logical_axis_rules(tuple((n, n) for n in names)):
+                return jax.make_jaxpr(step_fn)(abstract_state, example_batch)
+        except Exception:  # a step that names mesh axes itself: traced without
+            pass
+    return jax.make_jaxpr(step_fn)(abstract_state, example_batch)
+
+
+def _walk(jaxpr: Any, in_names: list[Names]) -> _Walker:
+    walker = _Walker()
+    for n in in_names:
+        walker.note(n)
+    if len(jaxpr.invars) != len(in_names):  # leaves JAX did not make inputs: names unknown
+        in_names = [(None,) * len(v.aval.shape) for v in jaxpr.invars]
+    walker.walk(jaxpr, in_names, 1)
+    return walker
+
+
+def _is_tokens(leaf: Any) -> bool:
+    """Token ids: an integer ``[batch, length]`` array."""
+    shape = getattr(leaf, "shape", ())
+    return len(shape) == 2 and bool(np.issubdtype(np.dtype(leaf.dtype), np.integer))
+
+
+def _token_names(leaf: Any) -> Names:
+    return ("batch", "length") if _is_tokens(leaf) else _batch_names(leaf)
+
+
 def _batch_names(leaf: Any) -> Names:
     ndim = len(getattr(leaf, "shape", ()))
     return ("batch", *(None,) * (ndim - 1)) if ndim else ()
@@ -398,6 +495,7 @@ def trace_workload(
     example_batch: Any,
     rules: LogicalRules | None = None,
     batch_names: Callable[[Any], Names] | None = None,
+    read_constraints: bool = False,
 ) -> Workload:
     """Traces ``step_fn(abstract_state, example_batch)`` once and reads its work by logical names.
 
@@ -418,6 +516,16 @@ def trace_workload(
         example_batch: The batch (arrays or ``ShapeDtypeStruct``s, any tree).
         rules: Rules for NNX variables whose names depend on them (else the active ones).
         batch_names: The names of one batch array (default: ``('batch', None, ...)``).
+        read_constraints: Read the names of the model's logical constraints
+            (:func:`meshplan.with_logical_constraint`): the step is traced under a mesh
+            of one device with an axis of size 1 per logical name it may use
+            (:func:`constraint_names`) and rules mapping each name to its axis, so that
+            every constraint is left in the program with its names. Activations then
+            carry ``length`` (context parallelism) and a mixture of experts' dispatch its
+            ``expert``/``expert_batch``, which no parameter names (what
+            :func:`meshplan.search_rules` does, to offer the ``context`` and ``expert``
+            roles). Without a mesh or rules the constraints do nothing; a step that fails
+            under that mesh (one that names mesh axes itself) is traced without it.
     """
     # Flax NNX names are logical only when rules are in effect (else mesh axes, as in Flax): a
     # search is looking for those rules, so it reads them as logical (a rule that names nothing).
@@ -436,15 +544,16 @@ def trace_workload(
         state.append((tuple(names) if names is not None else None, shape, _itemsize(x)))
     flat_batch = jax.tree.leaves(example_batch)
     name_of = batch_names or _batch_names
-    closed = jax.make_jaxpr(step_fn)(abstract_state, example_batch)
+    closed = _make_jaxpr(step_fn, abstract_state, example_batch, state, read_constraints)
     in_names = [*state_names, *(tuple(name_of(b)) for b in flat_batch)]
-    walker = _Walker()
-    for n in in_names:
-        walker.note(n)
     jaxpr = closed.jaxpr
-    if len(jaxpr.invars) != len(in_names):  # leaves JAX did not make inputs: names unknown
-        in_names = [(None,) * len(v.aval.shape) for v in jaxpr.invars]
-    walker.walk(jaxpr, in_names, 1)
+    walker = _walk(jaxpr, in_names)
+    if batch_names is None and "length" in walker.seen and any(map(_is_tokens, flat_batch)):
+        # The model names its sequence 'length': so is the token ids' second dimension
+        # (the loss's targets, sliced from them, are never constrained by the model).
+        name_of = _token_names
+        in_names = [*state_names, *(tuple(name_of(b)) for b in flat_batch)]
+        walker = _walk(jaxpr, in_names)
     batch = int(flat_batch[0].shape[0]) if flat_batch and flat_batch[0].shape else None
     params = tuple(dict.fromkeys(n for names, _, _ in state if names for n in names if n))
     program = memory.build(
@@ -459,5 +568,5 @@ def trace_workload(
         tokens = math.prod(flat_batch[0].shape[:2])  # token ids: sequences x positions
     return Workload(
         walker.dots, walker.traffic, state, tuple(walker.seen), batch, params, program,
-        frozenset(walker.score_dots), batch_state, tokens,
+        frozenset(walker.score_dots), batch_state, tokens, walker.reshards,
     )  # fmt: skip

@@ -1,0 +1,120 @@
+"""The search proposes the context and expert roles where they pay, and says why not elsewhere.
+
+Analytic searches (a published profile, nothing compiled) over small meshes of 2 axes: a
+sequence too long for one device's memory without context parallelism, a mixture of many
+experts, and the controls (a short sequence, a dense model)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import meshplan
+from meshplan._search.cost import predict
+from meshplan._search.profiles import get_profile
+from meshplan._search.reshard import reshard_collectives
+from meshplan._search.roles import role_verdict
+from meshplan._search.trace import trace_workload
+from meshplan.examples.llama import LlamaConfig, llama_step
+from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
+from meshplan.train.settings import TrainSettings
+from meshplan.train.state import abstract_train_state
+
+H100 = get_profile("h100")
+LLAMA = LlamaConfig(embed=512, heads=8, kv_heads=8, head_dim=64, mlp=2048, layers=4, vocab=1024)
+
+
+@functools.cache
+def _long(seq: int):
+    state, step, tokens = llama_step(LLAMA, batch=4, seq=seq)
+    return trace_workload(step, state, tokens, read_constraints=True)
+
+
+@functools.cache
+def _moe(experts: int):
+    cfg = config_from_name("small", num_experts=experts, top_k=2, dtype="bfloat16", max_len=256)
+    model = Transformer(cfg)
+    state = abstract_train_state(model, optax.adam(1e-3), TrainSettings(batch=32, seq_len=256))
+
+    def step(state, tokens):
+        return state.apply_gradients(grads=jax.grad(loss_fn)(state.params, tokens, model))
+
+    tokens = jax.ShapeDtypeStruct((32, 257), jnp.int32)
+    return trace_workload(step, state, tokens, read_constraints=True)
+
+
+def _search(work, devices=16, budget=None):
+    return meshplan.search_rules(
+        devices, workload=work, profile="h100", compile_top=0, max_axes=2,
+        memory_budget_bytes=budget,
+    )  # fmt: skip
+
+
+def test_the_trace_reads_length_and_the_experts_names_from_the_models_constraints():
+    assert "length" in _long(1024).names
+    moe = _moe(16)
+    assert {"length", "expert", "expert_batch", "capacity"} <= set(moe.names)
+    # the dispatch: tokens move from batch-split to expert-split
+    assert any(after[:2] == ("expert", "expert_batch") for _, after, _, _ in moe.reshards)
+
+
+def test_reading_the_constraints_leaves_the_memory_predicted_as_without_them():
+    # A constraint is its input's buffer, and so is a residual a scan passes through it.
+    state, step, tokens = llama_step(LLAMA, batch=8, seq=256)
+    mesh, rules = {"data": 8}, (("batch", "data"),)
+    plain, named = (
+        predict(trace_workload(step, state, tokens, read_constraints=r), mesh, rules, H100)
+        for r in (False, True)
+    )
+    assert named.memory_bytes == plain.memory_bytes
+    assert named.flops_per_device == plain.flops_per_device
+
+
+def test_a_sequence_too_long_for_a_device_is_given_a_context_axis():
+    # 4 sequences of 64k tokens on 16 devices: the batch splits 4 ways at most
+    work = _long(65536)
+    roomy = role_verdict(_search(work, budget=80 * 2**30), "context")
+    assert roomy.proposed  # the fastest, with room to spare
+    assert roomy.min_memory_with < roomy.min_memory_without  # and it holds less
+    # a budget only a context axis fits under: proposed, and the reason is memory
+    budget = (roomy.min_memory_with + roomy.min_memory_without) // 2
+    v = role_verdict(_search(work, budget=budget), "context")
+    assert v.proposed and v.kind == "memory" and v.without_row is None
+    assert v.with_row.cost.memory_bytes <= budget < v.min_memory_without
+
+
+def test_a_short_sequence_is_not_split_by_context_and_the_reason_is_a_figure():
+    v = role_verdict(_search(_long(1024)), "context")
+    assert not v.proposed
+    assert v.without_row is not None and v.with_row is not None
+    assert v.with_row.cost.step_s >= v.without_row.cost.step_s * 0.97
+    assert v.terms[v.kind] == max(v.terms.values()) > 0  # the term context adds most
+
+
+def test_many_experts_are_split_over_an_expert_axis_with_all_to_alls():
+    v = role_verdict(_search(_moe(64), devices=64), "expert")
+    assert v.proposed
+    assert v.with_row.cost.comm_bytes.get("all-to-all", 0) > 0
+    assert v.with_row.cost.step_s < v.without_row.cost.step_s
+    assert v.terms[v.kind] == min(v.terms.values()) < 0  # the term the expert axis saves most
+
+
+def test_a_dense_model_has_no_expert_axis_and_says_so():
+    v = role_verdict(_search(_moe(0)), "expert")
+    assert (v.proposed, v.kind, v.with_row) == (False, "absent", None)
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "expected"),
+    [
+        ([(), ("data", "expert"), ()], [("expert",), ("data",), ()], [("all-to-all", ("expert",))]),
+        ([("data",), ()], [("data",), ("tensor",)], []),  # a local slice
+        ([("data",), ("tensor",)], [("data",), ()], [("all-gather", ("tensor",))]),
+    ],
+)
+def test_a_reshard_is_an_all_to_all_where_an_axis_changes_dimension(before, after, expected):
+    assert reshard_collectives(before, after) == expected
