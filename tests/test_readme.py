@@ -2,11 +2,14 @@
 
 from pathlib import Path
 
+import pytest
+
 from docblocks import blocks_of
 
 README = Path(__file__).parent.parent / "README.md"
 
 
+@pytest.mark.slow
 def test_readme_quick_start_runs_and_shards_w2_by_rows():
     blocks = [b for b in blocks_of(README.read_text(), "README.md") if b.lang == "python"]
     assert blocks, "the README has a python quick start"

@@ -46,6 +46,7 @@ def pair(request):
     return config, linen_abstract(config), FunctionalTransformer(config).abstract_state()
 
 
+@pytest.mark.slow
 def test_same_parameters_shapes_and_names_as_linen(pair):
     _, linen, state = pair
     # no rules in effect: both give their logical names as specs
@@ -98,6 +99,7 @@ def test_scan_adds_the_layer_name():
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.slow
 def test_same_logits_as_linen_with_the_same_values(name):
     """Linen's parameter values put into the NNX state give Linen's logits."""
     config = CONFIGS[name]
@@ -116,6 +118,7 @@ def test_same_logits_as_linen_with_the_same_values(name):
 
 
 @pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+@pytest.mark.slow
 def test_jitted_training_on_a_2x4_mesh(explicit):
     config = config_from_name("tiny", num_layers=2, embed_dim=32, mlp_dim=64, max_len=32)
     model = FunctionalTransformer(config)
@@ -162,6 +165,7 @@ def test_jitted_training_on_a_2x4_mesh(explicit):
 
 
 @pytest.mark.parametrize("layout", sorted(layouts.LAYOUTS))
+@pytest.mark.slow
 def test_meshplan_train_under_every_layout(layout):
     """Two steps of ``meshplan train --model transformer-nnx --rules LAYOUT`` on 2x4: the state
     is placed as meshplan.explain plans it, and the loss is finite, near log(256)."""

@@ -70,6 +70,7 @@ def test_a_sharded_linear(auto_mesh):
 # -- Shard a wholesome model: nnx.vmap layers, jax.lax.scan, nnx.Optimizer -----------------
 
 
+@pytest.mark.slow
 def test_train_step_with_nnx_optimizer(trained, auto_mesh):
     losses = trained.losses
     assert len(losses) == 5
@@ -127,6 +128,7 @@ def test_logical_checkpoint_restored_with_other_rules(auto_mesh, tmp_path):
     assert wf.trees_equal(nnx.state(restored), nnx.state(model))
 
 
+@pytest.mark.slow
 def test_meshplan_checkpoint_restores_an_nnx_state_onto_another_mesh(auto_mesh, tmp_path):
     def make():
         return wf.LogicalMultiDotReluDot(DEPTH, 2, rngs=nnx.Rngs(0))
@@ -209,6 +211,7 @@ def test_logical_variant_on_an_explicit_mesh(auto_mesh, explicit_mesh):
 # -- meshplan demo --nnx ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_demo_nnx_runs_every_step_of_the_guide():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     command = ["demo", "--nnx", "--depth", "128", "--layers", "2", "--steps", "3"]

@@ -110,6 +110,7 @@ LOCAL_WI = {
 
 
 @pytest.mark.parametrize("name", BUILT_IN)
+@pytest.mark.slow
 def test_initialised_shards_have_the_promised_size_on_device_0(mesh, abstract_params, name):
     rules = layouts.get_layout(name)
     shardings = meshplan.logical_to_mesh_sharding(

@@ -228,6 +228,7 @@ def test_flax_boxes_are_understood(mesh):
     assert plan["l"].kind == "logical" and plan["l"].spec == P(None, "model")
 
 
+@pytest.mark.slow
 def test_concrete_boxed_params(mesh):
     variables = LogicalMLP(2, 16, False).init(jax.random.key(0), jnp.ones((8, 16)))
     plan = meshplan.explain(variables, mesh, LOGICAL_RULES)

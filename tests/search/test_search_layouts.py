@@ -136,6 +136,7 @@ def test_to_dict_is_plain_json():
 # tests/cli/test_search_command.py.
 
 
+@pytest.mark.slow
 def test_cli_search_prints_the_ranked_table_and_the_best(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the best rules file is written here
     argv = ["search", "--model", "transformer", "--size", "tiny", "--devices", "8"]
@@ -203,6 +204,7 @@ def test_measure_needs_a_step_and_an_example_batch():
         meshplan.search_layouts(big_params(), 8, measure=True)
 
 
+@pytest.mark.slow
 def test_measuring_several_layouts_in_one_process_traces_each_under_its_own_rules():
     # JAX's trace cache does not know meshplan's active rules: a step traced under fsdp
     # must not be reused, with fsdp's activation constraints, for fsdp_tp on the same mesh.

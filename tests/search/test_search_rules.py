@@ -68,6 +68,7 @@ def test_mesh_factorizations_and_generated_rules():
         assert "tensor" not in (rules["batch"] or ())
 
 
+@pytest.mark.slow
 def test_candidates_are_counted_and_pruned_with_reasons():
     state, step, tokens = tiny_case()
     result = meshplan.search_rules(8, state, step, tokens, profile="h100", compile_top=0)
@@ -89,6 +90,7 @@ def test_candidates_are_counted_and_pruned_with_reasons():
     assert {r.layout for r in ok} >= {"data_parallel", "fsdp"}
 
 
+@pytest.mark.slow
 def test_a_memory_budget_prunes_and_a_batch_that_does_not_divide_is_pruned():
     state, step, tokens = tiny_case()
     result = meshplan.search_rules(
@@ -114,6 +116,7 @@ CASES = [
 
 
 @pytest.mark.parametrize(("model", "layout"), CASES)
+@pytest.mark.slow
 def test_predicted_collective_bytes_are_within_10_percent_of_the_compiled_hlo(model, layout):
     state, step, batch = mlp_case() if model == "mlp" else tiny_case()
     mesh, rules = {"data": 2, "model": 4}, meshplan.layouts.get_layout(layout)
@@ -152,6 +155,7 @@ class Wide(nn.Module):
         return nn.Dense(1024, kernel_init=init, use_bias=False)(nn.relu(h))
 
 
+@pytest.mark.slow
 def test_a_16384_device_search_of_a_linen_model_is_analytic():
     x = jax.ShapeDtypeStruct((16384 * 4, 1024), jnp.bfloat16)
     result = meshplan.search_rules(16384, model=Wide(), example_batch=x, profile="tpu_v5e")
@@ -181,6 +185,7 @@ def test_the_top_choice_written_when_asked_and_its_train_command(tmp_path):
     assert "best:" in str(result) and "enumerated" in str(result)
 
 
+@pytest.mark.slow
 def test_measure_runs_the_top_few_and_ranks_them_by_measured_time():
     state, step, x = mlp_case(depth=128, batch=32)
     result = meshplan.search_rules(
@@ -197,6 +202,7 @@ def test_search_rules_needs_a_step_or_a_model():
         meshplan.search_rules(8)
 
 
+@pytest.mark.slow
 def test_a_timed_step_is_the_program_traced_under_the_candidates_rules():
     # Called outside the mesh and rules it was traced under, a jitted step is traced again
     # without them: the timing would measure another program (it did, up to 10x slower).
@@ -234,6 +240,7 @@ def test_a_scanned_carry_takes_the_names_its_body_gives_it():
     assert cost.flops_per_device == pytest.approx(work.flops / 8)
 
 
+@pytest.mark.slow
 def test_a_learned_position_table_the_length_of_the_sequence_searches():
     model = Transformer(config_from_name("tiny", positions="learned", max_len=16))
     state = abstract_train_state(model, optax.adam(1e-3), TrainSettings(batch=8, seq_len=16))

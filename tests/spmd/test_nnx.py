@@ -122,6 +122,7 @@ def test_partition_name_is_in_the_specs_and_the_plan(state, auto_mesh):
     assert leaf.shard_shape == (1, 16, 64)
 
 
+@pytest.mark.slow
 def test_the_abstract_path_creates_a_sharded_model(auto_mesh):
     def create():
         with nnx.use_eager_sharding(False):
@@ -251,6 +252,7 @@ def test_check_hook_reports_where_flax_would_place_otherwise():
 
 @pytest.mark.parametrize("mesh_name", ["auto_mesh", "explicit_mesh"])
 @pytest.mark.parametrize("jit", [jax.jit, nnx.jit])
+@pytest.mark.slow
 def test_with_logical_constraint_inside_nnx_modules(mesh_name, jit, request):
     mesh = request.getfixturevalue(mesh_name)
     init = meshplan.with_nnx_partitioning(nnx.initializers.lecun_normal(), ("embed", "hidden"))
@@ -354,6 +356,7 @@ def test_strict_shardings_of_a_good_state_do_not_raise(state, auto_mesh):
     assert values(shardings)["w2"].spec == P("model", None)
 
 
+@pytest.mark.slow
 def test_an_nnx_state_round_trips_through_a_checkpoint_with_its_names(tmp_path, auto_mesh):
     w = nnx.Param(
         jnp.arange(128.0).reshape(8, 16), out_sharding=("embed", "mlp"), eager_sharding=False

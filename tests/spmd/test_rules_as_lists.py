@@ -89,6 +89,7 @@ ENTRY_POINTS = {
 
 
 @pytest.mark.parametrize("entry", list(ENTRY_POINTS), ids=list(ENTRY_POINTS))
+@pytest.mark.slow
 def test_rules_as_lists_mean_what_rules_as_tuples_mean(entry, mesh, tmp_path_factory):
     call = ENTRY_POINTS[entry]
     from_tuples = call(mesh, TUPLES, tmp_path_factory)

@@ -23,6 +23,7 @@ def _xla_flops(trainer) -> float:
 @pytest.mark.parametrize(
     ("embed", "mlp", "seq"), [(256, 1024, 64), (128, 512, 128)], ids=["mlp-heavy", "attention"]
 )
+@pytest.mark.slow
 def test_model_flops_match_xla_cost_analysis_within_10_percent(embed, mlp, seq):
     # Blocks unrolled (no nn.scan): XLA's cost analysis counts a while loop's body once.
     over = {"num_layers": 2, "embed_dim": embed, "mlp_dim": mlp, "num_heads": 4,
@@ -96,6 +97,7 @@ def test_the_cpu_peak_is_measured_and_labelled():
     assert "not a hardware figure" in peak.label
 
 
+@pytest.mark.slow
 def test_a_run_reports_mfu_step_times_and_tokens_per_second():
     trainer = prepare(
         TrainRequest(

@@ -98,6 +98,7 @@ def test_a_process_without_its_coordinator_says_so(coordinator):
     assert "connection refused" in message and "Start process 0 (--process-id 0)" in message
 
 
+@pytest.mark.slow
 def test_every_process_that_came_names_the_one_missing(coordinator):
     zero, two = _start(Process(coordinator, 3, 0, 2), Process(coordinator, 3, 2, 2))
     for p in (zero, two):
@@ -107,6 +108,7 @@ def test_every_process_that_came_names_the_one_missing(coordinator):
     assert any("waiting for 1 of 3 processes" in line for line in two.lines)
 
 
+@pytest.mark.slow
 def test_a_process_with_another_count_is_turned_away(coordinator):
     zero = Process(coordinator, 2, 0, 2)
     zero.start()
@@ -119,6 +121,7 @@ def test_a_process_with_another_count_is_turned_away(coordinator):
     assert "turned away process 1 (from 127.0.0.1): it has --num-processes 3" in str(zero.error)
 
 
+@pytest.mark.slow
 def test_a_second_process_with_the_same_id_is_turned_away(coordinator):
     zero, first = Process(coordinator, 3, 0, 3), Process(coordinator, 3, 1, 3)
     zero.start()

@@ -219,6 +219,7 @@ def _ended(proc: subprocess.Popen[str], within: float) -> tuple[int, str]:
     return proc.returncode, err
 
 
+@pytest.mark.slow
 def test_a_process_whose_peer_never_comes_says_who_and_exits():
     start = time.monotonic()
     zero, one = _alone(0), _alone(1)  # each on its own port: each waits alone
@@ -235,6 +236,7 @@ def test_a_process_whose_peer_never_comes_says_who_and_exits():
         assert "Traceback" not in err and "client.h" not in err and "Terminating" not in err
 
 
+@pytest.mark.slow
 def test_a_jax_start_that_hangs_ends_with_our_error_not_jax_abort():
     """Process 0 (played here) lets process 1 go, then never starts JAX's service."""
     import json

@@ -33,6 +33,7 @@ def _params(trainer) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, (v, _) in flatten_state(trainer.state.params).items()}
 
 
+@pytest.mark.slow
 def test_loss_decreases_on_the_tiniest_config():
     trainer = prepare(_request(settings={"steps": 30, "eval_every": 30}))
     result = trainer.run()
@@ -44,6 +45,7 @@ def test_loss_decreases_on_the_tiniest_config():
     assert result.tokens_per_second > 0
 
 
+@pytest.mark.slow
 def test_eval_every_zero_evaluates_only_at_the_end():
     result = prepare(_request(settings={"steps": 3, "eval_every": 0})).run()
     assert sorted(result.evals) == [3]
@@ -84,6 +86,7 @@ def _resume(folder, tmp_path, mesh, rules):
     return trainer, result
 
 
+@pytest.mark.slow
 def test_resume_equals_one_stretch(one_stretch, first_half, tmp_path):
     full, full_params = one_stretch
     folder, half = first_half
@@ -100,6 +103,7 @@ def test_resume_equals_one_stretch(one_stretch, first_half, tmp_path):
 
 
 @pytest.mark.parametrize(("mesh", "rules"), [("4x2", "data_parallel"), ("1x1", "tensor_parallel")])
+@pytest.mark.slow
 def test_resume_across_mesh_and_layout_change(one_stretch, first_half, tmp_path, mesh, rules):
     full, full_params = one_stretch
     folder, _ = first_half
@@ -254,6 +258,7 @@ def test_checkpoint_problems_get_flag_level_advice_from_their_code(tmp_path):
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_diverging_run_raises_diverged_and_saves_no_bad_step(tmp_path):
     from meshplan._checkpoint.folder import complete_steps
     from meshplan.train.trainer import Diverged

@@ -94,6 +94,7 @@ def _main(args: list[str], capsys) -> tuple[int, str, str]:
 # -- a run that diverges --------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_diverging_resume_keeps_the_good_steps_and_stops_with_one_error(tmp_path, capsys):
     folder = tmp_path / "run"
     base = ["--eval-every", "5", "--ckpt-every", "5", "--keep", "1", "--ckpt-dir", str(folder)]
@@ -123,6 +124,7 @@ def test_a_diverging_resume_keeps_the_good_steps_and_stops_with_one_error(tmp_pa
     assert not (folder / LOCK_NAME).exists()
 
 
+@pytest.mark.slow
 def test_a_resume_with_nothing_left_to_train_says_so(tmp_path, capsys):
     folder = tmp_path / "run"
     base = ["--eval-every", "5", "--ckpt-every", "5", "--ckpt-dir", str(folder)]
@@ -135,6 +137,7 @@ def test_a_resume_with_nothing_left_to_train_says_so(tmp_path, capsys):
     assert not (folder / LOCK_NAME).exists()
 
 
+@pytest.mark.slow
 def test_a_resumed_run_that_gets_worse_keeps_its_best_step(tmp_path, capsys):
     folder = tmp_path / "run"
     base = ["--eval-every", "2", "--ckpt-every", "2", "--keep", "1", "--ckpt-dir", str(folder)]
@@ -201,6 +204,7 @@ def test_metrics_pointing_at_a_folder(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("fault", ["disk-full", "read-only"])
+@pytest.mark.slow
 def test_failing_io_ends_the_run_in_seconds_and_keeps_the_last_step(tmp_path, train_disk, fault):
     small_disk = train_disk
     args = [*FAST, "--steps", "200", "--eval-every", "0", "--ckpt-every", "1"]
@@ -274,6 +278,7 @@ def _truncate_biggest_array_file(folder: Path, step: int) -> None:
     os.truncate(max(files, key=os.path.getsize), 100)
 
 
+@pytest.mark.slow
 def test_resume_falls_back_past_a_damaged_step_and_says_so(tmp_path, capsys):
     folder = tmp_path / "run"
     base = ["--eval-every", "0", "--ckpt-every", "2", "--ckpt-dir", str(folder)]
@@ -302,6 +307,7 @@ def test_resume_falls_back_past_a_damaged_step_and_says_so(tmp_path, capsys):
 # -- one writer -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_second_writer_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):
     folder = tmp_path / "run"
     args = [*FAST, "--eval-every", "0", "--ckpt-every", "1", "--ckpt-dir", str(folder)]
@@ -335,6 +341,7 @@ def test_a_second_writer_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys
 # -- SIGKILL and SIGTERM at random points ---------------------------------------
 
 
+@pytest.mark.slow
 def test_sigkill_and_sigterm_at_random_points_then_resume_is_bit_identical(tmp_path):
     folder = tmp_path / "run"
     target = 24

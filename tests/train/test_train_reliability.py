@@ -236,6 +236,7 @@ def test_metrics_on_a_full_disk_ends_the_run_with_one_error(tmp_path):
     ],
     ids=["plan-1e8", "plan-1e10", "search-2**20", "search-prime", "tpu", "cuda", "png-folder"],
 )  # fmt: skip
+@pytest.mark.slow
 def test_what_used_to_hang_or_end_cryptically_ends_at_once_with_a_meshplan_error(
     args, env, expected
 ):
