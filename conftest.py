@@ -24,3 +24,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # pytest workers inherit the 
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The docstring examples of ``meshplan.examples`` build and run whole models: slow."""
+    import pytest
+
+    for item in items:
+        if type(item).__name__ == "DoctestItem" and item.name.startswith("meshplan.examples."):
+            item.add_marker(pytest.mark.slow)

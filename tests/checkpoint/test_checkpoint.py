@@ -87,6 +87,7 @@ def test_restore_onto_any_mesh_is_bit_identical(saved, shape, rules):
             assert value.sharding.mesh == mesh
 
 
+@pytest.mark.slow
 def test_restore_reboxes_with_saved_logical_names(saved):
     folder, _, _ = saved
     state, meta = meshplan.restore(folder, make_mesh((4, 2)), data_parallel)

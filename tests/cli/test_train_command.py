@@ -129,6 +129,7 @@ def test_resume_from_empty_or_foreign_folder(tmp_path, capsys):
     assert "--resume needs the checkpoint folder" in err
 
 
+@pytest.mark.slow
 def test_resume_with_a_config_of_other_shapes(trained, tmp_path, capsys):
     folder, args = trained
     if not folder.exists():

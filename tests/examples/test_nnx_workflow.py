@@ -84,6 +84,7 @@ def test_train_step_with_nnx_optimizer(trained, auto_mesh):
     assert equivalent(mu.layers.w2.get_value(), auto_mesh, P(None, "model", None))
 
 
+@pytest.mark.slow
 def test_meshplan_reads_the_guide_model_as_flax_does(trained, auto_mesh):
     state = nnx.state(trained.model)
     ours = specs(meshplan.get_partition_spec(state))
@@ -188,6 +189,7 @@ def test_the_activation_constraint_is_in_logical_names(auto_mesh):
 # -- Explicit sharding ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_explicit_variant_as_the_guide_writes_it(explicit_mesh):
     model, x, y, abs_model = wf.run_explicit(explicit_mesh, DEPTH)
     assert model.layers.dot1.kernel.sharding.spec == P(None, None, "model")

@@ -25,6 +25,8 @@ from meshplan.examples.transformer import (
     loss_fn,
 )
 
+pytestmark = pytest.mark.slow  # each test here takes seconds: processes or long compiles
+
 # Tiny shapes that every built-in layout can split on a 2x4 mesh.
 CONFIG = TransformerConfig(num_layers=2, num_heads=4, embed_dim=32, mlp_dim=64, max_len=16)
 BATCH, LENGTH = 8, 16

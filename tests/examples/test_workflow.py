@@ -21,6 +21,8 @@ from jax.sharding import PartitionSpec as P
 import meshplan
 from meshplan.examples import mlp
 
+pytestmark = pytest.mark.slow  # each test here takes seconds: processes or long compiles
+
 BATCH, LAYERS = 8, 4
 DEPTH = 256  # the guide's 1024 only where the exact shape matters (test_init_at_guide_depth)
 RULES = mlp.LOGICAL_RULES

@@ -74,6 +74,7 @@ def test_reading_the_constraints_leaves_the_memory_predicted_as_without_them():
     assert named.flops_per_device == plain.flops_per_device
 
 
+@pytest.mark.slow
 def test_a_sequence_too_long_for_a_device_is_given_a_context_axis():
     # 4 sequences of 64k tokens on 16 devices: the batch splits 4 ways at most
     work = _long(65536)
@@ -87,6 +88,7 @@ def test_a_sequence_too_long_for_a_device_is_given_a_context_axis():
     assert v.with_row.cost.memory_bytes <= budget < v.min_memory_without
 
 
+@pytest.mark.slow
 def test_a_short_sequence_is_not_split_by_context_and_the_reason_is_a_figure():
     v = role_verdict(_search(_long(1024)), "context")
     assert not v.proposed
@@ -95,6 +97,7 @@ def test_a_short_sequence_is_not_split_by_context_and_the_reason_is_a_figure():
     assert v.terms[v.kind] == max(v.terms.values()) > 0  # the term context adds most
 
 
+@pytest.mark.slow
 def test_many_experts_are_split_over_an_expert_axis_with_all_to_alls():
     v = role_verdict(_search(_moe(64), devices=64), "expert")
     assert v.proposed

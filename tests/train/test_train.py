@@ -177,6 +177,7 @@ def test_resume_from_empty_or_foreign_folder(tmp_path):
     assert "holds no step folders, only: weights.bin" in message
 
 
+@pytest.mark.slow
 def test_resume_with_other_shapes(first_half, tmp_path):
     folder, _ = first_half
     overrides = {**TINY, "mlp_dim": 128}
