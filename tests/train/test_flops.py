@@ -56,11 +56,11 @@ def test_base_config_has_100_to_150_million_parameters():
 
 
 def test_base_brings_a_batch_that_keeps_a_gpu_busy():
-    from meshplan.cli.train_request import _Problems, _resolve_settings
+    from meshplan.cli.train_request import _Problems, resolve_settings
 
-    settings = _resolve_settings(TrainRequest(config="base"), None, _Problems())
+    settings = resolve_settings(TrainRequest(config="base"), None, _Problems())
     assert (settings.batch, settings.seq_len) == (32, 1024)
-    given = _resolve_settings(TrainRequest(config="base", settings={"batch": 8}), None, _Problems())
+    given = resolve_settings(TrainRequest(config="base", settings={"batch": 8}), None, _Problems())
     assert given.batch == 8  # what the user gives wins
 
 

@@ -1,7 +1,22 @@
-"""``--model pkg.module:factory``: a user's model for ``meshplan plan`` and ``meshplan search``.
+"""``--model pkg.module:factory``: a user's model for ``meshplan plan``, ``search`` and ``train``.
 
 The factory is a function of no arguments, imported from a module on
 ``sys.path`` or in the current folder, that returns one of:
+
+* ``(model, example_batch, loss, batches)``: the form every command takes, and
+  the one ``meshplan train`` needs (it reads the data from ``batches``):
+
+  - ``model``: a Flax Linen module, or for Flax NNX a function
+    ``make(rngs) -> nnx.Module`` (called with ``nnx.Rngs(key)``; the module's
+    state must be ``nnx.Param``\\ s);
+  - ``example_batch``: a batch (arrays or ``jax.ShapeDtypeStruct``\\ s, first
+    dimension ``'batch'``); a tuple ``(inputs, targets, ...)`` gives the model its
+    first item and the loss all of it;
+  - ``loss(outputs, batch) -> scalar``;
+  - ``batches``: ``batches(split, index) -> batch`` (``split`` is ``"train"`` or
+    ``"valid"``; numpy or JAX arrays of the whole global batch, the same in every
+    process), or an iterable of batches (its first ``--eval-batches`` are held
+    out for validation).
 
 * ``(abstract_state, step_fn, example_batch)``: the state (``jax.eval_shape`` of
   its init, arrays carrying logical names: Linen boxes or NNX variables),
@@ -32,16 +47,18 @@ from typing import Any
 from meshplan._errors import ArgumentError
 from meshplan.examples.models import EXAMPLE_MODELS
 
-__all__ = ["BUILT_IN_MODELS", "FactoryModel", "is_factory", "load_factory"]
+__all__ = ["BUILT_IN_MODELS", "FactoryModel", "Trainable", "is_factory", "load_factory"]
 
 BUILT_IN_MODELS = tuple(EXAMPLE_MODELS)
 """The models ``--model`` knows by name."""
 
 _PROTOCOL = (
-    "A --model factory is a function of no arguments returning (abstract_state, step_fn, "
-    "example_batch) (Flax NNX models: this form), or (linen_module, example_batch) or "
-    "(linen_module, example_batch, loss); a tuple batch (inputs, targets) gives the module "
-    "its inputs and loss(outputs, batch) all of it."
+    "A --model factory is a function of no arguments returning (model, example_batch, loss, "
+    "batches), with model a Flax Linen module or, for Flax NNX, make(rngs) -> nnx.Module, and "
+    "batches(split, index) -> batch or an iterable of batches (what meshplan train needs); "
+    "plan and search also take (abstract_state, step_fn, example_batch), (linen_module, "
+    "example_batch) or (linen_module, example_batch, loss). A tuple batch (inputs, targets) "
+    "gives the model its inputs and loss(outputs, batch) all of it."
 )
 
 
@@ -53,7 +70,29 @@ class FactoryModel:
     abstract_state: Any
     step_fn: Callable[[Any, Any], Any]
     example_batch: Any
-    kind: str  # 'step' or 'linen'
+    kind: str  # 'step', 'linen' or 'nnx'
+    trainable: Trainable | None = None
+    """The model as ``meshplan train`` trains it: given by the four-value form only."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainable:
+    """A factory's model as ``meshplan train`` trains it.
+
+    Attributes:
+        model: The :class:`~meshplan.train.model.TrainModel`: a Linen module, or an
+            NNX model's ``init_params(key)``, and ``loss(params, batch)``.
+        batches: ``batches(split, index) -> batch`` of host arrays (the global batch).
+        example_batch: Shapes and dtypes of one batch.
+        api: ``"Flax Linen"`` or ``"Flax NNX"``.
+        name: The model's class name.
+    """
+
+    model: Any
+    batches: Callable[[str, int], Any]
+    example_batch: Any
+    api: str
+    name: str
 
 
 def is_factory(spec: str) -> bool:
@@ -168,6 +207,8 @@ def _read(spec: str, returned: Any) -> FactoryModel:
     got = f"an object of type {type(returned).__name__}"
     if isinstance(returned, tuple | list):
         got = f"a {type(returned).__name__} of {len(returned)}: ({', '.join(type(v).__name__ for v in returned)})"
+        if len(returned) == 4 and (isinstance(returned[0], nn.Module) or callable(returned[0])):
+            return _read_trainable(spec, *returned)
         if returned and isinstance(returned[0], nn.Module) and len(returned) in (2, 3):
             module, batch = returned[0], returned[1]
             loss = returned[2] if len(returned) == 3 else None
@@ -211,3 +252,164 @@ def _check_batch(spec: str, batch: Any) -> None:
             f"(got {type(batch).__name__}).\nReturn arrays or jax.ShapeDtypeStructs whose first "
             f"dimension is the batch, e.g. jax.ShapeDtypeStruct((32, 64), jnp.float32)."
         )
+
+
+def _inputs(batch: Any) -> Any:
+    """What the model is called on: a tuple batch's first item, else the batch."""
+    return batch[0] if isinstance(batch, tuple | list) else batch
+
+
+def _read_trainable(spec: str, model: Any, batch: Any, loss: Any, batches: Any) -> FactoryModel:
+    """The four-value form ``(model, example_batch, loss, batches)``: every command's."""
+    import flax.linen as nn
+    import jax
+
+    from meshplan.train.model import TrainModel
+
+    if not callable(loss):
+        raise ArgumentError(
+            f"--model {spec}: the loss (third value) is a {type(loss).__name__}, not a "
+            f"function loss(outputs, batch).\n{_PROTOCOL}"
+        )
+    _check_batch(spec, batch)
+    example = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+    source = _batch_source(spec, batches)
+    if isinstance(model, nn.Module):
+        module = model
+
+        def linen_loss(params: Any, b: Any) -> Any:
+            return loss(module.apply({"params": params}, _inputs(b)), b)
+
+        train = TrainModel(module, linen_loss, _inputs(example))
+        api, name = "Flax Linen", type(module).__name__
+    else:
+        train, name = _nnx_model(spec, model, loss)
+        api = "Flax NNX"
+    try:
+        abstract = train.abstract_state()
+    except Exception as e:
+        raise ArgumentError(
+            f"--model {spec}: initialising the {name} on the example batch raised "
+            f"{type(e).__name__}: {e}\nReturn the inputs the model takes as the second value "
+            f"(or a tuple batch whose first item they are)."
+        ) from None
+    trainable = Trainable(train, source, example, api, name)
+    kind = "nnx" if api == "Flax NNX" else "linen"
+    return FactoryModel(f"{spec}: {name} ({api})", abstract, train.step, example, kind, trainable)
+
+
+def _nnx_model(spec: str, make: Any, loss: Any) -> tuple[Any, str]:
+    """A Flax NNX ``make(rngs) -> nnx.Module`` as a functional model: ``init(key)``, a loss of its state."""
+    import jax
+    from flax import nnx
+
+    from meshplan.train.model import TrainModel
+
+    def create(key: Any) -> Any:
+        # The names are logical: meshplan's rules place the state (with out_shardings),
+        # not Flax's eager sharding, which would read them as mesh axes.
+        with nnx.use_eager_sharding(False):  # type: ignore[no-untyped-call]
+            return make(nnx.Rngs(key))
+
+    try:
+        abstract_model = nnx.eval_shape(lambda: create(0))
+    except Exception as e:
+        raise ArgumentError(
+            f"--model {spec}: calling the model function (first value) as make(nnx.Rngs(0)) "
+            f"raised {type(e).__name__}: {e}\nReturn a Flax Linen module, or for Flax NNX a "
+            f"function make(rngs) -> nnx.Module."
+        ) from None
+    if not isinstance(abstract_model, nnx.Module):
+        raise ArgumentError(
+            f"--model {spec}: the model function (first value) returned a "
+            f"{type(abstract_model).__name__}, not an nnx.Module.\n{_PROTOCOL}"
+        )
+    name = type(abstract_model).__name__
+    graphdef, _params, rest = nnx.split(abstract_model, nnx.Param, ...)  # type: ignore[misc]
+    others = [
+        "/".join(str(getattr(key, "key", key)) for key in path)
+        for path, _ in jax.tree_util.tree_leaves_with_path(
+            rest, is_leaf=lambda x: isinstance(x, nnx.Variable)
+        )
+    ]
+    if others:
+        shown = ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
+        raise ArgumentError(
+            f"--model {spec}: the {name}'s state holds variables that are not nnx.Param: "
+            f"{shown}.\nmeshplan train trains NNX models whose state is parameters only: "
+            f"keep other state (RNG streams, batch statistics) out of the module."
+        )
+
+    def init_params(key: jax.Array) -> Any:
+        return nnx.state(create(key))
+
+    def nnx_loss(state: Any, b: Any) -> Any:
+        return loss(nnx.merge(graphdef, state)(_inputs(b)), b)
+
+    return TrainModel(init_params, nnx_loss), name
+
+
+class _IterableBatches:
+    """``batches(split, index)`` over an iterable: its first ``eval_batches`` held out for
+    validation, then one batch per step, in order (a resumed run skips the steps done)."""
+
+    def __init__(self, spec: str, iterable: Any) -> None:
+        self.spec = spec
+        self._it = iter(iterable)
+        self._valid: list[Any] | None = None
+        self._next = 0  # the train index the next batch drawn is
+        self._last: Any = None
+
+    def hold_out(self, count: int) -> None:
+        """Draws validation batches up to ``count``, before any train batch is drawn."""
+        if self._valid is None:
+            self._valid = []
+        while len(self._valid) < count and self._next == 0:
+            self._valid.append(self._draw("valid", len(self._valid)))
+
+    def _draw(self, split: str, index: int) -> Any:
+        try:
+            return next(self._it)
+        except StopIteration:
+            raise ArgumentError(
+                f"--model {self.spec}: the batches ran out at {split} batch {index}.\nReturn "
+                f"an iterable that does not end (e.g. itertools.cycle), or a function "
+                f"batches(split, index)."
+            ) from None
+
+    def __call__(self, split: str, index: int) -> Any:
+        if split == "valid":
+            self.hold_out(index + 1)
+            if not self._valid:
+                raise ArgumentError(
+                    f"--model {self.spec}: no validation batch was held out of the iterable "
+                    f"before training began.\nReturn a function batches(split, index)."
+                )
+            return self._valid[index % len(self._valid)]
+        if index == self._next - 1:
+            return self._last
+        if index < self._next - 1:
+            raise ArgumentError(
+                f"--model {self.spec}: train batch {index} was asked for after batch "
+                f"{self._next - 1}, and an iterable cannot go back.\nReturn a function "
+                f"batches(split, index) instead."
+            )
+        while self._next <= index:
+            self._last = self._draw("train", self._next)
+            self._next += 1
+        return self._last
+
+
+def _batch_source(spec: str, batches: Any) -> Callable[[str, int], Any]:
+    """``batches(split, index)``: the factory's function, or one over its iterable."""
+    if callable(batches):
+        source: Callable[[str, int], Any] = batches
+        return source
+    try:
+        iter(batches)
+    except TypeError:
+        raise ArgumentError(
+            f"--model {spec}: the batches (fourth value) are a {type(batches).__name__}, "
+            f"neither a function batches(split, index) nor an iterable of batches.\n{_PROTOCOL}"
+        ) from None
+    return _IterableBatches(spec, batches)

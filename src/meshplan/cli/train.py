@@ -144,9 +144,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument(
         "--model",
-        choices=("transformer", "transformer-nnx"),
         help="the byte-level Transformer in Flax Linen (transformer) or Flax NNX "
-        "(transformer-nnx): the same parameters and names",
+        "(transformer-nnx): the same parameters and names; or a model of your own, "
+        "pkg.module:factory (docs/training.md#your-own-model)",
     )
     model.add_argument(
         "--size",
@@ -246,6 +246,7 @@ def _header(console: Console, prepared: PreparedRun, devices: Any, peak: MeshPea
         prepared.model,
         prepared.corpus,
     )
+    assert config is not None and corpus is not None  # the built-in Transformer's run
     s = trainer.settings
     summary = trainer.plan_summary()
     mesh = "x".join(str(v) for v in summary["mesh"].values())
@@ -312,6 +313,42 @@ def _header(console: Console, prepared: PreparedRun, devices: Any, peak: MeshPea
     console.print(table)
 
 
+def _own_header(console: Console, prepared: PreparedRun, devices: Any) -> None:
+    """The header of a ``--model pkg.module:factory`` run: the model, the mesh, the batches."""
+    trainer, own = prepared.trainer, prepared.trainable
+    assert own is not None
+    s = trainer.settings
+    summary = trainer.plan_summary()
+    mesh = "x".join(str(v) for v in summary["mesh"].values())
+    shapes = ", ".join(str(tuple(x.shape)) for x in jax_leaves(own.example_batch))
+    lines: list[list[Any]] = [
+        [
+            ("meshplan train", "bold"),
+            f": {own.name} ({own.api}) from --model {prepared.model} "
+            f"({summary['parameters']:,} parameters)",
+        ],
+        [
+            f"on a {mesh} mesh {tuple(trainer.mesh.axis_names)} with layout ",
+            (str(summary["layout"]), "bold"),
+            f"; batch {shapes}"
+            + (f" in {s.grad_accum} microbatches" if s.grad_accum > 1 else "")
+            + f", lr {s.lr:g}, seed {s.seed}",
+        ],
+        [devices.describe() + "; parameters and AdamW state float32; no MFU (no FLOP count)"],
+    ]
+    if trainer.resume_from is not None:
+        lines.append([f"resuming from step {trainer.resume_from.step} of {trainer.ckpt_dir}"])
+    for line in lines:
+        say(console, *line, soft_wrap=True)
+
+
+def jax_leaves(tree: Any) -> list[Any]:
+    """The arrays of ``tree`` (``jax.tree.leaves``), imported when needed."""
+    import jax
+
+    return list(jax.tree.leaves(tree))
+
+
 def _flop_text(flops: float) -> str:
     """``2.9e13`` -> ``'29.0 TFLOP'``.
 
@@ -346,8 +383,11 @@ def _summary(
     devices: DeviceChoice,
     peak: MeshPeak,
     wall_s: float,
+    units: tuple[str, str] = ("tokens/s", " nats/byte"),
 ) -> None:
     from meshplan._text import human_bytes
+
+    rate, per = units
 
     table = Table(title="Summary", title_justify="left", show_header=False)
     table.add_column("what")
@@ -365,7 +405,7 @@ def _summary(
         if timed
         else "- (no step timed: the first compiles)",
     )
-    table.add_row("tokens/s", f"{result.tokens_per_second:,.0f} (over the timed steps, as the bar)")
+    table.add_row(rate, f"{result.tokens_per_second:,.0f} (over the timed steps, as the bar)")
     if result.mfu is not None:
         table.add_row("MFU", text(f"{result.mfu:.1%} (against the {peak.label})"))
     else:
@@ -389,13 +429,13 @@ def _summary(
         )
     if result.losses:
         last = max(result.losses)
-        table.add_row("final train loss", f"{result.losses[last]:.3f} nats/byte (step {last})")
+        table.add_row("final train loss", f"{result.losses[last]:.3f}{per} (step {last})")
     if result.best_valid is not None:
         step, loss = result.best_valid
         unsaved = trainer.ckpt_dir is not None and step not in trainer.saved_on_disk
         table.add_row(
             "best valid loss",
-            f"{loss:.3f} nats/byte (step {step}{', no checkpoint of it' if unsaved else ''})",
+            f"{loss:.3f}{per} (step {step}{', no checkpoint of it' if unsaved else ''})",
         )
     if trainer.ckpt_dir is not None:
         where = f"{trainer.ckpt_dir} (latest step {trainer.latest_saved}"
@@ -490,13 +530,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import jax
 
+    from meshplan.cli.factory import is_factory
+    from meshplan.cli.train_factory import prepare_factory_run
     from meshplan.cli.train_request import DamagedStep, prepare_run
 
     console = _console(jax.process_index() == 0)
     request = _request(args, devices)
     while True:
         try:
-            prepared = prepare_run(request)
+            own = request.model is not None and is_factory(request.model)
+            prepared = (prepare_factory_run if own else prepare_run)(request)
             trainer = prepared.trainer
         except MeshplanError as e:
             print_error(e)  # every problem, then the fixes in flag terms
@@ -553,8 +596,17 @@ def run(args: argparse.Namespace) -> int:
         for note in trainer.notes:
             say(Console(stderr=True), ("note: ", "bold"), note, soft_wrap=True)
     peak = prepared.peak
-    assert peak is not None  # the request names the devices
-    _header(console, prepared, devices, peak)
+    own = prepared.trainable is not None  # --model pkg.module:factory
+    if own:
+        from meshplan.train.flops import MeshPeak
+
+        peak = MeshPeak(None, None, "no FLOP count for a model of your own")
+        units = ("examples/s", "")
+        _own_header(console, prepared, devices)
+    else:
+        assert peak is not None  # the request names the devices
+        units = ("tokens/s", " nats/byte")
+        _header(console, prepared, devices, peak)
 
     from rich.progress import (
         BarColumn,
@@ -571,7 +623,7 @@ def run(args: argparse.Namespace) -> int:
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("loss {task.fields[loss]}"),
-        TextColumn("{task.fields[tps]} tok/s"),
+        TextColumn("{task.fields[tps]} " + ("examples/s" if own else "tok/s")),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         console=console,
@@ -599,7 +651,7 @@ def run(args: argparse.Namespace) -> int:
         stop.check(record.step)
 
     def on_eval(step: int, loss: float) -> None:
-        say(progress.console, f"step {step:>5}  valid loss {loss:.3f} nats/byte")
+        say(progress.console, f"step {step:>5}  valid loss {loss:.3f}{units[1]}")
         log({"step": step, "valid_loss": loss})
 
     started = time.perf_counter()  # the bar's clock: the summary's time is the same
@@ -639,7 +691,7 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         _close(trainer)  # any other error: let the save in progress reach the disk first
         raise
-    _summary(console, trainer, result, devices, peak, time.perf_counter() - started)
+    _summary(console, trainer, result, devices, peak, time.perf_counter() - started, units)
     if jax.process_index() != 0:
         say(
             Console(stderr=True),

@@ -44,6 +44,7 @@ from meshplan.cli.devices import (
     count_from_xla_flags,
     mesh_flag_advice,
 )
+from meshplan.cli.factory import Trainable, is_factory
 from meshplan.cli.train_checks import (
     Problems,
     check_batch,
@@ -158,18 +159,21 @@ class PreparedRun:
 
     Attributes:
         trainer: The trainer, built once with everything it needs.
-        corpus: The byte corpus its batches come from (the header names it).
-        config: The model's config.
-        model: ``--model`` (:data:`MODELS`).
+        corpus: The byte corpus its batches come from (the header names it);
+            ``None`` for a ``--model pkg.module:factory`` (its own batches).
+        config: The model's config (``None`` for a factory's model).
+        model: ``--model`` (:data:`MODELS`, or ``pkg.module:factory``).
+        trainable: A factory's model (``None`` for the built-in Transformer).
         peak: The devices' peak for MFU (:func:`meshplan.train.flops.mesh_peak`);
             ``None`` when the request names no devices.
     """
 
     trainer: Trainer
-    corpus: ByteCorpus
-    config: TransformerConfig
+    corpus: ByteCorpus | None
+    config: TransformerConfig | None
     model: str
     peak: MeshPeak | None
+    trainable: Trainable | None = None
 
 
 def prepare(request: TrainRequest) -> Trainer:
@@ -226,7 +230,7 @@ def _resolve_config(request: TrainRequest, stored: CheckpointMetadata | None) ->
     return dataclasses.replace(TransformerConfig.from_dict(stored.config), **request.overrides)
 
 
-def _resolve_settings(
+def resolve_settings(
     request: TrainRequest, stored: CheckpointMetadata | None, problems: Problems
 ) -> TrainSettings:
     """The defaults, overridden by the preset's (``--size base``), by the checkpoint's
@@ -261,7 +265,13 @@ def _resolve_model(
     if kind in MODELS:
         return kind
     choices = ", ".join(MODELS)
-    if request.model is None:
+    if request.model is None and is_factory(kind):
+        problems.add(
+            CheckpointError,
+            f"the checkpoint holds a model of your own, --model {kind}",
+            f"Pass --model {kind} to resume it (the factory is imported again).",
+        )
+    elif request.model is None:
         problems.add(
             CheckpointError,
             f"the checkpoint holds --model {kind!r}, which this meshplan does not know (it "
@@ -272,7 +282,8 @@ def _resolve_model(
         problems.add(
             MeshplanError,
             f"unknown --model {kind!r}",
-            f"Pass --model {' or --model '.join(MODELS)}.",
+            f"Pass --model {' or --model '.join(MODELS)}, or a model of your own: --model "
+            f"pkg.module:factory (docs/training.md, 'Your own model').",
         )
     return None
 
@@ -357,6 +368,13 @@ def _check_state(
                 f"Resume with the checkpoint's {what}: leave out {flags} and the model size "
                 "flags (or repeat the ones it was trained with), or train into a new --ckpt-dir.",
             )
+    uneven_problems(request, abstract, mesh, rules, problems)
+
+
+def uneven_problems(
+    request: TrainRequest, abstract: Any, mesh: Mesh | None, rules: Any, problems: Problems
+) -> None:
+    """Every parameter of ``abstract`` the layout cannot split evenly on the mesh, as problems."""
     if mesh is not None and rules is not None:
         uneven = [
             p
@@ -381,6 +399,36 @@ def _check_state(
                 fix,
                 "indivisible",
             )
+
+
+def placement(request: TrainRequest, problems: Problems) -> tuple[Any, Mesh | None]:
+    """The rules (``--rules``) and the mesh (``--mesh``, ``--axes``) of ``request``, each
+    ``None`` when it cannot be had (its problem added to ``problems``)."""
+    rules = mesh = None
+    try:
+        rules = get_layout(request.rules)
+    except MeshplanError as e:
+        problems.add_error(e, f"--rules {request.rules}")
+    needed = None  # the devices the mesh asks for, once read
+    try:
+        axes = request.axes
+        if axes is None and request.rules in CONTEXT_EXPERT_LAYOUTS:
+            axes = ",".join(LAYOUT_AXES[request.rules])  # ('data', 'context'), ('data', 'expert')
+        shape = parse_train_mesh(request.mesh, axes)
+        needed = math.prod(shape.values())
+        choice = request.devices
+        if choice is not None:  # refused with the numbers and the fix in flag terms
+            choose_devices(
+                [] if choice.emulated else choice.devices,
+                choice.devices if choice.emulated else [],
+                needed=needed,
+                mesh=request.mesh,
+                xla_flags_count=count_from_xla_flags(),
+            )
+        mesh = make_mesh(shape, None if choice is None else choice.devices)
+    except MeshplanError as e:
+        problems.add_error(mesh_flag_advice(e, needed))
+    return rules, mesh
 
 
 def prepare_run(request: TrainRequest) -> PreparedRun:
@@ -410,33 +458,10 @@ def prepare_run(request: TrainRequest) -> PreparedRun:
         meshplan train cannot start:
     """
     problems = Problems()
-    rules = mesh = None
-    try:
-        rules = get_layout(request.rules)
-    except MeshplanError as e:
-        problems.add_error(e, f"--rules {request.rules}")
-    needed = None  # the devices the mesh asks for, once read
-    try:
-        axes = request.axes
-        if axes is None and request.rules in CONTEXT_EXPERT_LAYOUTS:
-            axes = ",".join(LAYOUT_AXES[request.rules])  # ('data', 'context'), ('data', 'expert')
-        shape = parse_train_mesh(request.mesh, axes)
-        needed = math.prod(shape.values())
-        choice = request.devices
-        if choice is not None:  # refused with the numbers and the fix in flag terms
-            choose_devices(
-                [] if choice.emulated else choice.devices,
-                choice.devices if choice.emulated else [],
-                needed=math.prod(shape.values()),
-                mesh=request.mesh,
-                xla_flags_count=count_from_xla_flags(),
-            )
-        mesh = make_mesh(shape, None if choice is None else choice.devices)
-    except MeshplanError as e:
-        problems.add_error(mesh_flag_advice(e, needed))
+    rules, mesh = placement(request, problems)
     ckpt_dir, resume = check_checkpoint_dir(request, problems)
     stored = resume.stored
-    settings = _resolve_settings(request, stored, problems)
+    settings = resolve_settings(request, stored, problems)
     check_metrics_file(request.metrics, problems)
     config = _check_config(request, stored, settings, problems)
     kind = _resolve_model(request, stored, problems)

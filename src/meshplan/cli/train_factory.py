@@ -1,0 +1,210 @@
+"""``meshplan train --model pkg.module:factory``: a user's own model, trained on its own batches.
+
+The factory's four-value form (:mod:`meshplan.cli.factory`) gives the model, an
+example batch, the loss and the batches; the run is checked like the built-in
+Transformer's (rules, mesh, checkpoint folder, settings, the layout against every
+parameter and batch array), then trained by the same :class:`Trainer`, with the
+same checkpoints. A resumed run imports the factory again and checks that the
+checkpoint's arrays fit its state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from meshplan._checkpoint.checkpointer import Checkpointer
+from meshplan._checkpoint.restore import compatibility_problems
+from meshplan._errors import ArgumentError, CheckpointError, MeshplanError
+from meshplan._spmd.rules import logical_to_mesh_axes
+from meshplan._spmd.validate import validate
+from meshplan.cli.factory import Trainable, _IterableBatches, load_factory
+from meshplan.cli.train_checks import Problems, check_metrics_file
+from meshplan.cli.train_flags import MODEL_FLAGS
+from meshplan.cli.train_flags import flag as model_flag
+from meshplan.cli.train_request import (
+    PreparedRun,
+    TrainRequest,
+    model_of,
+    placement,
+    resolve_settings,
+    uneven_problems,
+)
+from meshplan.cli.train_resume import check_checkpoint_dir
+from meshplan.train.settings import make_optimizer
+from meshplan.train.state import abstract_train_state
+from meshplan.train.trainer import Checkpoints, Measures, Placement, Trainer
+
+__all__ = ["place_batch", "prepare_factory_run"]
+
+_NOT_FOR_FACTORIES = {
+    "seq_len": "--seq",
+}
+"""Settings of the built-in Transformer that a factory's batches fix instead."""
+
+
+def place_batch(batch: Any, mesh: Mesh, rules: Any) -> Any:
+    """A global host batch on ``mesh``: every array's first dimension is ``'batch'``.
+
+    Every process passes the same global batch; each device gets its slice.
+
+    Example:
+        >>> import jax, numpy as np
+        >>> from meshplan.cli.train_factory import place_batch
+        >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+        >>> images, labels = place_batch((np.zeros((8, 3, 3)), np.zeros(8, np.int32)), mesh,
+        ...                              (("batch", "data"),))
+        >>> images.sharding.spec, labels.sharding.spec
+        (P('data', None, None), P('data',))
+    """
+
+    def put(x: Any) -> jax.Array:
+        x = np.asarray(x)
+        spec = logical_to_mesh_axes(("batch",) + (None,) * (x.ndim - 1), rules)
+        sharding = NamedSharding(mesh, spec)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    return jax.tree.map(put, batch)
+
+
+def _batch_problems(trainable: Trainable, mesh: Mesh, rules: Any, problems: Problems) -> None:
+    """Every array of the example batch whose first dimension the layout cannot split."""
+    leaves = jax.tree_util.tree_leaves_with_path(trainable.example_batch)
+    for path, leaf in leaves:
+        where = f"batch{jax.tree_util.keystr(path)}"
+        names = ("batch",) + (None,) * (len(leaf.shape) - 1)
+        for p in validate(where, tuple(leaf.shape), names, mesh, rules):
+            if p.severity == "error":
+                problems.add(MeshplanError, f"{p.path}: {p.message}", p.fix, p.code)
+
+
+def prepare_factory_run(request: TrainRequest) -> PreparedRun:
+    """Checks a ``--model pkg.module:factory`` request and returns its ``PreparedRun``.
+
+    Every problem is reported together, before any array is created, as for the
+    built-in Transformer (:func:`meshplan.cli.train_request.prepare_run`).
+
+    Raises:
+        MeshplanError: one bullet per problem, then the fixes.
+    """
+    problems = Problems()
+    spec = str(request.model)
+    rules, mesh = placement(request, problems)
+    ckpt_dir, resume = check_checkpoint_dir(request, problems)
+    stored = resume.stored
+    if stored is not None and model_of(stored) != spec:
+        problems.add(
+            CheckpointError,
+            f"the checkpoint holds --model {model_of(stored)}, this run asks for --model {spec}",
+            f"Resume with --model {model_of(stored)}, or train into a new --ckpt-dir.",
+        )
+    dests = {field: dest for dest, field in MODEL_FLAGS.items()}
+    for flag in (["--size"] if request.config else []) + [
+        model_flag(dests.get(name, name)) for name in request.overrides
+    ]:
+        problems.add(
+            ArgumentError,
+            f"{flag} sets the built-in Transformer, not --model {spec}",
+            f"Leave out {flag}: the factory builds the model.",
+        )
+    if request.data is not None:
+        problems.add(
+            ArgumentError,
+            f"--data reads text for the built-in Transformer; --model {spec} brings its "
+            f"own batches",
+            "Leave out --data: the factory's fourth value gives the batches.",
+        )
+    trainable: Trainable | None = None
+    try:
+        trainable = load_factory(spec).trainable
+        if trainable is None:
+            problems.add(
+                ArgumentError,
+                f"--model {spec} gives no batches to train on (its factory returns the form "
+                f"plan and search take)",
+                "Return (model, example_batch, loss, batches) from the factory: batches is "
+                "batches(split, index) -> batch, or an iterable of batches.",
+            )
+    except MeshplanError as e:
+        problems.add_error(e)
+    given: dict[str, Any] = dict(request.settings)
+    for name, flag in _NOT_FOR_FACTORIES.items():
+        if name in given:
+            problems.add(
+                ArgumentError,
+                f"{flag} sets the built-in Transformer's sequence, not --model {spec}",
+                f"Leave out {flag}: the factory's batches give the shapes.",
+            )
+    if trainable is not None:
+        rows = jax.tree.leaves(trainable.example_batch)[0].shape[0]
+        if "batch" in given and given["batch"] != rows:
+            problems.add(
+                ArgumentError,
+                f"--batch {given['batch']}, but the batches of --model {spec} hold {rows}",
+                f"Leave out --batch (it is {rows}), or change the factory's batches.",
+            )
+        given = {**given, "batch": rows, "seq_len": 1}
+    settings = resolve_settings(_with_settings(request, given), stored, problems)
+    check_metrics_file(request.metrics, problems)
+    tx = abstract = None
+    if trainable is not None and not settings.problems():
+        tx = make_optimizer(settings)
+        try:
+            abstract = abstract_train_state(
+                trainable.model.model, tx, settings, trainable.model.example_input
+            )
+        except Exception as e:
+            problems.add(
+                ArgumentError,
+                f"--model {spec}: initialising the {trainable.name} raised {type(e).__name__}: {e}",
+                "Check the factory's model and example batch.",
+            )
+    if abstract is not None and stored is not None:
+        mismatch = compatibility_problems(stored, abstract)
+        if mismatch:
+            problems.add(
+                CheckpointError,
+                f"{len(mismatch)} arrays differ between the checkpoint (step {stored.step}) "
+                f"and the model --model {spec} builds now, e.g. {mismatch[0]}",
+                "Resume with the factory the checkpoint was trained with, or train into a new "
+                "--ckpt-dir.",
+            )
+    if abstract is not None:
+        uneven_problems(request, abstract, mesh, rules, problems)
+    if trainable is not None and mesh is not None and rules is not None:
+        _batch_problems(trainable, mesh, rules, problems)
+    if not problems.items and ckpt_dir is not None:
+        try:  # before any work, and only then: it creates the folder
+            Checkpointer.check_writable(ckpt_dir)
+        except MeshplanError as e:
+            problems.add_error(e)
+    problems.raise_if_any("meshplan train cannot start:")
+    assert trainable is not None and mesh is not None and abstract is not None
+    source = trainable.batches
+    if isinstance(source, _IterableBatches):
+        source.hold_out(settings.eval_batches)  # the first batches are the validation set
+
+    def batches(split: str, index: int) -> Any:
+        return place_batch(source(split, index), mesh, rules)
+
+    trainer = Trainer(
+        trainable.model,
+        batches,
+        settings,
+        Placement(mesh, rules, str(request.rules)),
+        Checkpoints(ckpt_dir, stored, tuple(resume.damaged), record={"model": spec}),
+        Measures(None, None, request.sync_every_step),
+        tx=tx,
+        abstract=abstract,
+        notes=list(resume.notes),
+    )
+    return PreparedRun(trainer, None, None, spec, None, trainable)
+
+
+def _with_settings(request: TrainRequest, settings: dict[str, Any]) -> TrainRequest:
+    import dataclasses
+
+    return dataclasses.replace(request, settings=settings)
