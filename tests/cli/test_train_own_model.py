@@ -51,7 +51,7 @@ def test_a_model_of_your_own_trains_saves_and_resumes(tmp_path, capsys, factory,
 
 
 @pytest.mark.slow
-def test_its_parameters_are_placed_by_the_layout(tmp_path, capsys):
+def test_its_parameters_are_placed_by_the_layout_and_sample_refuses_it(tmp_path, capsys):
     folder = tmp_path / "run"
     code, out, err = _train(
         ["--model", LINEN, *RUN, "--steps", "2", "--eval-every", "0", "--ckpt-dir", str(folder)],
@@ -63,6 +63,9 @@ def test_its_parameters_are_placed_by_the_layout(tmp_path, capsys):
     mesh = meshplan.train.mesh.make_mesh({"data": 2, "model": 4})
     state, _ = meshplan.restore(folder, mesh, meshplan.layouts.fsdp)
     assert state["params"]["w1"].value.sharding.spec == P(("data", "model"), None)
+    assert main(["sample", "--ckpt-dir", str(folder), "--prompt", "x"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"holds --model {LINEN}, not the byte-level Transformer that meshplan sample" in err
 
 
 @pytest.mark.slow

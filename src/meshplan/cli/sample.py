@@ -305,6 +305,14 @@ def run(args: argparse.Namespace) -> int:
         from meshplan.cli.train_request import MODELS, model_of
         from meshplan.examples.transformer import Transformer, TransformerConfig
 
+        held = model_of(metadata)
+        if held not in MODELS:
+            raise meshplan.CheckpointError(
+                f"The checkpoint in {args.ckpt_dir!r} (step {metadata.step}) holds --model "
+                f"{held}, not the byte-level Transformer that meshplan sample decodes.\nSample "
+                f"from a checkpoint of --model {' or --model '.join(MODELS)}; restore this one "
+                f"with meshplan.restore and run your model on its parameters."
+            )
         if metadata.config is None or "params" not in state:
             raise meshplan.CheckpointError(
                 f"The checkpoint in {args.ckpt_dir!r} (step {metadata.step}) has no model config "
