@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
-	$(VENV)/bin/pytest -q $(PYTEST_WORKERS)
+	$(VENV)/bin/pytest -q $(PYTEST_WORKERS) --durations=10
 
 # Everything but the tests marked slow (subprocesses, several processes, long compiles).
 quick: $(STAMP)

@@ -176,7 +176,8 @@ def test_steps_rotation_and_incomplete_steps(tmp_path):
             assert ckpt.save(step, tree, rules=())
         ckpt.wait()
         assert ckpt.all_steps() == [2, 3]
-        assert not ckpt.save(3, tree)  # an existing step is not overwritten
+        with pytest.warns(UserWarning, match="step 3 already exists"):
+            assert not ckpt.save(3, tree)  # an existing step is not overwritten
     # A save killed midway leaves a tmp folder; it is never restored.
     (tmp_path / "4.orbax-checkpoint-tmp").mkdir()
     assert latest_step(tmp_path) == 3

@@ -10,6 +10,8 @@ its names.
 
 from __future__ import annotations
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -133,8 +135,10 @@ def test_dense_general_matches_plain_flax_values(kind):
     boxed_model = nn.DenseGeneral((4, 8), kernel_init=logical(INIT, "embed", "heads", "kv"))
     mesh = mesh_of("auto" if kind == "legacy" else kind)
     context = mesh if kind == "legacy" else jax.set_mesh(mesh)
-    with context, meshplan.logical_axis_rules(RULES):
-        boxed = boxed_model.init(jax.random.key(1), tokens)
+    with warnings.catch_warnings():  # JAX deprecates `with mesh:`; Flax users still write it
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with context, meshplan.logical_axis_rules(RULES):
+            boxed = boxed_model.init(jax.random.key(1), tokens)
     kernel = boxed["params"]["kernel"]
     assert kernel.names == ("embed", "heads", "kv")
     np.testing.assert_array_equal(np.asarray(kernel.value), plain["params"]["kernel"])
