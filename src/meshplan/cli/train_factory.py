@@ -16,7 +16,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from meshplan._checkpoint.checkpointer import Checkpointer
 from meshplan._checkpoint.restore import compatibility_problems
 from meshplan._errors import ArgumentError, CheckpointError, MeshplanError
 from meshplan._spmd.rules import logical_to_mesh_axes
@@ -30,6 +29,7 @@ from meshplan.cli.train_request import (
     TrainRequest,
     model_of,
     placement,
+    raise_if_any,
     resolve_settings,
     uneven_problems,
 )
@@ -176,12 +176,7 @@ def prepare_factory_run(request: TrainRequest) -> PreparedRun:
         uneven_problems(request, abstract, mesh, rules, problems)
     if trainable is not None and mesh is not None and rules is not None:
         _batch_problems(trainable, mesh, rules, problems)
-    if not problems.items and ckpt_dir is not None:
-        try:  # before any work, and only then: it creates the folder
-            Checkpointer.check_writable(ckpt_dir)
-        except MeshplanError as e:
-            problems.add_error(e)
-    problems.raise_if_any("meshplan train cannot start:")
+    raise_if_any(problems, ckpt_dir)
     assert trainable is not None and mesh is not None and abstract is not None
     source = trainable.batches
     if isinstance(source, _IterableBatches):

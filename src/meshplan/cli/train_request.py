@@ -401,6 +401,17 @@ def uneven_problems(
             )
 
 
+def raise_if_any(problems: Problems, ckpt_dir: Path | None) -> None:
+    """Raises every problem found; with none, checks that ``ckpt_dir`` can be written
+    (only then: it creates the folder), and raises if not."""
+    if not problems.items and ckpt_dir is not None:
+        try:
+            Checkpointer.check_writable(ckpt_dir)
+        except MeshplanError as e:
+            problems.add_error(e)
+    problems.raise_if_any("meshplan train cannot start:")
+
+
 def placement(request: TrainRequest, problems: Problems) -> tuple[Any, Mesh | None]:
     """The rules (``--rules``) and the mesh (``--mesh``, ``--axes``) of ``request``, each
     ``None`` when it cannot be had (its problem added to ``problems``)."""
@@ -490,13 +501,7 @@ def prepare_run(request: TrainRequest) -> PreparedRun:
         oom = memory_problem(built, abstract, settings, mesh, rules, batch_shards, config.remat)
         if oom is not None:
             problems.items.append((MeshplanError, oom))
-    if not problems.items and ckpt_dir is not None:
-        try:  # before any work, and only then: it creates the folder
-            Checkpointer.check_writable(ckpt_dir)
-        except MeshplanError as e:
-            problems.add_error(e)
-
-    problems.raise_if_any("meshplan train cannot start:")
+    raise_if_any(problems, ckpt_dir)
     assert mesh is not None and built is not None and config is not None and corpus is not None
     assert kind is not None
     note = _model_note(kind, stored)
