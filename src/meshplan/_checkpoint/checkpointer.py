@@ -89,6 +89,7 @@ from meshplan._checkpoint.quiet import (
 )
 from meshplan._checkpoint.tree import flatten_state, nest
 from meshplan._errors import ArgumentError, CheckpointError, error_for
+from meshplan._spmd.rules import LogicalRules
 from meshplan._text import paths_text
 
 __all__ = ["Checkpointer"]
@@ -437,7 +438,7 @@ class Checkpointer:
         step: int,
         state: Any,
         *,
-        rules: Any = None,
+        rules: LogicalRules | None = None,
         mesh: Mesh | None = None,
         config: Mapping[str, Any] | None = None,
         extra: Mapping[str, Any] | None = None,
@@ -502,7 +503,7 @@ class Checkpointer:
         self,
         step: int,
         state: Any,
-        rules: Any,
+        rules: LogicalRules | None,
         mesh: Mesh | None,
         config: Mapping[str, Any] | None,
         extra: Mapping[str, Any] | None,

@@ -43,7 +43,7 @@ from meshplan._errors import (
 )
 from meshplan._spmd.boxes import LogicallyPartitioned, Partitioned, is_box
 from meshplan._spmd.leaves import is_leaf, leaf_kind
-from meshplan._spmd.rules import logical_to_mesh_axes, normalize_rules
+from meshplan._spmd.rules import LogicalRules, logical_to_mesh_axes, normalize_rules
 from meshplan._spmd.validate import validate
 
 __all__ = ["Restored", "compatibility_problems", "restore", "target_shardings"]
@@ -61,7 +61,7 @@ def _single_device_mesh(axis_names: tuple[str, ...]) -> Mesh:
 
 
 def target_shardings(
-    metadata: CheckpointMetadata, mesh: Mesh, rules: Any = None
+    metadata: CheckpointMetadata, mesh: Mesh, rules: LogicalRules | None = None
 ) -> dict[str, NamedSharding]:
     """The ``NamedSharding`` of every saved array on ``mesh``, from its stored names.
 
@@ -212,7 +212,7 @@ def compatibility_problems(metadata: CheckpointMetadata, template: Any) -> list[
 def restore(
     path: str | os.PathLike[str],
     mesh: Mesh | None = None,
-    rules: Any = None,
+    rules: LogicalRules | None = None,
     step: int | str | None = None,
     *,
     fallback: bool = False,
@@ -316,7 +316,9 @@ def _first_step(p: epath.Path, step: int | None) -> int | None:
     return steps[-1]
 
 
-def _restore_step(p: epath.Path, mesh: Mesh | None, rules: Any, step: int | None) -> Restored:
+def _restore_step(
+    p: epath.Path, mesh: Mesh | None, rules: LogicalRules | None, step: int | None
+) -> Restored:
     import orbax.checkpoint as ocp
 
     # Every process restores its part of the arrays: they open the manager together.

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshplan._spmd.boxes import LogicallyPartitioned, Partitioned, is_box
 from meshplan._spmd.nnx import is_variable, variable_names, variable_spec
-from meshplan._spmd.rules import logical_to_mesh_axes
+from meshplan._spmd.rules import LogicalRules, logical_to_mesh_axes
 
 __all__ = [
     "ArrayLeaf",
@@ -139,7 +139,7 @@ def unwrap(box: Any) -> tuple[str, Any, Any, Any]:
     return ("logical" if logical else "mesh"), names, value, getattr(box, "rules", None)
 
 
-def array_leaves(tree: Any, rules: Any = None) -> tuple[list[ArrayLeaf], int]:
+def array_leaves(tree: Any, rules: LogicalRules | None = None) -> tuple[list[ArrayLeaf], int]:
     """Every array leaf of ``tree`` in tree order, and how many leaves were not arrays.
 
     A leaf is an array when it (or the value in its box or variable) has a
@@ -216,7 +216,7 @@ LINEN_BOX = LeafKind(
 ``AxisMetadata``. In a tree of specs or shardings a box becomes its spec or sharding."""
 
 
-def _variable_read(var: Any, rules: Any) -> LeafNames:
+def _variable_read(var: Any, rules: LogicalRules) -> LeafNames:
     info = variable_names(var, rules)
     return LeafNames(info.kind, info.names, var.get_value(), info.rules)
 
@@ -226,7 +226,7 @@ def _variable_sharding(var: Any, mesh: Any, named: Named, cache: dict[Any, Any])
     return var.replace(None if spec is None else named(spec))
 
 
-def _variable_resolve(var: Any, rules: Any) -> PartitionSpec | None:
+def _variable_resolve(var: Any, rules: LogicalRules) -> PartitionSpec | None:
     """A variable's logical spec through ``rules``: its value when that is a spec (the result
     of ``nnx.get_partition_spec``), else its ``out_sharding`` names read as logical names."""
     value = var.get_value()
@@ -235,7 +235,7 @@ def _variable_resolve(var: Any, rules: Any) -> PartitionSpec | None:
     return variable_spec(var, rules, logical=True)
 
 
-def _variable_logical(var: Any, rules: Any) -> tuple[PartitionSpec, Any, Any] | None:
+def _variable_logical(var: Any, rules: LogicalRules) -> tuple[PartitionSpec, Any, Any] | None:
     """Its spec value, or its names read as logical; with its shape and own rules."""
     names = variable_names(var, rules)
     value = var.get_value()

@@ -19,7 +19,7 @@ from meshplan._errors import (
 )
 from meshplan._spmd.leaves import is_leaf, is_spec_leaf, leaf_kind
 from meshplan._spmd.mesh import active_mesh, check_spec
-from meshplan._spmd.rules import logical_to_mesh_axes, normalize_rules
+from meshplan._spmd.rules import LogicalRules, logical_to_mesh_axes, normalize_rules
 from meshplan._spmd.tree_check import raise_for_errors, spec_errors, tree_errors
 from meshplan._text import path_text
 
@@ -187,7 +187,7 @@ def get_sharding(tree: Any, mesh: jax.sharding.Mesh | None, *, strict: bool = Fa
     return _map_collecting(leaf, tree, is_leaf)
 
 
-def logical_to_mesh(tree: Any, rules: Any = None) -> Any:
+def logical_to_mesh(tree: Any, rules: LogicalRules | None = None) -> Any:
     """:func:`logical_to_mesh_axes` over a tree of logical ``PartitionSpec``s.
 
     Example:
@@ -210,7 +210,11 @@ def logical_to_mesh(tree: Any, rules: Any = None) -> Any:
 
 
 def logical_to_mesh_sharding(
-    tree: Any, mesh: jax.sharding.Mesh | None, rules: Any = None, *, strict: bool = False
+    tree: Any,
+    mesh: jax.sharding.Mesh | None,
+    rules: LogicalRules | None = None,
+    *,
+    strict: bool = False,
 ) -> Any:
     """Tree of logical ``PartitionSpec``s to a tree of ``NamedSharding``s on ``mesh``.
 

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec
 from meshplan._errors import Problem, ShardingValidationError, problem_message
 from meshplan._spmd.leaves import array_leaves, is_spec_leaf, leaf_kind
 from meshplan._spmd.mesh_info import MeshInfo, axis_names_fix, mesh_info
-from meshplan._spmd.rules import get_logical_axis_rules, mesh_axes_of, rules_problems
+from meshplan._spmd.rules import LogicalRules, get_logical_axis_rules, mesh_axes_of, rules_problems
 from meshplan._spmd.validate import LeafCheck, check_leaf
 from meshplan._text import axes_text, count_text, path_text, paths_text, rule_text
 
@@ -86,7 +86,7 @@ def only_unmatched(dims: Sequence[Any]) -> bool:
     )
 
 
-def tree_errors(tree: Any, mesh: Any, rules: Any = None) -> list[Problem]:
+def tree_errors(tree: Any, mesh: Any, rules: LogicalRules | None = None) -> list[Problem]:
     """Every error in how ``tree`` would be laid out on ``mesh``, as :func:`meshplan.check` finds.
 
     Example:
@@ -130,7 +130,7 @@ def tree_errors(tree: Any, mesh: Any, rules: Any = None) -> list[Problem]:
     return errors
 
 
-def spec_errors(tree: Any, mesh: Any, rules: Any = None) -> list[Problem]:
+def spec_errors(tree: Any, mesh: Any, rules: LogicalRules | None = None) -> list[Problem]:
     """:func:`tree_errors` for a tree of *logical* ``PartitionSpec``s (no shapes, so no sizes).
 
     Example:

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
+from meshplan._spmd.rules import LogicalRules
 from meshplan.cli.devices import PLATFORMS, found_devices, select_platform
 from meshplan.cli.output import print_error, say, text
 
@@ -237,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
 # -- meshplan demo --nnx: Flax NNX's guide "Scale up on multiple devices" ---------------------
 
 
-def _nnx_table(title: str, state: Any, rules: Any = ()) -> Table:
+def _nnx_table(title: str, state: Any, rules: LogicalRules = ()) -> Table:
     """Each variable: its names, its shape, and its spec by meshplan and by Flax."""
     from flax import nnx
 

@@ -12,6 +12,7 @@ from typing import Any
 from rich.console import Console
 
 from meshplan._errors import MeshError, MeshplanError, error_for
+from meshplan._spmd.rules import LogicalRules
 from meshplan.cli.devices import mesh_flag_advice, use_cpu_backend
 from meshplan.cli.factory import is_factory, load_factory, model_problem
 from meshplan.cli.output import print_error, say
@@ -166,7 +167,7 @@ def _prediction_problem(args: argparse.Namespace, shape: dict[str, int]) -> str 
 
 
 def _predict(
-    args: argparse.Namespace, loaded: Any, state: Any, shape: dict[str, int], rules: Any
+    args: argparse.Namespace, loaded: Any, state: Any, shape: dict[str, int], rules: LogicalRules
 ) -> dict[str, Any]:
     """The prediction's fields (:mod:`meshplan._search.report`) of the step on ``shape``."""
     import math

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from meshplan._errors import MeshError, MeshplanError, Problem, error_for, problem_message
 from meshplan._spmd.mesh_info import mesh_info
-from meshplan._spmd.rules import logical_axis_rules, rules_problems
+from meshplan._spmd.rules import LogicalRules, logical_axis_rules, rules_problems
 from meshplan._spmd.validate import check_leaf
 from meshplan.cli.train_flags import CODE_ADVICE
 from meshplan.examples.context import context_shards
@@ -78,7 +78,12 @@ def load_corpus(data: str | None, problems: Problems) -> ByteCorpus | None:
 
 
 def check_batch(
-    layout: str, mesh_text: str, settings: TrainSettings, mesh: Mesh, rules: Any, problems: Problems
+    layout: str,
+    mesh_text: str,
+    settings: TrainSettings,
+    mesh: Mesh,
+    rules: LogicalRules,
+    problems: Problems,
 ) -> int:
     """A batch of tokens, ``[batch, seq_len + 1]``, splits over the mesh axes the rules give.
 

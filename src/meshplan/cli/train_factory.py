@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from meshplan._checkpoint.restore import compatibility_problems
 from meshplan._errors import ArgumentError, CheckpointError, MeshplanError
-from meshplan._spmd.rules import logical_to_mesh_axes
+from meshplan._spmd.rules import LogicalRules, logical_to_mesh_axes
 from meshplan._spmd.validate import validate
 from meshplan.cli.factory import Trainable, _IterableBatches, load_factory
 from meshplan.cli.train_checks import Problems, check_metrics_file
@@ -46,7 +46,7 @@ _NOT_FOR_FACTORIES = {
 """Settings of the built-in Transformer that a factory's batches fix instead."""
 
 
-def place_batch(batch: Any, mesh: Mesh, rules: Any) -> Any:
+def place_batch(batch: Any, mesh: Mesh, rules: LogicalRules) -> Any:
     """A global host batch on ``mesh``: every array's first dimension is ``'batch'``.
 
     Every process passes the same global batch; each device gets its slice.
@@ -70,7 +70,9 @@ def place_batch(batch: Any, mesh: Mesh, rules: Any) -> Any:
     return jax.tree.map(put, batch)
 
 
-def _batch_problems(trainable: Trainable, mesh: Mesh, rules: Any, problems: Problems) -> None:
+def _batch_problems(
+    trainable: Trainable, mesh: Mesh, rules: LogicalRules, problems: Problems
+) -> None:
     """Every array of the example batch whose first dimension the layout cannot split."""
     leaves = jax.tree_util.tree_leaves_with_path(trainable.example_batch)
     for path, leaf in leaves:

@@ -23,6 +23,7 @@ from meshplan._errors import Problem
 from meshplan._search.cost import Cost, predict
 from meshplan._search.profiles import get_profile
 from meshplan._search.trace import trace_workload
+from meshplan._spmd.rules import LogicalRules
 from meshplan._text import human_bytes
 from meshplan.train.model import TrainModel
 from meshplan.train.settings import TrainSettings
@@ -64,7 +65,7 @@ def device_memory(mesh: Mesh) -> tuple[int, str] | None:
 
 
 def step_memory(
-    model: TrainModel, abstract: Any, batch: jax.ShapeDtypeStruct, mesh: Mesh, rules: Any
+    model: TrainModel, abstract: Any, batch: jax.ShapeDtypeStruct, mesh: Mesh, rules: LogicalRules
 ) -> Cost:
     """The planner's prediction of one train step of ``batch`` on ``mesh`` under ``rules``.
 
@@ -85,7 +86,7 @@ def memory_problem(
     abstract: Any,
     settings: TrainSettings,
     mesh: Mesh,
-    rules: Any,
+    rules: LogicalRules,
     batch_shards: int,
     remat: bool,
 ) -> Problem | None:

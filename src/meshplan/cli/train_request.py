@@ -37,6 +37,7 @@ from meshplan._errors import (
     MeshError,
     MeshplanError,
 )
+from meshplan._spmd.rules import LogicalRules
 from meshplan._spmd.validate import validate
 from meshplan.cli.devices import (
     DeviceChoice,
@@ -207,7 +208,7 @@ class ByteBatches:
     corpus: ByteCorpus
     settings: TrainSettings
     mesh: Mesh
-    rules: Any
+    rules: LogicalRules
 
     def __call__(self, split: str, index: int) -> Any:
         s = self.settings
@@ -334,7 +335,7 @@ def _check_state(
     abstract: Any,
     stored: CheckpointMetadata | None,
     mesh: Mesh | None,
-    rules: Any,
+    rules: LogicalRules,
     problems: Problems,
     kind: str = DEFAULT_MODEL,
 ) -> None:
@@ -372,7 +373,7 @@ def _check_state(
 
 
 def uneven_problems(
-    request: TrainRequest, abstract: Any, mesh: Mesh | None, rules: Any, problems: Problems
+    request: TrainRequest, abstract: Any, mesh: Mesh | None, rules: LogicalRules, problems: Problems
 ) -> None:
     """Every parameter of ``abstract`` the layout cannot split evenly on the mesh, as problems."""
     if mesh is not None and rules is not None:

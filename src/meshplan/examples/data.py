@@ -25,13 +25,13 @@ import os
 import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
 import meshplan
+from meshplan._spmd.rules import LogicalRules
 
 __all__ = ["BATCH_NAMES", "ByteCorpus", "DataError", "shard_batch"]
 
@@ -316,7 +316,7 @@ class ByteCorpus:
         )
 
 
-def shard_batch(tokens: np.ndarray, mesh: jax.sharding.Mesh, rules: Any) -> jax.Array:
+def shard_batch(tokens: np.ndarray, mesh: jax.sharding.Mesh, rules: LogicalRules) -> jax.Array:
     """Places a global batch ``[batch, length]`` on ``mesh`` as :data:`BATCH_NAMES`.
 
     Every process passes the same global batch (:meth:`ByteCorpus.batch_at` is

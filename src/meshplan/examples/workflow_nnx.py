@@ -42,6 +42,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshplan
+from meshplan._spmd.rules import LogicalRules
 from meshplan.examples.workflow import make_mesh, trees_equal
 
 __all__ = [
@@ -277,7 +278,7 @@ def train(
     depth: int,
     steps: int = 5,
     batch: int = 8,
-    rules: Any = (),
+    rules: LogicalRules = (),
 ) -> TrainRun:
     """The guide's training loop: ``steps`` Adam steps fitting random labels, on ``mesh``.
 
@@ -334,7 +335,7 @@ def save_state(state: nnx.State[Any, Any], directory: Path) -> Path:
 
 
 def restore_onto(
-    path: Path, make_model: Callable[[], nnx.Module], mesh: Mesh, rules: Any = ()
+    path: Path, make_model: Callable[[], nnx.Module], mesh: Mesh, rules: LogicalRules = ()
 ) -> Any:
     """The model saved at ``path``, read straight onto ``mesh`` and placed by ``rules``.
 
@@ -362,7 +363,7 @@ def restore_with_meshplan(
     directory: Path,
     make_model: Callable[[], nnx.Module],
     mesh: Mesh,
-    rules: Any,
+    rules: LogicalRules,
     *,
     saved_rules: Any = GUIDE_RULES,
 ) -> Any:

@@ -25,6 +25,7 @@ from flax import linen as nn
 from flax.training import train_state
 from jax.sharding import Mesh
 
+from meshplan._spmd.rules import LogicalRules
 from meshplan._spmd.shardings import get_partition_spec, logical_to_mesh_sharding
 from meshplan.train.settings import TrainSettings
 
@@ -121,7 +122,7 @@ def abstract_train_state(
     return abstract
 
 
-def state_shardings(abstract: Any, mesh: Mesh, rules: Any) -> Any:
+def state_shardings(abstract: Any, mesh: Mesh, rules: LogicalRules) -> Any:
     """The ``NamedSharding`` of every array of ``abstract`` under ``rules`` on ``mesh``."""
     return logical_to_mesh_sharding(get_partition_spec(abstract), mesh, rules)
 
@@ -154,7 +155,7 @@ class PlanSummary(TypedDict):
 
 
 def plan_summary(
-    abstract: Any, shardings: Any, mesh: Mesh, rules: Any, layout: str = ""
+    abstract: Any, shardings: Any, mesh: Mesh, rules: LogicalRules, layout: str = ""
 ) -> PlanSummary:
     """Parameter count and per-device bytes of the parameters and of the whole state.
 

@@ -55,7 +55,7 @@ from meshplan._checkpoint.checkpointer import Checkpointer
 from meshplan._checkpoint.metadata import CheckpointMetadata
 from meshplan._checkpoint.restore import restore
 from meshplan._errors import CheckpointError, MeshplanError, Problem
-from meshplan._spmd.rules import logical_axis_rules
+from meshplan._spmd.rules import LogicalRules, logical_axis_rules
 from meshplan.train.model import TrainModel
 from meshplan.train.settings import TrainSettings, make_optimizer
 from meshplan.train.state import (
@@ -313,7 +313,7 @@ class Placement:
     """
 
     mesh: Mesh
-    rules: Any
+    rules: LogicalRules
     layout_name: str = ""
 
 
