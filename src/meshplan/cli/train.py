@@ -538,8 +538,10 @@ def run(args: argparse.Namespace) -> int:
     request = _request(args, devices)
     while True:
         try:
-            own = request.model is not None and is_factory(request.model)
-            prepared = (prepare_factory_run if own else prepare_run)(request)
+            if request.model is not None and is_factory(request.model):
+                prepared = prepare_factory_run(request)
+            else:
+                prepared = prepare_run(request)
             trainer = prepared.trainer
         except MeshplanError as e:
             print_error(e)  # every problem, then the fixes in flag terms
