@@ -47,7 +47,14 @@ from typing import Any
 from meshplan._errors import ArgumentError
 from meshplan.examples.models import EXAMPLE_MODELS
 
-__all__ = ["BUILT_IN_MODELS", "FactoryModel", "Trainable", "is_factory", "load_factory"]
+__all__ = [
+    "BUILT_IN_MODELS",
+    "FactoryModel",
+    "IterableBatches",
+    "Trainable",
+    "is_factory",
+    "load_factory",
+]
 
 BUILT_IN_MODELS = tuple(EXAMPLE_MODELS)
 """The models ``--model`` knows by name."""
@@ -212,11 +219,8 @@ def _read(spec: str, returned: Any) -> FactoryModel:
         if returned and isinstance(returned[0], nn.Module) and len(returned) in (2, 3):
             module, batch = returned[0], returned[1]
             loss = returned[2] if len(returned) == 3 else None
-            if loss is not None and not callable(loss):
-                raise ArgumentError(
-                    f"--model {spec}: the loss (third value) is a {type(loss).__name__}, not "
-                    f"a function loss(outputs, batch).\n{_PROTOCOL}"
-                )
+            if loss is not None:
+                _check_loss(spec, loss)
             _check_batch(spec, batch)
             from meshplan._search.rule_search import linen_step
 
@@ -240,6 +244,14 @@ def _read(spec: str, returned: Any) -> FactoryModel:
             _check_batch(spec, batch)
             return FactoryModel(f"{spec} (step function)", state, step, batch, "step")
     raise ArgumentError(f"--model {spec}: the factory returned {got}.\n{_PROTOCOL}")
+
+
+def _check_loss(spec: str, loss: Any) -> None:
+    if not callable(loss):
+        raise ArgumentError(
+            f"--model {spec}: the loss (third value) is a {type(loss).__name__}, not a "
+            f"function loss(outputs, batch).\n{_PROTOCOL}"
+        )
 
 
 def _check_batch(spec: str, batch: Any) -> None:
@@ -266,11 +278,7 @@ def _read_trainable(spec: str, model: Any, batch: Any, loss: Any, batches: Any) 
 
     from meshplan.train.model import TrainModel
 
-    if not callable(loss):
-        raise ArgumentError(
-            f"--model {spec}: the loss (third value) is a {type(loss).__name__}, not a "
-            f"function loss(outputs, batch).\n{_PROTOCOL}"
-        )
+    _check_loss(spec, loss)
     _check_batch(spec, batch)
     example = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
     source = _batch_source(spec, batches)
@@ -349,7 +357,7 @@ def _nnx_model(spec: str, make: Any, loss: Any) -> tuple[Any, str]:
     return TrainModel(init_params, nnx_loss), name
 
 
-class _IterableBatches:
+class IterableBatches:
     """``batches(split, index)`` over an iterable: its first ``eval_batches`` held out for
     validation, then one batch per step, in order (a resumed run skips the steps done)."""
 
@@ -412,4 +420,4 @@ def _batch_source(spec: str, batches: Any) -> Callable[[str, int], Any]:
             f"--model {spec}: the batches (fourth value) are a {type(batches).__name__}, "
             f"neither a function batches(split, index) nor an iterable of batches.\n{_PROTOCOL}"
         ) from None
-    return _IterableBatches(spec, batches)
+    return IterableBatches(spec, batches)

@@ -320,7 +320,9 @@ def _own_header(console: Console, prepared: PreparedRun, devices: Any) -> None:
     s = trainer.settings
     summary = trainer.plan_summary()
     mesh = "x".join(str(v) for v in summary["mesh"].values())
-    shapes = ", ".join(str(tuple(x.shape)) for x in jax_leaves(own.example_batch))
+    import jax
+
+    shapes = ", ".join(str(tuple(x.shape)) for x in jax.tree.leaves(own.example_batch))
     lines: list[list[Any]] = [
         [
             ("meshplan train", "bold"),
@@ -340,13 +342,6 @@ def _own_header(console: Console, prepared: PreparedRun, devices: Any) -> None:
         lines.append([f"resuming from step {trainer.resume_from.step} of {trainer.ckpt_dir}"])
     for line in lines:
         say(console, *line, soft_wrap=True)
-
-
-def jax_leaves(tree: Any) -> list[Any]:
-    """The arrays of ``tree`` (``jax.tree.leaves``), imported when needed."""
-    import jax
-
-    return list(jax.tree.leaves(tree))
 
 
 def _flop_text(flops: float) -> str:

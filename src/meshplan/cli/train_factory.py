@@ -10,6 +10,8 @@ checkpoint's arrays fit its state.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -20,7 +22,7 @@ from meshplan._checkpoint.restore import compatibility_problems
 from meshplan._errors import ArgumentError, CheckpointError, MeshplanError
 from meshplan._spmd.rules import LogicalRules, logical_to_mesh_axes
 from meshplan._spmd.validate import validate
-from meshplan.cli.factory import Trainable, _IterableBatches, load_factory
+from meshplan.cli.factory import IterableBatches, Trainable, load_factory
 from meshplan.cli.train_checks import Problems, check_metrics_file
 from meshplan.cli.train_flags import MODEL_FLAGS
 from meshplan.cli.train_flags import flag as model_flag
@@ -38,12 +40,7 @@ from meshplan.train.settings import make_optimizer
 from meshplan.train.state import abstract_train_state
 from meshplan.train.trainer import Checkpoints, Measures, Placement, Trainer
 
-__all__ = ["place_batch", "prepare_factory_run"]
-
-_NOT_FOR_FACTORIES = {
-    "seq_len": "--seq",
-}
-"""Settings of the built-in Transformer that a factory's batches fix instead."""
+__all__ = ["batch_placer", "place_batch", "prepare_factory_run"]
 
 
 def place_batch(batch: Any, mesh: Mesh, rules: LogicalRules) -> Any:
@@ -61,13 +58,24 @@ def place_batch(batch: Any, mesh: Mesh, rules: LogicalRules) -> Any:
         (P('data', None, None), P('data',))
     """
 
+    return batch_placer(mesh, rules)(batch)
+
+
+def batch_placer(mesh: Mesh, rules: LogicalRules) -> Callable[[Any], Any]:
+    """:func:`place_batch` for every step's batch: each rank's sharding is resolved once."""
+    shardings: dict[int, NamedSharding] = {}
+
     def put(x: Any) -> jax.Array:
         x = np.asarray(x)
-        spec = logical_to_mesh_axes(("batch",) + (None,) * (x.ndim - 1), rules)
-        sharding = NamedSharding(mesh, spec)
-        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+        if x.ndim not in shardings:
+            spec = logical_to_mesh_axes(("batch",) + (None,) * (x.ndim - 1), rules)
+            shardings[x.ndim] = NamedSharding(mesh, spec)
+        return jax.make_array_from_callback(x.shape, shardings[x.ndim], lambda index: x[index])
 
-    return jax.tree.map(put, batch)
+    def place(batch: Any) -> Any:
+        return jax.tree.map(put, batch)
+
+    return place
 
 
 def _batch_problems(
@@ -133,13 +141,12 @@ def prepare_factory_run(request: TrainRequest) -> PreparedRun:
     except MeshplanError as e:
         problems.add_error(e)
     given: dict[str, Any] = dict(request.settings)
-    for name, flag in _NOT_FOR_FACTORIES.items():
-        if name in given:
-            problems.add(
-                ArgumentError,
-                f"{flag} sets the built-in Transformer's sequence, not --model {spec}",
-                f"Leave out {flag}: the factory's batches give the shapes.",
-            )
+    if "seq_len" in given:  # the Transformer's sequence: a factory's batches give the shapes
+        problems.add(
+            ArgumentError,
+            f"--seq sets the built-in Transformer's sequence, not --model {spec}",
+            "Leave out --seq: the factory's batches give the shapes.",
+        )
     if trainable is not None:
         rows = jax.tree.leaves(trainable.example_batch)[0].shape[0]
         if "batch" in given and given["batch"] != rows:
@@ -149,7 +156,7 @@ def prepare_factory_run(request: TrainRequest) -> PreparedRun:
                 f"Leave out --batch (it is {rows}), or change the factory's batches.",
             )
         given = {**given, "batch": rows, "seq_len": 1}
-    settings = resolve_settings(_with_settings(request, given), stored, problems)
+    settings = resolve_settings(dataclasses.replace(request, settings=given), stored, problems)
     check_metrics_file(request.metrics, problems)
     tx = abstract = None
     if trainable is not None and not settings.problems():
@@ -161,8 +168,10 @@ def prepare_factory_run(request: TrainRequest) -> PreparedRun:
         except Exception as e:
             problems.add(
                 ArgumentError,
-                f"--model {spec}: initialising the {trainable.name} raised {type(e).__name__}: {e}",
-                "Check the factory's model and example batch.",
+                f"--model {spec}: creating the {trainable.name}'s state with the optimizer "
+                f"(--lr {settings.lr:g}) raised {type(e).__name__}: {e}",
+                "Check that the factory's model initialises on its example batch (the first "
+                "item of a tuple batch) and that its parameters are arrays.",
             )
     if abstract is not None and stored is not None:
         mismatch = compatibility_problems(stored, abstract)
@@ -181,11 +190,13 @@ def prepare_factory_run(request: TrainRequest) -> PreparedRun:
     raise_if_any(problems, ckpt_dir)
     assert trainable is not None and mesh is not None and abstract is not None
     source = trainable.batches
-    if isinstance(source, _IterableBatches):
+    if isinstance(source, IterableBatches):
         source.hold_out(settings.eval_batches)  # the first batches are the validation set
 
+    place = batch_placer(mesh, rules)
+
     def batches(split: str, index: int) -> Any:
-        return place_batch(source(split, index), mesh, rules)
+        return place(source(split, index))
 
     trainer = Trainer(
         trainable.model,
@@ -199,9 +210,3 @@ def prepare_factory_run(request: TrainRequest) -> PreparedRun:
         notes=list(resume.notes),
     )
     return PreparedRun(trainer, None, None, spec, None, trainable)
-
-
-def _with_settings(request: TrainRequest, settings: dict[str, Any]) -> TrainRequest:
-    import dataclasses
-
-    return dataclasses.replace(request, settings=settings)
