@@ -32,8 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MODEL",
         help="mlp: the guide's MLP (logical names, default); transformer: the example "
         "Transformer (Flax Linen); transformer-nnx: the same in Flax NNX; or "
-        "pkg.module:factory, your function returning (abstract_state, step_fn, example_batch) "
-        "or (linen_module, example_batch[, loss]) (see docs/layouts.md)",
+        "pkg.module:factory, your function returning (model, example_batch, loss, batches) as "
+        "for meshplan train, (abstract_state, step_fn, example_batch) or (linen_module, "
+        "example_batch[, loss]) (see docs/layouts.md)",
     )
     parser.add_argument(
         "--mesh",

@@ -102,7 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MODEL",
         help="transformer: the example Transformer (Flax Linen, default); transformer-nnx: the "
         "same in Flax NNX; mlp: the guide's MLP; or pkg.module:factory, your function returning "
-        "(abstract_state, step_fn, example_batch) or (linen_module, example_batch[, loss])",
+        "(model, example_batch, loss, batches) as for meshplan train, (abstract_state, step_fn, "
+        "example_batch) or (linen_module, example_batch[, loss])",
     )
     add_model_size_arguments(parser)
     parser.add_argument(
