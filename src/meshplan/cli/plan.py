@@ -17,7 +17,7 @@ from meshplan.cli.devices import mesh_flag_advice, use_cpu_backend
 from meshplan.cli.factory import is_factory, load_factory, model_problem
 from meshplan.cli.output import print_error, say
 from meshplan.cli.sizes import parse_bytes
-from meshplan.train.mesh import parse_mesh_shape
+from meshplan.train.device_mesh import parse_mesh_shape
 
 HELP = (
     "Show where every parameter and optimizer state of an example model goes on a mesh "

@@ -22,7 +22,7 @@ from meshplan._spmd.validate import check_leaf
 from meshplan.cli.train_flags import CODE_ADVICE
 from meshplan.examples.context import context_shards
 from meshplan.examples.data import BATCH_NAMES, ByteCorpus, DataError
-from meshplan.train.mesh import MESH_AXES, parse_mesh_shape
+from meshplan.train.device_mesh import MESH_AXES, parse_mesh_shape
 from meshplan.train.settings import TrainSettings
 
 __all__ = [

@@ -31,7 +31,7 @@ of the step only, as in ``meshplan train``, a run resumed from a checkpoint
 (on any mesh, with any layout) sees exactly the batches and updates of an
 uninterrupted one.
 
-The parts, one concern each: :mod:`meshplan.train.mesh` (meshes),
+The parts, one concern each: :mod:`meshplan.train.device_mesh` (meshes),
 :mod:`meshplan.train.settings` (settings and optimizer),
 :mod:`meshplan.train.state` (the sharded state), and this module (the loop).
 """

@@ -32,7 +32,7 @@ def parse_mesh_shape(text: str, axes: str | None = None) -> dict[str, int]:
     ``axes`` (``"data,fsdp,model"``) names any number of axes.
 
     Example:
-        >>> from meshplan.train.mesh import parse_mesh_shape
+        >>> from meshplan.train.device_mesh import parse_mesh_shape
         >>> parse_mesh_shape("2x4"), parse_mesh_shape("8"), parse_mesh_shape("4×2")
         ({'data': 2, 'model': 4}, {'data': 8, 'model': 1}, {'data': 4, 'model': 2})
         >>> parse_mesh_shape("2x2x2", "data,fsdp,model")
@@ -80,7 +80,7 @@ def parse_mesh(text: str) -> tuple[int, int]:
     """``"2x4"`` -> ``(2, 4)``: sizes of the ``('data', 'model')`` axes; ``"8"`` means 8x1.
 
     Example:
-        >>> from meshplan.train.mesh import parse_mesh
+        >>> from meshplan.train.device_mesh import parse_mesh
         >>> parse_mesh("2x4"), parse_mesh("8")
         ((2, 4), (8, 1))
 
@@ -104,7 +104,7 @@ def make_mesh(
     and TPUs.
 
     Example:
-        >>> from meshplan.train.mesh import make_mesh
+        >>> from meshplan.train.device_mesh import make_mesh
         >>> mesh = make_mesh((2, 2))  # on 8 devices: the first 4
         >>> dict(mesh.shape), [d.id for d in mesh.devices.flat], mesh.axis_types
         ({'data': 2, 'model': 2}, [0, 1, 2, 3], (Auto, Auto))
