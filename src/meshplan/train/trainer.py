@@ -73,6 +73,7 @@ __all__ = [
     "Diverged",
     "Loss",
     "Measures",
+    "Note",
     "Placement",
     "StepRecord",
     "TrainResult",
@@ -90,9 +91,31 @@ Batches = Callable[[str, int], Any]
 validation batch), as ``jax.Array``\\ s already placed on the mesh."""
 
 
-_VALID_FIELDS = {"seq_len": "--seq", "batch": "--batch", "eval_batches": "--eval-batches",
-                 "seed": "--seed"}  # fmt: skip
-"""The settings validation batches depend on (with ``data``), and their flags."""
+_VALID_FIELDS = ("seq_len", "batch", "eval_batches", "seed")
+"""The settings validation batches depend on (with ``data``)."""
+
+
+class Note(str):
+    """A sentence for the user (one of :attr:`Trainer.notes`), with a code and its fields.
+
+    It is the sentence itself (a ``str``); ``code`` and ``fields`` let a caller, e.g.
+    the command line, word it in its own terms. ``'valid-setting-changed'``: fields
+    ``step`` (the checkpoint's) and ``changes`` (:func:`valid_changes`).
+
+    Example:
+        >>> from meshplan.train.trainer import Note
+        >>> note = Note("Hello.", "greeting", {"to": "you"})
+        >>> note, note.code, note.fields
+        ('Hello.', 'greeting', {'to': 'you'})
+    """
+
+    code: str
+    fields: dict[str, Any]
+
+    def __new__(cls, text: str, code: str, fields: Mapping[str, Any] | None = None) -> Note:
+        note = super().__new__(cls, text)
+        note.code, note.fields = code, dict(fields or {})
+        return note
 
 
 def valid_setting(settings: Mapping[str, Any], data: Any) -> str:
@@ -107,15 +130,60 @@ def valid_setting(settings: Mapping[str, Any], data: Any) -> str:
     return ", ".join([*parts, f"data {data or 'stdlib'}"])
 
 
-def _changed(before: Mapping[str, Any], now: Mapping[str, Any], data: Any) -> str:
-    out = [
-        f"{flag} {now.get(name)} instead of {before.get(name)}"
-        for name, flag in _VALID_FIELDS.items()
+def valid_changes(
+    before: Mapping[str, Any], now: Mapping[str, Any], data: Any
+) -> dict[str, tuple[Any, Any]]:
+    """The settings of validation that differ, ``name: (before, now)``; ``data`` last.
+
+    Example:
+        >>> from meshplan.train.trainer import valid_changes, valid_changes_text
+        >>> changes = valid_changes({"seq_len": 16, "batch": 8}, {"seq_len": 32, "batch": 8}, None)
+        >>> changes, valid_changes_text(changes)
+        ({'seq_len': (16, 32)}, 'seq_len 32 instead of 16')
+    """
+    out = {
+        name: (before.get(name), now.get(name))
+        for name in _VALID_FIELDS
         if before.get(name) != now.get(name)
-    ]
+    }
     if (before.get("data") or None) != (data or None):
-        out.append(f"--data {data or 'stdlib'} instead of {before.get('data') or 'stdlib'}")
-    return "; ".join(out)
+        out["data"] = (before.get("data") or "stdlib", data or "stdlib")
+    return out
+
+
+def valid_changes_text(
+    changes: Mapping[str, tuple[Any, Any]], names: Callable[[str], str] = str
+) -> str:
+    """``changes`` (:func:`valid_changes`) as text, each setting called ``names(name)``."""
+    return "; ".join(
+        f"{names(name)} {now} instead of {was}" for name, (was, now) in changes.items()
+    )
+
+
+def valid_changed_note(step: int, changed: str) -> str:
+    """The note of a run that validates otherwise than the checkpoint's ``step`` (``changed``)."""
+    return (
+        f"This run validates otherwise than step {step} of the checkpoint "
+        f"({changed}): validation losses of the two are not comparable, so the best "
+        f"step is kept per validation setting; this run's best is chosen among its "
+        f"own validations, and the checkpoint's best stays kept."
+    )
+
+
+def set_aside_note(
+    steps: Sequence[int], folder: str, step: int, moved_to: str, resume: str = "resume"
+) -> str:
+    """The note of a resume from ``step`` that moved the later ``steps`` into ``moved_to``.
+
+    ``resume``: what the user calls resuming (the command line: ``--resume``).
+    """
+    them = "them" if len(steps) > 1 else "it"
+    return (
+        f"Step{'s' * (len(steps) > 1)} {', '.join(map(str, steps))} of {folder!r} came after "
+        f"step {step}, on the branch this run leaves: moved into {moved_to!r} (nothing "
+        f"deleted), so that neither this run nor a later {resume} mixes {them} in. Move {them} "
+        f"back to continue that branch."
+    )
 
 
 def sane_step(
@@ -530,13 +598,14 @@ class Trainer:
             stored = dict(resume_from.extra.get("train") or {})
             before = valid_setting(stored, stored.get("data"))
             if stored and before != self.valid_setting:
-                changed = _changed(stored, settings.to_dict(), self.record.get("data"))
+                changes = valid_changes(stored, settings.to_dict(), self.record.get("data"))
                 self.best_valid = None
                 self.notes.append(
-                    f"This run validates otherwise than step {resume_from.step} of the checkpoint "
-                    f"({changed}): validation losses of the two are not comparable, so the best "
-                    f"step is kept per validation setting; this run's best is chosen among its "
-                    f"own validations, and the checkpoint's best stays kept."
+                    Note(
+                        valid_changed_note(resume_from.step, valid_changes_text(changes)),
+                        "valid-setting-changed",
+                        {"step": resume_from.step, "changes": changes},
+                    )
                 )
         self._checkpointer: Checkpointer | None = None
         self._train_step: Callable[[Any, Any], tuple[Any, jax.Array, Any]] | None = None
@@ -599,13 +668,9 @@ class Trainer:
         if later:
             aside = ckpt.set_aside(later, f"old-branch-after-step-{self.resume_from.step}")
             self.set_aside = (later, str(aside))
-            self.notes.append(
-                f"Step{'s' * (len(later) > 1)} {', '.join(map(str, later))} of "
-                f"{str(self.ckpt_dir)!r} came after step {self.resume_from.step}, on the "
-                f"branch this run leaves: moved into {str(aside)!r} (nothing deleted), so that "
-                f"neither this run nor a later --resume mixes {'them' if len(later) > 1 else 'it'}"
-                f" in. Move {'them' if len(later) > 1 else 'it'} back to continue that branch."
-            )
+            fields: dict[str, Any] = {"steps": later, "folder": str(self.ckpt_dir)}
+            fields |= {"step": self.resume_from.step, "moved_to": str(aside)}
+            self.notes.append(Note(set_aside_note(**fields), "steps-set-aside", fields))
 
     def _delete_step(self, step: int) -> None:
         assert self._checkpointer is not None
