@@ -203,25 +203,22 @@ def in_flags(note: str) -> str:
 
     Example:
         >>> from meshplan.cli.train_flags import in_flags
-        >>> from meshplan.train.trainer import Note, valid_changed_note
-        >>> changes = {"seq_len": (16, 32), "data": ("stdlib", "t.txt")}
-        >>> note = Note(valid_changed_note(4, "..."), "valid-setting-changed",
-        ...             {"step": 4, "changes": changes})
-        >>> in_flags(note)[:90]
-        'This run validates otherwise than step 4 of the checkpoint (--seq 32 instead of 16; --data'
+        >>> from meshplan.train.trainer import Note
+        >>> note = Note("Changed: {changed}.", "valid-setting-changed",
+        ...             {"step": 4, "changes": {"seq_len": (16, 32)}}, {"changed": "seq_len 32"})
+        >>> note, in_flags(note)
+        ('Changed: seq_len 32.', 'Changed: --seq 32 instead of 16.')
     """
-    from meshplan.train.trainer import (
-        Note,
-        set_aside_note,
-        valid_changed_note,
-        valid_changes_text,
-    )
+    from meshplan.train.trainer import Note
 
     if not isinstance(note, Note):
         return note
     if note.code == "valid-setting-changed":
-        changed = valid_changes_text(note.fields["changes"], setting_flag)
-        return valid_changed_note(note.fields["step"], changed)
+        changed = "; ".join(
+            f"{setting_flag(name)} {now} instead of {was}"
+            for name, (was, now) in note.fields["changes"].items()
+        )
+        return note.template.replace("{changed}", changed)
     if note.code == "steps-set-aside":
-        return set_aside_note(**note.fields, resume="--resume")
+        return note.template.replace("{resume}", "--resume")
     return note

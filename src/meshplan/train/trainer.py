@@ -98,23 +98,38 @@ _VALID_FIELDS = ("seq_len", "batch", "eval_batches", "seed")
 class Note(str):
     """A sentence for the user (one of :attr:`Trainer.notes`), with a code and its fields.
 
-    It is the sentence itself (a ``str``); ``code`` and ``fields`` let a caller, e.g.
-    the command line, word it in its own terms. ``'valid-setting-changed'``: fields
-    ``step`` (the checkpoint's) and ``changes`` (:func:`valid_changes`).
+    It is the sentence itself (a ``str``): ``template`` with each ``{slot}`` replaced
+    by ``words[slot]``, meshplan's words. A caller, e.g. the command line, words it
+    in its own terms from ``code``, ``fields`` and ``template``.
+
+    * ``'valid-setting-changed'``: fields ``step`` (the checkpoint's) and
+      ``changes`` (:func:`valid_changes`); slot ``{changed}``.
+    * ``'steps-set-aside'``: fields ``steps``, ``folder``, ``step`` and ``moved_to``;
+      slot ``{resume}``.
 
     Example:
         >>> from meshplan.train.trainer import Note
-        >>> note = Note("Hello.", "greeting", {"to": "you"})
-        >>> note, note.code, note.fields
-        ('Hello.', 'greeting', {'to': 'you'})
+        >>> note = Note("Hello {who}.", "greeting", {"to": "you"}, {"who": "you"})
+        >>> note, note.code, note.fields, note.template
+        ('Hello you.', 'greeting', {'to': 'you'}, 'Hello {who}.')
     """
 
     code: str
     fields: dict[str, Any]
+    template: str
 
-    def __new__(cls, text: str, code: str, fields: Mapping[str, Any] | None = None) -> Note:
+    def __new__(
+        cls,
+        template: str,
+        code: str,
+        fields: Mapping[str, Any] | None = None,
+        words: Mapping[str, str] | None = None,
+    ) -> Note:
+        text = template
+        for slot, word in (words or {}).items():
+            text = text.replace("{" + slot + "}", word)
         note = super().__new__(cls, text)
-        note.code, note.fields = code, dict(fields or {})
+        note.code, note.fields, note.template = code, dict(fields or {}), template
         return note
 
 
@@ -136,10 +151,9 @@ def valid_changes(
     """The settings of validation that differ, ``name: (before, now)``; ``data`` last.
 
     Example:
-        >>> from meshplan.train.trainer import valid_changes, valid_changes_text
-        >>> changes = valid_changes({"seq_len": 16, "batch": 8}, {"seq_len": 32, "batch": 8}, None)
-        >>> changes, valid_changes_text(changes)
-        ({'seq_len': (16, 32)}, 'seq_len 32 instead of 16')
+        >>> from meshplan.train.trainer import valid_changes
+        >>> valid_changes({"seq_len": 16, "batch": 8}, {"seq_len": 32, "batch": 8}, None)
+        {'seq_len': (16, 32)}
     """
     out = {
         name: (before.get(name), now.get(name))
@@ -151,39 +165,30 @@ def valid_changes(
     return out
 
 
-def valid_changes_text(
-    changes: Mapping[str, tuple[Any, Any]], names: Callable[[str], str] = str
-) -> str:
-    """``changes`` (:func:`valid_changes`) as text, each setting called ``names(name)``."""
-    return "; ".join(
-        f"{names(name)} {now} instead of {was}" for name, (was, now) in changes.items()
-    )
-
-
-def valid_changed_note(step: int, changed: str) -> str:
-    """The note of a run that validates otherwise than the checkpoint's ``step`` (``changed``)."""
-    return (
+def _valid_changed_note(step: int, changes: dict[str, tuple[Any, Any]]) -> Note:
+    """The note of a run that validates otherwise than the checkpoint's ``step``."""
+    changed = "; ".join(f"{name} {now} instead of {was}" for name, (was, now) in changes.items())
+    template = (
         f"This run validates otherwise than step {step} of the checkpoint "
-        f"({changed}): validation losses of the two are not comparable, so the best "
-        f"step is kept per validation setting; this run's best is chosen among its "
-        f"own validations, and the checkpoint's best stays kept."
+        "({changed}): validation losses of the two are not comparable, so the best "
+        "step is kept per validation setting; this run's best is chosen among its "
+        "own validations, and the checkpoint's best stays kept."
     )
+    fields = {"step": step, "changes": changes}
+    return Note(template, "valid-setting-changed", fields, {"changed": changed})
 
 
-def set_aside_note(
-    steps: Sequence[int], folder: str, step: int, moved_to: str, resume: str = "resume"
-) -> str:
-    """The note of a resume from ``step`` that moved the later ``steps`` into ``moved_to``.
-
-    ``resume``: what the user calls resuming (the command line: ``--resume``).
-    """
+def _set_aside_note(steps: list[int], folder: str, step: int, moved_to: str) -> Note:
+    """The note of a resume from ``step`` that moved the later ``steps`` into ``moved_to``."""
     them = "them" if len(steps) > 1 else "it"
-    return (
+    template = (
         f"Step{'s' * (len(steps) > 1)} {', '.join(map(str, steps))} of {folder!r} came after "
         f"step {step}, on the branch this run leaves: moved into {moved_to!r} (nothing "
-        f"deleted), so that neither this run nor a later {resume} mixes {them} in. Move {them} "
-        f"back to continue that branch."
+        f"deleted), so that neither this run nor a later {{resume}} mixes {them} in. Move "
+        f"{them} back to continue that branch."
     )
+    fields = {"steps": steps, "folder": folder, "step": step, "moved_to": moved_to}
+    return Note(template, "steps-set-aside", fields, {"resume": "resume"})
 
 
 def sane_step(
@@ -600,13 +605,7 @@ class Trainer:
             if stored and before != self.valid_setting:
                 changes = valid_changes(stored, settings.to_dict(), self.record.get("data"))
                 self.best_valid = None
-                self.notes.append(
-                    Note(
-                        valid_changed_note(resume_from.step, valid_changes_text(changes)),
-                        "valid-setting-changed",
-                        {"step": resume_from.step, "changes": changes},
-                    )
-                )
+                self.notes.append(_valid_changed_note(resume_from.step, changes))
         self._checkpointer: Checkpointer | None = None
         self._train_step: Callable[[Any, Any], tuple[Any, jax.Array, Any]] | None = None
         self._eval_step: Callable[[Any, Any], jax.Array] | None = None
@@ -668,9 +667,8 @@ class Trainer:
         if later:
             aside = ckpt.set_aside(later, f"old-branch-after-step-{self.resume_from.step}")
             self.set_aside = (later, str(aside))
-            fields: dict[str, Any] = {"steps": later, "folder": str(self.ckpt_dir)}
-            fields |= {"step": self.resume_from.step, "moved_to": str(aside)}
-            self.notes.append(Note(set_aside_note(**fields), "steps-set-aside", fields))
+            ckpt_dir = str(self.ckpt_dir)
+            self.notes.append(_set_aside_note(later, ckpt_dir, self.resume_from.step, str(aside)))
 
     def _delete_step(self, step: int) -> None:
         assert self._checkpointer is not None
