@@ -157,7 +157,7 @@ def prepare_factory_run(request: TrainRequest) -> PreparedRun:
         given = {**given, "batch": rows, "seq_len": 1}
     settings = resolve_settings(dataclasses.replace(request, settings=given), stored, problems)
     placed = Problems()
-    rules, mesh = build_placement(str(request.rules), flags, request.devices, placed)
+    rules, mesh = build_placement(request.rules, flags, request.devices, placed)
     built = Problems()
     tx = abstract = None
     if trainable is not None and not settings.problems():

@@ -526,7 +526,7 @@ def prepare_run(request: TrainRequest) -> PreparedRun:
     elif stored is not None:
         data = (stored.extra.get("train") or {}).get("data")
     # 3. The library's objects built from them, and checked against the settings.
-    rules, mesh = build_placement(str(request.rules), flags, request.devices, found["rules"])
+    rules, mesh = build_placement(request.rules, flags, request.devices, found["rules"])
     built_problems = found["built"]
     batch_shards = None
     if mesh is not None and rules is not None and not settings.problems():
