@@ -30,7 +30,7 @@ from meshplan import layouts
 from meshplan._search.hlo import collective_bytes
 from meshplan._text import human_bytes
 from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
-from meshplan.train.mesh import make_mesh
+from meshplan.train.device_mesh import make_mesh
 
 
 def measure(seq: int, layers: int, shards: int) -> tuple[int, dict[str, int]]:

@@ -23,11 +23,21 @@ code without running it:
   resolved (third-party code, callbacks, ``getattr``) are not followed.
 
 Each function is a *stop* the first time the walk reaches it (depth first, in
-the order of the calls in the source). The layer of a stop is its package's in
-``docs/architecture.md`` (``cli`` 7, ``examples`` 6, ``train`` 5, ``_search`` and
-``testing`` 4, ``_plan`` and ``_checkpoint`` 3, ``layouts`` 2, ``_spmd`` 1, the
-bottom 0). A *back-step* is a stop whose layer is above the previous stop's:
-the settings went down and came back up (to be read again by a higher layer).
+the order Python runs the calls: a call's arguments before the call). The layer
+of a stop is its package's in ``docs/architecture.md`` (``cli`` 7, ``examples`` 6,
+``train`` 5, ``_search`` and ``testing`` 4, ``_plan`` and ``_checkpoint`` 3,
+``layouts`` 2, ``_spmd`` 1, the bottom 0). A *back-step* is a stop whose layer is
+above the previous stop's: the settings went down and came back up (to be read
+again by a higher layer). The previous stop is the one a run reaches last before
+it: for the first stop of an ``else`` branch, the last one before its ``if`` (a
+run takes one branch, not both). An *upward call* is a stop whose caller's layer
+is below its own: a lower layer calling back up into a higher one.
+
+Two corrections since the first count (both change figures, neither hides a
+call): calls are in the order Python runs them (``Trainer(..., Measures(f(...)))``
+runs ``f`` first), and a method a builtin type defines too (``args.remat.replace``,
+a ``str``'s) is not taken for the package's one method of that name; and ``else``
+branches, as above.
 
 Run it on a source tree (default ``src`` of this checkout)::
 
@@ -35,7 +45,7 @@ Run it on a source tree (default ``src`` of this checkout)::
     python benchmarks/settings_path.py /tmp/old/src --list   # another one, every stop listed
 
 It prints the stops, the modules, how often the most entered module is entered,
-and the back-steps. The figures are a static approximation: they count code
+the back-steps and the upward calls (``--list`` marks each). The figures are a static approximation: they count code
 the settings can reach, not what one run executes.
 """
 
@@ -156,11 +166,21 @@ class Walk:
     index: Index
     stops: list[str] = dataclasses.field(default_factory=list)
     seen: set[str] = dataclasses.field(default_factory=set)
+    previous: dict[str, str | None] = dataclasses.field(default_factory=dict)
+    """Each stop's previous stop in a run: the last one reached before it (for the first
+    stop of an ``else`` branch, the last one before the ``if``: one run takes one branch)."""
+    callers: dict[str, str | None] = dataclasses.field(default_factory=dict)
+    _before_else: list[str | None] | None = None
 
-    def enter(self, key: str, tainted_params: set[str]) -> None:
+    def enter(self, key: str, tainted_params: set[str], caller: str | None = None) -> None:
         if key in self.seen:
             return
         self.seen.add(key)
+        if self._before_else is not None:
+            self.previous[key], self._before_else = self._before_else[0], None
+        else:
+            self.previous[key] = self.stops[-1] if self.stops else None
+        self.callers[key] = caller
         self.stops.append(key)
         f = self.index.functions[key]
         self._body(f, set(tainted_params))
@@ -168,7 +188,17 @@ class Walk:
     def _body(self, f: Function, tainted: set[str]) -> None:
         types: dict[str, str] = {}  # local name -> 'module:Cls'
         # Statements in source order; a name becomes tainted when assigned from a tainted value.
+        branches: list[str | None] = []  # the last stop before each open `if`
         for node in _in_order(f.node):
+            if isinstance(node, _Branch):
+                if node.part == "if":
+                    branches.append(self.stops[-1] if self.stops else None)
+                elif node.part == "else":
+                    self._before_else = [branches[-1]]
+                else:
+                    branches.pop()
+                    self._before_else = None
+                continue
             if isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign | ast.NamedExpr):
                 value = node.value
                 targets = (
@@ -261,7 +291,10 @@ class Walk:
                 return key if key in self.index.functions else None
             candidates = self.index.methods.get(func.attr, [])
             on_carrier = tainted is not None and _carries(owner, tainted)
-            if on_carrier and len(candidates) == 1 and not func.attr.startswith("__"):
+            # `args.remat.replace("-", "_")` is a str's: a name builtin types define too is not
+            # the package's one method of that name.
+            unique = len(candidates) == 1 and func.attr not in _BUILTIN_METHODS
+            if on_carrier and unique and not func.attr.startswith("__"):
                 return candidates[0]
         return None
 
@@ -302,7 +335,13 @@ class Walk:
         if any(args_tainted[len(params) :]) and fn.node.args.vararg is not None:
             marked.add(fn.node.args.vararg.arg)
         if marked:
-            self.enter(target, marked)
+            self.enter(target, marked, f.key)
+
+
+_BUILTIN_METHODS = {
+    name for kind in (str, bytes, int, float, list, tuple, dict, set) for name in dir(kind)
+}
+"""Methods of Python's own types: a value read from a carrier may be one of those."""
 
 
 def _passes(call: ast.Call, tainted: set[str]) -> bool:
@@ -312,9 +351,17 @@ def _passes(call: ast.Call, tainted: set[str]) -> bool:
     return any(_carries(a, tainted) for a in [*call.args, *(k.value for k in call.keywords)])
 
 
-def _in_order(fn: ast.AST) -> list[ast.AST]:
-    """The nodes of ``fn``'s body in source order, nested functions and classes left out."""
-    out: list[ast.AST] = []
+@dataclasses.dataclass
+class _Branch:
+    """Where an ``if`` statement starts (``'if'``), its ``else`` starts, and it ends."""
+
+    part: str
+
+
+def _in_order(fn: ast.AST) -> list[ast.AST | _Branch]:
+    """The nodes of ``fn``'s body in source order, nested functions and classes left out;
+    an ``if`` statement's branches marked, as alternatives."""
+    out: list[ast.AST | _Branch] = []
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
@@ -322,8 +369,21 @@ def _in_order(fn: ast.AST) -> list[ast.AST]:
                 child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef
             ):
                 continue
-            if isinstance(child, ast.Assign | ast.AnnAssign | ast.AugAssign):
-                visit(child)  # the calls on the right side first, then the assignment
+            if isinstance(child, ast.If) and child.orelse:
+                out.append(child)
+                visit(child.test)
+                out.append(_Branch("if"))
+                for statement in child.body:
+                    visit(ast.Module(body=[statement], type_ignores=[]))
+                out.append(_Branch("else"))
+                for statement in child.orelse:
+                    visit(ast.Module(body=[statement], type_ignores=[]))
+                out.append(_Branch("end"))
+                continue
+            if isinstance(child, ast.Assign | ast.AnnAssign | ast.AugAssign | ast.Call):
+                # The calls on the right side first, then the assignment; a call's arguments
+                # (`Trainer(..., Measures(train_flops(...)))`) before the call, as Python runs them.
+                visit(child)
                 out.append(child)
                 continue
             out.append(child)
@@ -342,20 +402,30 @@ def measure(src: Path, start: str = "meshplan.cli.train:run") -> dict[str, objec
     modules = [s.split(":")[0] for s in walk.stops]
     entries: dict[str, int] = {}
     previous = None
-    back = 0
     for m in modules:
         if m != previous:
             entries[m] = entries.get(m, 0) + 1
-        if previous is not None and layer_of(m) > layer_of(previous):
-            back += 1
         previous = m
+
+    def layer(stop: str | None) -> int:
+        return layer_of(stop.split(":")[0]) if stop is not None else -1
+
+    back = [
+        s for s in walk.stops if walk.previous[s] is not None and layer(s) > layer(walk.previous[s])
+    ]
+    upward = [
+        s for s in walk.stops if walk.callers[s] is not None and layer(s) > layer(walk.callers[s])
+    ]
     top = max(entries.items(), key=lambda kv: kv[1]) if entries else ("", 0)
     return {
         "stops": len(walk.stops),
         "modules": len(set(modules)),
-        "back_steps": back,
+        "back_steps": len(back),
+        "upward_calls": len(upward),
         "most_entered": {"module": top[0], "entries": top[1]},
         "path": walk.stops,
+        "back": {s: walk.previous[s] for s in back},
+        "upward": {s: walk.callers[s] for s in upward},
     }
 
 
@@ -370,12 +440,19 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=1))
         return 0
     if args.list:
+        back, upward = result["back"], result["upward"]
         for stop in result["path"]:  # type: ignore[attr-defined]
-            print(f"  {layer_of(stop.split(':')[0])}  {stop}")
+            mark = ""
+            if stop in back:  # type: ignore[operator]
+                mark += f"   <- back-step, after {back[stop]}"  # type: ignore[index]
+            if stop in upward:  # type: ignore[operator]
+                mark += f"   <- called up from {upward[stop]}"  # type: ignore[index]
+            print(f"  {layer_of(stop.split(':')[0])}  {stop}{mark}")
     most = result["most_entered"]
     print(
         f"stops {result['stops']}, modules {result['modules']}, back-steps "
-        f"{result['back_steps']}; most entered: {most['module']} ({most['entries']} times)"  # type: ignore[index]
+        f"{result['back_steps']}, upward calls {result['upward_calls']}; most entered: "
+        f"{most['module']} ({most['entries']} times)"  # type: ignore[index]
     )
     return 0
 

@@ -174,3 +174,48 @@ def test_test_folders_mirror_the_subpackages():
         "tests (tests/spmd/, tests/plan/, ...), or add it to WHOLE_PROJECT if it is about the "
         "whole project."
     )
+
+
+def _cli_flags() -> set[str]:
+    """Every flag of every ``meshplan`` subcommand."""
+    import argparse
+
+    from meshplan.cli.app import build_parser
+
+    flags: set[str] = set()
+    parsers = [build_parser()]
+    while parsers:
+        parser = parsers.pop()
+        for action in parser._actions:
+            flags |= {o for o in action.option_strings if o.startswith("--")}
+            if isinstance(action, argparse._SubParsersAction):
+                parsers.extend(action.choices.values())
+    return flags
+
+
+def _texts(tree: ast.Module) -> list[tuple[int, str]]:
+    """The string literals of a module that it can print (f-strings' parts too), not its docs."""
+    docs = {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+    ]
+
+
+def test_no_library_text_names_a_command_line_flag():
+    """Library messages give API-level fixes; ``meshplan.cli`` maps their codes to flags."""
+    flags = _cli_flags()
+    assert {"--mesh", "--seq", "--dtype", "--data", "--resume"} <= flags
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path.relative_to(SRC).parts[0] == "cli":
+            continue
+        for line, value in _texts(ast.parse(path.read_text())):
+            named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*(?![\w-])", value)) & flags
+            found += [f"{path.relative_to(SRC)}:{line}: {flag}" for flag in sorted(named)]
+    assert found == [], "word these in API terms, with a code the command line maps to flags"

@@ -42,8 +42,8 @@ from meshplan._spmd.constraints import (
     logical_dot_general,
     with_logical_constraint,
 )
-from meshplan._spmd.mesh import UnevenShardWarning, active_mesh
 from meshplan._spmd.nnx import nnx_sharding, with_nnx_partitioning
+from meshplan._spmd.place import UnevenShardWarning, active_mesh
 from meshplan._spmd.rules import (
     get_logical_axis_rules,
     logical_axis_rules,

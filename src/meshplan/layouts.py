@@ -230,7 +230,7 @@ expert_parallel: RulePairs = _layout(
     """Expert parallel: each device of the ``expert`` axis holds its own experts; data parallel elsewhere.
 
 For a mesh with axes ``('data', 'expert')`` and a mixture-of-experts model
-(``meshplan train --experts E``). The batch is split over all devices, as in
+(``TransformerConfig(num_experts=E)``). The batch is split over all devices, as in
 :data:`data_parallel`; the experts' weights (``'expert'`` dimension) over the
 ``expert`` axis, so each device keeps ``E / expert`` experts. Tokens go to
 their experts by an all-to-all over ``expert`` (the dispatched tokens are

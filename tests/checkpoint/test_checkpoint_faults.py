@@ -28,7 +28,7 @@ import meshplan
 from meshplan._checkpoint.folder import complete_steps, read_metadata
 from meshplan._checkpoint.integrity import check_step, intact_step, step_directory
 from meshplan._checkpoint.lock import LOCK_NAME, read_lock
-from meshplan.train.mesh import make_mesh
+from meshplan.train.device_mesh import make_mesh
 
 SRC = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src"

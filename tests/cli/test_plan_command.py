@@ -11,7 +11,7 @@ import time
 import pytest
 
 from meshplan import cli
-from meshplan.train.mesh import parse_mesh_shape
+from meshplan.cli.mesh_text import parse_mesh_shape
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

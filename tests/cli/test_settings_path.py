@@ -58,6 +58,69 @@ def test_a_toy_tree_going_down_and_back_up_counts_one_back_step(tmp_path):
         "meshplan.cli.train:show",
     ]
     assert (result["stops"], result["modules"], result["back_steps"]) == (4, 2, 1)
+    assert result["upward_calls"] == 0  # `show` is called by `run`, not from below
+
+
+LOOP = """
+    class Loop:
+        def __init__(self, steps):
+            self.steps = steps
+
+    class Box:
+        def replace(self, **kw):
+            pass
+"""
+
+
+def _measure(tmp_path, cli):
+    """The measure of a toy tree: ``cli`` as ``meshplan/cli/train.py`` over :data:`LOOP`."""
+    files = {
+        "meshplan/__init__.py": "",
+        "meshplan/cli/__init__.py": "",
+        "meshplan/train/__init__.py": "",
+        "meshplan/cli/train.py": "from meshplan.train.loop import Loop\n" + textwrap.dedent(cli),
+        "meshplan/train/loop.py": textwrap.dedent(LOOP),
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    return _load().measure(tmp_path)
+
+
+def test_an_else_branch_follows_what_came_before_its_if_not_the_other_branch(tmp_path):
+    result = _measure(tmp_path, """
+        def run(args):
+            if args.own:
+                loop = Loop(args.steps)
+            else:
+                prepare(args)
+
+        def prepare(args):
+            pass
+    """)  # fmt: skip
+    assert result["path"] == [
+        "meshplan.cli.train:run",
+        "meshplan.train.loop:Loop.__init__",
+        "meshplan.cli.train:prepare",
+    ]
+    assert result["back_steps"] == 0  # one run goes into Loop or into prepare, not both
+
+
+def test_arguments_run_before_the_call_and_a_str_method_is_not_the_package_s(tmp_path):
+    result = _measure(tmp_path, """
+        def run(args):
+            name = args.name.replace("-", "_")  # a str's, not Box.replace
+            Loop(args.steps, count(args.steps))
+
+        def count(steps):
+            return steps
+    """)  # fmt: skip
+    assert result["path"] == [
+        "meshplan.cli.train:run",
+        "meshplan.cli.train:count",  # Python runs it before Loop(...)
+        "meshplan.train.loop:Loop.__init__",
+    ]
+    assert result["back_steps"] == 0
 
 
 def test_the_settings_reach_the_checks_and_the_trainer():
@@ -71,4 +134,5 @@ def test_the_settings_reach_the_checks_and_the_trainer():
         "meshplan.train.trainer:Trainer.run",
     ):
         assert stop in path
-    assert 0 < result["back_steps"] < result["stops"]
+    assert result["back_steps"] < result["stops"]
+    assert result["upward_calls"] == 0  # the library never calls back up into the command line

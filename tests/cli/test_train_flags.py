@@ -42,3 +42,39 @@ def test_a_refused_setting_gets_the_fix_of_its_row(values, field):
     assert name == field
     fix = setting_fix(name)
     assert setting_flag(field) in fix and fix.startswith("Pass ")
+
+
+def _notes():
+    from meshplan.train.trainer import _set_aside_note, _valid_changed_note
+
+    changes = {"seq_len": (16, 32), "eval_batches": (2, 3), "data": ("stdlib", "t.txt")}
+    return [
+        (
+            _valid_changed_note(4, changes),
+            "(--seq 32 instead of 16; --eval-batches 3 instead of 2; --data t.txt instead of "
+            "stdlib)",
+        ),
+        (
+            _set_aside_note([3, 4], "run", 2, "run/old"),
+            "neither this run nor a later --resume mixes them in",
+        ),
+        ("A plain note.", "A plain note."),
+    ]
+
+
+@pytest.mark.parametrize(("note", "expected"), _notes())
+def test_the_trainer_notes_are_worded_in_flags_from_their_code(note, expected):
+    from meshplan.cli.train_flags import in_flags
+
+    assert expected in in_flags(note)
+    assert "--" not in str(note)  # the library's own words name no flag
+
+
+def test_a_peak_unknown_for_the_dtype_is_advised_in_flags():
+    from meshplan.cli.train_flags import no_mfu_why
+    from meshplan.train.flops import mesh_peak
+
+    peak = mesh_peak("tpu", "TPU v4", 4, "float32")
+    assert no_mfu_why(peak) == f"{peak.why}; train with --dtype bfloat16 for MFU"
+    unknown = mesh_peak("gpu", "Mystery", 1, "float32")
+    assert no_mfu_why(unknown) == unknown.why  # nothing to advise

@@ -10,7 +10,7 @@ from meshplan.cli.train_memory import device_memory, memory_problem, step_memory
 from meshplan.examples.models import example
 from meshplan.examples.transformer import config_from_name
 from meshplan.layouts import get_layout
-from meshplan.train.mesh import make_mesh
+from meshplan.train.device_mesh import make_mesh
 from meshplan.train.settings import TrainSettings, make_optimizer
 from meshplan.train.state import abstract_train_state
 

@@ -60,7 +60,7 @@ def test_its_parameters_are_placed_by_the_layout_and_sample_refuses_it(tmp_path,
     assert code == 0, out + err
     state, _ = meshplan.restore(folder)
     assert state["params"]["w1"].names == ("embed", "mlp")  # its logical names, kept
-    mesh = meshplan.train.mesh.make_mesh({"data": 2, "model": 4})
+    mesh = meshplan.train.device_mesh.make_mesh({"data": 2, "model": 4})
     state, _ = meshplan.restore(folder, mesh, meshplan.layouts.fsdp)
     assert state["params"]["w1"].value.sharding.spec == P(("data", "model"), None)
     assert main(["sample", "--ckpt-dir", str(folder), "--prompt", "x"]) == 2

@@ -17,7 +17,7 @@ from collectives import axis_groups, collective_groups, counting_batches, train_
 from meshplan import layouts
 from meshplan.examples.context import context_shards, load_balanced_order
 from meshplan.examples.transformer import Transformer, causal_mask, config_from_name, loss_fn
-from meshplan.train.mesh import make_mesh
+from meshplan.train.device_mesh import make_mesh
 
 CONFIG = config_from_name("tiny", num_layers=2, num_heads=4, embed_dim=32, mlp_dim=64, max_len=64)
 

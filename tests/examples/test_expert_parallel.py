@@ -26,7 +26,7 @@ from meshplan.examples.transformer import (
     parameter_count,
 )
 from meshplan.examples.transformer_nnx import FunctionalTransformer
-from meshplan.train.mesh import make_mesh
+from meshplan.train.device_mesh import make_mesh
 
 CONFIG = config_from_name(
     "tiny", num_layers=2, num_heads=4, embed_dim=32, mlp_dim=64, max_len=64, num_experts=4

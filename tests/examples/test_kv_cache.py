@@ -19,7 +19,7 @@ from meshplan.cli.train_request import TrainRequest, prepare
 from meshplan.examples.decode import CACHE_NAMES, greedy_cached, init_cache
 from meshplan.examples.transformer import Transformer, config_from_name
 from meshplan.examples.transformer_nnx import FunctionalTransformer
-from meshplan.train.mesh import make_mesh
+from meshplan.train.device_mesh import make_mesh
 
 
 def scaled(tree):

@@ -86,7 +86,9 @@ def test_mfu_is_left_out_for_an_unknown_device_and_says_why():
     peak = mesh_peak("gpu", "Mystery Accelerator", 2, "bfloat16")
     assert peak.flops is None and peak.why.startswith("no peak FLOP/s is known for Mystery")
     tpu32 = mesh_peak("tpu", "TPU v4", 4, "float32")
-    assert tpu32.flops is None and "--dtype bfloat16" in tpu32.why
+    assert tpu32.flops is None and tpu32.why.startswith("TPU v4 publishes no float32 peak")
+    assert (tpu32.code, tpu32.device, tpu32.dtype) == ("peak-unknown-dtype", "TPU v4", "float32")
+    assert "dtype='bfloat16'" in tpu32.fix  # the command line says it in flags
 
 
 def test_the_cpu_peak_is_measured_and_labelled():

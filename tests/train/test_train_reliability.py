@@ -119,6 +119,7 @@ def test_resuming_an_earlier_step_sets_the_later_steps_aside(tmp_path, capsys):
     aside = folder / "old-branch-after-step-2"
     assert f"note: Steps 3, 4 of '{folder}' came after step 2" in err
     assert f"moved into '{aside}' (nothing deleted)" in " ".join(err.split())
+    assert "neither this run nor a later --resume mixes them in" in " ".join(err.split())
     assert complete_steps(folder) == [1, 2, 3]
     assert complete_steps(aside) == [3, 4]  # the old branch, whole, still restorable
     for step in (3, 4):

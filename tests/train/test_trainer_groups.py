@@ -8,7 +8,7 @@ import pytest
 
 from meshplan.examples.models import example
 from meshplan.examples.transformer import config_from_name
-from meshplan.train.mesh import make_mesh
+from meshplan.train.device_mesh import make_mesh
 from meshplan.train.settings import TrainSettings
 from meshplan.train.trainer import Checkpoints, Measures, Placement, Trainer
 

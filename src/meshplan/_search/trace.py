@@ -449,7 +449,7 @@ def _make_jaxpr(
 ) -> Any:  # fmt: skip
     """``jax.make_jaxpr`` of the step; under the name mesh (``read_constraints``) when no
     mesh is active."""
-    from meshplan._spmd.mesh import active_mesh
+    from meshplan._spmd.place import active_mesh
     from meshplan._spmd.rules import logical_axis_rules
 
     if read_constraints and active_mesh() is None:

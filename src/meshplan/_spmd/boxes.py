@@ -24,7 +24,7 @@ from meshplan._errors import (
     PartitioningUnspecifiedError,
     Problem,
 )
-from meshplan._spmd.mesh import active_mesh, apply_spec
+from meshplan._spmd.place import active_mesh, apply_spec
 from meshplan._spmd.rules import LogicalRules, normalize_names, normalize_rules
 from meshplan._spmd.validate import rank_problem
 from meshplan._text import path_text

@@ -10,7 +10,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from meshplan._errors import UnmatchedLogicalAxisError
-from meshplan._spmd.mesh import active_mesh, apply_spec
+from meshplan._spmd.place import active_mesh, apply_spec
 from meshplan._spmd.rules import UNASSIGNED, LogicalRules, get_logical_axis_rules, resolve
 
 __all__ = ["RulesFallback", "logical_dot_general", "with_logical_constraint"]

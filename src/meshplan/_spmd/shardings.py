@@ -18,7 +18,7 @@ from meshplan._errors import (
     error_from_problems,
 )
 from meshplan._spmd.leaves import is_leaf, is_spec_leaf, leaf_kind
-from meshplan._spmd.mesh import active_mesh, check_spec
+from meshplan._spmd.place import active_mesh, check_spec
 from meshplan._spmd.rules import LogicalRules, logical_to_mesh_axes, normalize_rules
 from meshplan._spmd.tree_check import raise_for_errors, spec_errors, tree_errors
 from meshplan._text import path_text

@@ -72,7 +72,7 @@ def mesh_text(devices: int) -> str:
 
 
 def mesh_flag_advice(error: MeshplanError, needed: int | None = None) -> MeshplanError:
-    """``error`` with its fix in flags, for the codes of :mod:`meshplan.train.mesh`'s errors.
+    """``error`` with its fix in flags, for the codes of the mesh's errors.
 
     The library's fixes name its functions' arguments; the command line's name
     ``--mesh``, ``--axes`` and ``--devices``. ``needed``: the devices the mesh asked
@@ -80,7 +80,7 @@ def mesh_flag_advice(error: MeshplanError, needed: int | None = None) -> Meshpla
 
     Example:
         >>> from meshplan.cli.devices import mesh_flag_advice
-        >>> from meshplan.train.mesh import parse_mesh_shape
+        >>> from meshplan.cli.mesh_text import parse_mesh_shape
         >>> try:
         ...     parse_mesh_shape("2x2x2")
         ... except Exception as e:

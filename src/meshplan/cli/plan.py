@@ -15,9 +15,9 @@ from meshplan._errors import MeshError, MeshplanError, error_for
 from meshplan._spmd.rules import LogicalRules
 from meshplan.cli.devices import mesh_flag_advice, use_cpu_backend
 from meshplan.cli.factory import is_factory, load_factory, model_problem
+from meshplan.cli.mesh_text import parse_mesh_shape
 from meshplan.cli.output import print_error, say
 from meshplan.cli.sizes import parse_bytes
-from meshplan.train.mesh import parse_mesh_shape
 
 HELP = (
     "Show where every parameter and optimizer state of an example model goes on a mesh "

@@ -201,7 +201,7 @@ def _never_joined(
     return error_for(
         DistributedError,
         "peers-missing",
-        group.coordinator,
+        "--coordinator",
         message,
         _what_to_check(group, timeout),
     )
@@ -211,7 +211,7 @@ def _unreachable(group: ProcessGroup, timeout: float, why: str) -> MeshplanError
     return error_for(
         DistributedError,
         "coordinator-unreachable",
-        group.coordinator,
+        "--coordinator",
         f"Process {group.process_id} of {group.num_processes} could not meet process 0 at the "
         f"coordinator {group.coordinator} within {_seconds(timeout)} ({why}); process 0 never "
         f"joined",
@@ -224,7 +224,7 @@ def _refused(group: ProcessGroup, why: str) -> MeshplanError:
     return error_for(
         DistributedError,
         "process-refused",
-        group.coordinator,
+        "--coordinator",
         f"Process 0 at the coordinator {group.coordinator} turned this process away: {why}",
         f"Give every process the same --num-processes and its own --process-id in "
         f"0..{group.num_processes - 1}, each id once.",
@@ -311,7 +311,7 @@ def _listen(group: ProcessGroup) -> socket.socket:
     raise error_for(
         DistributedError,
         "coordinator-port-busy",
-        group.coordinator,
+        "--coordinator",
         f"Process 0 cannot listen on port {port}, the port of --coordinator "
         f"{group.coordinator}: {why}",
         "Pick a free port on process 0's host (the same --coordinator on every process), or end "

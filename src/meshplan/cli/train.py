@@ -41,7 +41,14 @@ if TYPE_CHECKING:
     from meshplan.train.flops import MeshPeak
     from meshplan.train.trainer import Trainer, TrainResult
 
-from meshplan.cli.train_flags import CODE_ADVICE, MODEL_FLAGS, SETTINGS, SETTINGS_FLAGS
+from meshplan.cli.train_flags import (
+    CODE_ADVICE,
+    MODEL_FLAGS,
+    SETTINGS,
+    SETTINGS_FLAGS,
+    in_flags,
+    no_mfu_why,
+)
 
 HELP = (
     "Train the byte-level Transformer on a device mesh, with checkpoints that resume on any mesh."
@@ -280,7 +287,7 @@ def _header(console: Console, prepared: PreparedRun, devices: Any, peak: MeshPea
             devices.describe() + f"; compute dtype {config.dtype}, parameters and AdamW "
             f"state float32; {_flop_text(trainer.flops_per_step or 0)} a step"
         ],
-        [f"MFU against: {peak.label}" if peak.flops else f"no MFU: {peak.why}"],
+        [f"MFU against: {peak.label}" if peak.flops else f"no MFU: {no_mfu_why(peak)}"],
     ]
     if trainer.resume_from is not None:
         meta = trainer.resume_from
@@ -404,7 +411,7 @@ def _summary(
     if result.mfu is not None:
         table.add_row("MFU", text(f"{result.mfu:.1%} (against the {peak.label})"))
     else:
-        table.add_row("MFU", text(f"- ({peak.why})" if peak.why else "- (no step timed)"))
+        table.add_row("MFU", text(f"- ({no_mfu_why(peak)})" if peak.why else "- (no step timed)"))
     memory = _peak_memory(devices)
     table.add_row(
         "peak memory",
@@ -591,7 +598,7 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         for note in trainer.notes:
-            say(Console(stderr=True), ("note: ", "bold"), note, soft_wrap=True)
+            say(Console(stderr=True), ("note: ", "bold"), in_flags(note), soft_wrap=True)
     peak = prepared.peak
     own = prepared.trainable is not None  # --model pkg.module:factory
     if own:

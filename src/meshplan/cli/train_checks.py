@@ -19,10 +19,11 @@ from meshplan._errors import MeshError, MeshplanError, Problem, error_for, probl
 from meshplan._spmd.mesh_info import mesh_info
 from meshplan._spmd.rules import LogicalRules, logical_axis_rules, rules_problems
 from meshplan._spmd.validate import check_leaf
+from meshplan.cli.mesh_text import parse_mesh_shape
 from meshplan.cli.train_flags import CODE_ADVICE
 from meshplan.examples.context import context_shards
 from meshplan.examples.data import BATCH_NAMES, ByteCorpus, DataError
-from meshplan.train.mesh import MESH_AXES, parse_mesh_shape
+from meshplan.train.device_mesh import MESH_AXES
 from meshplan.train.settings import TrainSettings
 
 __all__ = [
@@ -40,6 +41,14 @@ class Problems:
 
     def __init__(self) -> None:
         self.items: list[tuple[type[MeshplanError], Problem]] = []
+
+    @classmethod
+    def joined(cls, *parts: Problems) -> Problems:
+        """The problems of ``parts``, in that order."""
+        out = cls()
+        for part in parts:
+            out.items.extend(part.items)
+        return out
 
     def add(self, cls: type[MeshplanError], problem: str, fix: str, code: str = "train") -> None:
         self.items.append((cls, Problem("error", "", problem, fix, code)))

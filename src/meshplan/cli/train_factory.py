@@ -23,19 +23,19 @@ from meshplan._errors import ArgumentError, CheckpointError, MeshplanError
 from meshplan._spmd.rules import LogicalRules, logical_to_mesh_axes
 from meshplan._spmd.validate import validate
 from meshplan.cli.factory import IterableBatches, Trainable, load_factory
-from meshplan.cli.train_checks import Problems, check_metrics_file
+from meshplan.cli.train_checks import Problems
 from meshplan.cli.train_flags import MODEL_FLAGS
 from meshplan.cli.train_flags import flag as model_flag
 from meshplan.cli.train_request import (
     PreparedRun,
     TrainRequest,
+    build_placement,
     model_of,
-    placement,
     raise_if_any,
+    read_flags,
     resolve_settings,
     uneven_problems,
 )
-from meshplan.cli.train_resume import check_checkpoint_dir
 from meshplan.train.settings import make_optimizer
 from meshplan.train.state import abstract_train_state
 from meshplan.train.trainer import Checkpoints, Measures, Placement, Trainer
@@ -100,11 +100,10 @@ def prepare_factory_run(request: TrainRequest) -> PreparedRun:
     Raises:
         MeshplanError: one bullet per problem, then the fixes.
     """
+    flags = read_flags(request)  # the flags alone, and the checkpoint
+    ckpt_dir, resume, stored = flags.ckpt_dir, flags.resume, flags.resume.stored
     problems = Problems()
     spec = str(request.model)
-    rules, mesh = placement(request, problems)
-    ckpt_dir, resume = check_checkpoint_dir(request, problems)
-    stored = resume.stored
     if stored is not None and model_of(stored) != spec:
         problems.add(
             CheckpointError,
@@ -157,7 +156,9 @@ def prepare_factory_run(request: TrainRequest) -> PreparedRun:
             )
         given = {**given, "batch": rows, "seq_len": 1}
     settings = resolve_settings(dataclasses.replace(request, settings=given), stored, problems)
-    check_metrics_file(request.metrics, problems)
+    placed = Problems()
+    rules, mesh = build_placement(request.rules, flags, request.devices, placed)
+    built = Problems()
     tx = abstract = None
     if trainable is not None and not settings.problems():
         tx = make_optimizer(settings)
@@ -166,7 +167,7 @@ def prepare_factory_run(request: TrainRequest) -> PreparedRun:
                 trainable.model.model, tx, settings, trainable.model.example_input
             )
         except Exception as e:
-            problems.add(
+            built.add(
                 ArgumentError,
                 f"--model {spec}: creating the {trainable.name}'s state with the optimizer "
                 f"(--lr {settings.lr:g}) raised {type(e).__name__}: {e}",
@@ -176,7 +177,7 @@ def prepare_factory_run(request: TrainRequest) -> PreparedRun:
     if abstract is not None and stored is not None:
         mismatch = compatibility_problems(stored, abstract)
         if mismatch:
-            problems.add(
+            built.add(
                 CheckpointError,
                 f"{len(mismatch)} arrays differ between the checkpoint (step {stored.step}) "
                 f"and the model --model {spec} builds now, e.g. {mismatch[0]}",
@@ -184,9 +185,11 @@ def prepare_factory_run(request: TrainRequest) -> PreparedRun:
                 "--ckpt-dir.",
             )
     if abstract is not None:
-        uneven_problems(request, abstract, mesh, rules, problems)
+        uneven_problems(request, abstract, mesh, rules, built)
     if trainable is not None and mesh is not None and rules is not None:
-        _batch_problems(trainable, mesh, rules, problems)
+        _batch_problems(trainable, mesh, rules, built)
+    # In the order a user reads them: the placement, the checkpoint, the model, ...
+    problems = Problems.joined(placed, flags.mesh, flags.ckpt, problems, flags.metrics, built)
     raise_if_any(problems, ckpt_dir)
     assert trainable is not None and mesh is not None and abstract is not None
     source = trainable.batches

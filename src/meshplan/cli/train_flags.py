@@ -12,6 +12,10 @@ the flag-level fix when the setting is refused. The parser
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from meshplan.train.flops import MeshPeak
 
 __all__ = [
     "CODE_ADVICE",
@@ -20,6 +24,8 @@ __all__ = [
     "SETTINGS_FLAGS",
     "Setting",
     "flag",
+    "in_flags",
+    "no_mfu_why",
     "setting_fix",
     "setting_flag",
 ]
@@ -168,5 +174,51 @@ CODE_ADVICE = {
     "ckpt-not-finite": (
         "The run diverged: lower --lr and resume from the last good step with --resume-step N."
     ),
+    "data-missing": (
+        "Give a folder of text files or a text file (or leave --data out to use the Python "
+        "standard library)."
+    ),
+    "data-too-short": "Use a shorter sequence length (--seq) or more text.",
+    "peak-unknown-dtype": "train with --dtype bfloat16 for MFU",
 }
 """Flag-level advice for the library's problem codes (its own fixes name API calls)."""
+
+
+def no_mfu_why(peak: MeshPeak) -> str | None:
+    """Why a run has no MFU (``peak.why``), with its fix in flags.
+
+    Example:
+        >>> from meshplan.cli.train_flags import no_mfu_why
+        >>> from meshplan.train.flops import mesh_peak
+        >>> no_mfu_why(mesh_peak("tpu", "TPU v4", 4, "float32")).split("; ")[-1]
+        'train with --dtype bfloat16 for MFU'
+    """
+    if peak.why is None or not peak.fix:
+        return peak.why
+    return f"{peak.why}; {CODE_ADVICE.get(peak.code or '', peak.fix)}"
+
+
+def in_flags(note: str) -> str:
+    """One of the trainer's notes, in flags where it names a setting or resuming.
+
+    Example:
+        >>> from meshplan.cli.train_flags import in_flags
+        >>> from meshplan.train.trainer import Note
+        >>> note = Note("Changed: {changed}.", "valid-setting-changed",
+        ...             {"step": 4, "changes": {"seq_len": (16, 32)}}, {"changed": "seq_len 32"})
+        >>> note, in_flags(note)
+        ('Changed: seq_len 32.', 'Changed: --seq 32 instead of 16.')
+    """
+    from meshplan.train.trainer import Note
+
+    if not isinstance(note, Note):
+        return note
+    if note.code == "valid-setting-changed":
+        changed = "; ".join(
+            f"{setting_flag(name)} {now} instead of {was}"
+            for name, (was, now) in note.fields["changes"].items()
+        )
+        return note.template.replace("{changed}", changed)
+    if note.code == "steps-set-aside":
+        return note.template.replace("{resume}", "--resume")
+    return note

@@ -56,7 +56,7 @@ from meshplan.cli.train_checks import (
 )
 from meshplan.cli.train_flags import setting_fix, setting_flag
 from meshplan.cli.train_memory import memory_problem
-from meshplan.cli.train_resume import DamagedStep, check_checkpoint_dir
+from meshplan.cli.train_resume import DamagedStep, Resume, check_checkpoint_dir
 from meshplan.examples.data import ByteCorpus, shard_batch
 from meshplan.examples.models import EXAMPLE_MODELS, example
 from meshplan.examples.transformer import (
@@ -66,8 +66,8 @@ from meshplan.examples.transformer import (
     train_flops,
 )
 from meshplan.layouts import CONTEXT_EXPERT_LAYOUTS, LAYOUT_AXES, get_layout
+from meshplan.train.device_mesh import make_mesh
 from meshplan.train.flops import MeshPeak, mesh_peak
-from meshplan.train.mesh import make_mesh
 from meshplan.train.settings import TrainSettings, make_optimizer
 from meshplan.train.state import abstract_train_state
 from meshplan.train.trainer import Checkpoints, Measures, Placement, Trainer
@@ -78,11 +78,14 @@ __all__ = [
     "MODELS",
     "ByteBatches",
     "DamagedStep",
+    "FlagsRead",
     "PreparedRun",
     "TrainRequest",
+    "build_placement",
     "model_of",
     "prepare",
     "prepare_run",
+    "read_flags",
 ]
 
 MODELS = {name: m.api for name, m in EXAMPLE_MODELS.items() if m.sequence}
@@ -413,15 +416,36 @@ def raise_if_any(problems: Problems, ckpt_dir: Path | None) -> None:
     problems.raise_if_any("meshplan train cannot start:")
 
 
-def placement(request: TrainRequest, problems: Problems) -> tuple[Any, Mesh | None]:
-    """The rules (``--rules``) and the mesh (``--mesh``, ``--axes``) of ``request``, each
-    ``None`` when it cannot be had (its problem added to ``problems``)."""
-    rules = mesh = None
-    try:
-        rules = get_layout(request.rules)
-    except MeshplanError as e:
-        problems.add_error(e, f"--rules {request.rules}")
-    needed = None  # the devices the mesh asks for, once read
+@dataclasses.dataclass
+class FlagsRead:
+    """What the flags and the checkpoint say, read before the library builds anything.
+
+    Attributes:
+        shape: ``--mesh`` (and ``--axes``) as ``{axis: size}``, ``None`` when unreadable
+            or larger than the devices.
+        needed: The devices the mesh asks for, once read.
+        ckpt_dir: The checkpoint folder (``None``: none).
+        resume: The step to resume from, read from the checkpoint folder.
+        mesh: The problems of ``--mesh``, ``--axes`` and ``--devices``.
+        ckpt: The problems of ``--ckpt-dir`` and ``--resume``.
+        metrics: The problems of ``--metrics``.
+    """
+
+    shape: dict[str, int] | None
+    needed: int | None
+    ckpt_dir: Path | None
+    resume: Resume
+    mesh: Problems
+    ckpt: Problems
+    metrics: Problems
+
+
+def read_flags(request: TrainRequest) -> FlagsRead:
+    """The flags that need nothing built: ``--metrics``; ``--mesh`` and ``--axes``
+    against the devices; then ``--ckpt-dir`` and the checkpoint's step to resume from."""
+    metrics, mesh, ckpt = Problems(), Problems(), Problems()
+    check_metrics_file(request.metrics, metrics)
+    shape = needed = None
     try:
         axes = request.axes
         if axes is None and request.rules in CONTEXT_EXPERT_LAYOUTS:
@@ -437,9 +461,28 @@ def placement(request: TrainRequest, problems: Problems) -> tuple[Any, Mesh | No
                 mesh=request.mesh,
                 xla_flags_count=count_from_xla_flags(),
             )
-        mesh = make_mesh(shape, None if choice is None else choice.devices)
     except MeshplanError as e:
-        problems.add_error(mesh_flag_advice(e, needed))
+        shape = None
+        mesh.add_error(mesh_flag_advice(e, needed))
+    ckpt_dir, resume = check_checkpoint_dir(request, ckpt)
+    return FlagsRead(shape, needed, ckpt_dir, resume, mesh, ckpt, metrics)
+
+
+def build_placement(
+    layout: str, flags: FlagsRead, devices: DeviceChoice | None, problems: Problems
+) -> tuple[Any, Mesh | None]:
+    """The mesh (of ``flags.shape``) and the rules (``layout``), each ``None`` when it
+    cannot be had: the mesh's problem added to ``flags.mesh``, the rules' to ``problems``."""
+    mesh = rules = None
+    if flags.shape is not None:
+        try:
+            mesh = make_mesh(flags.shape, None if devices is None else devices.devices)
+        except MeshplanError as e:
+            flags.mesh.add_error(mesh_flag_advice(e, flags.needed))
+    try:
+        rules = get_layout(layout)
+    except MeshplanError as e:
+        problems.add_error(e, f"--rules {layout}")
     return rules, mesh
 
 
@@ -469,34 +512,42 @@ def prepare_run(request: TrainRequest) -> PreparedRun:
         ...     print(str(e).splitlines()[0])
         meshplan train cannot start:
     """
-    problems = Problems()
-    rules, mesh = placement(request, problems)
-    ckpt_dir, resume = check_checkpoint_dir(request, problems)
-    stored = resume.stored
-    settings = resolve_settings(request, stored, problems)
-    check_metrics_file(request.metrics, problems)
-    config = _check_config(request, stored, settings, problems)
-    kind = _resolve_model(request, stored, problems)
-    batch_shards = None
-    if mesh is not None and rules is not None and not settings.problems():
-        batch_shards = check_batch(
-            str(request.rules), request.mesh, settings, mesh, rules, problems
-        )
+    # 1. The flags alone, and the checkpoint: what a resume leaves out comes from it.
+    flags = read_flags(request)
+    ckpt_dir, resume, stored = flags.ckpt_dir, flags.resume, flags.resume.stored
+    # 2. Every setting decided: the flags', else the checkpoint's, else the defaults.
+    found = {part: Problems() for part in ("rules", "settings", "config", "model", "built")}
+    kind = _resolve_model(request, stored, found["model"])
+    settings = resolve_settings(request, stored, found["settings"])
+    config = _check_config(request, stored, settings, found["config"])
     data = request.data
     if data is not None:
         data = str(Path(data).absolute())
     elif stored is not None:
         data = (stored.extra.get("train") or {}).get("data")
-    corpus = load_corpus(data, problems)
+    # 3. The library's objects built from them, and checked against the settings.
+    rules, mesh = build_placement(request.rules, flags, request.devices, found["rules"])
+    built_problems = found["built"]
+    batch_shards = None
+    if mesh is not None and rules is not None and not settings.problems():
+        batch_shards = check_batch(
+            str(request.rules), request.mesh, settings, mesh, rules, built_problems
+        )
+    corpus = load_corpus(data, built_problems)
     if corpus is not None and not settings.problems():
-        check_corpus(corpus, settings, problems)
+        check_corpus(corpus, settings, built_problems)
     tx = abstract = built = None
     if config is not None and kind is not None and not settings.problems():
         tokens = _example_tokens(config, settings)
         built = dataclasses.replace(example(kind, config).model, example_input=tokens)
         tx = make_optimizer(settings)
         abstract = abstract_train_state(built.model, tx, settings, tokens)
-        _check_state(request, config, abstract, stored, mesh, rules, problems, kind)
+        _check_state(request, config, abstract, stored, mesh, rules, built_problems, kind)
+    # In the order a user reads them: the placement, the checkpoint, the settings, ...
+    problems = Problems.joined(
+        found["rules"], flags.mesh, flags.ckpt, found["settings"], flags.metrics,
+        found["config"], found["model"], built_problems,
+    )  # fmt: skip
     if not problems.items and batch_shards is not None:
         assert mesh is not None and config is not None and built is not None
         oom = memory_problem(built, abstract, settings, mesh, rules, batch_shards, config.remat)
@@ -506,6 +557,7 @@ def prepare_run(request: TrainRequest) -> PreparedRun:
     assert mesh is not None and built is not None and config is not None and corpus is not None
     assert kind is not None
     note = _model_note(kind, stored)
+    flops = train_flops(config, settings.batch, settings.seq_len)  # what a step computes
     peak = None
     if request.devices is not None:  # MFU against the devices the mesh uses, in its dtype
         devices = request.devices
@@ -523,7 +575,7 @@ def prepare_run(request: TrainRequest) -> PreparedRun:
             record={"data": data, "model": kind},
         ),
         Measures(
-            train_flops(config, settings.batch, settings.seq_len),
+            flops,
             None if peak is None else peak.flops,
             request.sync_every_step,
         ),

@@ -31,6 +31,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 import meshplan
+from meshplan._errors import error_for
 from meshplan._spmd.rules import LogicalRules
 
 __all__ = ["BATCH_NAMES", "ByteCorpus", "DataError", "shard_batch"]
@@ -164,11 +165,12 @@ class ByteCorpus:
         """
         root = Path(path)
         if not root.exists():
-            raise DataError(
-                f"Data path {os.fspath(path)!r} does not exist.\n"
-                f"Give a folder of text files or a text file (or leave --data out to use the "
-                f"Python standard library)."
-            )
+            raise error_for(
+                DataError, "data-missing", os.fspath(path),
+                f"Data path {os.fspath(path)!r} does not exist",
+                "Give a folder of text files or a text file (or ByteCorpus.from_stdlib() for the "
+                "Python standard library).",
+            )  # fmt: skip
         if not root.is_file() and not root.is_dir():
             raise DataError(
                 f"Data path {os.fspath(path)!r} is neither a folder nor a regular file (a FIFO, "
@@ -277,11 +279,12 @@ class ByteCorpus:
         data = self.split(split)
         window = seq_len + 1
         if len(data) < window:
-            raise DataError(
+            raise error_for(
+                DataError, "data-too-short", split,
                 f"The {split} split of {self.source!r} has {len(data)} bytes, fewer than one "
-                f"window of seq_len + 1 = {window}.\nUse a shorter sequence length (--seq) or "
-                f"more text."
-            )
+                f"window of seq_len + 1 = {window}",
+                "Use a shorter sequence length (seq_len) or more text.",
+            )  # fmt: skip
         return data
 
     def batch_at(self, split: str, step: int, seed: int, batch: int, seq_len: int) -> np.ndarray:

@@ -67,7 +67,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 import meshplan
-from meshplan._spmd.mesh import apply_spec  # not public: constrain on Auto, reshard on Explicit
+from meshplan._spmd.place import apply_spec  # not public: constrain on Auto, reshard on Explicit
 from meshplan.examples.context import context_shards, load_balanced_order
 from meshplan.examples.moe import expert_capacity, route
 

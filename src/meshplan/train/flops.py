@@ -112,12 +112,23 @@ class MeshPeak:
     Attributes:
         flops: Peak FLOP/s of all the devices together, or ``None`` (no MFU).
         label: How to read MFU against it, for a summary (``None`` with no peak).
-        why: Why there is no peak (``None`` when there is one).
+        why: Why there is no peak (``None`` when there is one); :attr:`fix` says
+            how to get one.
+        code: The kind of reason there is no peak: ``'peak-unknown-device'`` (no
+            figure for this kind of device) or ``'peak-unknown-dtype'`` (none for
+            this dtype, fields :attr:`device` and :attr:`dtype`); ``None`` with a peak.
+        fix: How to get one, in terms of the API (``''``: nothing to do).
+        device: The device kind without a figure (``None`` with a peak).
+        dtype: The compute dtype without a figure (``None`` with a peak).
     """
 
     flops: float | None
     label: str | None
     why: str | None = None
+    code: str | None = None
+    fix: str = ""
+    device: str | None = None
+    dtype: str | None = None
 
 
 def mesh_peak(platform: str, kind: str, count: int, dtype: str) -> MeshPeak:
@@ -148,15 +159,17 @@ def mesh_peak(platform: str, kind: str, count: int, dtype: str) -> MeshPeak:
             None,
             None,
             f"no peak FLOP/s is known for {kind} (meshplan.train.flops.PEAKS lists {known})",
+            "peak-unknown-device",
+            device=kind,
         )
     per_device = peak.flops(dtype)
     if per_device is None:
-        return MeshPeak(
-            None,
-            None,
+        reason = (
             f"{peak.name} publishes no {dtype} peak (it runs {dtype} matmuls as several bf16 "
-            f"passes); train with --dtype bfloat16 for MFU",
+            f"passes)"
         )
+        fix = "compute in bfloat16 (dtype='bfloat16') for MFU"
+        return MeshPeak(None, None, reason, "peak-unknown-dtype", fix, peak.name, str(dtype))
     short = "bf16" if dtype == "bfloat16" else "fp32 (TF32)"
     return MeshPeak(
         per_device * count,

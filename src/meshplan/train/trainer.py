@@ -31,7 +31,7 @@ of the step only, as in ``meshplan train``, a run resumed from a checkpoint
 (on any mesh, with any layout) sees exactly the batches and updates of an
 uninterrupted one.
 
-The parts, one concern each: :mod:`meshplan.train.mesh` (meshes),
+The parts, one concern each: :mod:`meshplan.train.device_mesh` (meshes),
 :mod:`meshplan.train.settings` (settings and optimizer),
 :mod:`meshplan.train.state` (the sharded state), and this module (the loop).
 """
@@ -73,6 +73,7 @@ __all__ = [
     "Diverged",
     "Loss",
     "Measures",
+    "Note",
     "Placement",
     "StepRecord",
     "TrainResult",
@@ -90,9 +91,46 @@ Batches = Callable[[str, int], Any]
 validation batch), as ``jax.Array``\\ s already placed on the mesh."""
 
 
-_VALID_FIELDS = {"seq_len": "--seq", "batch": "--batch", "eval_batches": "--eval-batches",
-                 "seed": "--seed"}  # fmt: skip
-"""The settings validation batches depend on (with ``data``), and their flags."""
+_VALID_FIELDS = ("seq_len", "batch", "eval_batches", "seed")
+"""The settings validation batches depend on (with ``data``)."""
+
+
+class Note(str):
+    """A sentence for the user (one of :attr:`Trainer.notes`), with a code and its fields.
+
+    It is the sentence itself (a ``str``): ``template`` with each ``{slot}`` replaced
+    by ``words[slot]``, meshplan's words. A caller, e.g. the command line, words it
+    in its own terms from ``code``, ``fields`` and ``template``.
+
+    * ``'valid-setting-changed'``: fields ``step`` (the checkpoint's) and
+      ``changes`` (:func:`valid_changes`); slot ``{changed}``.
+    * ``'steps-set-aside'``: fields ``steps``, ``folder``, ``step`` and ``moved_to``;
+      slot ``{resume}``.
+
+    Example:
+        >>> from meshplan.train.trainer import Note
+        >>> note = Note("Hello {who}.", "greeting", {"to": "you"}, {"who": "you"})
+        >>> note, note.code, note.fields, note.template
+        ('Hello you.', 'greeting', {'to': 'you'}, 'Hello {who}.')
+    """
+
+    code: str
+    fields: dict[str, Any]
+    template: str
+
+    def __new__(
+        cls,
+        template: str,
+        code: str,
+        fields: Mapping[str, Any] | None = None,
+        words: Mapping[str, str] | None = None,
+    ) -> Note:
+        text = template
+        for slot, word in (words or {}).items():
+            text = text.replace("{" + slot + "}", word)
+        note = super().__new__(cls, text)
+        note.code, note.fields, note.template = code, dict(fields or {}), template
+        return note
 
 
 def valid_setting(settings: Mapping[str, Any], data: Any) -> str:
@@ -107,15 +145,50 @@ def valid_setting(settings: Mapping[str, Any], data: Any) -> str:
     return ", ".join([*parts, f"data {data or 'stdlib'}"])
 
 
-def _changed(before: Mapping[str, Any], now: Mapping[str, Any], data: Any) -> str:
-    out = [
-        f"{flag} {now.get(name)} instead of {before.get(name)}"
-        for name, flag in _VALID_FIELDS.items()
+def valid_changes(
+    before: Mapping[str, Any], now: Mapping[str, Any], data: Any
+) -> dict[str, tuple[Any, Any]]:
+    """The settings of validation that differ, ``name: (before, now)``; ``data`` last.
+
+    Example:
+        >>> from meshplan.train.trainer import valid_changes
+        >>> valid_changes({"seq_len": 16, "batch": 8}, {"seq_len": 32, "batch": 8}, None)
+        {'seq_len': (16, 32)}
+    """
+    out = {
+        name: (before.get(name), now.get(name))
+        for name in _VALID_FIELDS
         if before.get(name) != now.get(name)
-    ]
+    }
     if (before.get("data") or None) != (data or None):
-        out.append(f"--data {data or 'stdlib'} instead of {before.get('data') or 'stdlib'}")
-    return "; ".join(out)
+        out["data"] = (before.get("data") or "stdlib", data or "stdlib")
+    return out
+
+
+def _valid_changed_note(step: int, changes: dict[str, tuple[Any, Any]]) -> Note:
+    """The note of a run that validates otherwise than the checkpoint's ``step``."""
+    changed = "; ".join(f"{name} {now} instead of {was}" for name, (was, now) in changes.items())
+    template = (
+        f"This run validates otherwise than step {step} of the checkpoint "
+        "({changed}): validation losses of the two are not comparable, so the best "
+        "step is kept per validation setting; this run's best is chosen among its "
+        "own validations, and the checkpoint's best stays kept."
+    )
+    fields = {"step": step, "changes": changes}
+    return Note(template, "valid-setting-changed", fields, {"changed": changed})
+
+
+def _set_aside_note(steps: list[int], folder: str, step: int, moved_to: str) -> Note:
+    """The note of a resume from ``step`` that moved the later ``steps`` into ``moved_to``."""
+    them = "them" if len(steps) > 1 else "it"
+    template = (
+        f"Step{'s' * (len(steps) > 1)} {', '.join(map(str, steps))} of {folder!r} came after "
+        f"step {step}, on the branch this run leaves: moved into {moved_to!r} (nothing "
+        f"deleted), so that neither this run nor a later {{resume}} mixes {them} in. Move "
+        f"{them} back to continue that branch."
+    )
+    fields = {"steps": steps, "folder": folder, "step": step, "moved_to": moved_to}
+    return Note(template, "steps-set-aside", fields, {"resume": "resume"})
 
 
 def sane_step(
@@ -530,14 +603,9 @@ class Trainer:
             stored = dict(resume_from.extra.get("train") or {})
             before = valid_setting(stored, stored.get("data"))
             if stored and before != self.valid_setting:
-                changed = _changed(stored, settings.to_dict(), self.record.get("data"))
+                changes = valid_changes(stored, settings.to_dict(), self.record.get("data"))
                 self.best_valid = None
-                self.notes.append(
-                    f"This run validates otherwise than step {resume_from.step} of the checkpoint "
-                    f"({changed}): validation losses of the two are not comparable, so the best "
-                    f"step is kept per validation setting; this run's best is chosen among its "
-                    f"own validations, and the checkpoint's best stays kept."
-                )
+                self.notes.append(_valid_changed_note(resume_from.step, changes))
         self._checkpointer: Checkpointer | None = None
         self._train_step: Callable[[Any, Any], tuple[Any, jax.Array, Any]] | None = None
         self._eval_step: Callable[[Any, Any], jax.Array] | None = None
@@ -599,13 +667,8 @@ class Trainer:
         if later:
             aside = ckpt.set_aside(later, f"old-branch-after-step-{self.resume_from.step}")
             self.set_aside = (later, str(aside))
-            self.notes.append(
-                f"Step{'s' * (len(later) > 1)} {', '.join(map(str, later))} of "
-                f"{str(self.ckpt_dir)!r} came after step {self.resume_from.step}, on the "
-                f"branch this run leaves: moved into {str(aside)!r} (nothing deleted), so that "
-                f"neither this run nor a later --resume mixes {'them' if len(later) > 1 else 'it'}"
-                f" in. Move {'them' if len(later) > 1 else 'it'} back to continue that branch."
-            )
+            ckpt_dir = str(self.ckpt_dir)
+            self.notes.append(_set_aside_note(later, ckpt_dir, self.resume_from.step, str(aside)))
 
     def _delete_step(self, step: int) -> None:
         assert self._checkpointer is not None

@@ -1,4 +1,4 @@
-"""The active mesh, and applying a ``PartitionSpec`` to a value on Auto or Explicit meshes."""
+"""Placing a value: the active mesh, and a ``PartitionSpec`` applied on Auto or Explicit meshes."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def check_spec(spec: PartitionSpec, mesh: Any, what: str, shape: Any = None) -> 
     Example:
         >>> import jax
         >>> from jax.sharding import PartitionSpec as P
-        >>> from meshplan._spmd.mesh import check_spec
+        >>> from meshplan._spmd.place import check_spec
         >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
         >>> check_spec(P("data", "model"), mesh, "w")  # fine: returns None
         >>> check_spec(P("modle"), mesh, "w")

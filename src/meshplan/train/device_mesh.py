@@ -1,11 +1,11 @@
-"""The meshes ``meshplan train`` builds, from ``'2x4'``-style text (and axis names).
+"""The meshes ``meshplan train`` builds, from axis sizes (and axis names).
 
 Two axes ``('data', 'model')`` by default (the built-in layouts' axes); any
-number of named axes with ``axes`` (``parse_mesh_shape('2x2x2', 'data,fsdp,tensor')``,
-as ``meshplan search`` prints them). Every error carries a code (``'mesh-unreadable'``,
-``'mesh-axes-unnamed'``, ``'mesh-axis-names'``, ``'mesh-too-few-devices'``,
+number of named axes as ``{name: size}`` (``{'data': 2, 'fsdp': 2, 'tensor': 2}``,
+as ``meshplan search`` prints them; the command line reads them from its text).
+Every error carries a code (``'mesh-axis-names'``, ``'mesh-too-few-devices'``,
 ``'mesh-not-every-device'``) and a fix in terms of these functions; the command
-line gives its own in flags (:func:`meshplan.cli.devices.mesh_flag_advice`).
+line gives its own in flags.
 """
 
 from __future__ import annotations
@@ -19,76 +19,10 @@ from jax.sharding import AxisType, Mesh
 
 from meshplan._errors import MeshError, error_for
 
-__all__ = ["MESH_AXES", "make_mesh", "parse_mesh", "parse_mesh_shape"]
+__all__ = ["MESH_AXES", "make_mesh"]
 
 MESH_AXES = ("data", "model")
 """Axis names of the meshes ``meshplan train`` builds without axis names (the layouts' axes)."""
-
-
-def parse_mesh_shape(text: str, axes: str | None = None) -> dict[str, int]:
-    """``"2x4"`` -> ``{'data': 2, 'model': 4}``: mesh axis sizes from command-line text.
-
-    One size means ``DATAx1``. Without ``axes`` the names are ``('data', 'model')``;
-    ``axes`` (``"data,fsdp,model"``) names any number of axes.
-
-    Example:
-        >>> from meshplan.train.mesh import parse_mesh_shape
-        >>> parse_mesh_shape("2x4"), parse_mesh_shape("8"), parse_mesh_shape("4×2")
-        ({'data': 2, 'model': 4}, {'data': 8, 'model': 1}, {'data': 4, 'model': 2})
-        >>> parse_mesh_shape("2x2x2", "data,fsdp,model")
-        {'data': 2, 'fsdp': 2, 'model': 2}
-
-    Raises:
-        MeshError: the sizes are not positive integers separated by ``x``, or
-            ``axes`` does not give one distinct name per size.
-    """
-    parts = str(text).lower().replace("×", "x").split("x")
-    try:
-        sizes = [int(p) for p in parts]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        raise error_for(
-            MeshError, "mesh-unreadable", str(text),
-            f"Cannot read the mesh {text!r}: expected positive axis sizes separated by 'x'",
-            "Write it like '2x4', '4x2', '8' or '2x2x2' (the last with axes='a,b,c').",
-        )  # fmt: skip
-    names: tuple[str, ...]
-    if axes is None:
-        if len(sizes) == 1:
-            sizes.append(1)
-        if len(sizes) != len(MESH_AXES):
-            raise error_for(
-                MeshError, "mesh-axes-unnamed", str(text),
-                f"The mesh {text!r} has {len(sizes)} axes; the default names are {MESH_AXES}",
-                "Name them with axes, e.g. axes='data,fsdp,model'.",
-            )  # fmt: skip
-        names = MESH_AXES
-    else:
-        names = tuple(a.strip() for a in axes.split(",") if a.strip())
-        if len(names) != len(sizes) or len(set(names)) != len(names):
-            raise error_for(
-                MeshError, "mesh-axis-names", str(text),
-                f"The axis names {axes!r} are {len(set(names))} distinct names for the "
-                f"{len(sizes)} mesh axes of {text!r}",
-                "Give one distinct name per axis.",
-            )  # fmt: skip
-    return dict(zip(names, sizes, strict=True))
-
-
-def parse_mesh(text: str) -> tuple[int, int]:
-    """``"2x4"`` -> ``(2, 4)``: sizes of the ``('data', 'model')`` axes; ``"8"`` means 8x1.
-
-    Example:
-        >>> from meshplan.train.mesh import parse_mesh
-        >>> parse_mesh("2x4"), parse_mesh("8")
-        ((2, 4), (8, 1))
-
-    Raises:
-        MeshError: as :func:`parse_mesh_shape`.
-    """
-    data, model = parse_mesh_shape(text).values()
-    return data, model
 
 
 def make_mesh(
@@ -98,13 +32,13 @@ def make_mesh(
 ) -> Mesh:
     """A mesh with ``Auto`` axes on the first ``prod(shape)`` devices, by ``jax.make_mesh``.
 
-    ``shape``: the axis sizes, or ``{name: size}`` (from :func:`parse_mesh_shape`);
+    ``shape``: the axis sizes, or ``{name: size}``;
     ``axes``: the names of a sequence of sizes (default ``('data', 'model')`` for
     two sizes). ``jax.make_mesh`` orders the devices by their topology on GPUs
     and TPUs.
 
     Example:
-        >>> from meshplan.train.mesh import make_mesh
+        >>> from meshplan.train.device_mesh import make_mesh
         >>> mesh = make_mesh((2, 2))  # on 8 devices: the first 4
         >>> dict(mesh.shape), [d.id for d in mesh.devices.flat], mesh.axis_types
         ({'data': 2, 'model': 2}, [0, 1, 2, 3], (Auto, Auto))
