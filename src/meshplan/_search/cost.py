@@ -323,7 +323,7 @@ def predict(
             traffic += nbytes // specs.split(specs(names, len(shape)))
     memory_s = traffic / profile.memory_bandwidth
     comm_s = exposed + max(0.0, hidden - profile.overlap * (compute_s + memory_s))
-    peak = _peak(workload, specs, fused, gathered_extra)
+    peak = _peak(workload, specs, profile, gathered_extra)
     batch_bytes = sum(specs.shard_bytes(n, s, i) for n, s, i in workload.batch_state)
     return Cost(
         step_s=compute_s + memory_s + comm_s,
@@ -351,9 +351,12 @@ def _tally(
 
 
 def _peak(
-    workload: Workload, specs: _Specs, fused: bool, gathered: Mapping[Dot, int]
+    workload: Workload, specs: _Specs, profile: HardwareProfile, gathered: Mapping[Dot, int]
 ) -> memory_model.Peak:
+    fused = profile.fused_attention
     program = workload.memory
+    if not profile.rematerialize and workload.memory_kept is not None:
+        program = workload.memory_kept  # every residual kept (XLA on CPU)
     if program is None:
         return memory_model.Peak(0, 0, 0)
 
