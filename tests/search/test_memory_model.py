@@ -87,3 +87,28 @@ def test_a_fused_attention_layer_keeps_no_scores():
     scores = cfg.heads * seq * seq * 2  # one sequence's [heads, seq, seq] bfloat16 scores
     assert unfused.activation_bytes - fused.activation_bytes >= cfg.layers * scores
     assert fused.activation_bytes < 2 * scores
+
+
+def test_a_scanned_layer_gathers_all_its_weights_at_once_under_fsdp():
+    # XLA starts a layer's weight gathers ahead of its matmuls: at the layer's peak every
+    # weight of the layer is whole on each device, not just the running matmul's.
+    layers, e, m = 4, 256, 1024
+    state = {"w": _box((layers, e, m), ("layer", "embed", "mlp")),
+             "v": _box((layers, m, e), ("layer", "mlp", "embed"))}  # fmt: skip
+    x = jax.ShapeDtypeStruct((64, e), F32)
+
+    def step(s, x):
+        def loss(p):
+            def body(h, wv):
+                w, v = wv
+                return jnp.tanh(jnp.tanh(h @ w) @ v), None
+
+            y, _ = jax.lax.scan(body, x, (p["w"].value, p["v"].value))
+            return y.sum()
+
+        return jax.grad(loss)(s)
+
+    work = trace_workload(step, state, x)
+    cost = predict(work, {"fsdp": 8}, (("batch", "fsdp"), ("embed", "fsdp")), H100)
+    one_layer = 2 * e * m * 4  # w and v of one layer, float32
+    assert cost.temporary_bytes >= one_layer * 7 / 8

@@ -80,7 +80,9 @@ class MemoryProgram:
     ``long``/``short``: ``[points, cells]`` counts of values defined before the point's
     top-level equation, and of those defined within it; ``dot``: per point, the index in
     ``dots`` of the matmul running there (``-1``: none); ``output``: counts of the step's
-    outputs (the updated state), not temporaries.
+    outputs (the updated state), not temporaries; ``scope``: per point, the loop body
+    (a scanned layer) it runs in, an index in ``scopes`` (``-1``: none), whose entries
+    list the matmuls of each body.
     """
 
     cells: list[Cell]
@@ -89,6 +91,8 @@ class MemoryProgram:
     dot: np.ndarray
     dots: list[Any]
     output: np.ndarray
+    scope: np.ndarray | None = None
+    scopes: list[list[int]] = dataclasses.field(default_factory=list)
 
     def sizes(self, bytes_of: Callable[[Cell], int]) -> np.ndarray:
         """Bytes per device of each cell, by ``bytes_of``."""
@@ -238,7 +242,9 @@ class _Builder:
         self.names, self.scores, self.dot_of = names, scores, dot_of
         self.materialized, self.recompute = materialized, recompute
         self.cells: dict[Cell, int] = {}
-        self.points: dict[tuple[Any, ...], tuple[dict[int, int], dict[int, int], int]] = {}
+        self.points: dict[tuple[Any, ...], tuple[dict[int, int], dict[int, int], int, int]] = {}
+        self.scope = -1  # the loop body being walked (an index in scopes)
+        self.scopes: list[list[int]] = []  # each loop body's matmuls
         self.dots: dict[Any, int] = {}
         self.sources: dict[int, Any] = {}
 
@@ -257,8 +263,10 @@ class _Builder:
         return self.cells.setdefault(key, len(self.cells))
 
     def add(self, long: dict[int, int], short: dict[int, int], dot: int) -> None:
-        key = (tuple(sorted(long.items())), tuple(sorted(short.items())), dot)
-        self.points.setdefault(key, (long, short, dot))
+        key = (tuple(sorted(long.items())), tuple(sorted(short.items())), dot, self.scope)
+        self.points.setdefault(key, (long, short, dot, self.scope))
+        if dot >= 0 and self.scope >= 0 and dot not in self.scopes[self.scope]:
+            self.scopes[self.scope].append(dot)
 
     def walk(
         self, jaxpr: Any, long: dict[int, int], short: dict[int, int], top: bool,
@@ -317,7 +325,12 @@ class _Builder:
                 if loop:  # a loop's outputs are allocated first; its body writes into them
                     for c in outs.values():
                         with_outs[c] = with_outs.get(c, 0) + 1
+                outer_scope = self.scope
+                if loop and prim == "scan":  # a scanned layer: its weights are gathered together
+                    self.scope = len(self.scopes)
+                    self.scopes.append([])
                 self.walk(body, here_long, with_outs, False, inner_skip)
+                self.scope = outer_scope
             else:
                 for c in outs.values():
                     here_short[c] = here_short.get(c, 0) + 1
@@ -410,10 +423,10 @@ def build(
         if c is not None:
             outputs[c] = outputs.get(c, 0) + 1
     ncell = max(1, len(b.cells))
-    pts = list(b.points.values()) or [({}, {}, -1)]
+    pts = list(b.points.values()) or [({}, {}, -1, -1)]
     long = np.zeros((len(pts), ncell))
     short = np.zeros((len(pts), ncell))
-    for k, (lo, sh, _) in enumerate(pts):
+    for k, (lo, sh, _, _) in enumerate(pts):
         for c, m in lo.items():
             long[k, c] = m
         for c, m in sh.items():
@@ -425,26 +438,55 @@ def build(
     if not cells:
         cells = [((), (), 0, False)]
     dots = sorted(b.dots, key=lambda d: b.dots[d])
-    return MemoryProgram(cells, long, short, np.array([d for _, _, d in pts]), dots, out)
+    return MemoryProgram(
+        cells,
+        long,
+        short,
+        np.array([p[2] for p in pts]),
+        dots,
+        out,
+        np.array([p[3] for p in pts]),
+        b.scopes,
+    )
+
+
+def _activation(key: Any) -> bool:
+    """A gathered array's key names a batch dimension: an activation, gathered as it is used."""
+    return isinstance(key, tuple) and bool(key) and "batch" in (key[0] or ())
 
 
 def peak(
     program: MemoryProgram,
     bytes_of: Callable[[Cell], int],
-    gathered: Sequence[int] = (),
+    gathered: Sequence[Mapping[Any, int]] = (),
 ) -> Peak:
     """The largest point of ``program`` with cells sized by ``bytes_of``.
 
-    ``gathered``: per matmul of ``program.dots``, the bytes the partitioner adds at that
-    point (an all-gathered operand).
+    ``gathered``: per matmul of ``program.dots``, the arrays the partitioner gathers for it
+    (``{(names, shape, axes): bytes added}``). Inside a scanned layer every weight the layer
+    gathers (an array without ``'batch'``) is alive at once: XLA starts those gathers ahead
+    of the matmuls, and a weight gathered for one matmul serves the others that read it.
+    Elsewhere, and for gathered activations, only the running matmul's.
     """
     size = program.sizes(bytes_of)
     lo, sh = program.long @ size, program.short @ size
     extra = np.zeros(len(lo))
     if len(gathered):
-        g = np.asarray(gathered, dtype=float)
+        per_dot = np.array([float(sum(g.values())) for g in gathered])
         has = program.dot >= 0
-        extra[has] = g[program.dot[has]]
+        extra[has] = per_dot[program.dot[has]]
+        if program.scope is not None and program.scopes:
+            weights = [
+                {k: v for d in dots for k, v in gathered[d].items() if not _activation(k)}
+                for dots in program.scopes
+            ]
+            at = [(d, program.scope[k]) for k, d in enumerate(program.dot)]
+            extra = np.array([
+                sum(weights[sc].values()) + sum(v for k, v in gathered[d].items()
+                                                if _activation(k) or k not in weights[sc])
+                if sc >= 0 else (float(sum(gathered[d].values())) if d >= 0 else 0.0)
+                for d, sc in at
+            ])  # fmt: skip
     total = lo + sh + extra
     k = int(np.argmax(total)) if len(total) else 0
     return Peak(int(lo[k]), int(sh[k] + extra[k]), int(program.output @ size))
