@@ -1,6 +1,7 @@
 """The memory model's rules, each on a step small enough to read: a constrained value is
 priced in the constraint's shard, XLA recomputes cheap elementwise residuals instead of
-keeping them, a fused attention keeps no scores."""
+keeping them, a fused attention keeps no scores, a scanned layer's weights are gathered
+together."""
 
 from __future__ import annotations
 
@@ -89,26 +90,25 @@ def test_a_fused_attention_layer_keeps_no_scores():
     assert fused.activation_bytes < 2 * scores
 
 
-def test_a_scanned_layer_gathers_all_its_weights_at_once_under_fsdp():
-    # XLA starts a layer's weight gathers ahead of its matmuls: at the layer's peak every
-    # weight of the layer is whole on each device, not just the running matmul's.
-    layers, e, m = 4, 256, 1024
-    state = {"w": _box((layers, e, m), ("layer", "embed", "mlp")),
-             "v": _box((layers, m, e), ("layer", "mlp", "embed"))}  # fmt: skip
-    x = jax.ShapeDtypeStruct((64, e), F32)
+def test_a_scanned_layer_gathers_all_its_weights_at_once():
+    # Two matmuls in one scanned layer, each gathering its own weight (FSDP), and one
+    # gathering an activation: at the layer's peak both weights are whole (XLA starts the
+    # weights' gathers ahead of the matmuls), the activation only at its matmul.
+    import numpy as np
 
-    def step(s, x):
-        def loss(p):
-            def body(h, wv):
-                w, v = wv
-                return jnp.tanh(jnp.tanh(h @ w) @ v), None
+    from meshplan._search.memory import MemoryProgram, peak
 
-            y, _ = jax.lax.scan(body, x, (p["w"].value, p["v"].value))
-            return y.sum()
-
-        return jax.grad(loss)(s)
-
-    work = trace_workload(step, state, x)
-    cost = predict(work, {"fsdp": 8}, (("batch", "fsdp"), ("embed", "fsdp")), H100)
-    one_layer = 2 * e * m * 4  # w and v of one layer, float32
-    assert cost.temporary_bytes >= one_layer * 7 / 8
+    cell = (("batch", None), (8, 8), 4, False)
+    ones = np.ones((3, 1))
+    program = MemoryProgram(
+        [cell], ones, np.zeros((3, 1)), np.array([0, 1, 0]), ["dot0", "dot1"], np.zeros(1),
+        scope=np.array([0, 0, -1]), scopes=[[0, 1]],
+    )  # fmt: skip
+    w, v, act = (("embed", "mlp"), (8, 8), ("fsdp",)), (("mlp", "embed"), (8, 8), ("fsdp",)), (
+        ("batch", "embed"), (8, 8), ("fsdp",))  # fmt: skip
+    gathered = [{w: 100, act: 7}, {v: 10}]
+    assert peak(program, lambda c: 1).temporaries == 0
+    got = peak(program, lambda c: 1, gathered)
+    assert got.temporaries == 100 + 10 + 7  # the layer's weights, and dot0's activation
+    outside = dataclasses.replace(program, scope=np.array([-1, -1, -1]))
+    assert peak(outside, lambda c: 1, gathered).temporaries == 107  # only the running matmul's

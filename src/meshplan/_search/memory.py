@@ -476,17 +476,18 @@ def peak(
         has = program.dot >= 0
         extra[has] = per_dot[program.dot[has]]
         if program.scope is not None and program.scopes:
-            weights = [
-                {k: v for d in dots for k, v in gathered[d].items() if not _activation(k)}
+            layer = np.array([
+                float(sum({k: v for d in dots for k, v in gathered[d].items()
+                           if not _activation(k)}.values()))
                 for dots in program.scopes
-            ]
-            at = [(d, program.scope[k]) for k, d in enumerate(program.dot)]
-            extra = np.array([
-                sum(weights[sc].values()) + sum(v for k, v in gathered[d].items()
-                                                if _activation(k) or k not in weights[sc])
-                if sc >= 0 else (float(sum(gathered[d].values())) if d >= 0 else 0.0)
-                for d, sc in at
-            ])  # fmt: skip
+            ] + [0.0])  # fmt: skip
+            acts = np.array(
+                [float(sum(v for k, v in g.items() if _activation(k))) for g in gathered]
+            )
+            inside = program.scope >= 0  # the layer's weights, and the running matmul's activation
+            extra[inside] = layer[program.scope[inside]]
+            both = inside & has
+            extra[both] += acts[program.dot[both]]
     total = lo + sh + extra
     k = int(np.argmax(total)) if len(total) else 0
     return Peak(int(lo[k]), int(sh[k] + extra[k]), int(program.output @ size))
