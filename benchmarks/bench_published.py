@@ -104,7 +104,7 @@ def _mpt(
 ) -> Row:  # fmt: skip
     cfg = LlamaConfig(embed=d, heads=heads, kv_heads=heads, head_dim=d // heads, mlp=4 * d,
                       layers=layers, vocab=50368, gated=False,
-                      remat="full" if ckpt else "none")  # fmt: skip
+                      remat="full" if ckpt else "none", scan=False)  # fmt: skip
     how = f"{micro} x {seq} tokens per GPU / {tokens_s_gpu:g} tokens/s/GPU (one microbatch)"
     return Row(name, profile, cfg, micro * gpus, seq, {"fsdp": gpus}, FSDP_TP,
                micro * seq / tokens_s_gpu, how, FOUNDRY, held_out)  # fmt: skip
@@ -146,7 +146,7 @@ def rows() -> list[Row]:
 def run_row(row: Row, search: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     state, step, batch = llama_step(row.cfg, row.batch, row.seq)
-    work = trace_workload(step, state, batch)
+    work = trace_workload(step, state, batch, read_constraints=True)
     trace_s = time.perf_counter() - t0
     prof = get_profile(row.profile)
     cost = predict(work, row.mesh, row.rules, prof)

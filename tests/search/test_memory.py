@@ -30,18 +30,21 @@ LAYOUTS = {
     ),
 }  # fmt: skip
 
-# XLA on CPU schedules an unrolled loop's collectives and gradient buffers with no memory
-# limit (every layer's gathered weight and gradient alive at once), and places a data-parallel
-# gradient into its optimizer output's buffer: the planner, which models accelerators'
-# schedules, misses those by more than 20%.
-_LOOP = "XLA on CPU keeps every unrolled layer's buffers alive at once"
-_DP_REMAT = "XLA on CPU updates the replicated gradient in its output buffer"
+# The step is compiled as accelerators run it: its state donated (as meshplan's trainer runs
+# it: the new state takes the old one's buffers, so no intermediate sits in an output buffer
+# that memory_analysis() would not count), and scheduled for memory, as XLA schedules for a
+# device's memory limit on TPU and GPU (on CPU its default scheduler favours concurrency and
+# keeps every unrolled layer's buffers alive at once).
+AS_ON_ACCELERATORS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+
+# Where the planner misses by more than 20%: unrolled layers rematerialised under FSDP or
+# tensor parallelism (and dots-saveable under data parallelism), where XLA on CPU keeps more
+# of the recomputed layers' values alive than an accelerator's schedule would (measured
+# 1.7-2.4x the prediction).
+_LOOP = "XLA on CPU keeps more of the unrolled, rematerialised layers alive"
 MISSES = {
-    ("full", False, "dp"): _LOOP, ("full", False, "fsdp"): _LOOP, ("full", False, "tp"): _LOOP,
+    ("full", False, "fsdp"): _LOOP, ("full", False, "tp"): _LOOP,
     ("dots", False, "dp"): _LOOP, ("dots", False, "fsdp"): _LOOP, ("dots", False, "tp"): _LOOP,
-    ("none", False, "fsdp"): _LOOP, ("none", False, "tp"): _LOOP,
-    ("full", True, "dp"): _DP_REMAT, ("dots", True, "dp"): _DP_REMAT,
-    ("full", True, "fsdp"): _LOOP,
 }  # fmt: skip
 
 CASES = [
@@ -68,11 +71,15 @@ def _step(remat: str, scan: bool):
 def test_memory_per_device_matches_xla_memory_analysis(remat, scan, layout):
     state, step, batch, work = _step(remat, scan)
     mesh, rules = LAYOUTS[layout]
-    # XLA on CPU has no fused attention kernel: the scores are materialised.
+    # XLA on CPU has no fused attention kernel (the scores are materialised), and no memory
+    # limit to rematerialise cheap values against (every residual autodiff saves is kept).
     cost = predict(
-        work, mesh, rules, dataclasses.replace(get_profile("h100"), fused_attention=False)
+        work,
+        mesh,
+        rules,
+        dataclasses.replace(get_profile("h100"), fused_attention=False, rematerialize=False),
     )
-    xla = measure_step(step, state, batch, mesh, rules)
+    xla = measure_step(step, state, batch, mesh, rules, True, AS_ON_ACCELERATORS)
     assert cost.state_bytes + cost.batch_bytes == xla["xla_argument_bytes"]
     predicted = cost.activation_bytes + cost.temporary_bytes
     assert abs(predicted - xla["xla_temp_bytes"]) <= 0.2 * xla["xla_temp_bytes"]

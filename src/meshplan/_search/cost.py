@@ -264,7 +264,7 @@ def predict(
     gathers: dict[Any, list[Any]] = {}  # key -> [kind, axes, bytes, count, dots]
     dependent: list[tuple[str, tuple[str, ...], int, int]] = []
     independent: dict[tuple[str, tuple[str, ...], int], int] = {}
-    gathered_extra: dict[Dot, int] = {}
+    gathered_extra: dict[Dot, dict[Any, int]] = {}
     for dot, count in workload.dots.items():
         f, colls, out_bytes = _dot_cost(dot, specs, profile.reduce_scatter)
         flops += f * count
@@ -274,13 +274,13 @@ def predict(
             + specs.shard_bytes(dot.rhs_names, dot.rhs_shape, dot.rhs_itemsize) + out_bytes
         )  # fmt: skip
         compute_s += count * max(f / eff_flops, moved / profile.memory_bandwidth)
-        extra = 0
+        extra: dict[Any, int] = {}  # gathered arrays: the bytes each adds on a device
         for kind, axes, nbytes, key in colls:
             if key is not None:
                 g = gathers.setdefault(key, [kind, axes, nbytes, 0, 0])
                 g[3] = max(g[3], count)
                 g[4] += 1
-                extra += nbytes * (math.prod(sizes[a] for a in axes) - 1)
+                extra[key] = nbytes * (math.prod(sizes[a] for a in axes) - 1)
             elif _independent(kind, key, dot):
                 k = (kind, axes, count)
                 independent[k] = independent.get(k, 0) + nbytes * count
@@ -323,7 +323,7 @@ def predict(
             traffic += nbytes // specs.split(specs(names, len(shape)))
     memory_s = traffic / profile.memory_bandwidth
     comm_s = exposed + max(0.0, hidden - profile.overlap * (compute_s + memory_s))
-    peak = _peak(workload, specs, fused, gathered_extra)
+    peak = _peak(workload, specs, profile, gathered_extra)
     batch_bytes = sum(specs.shard_bytes(n, s, i) for n, s, i in workload.batch_state)
     return Cost(
         step_s=compute_s + memory_s + comm_s,
@@ -351,9 +351,15 @@ def _tally(
 
 
 def _peak(
-    workload: Workload, specs: _Specs, fused: bool, gathered: Mapping[Dot, int]
+    workload: Workload,
+    specs: _Specs,
+    profile: HardwareProfile,
+    gathered: Mapping[Dot, Mapping[Any, int]],
 ) -> memory_model.Peak:
+    fused = profile.fused_attention
     program = workload.memory
+    if not profile.rematerialize and workload.memory_kept is not None:
+        program = workload.memory_kept  # every residual kept (XLA on CPU)
     if program is None:
         return memory_model.Peak(0, 0, 0)
 
@@ -363,5 +369,5 @@ def _peak(
             return 0
         return specs.shard_bytes(names, shape, item)
 
-    extra = [gathered.get(d, 0) for d in program.dots]
+    extra = [gathered.get(d, {}) for d in program.dots]
     return memory_model.peak(program, bytes_of, extra)

@@ -146,6 +146,8 @@ def compile_candidate(
     example_batch: Any,
     mesh_shape: Mapping[str, int],
     rules: LogicalRules,
+    donate: bool = False,
+    compiler_options: Mapping[str, str | bool] | None = None,
 ) -> tuple[Any, Any, Any]:
     """``step_fn`` compiled as the candidate runs it; its state's and batch's shardings.
 
@@ -153,7 +155,8 @@ def compile_candidate(
     candidate's program: a jitted step called outside that context would be traced
     again without the rules. Shared by :func:`measure_step` and the search's timing,
     so both compile a candidate the same way. ``state`` and ``example_batch`` may be
-    abstract.
+    abstract. ``donate``: the state is donated (the new state takes its buffers), as
+    :class:`meshplan.Trainer` runs a step; ``compiler_options``: XLA's, for this compile.
     """
     import jax
 
@@ -166,8 +169,9 @@ def compile_candidate(
         def step(state: Any, batch: Any) -> Any:
             return step_fn(state, batch)
 
-        jitted = jax.jit(step, in_shardings=(shardings, batch_shardings))
-        compiled = jitted.lower(state, example_batch).compile()
+        donated = (0,) if donate else ()
+        jitted = jax.jit(step, in_shardings=(shardings, batch_shardings), donate_argnums=donated)
+        compiled = jitted.lower(state, example_batch).compile(dict(compiler_options or {}) or None)
     return compiled, shardings, batch_shardings
 
 
@@ -177,12 +181,15 @@ def measure_step(
     example_batch: Any,
     mesh_shape: Mapping[str, int],
     rules: LogicalRules,
+    donate: bool = False,
+    compiler_options: Mapping[str, str | bool] | None = None,
 ) -> dict[str, Any]:
     """Compiles ``step_fn(state, batch)`` under ``rules`` and reports what XLA says of it.
 
     The mesh has ``mesh_shape``'s axes (Auto, on the first devices); the state
     is sharded by its logical names, every batch array by ``('batch', None, ...)``.
-    Nothing runs: ``state`` and ``example_batch`` may be abstract.
+    Nothing runs: ``state`` and ``example_batch`` may be abstract. ``donate`` and
+    ``compiler_options``: as :func:`compile_candidate` compiles it.
 
     Returns:
         ``collectives`` (bytes by kind, non-zero ones), ``collective_bytes``
@@ -194,7 +201,9 @@ def measure_step(
         MeshplanError: the backend gives no HLO text for the compiled step.
     """
     t0 = time.perf_counter()
-    compiled, _, _ = compile_candidate(step_fn, state, example_batch, mesh_shape, rules)
+    compiled, _, _ = compile_candidate(
+        step_fn, state, example_batch, mesh_shape, rules, donate, compiler_options
+    )
     seconds = time.perf_counter() - t0
     hlo_text = compiled.as_text()
     if hlo_text is None:  # JAX: "None if unavailable, e.g. based on backend"

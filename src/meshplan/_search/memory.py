@@ -13,7 +13,13 @@ and records, at every equation, which values are alive, each as a *cell* (its lo
 names, shape and item size, so that one candidate prices it in a few vector products).
 A value is alive from the equation that defines it to its last use; the step's inputs
 (state, batch) are the arguments and its outputs the new state (XLA counts both apart
-from its temporaries, and a donated state aliases them).
+from its temporaries, and a donated state aliases them). A value a sharding constraint
+names is priced by the constraint's names (:mod:`meshplan._search.trace` gives each
+buffer the names XLA's sharding propagation would). Where the device has a memory limit
+XLA works to (``recompute``: TPU, GPU), the cheap elementwise values autodiff keeps (a
+norm's float32 copy, an activation's derivative, the targets' one-hot) are recomputed
+where they are used, from values kept anyway, instead of being kept
+(:func:`recompute_sources`); a scan's stacked outputs are always kept.
 
 :func:`peak` prices the program on a candidate: each cell's bytes per device (its shape
 split by the mesh axes its names map to), plus, at each matmul, the all-gathered operand
@@ -33,13 +39,38 @@ from typing import Any
 import numpy as np
 from jax.extend.core import Literal
 
-__all__ = ["MemoryProgram", "Peak", "aliases", "build", "is_alias", "peak"]
+__all__ = [
+    "MemoryProgram", "Peak", "aliases", "build", "call_body", "is_alias", "peak",
+    "recompute_sources",
+]  # fmt: skip
 
 Cell = tuple[tuple[Any, ...], tuple[int, ...], int, bool]
 """(names, shape, itemsize, score)"""
 
 _LOOPS = ("scan", "while")
 _CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+# Elementwise ops (and the broadcasts, casts, slices around them) that XLA recomputes where
+# their value is used rather than keep it: fusion duplicates them into each consumer, and
+# the rematerialisation pass, run against the device's memory on GPU and TPU, recomputes
+# them from operands that are alive anyway. A norm's float32 copy of a bfloat16 value, an
+# activation's derivative, a one-hot of the targets: residuals JAX's autodiff saves that
+# need no buffer of their own outside a loop (a scan's stacked outputs are buffers).
+_RECOMPUTED = frozenset({
+    "abs", "add", "add_any", "and", "broadcast_in_dim", "convert_element_type", "copy",
+    "copy_p", "cos", "div", "eq", "erf", "exp", "exp2", "expand_dims", "ge", "gt", "integer_pow",
+    "iota", "le", "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "not",
+    "or", "pow", "reshape", "rsqrt", "select_n", "sign", "sin", "slice", "sqrt", "square",
+    "squeeze", "stop_gradient", "sub", "tanh", "xor", "erf_inv", "expm1", "pad",
+})  # fmt: skip
+# Ops that read a recomputed value inside their own fusion (a reduction's input fusion),
+# with no buffer for it.
+_FUSES_OPERANDS = _RECOMPUTED | {
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+    "argmax", "argmin",
+}  # fmt: skip
+# What XLA may recompute: those, and the reductions over them (a norm's statistic).
+_RECOMPUTABLE = _FUSES_OPERANDS
 
 
 @dataclasses.dataclass
@@ -49,7 +80,9 @@ class MemoryProgram:
     ``long``/``short``: ``[points, cells]`` counts of values defined before the point's
     top-level equation, and of those defined within it; ``dot``: per point, the index in
     ``dots`` of the matmul running there (``-1``: none); ``output``: counts of the step's
-    outputs (the updated state), not temporaries.
+    outputs (the updated state), not temporaries; ``scope``: per point, the loop body
+    (a scanned layer) it runs in, an index in ``scopes`` (``-1``: none), whose entries
+    list the matmuls of each body.
     """
 
     cells: list[Cell]
@@ -58,6 +91,8 @@ class MemoryProgram:
     dot: np.ndarray
     dots: list[Any]
     output: np.ndarray
+    scope: np.ndarray | None = None
+    scopes: list[list[int]] = dataclasses.field(default_factory=list)
 
     def sizes(self, bytes_of: Callable[[Cell], int]) -> np.ndarray:
         """Bytes per device of each cell, by ``bytes_of``."""
@@ -120,16 +155,98 @@ def aliases(jaxpr: Any) -> dict[Any, Any]:
     return out
 
 
+def call_body(eqn: Any) -> Any:
+    """The body of a call (``pjit``, ``remat``, custom derivatives) with ``eqn``'s arity."""
+    if eqn.primitive.name in ("scan", "while", "cond"):
+        return None
+    for key in _CALLS:
+        sub = eqn.params.get(key)
+        if sub is not None:
+            sub = getattr(sub, "jaxpr", sub)
+            if len(sub.invars) == len(eqn.invars):
+                return sub
+    return None
+
+
+def _nbytes(v: Any) -> int:
+    size = int(math.prod(getattr(v.aval, "shape", ())))
+    try:
+        return size * int(np.dtype(v.aval.dtype).itemsize)
+    except TypeError:
+        return size * 4
+
+
+def _read_whole(body: Any, k: int) -> bool:
+    """Whether ``body`` reads its ``k``-th input other than by ops fused with it."""
+    v = body.invars[k]
+    return any(
+        v in e.invars and e.primitive.name not in _FUSES_OPERANDS and not is_alias(e)
+        for e in body.eqns
+    )
+
+
+def recompute_sources(
+    jaxpr: Any, cache: dict[int, Any] | None = None, direct: bool = False
+) -> dict[Any, frozenset[Any]]:
+    """``{value: the values it is recomputed from}`` for the values of ``jaxpr`` that only
+    elementwise ops and reductions (:data:`_RECOMPUTED`, directly or inside calls) compute
+    from its inputs and from the results of other ops (matmuls, loops, gathers): what XLA
+    can recompute where it is used. ``direct``: the operands each is computed from (a
+    call's: its inputs), rather than those other ops' results.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from meshplan._search.memory import recompute_sources
+        >>> j = jax.make_jaxpr(lambda w, x: jnp.tanh((x @ w).sum(0)).astype(jnp.bfloat16))(
+        ...     jnp.ones((8, 8)), jnp.ones((4, 8)))
+        >>> product = j.jaxpr.eqns[0].outvars[0]      # the matmul's result: kept
+        >>> recompute_sources(j.jaxpr)[j.jaxpr.outvars[0]] == {product}
+        True
+    """
+    cache = {} if cache is None else cache
+    alias = aliases(jaxpr)
+    src: dict[Any, frozenset[Any]] = {}
+
+    def of(v: Any) -> frozenset[Any]:
+        if isinstance(v, Literal):
+            return frozenset()
+        if direct:
+            return frozenset({alias.get(v, v)})
+        return src.get(v, frozenset({alias.get(v, v)}))
+
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _RECOMPUTABLE or is_alias(eqn):
+            got = frozenset().union(*map(of, eqn.invars))
+            src.update((o, got) for o in eqn.outvars)
+            continue
+        sub = call_body(eqn)
+        if sub is None:
+            continue
+        if id(sub) not in cache:
+            cache[id(sub)] = recompute_sources(sub, cache)
+        inner, position = cache[id(sub)], {v: i for i, v in enumerate(sub.invars)}
+        for o, v in zip(eqn.outvars, sub.outvars, strict=True):
+            got = frozenset() if isinstance(v, Literal) else inner.get(v)
+            if got is None and v in position:
+                got = frozenset({v})  # the call gives back one of its inputs
+            if got is not None and all(x in position for x in got):
+                src[o] = frozenset().union(*(of(eqn.invars[position[x]]) for x in got))
+    return src
+
+
 class _Builder:
     def __init__(
         self, names: Mapping[Any, Any], scores: set[Any], dot_of: Callable[[Any], Any],
-        materialized: set[Any] | None,
+        materialized: set[Any] | None, recompute: bool = True,
     ) -> None:  # fmt: skip
         self.names, self.scores, self.dot_of = names, scores, dot_of
-        self.materialized = materialized
+        self.materialized, self.recompute = materialized, recompute
         self.cells: dict[Cell, int] = {}
-        self.points: dict[tuple[Any, ...], tuple[dict[int, int], dict[int, int], int]] = {}
+        self.points: dict[tuple[Any, ...], tuple[dict[int, int], dict[int, int], int, int]] = {}
+        self.scope = -1  # the loop body being walked (an index in scopes)
+        self.scopes: list[list[int]] = []  # each loop body's matmuls
         self.dots: dict[Any, int] = {}
+        self.sources: dict[int, Any] = {}
 
     def cell(self, v: Any, outer: bool = False) -> int | None:
         if not outer and self.materialized is not None and v not in self.materialized:
@@ -146,8 +263,10 @@ class _Builder:
         return self.cells.setdefault(key, len(self.cells))
 
     def add(self, long: dict[int, int], short: dict[int, int], dot: int) -> None:
-        key = (tuple(sorted(long.items())), tuple(sorted(short.items())), dot)
-        self.points.setdefault(key, (long, short, dot))
+        key = (tuple(sorted(long.items())), tuple(sorted(short.items())), dot, self.scope)
+        self.points.setdefault(key, (long, short, dot, self.scope))
+        if dot >= 0 and self.scope >= 0 and dot not in self.scopes[self.scope]:
+            self.scopes[self.scope].append(dot)
 
     def walk(
         self, jaxpr: Any, long: dict[int, int], short: dict[int, int], top: bool,
@@ -169,6 +288,7 @@ class _Builder:
         for v in jaxpr.outvars:
             if not isinstance(v, Literal):
                 last[alias.get(v, v)] = n
+        recomputed = self._recomputed(jaxpr, alias, last, skip)
         alive: dict[Any, int] = {}  # var -> cell, defined here and still alive
         for v in jaxpr.invars:
             if v in skip or v not in last:
@@ -182,7 +302,7 @@ class _Builder:
             prim = eqn.primitive.name
             outs = {}
             for v in eqn.outvars:
-                if type(v).__name__ == "DropVar" or v in skip or v in alias:
+                if type(v).__name__ == "DropVar" or v in skip or v in alias or v in recomputed:
                     continue
                 c = self.cell(v)
                 if c is not None and v in last:
@@ -191,6 +311,13 @@ class _Builder:
             for c in alive.values():
                 target = here_long if top else here_short
                 target[c] = target.get(c, 0) + 1
+            if prim not in _FUSES_OPERANDS:  # a recomputed operand exists while it is read
+                body = call_body(eqn)
+                for k, u in enumerate(eqn.invars):
+                    v = None if isinstance(u, Literal) else alias.get(u, u)
+                    c = self.cell(v) if v in recomputed else None
+                    if c is not None and (body is None or _read_whole(body, k)):
+                        here_short[c] = here_short.get(c, 0) + 1
             sub = self._sub(eqn)
             if sub is not None:
                 body, inner_skip, loop = sub
@@ -198,7 +325,12 @@ class _Builder:
                 if loop:  # a loop's outputs are allocated first; its body writes into them
                     for c in outs.values():
                         with_outs[c] = with_outs.get(c, 0) + 1
+                outer_scope = self.scope
+                if loop and prim == "scan":  # a scanned layer: its weights are gathered together
+                    self.scope = len(self.scopes)
+                    self.scopes.append([])
                 self.walk(body, here_long, with_outs, False, inner_skip)
+                self.scope = outer_scope
             else:
                 for c in outs.values():
                     here_short[c] = here_short.get(c, 0) + 1
@@ -210,6 +342,35 @@ class _Builder:
             for v in [v for v in alive if last.get(v, -1) <= i]:
                 del alive[v]
             alive.update(outs)
+
+    def _recomputed(
+        self, jaxpr: Any, alias: Mapping[Any, Any], last: dict[Any, int], skip: set[Any]
+    ) -> set[Any]:
+        """The values of ``jaxpr`` XLA recomputes where they are used instead of keeping
+        them (:func:`recompute_sources`): those whose sources are in memory (kept by XLA, or
+        held by an outer buffer), where keeping the sources alive until the value's last use
+        (``last`` is extended) costs no more than the value itself."""
+        out: set[Any] = set()
+        if not self.recompute:
+            return out
+        held: dict[Any, frozenset[Any]] = {}  # a recomputed value: the kept values it needs
+        for v, operands in recompute_sources(jaxpr, self.sources, direct=True).items():
+            sources = frozenset().union(*(held.get(u, frozenset({u})) for u in operands))
+            if not sources:  # computed from constants: recomputed from nothing
+                held[v] = sources
+            if v in alias or v not in last or not sources:
+                continue
+            inner = [x for x in sources if x not in skip]
+            if self.materialized is not None and any(x not in self.materialized for x in inner):
+                continue  # a source fused away: not in memory to recompute from
+            late = [x for x in inner if last.get(x, -1) < last[v]]
+            if sum(map(_nbytes, late)) > _nbytes(v):
+                continue
+            for x in late:
+                last[x] = last[v]
+            out.add(v)
+            held[v] = sources
+        return out
 
     def _sub(self, eqn: Any) -> tuple[Any, set[Any], bool] | None:
         p, prim = eqn.params, eqn.primitive.name
@@ -242,14 +403,17 @@ def build(
     scores: set[Any],
     dot_of: Callable[[Any], Any],
     materialized: set[Any] | None = None,
+    recompute: bool = True,
 ) -> MemoryProgram:
     """The liveness program of a step's (closed) ``jaxpr`` (module docstring).
 
     ``names``: each variable's logical names; ``scores``: the variables holding attention
     scores; ``dot_of(eqn)``: the :class:`meshplan._search.trace.Dot` of a ``dot_general``;
-    ``materialized``: the values XLA writes to memory (others are fused away; ``None``: all).
+    ``materialized``: the values XLA writes to memory (others are fused away; ``None``: all);
+    ``recompute``: cheap residuals are recomputed where used (:func:`recompute_sources`), as
+    XLA does on a device with a memory limit to fit (GPU, TPU), not on the CPU.
     """
-    b = _Builder(names, scores, dot_of, materialized)
+    b = _Builder(names, scores, dot_of, materialized, recompute)
     b.walk(jaxpr, {}, {}, True, set(jaxpr.invars) | set(jaxpr.outvars))
     outputs: dict[int, int] = {}
     for v in dict.fromkeys(v for v in jaxpr.outvars if not isinstance(v, Literal)):
@@ -259,10 +423,10 @@ def build(
         if c is not None:
             outputs[c] = outputs.get(c, 0) + 1
     ncell = max(1, len(b.cells))
-    pts = list(b.points.values()) or [({}, {}, -1)]
+    pts = list(b.points.values()) or [({}, {}, -1, -1)]
     long = np.zeros((len(pts), ncell))
     short = np.zeros((len(pts), ncell))
-    for k, (lo, sh, _) in enumerate(pts):
+    for k, (lo, sh, _, _) in enumerate(pts):
         for c, m in lo.items():
             long[k, c] = m
         for c, m in sh.items():
@@ -274,26 +438,56 @@ def build(
     if not cells:
         cells = [((), (), 0, False)]
     dots = sorted(b.dots, key=lambda d: b.dots[d])
-    return MemoryProgram(cells, long, short, np.array([d for _, _, d in pts]), dots, out)
+    return MemoryProgram(
+        cells,
+        long,
+        short,
+        np.array([p[2] for p in pts]),
+        dots,
+        out,
+        np.array([p[3] for p in pts]),
+        b.scopes,
+    )
+
+
+def _activation(key: Any) -> bool:
+    """A gathered array's key names a batch dimension: an activation, gathered as it is used."""
+    return isinstance(key, tuple) and bool(key) and "batch" in (key[0] or ())
 
 
 def peak(
     program: MemoryProgram,
     bytes_of: Callable[[Cell], int],
-    gathered: Sequence[int] = (),
+    gathered: Sequence[Mapping[Any, int]] = (),
 ) -> Peak:
     """The largest point of ``program`` with cells sized by ``bytes_of``.
 
-    ``gathered``: per matmul of ``program.dots``, the bytes the partitioner adds at that
-    point (an all-gathered operand).
+    ``gathered``: per matmul of ``program.dots``, the arrays the partitioner gathers for it
+    (``{(names, shape, axes): bytes added}``). Inside a scanned layer every weight the layer
+    gathers (an array without ``'batch'``) is alive at once: XLA starts those gathers ahead
+    of the matmuls, and a weight gathered for one matmul serves the others that read it.
+    Elsewhere, and for gathered activations, only the running matmul's.
     """
     size = program.sizes(bytes_of)
     lo, sh = program.long @ size, program.short @ size
     extra = np.zeros(len(lo))
     if len(gathered):
-        g = np.asarray(gathered, dtype=float)
+        per_dot = np.array([float(sum(g.values())) for g in gathered])
         has = program.dot >= 0
-        extra[has] = g[program.dot[has]]
+        extra[has] = per_dot[program.dot[has]]
+        if program.scope is not None and program.scopes:
+            layer = np.array([
+                float(sum({k: v for d in dots for k, v in gathered[d].items()
+                           if not _activation(k)}.values()))
+                for dots in program.scopes
+            ] + [0.0])  # fmt: skip
+            acts = np.array(
+                [float(sum(v for k, v in g.items() if _activation(k))) for g in gathered]
+            )
+            inside = program.scope >= 0  # the layer's weights, and the running matmul's activation
+            extra[inside] = layer[program.scope[inside]]
+            both = inside & has
+            extra[both] += acts[program.dot[both]]
     total = lo + sh + extra
     k = int(np.argmax(total)) if len(total) else 0
     return Peak(int(lo[k]), int(sh[k] + extra[k]), int(program.output @ size))

@@ -52,6 +52,10 @@ class HardwareProfile:
         regather: A weight FSDP gathers for the forward pass is gathered again for the
             backward pass (not kept alive between them), as on TPU and GPU; XLA on CPU
             keeps it.
+        rematerialize: XLA recomputes cheap elementwise values (a norm's float32 copy, an
+            activation's derivative) where they are used rather than keep them for the
+            backward pass, as its fusion and rematerialisation passes do against a device's
+            memory (TPU, GPU); XLA on CPU, with no memory limit, keeps them.
 
     Example:
         >>> import meshplan
@@ -76,6 +80,7 @@ class HardwareProfile:
     overlap: float = 0.0
     combine_bytes: int = 0
     regather: bool = False
+    rematerialize: bool = False
 
     def __post_init__(self) -> None:
         if self.slow_latency_s is None:
@@ -117,10 +122,11 @@ GiB = 1 << 30
 # fraction of the datasheet peak large bf16 matmuls reach; the collective latencies are
 # a hop's start-up on the fast links and on the data-centre network.
 _TPU: dict[str, Any] = dict(
-    matmul_efficiency=0.86, fused_attention=True, overlap=0.9, combine_bytes=32 << 20, regather=True
-)
+    matmul_efficiency=0.86, fused_attention=True, overlap=0.9, combine_bytes=32 << 20,
+    regather=True, rematerialize=True,
+)  # fmt: skip
 _GPU: dict[str, Any] = dict(
-    fused_attention=True, overlap=0.9, combine_bytes=32 << 20, regather=True
+    fused_attention=True, overlap=0.9, combine_bytes=32 << 20, regather=True, rematerialize=True
 )
 # GPU matmul efficiencies, from the calibration rows of benchmarks/bench_published.py
 # (llm-foundry's PyTorch FSDP runs; the held-out rows check them): A100 0.62 of 312 TFLOP/s,
@@ -181,9 +187,11 @@ PROFILES: dict[str, HardwareProfile] = {
     ),
     # Google Cloud TPU v5p (cloud.google.com/tpu/docs/v5p): 459 TFLOP/s bf16, 95 GB HBM2e at
     # 2,765 GB/s, ICI 4,800 Gb/s per chip (600 GB/s) over 6 ports of a 3D torus (a ring:
-    # 2 ports, 200 GB/s each way); a pod is 8,960 chips. DCN assumed as v5e per chip.
+    # 2 ports, 200 GB/s each way); a pod is 8,960 chips. DCN assumed as v5e per chip. The
+    # TPU pages' "GB" of HBM are GiB (JAX reports 33,550,237,696 bytes on a v6e chip,
+    # "32 GB": vllm-project/vllm#16211; v4's and v5e's pages say GiB).
     "tpu_v5p": HardwareProfile(
-        "tpu_v5p", 459e12, 95 * 10**9, 2.765e12, 200e9, 3.125e9, 8960, 5e-6,
+        "tpu_v5p", 459e12, 95 * GiB, 2.765e12, 200e9, 3.125e9, 8960, 5e-6,
         "Google Cloud TPU v5p documentation (system architecture)",
         slow_latency_s=50e-6, **_TPU,
     ),
@@ -191,7 +199,7 @@ PROFILES: dict[str, HardwareProfile] = {
     # HBM at 1,640 GB/s, ICI 3,584 Gb/s per chip (448 GB/s) over 4 ports of a 2D torus (a ring:
     # 2 ports, 112 GB/s each way); a pod is 256 chips. DCN: 4x 200 Gb/s per host of 8 chips.
     "tpu_v6e": HardwareProfile(
-        "tpu_v6e", 918e12, 32 * 10**9, 1.64e12, 112e9, 12.5e9, 256, 5e-6,
+        "tpu_v6e", 918e12, 32 * GiB, 1.64e12, 112e9, 12.5e9, 256, 5e-6,
         "Google Cloud TPU v6e documentation (system architecture)",
         slow_latency_s=50e-6, **_TPU,
     ),
@@ -347,7 +355,7 @@ def load_profile(path: str) -> HardwareProfile:
     problems = [f"missing field {n!r}" for n in required if n not in data]
     problems += [f"unknown field {n!r}" for n in data if n not in fields]
     kinds: dict[str, Any] = {"name": str, "source": str, "fused_attention": bool,
-                             "reduce_scatter": bool, "regather": bool, "domain_devices": int,
+                             "reduce_scatter": bool, "regather": bool, "rematerialize": bool, "domain_devices": int,
                              "memory_bytes": int, "combine_bytes": int}  # fmt: skip
     for n, v in data.items():
         if n not in fields or (n == "slow_latency_s" and v is None):

@@ -77,7 +77,9 @@ class Workload:
     scores, which a fused attention kernel never writes; ``state``: ``[(names,
     shape, itemsize)]`` of the state's arrays (``None`` names: unboxed); ``names``:
     every logical name seen, in order of first appearance (state first);
-    ``memory``: the liveness program (:mod:`meshplan._search.memory`) of the step;
+    ``memory``: the liveness program (:mod:`meshplan._search.memory`) of the step, with
+    cheap residuals recomputed where used (as XLA does on TPU and GPU), ``memory_kept``
+    the same with every residual kept (XLA on CPU);
     ``score_dots``: the dots that read or write attention scores; ``batch_state``: the
     batch arrays (names, shape, itemsize); ``tokens``: tokens (or examples) per step;
     ``reshards``: ``{(names before, names after, shape, itemsize): count}`` of the
@@ -99,6 +101,7 @@ class Workload:
     reshards: dict[tuple[Names, Names, tuple[int, ...], int], int] = dataclasses.field(
         default_factory=dict
     )
+    memory_kept: Any = None
 
     @property
     def flops(self) -> int:
@@ -157,6 +160,10 @@ _BOUNDARY = frozenset({
 })  # fmt: skip
 
 
+# Elementwise ops whose operands XLA's sharding propagation gives their result's sharding.
+_SAME_LAYOUT = frozenset({"add", "add_any", "sub", "neg", "mul", "convert_element_type"})
+
+
 def dedupe(names: Names) -> Names:
     """``names`` with every repeat of a name dropped to ``None`` (the first one keeps it).
 
@@ -185,6 +192,11 @@ class _Walker:
         self.traffic: dict[tuple[Names, tuple[int, ...], bool], int] = {}
         self.seen: dict[str, None] = {}
         self.var_names: dict[Any, Names] = {}
+        # The names of a value's buffer where a constraint gives it other names than its
+        # operations do: XLA produces the constrained value in the constraint's sharding
+        # (a matmul's partial sums reduce-scattered into it), so its buffer, and a
+        # residual saved from it for the backward pass, is that shard.
+        self.buffer_names: dict[Any, Names] = {}
         self.scores: set[Any] = set()  # vars holding attention scores
         self.score_dots: set[Dot] = set()
         self.consumers: dict[Any, list[str]] = {}
@@ -219,6 +231,7 @@ class _Walker:
         for v in jaxpr.outvars:
             if not isinstance(v, Literal):
                 self.consumers.setdefault(alias.get(v, v), []).append("return")
+        producer = {o: e for e in jaxpr.eqns for o in e.outvars}
         for eqn in jaxpr.eqns:
             ins = [read(v) for v in eqn.invars]
             outs = [dedupe(n) for n in self.eqn(eqn, ins, times)]
@@ -226,7 +239,57 @@ class _Walker:
                 env[v] = n
                 self.var_names[v] = n
                 self.note(n)
+            if eqn.primitive.name in _SAME_LAYOUT:
+                self._constrain_forward(eqn, env, alias, producer)
+        for out, root in alias.items():  # the first constraint of a value names its buffer
+            if out in env and env[out] != env.get(root):
+                self.buffer_names.setdefault(out, env[out])
+                self._constrain_back(root, env[out], producer)
         return [read(v) for v in jaxpr.outvars]
+
+    def _constrain_forward(
+        self, eqn: Any, env: dict[Any, Names], alias: dict[Any, Any], producer: dict[Any, Any]
+    ) -> None:
+        """An elementwise op of a constrained value (a residual stream's sum): its result,
+        and its other operands of that shape (matmuls' partial sums, reduce-scattered into
+        it), take the constrained value's buffer names, as XLA's sharding propagation does."""
+        out = eqn.outvars[0]
+        shape = getattr(out.aval, "shape", None)
+        same = [u for u in eqn.invars if not isinstance(u, Literal) and u.aval.shape == shape]
+        held = next((u for u in same if u in self.buffer_names or u in alias), None)
+        if held is None or out in self.buffer_names:
+            return
+        names = self.buffer_names.get(held, env.get(held))
+        if names is None:
+            return
+        self.buffer_names[out] = names
+        for u in same:
+            if u is not held:
+                self._constrain_back(u, names, producer)
+
+    def _constrain_back(self, v: Any, names: Names, producer: dict[Any, Any]) -> None:
+        """``v``'s buffer takes ``names``, and so do the operands of the same shape of the
+        elementwise ops that made it (a sum of matmuls' partial results): XLA's sharding
+        propagation carries a constraint back through them."""
+        todo = [(v, producer)]
+        while todo:
+            x, made = todo.pop()
+            if x in self.buffer_names or isinstance(x, Literal):
+                continue
+            self.buffer_names[x] = names
+            eqn = made.get(x)
+            sub = None if eqn is None else memory.call_body(eqn)
+            if eqn is not None and sub is not None:  # into the call that returns it
+                inner = {o: e for e in sub.eqns for o in e.outvars}
+                todo.append((sub.outvars[eqn.outvars.index(x)], inner))
+            elif eqn is not None and eqn.primitive.name in _SAME_LAYOUT:
+                shape = x.aval.shape
+                todo += [(u, made) for u in eqn.invars
+                         if not isinstance(u, Literal) and u.aval.shape == shape]  # fmt: skip
+
+    def buffer(self, v: Any) -> Names | None:
+        """The names of ``v``'s buffer, where a constraint renamed it (else ``None``)."""
+        return None if isinstance(v, Literal) else self.buffer_names.get(v)
 
     def _is_score_dot(self, eqn: Any, ins: list[Names]) -> bool:
         """A product of two activations that is larger than both: q·kᵀ (or its gradient)."""
@@ -281,6 +344,15 @@ class _Walker:
                 if not isinstance(inner, Literal) and inner in self.scores:
                     self.scores.add(outer)
             lead = next((n[0] for n in ins[nc + ncarry :] if n and n[0] is not None), None)
+            for j, (outer, inner) in enumerate(zip(eqn.outvars, body.jaxpr.outvars, strict=True)):
+                got = self.buffer(inner)  # a stacked output's buffer: each trip's, stacked
+                if got is None and j < ncarry:  # a carry: one buffer, as the body constrains it
+                    got = self.buffer(body.jaxpr.invars[nc + j])
+                    if got is not None:  # and so is what the body writes into it
+                        made = {o: e for e in body.jaxpr.eqns for o in e.outvars}
+                        self._constrain_back(inner, got, made)
+                if got is not None:
+                    self.buffer_names.setdefault(outer, got if j < ncarry else (lead, *got))
             return [*body_out[:ncarry], *((lead, *n) for n in body_out[ncarry:])]
         if prim == "while":
             body = p["body_jaxpr"].jaxpr
@@ -305,6 +377,9 @@ class _Walker:
                     result = self.walk(sub, ins, times)
                     alias = memory.aliases(sub)
                     for outer, inner in zip(eqn.outvars, sub.outvars, strict=True):
+                        got = self.buffer(inner)
+                        if got is not None:
+                            self.buffer_names.setdefault(outer, got)
                         inner = alias.get(inner, inner)
                         if not isinstance(inner, Literal) and inner in self.scores:
                             self.scores.add(outer)
@@ -556,10 +631,12 @@ def trace_workload(
         walker = _walk(jaxpr, in_names)
     batch = int(flat_batch[0].shape[0]) if flat_batch and flat_batch[0].shape else None
     params = tuple(dict.fromkeys(n for names, _, _ in state if names for n in names if n))
-    program = memory.build(
-        jaxpr, walker.var_names, walker.scores, lambda e: walker.dot_by_eqn[id(e)],
-        walker.materialized,
-    )  # fmt: skip
+    var_names = {**walker.var_names, **walker.buffer_names}
+    programs = [
+        memory.build(jaxpr, var_names, walker.scores, lambda e: walker.dot_by_eqn[id(e)],
+                     walker.materialized, recompute)
+        for recompute in (True, False)
+    ]  # fmt: skip
     batch_state = [
         (tuple(name_of(b)), tuple(getattr(b, "shape", ())), _itemsize(b)) for b in flat_batch
     ]
@@ -567,6 +644,6 @@ def trace_workload(
     if flat_batch and np.issubdtype(np.dtype(flat_batch[0].dtype), np.integer):
         tokens = math.prod(flat_batch[0].shape[:2])  # token ids: sequences x positions
     return Workload(
-        walker.dots, walker.traffic, state, tuple(walker.seen), batch, params, program,
-        frozenset(walker.score_dots), batch_state, tokens, walker.reshards,
+        walker.dots, walker.traffic, state, tuple(walker.seen), batch, params, programs[0],
+        frozenset(walker.score_dots), batch_state, tokens, walker.reshards, programs[1],
     )  # fmt: skip

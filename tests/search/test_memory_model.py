@@ -1,0 +1,114 @@
+"""The memory model's rules, each on a step small enough to read: a constrained value is
+priced in the constraint's shard, XLA recomputes cheap elementwise residuals instead of
+keeping them, a fused attention keeps no scores, a scanned layer's weights are gathered
+together."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+import meshplan
+from meshplan._search.cost import predict
+from meshplan._search.memory import recompute_sources
+from meshplan._search.profiles import get_profile
+from meshplan._search.trace import trace_workload
+from meshplan.examples.llama import LlamaConfig, llama_step
+
+H100 = get_profile("h100")
+F32 = jnp.float32
+
+
+def _box(shape, names):
+    return meshplan.LogicallyPartitioned(jax.ShapeDtypeStruct(shape, F32), names)
+
+
+def _kept(step, state, batch, mesh, rules):
+    work = trace_workload(step, state, batch, read_constraints=True)
+    cost = predict(work, mesh, rules, H100)
+    return cost.activation_bytes + cost.temporary_bytes
+
+
+def test_a_value_constrained_over_tensor_is_priced_in_its_shard():
+    # y's matmul names it ('batch', 'embed'); the constraint after it shards it over tensor:
+    # XLA reduce-scatters the partial sums into that shard, and the residual saved for sin's
+    # derivative is that shard too.
+    state = {"w": _box((128, 512), ("embed", "mlp")), "v": _box((512, 256), ("mlp", "embed"))}
+    x = jax.ShapeDtypeStruct((64, 128), F32)
+
+    def step(s, x):
+        def loss(p):
+            y = (x @ p["w"].value) @ p["v"].value
+            y = meshplan.with_logical_constraint(y, ("batch", "activation_embed"))
+            return jnp.sum(jnp.sin(y))
+
+        return jax.grad(loss)(s)
+
+    work = trace_workload(step, state, x, read_constraints=True)
+    named = {c[0] for c in work.memory.cells if c[1] == (64, 256)}
+    assert named == {("batch", "activation_embed")}
+
+
+def test_a_cheap_elementwise_residual_is_recomputed_from_what_is_kept():
+    j = jax.make_jaxpr(lambda w, x: jnp.tanh((x @ w).sum(0) * 2.0))(
+        jnp.ones((8, 8)), jnp.ones((4, 8))
+    )
+    product = j.jaxpr.eqns[0].outvars[0]  # the matmul's result: kept, the rest recomputed
+    assert recompute_sources(j.jaxpr)[j.jaxpr.outvars[0]] == frozenset({product})
+
+
+def test_an_unrolled_layer_keeps_no_float32_copies_or_activation_derivatives():
+    # Without remat, autodiff saves the norm's float32 copies and the GELU's intermediates;
+    # XLA recomputes them from the matmul output and the layer input that are kept anyway.
+    cfg = LlamaConfig(embed=256, heads=4, kv_heads=4, head_dim=64, mlp=1024, layers=2,
+                      vocab=512, gated=False, scan=False)  # fmt: skip
+    state, step, batch = llama_step(cfg, 8, 128)
+    work = trace_workload(step, state, batch, read_constraints=True)
+    cost = predict(work, {"data": 8}, (("batch", "data"),), H100)
+    tokens = 128  # per device
+    hidden = tokens * cfg.mlp * 2  # one bf16 [tokens, mlp] value
+    # Per layer at most: the MLP's input to GELU and its output, q, k, v, the attention's
+    # output and a few [tokens, embed] values (no [tokens, mlp] float32 or tanh copies).
+    per_layer = 2 * hidden + 8 * tokens * cfg.embed * 2
+    assert cost.activation_bytes < cfg.layers * per_layer + 3 * tokens * cfg.vocab * 4
+
+
+def test_a_fused_attention_layer_keeps_no_scores():
+    cfg = LlamaConfig(embed=128, heads=4, kv_heads=4, head_dim=32, mlp=256, layers=2,
+                      vocab=256, scan=False)  # fmt: skip
+    seq = 512
+    state, step, batch = llama_step(cfg, 8, seq)
+    work = trace_workload(step, state, batch, read_constraints=True)
+    fused = predict(work, {"data": 8}, (("batch", "data"),), H100)
+    unfused = predict(
+        work, {"data": 8}, (("batch", "data"),), dataclasses.replace(H100, fused_attention=False)
+    )
+    scores = cfg.heads * seq * seq * 2  # one sequence's [heads, seq, seq] bfloat16 scores
+    assert unfused.activation_bytes - fused.activation_bytes >= cfg.layers * scores
+    assert fused.activation_bytes < 2 * scores
+
+
+def test_a_scanned_layer_gathers_all_its_weights_at_once():
+    # Two matmuls in one scanned layer, each gathering its own weight (FSDP), and one
+    # gathering an activation: at the layer's peak both weights are whole (XLA starts the
+    # weights' gathers ahead of the matmuls), the activation only at its matmul.
+    import numpy as np
+
+    from meshplan._search.memory import MemoryProgram, peak
+
+    cell = (("batch", None), (8, 8), 4, False)
+    ones = np.ones((3, 1))
+    program = MemoryProgram(
+        [cell], ones, np.zeros((3, 1)), np.array([0, 1, 0]), ["dot0", "dot1"], np.zeros(1),
+        scope=np.array([0, 0, -1]), scopes=[[0, 1]],
+    )  # fmt: skip
+    w, v, act = (("embed", "mlp"), (8, 8), ("fsdp",)), (("mlp", "embed"), (8, 8), ("fsdp",)), (
+        ("batch", "embed"), (8, 8), ("fsdp",))  # fmt: skip
+    gathered = [{w: 100, act: 7}, {v: 10}]
+    assert peak(program, lambda c: 1).temporaries == 0
+    got = peak(program, lambda c: 1, gathered)
+    assert got.temporaries == 100 + 10 + 7  # the layer's weights, and dot0's activation
+    outside = dataclasses.replace(program, scope=np.array([-1, -1, -1]))
+    assert peak(outside, lambda c: 1, gathered).temporaries == 107  # only the running matmul's
