@@ -39,6 +39,15 @@ MAXTEXT_V5P = (
     "https://github.com/AI-Hypercomputer/maxtext (README, 'Runtime Performance Results', TPU v5p)"
 )
 FOUNDRY = "https://github.com/mosaicml/llm-foundry/blob/main/scripts/train/benchmarking/README.md"
+TPU_RECIPES_V6E = (
+    "https://github.com/AI-Hypercomputer/tpu-recipes/blob/main/training/trillium/"
+    "Llama2-70B-MaxText/README.md (config: maxtext benchmarks/maxtext_trillium_model_configs.py"
+    " llama2_70b_4096)"
+)
+MAXTEXT_A3 = (
+    "https://github.com/AI-Hypercomputer/maxtext/blob/main/MaxText/configs/a3/llama_2_7b/"
+    "README.md (TFLOP/s per chip; configs 1vm.sh and 8vm.sh beside it)"
+)
 PALM = "Chowdhery et al. 2022, PaLM, arXiv:2204.02311, sec. 4 and appendix B (46.2% MFU)"
 
 
@@ -110,6 +119,26 @@ def _mpt(
                micro * seq / tokens_s_gpu, how, FOUNDRY, held_out)  # fmt: skip
 
 
+LLAMA2_7B = LlamaConfig(embed=4096, heads=32, kv_heads=32, head_dim=128, mlp=11008, layers=32,
+                        vocab=32000)  # fmt: skip
+LLAMA2_70B = LlamaConfig(embed=8192, heads=64, kv_heads=8, head_dim=128, mlp=28672, layers=80,
+                         vocab=32000)  # fmt: skip
+
+
+def _a3(name: str, hosts: int, tflops_chip: float) -> Row:
+    """MaxText's Llama2-7B on ``hosts`` A3 hosts of 8 H100s: per-device batch 4, sequence
+    4096, FSDP over a host's 8 GPUs, data parallel across hosts, ``remat_policy=
+    minimal_flash`` (every matmul without batch dimensions saved), layers not scanned."""
+    cfg = dataclasses.replace(LLAMA2_7B, remat="minimal", scan=False)
+    gpus, seq = 8 * hosts, 4096
+    batch = 4 * gpus
+    mesh = {"data": hosts, "fsdp": 8} if hosts > 1 else {"fsdp": 8}
+    flops = _maxtext_flops(cfg, batch, seq) / gpus
+    how = f"MaxText model FLOPs per GPU / {tflops_chip:g} TFLOP/s per GPU"
+    return Row(name, "h100", cfg, batch, seq, mesh, FSDP_TP, flops / (tflops_chip * 1e12), how,
+               MAXTEXT_A3, held_out=True)  # fmt: skip
+
+
 def rows() -> list[Row]:
     """The published configurations (module docstring)."""
     v5e, v5p = "tpu_v5e", "tpu_v5p"
@@ -131,6 +160,13 @@ def rows() -> list[Row]:
         _mpt("llm-foundry MPT-13B 8x A100", "a100", 5120, 40, 40, 8, 2, 2048, 2262, False),
         _mpt("llm-foundry MPT-30B 8x A100", "a100", 7168, 64, 48, 8, 3, 2048, 916, True,
              held_out=True),
+        # v6e: the recipe's logged step; per-device batch 4, sequence 4096, FSDP over 256 chips
+        # (ici_fsdp_transpose_parallelism=-1), remat_policy=full, flash attention.
+        Row("MaxText Llama2-70B v6e-256", "tpu_v6e", dataclasses.replace(LLAMA2_70B, remat="full"),
+            4 * 256, 4096, {"fsdp": 256}, FSDP_TP, 17.373, "the recipe's logged step time",
+            TPU_RECIPES_V6E, held_out=True),
+        _a3("MaxText Llama2-7B 8x H100 (1 A3)", 1, 492),
+        _a3("MaxText Llama2-7B 64x H100 (8 A3)", 8, 409),
     ]  # fmt: skip
     palm = LlamaConfig(embed=18432, heads=48, kv_heads=1, head_dim=256, mlp=73728, layers=118,
                        vocab=256000, parallel=True, remat="full")  # fmt: skip
