@@ -254,3 +254,19 @@ def test_plan_predicts_the_step_on_a_profile_without_devices(capsys):
     assert pred["fits"] and pred["tokens_per_s"] > 0 and pred["activation_bytes_per_device"] > 0
     assert cli.main([*argv[:-1], "16"]) == 2
     assert "--devices 16 but --mesh 2x4 has 8 devices" in capsys.readouterr().err
+
+
+def test_a_batch_without_token_ids_is_counted_in_examples(capsys):
+    argv = ["plan", "--model", "meshplan.examples.own_model:linen_classifier", "--mesh", "2x4",
+            "--rules", "fsdp", "--profile", "tpu_v5e"]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "examples/s" in out and "tokens/s" not in out
+    assert cli.main([*argv, "--json"]) == 0
+    pred = json.loads(capsys.readouterr().out)["prediction"]
+    assert pred["throughput_unit"] == "examples" and pred["tokens_per_s"] > 0
+    argv = ["search", "--model", "meshplan.examples.own_model:linen_classifier", "--devices", "8",
+            "--profile", "tpu_v5e", "--rows", "2"]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "examples/s" in out and "tokens/s" not in out

@@ -18,9 +18,18 @@ __all__ = ["prediction_fields", "prediction_lines"]
 
 
 def prediction_fields(
-    cost: Cost, tokens: int | None, devices: int, profile: HardwareProfile, budget: int
+    cost: Cost,
+    tokens: int | None,
+    devices: int,
+    profile: HardwareProfile,
+    budget: int,
+    unit: str = "tokens",
 ) -> dict[str, Any]:
     """The prediction as plain data (the ``--json`` fields).
+
+    ``tokens``: what one step processes, in ``unit`` (``'tokens'``, or ``'examples'`` for
+    a batch without token ids); ``tokens_per_s`` is that count per second, and
+    ``throughput_unit`` names it.
 
     Example:
         >>> from meshplan._search.cost import Cost
@@ -35,6 +44,7 @@ def prediction_fields(
     return {
         "predicted_step_s": step,
         "tokens_per_s": None if not tokens or step <= 0 else tokens / step,
+        "throughput_unit": unit,
         "mfu": None if step <= 0 else cost.flops_per_device / (step * profile.peak_flops),
         "compute_s": cost.compute_s, "memory_s": cost.memory_s, "comm_s": cost.comm_s,
         "comm_total_s": cost.comm_total_s,
@@ -71,7 +81,7 @@ def prediction_lines(fields: dict[str, Any]) -> list[str]:
     tps = "-" if f["tokens_per_s"] is None else f"{f['tokens_per_s']:,.0f}"
     mfu = "-" if f["mfu"] is None else f"{f['mfu']:.1%}"
     lines.append(
-        f"throughput {tps} tokens/s · MFU {mfu} (traced matmul FLOPs, recomputation included)"
+        f"throughput {tps} {f.get('throughput_unit', 'tokens')}/s · MFU {mfu} (traced matmul FLOPs, recomputation included)"
     )
     lines.append(
         f"memory/device {human_bytes(f['memory_bytes_per_device'])} of "

@@ -19,6 +19,7 @@ from meshplan._errors import MeshError, error_for
 from meshplan._plan.render.table import to_text
 from meshplan._search.cost import Cost
 from meshplan._search.profiles import HardwareProfile
+from meshplan._search.trace import ThroughputUnit
 from meshplan._spmd.rules import RulePairs, rules_to_json
 from meshplan._text import human_bytes
 
@@ -213,7 +214,9 @@ class SearchRow:
             from meshplan._search.report import prediction_fields
 
             budget = result.budget_bytes if result.budget_bytes is not None else cost.memory_bytes
-            fields = prediction_fields(cost, result.tokens, result.devices, result.profile, budget)
+            fields = prediction_fields(
+                cost, result.tokens, result.devices, result.profile, budget, result.tokens_unit
+            )
             data.update({k: v for k, v in fields.items() if k not in ("devices", "profile")})
         return data
 
@@ -265,6 +268,7 @@ class SearchResult:
     batch: int | None = None
     tokens: int | None = None
     ranked_by: RankedBy = "predicted"
+    tokens_unit: ThroughputUnit = "tokens"
 
     @property
     def memory_budget_bytes(self) -> int | None:

@@ -432,7 +432,7 @@ def search_rules(
         row.fits = True  # every ranked row fits: the others were pruned as "memory"
     return SearchResult(
         rows + out, devices, prof, budget, counts, time.perf_counter() - t0, batch,
-        workload.tokens,
+        workload.tokens, tokens_unit=workload.tokens_unit,
     )  # fmt: skip
 
 

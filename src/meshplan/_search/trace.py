@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,7 +35,10 @@ from meshplan._search import memory
 from meshplan._spmd.leaves import array_leaves
 from meshplan._spmd.rules import LogicalRules
 
-__all__ = ["Dot", "Workload", "trace_workload"]
+__all__ = ["Dot", "ThroughputUnit", "Workload", "trace_workload"]
+
+ThroughputUnit: typing.TypeAlias = typing.Literal["tokens", "examples"]
+"""What a step's ``tokens`` count: token ids, or examples of a batch without them."""
 
 Names = tuple[Any, ...]
 
@@ -81,7 +85,8 @@ class Workload:
     cheap residuals recomputed where used (as XLA does on TPU and GPU), ``memory_kept``
     the same with every residual kept (XLA on CPU);
     ``score_dots``: the dots that read or write attention scores; ``batch_state``: the
-    batch arrays (names, shape, itemsize); ``tokens``: tokens (or examples) per step;
+    batch arrays (names, shape, itemsize); ``tokens``: tokens (or examples) per step, ``tokens_unit`` says which (``'tokens'`` when
+    the first batch array holds integer token ids);
     ``reshards``: ``{(names before, names after, shape, itemsize): count}`` of the
     model's logical constraints that rename a value (the dispatch of a mixture of
     experts: ``('batch', ..., 'embed')`` to ``('expert', 'expert_batch', ...)``), which
@@ -102,6 +107,7 @@ class Workload:
         default_factory=dict
     )
     memory_kept: Any = None
+    tokens_unit: ThroughputUnit = "examples"
 
     @property
     def flops(self) -> int:
@@ -640,10 +646,11 @@ def trace_workload(
     batch_state = [
         (tuple(name_of(b)), tuple(getattr(b, "shape", ())), _itemsize(b)) for b in flat_batch
     ]
-    tokens = batch
-    if flat_batch and np.issubdtype(np.dtype(flat_batch[0].dtype), np.integer):
-        tokens = math.prod(flat_batch[0].shape[:2])  # token ids: sequences x positions
+    unit: ThroughputUnit
+    tokens, unit = batch, "examples"
+    if flat_batch and _is_tokens(flat_batch[0]):
+        tokens, unit = math.prod(flat_batch[0].shape), "tokens"  # sequences x positions
     return Workload(
         walker.dots, walker.traffic, state, tuple(walker.seen), batch, params, programs[0],
-        frozenset(walker.score_dots), batch_state, tokens, walker.reshards, programs[1],
+        frozenset(walker.score_dots), batch_state, tokens, walker.reshards, programs[1], unit,
     )  # fmt: skip

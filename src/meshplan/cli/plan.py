@@ -190,7 +190,7 @@ def _predict(
     budget = args.budget if args.budget is not None else profile.memory_bytes
     work = trace_workload(step, state, batch)
     cost = predict(work, shape, rules, profile)
-    return prediction_fields(cost, work.tokens, devices, profile, budget)
+    return prediction_fields(cost, work.tokens, devices, profile, budget, work.tokens_unit)
 
 
 def abstract_mesh(shape: dict[str, int]) -> Any:

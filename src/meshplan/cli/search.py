@@ -304,7 +304,7 @@ def _table(result: Any, rows: int) -> Table:
     kinds = sorted({k for r in ok if r.cost for k, v in r.cost.comm_bytes.items() if v})
     table = Table(box=None, header_style="bold", pad_edge=False)
     for name, justify in (("#", "right"), ("mesh", "left"), ("axes", "left"),
-                          ("predicted", "right"), ("measured", "right"), ("tokens/s", "right"),
+                          ("predicted", "right"), ("measured", "right"), (f"{result.tokens_unit}/s", "right"),
                           ("MFU", "right"), ("state", "right"), ("activations", "right"),
                           ("temporaries", "right"), ("memory/device", "right")):  # fmt: skip
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
@@ -317,7 +317,10 @@ def _table(result: Any, rows: int) -> Table:
         measured = "-" if r.measured_s is None else f"{r.measured_s * 1e3:.3f} ms"
         if c is None:
             continue
-        f = prediction_fields(c, result.tokens, result.devices, result.profile, result.budget_bytes)
+        f = prediction_fields(
+            c, result.tokens, result.devices, result.profile, result.budget_bytes,
+            result.tokens_unit,
+        )  # fmt: skip
         tps = "-" if f["tokens_per_s"] is None else f"{f['tokens_per_s']:,.0f}"
         mfu = "-" if f["mfu"] is None else f"{f['mfu']:.1%}"
         table.add_row(
