@@ -59,7 +59,7 @@ from meshplan._search.reshard import batch_first, reshard_collectives
 from meshplan._search.trace import Dot, Names, Workload
 from meshplan._spmd.rules import LogicalRules, normalize_rules, split_axes
 
-__all__ = ["Cost", "predict"]
+__all__ = ["Cost", "predict", "predict_specs"]
 
 Spec = tuple[tuple[str, ...], ...]
 
@@ -233,6 +233,31 @@ def _batch_out(dot: Dot) -> bool:
     return "batch" in keep
 
 
+DotCache = dict[tuple[Any, ...], tuple[float, list[Coll], int]]
+""":func:`_dot_cost` answers across candidates, keyed by what they depend on: the matmul, its
+operands' mesh axes and those axes' sizes (:func:`_dot_key`)."""
+
+
+def _dot_key(dot: Dot, specs: _Specs, reduce_scatter: bool) -> tuple[Any, ...]:
+    """Everything :func:`_dot_cost` reads: the operands' specs and the sizes of their axes."""
+    ls, rs = specs(dot.lhs_names, len(dot.lhs_shape)), specs(dot.rhs_names, len(dot.rhs_shape))
+    sizes = specs.sizes
+    axes = tuple(sorted({a for spec in (ls, rs) for d in spec for a in d}))
+    return (dot, ls, rs, tuple(sizes[a] for a in axes), axes, reduce_scatter)
+
+
+def _dot_cost_cached(
+    dot: Dot, specs: _Specs, reduce_scatter: bool, cache: DotCache | None
+) -> tuple[float, list[Coll], int]:
+    if cache is None:
+        return _dot_cost(dot, specs, reduce_scatter)
+    key = _dot_key(dot, specs, reduce_scatter)
+    got = cache.get(key)
+    if got is None:
+        got = cache[key] = _dot_cost(dot, specs, reduce_scatter)
+    return got
+
+
 def predict(
     workload: Workload, mesh: Mapping[str, int], rules: LogicalRules, profile: HardwareProfile
 ) -> Cost:
@@ -254,7 +279,14 @@ def predict(
         >>> tp.comm_bytes, tp.flops_per_device == dp.flops_per_device == work.flops / 8
         ({}, True)
     """
-    specs = _Specs(mesh, rules)
+    return predict_specs(workload, _Specs(mesh, rules), profile)
+
+
+def predict_specs(
+    workload: Workload, specs: _Specs, profile: HardwareProfile, cache: DotCache | None = None
+) -> Cost:
+    """:func:`predict` of a candidate's resolved specs; ``cache``: matmul costs shared by the
+    candidates of one search (the same answers as without it, computed once)."""
     sizes = specs.sizes
     eff_flops = profile.peak_flops * profile.matmul_efficiency
     fused = profile.fused_attention
@@ -266,7 +298,7 @@ def predict(
     independent: dict[tuple[str, tuple[str, ...], int], int] = {}
     gathered_extra: dict[Dot, int] = {}
     for dot, count in workload.dots.items():
-        f, colls, out_bytes = _dot_cost(dot, specs, profile.reduce_scatter)
+        f, colls, out_bytes = _dot_cost_cached(dot, specs, profile.reduce_scatter, cache)
         flops += f * count
         score = fused and dot in workload.score_dots
         moved = 0 if score else (
