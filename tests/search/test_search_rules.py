@@ -277,11 +277,11 @@ def test_a_search_prunes_and_prices_candidates_as_it_does_each_alone():
     cands = layout_candidates(64, layouts)
     cands += list(generate(64, names, other_names=[n for n in work.names if n not in names]))
     leaves = list(dict.fromkeys((n, s) for n, s, _ in work.state if n is not None))
-    checks, cache = _Checks(), {}
+    checks, cache, resolved = _Checks(), {}, {}
     reasons, priced = set(), 0
     for c in cands[::3]:  # a third of them: a few seconds
         alone = _prune(c, work.batch, ("batch",), leaves, ())
-        specs = _Specs(c.mesh, c.rules)
+        specs = _Specs(c.mesh, c.rules, resolved)
         shared = _prune(c, work.batch, ("batch",), leaves, (), specs, checks)
         assert shared == alone, (c.mesh, c.rules)
         reasons.add((alone or "ok").split(":")[0])
@@ -290,3 +290,4 @@ def test_a_search_prunes_and_prices_candidates_as_it_does_each_alone():
             priced += 1
     assert {"ok", "invalid", "batch"} <= reasons and priced > 10
     assert len(cache) < priced * len(work.dots)  # matmuls with the same splits priced once
+    assert len(resolved) < len(cands[::3]) * len(leaves)  # arrays resolved once per rules

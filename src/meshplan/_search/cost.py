@@ -57,7 +57,13 @@ from meshplan._search.collectives import collective_time
 from meshplan._search.profiles import HardwareProfile
 from meshplan._search.reshard import batch_first, reshard_collectives
 from meshplan._search.trace import Dot, Names, Workload
-from meshplan._spmd.rules import LogicalRules, normalize_rules, split_axes
+from meshplan._spmd.rules import (
+    LogicalRules,
+    logical_to_mesh_axes,
+    mesh_axes_of,
+    normalize_rules,
+    split_axes,
+)
 
 __all__ = ["Cost", "predict", "predict_specs"]
 
@@ -100,21 +106,43 @@ class Cost:
         return {**dataclasses.asdict(self), "memory_bytes": self.memory_bytes}
 
 
+Resolved = dict[tuple[Names, tuple[Any, ...]], tuple[tuple[str, ...], ...]]
+"""Mesh axes per dimension by ``(names, the rules that name one of them)``: what an array's
+resolution depends on (rules naming none of its names are skipped), shared by candidates."""
+
+
 class _Specs:
     """Mesh axes (of size > 1) per dimension of an array named ``names``, cached per
-    candidate: the one resolver's answer (:func:`meshplan._spmd.rules.split_axes`)."""
+    candidate: the one resolver's answer (:func:`meshplan._spmd.rules.split_axes`).
 
-    def __init__(self, sizes: Mapping[str, int], rules: LogicalRules) -> None:
+    ``shared``: resolutions shared across the candidates of a search (:data:`Resolved`):
+    the same answer, asked once per array and set of rules that name it."""
+
+    def __init__(
+        self, sizes: Mapping[str, int], rules: LogicalRules, shared: Resolved | None = None
+    ) -> None:
         self.sizes, self.rules = sizes, normalize_rules(rules)
         self.cache: dict[Names, Spec] = {}
         self.bytes_cache: dict[tuple[Any, ...], int] = {}
+        self.shared = shared
 
     def __call__(self, names: Names | None, ndim: int) -> Spec:
         if names is None:
             return ((),) * ndim
         spec = self.cache.get(names)
         if spec is None:
-            spec = self.cache[names] = split_axes(names, self.rules, self.sizes)
+            if self.shared is None:
+                spec = split_axes(names, self.rules, self.sizes)
+            else:
+                relevant = tuple(r for r in self.rules if r[0] in names)
+                key = (names, relevant)
+                axes = self.shared.get(key)
+                if axes is None:
+                    spec_all = logical_to_mesh_axes(names, relevant)
+                    axes = self.shared[key] = tuple(mesh_axes_of(e) for e in spec_all)
+                sizes = self.sizes
+                spec = tuple(tuple(a for a in d if sizes.get(a, 1) > 1) for d in axes)
+            self.cache[names] = spec
         return spec
 
     def split(self, spec: Spec) -> int:

@@ -31,7 +31,7 @@ from meshplan._search.candidates import (
     generate,
     layout_candidates,
 )
-from meshplan._search.cost import DotCache, _Specs, predict_specs, state_bytes
+from meshplan._search.cost import DotCache, Resolved, _Specs, predict_specs, state_bytes
 from meshplan._search.hlo import measure_step
 from meshplan._search.profiles import HardwareProfile, get_profile
 from meshplan._search.result import (
@@ -453,9 +453,10 @@ def search_rules(
     out: list[SearchRow] = []
     checks = _Checks()
     dot_cache: DotCache = {}  # matmul costs, shared by the candidates with the same splits
+    resolved: Resolved = {}  # arrays' resolutions, shared by the candidates with the same rules
     for c in candidates:
         row = SearchRow(c.mesh, c.rules, c.layout)
-        specs = _Specs(c.mesh, c.rules)  # one resolution per candidate, for every question
+        specs = _Specs(c.mesh, c.rules, resolved)  # one per candidate, for every question
         # A generated candidate with the splits of one listed before is that candidate
         # (asked first: it is cheaper than the validator, and most are).
         sig = _signature(c, hierarchical, sig_arrays, batch_names, specs)
