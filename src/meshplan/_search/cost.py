@@ -125,6 +125,8 @@ class _Specs:
         self.cache: dict[Names, Spec] = {}
         self.bytes_cache: dict[tuple[Any, ...], int] = {}
         self.shared = shared
+        self.state_of: Workload | None = None  # the workload ``state_total`` is of
+        self.state_total: int | None = None
 
     def __call__(self, names: Names | None, ndim: int) -> Spec:
         if names is None:
@@ -242,8 +244,14 @@ def _dot_cost(
 
 
 def state_bytes(workload: Workload, specs: _Specs) -> int:
-    """Per-device bytes of the state (shards rounded up, as ``explain`` counts them)."""
-    return sum(specs.shard_bytes(names, shape, item) for names, shape, item in workload.state)
+    """Per-device bytes of the state (shards rounded up, as ``explain`` counts them); asked
+    once per candidate (the search asks before pricing, then :func:`predict_specs`)."""
+    if specs.state_total is None or specs.state_of is not workload:
+        specs.state_of = workload
+        specs.state_total = sum(
+            specs.shard_bytes(names, shape, item) for names, shape, item in workload.state
+        )
+    return specs.state_total
 
 
 def _independent(kind: str, key: Any, dot: Dot) -> bool:
