@@ -125,6 +125,10 @@ class _Specs:
         self.cache: dict[Names, Spec] = {}
         self.bytes_cache: dict[tuple[Any, ...], int] = {}
         self.shared = shared
+        # Every axis a rule names is in the mesh with a size above 1.
+        self.every_axis_splits = all(
+            sizes.get(a, 1) > 1 for _, axes in self.rules for a in mesh_axes_of(axes)
+        )
         self.state_of: Workload | None = None  # the workload ``state_total`` is of
         self.state_total: int | None = None
 
@@ -142,8 +146,11 @@ class _Specs:
                 if axes is None:
                     spec_all = logical_to_mesh_axes(names, relevant)
                     axes = self.shared[key] = tuple(mesh_axes_of(e) for e in spec_all)
-                sizes = self.sizes
-                spec = tuple(tuple(a for a in d if sizes.get(a, 1) > 1) for d in axes)
+                if self.every_axis_splits:  # nothing to drop (a generated candidate's rules)
+                    spec = axes
+                else:
+                    sizes = self.sizes
+                    spec = tuple(tuple(a for a in d if sizes.get(a, 1) > 1) for d in axes)
             self.cache[names] = spec
         return spec
 
