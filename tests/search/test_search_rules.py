@@ -259,3 +259,35 @@ def test_a_learned_position_table_the_length_of_the_sequence_searches():
     first = result.best.mesh_text, result.best.rules
     again = meshplan.search_rules(8, workload=work, profile="h100", compile_top=0).best
     assert (again.mesh_text, again.rules) == first
+
+
+@pytest.mark.slow
+def test_a_search_prunes_and_prices_candidates_as_it_does_each_alone():
+    """The search's shared checks, resolutions and matmul costs give every candidate the
+    answer it gets alone: the same reason to prune it, the same prediction."""
+    from meshplan._search.candidates import layout_candidates
+    from meshplan._search.cost import _Specs, predict_specs
+    from meshplan._search.rule_search import _Checks, _prune
+
+    state, step, tokens = tiny_case()
+    work = trace_workload(step, state, tokens)
+    prof = get_profile("tpu_v5e", 64)
+    names = [n for n in work.param_names if n != "layer"]
+    layouts = {n: meshplan.layouts.get_layout(n) for n in ("fsdp", "tensor_parallel")}
+    cands = layout_candidates(64, layouts)
+    cands += list(generate(64, names, other_names=[n for n in work.names if n not in names]))
+    leaves = list(dict.fromkeys((n, s) for n, s, _ in work.state if n is not None))
+    checks, cache, resolved = _Checks(), {}, {}
+    reasons, priced = set(), 0
+    for c in cands[::3]:  # a third of them: a few seconds
+        alone = _prune(c, work.batch, ("batch",), leaves, ())
+        specs = _Specs(c.mesh, c.rules, resolved)
+        shared = _prune(c, work.batch, ("batch",), leaves, (), specs, checks)
+        assert shared == alone, (c.mesh, c.rules)
+        reasons.add((alone or "ok").split(":")[0])
+        if alone is None:
+            assert predict_specs(work, specs, prof, cache) == predict(work, c.mesh, c.rules, prof)
+            priced += 1
+    assert {"ok", "invalid", "batch"} <= reasons and priced > 10
+    assert len(cache) < priced * len(work.dots)  # matmuls with the same splits priced once
+    assert len(resolved) < len(cands[::3]) * len(leaves)  # arrays resolved once per rules

@@ -57,9 +57,15 @@ from meshplan._search.collectives import collective_time
 from meshplan._search.profiles import HardwareProfile
 from meshplan._search.reshard import batch_first, reshard_collectives
 from meshplan._search.trace import Dot, Names, Workload
-from meshplan._spmd.rules import LogicalRules, normalize_rules, split_axes
+from meshplan._spmd.rules import (
+    LogicalRules,
+    logical_to_mesh_axes,
+    mesh_axes_of,
+    normalize_rules,
+    split_axes,
+)
 
-__all__ = ["Cost", "predict"]
+__all__ = ["Cost", "predict", "predict_specs"]
 
 Spec = tuple[tuple[str, ...], ...]
 
@@ -100,21 +106,52 @@ class Cost:
         return {**dataclasses.asdict(self), "memory_bytes": self.memory_bytes}
 
 
+Resolved = dict[tuple[Names, tuple[Any, ...]], tuple[tuple[str, ...], ...]]
+"""Mesh axes per dimension by ``(names, the rules that name one of them)``: what an array's
+resolution depends on (rules naming none of its names are skipped), shared by candidates."""
+
+
 class _Specs:
     """Mesh axes (of size > 1) per dimension of an array named ``names``, cached per
-    candidate: the one resolver's answer (:func:`meshplan._spmd.rules.split_axes`)."""
+    candidate: the one resolver's answer (:func:`meshplan._spmd.rules.split_axes`).
 
-    def __init__(self, sizes: Mapping[str, int], rules: LogicalRules) -> None:
+    ``shared``: resolutions shared across the candidates of a search (:data:`Resolved`):
+    the same answer, asked once per array and set of rules that name it."""
+
+    def __init__(
+        self, sizes: Mapping[str, int], rules: LogicalRules, shared: Resolved | None = None
+    ) -> None:
         self.sizes, self.rules = sizes, normalize_rules(rules)
         self.cache: dict[Names, Spec] = {}
         self.bytes_cache: dict[tuple[Any, ...], int] = {}
+        self.shared = shared
+        # Every axis a rule names is in the mesh with a size above 1.
+        self.every_axis_splits = all(
+            sizes.get(a, 1) > 1 for _, axes in self.rules for a in mesh_axes_of(axes)
+        )
+        self.state_of: Workload | None = None  # the workload ``state_total`` is of
+        self.state_total: int | None = None
 
     def __call__(self, names: Names | None, ndim: int) -> Spec:
         if names is None:
             return ((),) * ndim
         spec = self.cache.get(names)
         if spec is None:
-            spec = self.cache[names] = split_axes(names, self.rules, self.sizes)
+            if self.shared is None:
+                spec = split_axes(names, self.rules, self.sizes)
+            else:
+                relevant = tuple(r for r in self.rules if r[0] in names)
+                key = (names, relevant)
+                axes = self.shared.get(key)
+                if axes is None:
+                    spec_all = logical_to_mesh_axes(names, relevant)
+                    axes = self.shared[key] = tuple(mesh_axes_of(e) for e in spec_all)
+                if self.every_axis_splits:  # nothing to drop (a generated candidate's rules)
+                    spec = axes
+                else:
+                    sizes = self.sizes
+                    spec = tuple(tuple(a for a in d if sizes.get(a, 1) > 1) for d in axes)
+            self.cache[names] = spec
         return spec
 
     def split(self, spec: Spec) -> int:
@@ -214,8 +251,14 @@ def _dot_cost(
 
 
 def state_bytes(workload: Workload, specs: _Specs) -> int:
-    """Per-device bytes of the state (shards rounded up, as ``explain`` counts them)."""
-    return sum(specs.shard_bytes(names, shape, item) for names, shape, item in workload.state)
+    """Per-device bytes of the state (shards rounded up, as ``explain`` counts them); asked
+    once per candidate (the search asks before pricing, then :func:`predict_specs`)."""
+    if specs.state_total is None or specs.state_of is not workload:
+        specs.state_of = workload
+        specs.state_total = sum(
+            specs.shard_bytes(names, shape, item) for names, shape, item in workload.state
+        )
+    return specs.state_total
 
 
 def _independent(kind: str, key: Any, dot: Dot) -> bool:
@@ -231,6 +274,31 @@ def _batch_out(dot: Dot) -> bool:
     keep = [n for i, n in enumerate(dot.lhs_names) if i not in lc]
     keep += [n for j, n in enumerate(dot.rhs_names) if j not in rc and j not in dot.batch[1]]
     return "batch" in keep
+
+
+DotCache = dict[tuple[Any, ...], tuple[float, list[Coll], int]]
+""":func:`_dot_cost` answers across candidates, keyed by what they depend on: the matmul, its
+operands' mesh axes and those axes' sizes (:func:`_dot_key`)."""
+
+
+def _dot_key(dot: Dot, specs: _Specs, reduce_scatter: bool) -> tuple[Any, ...]:
+    """Everything :func:`_dot_cost` reads: the operands' specs and the sizes of their axes."""
+    ls, rs = specs(dot.lhs_names, len(dot.lhs_shape)), specs(dot.rhs_names, len(dot.rhs_shape))
+    sizes = specs.sizes
+    axes = tuple(sorted({a for spec in (ls, rs) for d in spec for a in d}))
+    return (dot, ls, rs, tuple(sizes[a] for a in axes), axes, reduce_scatter)
+
+
+def _dot_cost_cached(
+    dot: Dot, specs: _Specs, reduce_scatter: bool, cache: DotCache | None
+) -> tuple[float, list[Coll], int]:
+    if cache is None:
+        return _dot_cost(dot, specs, reduce_scatter)
+    key = _dot_key(dot, specs, reduce_scatter)
+    got = cache.get(key)
+    if got is None:
+        got = cache[key] = _dot_cost(dot, specs, reduce_scatter)
+    return got
 
 
 def predict(
@@ -254,7 +322,14 @@ def predict(
         >>> tp.comm_bytes, tp.flops_per_device == dp.flops_per_device == work.flops / 8
         ({}, True)
     """
-    specs = _Specs(mesh, rules)
+    return predict_specs(workload, _Specs(mesh, rules), profile)
+
+
+def predict_specs(
+    workload: Workload, specs: _Specs, profile: HardwareProfile, cache: DotCache | None = None
+) -> Cost:
+    """:func:`predict` of a candidate's resolved specs; ``cache``: matmul costs shared by the
+    candidates of one search (the same answers as without it, computed once)."""
     sizes = specs.sizes
     eff_flops = profile.peak_flops * profile.matmul_efficiency
     fused = profile.fused_attention
@@ -266,7 +341,7 @@ def predict(
     independent: dict[tuple[str, tuple[str, ...], int], int] = {}
     gathered_extra: dict[Dot, dict[Any, int]] = {}
     for dot, count in workload.dots.items():
-        f, colls, out_bytes = _dot_cost(dot, specs, profile.reduce_scatter)
+        f, colls, out_bytes = _dot_cost_cached(dot, specs, profile.reduce_scatter, cache)
         flops += f * count
         score = fused and dot in workload.score_dots
         moved = 0 if score else (

@@ -31,7 +31,7 @@ from meshplan._search.candidates import (
     generate,
     layout_candidates,
 )
-from meshplan._search.cost import _Specs, predict, state_bytes
+from meshplan._search.cost import DotCache, Resolved, _Specs, predict_specs, state_bytes
 from meshplan._search.hlo import measure_step
 from meshplan._search.profiles import HardwareProfile, get_profile
 from meshplan._search.result import (
@@ -43,7 +43,14 @@ from meshplan._search.result import (
     require_devices,
 )
 from meshplan._search.trace import Names, Workload, trace_workload
-from meshplan._spmd.rules import LogicalRules, RulePairs, normalize_rules
+from meshplan._spmd.rules import (
+    LogicalRules,
+    RulePairs,
+    logical_to_mesh_axes,
+    mesh_axes_of,
+    normalize_rules,
+    rules_problems,
+)
 from meshplan._spmd.validate import validate
 from meshplan._text import human_bytes
 from meshplan.layouts import LAYOUTS
@@ -185,12 +192,13 @@ def _signature(
     hierarchical: bool,
     leaves: Leaves,
     batch_names: Names,
+    specs: _Specs | None = None,
 ) -> tuple[Any, ...]:
     """What makes two candidates the same: where each mesh axis splits the state's arrays
     and the batch (dimension by dimension), whatever its name. Axes that split the same
     dimensions are one axis of their product (merged) unless the profile's links differ
     by position (``hierarchical``: then mesh order counts too)."""
-    specs = _Specs(c.mesh, c.rules)
+    specs = specs if specs is not None else _Specs(c.mesh, c.rules)
     where: dict[str, list[tuple[int, int]]] = {a: [] for a, s in c.mesh.items() if s > 1}
     arrays = [*leaves, (batch_names, (0,) * len(batch_names))]
     for i, (names, shape) in enumerate(arrays):
@@ -205,9 +213,9 @@ def _signature(
     return tuple(sorted((size, w) for w, size in merged.items()))
 
 
-def _divides(c: Candidate, leaves: Leaves) -> int | None:
+def _divides(c: Candidate, leaves: Leaves, specs: _Specs | None = None) -> int | None:
     """The index of the first leaf whose split does not divide its shape (fast), or None."""
-    specs = _Specs(c.mesh, c.rules)
+    specs = specs if specs is not None else _Specs(c.mesh, c.rules)
     for i, (names, shape) in enumerate(leaves):
         for size, axes in zip(shape, specs(names, len(shape)), strict=True):
             if axes and size % math.prod(c.mesh[a] for a in axes):
@@ -215,31 +223,110 @@ def _divides(c: Candidate, leaves: Leaves) -> int | None:
     return None
 
 
+class _Checks:
+    """What :func:`meshplan.validate` would find that a fast divisibility pass cannot, asked
+    once per distinct rules and once per leaf for a whole search, not per candidate.
+
+    A generated candidate whose rules have no error, whose rules name only axes of its
+    mesh, and whose leaves have no error of their own (names, rank, shape: asked with no
+    mesh and no rules) can only be rejected by the validator for a dimension that does not
+    divide (logical names never resolve to one axis twice), which :func:`_divides` finds.
+    """
+
+    def __init__(self) -> None:
+        self.rules: dict[Any, bool] = {}
+        self.leaves: dict[tuple[Names, tuple[int, ...]], bool] = {}
+        self.errors: dict[tuple[Any, ...], str | None] = {}
+
+    def first_error(
+        self, path: str, shape: tuple[int, ...], names: Names, c: Candidate, fast: bool
+    ) -> str | None:
+        """The first error :func:`meshplan.validate` reports for one array, or None.
+
+        ``fast`` (:meth:`only_divisibility`): its answer is then that of the array's
+        resolved axes and their sizes, whatever the rest of the candidate, and is asked
+        once per such key."""
+        if not fast:
+            return _first_error(validate(path, shape, names, c.mesh, c.rules))
+        entries = tuple(logical_to_mesh_axes(names, c.rules))
+        sizes = tuple(c.mesh[a] for e in entries for a in mesh_axes_of(e))
+        key = (path, shape, names, entries, sizes)
+        if key not in self.errors:
+            self.errors[key] = _first_error(validate(path, shape, names, c.mesh, c.rules))
+        return self.errors[key]
+
+    def rules_clean(self, rules: RulePairs) -> bool:
+        got = self.rules.get(rules)
+        if got is None:
+            _, _, problems = rules_problems(rules)
+            got = self.rules[rules] = not any(p.severity == "error" for p in problems)
+        return got
+
+    def leaf_clean(self, names: Names, shape: tuple[int, ...]) -> bool:
+        key = (names, shape)
+        got = self.leaves.get(key)
+        if got is None:
+            plain = all(n is None or isinstance(n, str) for n in names)
+            got = self.leaves[key] = plain and not any(
+                p.severity == "error" for p in validate("state", shape, names, {}, ())
+            )
+        return got
+
+    def only_divisibility(self, c: Candidate, leaves: Leaves) -> bool:
+        """Whether only a dimension that does not divide can make ``c`` invalid."""
+        if c.layout != "searched" or not self.rules_clean(c.rules):
+            return False
+        for _, axes in c.rules:
+            if any(a not in c.mesh for a in mesh_axes_of(axes)):
+                return False
+        return all(self.leaf_clean(names, shape) for names, shape in leaves)
+
+
+def _first_error(problems: list[Any]) -> str | None:
+    return next((p.message for p in problems if p.severity == "error"), None)
+
+
+def _ask(
+    checks: _Checks | None, path: str, shape: tuple[int, ...], names: Names, c: Candidate,
+    fast: bool,
+) -> str | None:  # fmt: skip
+    """The validator's first error for one array of ``c``, through ``checks`` when given."""
+    if checks is not None:
+        return checks.first_error(path, shape, names, c, fast)
+    return _first_error(validate(path, shape, names, c.mesh, c.rules))
+
+
 def _prune(
-    c: Candidate, batch: int | None, batch_names: Names, leaves: Leaves, acts: Names
+    c: Candidate,
+    batch: int | None,
+    batch_names: Names,
+    leaves: Leaves,
+    acts: Names,
+    specs: _Specs | None = None,
+    checks: _Checks | None = None,
 ) -> str | None:
     """Why the validator (or an idle axis) rejects ``c``, or ``None``.
 
     A fast divisibility pass finds the leaf to ask :func:`meshplan.validate` about; rules
-    naming axes the mesh lacks (given layouts) are asked about for every leaf."""
+    naming axes the mesh lacks (given layouts) are asked about for every leaf. With
+    ``checks`` (a search's), a generated candidate that only divisibility can reject and
+    whose leaves all divide is not asked about again (:class:`_Checks`): the same answer."""
+    specs = specs if specs is not None else _Specs(c.mesh, c.rules)
     given = c.layout != "searched"
-    first = _divides(c, leaves)
-    for names, shape in leaves if given or first is None else [leaves[first]]:
-        errors = [
-            p for p in validate("state", shape, names, c.mesh, c.rules) if p.severity == "error"
-        ]
-        if errors:
-            return f"invalid: {errors[0].message}"
+    first = _divides(c, leaves, specs)
+    fast = checks is not None and checks.only_divisibility(c, leaves)
+    if not (fast and first is None):
+        for names, shape in leaves if given or first is None else [leaves[first]]:
+            error = _ask(checks, "state", shape, names, c, fast)
+            if error is not None:
+                return f"invalid: {error}"
     if batch is not None:
         shape = (batch,) + (1,) * (len(batch_names) - 1)
-        bad = [
-            p
-            for p in validate("batch", shape, batch_names, c.mesh, c.rules)
-            if p.severity == "error"
-        ]
-        if bad:
-            return f"batch: {bad[0].message}"
-    specs = _Specs(c.mesh, c.rules)
+        split = math.prod(c.mesh[a] for a in specs(batch_names, len(batch_names))[0])
+        if not (fast and batch > 0 and batch % split == 0):
+            error = _ask(checks, "batch", shape, batch_names, c, fast)
+            if error is not None:
+                return f"batch: {error}"
     used = {a for names, shape in leaves for axes in specs(names, len(shape)) for a in axes}
     used |= {a for axes in specs(batch_names, len(batch_names)) for a in axes}
     used |= {a for axes in specs(acts, len(acts)) for a in axes}
@@ -364,26 +451,30 @@ def search_rules(
     seen: set[Any] = set()
     rows: list[SearchRow] = []
     out: list[SearchRow] = []
+    checks = _Checks()
+    dot_cache: DotCache = {}  # matmul costs, shared by the candidates with the same splits
+    resolved: Resolved = {}  # arrays' resolutions, shared by the candidates with the same rules
     for c in candidates:
         row = SearchRow(c.mesh, c.rules, c.layout)
+        specs = _Specs(c.mesh, c.rules, resolved)  # one per candidate, for every question
         # A generated candidate with the splits of one listed before is that candidate
         # (asked first: it is cheaper than the validator, and most are).
-        sig = _signature(c, hierarchical, sig_arrays, batch_names)
+        sig = _signature(c, hierarchical, sig_arrays, batch_names, specs)
         if c.layout == "searched" and sig in seen:
             reason: str | None = "symmetric: the same splits as a candidate listed before"
         else:
-            reason = _prune(c, batch, batch_names, leaves, acts)
+            reason = _prune(c, batch, batch_names, leaves, acts, specs, checks)
             if reason is None and sig in seen:
                 reason = "symmetric: the same splits as a candidate listed before"
             if c.layout == "searched" or reason is None:
                 seen.add(sig)
         if reason is None:
-            held = state_bytes(workload, _Specs(c.mesh, c.rules))
+            held = state_bytes(workload, specs)
             if held > budget:  # the state alone: no need to price the step
                 reason = (f"memory: the state alone, {human_bytes(held)} per device, is over "
                           f"the budget of {human_bytes(budget)}")  # fmt: skip
         if reason is None:
-            row.cost = predict(workload, c.mesh, c.rules, prof)
+            row.cost = predict_specs(workload, specs, prof, dot_cache)
             if row.cost.memory_bytes > budget:
                 reason = (f"memory: {human_bytes(row.cost.memory_bytes)} per device is over "
                           f"the budget of {human_bytes(budget)}")  # fmt: skip
