@@ -132,6 +132,7 @@ _GPU: dict[str, Any] = dict(
 # (llm-foundry's PyTorch FSDP runs; the held-out rows check them): A100 0.62 of 312 TFLOP/s,
 # H100-class 0.45 of 989 (Hopper's bf16 peak is rarely approached by those kernels).
 _A100_EFF, _HOPPER_EFF = 0.62, 0.45
+_V6E_EFF = 0.60  # TPU v6e: see its profile
 
 PROFILES: dict[str, HardwareProfile] = {
     # NVIDIA A100 SXM4 80GB datasheet (nvidia.com/en-us/data-center/a100): 312 TFLOP/s dense
@@ -188,8 +189,9 @@ PROFILES: dict[str, HardwareProfile] = {
     # Google Cloud TPU v5p (cloud.google.com/tpu/docs/v5p): 459 TFLOP/s bf16, 95 GB HBM2e at
     # 2,765 GB/s, ICI 4,800 Gb/s per chip (600 GB/s) over 6 ports of a 3D torus (a ring:
     # 2 ports, 200 GB/s each way); a pod is 8,960 chips. DCN assumed as v5e per chip. The
-    # TPU pages' "GB" of HBM are GiB (JAX reports 33,550,237,696 bytes on a v6e chip,
-    # "32 GB": vllm-project/vllm#16211; v4's and v5e's pages say GiB).
+    # TPU pages' "GB" of HBM are GiB (v5p's English page gives "HBM capacity per chip (GiB) 95";
+    # JAX reports 33,550,237,696 usable bytes, 31.25 GiB, on a "32 GB" v6e chip:
+    # vllm-project/vllm#16211).
     "tpu_v5p": HardwareProfile(
         "tpu_v5p", 459e12, 95 * GiB, 2.765e12, 200e9, 3.125e9, 8960, 5e-6,
         "Google Cloud TPU v5p documentation (system architecture)",
@@ -198,10 +200,16 @@ PROFILES: dict[str, HardwareProfile] = {
     # Google Cloud TPU v6e Trillium (cloud.google.com/tpu/docs/v6e): 918 TFLOP/s bf16, 32 GB
     # HBM at 1,640 GB/s, ICI 3,584 Gb/s per chip (448 GB/s) over 4 ports of a 2D torus (a ring:
     # 2 ports, 112 GB/s each way); a pod is 256 chips. DCN: 4x 200 Gb/s per host of 8 chips.
+    # Matmul efficiency: v6e's two 256x256 MXUs reach less of their peak than v5e's 128x128
+    # ones; MaxText's published v6e runs are at 43.8-50.3% MFU (docs/reference/models/
+    # tiering.md) against 56-67% on v5e. The figure is fitted on the one published v6e run
+    # with a layout the planner models exactly (Llama2-70B, full remat, FSDP 256, a
+    # calibration row of benchmarks/bench_published.py); no held-out v6e row checks it.
     "tpu_v6e": HardwareProfile(
         "tpu_v6e", 918e12, 32 * GiB, 1.64e12, 112e9, 12.5e9, 256, 5e-6,
-        "Google Cloud TPU v6e documentation (system architecture)",
-        slow_latency_s=50e-6, **_TPU,
+        "Google Cloud TPU v6e documentation (system architecture); matmul efficiency fitted "
+        "on MaxText's published Llama2-70B v6e-256 run",
+        slow_latency_s=50e-6, **{**_TPU, "matmul_efficiency": _V6E_EFF},
     ),
 }  # fmt: skip
 """Published profiles by name; ``cpu`` is measured (:func:`get_profile`)."""
