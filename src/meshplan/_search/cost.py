@@ -13,13 +13,18 @@ partitioned the way XLA's SPMD partitioner does in the common cases:
 * a *contracting* dimension split over an axis no output dimension holds
   leaves partial sums: the output is **all-reduced** over that axis (tensor
   parallelism's activation all-reduces; data parallelism's gradient
-  reductions, where the contracting dimension is the batch);
+  reductions, where the contracting dimension is the batch), or
+  **reduce-scattered** into the output's shards where the output flows into a
+  constraint that shards it over that axis (``Dot.out_names``; Megatron's sequence
+  parallelism) and the backend reduce-scatters;
 * an operand whose dimension is not split where the other's is, is sliced
   locally (free);
 * a contracting dimension split over an axis an output dimension also holds is
   either a gather of the operand or partial sums **reduce-scattered** into the
   output's shards, whichever moves fewer bytes, where the backend reduce-scatters
-  (``HardwareProfile.reduce_scatter``; FSDP's weight gradients).
+  (``HardwareProfile.reduce_scatter``; FSDP's weight gradients); an activation's
+  operand (an output with ``'batch'``) is gathered, once per pass for every matmul
+  that reads it.
 
 Per device, a matmul runs at the roofline: the larger of its FLOPs (divided by the
 product of the axes that split it) over ``peak_flops * matmul_efficiency`` and the
@@ -224,10 +229,12 @@ def _dot_cost(
         math.prod(dot.rhs_shape) * dot.rhs_itemsize // specs.split(rs),
     )
     scatter: list[str] = []
+    # an activation's output: its operand gathered, once per pass for every matmul reading it
+    weight_out = not _batch_out(dot)
     for a, sides in contract_used.items():
         n = sizes[a]
         gathered = sum(shard[s] for s in set(sides)) * (n - 1)
-        if reduce_scatter and a in out_axes and out_bytes * (n - 1) < gathered:
+        if reduce_scatter and weight_out and a in out_axes and out_bytes * (n - 1) < gathered:
             scatter.append(a)  # partial sums over ``a``, reduce-scattered into the output
         else:
             for side in set(sides):
@@ -235,6 +242,14 @@ def _dot_cost(
     split = math.prod(sizes[a] for a in used)
     flops = dot.flops / split
     colls: list[Coll] = []
+    if reduce_scatter and reduce and dot.out_names is not None:
+        # partial sums flowing into a constraint that shards the output over their axes:
+        # reduce-scattered into its shards (Megatron's sequence parallelism), the
+        # unreduced output the operand, as an all-reduce's (and no slice after)
+        into = {a for axes in specs(dot.out_names, len(dot.out_names)) for a in axes}
+        if into_scatter := tuple(a for a in reduce if a in into):
+            colls.append(("reduce-scatter", into_scatter, out_bytes, None))
+            reduce = [a for a in reduce if a not in into]
     if reduce:
         colls.append(("all-reduce", tuple(reduce), out_bytes, None))
     if scatter:

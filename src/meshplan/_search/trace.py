@@ -48,7 +48,9 @@ class Dot:
     """One ``dot_general`` signature: operand names and shapes, its dimension numbers.
 
     ``count``: how many times a step runs it (scan trips included); ``itemsize``:
-    bytes per element of its output.
+    bytes per element of its output; ``out_names``: the names of its output's buffer
+    where a logical constraint it flows into names it otherwise (``None`` where not):
+    XLA produces the output in that sharding (partial sums reduce-scattered into it).
     """
 
     lhs_names: Names
@@ -60,6 +62,7 @@ class Dot:
     itemsize: int
     lhs_itemsize: int
     rhs_itemsize: int
+    out_names: Names | None = None
 
     @functools.cached_property
     def flops(self) -> int:
@@ -207,6 +210,7 @@ class _Walker:
         self.score_dots: set[Dot] = set()
         self.consumers: dict[Any, list[str]] = {}
         self.dot_by_eqn: dict[int, Dot] = {}
+        self.dot_runs: list[tuple[int, Any, Dot, int]] = []  # (eqn id, output, dot, times)
         self.materialized: set[Any] = set()  # values XLA writes to memory (not fused away)
         self.constlike: set[Any] = set()  # computed from no input (iotas, masks): recomputed
         self.reshards: dict[tuple[Names, Names, tuple[int, ...], int], int] = {}
@@ -293,6 +297,20 @@ class _Walker:
                 todo += [(u, made) for u in eqn.invars
                          if not isinstance(u, Literal) and u.aval.shape == shape]  # fmt: skip
 
+    def name_dot_outputs(self) -> None:
+        """Gives each dot whose output a constraint names otherwise (its buffer's names,
+        known once the walk is done) those names as ``out_names``."""
+        dots: dict[Dot, int] = {}
+        for key, out, dot, times in self.dot_runs:
+            names = self.buffer_names.get(out)
+            if names is not None and names != self.var_names.get(out):
+                named = dataclasses.replace(dot, out_names=names)
+                if dot in self.score_dots:
+                    self.score_dots.add(named)
+                dot = self.dot_by_eqn[key] = named
+            dots[dot] = dots.get(dot, 0) + times
+        self.dots = dots
+
     def buffer(self, v: Any) -> Names | None:
         """The names of ``v``'s buffer, where a constraint renamed it (else ``None``)."""
         return None if isinstance(v, Literal) else self.buffer_names.get(v)
@@ -326,6 +344,7 @@ class _Walker:
                       _itemsize(eqn.invars[0].aval), _itemsize(eqn.invars[1].aval))  # fmt: skip
             self.dots[dot] = self.dots.get(dot, 0) + times
             self.dot_by_eqn[id(eqn)] = dot
+            self.dot_runs.append((id(eqn), eqn.outvars[0], dot, times))
             if self._is_score_dot(eqn, ins):
                 self.scores.add(eqn.outvars[0])
                 self.score_dots.add(dot)
@@ -552,6 +571,7 @@ def _walk(jaxpr: Any, in_names: list[Names]) -> _Walker:
     if len(jaxpr.invars) != len(in_names):  # leaves JAX did not make inputs: names unknown
         in_names = [(None,) * len(v.aval.shape) for v in jaxpr.invars]
     walker.walk(jaxpr, in_names, 1)
+    walker.name_dot_outputs()
     return walker
 
 
