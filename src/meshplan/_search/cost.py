@@ -124,9 +124,15 @@ class _Specs:
     the same answer, asked once per array and set of rules that name it."""
 
     def __init__(
-        self, sizes: Mapping[str, int], rules: LogicalRules, shared: Resolved | None = None
+        self,
+        sizes: Mapping[str, int],
+        rules: LogicalRules,
+        shared: Resolved | None = None,
+        normal: bool = False,
     ) -> None:
-        self.sizes, self.rules = sizes, normalize_rules(rules)
+        # ``normal``: ``rules`` are pairs already (the search's generated candidates).
+        self.sizes = sizes
+        self.rules = rules if normal else normalize_rules(rules)
         self.cache: dict[Names, Spec] = {}
         self.bytes_cache: dict[tuple[Any, ...], int] = {}
         self.shared = shared

@@ -456,7 +456,8 @@ def search_rules(
     resolved: Resolved = {}  # arrays' resolutions, shared by the candidates with the same rules
     for c in candidates:
         row = SearchRow(c.mesh, c.rules, c.layout)
-        specs = _Specs(c.mesh, c.rules, resolved)  # one per candidate, for every question
+        # one per candidate, for every question; a generated candidate's rules are pairs
+        specs = _Specs(c.mesh, c.rules, resolved, normal=c.layout == "searched")
         # A generated candidate with the splits of one listed before is that candidate
         # (asked first: it is cheaper than the validator, and most are).
         sig = _signature(c, hierarchical, sig_arrays, batch_names, specs)
