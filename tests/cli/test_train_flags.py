@@ -45,17 +45,17 @@ def test_a_refused_setting_gets_the_fix_of_its_row(values, field):
 
 
 def _notes():
-    from meshplan.train.trainer import _set_aside_note, _valid_changed_note
+    from meshplan.train.records import set_aside_note, valid_changed_note
 
     changes = {"seq_len": (16, 32), "eval_batches": (2, 3), "data": ("stdlib", "t.txt")}
     return [
         (
-            _valid_changed_note(4, changes),
+            valid_changed_note(4, changes),
             "(--seq 32 instead of 16; --eval-batches 3 instead of 2; --data t.txt instead of "
             "stdlib)",
         ),
         (
-            _set_aside_note([3, 4], "run", 2, "run/old"),
+            set_aside_note([3, 4], "run", 2, "run/old"),
             "neither this run nor a later --resume mixes them in",
         ),
         ("A plain note.", "A plain note."),

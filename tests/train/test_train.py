@@ -262,7 +262,7 @@ def test_checkpoint_problems_get_flag_level_advice_from_their_code(tmp_path):
 @pytest.mark.slow
 def test_a_diverging_run_raises_diverged_and_saves_no_bad_step(tmp_path):
     from meshplan._checkpoint.folder import complete_steps
-    from meshplan.train.trainer import Diverged
+    from meshplan.train.records import Diverged
 
     settings = {"steps": 40, "ckpt_every": 2, "eval_every": 2, "lr": 1e6, "warmup": 0}
     trainer = prepare(_request(tmp_path, settings=settings))

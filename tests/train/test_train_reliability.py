@@ -23,7 +23,7 @@ from meshplan._checkpoint.folder import complete_steps
 from meshplan._checkpoint.integrity import step_directory
 from meshplan._checkpoint.lock import LOCK_NAME
 from meshplan.cli import main
-from meshplan.train.trainer import sane_step
+from meshplan.train.records import sane_step
 
 TINY = ["--layers", "1", "--embed", "32", "--mlp", "64", "--max-len", "64"]
 FAST = ["--batch", "8", "--seq", "16", "--eval-batches", "2", *TINY]
@@ -293,7 +293,7 @@ def test_resuming_with_another_seq_says_so_and_keeps_each_settings_best(tmp_path
     # --keep 1: the latest step, this setting's best, and the first setting's best.
     assert first_best[0] in steps
     assert 8 in steps
-    from meshplan.train.trainer import valid_setting
+    from meshplan.train.records import valid_setting
 
     ckpt = meshplan.Checkpointer(folder)
     try:

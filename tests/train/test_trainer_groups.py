@@ -9,8 +9,9 @@ import pytest
 from meshplan.examples.models import example
 from meshplan.examples.transformer import config_from_name
 from meshplan.train.device_mesh import make_mesh
+from meshplan.train.parts import Checkpoints, Measures, Placement
 from meshplan.train.settings import TrainSettings
-from meshplan.train.trainer import Checkpoints, Measures, Placement, Trainer
+from meshplan.train.trainer import Trainer
 
 SETTINGS = TrainSettings(steps=1, batch=8, seq_len=16)
 

@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from meshplan.cli.devices import DeviceChoice
     from meshplan.cli.train_request import PreparedRun, TrainRequest
     from meshplan.train.flops import MeshPeak
-    from meshplan.train.trainer import Trainer, TrainResult
+    from meshplan.train.records import TrainResult
+    from meshplan.train.trainer import Trainer
 
 from meshplan.cli.train_flags import (
     CODE_ADVICE,
@@ -745,7 +746,7 @@ def _for_the_command_line(
     error: Exception, lr: float | None = None, argv: list[str] | None = None
 ) -> str:
     """The error's message with its fix in flag terms (the library's name API calls)."""
-    from meshplan.train.trainer import Diverged
+    from meshplan.train.records import Diverged
 
     if isinstance(error, Diverged):
         problem = error.problems[0]

@@ -36,9 +36,10 @@ from meshplan.cli.train_request import (
     resolve_settings,
     uneven_problems,
 )
+from meshplan.train.parts import Checkpoints, Measures, Placement
 from meshplan.train.settings import make_optimizer
 from meshplan.train.state import abstract_train_state
-from meshplan.train.trainer import Checkpoints, Measures, Placement, Trainer
+from meshplan.train.trainer import Trainer
 
 __all__ = ["batch_placer", "place_batch", "prepare_factory_run"]
 

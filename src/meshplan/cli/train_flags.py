@@ -203,13 +203,13 @@ def in_flags(note: str) -> str:
 
     Example:
         >>> from meshplan.cli.train_flags import in_flags
-        >>> from meshplan.train.trainer import Note
+        >>> from meshplan.train.records import Note
         >>> note = Note("Changed: {changed}.", "valid-setting-changed",
         ...             {"step": 4, "changes": {"seq_len": (16, 32)}}, {"changed": "seq_len 32"})
         >>> note, in_flags(note)
         ('Changed: seq_len 32.', 'Changed: --seq 32 instead of 16.')
     """
-    from meshplan.train.trainer import Note
+    from meshplan.train.records import Note
 
     if not isinstance(note, Note):
         return note

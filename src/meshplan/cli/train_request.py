@@ -68,9 +68,10 @@ from meshplan.examples.transformer import (
 from meshplan.layouts import CONTEXT_EXPERT_LAYOUTS, LAYOUT_AXES, get_layout
 from meshplan.train.device_mesh import make_mesh
 from meshplan.train.flops import MeshPeak, mesh_peak
+from meshplan.train.parts import Checkpoints, Measures, Placement
 from meshplan.train.settings import TrainSettings, make_optimizer
 from meshplan.train.state import abstract_train_state
-from meshplan.train.trainer import Checkpoints, Measures, Placement, Trainer
+from meshplan.train.trainer import Trainer
 
 _Problems = Problems  # (its older name)
 

@@ -33,30 +33,40 @@ uninterrupted one.
 
 The parts, one concern each: :mod:`meshplan.train.device_mesh` (meshes),
 :mod:`meshplan.train.settings` (settings and optimizer),
-:mod:`meshplan.train.state` (the sharded state), and this module (the loop).
+:mod:`meshplan.train.state` (the sharded state), :mod:`meshplan.train.parts` (what a
+:class:`Trainer` is built from), :mod:`meshplan.train.records` (what a run reports),
+and this module (the loop).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from meshplan._checkpoint.checkpointer import Checkpointer
-from meshplan._checkpoint.metadata import CheckpointMetadata
 from meshplan._checkpoint.restore import restore
-from meshplan._errors import CheckpointError, MeshplanError, Problem
-from meshplan._spmd.rules import LogicalRules, logical_axis_rules
+from meshplan._errors import CheckpointError
+from meshplan._spmd.rules import logical_axis_rules
 from meshplan.train.model import TrainModel
+from meshplan.train.parts import Checkpoints, Measures, Placement, group_parts
+from meshplan.train.records import (
+    Diverged,
+    StepRecord,
+    TrainResult,
+    sane_step,
+    set_aside_note,
+    valid_changed_note,
+    valid_changes,
+    valid_setting,
+)
 from meshplan.train.settings import TrainSettings, make_optimizer
 from meshplan.train.state import (
     PlanSummary,
@@ -67,19 +77,7 @@ from meshplan.train.state import (
     state_shardings,
 )
 
-__all__ = [
-    "Batches",
-    "Checkpoints",
-    "Diverged",
-    "Loss",
-    "Measures",
-    "Note",
-    "Placement",
-    "StepRecord",
-    "TrainResult",
-    "Trainer",
-    "sane_step",
-]
+__all__ = ["Batches", "Loss", "Trainer"]
 
 Loss = Callable[[Any, Any], jax.Array]
 """``loss(params, batch) -> scalar``: the loss to minimise (``params``: the model's
@@ -91,157 +89,6 @@ Batches = Callable[[str, int], Any]
 validation batch), as ``jax.Array``\\ s already placed on the mesh."""
 
 
-_VALID_FIELDS = ("seq_len", "batch", "eval_batches", "seed")
-"""The settings validation batches depend on (with ``data``)."""
-
-
-class Note(str):
-    """A sentence for the user (one of :attr:`Trainer.notes`), with a code and its fields.
-
-    It is the sentence itself (a ``str``): ``template`` with each ``{slot}`` replaced
-    by ``words[slot]``, meshplan's words. A caller, e.g. the command line, words it
-    in its own terms from ``code``, ``fields`` and ``template``.
-
-    * ``'valid-setting-changed'``: fields ``step`` (the checkpoint's) and
-      ``changes`` (:func:`valid_changes`); slot ``{changed}``.
-    * ``'steps-set-aside'``: fields ``steps``, ``folder``, ``step`` and ``moved_to``;
-      slot ``{resume}``.
-
-    Example:
-        >>> from meshplan.train.trainer import Note
-        >>> note = Note("Hello {who}.", "greeting", {"to": "you"}, {"who": "you"})
-        >>> note, note.code, note.fields, note.template
-        ('Hello you.', 'greeting', {'to': 'you'}, 'Hello {who}.')
-    """
-
-    code: str
-    fields: dict[str, Any]
-    template: str
-
-    def __new__(
-        cls,
-        template: str,
-        code: str,
-        fields: Mapping[str, Any] | None = None,
-        words: Mapping[str, str] | None = None,
-    ) -> Note:
-        text = template
-        for slot, word in (words or {}).items():
-            text = text.replace("{" + slot + "}", word)
-        note = super().__new__(cls, text)
-        note.code, note.fields, note.template = code, dict(fields or {}), template
-        return note
-
-
-def valid_setting(settings: Mapping[str, Any], data: Any) -> str:
-    """What a validation loss was measured on, as text: losses of two settings do not compare.
-
-    Example:
-        >>> from meshplan.train.trainer import valid_setting
-        >>> valid_setting({"seq_len": 16, "batch": 8, "eval_batches": 2, "seed": 0}, None)
-        'seq 16, batch 8, eval_batches 2, seed 0, data stdlib'
-    """
-    parts = [f"{name.removesuffix('_len')} {settings.get(name)}" for name in _VALID_FIELDS]
-    return ", ".join([*parts, f"data {data or 'stdlib'}"])
-
-
-def valid_changes(
-    before: Mapping[str, Any], now: Mapping[str, Any], data: Any
-) -> dict[str, tuple[Any, Any]]:
-    """The settings of validation that differ, ``name: (before, now)``; ``data`` last.
-
-    Example:
-        >>> from meshplan.train.trainer import valid_changes
-        >>> valid_changes({"seq_len": 16, "batch": 8}, {"seq_len": 32, "batch": 8}, None)
-        {'seq_len': (16, 32)}
-    """
-    out = {
-        name: (before.get(name), now.get(name))
-        for name in _VALID_FIELDS
-        if before.get(name) != now.get(name)
-    }
-    if (before.get("data") or None) != (data or None):
-        out["data"] = (before.get("data") or "stdlib", data or "stdlib")
-    return out
-
-
-def _valid_changed_note(step: int, changes: dict[str, tuple[Any, Any]]) -> Note:
-    """The note of a run that validates otherwise than the checkpoint's ``step``."""
-    changed = "; ".join(f"{name} {now} instead of {was}" for name, (was, now) in changes.items())
-    template = (
-        f"This run validates otherwise than step {step} of the checkpoint "
-        "({changed}): validation losses of the two are not comparable, so the best "
-        "step is kept per validation setting; this run's best is chosen among its "
-        "own validations, and the checkpoint's best stays kept."
-    )
-    fields = {"step": step, "changes": changes}
-    return Note(template, "valid-setting-changed", fields, {"changed": changed})
-
-
-def _set_aside_note(steps: list[int], folder: str, step: int, moved_to: str) -> Note:
-    """The note of a resume from ``step`` that moved the later ``steps`` into ``moved_to``."""
-    them = "them" if len(steps) > 1 else "it"
-    template = (
-        f"Step{'s' * (len(steps) > 1)} {', '.join(map(str, steps))} of {folder!r} came after "
-        f"step {step}, on the branch this run leaves: moved into {moved_to!r} (nothing "
-        f"deleted), so that neither this run nor a later {{resume}} mixes {them} in. Move "
-        f"{them} back to continue that branch."
-    )
-    fields = {"steps": steps, "folder": folder, "step": step, "moved_to": moved_to}
-    return Note(template, "steps-set-aside", fields, {"resume": "resume"})
-
-
-def sane_step(
-    saved: list[int],
-    losses: Mapping[int, float],
-    best: tuple[int, float] | None,
-    start: int = 0,
-) -> tuple[int | None, str]:
-    """The step to resume a diverged run from, and why (``''``: the latest, nothing to say).
-
-    A saved step's state is judged by the training loss it then gave (the loss of
-    the next step, ``losses[s + 1]``, computed with it; the step's own loss when no
-    later one was read): sane when at or below the running median of the losses up
-    to there. So a state saved while the loss had started to climb (``3.4e13``) is
-    passed over. The newest sane saved step is chosen; a saved step this run has no
-    loss of (older than the run) counts as sane; when none is, the ``best`` step by
-    validation loss.
-
-    Example:
-        >>> from meshplan.train.trainer import sane_step
-        >>> losses = {1: 5.0, 2: 4.0, 3: 3.9, 4: 3.8, 5: 9.0, 6: 3.4e13}
-        >>> sane_step([2, 4, 6], losses, None)
-        (2, 'the last saved step whose state then gave a training loss at or below the running median (3.9 at step 3, median 4); passed over: step 6 (3.4e+13 at step 6), step 4 (9 at step 5)')
-        >>> sane_step([2, 4], {1: 5.0, 2: 4.5, 3: 4.2, 4: 4.0}, None)
-        (4, '')
-    """
-    skipped: list[str] = []
-    passed = "; passed over: "
-    for s in reversed(saved):
-        measured = s + 1 if s + 1 in losses else s if s in losses else None
-        if measured is None:  # from before this run: not seen climbing
-            if not skipped:
-                return s, ""
-            why = "the step this run started from" if s == start else "saved before this run"
-            return s, f"{why} (its loss was not seen climbing){passed}" + ", ".join(skipped)
-        value = losses[measured]
-        median = float(np.median([v for k, v in losses.items() if k <= measured]))
-        if value <= median:
-            if not skipped:
-                return s, ""
-            return s, (
-                f"the last saved step whose state then gave a training loss at or below the "
-                f"running median ({value:.4g} at step {measured}, median {median:.4g})"
-                f"{passed}" + ", ".join(skipped)
-            )
-        skipped.append(f"step {s} ({value:.4g} at step {measured})")
-    if best is not None:
-        return best[0], f"the best by validation loss ({best[1]:.4g}){passed}" + ", ".join(skipped)
-    return (saved[0] if saved else None), (
-        f"the oldest step kept{passed}" + ", ".join(skipped) if saved else ""
-    )
-
-
 def _fold(x: jax.Array, accum: int) -> jax.Array:
     """``x[batch, ...]`` as ``[batch / accum, accum, ...]``: row ``r`` at ``(r // accum, r % accum)``.
 
@@ -249,237 +96,6 @@ def _fold(x: jax.Array, accum: int) -> jax.Array:
     the batch was), so microbatch ``i``, ``[:, i]``, needs no communication.
     """
     return x.reshape(x.shape[0] // accum, accum, *x.shape[1:])
-
-
-class Diverged(MeshplanError, FloatingPointError):
-    """Training stopped: a step's loss or state is not finite (code ``'train-not-finite'``).
-
-    Nothing of that step was saved. The message names the step, what was not
-    finite, and the last good checkpoint; the attributes let a caller word its
-    own advice.
-
-    Attributes:
-        step: The step whose loss or state is not finite.
-        last_good: The latest complete checkpoint step, or ``None`` (none, or no folder).
-        best: ``(step, valid_loss)`` of the best checkpoint kept, or ``None``.
-        ckpt_dir: The checkpoint folder, or ``None``.
-        resume_at: The step to resume from: the last complete step whose state gave a
-            sane training loss (at or below the running median, see :func:`sane_step`),
-            which is ``last_good`` unless the loss was already climbing when it was
-            saved; else the best step. ``None`` when there is none.
-        resume_why: Why that step (a phrase for the message).
-    """
-
-    def __init__(
-        self,
-        step: int,
-        what: str,
-        path: str,
-        last_good: int | None,
-        best: tuple[int, float] | None,
-        ckpt_dir: Path | None,
-        resume_at: int | None = None,
-        resume_why: str = "",
-    ) -> None:
-        self.step, self.last_good, self.best, self.ckpt_dir = step, last_good, best, ckpt_dir
-        self.resume_at = last_good if resume_at is None else resume_at
-        self.resume_why = resume_why
-        if ckpt_dir is None:
-            kept = "No checkpoint folder was given, so no step is saved"
-            fix = "Lower the learning rate and train again."
-        elif last_good is None:
-            kept = f"{str(ckpt_dir)!r} holds no complete step"
-            fix = "Lower the learning rate and train again."
-        else:
-            kept = f"The last good checkpoint is step {last_good} of {str(ckpt_dir)!r}"
-            if best is not None and best[0] != last_good:
-                kept += f" (the best, by validation loss {best[1]:.4g}, is step {best[0]})"
-            if self.resume_why:
-                kept += f". Resume from step {self.resume_at}: {self.resume_why}"
-            fix = (
-                f"Lower the learning rate and resume from step {self.resume_at} "
-                f"(Trainer(resume_from=read_metadata(path, step={self.resume_at})))."
-            )
-        message = f"Training diverged at step {step}: {what}, so step {step} was not saved. {kept}"
-        super().__init__(
-            f"{message}.\n{fix}", [Problem("error", path, message, fix, "train-not-finite")]
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class StepRecord:
-    """What :meth:`Trainer.run` reports of one training step (``on_step``).
-
-    Attributes:
-        step: The step number (1 for the first step run from 0).
-        loss: Its training loss.
-        step_time_s: Its wall time in seconds, from the end of the step before
-            to its own end, or ``None`` for a step that compiled or followed an
-            evaluation or a save (left out of the throughput).
-        tokens_per_s: ``tokens_per_step / step_time_s``, or ``None``.
-        mfu: Model FLOPs utilisation of the step, ``flops_per_step /
-            step_time_s / peak_flops_per_s``, when the trainer knows both, else ``None``.
-        metrics: What a loss with ``has_aux`` measured of the step (e.g. an MoE
-            model's ``dropped`` and ``routed`` expert choices), averaged over its
-            microbatches; ``None`` without.
-    """
-
-    step: int
-    loss: float
-    step_time_s: float | None = None
-    tokens_per_s: float | None = None
-    mfu: float | None = None
-    metrics: dict[str, float] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-able dict (``--metrics`` writes one per step); ``metrics`` only when measured."""
-        out = dataclasses.asdict(self)
-        if out["metrics"] is None:
-            del out["metrics"]
-        return out
-
-
-@dataclasses.dataclass
-class TrainResult:
-    """What :meth:`Trainer.run` did.
-
-    Attributes:
-        start_step: The step the run started from (0, or the checkpoint's).
-        end_step: The step it reached.
-        losses: Training loss after each step run, by step number.
-        evals: Validation loss by step number (step 0: before training).
-        best_valid: ``(step, loss)`` of the best validation loss, counting
-            earlier stretches of a resumed run; ``None`` if none.
-        tokens_per_second: Training throughput of the train steps (the first, which
-            compiles, and the time spent evaluating and saving left out).
-        seconds: Wall time of the loop.
-        saved_steps: Steps saved as checkpoints during this run.
-        step_times: Wall time of each timed step (:class:`StepRecord`), by step.
-        step_time_s: The median of :attr:`step_times` (``0.0`` if none).
-        mfu: Model FLOPs utilisation at the median step time, or ``None``
-            (the trainer knows no FLOP count or no peak).
-        metrics: :attr:`StepRecord.metrics` by step (a loss with ``has_aux``).
-    """
-
-    start_step: int
-    end_step: int
-    losses: dict[int, float] = dataclasses.field(default_factory=dict)
-    evals: dict[int, float] = dataclasses.field(default_factory=dict)
-    best_valid: tuple[int, float] | None = None
-    tokens_per_second: float = 0.0
-    seconds: float = 0.0
-    saved_steps: list[int] = dataclasses.field(default_factory=list)
-    step_times: dict[int, float] = dataclasses.field(default_factory=dict)
-    step_time_s: float = 0.0
-    mfu: float | None = None
-    metrics: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """Where a run's state lives: the mesh, the layout's logical axis rules, and its name.
-
-    Attributes:
-        mesh: The mesh.
-        rules: The layout's logical axis rules.
-        layout_name: The layout's name, stored with every checkpoint.
-    """
-
-    mesh: Mesh
-    rules: LogicalRules
-    layout_name: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class Checkpoints:
-    """Where a run saves, what it resumes, and what every checkpoint records.
-
-    Attributes:
-        ckpt_dir: Where to save checkpoints (``None``: no checkpoints).
-        resume_from: The checkpoint to resume from (in ``ckpt_dir``).
-        discard_steps: Steps of ``ckpt_dir`` after ``resume_from`` that cannot be
-            read (damaged): removed when the folder is opened, so that this run
-            writes its own.
-        max_to_keep: The latest checkpoints kept (default ``settings.keep``); the
-            one with the best validation loss is never deleted.
-        config: The model's config, stored with every checkpoint (``None``:
-            none), e.g. for a command that rebuilds the model from it.
-        record: Values stored beside the settings in every checkpoint's
-            ``extra["train"]`` (``meshplan train`` records its data path and model).
-    """
-
-    ckpt_dir: Path | None = None
-    resume_from: CheckpointMetadata | None = None
-    discard_steps: tuple[int, ...] = ()
-    max_to_keep: int | None = None
-    config: Mapping[str, Any] | None = None
-    record: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True)
-class Measures:
-    """What a run measures and how: the FLOPs of a step and the devices' peak, for MFU.
-
-    Attributes:
-        flops_per_step: The model FLOPs of one training step (forward and
-            backward); ``None``: unknown.
-        peak_flops_per_s: What the mesh's devices can do together; ``None``: unknown.
-        sync_every_step: Read each step's loss as soon as it is dispatched (the
-            host waits for every step; for measuring what the overlap gains).
-    """
-
-    flops_per_step: float | None = None
-    peak_flops_per_s: float | None = None
-    sync_every_step: bool = False
-
-
-_MODEL_FIELDS = ("loss", "example_input", "has_aux")
-_PLACEMENT_FIELDS = tuple(f.name for f in dataclasses.fields(Placement))
-_CHECKPOINT_FIELDS = tuple(f.name for f in dataclasses.fields(Checkpoints))
-_MEASURE_FIELDS = tuple(f.name for f in dataclasses.fields(Measures))
-
-
-def _grouped(
-    model: Any,
-    placement: Placement | None,
-    checkpoints: Checkpoints | None,
-    measures: Measures | None,
-    separate: dict[str, Any],
-) -> tuple[TrainModel, Placement, Checkpoints, Measures]:
-    """The typed groups, from themselves or from their fields given one by one (the older
-    keywords: ``Trainer(model=module, loss=..., mesh=..., rules=..., ckpt_dir=...)``)."""
-    known = {*_MODEL_FIELDS, *_PLACEMENT_FIELDS, *_CHECKPOINT_FIELDS, *_MEASURE_FIELDS}
-    unknown = sorted(set(separate) - known)
-    if unknown:
-        raise TypeError(f"Trainer() got unexpected keyword arguments: {', '.join(unknown)}")
-
-    def pick(names: tuple[str, ...], group: Any, kind: str) -> dict[str, Any]:
-        given = {n: separate[n] for n in names if n in separate}
-        if given and group is not None:
-            raise TypeError(f"Trainer(): pass {kind}=... or {', '.join(given)}, not both")
-        return given
-
-    if not isinstance(model, TrainModel):
-        fields = pick(_MODEL_FIELDS, None, "model")
-        if "loss" not in fields:
-            raise TypeError("Trainer needs a TrainModel, or a model and its loss=")
-        model = TrainModel(model, **fields)
-    else:
-        pick(_MODEL_FIELDS, model, "model")
-    fields = pick(_PLACEMENT_FIELDS, placement, "placement")
-    if placement is None:
-        if "mesh" not in fields or "rules" not in fields:
-            raise TypeError("Trainer needs a Placement, or mesh= and rules=")
-        placement = Placement(**fields)
-    fields = pick(_CHECKPOINT_FIELDS, checkpoints, "checkpoints")
-    if "discard_steps" in fields:
-        fields["discard_steps"] = tuple(fields["discard_steps"])
-    if fields.get("record") is None:
-        fields.pop("record", None)
-    checkpoints = checkpoints if checkpoints is not None else Checkpoints(**fields)
-    fields = pick(_MEASURE_FIELDS, measures, "measures")
-    measures = measures if measures is not None else Measures(**fields)
-    return model, placement, checkpoints, measures
 
 
 class Trainer:
@@ -546,7 +162,7 @@ class Trainer:
         notes: Sequence[str] = (),
         **separate: Any,
     ) -> None:
-        model, placement, checkpoints, measures = _grouped(
+        model, placement, checkpoints, measures = group_parts(
             model, placement, checkpoints, measures, separate
         )
         if batches is None or settings is None:
@@ -605,7 +221,7 @@ class Trainer:
             if stored and before != self.valid_setting:
                 changes = valid_changes(stored, settings.to_dict(), self.record.get("data"))
                 self.best_valid = None
-                self.notes.append(_valid_changed_note(resume_from.step, changes))
+                self.notes.append(valid_changed_note(resume_from.step, changes))
         self._checkpointer: Checkpointer | None = None
         self._train_step: Callable[[Any, Any], tuple[Any, jax.Array, Any]] | None = None
         self._eval_step: Callable[[Any, Any], jax.Array] | None = None
@@ -668,7 +284,7 @@ class Trainer:
             aside = ckpt.set_aside(later, f"old-branch-after-step-{self.resume_from.step}")
             self.set_aside = (later, str(aside))
             ckpt_dir = str(self.ckpt_dir)
-            self.notes.append(_set_aside_note(later, ckpt_dir, self.resume_from.step, str(aside)))
+            self.notes.append(set_aside_note(later, ckpt_dir, self.resume_from.step, str(aside)))
 
     def _delete_step(self, step: int) -> None:
         assert self._checkpointer is not None
