@@ -266,10 +266,15 @@ def run_shell(block: Block, session: Session, cwd: Path) -> None:
                     ["make", "-n", *targets], cwd=ROOT, capture_output=True, text=True
                 )
                 assert done.returncode == 0, f"not a make target: {targets}\n{done.stderr}"
-            elif argv[0].endswith("/python") and len(argv) == 2 and argv[1].endswith(".py"):
+            elif argv[0].endswith("/python") and len(argv) >= 2 and argv[1].endswith(".py"):
                 script = ROOT / argv[1]
                 assert script.is_file(), f"no script {argv[1]}"
-                compile(script.read_text(), str(script), "exec")
+                source = script.read_text()
+                compile(source, str(script), "exec")
+                # a benchmark is not run here: each option the page gives must be the script's
+                unknown = [a.split("=")[0] for a in argv[2:] if a.startswith("--")
+                           if f'"{a.split("=")[0]}"' not in source]  # fmt: skip
+                assert not unknown, f"{argv[1]} has no option {unknown}"
             else:
                 raise AssertionError("tests/test_docs.py does not know how to check this command")
         except Exception as e:
