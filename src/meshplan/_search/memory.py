@@ -64,13 +64,12 @@ _RECOMPUTED = frozenset({
     "squeeze", "stop_gradient", "sub", "tanh", "xor", "erf_inv", "expm1", "pad",
 })  # fmt: skip
 # Ops that read a recomputed value inside their own fusion (a reduction's input fusion),
-# with no buffer for it.
+# with no buffer for it; also what XLA may recompute: those ops and the reductions over
+# them (a norm's statistic).
 _FUSES_OPERANDS = _RECOMPUTED | {
     "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
     "argmax", "argmin",
 }  # fmt: skip
-# What XLA may recompute: those, and the reductions over them (a norm's statistic).
-_RECOMPUTABLE = _FUSES_OPERANDS
 
 
 @dataclasses.dataclass
@@ -168,12 +167,15 @@ def call_body(eqn: Any) -> Any:
     return None
 
 
-def _nbytes(v: Any) -> int:
-    size = int(math.prod(getattr(v.aval, "shape", ())))
+def _itemsize(v: Any) -> int:
     try:
-        return size * int(np.dtype(v.aval.dtype).itemsize)
-    except TypeError:
-        return size * 4
+        return int(np.dtype(v.aval.dtype).itemsize)
+    except TypeError:  # not a NumPy dtype (a key, a token): priced as 4 bytes
+        return 4
+
+
+def _nbytes(v: Any) -> int:
+    return int(math.prod(getattr(v.aval, "shape", ()))) * _itemsize(v)
 
 
 def _read_whole(body: Any, k: int) -> bool:
@@ -215,7 +217,7 @@ def recompute_sources(
         return src.get(v, frozenset({alias.get(v, v)}))
 
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _RECOMPUTABLE or is_alias(eqn):
+        if eqn.primitive.name in _FUSES_OPERANDS or is_alias(eqn):
             got = frozenset().union(*map(of, eqn.invars))
             src.update((o, got) for o in eqn.outvars)
             continue
@@ -252,10 +254,7 @@ class _Builder:
         if not outer and self.materialized is not None and v not in self.materialized:
             return None  # fused into its consumers: never in memory
         shape = tuple(getattr(v.aval, "shape", ()))
-        try:
-            item = int(np.dtype(v.aval.dtype).itemsize)
-        except TypeError:
-            item = 4
+        item = _itemsize(v)
         if not math.prod(shape) * item:
             return None
         names = self.names.get(v, (None,) * len(shape))

@@ -88,8 +88,9 @@ class Workload:
     cheap residuals recomputed where used (as XLA does on TPU and GPU), ``memory_kept``
     the same with every residual kept (XLA on CPU);
     ``score_dots``: the dots that read or write attention scores; ``batch_state``: the
-    batch arrays (names, shape, itemsize); ``tokens``: tokens (or examples) per step, ``tokens_unit`` says which (``'tokens'`` when
-    the first batch array holds integer token ids);
+    batch arrays (names, shape, itemsize); ``tokens``: tokens (or examples) per step,
+    ``tokens_unit`` says which (``'tokens'`` when the first batch array holds integer
+    token ids);
     ``reshards``: ``{(names before, names after, shape, itemsize): count}`` of the
     model's logical constraints that rename a value (the dispatch of a mixture of
     experts: ``('batch', ..., 'embed')`` to ``('expert', 'expert_batch', ...)``), which

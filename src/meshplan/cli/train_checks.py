@@ -179,31 +179,33 @@ def check_corpus(corpus: Any, settings: TrainSettings, problems: Problems) -> No
 
 
 def parse_train_mesh(text: str, axes: str | None = None) -> dict[str, int]:
-    """``--mesh`` (and ``--axes``) as ``{axis: size}``: ``('data', 'model')`` without ``--axes``."""
-    parts = str(text).lower().replace("×", "x").split("x")
-    readable = all(p.strip().isdigit() and int(p) > 0 for p in parts)
-    if axes is None and len(parts) > len(MESH_AXES) and readable:
-        names = ",".join(("data", "fsdp", "tensor", "model", "expert")[: len(parts)])
-        raise error_for(
-            MeshError, "mesh-axes", "--mesh",
-            f"--mesh {text} has {len(parts)} axes, but the default axis names {MESH_AXES} "
-            f"are two",
-            f"Pass --mesh DxM (e.g. 2x4), or name every axis: --mesh {text} --axes {names} (the "
-            f"axes your --rules map to).",
-        )  # fmt: skip
-    if axes is not None and readable:
-        names_given = [a.strip() for a in axes.split(",") if a.strip()]
-        if len(names_given) != len(parts) or len(set(names_given)) != len(names_given):
-            raise error_for(
-                MeshError, "mesh-axes", "--axes",
-                f"--axes {axes} gives {len(names_given)} distinct names for the {len(parts)} "
-                f"axes of --mesh {text}",
-                "Give one distinct name per mesh axis, in order, e.g. --mesh 2x2x2 --axes "
-                "data,fsdp,tensor.",
-            )  # fmt: skip
+    """``--mesh`` (and ``--axes``) as ``{axis: size}``: ``('data', 'model')`` without ``--axes``.
+
+    :func:`meshplan.cli.mesh_text.parse_mesh_shape` reads it; its errors are worded here
+    in flags, by their codes.
+    """
     try:
         return parse_mesh_shape(text, axes)
     except MeshError as e:
+        code = e.problems[0].code if e.problems else ""
+        n = len(str(text).lower().replace("×", "x").split("x"))
+        if code == "mesh-axes-unnamed":
+            names = ",".join(("data", "fsdp", "tensor", "model", "expert")[:n])
+            raise error_for(
+                MeshError, "mesh-axes", "--mesh",
+                f"--mesh {text} has {n} axes, but the default axis names {MESH_AXES} are two",
+                f"Pass --mesh DxM (e.g. 2x4), or name every axis: --mesh {text} --axes {names} "
+                f"(the axes your --rules map to).",
+            ) from e  # fmt: skip
+        if code == "mesh-axis-names":
+            given = [a.strip() for a in (axes or "").split(",") if a.strip()]
+            raise error_for(
+                MeshError, "mesh-axes", "--axes",
+                f"--axes {axes} gives {len(set(given))} distinct names for the {n} axes of --mesh "
+                f"{text}",
+                "Give one distinct name per mesh axis, in order, e.g. --mesh 2x2x2 --axes "
+                "data,fsdp,tensor.",
+            ) from e  # fmt: skip
         raise error_for(
             MeshError, "mesh-text", "--mesh",
             f"Cannot read --mesh {text!r}: expected positive sizes separated by 'x'",
