@@ -230,7 +230,7 @@ def add_model_size_arguments(parser: argparse.ArgumentParser) -> None:
         "--scan", action="store_true", default=None, help="stack MLP layers with nn.scan"
     )
     parser.add_argument(
-        "--size", default=None, help="Transformer preset (tiny, small; default tiny)"
+        "--size", default=None, help="Transformer preset (tiny, small, base; default tiny)"
     )
 
 

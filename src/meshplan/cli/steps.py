@@ -23,15 +23,22 @@ def example_of(args: argparse.Namespace) -> Example:
         >>> from meshplan.cli.steps import example_of
         >>> example_of(argparse.Namespace(model="transformer-nnx", size="tiny")).what
         'Transformer (tiny, Flax NNX)'
+
+    A ``--seq`` longer than the preset's ``max_len`` plans that step: the presets'
+    rotary positions have no parameters, so only the accepted length grows.
     """
     from meshplan.examples.models import EXAMPLE_MODELS, MLPConfig, example
 
     if not EXAMPLE_MODELS[args.model].sequence:  # the guide's MLP
         return example(args.model, MLPConfig(args.layers, args.depth, bool(args.scan)))
-    from meshplan.examples.transformer import config_from_name
+    from meshplan.examples.transformer import CONFIGS, config_from_name
 
-    config = config_from_name(args.size, num_experts=getattr(args, "experts", None) or 0)
-    return example(args.model, config, args.size)
+    overrides: dict[str, Any] = {"num_experts": getattr(args, "experts", None) or 0}
+    seq = getattr(args, "seq", None) or 0
+    if seq > CONFIGS[args.size].max_len and CONFIGS[args.size].positions == "rope":
+        # rotary positions have no parameters: a longer sequence changes the step, not the state
+        overrides["max_len"] = seq
+    return example(args.model, config_from_name(args.size, **overrides), args.size)
 
 
 def step_and_batch(args: argparse.Namespace) -> tuple[Any, Any]:
