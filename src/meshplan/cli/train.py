@@ -18,38 +18,21 @@ the step time, tokens/s, MFU and the devices' peak memory.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import errno
-import json
-import os
-import signal
-import threading
 import time
 import warnings
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
-from rich.table import Table
 
 from meshplan.cli.devices import PLATFORMS, select_platform
-from meshplan.cli.output import print_error, say, text
+from meshplan.cli.output import print_error, say
+from meshplan.cli.train_flags import MODEL_FLAGS, SETTINGS, SETTINGS_FLAGS, error_in_flags, in_flags
 
 if TYPE_CHECKING:
     from meshplan.cli.devices import DeviceChoice
-    from meshplan.cli.train_request import PreparedRun, TrainRequest
-    from meshplan.train.flops import MeshPeak
-    from meshplan.train.records import TrainResult
+    from meshplan.cli.train_request import TrainRequest
     from meshplan.train.trainer import Trainer
-
-from meshplan.cli.train_flags import (
-    CODE_ADVICE,
-    MODEL_FLAGS,
-    SETTINGS,
-    SETTINGS_FLAGS,
-    in_flags,
-    no_mfu_why,
-)
 
 HELP = (
     "Train the byte-level Transformer on a device mesh, with checkpoints that resume on any mesh."
@@ -244,268 +227,6 @@ def _request(args: argparse.Namespace, devices: DeviceChoice | None = None) -> T
     )
 
 
-def _header(console: Console, prepared: PreparedRun, devices: Any, peak: MeshPeak) -> None:
-    from meshplan._text import human_bytes
-    from meshplan.cli.train_request import MODELS
-
-    trainer, config, kind, corpus = (
-        prepared.trainer,
-        prepared.config,
-        prepared.model,
-        prepared.corpus,
-    )
-    assert config is not None and corpus is not None  # the built-in Transformer's run
-    s = trainer.settings
-    summary = trainer.plan_summary()
-    mesh = "x".join(str(v) for v in summary["mesh"].values())
-    lines: list[list[Any]] = [
-        [
-            ("meshplan train", "bold"),
-            f": Transformer{'' if kind == 'transformer' else f' ({MODELS.get(kind, kind)})'} of "
-            f"{config.num_layers} "
-            f"layer{'s' * (config.num_layers != 1)}, embed {config.embed_dim}, "
-            f"{config.num_heads} heads, mlp {config.mlp_dim}"
-            + (
-                f" x {config.num_experts} experts (top {config.top_k}, capacity factor "
-                f"{config.capacity_factor:g})"
-                if config.num_experts
-                else ""
-            )
-            + f" ({summary['parameters']:,} parameters)",
-        ],
-        [
-            f"on a {mesh} mesh {tuple(trainer.mesh.axis_names)} with layout ",
-            (str(summary["layout"]), "bold"),
-            f"; batch {s.batch} x {s.seq_len} bytes"
-            + (f" in {s.grad_accum} microbatches" if s.grad_accum > 1 else "")
-            + f", lr {s.lr:g}, seed {s.seed}",
-        ],
-        [
-            f"data: {corpus.source} ({len(corpus.train):,} train / {len(corpus.valid):,} "
-            f"valid bytes)"
-        ],
-        [
-            devices.describe() + f"; compute dtype {config.dtype}, parameters and AdamW "
-            f"state float32; {_flop_text(trainer.flops_per_step or 0)} a step"
-        ],
-        [f"MFU against: {peak.label}" if peak.flops else f"no MFU: {no_mfu_why(peak)}"],
-    ]
-    if trainer.resume_from is not None:
-        meta = trainer.resume_from
-        saved_mesh = "x".join(str(v) for v in meta.mesh_shape.values()) or "?"
-        saved_by = int(meta.extra.get("processes") or 1)
-        lines.append(
-            [
-                f"resuming from step {meta.step} of {trainer.ckpt_dir} (saved on {saved_mesh} "
-                f"with {meta.extra.get('layout') or 'its rules'}"
-                f"{f' by {saved_by} processes' if saved_by > 1 else ''}) onto {mesh} with "
-                f"{summary['layout']}"
-            ]
-        )
-    for line in lines:
-        say(console, *line, soft_wrap=True)
-    table = Table(title=text(f"Plan per device ({summary['source']})"), title_justify="left")
-    table.add_column("state")
-    table.add_column("largest per device", justify="right")
-    table.add_column("all devices, one copy", justify="right")
-    table.add_row(
-        "parameters",
-        human_bytes(summary["params_per_device"]),
-        human_bytes(summary["params_total"]),
-    )
-    table.add_row(
-        "parameters + AdamW state",
-        human_bytes(summary["state_per_device"]),
-        human_bytes(summary["state_total"]),
-    )
-    console.print(table)
-
-
-def _own_header(console: Console, prepared: PreparedRun, devices: Any) -> None:
-    """The header of a ``--model pkg.module:factory`` run: the model, the mesh, the batches."""
-    trainer, own = prepared.trainer, prepared.trainable
-    assert own is not None
-    s = trainer.settings
-    summary = trainer.plan_summary()
-    mesh = "x".join(str(v) for v in summary["mesh"].values())
-    import jax
-
-    shapes = ", ".join(str(tuple(x.shape)) for x in jax.tree.leaves(own.example_batch))
-    lines: list[list[Any]] = [
-        [
-            ("meshplan train", "bold"),
-            f": {own.name} ({own.api}) from --model {prepared.model} "
-            f"({summary['parameters']:,} parameters)",
-        ],
-        [
-            f"on a {mesh} mesh {tuple(trainer.mesh.axis_names)} with layout ",
-            (str(summary["layout"]), "bold"),
-            f"; batch {shapes}"
-            + (f" in {s.grad_accum} microbatches" if s.grad_accum > 1 else "")
-            + f", lr {s.lr:g}, seed {s.seed}",
-        ],
-        [devices.describe() + "; parameters and AdamW state float32; no MFU (no FLOP count)"],
-    ]
-    if trainer.resume_from is not None:
-        lines.append([f"resuming from step {trainer.resume_from.step} of {trainer.ckpt_dir}"])
-    for line in lines:
-        say(console, *line, soft_wrap=True)
-
-
-def _flop_text(flops: float) -> str:
-    """``2.9e13`` -> ``'29.0 TFLOP'``.
-
-    Example:
-        >>> from meshplan.cli.train import _flop_text
-        >>> _flop_text(2.897e13), _flop_text(1.9e8), _flop_text(12)
-        ('29.0 TFLOP', '190.0 MFLOP', '12 FLOP')
-    """
-    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
-        if flops >= scale:
-            return f"{flops / scale:,.1f} {unit}"
-    return f"{flops:,.0f} FLOP"
-
-
-def _peak_memory(devices: Any) -> int | None:
-    """The most bytes any of ``devices`` held at once (``memory_stats()``), or ``None``."""
-    peaks = []
-    for device in devices.devices:
-        try:
-            stats = device.memory_stats()
-        except Exception:  # not every backend has them
-            stats = None
-        if stats and stats.get("peak_bytes_in_use") is not None:
-            peaks.append(int(stats["peak_bytes_in_use"]))
-    return max(peaks) if peaks else None
-
-
-def _summary(
-    console: Console,
-    trainer: Trainer,
-    result: TrainResult,
-    devices: DeviceChoice,
-    peak: MeshPeak,
-    wall_s: float,
-    units: tuple[str, str] = ("tokens/s", " nats/byte"),
-) -> None:
-    from meshplan._text import human_bytes
-
-    rate, per = units
-
-    table = Table(title="Summary", title_justify="left", show_header=False)
-    table.add_column("what")
-    table.add_column("value")
-    table.add_row("steps", f"{result.start_step} -> {result.end_step}")
-    table.add_row(
-        "time", f"{wall_s:.1f} s (wall clock, as the bar: compile, evaluations and saves in)"
-    )
-    table.add_row("devices", devices.describe().removeprefix("devices: "))
-    timed = len(result.step_times)
-    table.add_row(
-        "step time",
-        f"{result.step_time_s * 1e3:,.1f} ms (median of {timed} timed step{'s' * (timed != 1)}; "
-        f"compile, evaluations and saves left out)"
-        if timed
-        else "- (no step timed: the first compiles)",
-    )
-    table.add_row(rate, f"{result.tokens_per_second:,.0f} (over the timed steps, as the bar)")
-    if result.mfu is not None:
-        table.add_row("MFU", text(f"{result.mfu:.1%} (against the {peak.label})"))
-    else:
-        table.add_row("MFU", text(f"- ({no_mfu_why(peak)})" if peak.why else "- (no step timed)"))
-    memory = _peak_memory(devices)
-    table.add_row(
-        "peak memory",
-        human_bytes(memory) + " (the fullest device, memory_stats())"
-        if memory is not None
-        else "- (these devices report no memory_stats())",
-    )
-    routed = sum(m.get("routed", 0.0) for m in result.metrics.values())
-    if routed:
-        dropped = sum(m.get("dropped", 0.0) for m in result.metrics.values())
-        final = result.metrics[max(result.metrics)]
-        table.add_row(
-            "experts",
-            f"{dropped / routed:.2%} of the expert choices dropped (over capacity) in "
-            f"{len(result.metrics)} steps; load-balancing loss {final.get('aux_loss', 0.0):.3f} "
-            f"(1 when balanced) at step {max(result.metrics)}",
-        )
-    if result.losses:
-        last = max(result.losses)
-        table.add_row("final train loss", f"{result.losses[last]:.3f}{per} (step {last})")
-    if result.best_valid is not None:
-        step, loss = result.best_valid
-        unsaved = trainer.ckpt_dir is not None and step not in trainer.saved_on_disk
-        table.add_row(
-            "best valid loss",
-            f"{loss:.3f}{per} (step {step}{', no checkpoint of it' if unsaved else ''})",
-        )
-    if trainer.ckpt_dir is not None:
-        where = f"{trainer.ckpt_dir} (latest step {trainer.latest_saved}"
-        best = trainer.best_saved
-        if best is not None and best[0] != trainer.latest_saved:
-            where += f"; best kept: step {best[0]}, valid loss {best[1]:.3f}"
-        table.add_row("checkpoint", text(where + ")"))
-    console.print(table)
-
-
-class _MetricsLog(contextlib.AbstractContextManager["_MetricsLog", None]):
-    """Appends each record to ``path`` as one JSON line; does nothing without a path.
-
-    A write that fails (a full disk) ends the run with a meshplan error naming the
-    file, the step and the cause (the checkpoints saved so far are kept).
-    """
-
-    def __init__(self, path: str | None) -> None:
-        self.path = path
-        self._file: Any = None
-
-    def __enter__(self) -> _MetricsLog:
-        path = self.path
-        if path is not None:
-            try:
-                # Not blocking: a FIFO nobody reads (refused up front) cannot hang the run.
-                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
-                os.set_blocking(fd, True)
-                self._file = open(fd, "a", buffering=1)
-            except OSError as e:
-                raise self._failed(e, "opening it") from e
-        return self
-
-    def _failed(self, e: OSError, when: str) -> Exception:
-        from meshplan._errors import MeshplanError, error_for
-
-        cause = (
-            f"{os.strerror(e.errno)} ({errno.errorcode.get(e.errno, e.errno)})"
-            if e.errno
-            else str(e)
-        )
-        return error_for(
-            MeshplanError, "metrics-write-failed", "--metrics",
-            f"--metrics {self.path!r}: {when} failed: {cause}",
-            "Free space on its disk or pass --metrics a file elsewhere, then continue with "
-            "--resume (the checkpoints saved so far are kept).",
-        )  # fmt: skip
-
-    def __call__(self, record: dict[str, Any]) -> None:
-        if self._file is not None:
-            try:
-                self._file.write(json.dumps(record) + "\n")
-            except OSError as e:
-                file, self._file = self._file, None
-                with contextlib.suppress(OSError):
-                    file.close()
-                raise self._failed(e, f"writing the record of step {record.get('step')}") from e
-
-    def __exit__(self, *exc: object) -> None:
-        if self._file is not None:
-            try:
-                self._file.close()
-            except OSError as e:
-                self._file = None
-                raise self._failed(e, "closing it") from e
-
-
 def _console(main: bool) -> Console:
     if not main:
         return Console(quiet=True)  # process 0 speaks for a multi-process run
@@ -535,6 +256,8 @@ def run(args: argparse.Namespace) -> int:
 
     from meshplan.cli.factory import is_factory
     from meshplan.cli.train_factory import prepare_factory_run
+    from meshplan.cli.train_output import MetricsLog, header, own_header, summary
+    from meshplan.cli.train_processes import StopOnSigterm, Terminated
     from meshplan.cli.train_request import DamagedStep, prepare_run
 
     console = _console(jax.process_index() == 0)
@@ -569,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
                 damaged = DamagedStep(trainer.resume_from.step, problem)
                 request = dataclasses.replace(request, damaged=(*request.damaged, damaged))
                 continue
-            print_error(_for_the_command_line(e))
+            print_error(error_in_flags(e))
             return 2
         break
     done = trainer.resume_from.step if trainer.resume_from is not None else None
@@ -582,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
             f"{trainer.settings.steps}{whose}. Pass --steps N with N above {done} to train further.",
         )
         if failed is not None:
-            print_error(_for_the_command_line(failed))
+            print_error(error_in_flags(failed))
             return 1
         return 0
     if group is not None:
@@ -607,11 +330,11 @@ def run(args: argparse.Namespace) -> int:
 
         peak = MeshPeak(None, None, "no FLOP count for a model of your own")
         units = ("examples/s", "")
-        _own_header(console, prepared, devices)
+        own_header(console, prepared, devices)
     else:
         assert peak is not None  # the request names the devices
         units = ("tokens/s", " nats/byte")
-        _header(console, prepared, devices, peak)
+        header(console, prepared, devices, peak)
 
     from rich.progress import (
         BarColumn,
@@ -635,9 +358,9 @@ def run(args: argparse.Namespace) -> int:
     )
     task: TaskID | None = None
 
-    log = _MetricsLog(args.metrics if jax.process_index() == 0 else None)
+    log = MetricsLog(args.metrics if jax.process_index() == 0 else None)
 
-    stop = _StopOnSigterm()
+    stop = StopOnSigterm()
 
     timed = [0.0, 0.0]  # tokens and seconds of the timed steps: the summary's tokens/s too
 
@@ -672,31 +395,31 @@ def run(args: argparse.Namespace) -> int:
             )
             result = trainer.run(on_step=on_step, on_eval=on_eval)
             trainer.close()  # the last save reaches the disk (or its failure is raised)
-    except (KeyboardInterrupt, _Terminated) as e:
+    except (KeyboardInterrupt, Terminated) as e:
         failed = _close(trainer)  # the save in progress completes: it is the latest checkpoint
         last = trainer.latest_saved
-        how = "stopped by SIGTERM" if isinstance(e, _Terminated) else "interrupted"
+        how = "stopped by SIGTERM" if isinstance(e, Terminated) else "interrupted"
         message = f"{how} at step {trainer.step}; " + (
             f"latest complete checkpoint: step {last} (resume with --resume --ckpt-dir "
             f"{trainer.ckpt_dir})"
             if last is not None
             else "no checkpoint saved"
         )
-        if isinstance(e, _Terminated):
+        if isinstance(e, Terminated):
             print_error(message + ".")
         else:
             say(console, message)
         if failed is not None:
-            print_error(_for_the_command_line(failed))
-        return 143 if isinstance(e, _Terminated) else 130
+            print_error(error_in_flags(failed))
+        return 143 if isinstance(e, Terminated) else 130
     except MeshplanError as e:
         _close(trainer)  # the lock is released; a failure already raised is not raised twice
-        print_error(_for_the_command_line(e, trainer.settings.lr, getattr(args, "_argv", None)))
+        print_error(error_in_flags(e, trainer.settings.lr, getattr(args, "_argv", None)))
         return 1
     except BaseException:
         _close(trainer)  # any other error: let the save in progress reach the disk first
         raise
-    _summary(console, trainer, result, devices, peak, time.perf_counter() - started, units)
+    summary(console, trainer, result, devices, peak, time.perf_counter() - started, units)
     if jax.process_index() != 0:
         say(
             Console(stderr=True),
@@ -714,110 +437,3 @@ def _close(trainer: Trainer) -> Exception | None:
     except MeshplanError as e:
         return e
     return None
-
-
-def _again(argv: list[str] | None, drop: dict[str, bool], add: list[str]) -> str:
-    """``meshplan train`` with the user's own flags, less ``drop`` (flag: takes a value), plus ``add``.
-
-    Example:
-        >>> from meshplan.cli.train import _again
-        >>> _again(["train", "--resume", "--lr", "1e6", "--steps", "35", "--ckpt-dir", "r"],
-        ...        {"--resume": False, "--lr": True}, ["--resume-step", "20", "--lr", "1e5"])
-        'meshplan train --steps 35 --ckpt-dir r --resume-step 20 --lr 1e5'
-    """
-    tokens = list(argv or [])
-    if tokens[:1] == ["train"]:
-        tokens = tokens[1:]
-    kept: list[str] = []
-    skip = False
-    for token in tokens:
-        if skip:
-            skip = False
-            continue
-        name = token.split("=", 1)[0]
-        if name in drop:
-            skip = drop[name] and "=" not in token
-            continue
-        kept.append(token)
-    return " ".join(["meshplan", "train", *kept, *add])
-
-
-def _for_the_command_line(
-    error: Exception, lr: float | None = None, argv: list[str] | None = None
-) -> str:
-    """The error's message with its fix in flag terms (the library's name API calls)."""
-    from meshplan.train.records import Diverged
-
-    if isinstance(error, Diverged):
-        problem = error.problems[0]
-        lower = "--lr <smaller>" if lr is None else f"--lr {lr / 10:g}"
-        now = "" if lr is None else f" (this run's is {lr:g})"
-        if error.resume_at is not None and error.ckpt_dir is not None:
-            again = _again(
-                argv,
-                {"--resume": False, "--resume-step": True, "--lr": True},
-                ["--resume-step", str(error.resume_at), *lower.split()],
-            )
-            if "--ckpt-dir" not in again:
-                again += f" --ckpt-dir {error.ckpt_dir}"
-            fix = f"Lower --lr{now} and resume from step {error.resume_at}: {again}."
-        else:
-            fix = f"Lower --lr{now} and train again, e.g. with {lower}."
-        return f"{problem.message}.\n{fix}"
-    problems = getattr(error, "problems", None) or []
-    if len(problems) == 1 and problems[0].code in CODE_ADVICE:
-        problem = problems[0]
-        fix = CODE_ADVICE[problem.code]
-        if problem.code == "ckpt-write-failed":
-            fix = f"{problem.fix} Then continue with --resume (from the last complete step)."
-        return f"{problem.message}.\n{fix}"
-    return str(error)
-
-
-class _Terminated(Exception):
-    """SIGTERM arrived: the run stops at the end of the current step."""
-
-
-class _StopOnSigterm(contextlib.AbstractContextManager["_StopOnSigterm", None]):
-    """While active, SIGTERM asks the run to stop after the current step.
-
-    One process: a second SIGTERM stops it at once. Several processes (``--processes
-    N``, whose launcher forwards the signal, or one per host): a SIGTERM to any of
-    them stops all of them after the same step
-    (:class:`~meshplan.train.distributed.StopVote`), so that they finish the save in
-    progress together and the folder's lock is released. Only in the main thread.
-    """
-
-    def __init__(self) -> None:
-        from meshplan.train.distributed import StopVote
-
-        self.enabled = threading.current_thread() is threading.main_thread()
-        self.vote = StopVote()
-        self._previous: Any = None
-
-    @property
-    def asked(self) -> bool:
-        return self.vote.asked
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        if self.vote.asked and self.vote.processes == 1:
-            raise _Terminated
-        self.vote.ask()
-
-    def check(self, step: int | None = None) -> None:
-        """Raises :class:`_Terminated` when the run stops now (after ``step``, when given)."""
-        if step is None:
-            if self.vote.processes == 1 and self.vote.asked:
-                raise _Terminated
-            return
-        if self.vote.after(step):
-            raise _Terminated
-
-    def __enter__(self) -> _StopOnSigterm:
-        if self.enabled:
-            self._previous = signal.signal(signal.SIGTERM, self._handler)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.enabled:
-            signal.signal(signal.SIGTERM, self._previous)

@@ -18,10 +18,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from meshplan._checkpoint.restore import compatibility_problems
 from meshplan._errors import ArgumentError, CheckpointError, MeshplanError
 from meshplan._spmd.rules import LogicalRules, logical_to_mesh_axes
-from meshplan._spmd.validate import validate
 from meshplan.cli.factory import IterableBatches, Trainable, load_factory
 from meshplan.cli.train_checks import Problems
 from meshplan.cli.train_flags import MODEL_FLAGS
@@ -29,16 +27,15 @@ from meshplan.cli.train_flags import flag as model_flag
 from meshplan.cli.train_request import (
     PreparedRun,
     TrainRequest,
-    build_placement,
     model_of,
+    placement_problems,
     raise_if_any,
     read_flags,
     resolve_settings,
     uneven_problems,
 )
+from meshplan.train.build import build_parts
 from meshplan.train.parts import Checkpoints, Measures, Placement
-from meshplan.train.settings import make_optimizer
-from meshplan.train.state import abstract_train_state
 from meshplan.train.trainer import Trainer
 
 __all__ = ["batch_placer", "place_batch", "prepare_factory_run"]
@@ -77,19 +74,6 @@ def batch_placer(mesh: Mesh, rules: LogicalRules) -> Callable[[Any], Any]:
         return jax.tree.map(put, batch)
 
     return place
-
-
-def _batch_problems(
-    trainable: Trainable, mesh: Mesh, rules: LogicalRules, problems: Problems
-) -> None:
-    """Every array of the example batch whose first dimension the layout cannot split."""
-    leaves = jax.tree_util.tree_leaves_with_path(trainable.example_batch)
-    for path, leaf in leaves:
-        where = f"batch{jax.tree_util.keystr(path)}"
-        names = ("batch",) + (None,) * (len(leaf.shape) - 1)
-        for p in validate(where, tuple(leaf.shape), names, mesh, rules):
-            if p.severity == "error":
-                problems.add(MeshplanError, f"{p.path}: {p.message}", p.fix, p.code)
 
 
 def prepare_factory_run(request: TrainRequest) -> PreparedRun:
@@ -157,42 +141,46 @@ def prepare_factory_run(request: TrainRequest) -> PreparedRun:
             )
         given = {**given, "batch": rows, "seq_len": 1}
     settings = resolve_settings(dataclasses.replace(request, settings=given), stored, problems)
+    # The library builds the mesh, the rules and the state, and checks them, in one call.
+    parts = build_parts(
+        settings,
+        flags.shape,
+        None if request.devices is None else request.devices.devices,
+        request.rules,
+        None if trainable is None else trainable.model,
+        stored,
+        None if trainable is None else trainable.example_batch,
+    )
     placed = Problems()
-    rules, mesh = build_placement(request.rules, flags, request.devices, placed)
+    placement_problems(request.rules, flags, parts, placed)
     built = Problems()
-    tx = abstract = None
-    if trainable is not None and not settings.problems():
-        tx = make_optimizer(settings)
-        try:
-            abstract = abstract_train_state(
-                trainable.model.model, tx, settings, trainable.model.example_input
-            )
-        except Exception as e:
-            built.add(
-                ArgumentError,
-                f"--model {spec}: creating the {trainable.name}'s state with the optimizer "
-                f"(--lr {settings.lr:g}) raised {type(e).__name__}: {e}",
-                "Check that the factory's model initialises on its example batch (the first "
-                "item of a tuple batch) and that its parameters are arrays.",
-            )
-    if abstract is not None and stored is not None:
-        mismatch = compatibility_problems(stored, abstract)
-        if mismatch:
-            built.add(
-                CheckpointError,
-                f"{len(mismatch)} arrays differ between the checkpoint (step {stored.step}) "
-                f"and the model --model {spec} builds now, e.g. {mismatch[0]}",
-                "Resume with the factory the checkpoint was trained with, or train into a new "
-                "--ckpt-dir.",
-            )
-    if abstract is not None:
-        uneven_problems(request, abstract, mesh, rules, built)
-    if trainable is not None and mesh is not None and rules is not None:
-        _batch_problems(trainable, mesh, rules, built)
+    if trainable is not None and parts.state_error is not None:
+        raised = parts.state_error
+        built.add(
+            ArgumentError,
+            f"--model {spec}: creating the {trainable.name}'s state with the optimizer "
+            f"(--lr {settings.lr:g}) raised {type(raised).__name__}: {raised}",
+            "Check that the factory's model initialises on its example batch (the first "
+            "item of a tuple batch) and that its parameters are arrays.",
+        )
+    if stored is not None and parts.mismatch:
+        mismatch = parts.mismatch
+        built.add(
+            CheckpointError,
+            f"{len(mismatch)} arrays differ between the checkpoint (step {stored.step}) "
+            f"and the model --model {spec} builds now, e.g. {mismatch[0]}",
+            "Resume with the factory the checkpoint was trained with, or train into a new "
+            "--ckpt-dir.",
+        )
+    uneven_problems(request, parts.uneven, built)
+    for p in parts.batch:
+        built.add(MeshplanError, f"{p.path}: {p.message}", p.fix, p.code)
     # In the order a user reads them: the placement, the checkpoint, the model, ...
     problems = Problems.joined(placed, flags.mesh, flags.ckpt, problems, flags.metrics, built)
     raise_if_any(problems, ckpt_dir)
+    mesh, rules, abstract = parts.mesh, parts.rules, parts.abstract
     assert trainable is not None and mesh is not None and abstract is not None
+    assert rules is not None
     source = trainable.batches
     if isinstance(source, IterableBatches):
         source.hold_out(settings.eval_batches)  # the first batches are the validation set
@@ -209,7 +197,7 @@ def prepare_factory_run(request: TrainRequest) -> PreparedRun:
         Placement(mesh, rules, str(request.rules)),
         Checkpoints(ckpt_dir, stored, tuple(resume.damaged), record={"model": spec}),
         Measures(None, None, request.sync_every_step),
-        tx=tx,
+        tx=parts.tx,
         abstract=abstract,
         notes=list(resume.notes),
     )

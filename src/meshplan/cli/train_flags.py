@@ -23,6 +23,8 @@ __all__ = [
     "SETTINGS",
     "SETTINGS_FLAGS",
     "Setting",
+    "again_command",
+    "error_in_flags",
     "flag",
     "in_flags",
     "no_mfu_why",
@@ -222,3 +224,64 @@ def in_flags(note: str) -> str:
     if note.code == "steps-set-aside":
         return note.template.replace("{resume}", "--resume")
     return note
+
+
+def again_command(argv: list[str] | None, drop: dict[str, bool], add: list[str]) -> str:
+    """``meshplan train`` with the user's own flags, less ``drop`` (flag: takes a value), plus ``add``.
+
+    Example:
+        >>> from meshplan.cli.train_flags import again_command
+        >>> again_command(["train", "--resume", "--lr", "1e6", "--steps", "35", "--ckpt-dir", "r"],
+        ...               {"--resume": False, "--lr": True}, ["--resume-step", "20", "--lr", "1e5"])
+        'meshplan train --steps 35 --ckpt-dir r --resume-step 20 --lr 1e5'
+    """
+    tokens = list(argv or [])
+    if tokens[:1] == ["train"]:
+        tokens = tokens[1:]
+    kept: list[str] = []
+    skip = False
+    for token in tokens:
+        if skip:
+            skip = False
+            continue
+        name = token.split("=", 1)[0]
+        if name in drop:
+            skip = drop[name] and "=" not in token
+            continue
+        kept.append(token)
+    return " ".join(["meshplan", "train", *kept, *add])
+
+
+def error_in_flags(error: Exception, lr: float | None = None, argv: list[str] | None = None) -> str:
+    """The error's message with its fix in flag terms (the library's name API calls).
+
+    A :class:`~meshplan.train.records.Diverged` run is told to lower ``--lr`` and, with a
+    checkpoint, the command that resumes it (``argv``: the user's own flags); an error of one
+    problem whose code :data:`CODE_ADVICE` knows gets that advice.
+    """
+    from meshplan.train.records import Diverged
+
+    if isinstance(error, Diverged):
+        problem = error.problems[0]
+        lower = "--lr <smaller>" if lr is None else f"--lr {lr / 10:g}"
+        now = "" if lr is None else f" (this run's is {lr:g})"
+        if error.resume_at is not None and error.ckpt_dir is not None:
+            command = again_command(
+                argv,
+                {"--resume": False, "--resume-step": True, "--lr": True},
+                ["--resume-step", str(error.resume_at), *lower.split()],
+            )
+            if "--ckpt-dir" not in command:
+                command += f" --ckpt-dir {error.ckpt_dir}"
+            fix = f"Lower --lr{now} and resume from step {error.resume_at}: {command}."
+        else:
+            fix = f"Lower --lr{now} and train again, e.g. with {lower}."
+        return f"{problem.message}.\n{fix}"
+    problems = getattr(error, "problems", None) or []
+    if len(problems) == 1 and problems[0].code in CODE_ADVICE:
+        problem = problems[0]
+        fix = CODE_ADVICE[problem.code]
+        if problem.code == "ckpt-write-failed":
+            fix = f"{problem.fix} Then continue with --resume (from the last complete step)."
+        return f"{problem.message}.\n{fix}"
+    return str(error)

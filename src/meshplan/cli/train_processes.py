@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from rich.console import Console
 
@@ -23,9 +25,15 @@ from meshplan.cli.launch import free_port, launch
 from meshplan.cli.output import print_error, say
 from meshplan.cli.rendezvous import meet, process_group, quiet_native_stdout
 from meshplan.cli.train_flags import MODEL_FLAGS, SETTINGS_FLAGS, flag
-from meshplan.train.distributed import DEFAULT_INIT_TIMEOUT, DistributedError, ProcessGroup, join
+from meshplan.train.distributed import (
+    DEFAULT_INIT_TIMEOUT,
+    DistributedError,
+    ProcessGroup,
+    StopVote,
+    join,
+)
 
-__all__ = ["join_if_asked", "launch_workers", "worker_argv"]
+__all__ = ["StopOnSigterm", "Terminated", "join_if_asked", "launch_workers", "worker_argv"]
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
@@ -209,3 +217,50 @@ def join_if_asked(args: argparse.Namespace) -> ProcessGroup | None:
             DistributedError, problem.code, problem.path, problem.message, _INIT_FAILED_FIX
         ) from e
     return group
+
+
+class Terminated(Exception):
+    """SIGTERM arrived: the run stops at the end of the current step."""
+
+
+class StopOnSigterm(contextlib.AbstractContextManager["StopOnSigterm", None]):
+    """While active, SIGTERM asks the run to stop after the current step.
+
+    One process: a second SIGTERM stops it at once. Several processes (``--processes
+    N``, whose launcher forwards the signal, or one per host): a SIGTERM to any of
+    them stops all of them after the same step
+    (:class:`~meshplan.train.distributed.StopVote`), so that they finish the save in
+    progress together and the folder's lock is released. Only in the main thread.
+    """
+
+    def __init__(self) -> None:
+        self.enabled = threading.current_thread() is threading.main_thread()
+        self.vote = StopVote()
+        self._previous: Any = None
+
+    @property
+    def asked(self) -> bool:
+        return self.vote.asked
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.vote.asked and self.vote.processes == 1:
+            raise Terminated
+        self.vote.ask()
+
+    def check(self, step: int | None = None) -> None:
+        """Raises :class:`Terminated` when the run stops now (after ``step``, when given)."""
+        if step is None:
+            if self.vote.processes == 1 and self.vote.asked:
+                raise Terminated
+            return
+        if self.vote.after(step):
+            raise Terminated
+
+    def __enter__(self) -> StopOnSigterm:
+        if self.enabled:
+            self._previous = signal.signal(signal.SIGTERM, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            signal.signal(signal.SIGTERM, self._previous)

@@ -30,15 +30,8 @@ from jax.sharding import Mesh
 
 from meshplan._checkpoint.checkpointer import Checkpointer
 from meshplan._checkpoint.metadata import CheckpointMetadata
-from meshplan._checkpoint.restore import compatibility_problems
-from meshplan._checkpoint.tree import flatten_state
-from meshplan._errors import (
-    CheckpointError,
-    MeshError,
-    MeshplanError,
-)
+from meshplan._errors import CheckpointError, MeshError, MeshplanError, Problem
 from meshplan._spmd.rules import LogicalRules
-from meshplan._spmd.validate import validate
 from meshplan.cli.devices import (
     DeviceChoice,
     choose_devices,
@@ -65,12 +58,12 @@ from meshplan.examples.transformer import (
     config_from_name,
     train_flops,
 )
-from meshplan.layouts import CONTEXT_EXPERT_LAYOUTS, LAYOUT_AXES, get_layout
-from meshplan.train.device_mesh import make_mesh
+from meshplan.layouts import CONTEXT_EXPERT_LAYOUTS, LAYOUT_AXES
+from meshplan.train.build import BuiltParts, build_parts
 from meshplan.train.flops import MeshPeak, mesh_peak
+from meshplan.train.model import TrainModel
 from meshplan.train.parts import Checkpoints, Measures, Placement
-from meshplan.train.settings import TrainSettings, make_optimizer
-from meshplan.train.state import abstract_train_state
+from meshplan.train.settings import TrainSettings
 from meshplan.train.trainer import Trainer
 
 _Problems = Problems  # (its older name)
@@ -82,8 +75,8 @@ __all__ = [
     "FlagsRead",
     "PreparedRun",
     "TrainRequest",
-    "build_placement",
     "model_of",
+    "placement_problems",
     "prepare",
     "prepare_run",
     "read_flags",
@@ -220,15 +213,6 @@ class ByteBatches:
         return shard_batch(tokens, self.mesh, self.rules)
 
 
-def _example_tokens(config: TransformerConfig, settings: TrainSettings) -> Any:
-    """The tokens the model is initialised with: ``seq_len`` of them, at most ``max_len``.
-
-    Parameter shapes do not depend on the length; staying within ``max_len``
-    lets the state be traced, to check it, even when ``--seq`` is too long.
-    """
-    return jax.ShapeDtypeStruct((1, min(settings.seq_len, config.max_len)), jnp.int32)
-
-
 def _resolve_config(request: TrainRequest, stored: CheckpointMetadata | None) -> TransformerConfig:
     if request.config is not None or stored is None or stored.config is None:
         return config_from_name(request.config or "tiny", **request.overrides)
@@ -305,12 +289,20 @@ def _model_note(kind: str, stored: CheckpointMetadata | None) -> str | None:
     )
 
 
-def _check_config(
+def _build_model(
     request: TrainRequest,
     stored: CheckpointMetadata | None,
     settings: TrainSettings,
+    kind: str | None,
     problems: Problems,
-) -> Any:
+) -> tuple[TransformerConfig | None, TrainModel | None]:
+    """The model's config (the request's, else the checkpoint's, else ``tiny``), checked
+    against ``--seq``, and the model ``--model`` names built from it (``None`` without a kind).
+
+    Its example input is ``seq_len`` tokens, at most ``max_len``: parameter shapes do not
+    depend on the length, and staying within ``max_len`` lets the state be traced, to
+    check it, even when ``--seq`` is too long.
+    """
     try:
         config = _resolve_config(request, stored)
     except (ValueError, TypeError) as e:
@@ -319,14 +311,17 @@ def _check_config(
             f"model config: {e}",
             "Use --size tiny|small|base with valid size flags.",
         )
-        return None
+        return None, None
     if settings.seq_len > config.max_len:
         problems.add(
             MeshplanError,
             f"--seq {settings.seq_len} exceeds the model's max_len={config.max_len}",
             f"Use --seq {config.max_len} or less, or a larger --max-len.",
         )
-    return config
+    if kind is None:
+        return config, None
+    tokens = jax.ShapeDtypeStruct((1, min(settings.seq_len, config.max_len)), jnp.int32)
+    return config, dataclasses.replace(example(kind, config).model, example_input=tokens)
 
 
 _SHOWN = 6
@@ -335,75 +330,63 @@ _SHOWN = 6
 
 def _check_state(
     request: TrainRequest,
-    config: Any,
-    abstract: Any,
+    config: TransformerConfig,
+    parts: BuiltParts,
     stored: CheckpointMetadata | None,
-    mesh: Mesh | None,
-    rules: LogicalRules,
     problems: Problems,
     kind: str = DEFAULT_MODEL,
 ) -> None:
     """The checkpoint fits the model's shapes; the layout can split every parameter."""
-    if stored is not None:
-        mismatch = compatibility_problems(stored, abstract)
-        if mismatch:
-            held = model_of(stored)
-            if held != kind:
-                problems.add(
-                    CheckpointError,
-                    f"the checkpoint holds --model {held} ({MODELS.get(held, '?')}), this run "
-                    f"asks for --model {kind} ({MODELS[kind]})",
-                    "",
-                )
-            saved = stored.config or {}
-            fields = [
-                f"{name}: the checkpoint has {saved[name]!r}, this run asks for {value!r}"
-                for name, value in config.to_dict().items()
-                if name in saved and saved[name] != value
-            ]
-            for line in fields:
-                problems.add(CheckpointError, f"model config {line}", "")
-            what = "model and config" if held != kind else "config"
-            flags = "--model, --size" if held != kind else "--size"
+    mismatch = parts.mismatch
+    if stored is not None and mismatch:
+        held = model_of(stored)
+        if held != kind:
             problems.add(
                 CheckpointError,
-                f"so {len(mismatch)} arrays differ between the checkpoint (step {stored.step}, "
-                f"{len(stored.arrays)} arrays) and this model: they do not fit the model, e.g. "
-                f"{mismatch[0]}",
-                f"Resume with the checkpoint's {what}: leave out {flags} and the model size "
-                "flags (or repeat the ones it was trained with), or train into a new --ckpt-dir.",
+                f"the checkpoint holds --model {held} ({MODELS.get(held, '?')}), this run "
+                f"asks for --model {kind} ({MODELS[kind]})",
+                "",
             )
-    uneven_problems(request, abstract, mesh, rules, problems)
-
-
-def uneven_problems(
-    request: TrainRequest, abstract: Any, mesh: Mesh | None, rules: LogicalRules, problems: Problems
-) -> None:
-    """Every parameter of ``abstract`` the layout cannot split evenly on the mesh, as problems."""
-    if mesh is not None and rules is not None:
-        uneven = [
-            p
-            for key, (value, box) in flatten_state(abstract.params).items()
-            if box is not None
-            for p in validate(f"params/{key}", tuple(value.shape), box.names, mesh, rules)
-            if p.code == "indivisible"
+        saved = stored.config or {}
+        fields = [
+            f"{name}: the checkpoint has {saved[name]!r}, this run asks for {value!r}"
+            for name, value in config.to_dict().items()
+            if name in saved and saved[name] != value
         ]
-        fix = (
-            "Pick a layout that leaves that dimension whole (e.g. data_parallel), a mesh "
-            "whose axes divide it, or model sizes that are multiples of the mesh axes."
+        for line in fields:
+            problems.add(CheckpointError, f"model config {line}", "")
+        what = "model and config" if held != kind else "config"
+        flags = "--model, --size" if held != kind else "--size"
+        problems.add(
+            CheckpointError,
+            f"so {len(mismatch)} arrays differ between the checkpoint (step {stored.step}, "
+            f"{len(stored.arrays)} arrays) and this model: they do not fit the model, e.g. "
+            f"{mismatch[0]}",
+            f"Resume with the checkpoint's {what}: leave out {flags} and the model size "
+            "flags (or repeat the ones it was trained with), or train into a new --ckpt-dir.",
         )
-        where = f"--rules {request.rules} on the {request.mesh} mesh"
-        for p in uneven[:_SHOWN]:
-            problems.add(MeshError, f"{where}: {p.path}: {p.message}", fix, p.code)
-        if len(uneven) > _SHOWN:
-            rest = ", ".join(dict.fromkeys(p.path for p in uneven[_SHOWN:]))
-            problems.add(
-                MeshError,
-                f"and {len(uneven) - _SHOWN} more parameters with a dimension that does not "
-                f"split: {rest}",
-                fix,
-                "indivisible",
-            )
+    uneven_problems(request, parts.uneven, problems)
+
+
+def uneven_problems(request: TrainRequest, uneven: list[Problem], problems: Problems) -> None:
+    """The parameters the layout cannot split evenly on the mesh
+    (:attr:`~meshplan.train.build.BuiltParts.uneven`), in flags."""
+    fix = (
+        "Pick a layout that leaves that dimension whole (e.g. data_parallel), a mesh "
+        "whose axes divide it, or model sizes that are multiples of the mesh axes."
+    )
+    where = f"--rules {request.rules} on the {request.mesh} mesh"
+    for p in uneven[:_SHOWN]:
+        problems.add(MeshError, f"{where}: {p.path}: {p.message}", fix, p.code)
+    if len(uneven) > _SHOWN:
+        rest = ", ".join(dict.fromkeys(p.path for p in uneven[_SHOWN:]))
+        problems.add(
+            MeshError,
+            f"and {len(uneven) - _SHOWN} more parameters with a dimension that does not "
+            f"split: {rest}",
+            fix,
+            "indivisible",
+        )
 
 
 def raise_if_any(problems: Problems, ckpt_dir: Path | None) -> None:
@@ -469,22 +452,15 @@ def read_flags(request: TrainRequest) -> FlagsRead:
     return FlagsRead(shape, needed, ckpt_dir, resume, mesh, ckpt, metrics)
 
 
-def build_placement(
-    layout: str, flags: FlagsRead, devices: DeviceChoice | None, problems: Problems
-) -> tuple[Any, Mesh | None]:
-    """The mesh (of ``flags.shape``) and the rules (``layout``), each ``None`` when it
-    cannot be had: the mesh's problem added to ``flags.mesh``, the rules' to ``problems``."""
-    mesh = rules = None
-    if flags.shape is not None:
-        try:
-            mesh = make_mesh(flags.shape, None if devices is None else devices.devices)
-        except MeshplanError as e:
-            flags.mesh.add_error(mesh_flag_advice(e, flags.needed))
-    try:
-        rules = get_layout(layout)
-    except MeshplanError as e:
-        problems.add_error(e, f"--rules {layout}")
-    return rules, mesh
+def placement_problems(
+    layout: str, flags: FlagsRead, parts: BuiltParts, problems: Problems
+) -> None:
+    """Why the mesh (of ``flags.shape``) or the rules (``layout``) could not be had, in
+    flags: the mesh's problem added to ``flags.mesh``, the rules' to ``problems``."""
+    if parts.mesh_error is not None:
+        flags.mesh.add_error(mesh_flag_advice(parts.mesh_error, flags.needed))
+    if parts.rules_error is not None:
+        problems.add_error(parts.rules_error, f"--rules {layout}")
 
 
 def prepare_run(request: TrainRequest) -> PreparedRun:
@@ -517,46 +493,49 @@ def prepare_run(request: TrainRequest) -> PreparedRun:
     flags = read_flags(request)
     ckpt_dir, resume, stored = flags.ckpt_dir, flags.resume, flags.resume.stored
     # 2. Every setting decided: the flags', else the checkpoint's, else the defaults.
-    found = {part: Problems() for part in ("rules", "settings", "config", "model", "built")}
+    found = {p: Problems() for p in ("rules", "settings", "config", "model", "batch", "data")}
     kind = _resolve_model(request, stored, found["model"])
     settings = resolve_settings(request, stored, found["settings"])
-    config = _check_config(request, stored, settings, found["config"])
     data = request.data
     if data is not None:
         data = str(Path(data).absolute())
     elif stored is not None:
         data = (stored.extra.get("train") or {}).get("data")
-    # 3. The library's objects built from them, and checked against the settings.
-    rules, mesh = build_placement(request.rules, flags, request.devices, found["rules"])
-    built_problems = found["built"]
+    corpus = load_corpus(data, found["data"])
+    config, model = _build_model(request, stored, settings, kind, found["config"])
+    # 3. The library builds its objects from them, and checks them, in one call.
+    on = None if request.devices is None else request.devices.devices
+    parts = build_parts(settings, flags.shape, on, request.rules, model, stored)
+    if parts.state_error is not None:
+        raise parts.state_error
+    # 4. What it found, and the recipe's own checks, in flags.
+    placement_problems(request.rules, flags, parts, found["rules"])
+    mesh, rules, abstract = parts.mesh, parts.rules, parts.abstract
     batch_shards = None
-    if mesh is not None and rules is not None and not settings.problems():
+    if mesh is not None and rules is not None and parts.settings_ok:
         batch_shards = check_batch(
-            str(request.rules), request.mesh, settings, mesh, rules, built_problems
+            str(request.rules), request.mesh, settings, mesh, rules, found["batch"]
         )
-    corpus = load_corpus(data, built_problems)
-    if corpus is not None and not settings.problems():
-        check_corpus(corpus, settings, built_problems)
-    tx = abstract = built = None
-    if config is not None and kind is not None and not settings.problems():
-        tokens = _example_tokens(config, settings)
-        built = dataclasses.replace(example(kind, config).model, example_input=tokens)
-        tx = make_optimizer(settings)
-        abstract = abstract_train_state(built.model, tx, settings, tokens)
-        _check_state(request, config, abstract, stored, mesh, rules, built_problems, kind)
+    if corpus is not None and parts.settings_ok:
+        check_corpus(corpus, settings, found["data"])
+    state = Problems()
+    if config is not None and abstract is not None:
+        _check_state(request, config, parts, stored, state, kind or DEFAULT_MODEL)
     # In the order a user reads them: the placement, the checkpoint, the settings, ...
     problems = Problems.joined(
         found["rules"], flags.mesh, flags.ckpt, found["settings"], flags.metrics,
-        found["config"], found["model"], built_problems,
+        found["config"], found["model"], found["batch"], found["data"], state,
     )  # fmt: skip
     if not problems.items and batch_shards is not None:
-        assert mesh is not None and config is not None and built is not None
-        oom = memory_problem(built, abstract, settings, mesh, rules, batch_shards, config.remat)
+        assert mesh is not None and rules is not None and config is not None
+        assert model is not None
+        oom = memory_problem(model, abstract, settings, mesh, rules, batch_shards, config.remat)
         if oom is not None:
             problems.items.append((MeshplanError, oom))
     raise_if_any(problems, ckpt_dir)
-    assert mesh is not None and built is not None and config is not None and corpus is not None
-    assert kind is not None
+    assert mesh is not None and model is not None and config is not None and corpus is not None
+    assert kind is not None and rules is not None
+    tx = parts.tx
     note = _model_note(kind, stored)
     flops = train_flops(config, settings.batch, settings.seq_len)  # what a step computes
     peak = None
@@ -564,7 +543,7 @@ def prepare_run(request: TrainRequest) -> PreparedRun:
         devices = request.devices
         peak = mesh_peak(devices.platform, devices.kind, mesh.devices.size, config.dtype)
     trainer = Trainer(
-        built,
+        model,
         ByteBatches(corpus, settings, mesh, rules),
         settings,
         Placement(mesh, rules, str(request.rules)),
