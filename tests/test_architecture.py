@@ -219,3 +219,90 @@ def test_no_library_text_names_a_command_line_flag():
             named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*(?![\w-])", value)) & flags
             found += [f"{path.relative_to(SRC)}:{line}: {flag}" for flag in sorted(named)]
     assert found == [], "word these in API terms, with a code the command line maps to flags"
+
+
+# A parameter that takes any pytree (and a result that is one) is rightly ``Any``; so are a
+# dataclass's ``**updates``. Everything else in a public signature has a real type.
+PYTREE_PARAMETERS = {"tree", "target", "template", "state", "updates", "val", "abstract_state"}
+PYTREE_PARAMETERS |= {"example_batch"}
+PYTREE_RESULTS = {
+    "Restored.into",
+    "get_partition_spec",
+    "get_sharding",
+    "logical_to_mesh",
+    "logical_to_mesh_sharding",
+    "replace_boxed",
+    "unbox",
+}
+_CONTAINERS = {"tuple", "list", "set", "frozenset", "Sequence", "Iterable", "Optional"}
+
+
+def _bare_any(node: ast.expr) -> bool:
+    """``Any``, a union with ``Any`` in it, or a container of ``Any`` (``tuple[Any, ...]``).
+
+    ``dict[str, Any]`` (JSON-like data) and ``Callable[..., Any]`` are not bare.
+    """
+    if isinstance(node, ast.Name | ast.Attribute):
+        return (node.id if isinstance(node, ast.Name) else node.attr) == "Any"
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        return _bare_any(node.left) or _bare_any(node.right)
+    if isinstance(node, ast.Subscript):
+        base = node.value
+        name = base.id if isinstance(base, ast.Name) else getattr(base, "attr", "")
+        if name in _CONTAINERS:
+            items = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+            return any(_bare_any(item) for item in items)
+    return False
+
+
+def _public_functions():
+    """``(name, function)`` of everything in ``meshplan.__all__``, with the public methods,
+    properties and constructors of its classes."""
+    for name in meshplan.__all__:
+        obj = getattr(meshplan, name)
+        if inspect.isfunction(obj):
+            yield name, obj
+        elif inspect.isclass(obj):
+            for attr, value in vars(obj).items():
+                if attr.startswith("_") and attr != "__init__":
+                    continue
+                if isinstance(value, staticmethod | classmethod):
+                    value = value.__func__
+                if isinstance(value, property):
+                    value = value.fget
+                if inspect.isfunction(value):
+                    yield f"{name}.{attr}", value
+
+
+def _bare_anys(name: str, fn: object) -> list[str]:
+    signature = inspect.signature(fn)
+    found = []
+    annotated = [(p.name, p.annotation) for p in signature.parameters.values()]
+    for param, annotation in [*annotated, ("return", signature.return_annotation)]:
+        if annotation is inspect.Parameter.empty:
+            continue
+        text = annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
+        if not _bare_any(ast.parse(text, mode="eval").body):
+            continue
+        if param in PYTREE_PARAMETERS or (param == "return" and name in PYTREE_RESULTS):
+            continue
+        found.append(f"{name}({param}: {text})")
+    return found
+
+
+def test_the_bare_any_finder_tells_a_bare_any_from_json_data():
+    def bare(text: str) -> bool:
+        return _bare_any(ast.parse(text, mode="eval").body)
+
+    assert bare("Any") and bare("typing.Any") and bare("str | Any") and bare("tuple[Any, ...]")
+    assert not bare("dict[str, Any]") and not bare("Callable[..., Any]") and not bare("MeshLike")
+
+
+def test_public_signatures_have_no_bare_any_but_pytrees():
+    functions = dict(_public_functions())
+    assert {"check", "Plan.table", "Partitioned.__init__", "active_mesh"} <= set(functions)
+    found = [f for name, fn in functions.items() for f in _bare_anys(name, fn)]
+    assert found == [], (
+        "give these a real type (meshplan._spmd.mesh_info.MeshLike, ..._spmd.rules.LogicalNames, "
+        "...), or add a parameter that takes any pytree to PYTREE_PARAMETERS"
+    )

@@ -249,7 +249,7 @@ class CheckpointMetadata:
         }
 
     @classmethod
-    def from_json(cls, data: Any, where: str = "checkpoint") -> CheckpointMetadata:
+    def from_json(cls, data: object, where: str = "checkpoint") -> CheckpointMetadata:
         """The inverse of :meth:`to_json`; raises :class:`CheckpointError` on anything else.
 
         Example:

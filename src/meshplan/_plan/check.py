@@ -9,6 +9,7 @@ from jax.sharding import AbstractMesh
 from meshplan._errors import Problem
 from meshplan._plan.explain import explain
 from meshplan._plan.problems import DEFAULT_REPLICATED_THRESHOLD, find_problems
+from meshplan._spmd.mesh_info import MeshLike
 from meshplan._spmd.nnx_check import nnx_problems
 from meshplan._spmd.rules import LogicalRules
 from meshplan._spmd.tree_check import raise_for_errors
@@ -18,7 +19,7 @@ __all__ = ["check"]
 
 def check(
     tree: Any,
-    mesh: Any,
+    mesh: MeshLike,
     rules: LogicalRules | None = None,
     *,
     strict: bool = False,

@@ -23,7 +23,7 @@ from meshplan._plan.layout import build_layout
 from meshplan._plan.plan import Plan
 from meshplan._plan.records import LeafLayout, LeafPlan
 from meshplan._spmd.leaves import array_leaves
-from meshplan._spmd.mesh_info import MeshInfo, mesh_info
+from meshplan._spmd.mesh_info import MeshInfo, MeshLike, mesh_info
 from meshplan._spmd.rules import LogicalRules, get_logical_axis_rules, rules_problems
 from meshplan._text import path_text
 
@@ -31,7 +31,7 @@ __all__ = ["explain"]
 
 
 def _mesh_and_rules(
-    mesh: Any, rules: LogicalRules | None
+    mesh: MeshLike | MeshInfo, rules: LogicalRules | None
 ) -> tuple[MeshInfo, tuple[tuple[str, Any], ...], tuple[int, ...], list[Problem]]:
     """The mesh's :class:`MeshInfo`; the valid rules of ``rules`` (else the active ones), their
     indices as given, and the validator's problem with each invalid one."""
@@ -50,7 +50,7 @@ def _key_str(key: Any) -> str:
 _GROUP_OF_PART = {"opt_state": "optimizer", "params": "params"}
 
 
-def explain(tree: Any, mesh: Any, rules: LogicalRules | None = None) -> Plan:
+def explain(tree: Any, mesh: MeshLike, rules: LogicalRules | None = None) -> Plan:
     """Explains where every array leaf of ``tree`` goes on ``mesh``, why, and what it costs.
 
     ``tree`` is anything :func:`meshplan.get_partition_spec` accepts: boxed

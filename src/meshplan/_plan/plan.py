@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any
+import os
+from typing import TYPE_CHECKING, Any
 
 from meshplan._errors import Problem
 from meshplan._plan.plan_data import PlanData
@@ -18,6 +19,9 @@ from meshplan._plan.render.json_dict import plan_to_dict
 from meshplan._plan.render.png import write_png
 from meshplan._plan.render.table import plan_renderable, to_text
 from meshplan._text import count_text, human_bytes
+
+if TYPE_CHECKING:
+    from rich.console import ConsoleRenderable
 
 __all__ = ["Plan"]
 
@@ -65,7 +69,7 @@ class Plan(PlanData):
 
     # -- rendering ------------------------------------------------------------
 
-    def table(self, full: bool = False, max_rows: int = 24) -> Any:
+    def table(self, full: bool = False, max_rows: int = 24) -> ConsoleRenderable:
         """A ``rich`` renderable: the per-leaf table, totals and problems.
 
         Example:
@@ -85,7 +89,7 @@ class Plan(PlanData):
         """
         return plan_renderable(self, self.problems, full=full, max_rows=max_rows)
 
-    def __rich__(self) -> Any:
+    def __rich__(self) -> ConsoleRenderable:
         return self.table()
 
     def __str__(self) -> str:
@@ -121,7 +125,9 @@ class Plan(PlanData):
         """
         return json.dumps(self.to_dict(), indent=indent)
 
-    def save_png(self, path: Any, *, top: int = 6, title: str | None = None) -> None:
+    def save_png(
+        self, path: str | os.PathLike[str], *, top: int = 6, title: str | None = None
+    ) -> None:
         """Draws the plan: the mesh with each device's memory, and the ``top`` largest
         parameters as tiles coloured by the devices that hold them.
 

@@ -25,7 +25,13 @@ from meshplan._errors import (
     Problem,
 )
 from meshplan._spmd.place import active_mesh, apply_spec
-from meshplan._spmd.rules import LogicalRules, normalize_names, normalize_rules
+from meshplan._spmd.rules import (
+    AxisNames,
+    LogicalNames,
+    LogicalRules,
+    normalize_names,
+    normalize_rules,
+)
 from meshplan._spmd.validate import rank_problem
 from meshplan._text import path_text
 
@@ -46,7 +52,7 @@ PARTITION_NAME = "partition_name"
 """Key of ``metadata_params`` in ``nn.scan``/``nn.vmap`` naming the axis they add."""
 
 
-def _check_names(names: Any, cls_name: str) -> tuple[Any, ...]:
+def _check_names(names: Any, cls_name: str) -> AxisNames:
     if type(names) is tuple and all(n is None or type(n) is str for n in names):
         return names  # fast path: the common case, already normal
     if names is None:
@@ -99,7 +105,7 @@ class Partitioned(AxisMetadata[A], Generic[A]):
     """
 
     value: A
-    names: tuple[Any, ...]
+    names: AxisNames
     mesh: jax.sharding.Mesh | None = None
 
     def __post_init__(self) -> None:
@@ -488,7 +494,8 @@ def is_box(x: Any) -> bool:
     return found
 
 
-def _check_initializer_args(fn: Any, names: Any, who: str) -> None:
+def _check_initializer_args(fn: Any, names: Any, who: str) -> AxisNames:
+    """``names`` normalised, after checking that ``fn`` is callable and ``names`` are names."""
     if not callable(fn) and callable(names):
         raise ArgumentError(
             f"{who}(fn, names) got the arguments swapped: fn={fn!r} is not callable and "
@@ -500,12 +507,12 @@ def _check_initializer_args(fn: Any, names: Any, who: str) -> None:
             f"{who} needs an initializer function as its first argument, got {fn!r}.\n"
             f"Pass an initializer, e.g. {who}(nn.initializers.lecun_normal(), names)."
         )
-    _check_names(names, who)
+    return _check_names(names, who)
 
 
 def with_partitioning(
     fn: Callable[..., Any],
-    names: tuple[Any, ...],
+    names: LogicalNames,
     mesh: jax.sharding.Mesh | None = None,
 ) -> Callable[..., Partitioned[Any]]:
     """Wraps an initializer so that its result comes back as a :class:`Partitioned` box.
@@ -524,18 +531,18 @@ def with_partitioning(
     Returns:
         A function that calls ``fn`` and boxes its result.
     """
-    _check_initializer_args(fn, names, "with_partitioning")
+    axis_names = _check_initializer_args(fn, names, "with_partitioning")
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Partitioned[Any]:
-        return Partitioned(fn(*args, **kwargs), names, mesh=mesh)
+        return Partitioned(fn(*args, **kwargs), axis_names, mesh=mesh)
 
     return wrapper
 
 
 def with_logical_partitioning(
     fn: Callable[..., Any],
-    names: tuple[Any, ...],
+    names: LogicalNames,
     mesh: jax.sharding.Mesh | None = None,
     rules: LogicalRules | None = None,
 ) -> Callable[..., LogicallyPartitioned[Any]]:
@@ -556,13 +563,13 @@ def with_logical_partitioning(
     Returns:
         A function that calls ``fn`` and boxes its result.
     """
-    _check_initializer_args(fn, names, "with_logical_partitioning")
+    axis_names = _check_initializer_args(fn, names, "with_logical_partitioning")
     if rules is not None:
         rules = normalize_rules(rules)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> LogicallyPartitioned[Any]:
-        return LogicallyPartitioned(fn(*args, **kwargs), names, mesh=mesh, rules=rules)
+        return LogicallyPartitioned(fn(*args, **kwargs), axis_names, mesh=mesh, rules=rules)
 
     return wrapper
 

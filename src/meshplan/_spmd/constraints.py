@@ -11,7 +11,14 @@ from jax.sharding import PartitionSpec
 
 from meshplan._errors import UnmatchedLogicalAxisError
 from meshplan._spmd.place import active_mesh, apply_spec
-from meshplan._spmd.rules import UNASSIGNED, LogicalRules, get_logical_axis_rules, resolve
+from meshplan._spmd.rules import (
+    UNASSIGNED,
+    LogicalNames,
+    LogicalRules,
+    LogicalSpecTree,
+    get_logical_axis_rules,
+    resolve,
+)
 
 __all__ = ["RulesFallback", "logical_dot_general", "with_logical_constraint"]
 
@@ -78,7 +85,7 @@ def _constrain_one(
 
 def with_logical_constraint(
     x: T,
-    logical_axis_resources: Any,
+    logical_axis_resources: LogicalSpecTree,
     rules: LogicalRules | None = None,
     mesh: jax.sharding.Mesh | None = None,
     fallback: RulesFallback = RulesFallback.AXIS_IS_UNSHARDED,
@@ -128,7 +135,7 @@ def with_logical_constraint(
 
 
 def explicit_out_sharding(
-    logical_names: Any, rules: LogicalRules | None = None
+    logical_names: LogicalNames | PartitionSpec, rules: LogicalRules | None = None
 ) -> PartitionSpec | None:
     """The mesh spec of ``logical_names`` when the active mesh has Explicit axes, else None.
 
@@ -156,7 +163,9 @@ def explicit_out_sharding(
     return PartitionSpec(*(None if r is UNASSIGNED else r for r in resolved))
 
 
-def logical_dot_general(out_names: Any, rules: LogicalRules | None = None) -> Callable[..., Any]:
+def logical_dot_general(
+    out_names: LogicalNames | PartitionSpec, rules: LogicalRules | None = None
+) -> Callable[..., Any]:
     """A ``dot_general`` for Flax layers whose output is sharded by logical names.
 
     On an Explicit mesh, a contraction over a dimension split in both operands (a

@@ -6,14 +6,21 @@ import dataclasses
 import difflib
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
+from jax.sharding import AbstractMesh, Mesh
 
 from meshplan._errors import MeshError
 from meshplan._text import count_text
 
-__all__ = ["MeshInfo", "axis_names_fix", "mesh_info"]
+__all__ = ["JaxMesh", "MeshInfo", "MeshLike", "axis_names_fix", "mesh_info"]
+
+JaxMesh: TypeAlias = Mesh | AbstractMesh
+"""A JAX mesh: a ``Mesh`` of devices, or an ``AbstractMesh`` of axis names and sizes only."""
+MeshLike: TypeAlias = Mesh | AbstractMesh | Mapping[str, int]
+"""What a plan takes as a mesh: a :data:`JaxMesh`, or a mapping of axis sizes such as
+``{'data': 2, 'model': 4}``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +54,7 @@ class MeshInfo:
         return f"{axes} ({count_text(self.size, 'device')})"
 
 
-def mesh_info(mesh: Any) -> MeshInfo:
+def mesh_info(mesh: MeshLike | MeshInfo) -> MeshInfo:
     """Reads axis names, sizes and device ids from a ``Mesh``, ``AbstractMesh`` or mapping.
 
     Example:

@@ -25,12 +25,14 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshplan._errors import ArgumentError, LogicalNamesError, Problem
+from meshplan._spmd.mesh_info import JaxMesh
 from meshplan._spmd.rules import (
+    LogicalNames,
     LogicalRules,
     bad_entries,
     get_logical_axis_rules,
@@ -39,6 +41,10 @@ from meshplan._spmd.rules import (
     normalize_rules,
 )
 from meshplan._spmd.validate import rank_problem
+
+if TYPE_CHECKING:
+    from flax.nnx.variablelib import VariableMetadata
+    from flax.typing import Initializer
 
 __all__ = [
     "NAME_KEYS",
@@ -214,7 +220,7 @@ def flax_placement(names: Sequence[Any], rules: Sequence[tuple[str, Any]]) -> Pa
 
 
 def nnx_sharding(
-    names: Sequence[Any], rules: LogicalRules | None = None, mesh: Any = None
+    names: LogicalNames, rules: LogicalRules | None = None, mesh: JaxMesh | None = None
 ) -> dict[str, Any]:
     """``flax.nnx.Variable`` metadata that makes Flax place a variable as meshplan's rules do.
 
@@ -262,11 +268,11 @@ def nnx_sharding(
 
 
 def with_nnx_partitioning(
-    initializer: Any,
-    names: Sequence[Any],
+    initializer: Initializer,
+    names: LogicalNames,
     rules: LogicalRules | None = None,
-    mesh: Any = None,
-) -> Callable[..., Any]:
+    mesh: JaxMesh | None = None,
+) -> Callable[..., VariableMetadata[Any]]:
     """Like ``nnx.with_partitioning``, with the names placed by meshplan's rules.
 
     The wrapped initializer returns ``nnx.VariableMetadata`` carrying
@@ -308,7 +314,7 @@ def with_nnx_partitioning(
         raise LogicalNamesError(f"with_nnx_partitioning: {bad.message}.\n{bad.fix}", [bad])
     fixed_rules = None if rules is None else normalize_rules(rules)
 
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> VariableMetadata[Any]:
         metadata = nnx_sharding(names, fixed_rules, mesh)
         return variablelib.VariableMetadata(initializer(*args, **kwargs), metadata=metadata)
 

@@ -9,7 +9,7 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from meshplan._errors import LogicalNamesError, MeshError, error_from_problems
-from meshplan._spmd.mesh_info import mesh_info
+from meshplan._spmd.mesh_info import JaxMesh, mesh_info
 from meshplan._spmd.validate import check_leaf
 
 T = TypeVar("T")
@@ -27,7 +27,7 @@ def _legacy_mesh() -> Mesh | None:
     return None if mesh.empty else mesh
 
 
-def active_mesh() -> Any:
+def active_mesh() -> JaxMesh | None:
     """The mesh in effect: ``jax.set_mesh(...)``'s, else a legacy ``with mesh:``'s, else None.
 
     Example:

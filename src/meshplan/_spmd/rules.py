@@ -20,7 +20,10 @@ from jax.sharding import PartitionSpec
 from meshplan._errors import LogicalNamesError, Problem, RulesError, error_from_problems
 
 __all__ = [
+    "AxisNames",
+    "LogicalNames",
     "LogicalRules",
+    "LogicalSpecTree",
     "MeshAxes",
     "RulePairs",
     "Rules",
@@ -43,7 +46,21 @@ RulePairs: TypeAlias = tuple[tuple[str, MeshAxes], ...]
 LogicalRules: TypeAlias = Sequence[tuple[str, MeshAxes | list[str]]]
 """Rules as a caller gives them: any sequence of pairs (tuples or lists, as Flax takes),
 a :class:`Rules` among them."""
-LogicalNames: TypeAlias = Sequence[str | tuple[str, ...] | Unconstrained | None]
+LogicalNames: TypeAlias = Sequence[str | tuple[str, ...] | list[str] | Unconstrained | None]
+"""One array's axis names as a caller gives them, one entry per dimension: a logical (or
+mesh axis) name, a tuple or list of mesh axes, ``None`` or ``PartitionSpec.UNCONSTRAINED``.
+Flax's ``LogicalNames`` (``tuple[str | None, ...]``) is one."""
+AxisNames: TypeAlias = tuple[MeshAxes, ...]
+"""One array's axis names, normalised (:func:`normalize_names`): a tuple of entries."""
+LogicalSpecTree: TypeAlias = (
+    LogicalNames
+    | PartitionSpec
+    | Mapping[Any, "LogicalSpecTree"]
+    | Sequence["LogicalSpecTree"]
+    | None
+)
+"""A spec per leaf of a tree: :data:`LogicalNames`, a ``PartitionSpec`` or ``None``, or a
+mapping or sequence of those (what ``with_logical_constraint`` takes for a tree)."""
 
 UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
 

@@ -24,10 +24,11 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from meshplan._errors import Problem, Severity
-from meshplan._spmd.mesh_info import MeshInfo, axis_names_fix, mesh_info
+from meshplan._spmd.mesh_info import MeshInfo, MeshLike, axis_names_fix, mesh_info
 from meshplan._spmd.rules import (
     UNASSIGNED,
     UNCONSTRAINED,
+    LogicalNames,
     LogicalRules,
     SkippedRule,
     bad_entries,
@@ -350,8 +351,8 @@ def check_leaf(
 def validate(
     path: str,
     shape: tuple[int, ...] | None,
-    names: Any,
-    mesh: Any,
+    names: LogicalNames | PartitionSpec | None,
+    mesh: MeshLike,
     rules: LogicalRules | None = None,
     *,
     kind: str = "logical",

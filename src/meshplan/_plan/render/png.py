@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from meshplan._plan.render.colors import INK, MUTED, device_colors
 from meshplan._plan.render.png_mesh import draw_memory_bars, draw_mesh, grid_shape
@@ -49,7 +50,7 @@ def _fitted(text: str, width_in: float, size: float) -> str:
 def write_png(
     plan: PlanData,
     problems: Sequence[Problem],
-    path: Any,
+    path: str | os.PathLike[str],
     *,
     top: int = 6,
     title: str | None = None,

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 from meshplan._text import count_text, human_bytes, shape_text
 
 if TYPE_CHECKING:
+    from rich.console import Console, ConsoleOptions, RenderResult
+
     from meshplan._errors import Problem
     from meshplan._plan.plan_data import PlanData
     from meshplan._plan.records import LeafPlan
@@ -94,14 +96,14 @@ class PlanView:
     ) -> None:
         self.plan, self.problems, self.full, self.max_rows = plan, problems, full, max_rows
 
-    def __rich_console__(self, console: Any, options: Any) -> Any:
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         wide = options.max_width >= 150
         yield from _parts(self.plan, self.problems, self.full, self.max_rows, wide=wide)
 
 
 def plan_renderable(
     plan: PlanData, problems: Sequence[Problem], *, full: bool = False, max_rows: int = 24
-) -> Any:
+) -> PlanView:
     """The table of a plan, its totals, and its ``problems``, as one ``rich`` renderable."""
     return PlanView(plan, problems, full, max_rows)
 
