@@ -34,7 +34,7 @@ import os
 import runpy
 from typing import Any
 
-from meshplan._errors import RulesError, bullets, error_from_problems
+from meshplan._errors import MeshplanError, RulesError, bullets, error_for, error_from_problems
 from meshplan._spmd.rules import RulePairs, check_rules
 
 __all__ = [
@@ -342,15 +342,22 @@ def describe_layout(name: str) -> str:
         meshplan.RulesError: Unknown layout 'zero3'. Built-in layouts: ...
     """
     if name not in ALL_LAYOUTS:
-        raise RulesError(
-            f"Unknown layout {name!r}. Built-in layouts: {', '.join(ALL_LAYOUTS)}.\n"
-            f"Pick one of those (meshplan.layouts.list_layouts() describes each)."
+        raise _unknown_layout(
+            name, "Pick one of those (meshplan.layouts.list_layouts() describes each)."
         )
     return _REGISTRY[name][2]
 
 
-def _file_error(path: str, problem: str, fix: str) -> RulesError:
-    return RulesError(f"Cannot read rules from {path!r}: {problem}\n{fix}")
+def _unknown_layout(name: str, fix: str) -> MeshplanError:
+    """A name that is no built-in layout (code ``'unknown-layout'``)."""
+    message = f"Unknown layout {name!r}. Built-in layouts: {', '.join(ALL_LAYOUTS)}"
+    return error_for(RulesError, "unknown-layout", "layout", message, fix)
+
+
+def _file_error(path: str, problem: str, fix: str) -> MeshplanError:
+    """A rules file that cannot be read (code ``'rules-file'``), ``problem`` ending in a stop."""
+    message = f"Cannot read rules from {path!r}: {problem.removesuffix('.')}"
+    return error_for(RulesError, "rules-file", path, message, fix)
 
 
 def _axes_from_json(entry: Any) -> Any:
@@ -439,11 +446,10 @@ def get_layout(name_or_path: str | os.PathLike[str]) -> RulePairs:
         return ALL_LAYOUTS[text]
     is_path = text.endswith((".py", ".json")) or os.sep in text or os.path.exists(text)
     if not is_path:
-        names = ", ".join(ALL_LAYOUTS)
-        raise RulesError(
-            f"Unknown layout {text!r}. Built-in layouts: {names}.\n"
-            f"Pick one of those, or give the path of a .py file defining RULES or of a "
-            f".json file of [name, axes] pairs."
+        raise _unknown_layout(
+            text,
+            "Pick one of those, or give the path of a .py file defining RULES or of a "
+            ".json file of [name, axes] pairs.",
         )
     if not os.path.isfile(text):
         raise _file_error(

@@ -157,6 +157,17 @@ def test_describe_layout_of_an_unknown_name_lists_the_built_in_ones():
     assert all(name in str(info.value) for name in layouts.LAYOUTS)
 
 
+@pytest.mark.parametrize("name", ["zero3", "nope.txt"])
+def test_a_layout_that_cannot_be_had_carries_its_code(name, tmp_path):
+    # callers give their own advice by the code, never by the message's text
+    (tmp_path / "nope.txt").write_text("")
+    expected = "unknown-layout" if name == "zero3" else "rules-file"
+    with pytest.raises(meshplan.RulesError) as info:
+        layouts.get_layout(name if name == "zero3" else str(tmp_path / name))
+    assert [p.code for p in info.value.problems] == [expected]
+    assert str(info.value).count("\n") == 1  # the message, then the fix on its own line
+
+
 def test_guide_layout_is_the_guides_rules():
     assert layouts.get_layout("guide") == (("batch", "data"), ("hidden", "model"))
 

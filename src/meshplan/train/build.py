@@ -97,8 +97,8 @@ def build_parts(
         >>> from meshplan.train.build import build_parts
         >>> from meshplan.train.settings import TrainSettings
         >>> parts = build_parts(TrainSettings(batch=0), {"data": 1}, None, "nope", None)
-        >>> parts.settings_ok, dict(parts.mesh.shape), str(parts.rules_error).split(".")[0]
-        (False, {'data': 1}, "Unknown layout 'nope'")
+        >>> parts.settings_ok, dict(parts.mesh.shape), parts.rules_error.problems[0].code
+        (False, {'data': 1}, 'unknown-layout')
     """
     parts = BuiltParts(settings_ok=not settings.problems())
     if shape is not None:
