@@ -24,7 +24,7 @@ from meshplan._errors import (
 from meshplan._plan.check import check
 from meshplan._plan.explain import explain
 from meshplan._plan.plan import Plan
-from meshplan._search.profiles import HardwareProfile
+from meshplan._search.profiles import HardwareProfile, get_profile, load_profile
 from meshplan._search.rule_search import RuleSearchResult, search_rules
 from meshplan._search.search import SearchResult, search_layouts
 from meshplan._spmd.boxes import (
@@ -88,7 +88,9 @@ __all__ = [
     "explicit_out_sharding",
     "get_logical_axis_rules",
     "get_partition_spec",
+    "get_profile",
     "get_sharding",
+    "load_profile",
     "logical_axis_rules",
     "logical_dot_general",
     "logical_to_mesh",

@@ -18,6 +18,7 @@ __all__ = [
     "axes_text",
     "count_text",
     "human_bytes",
+    "human_seconds",
     "path_text",
     "paths_text",
     "rule_text",
@@ -38,6 +39,17 @@ def human_bytes(n: float) -> str:
             return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     raise AssertionError  # pragma: no cover
+
+
+def human_seconds(s: float) -> str:
+    """A duration for people, three decimals in seconds or milliseconds: ``'0.079 ms'``.
+
+    Example:
+        >>> from meshplan._text import human_seconds
+        >>> human_seconds(2.0), human_seconds(7.9e-5)
+        ('2.000 s', '0.079 ms')
+    """
+    return f"{s:.3f} s" if s >= 1 or s == 0 else f"{s * 1e3:.3f} ms"
 
 
 def shape_text(shape: tuple[int, ...] | None) -> str:

@@ -41,6 +41,15 @@ FACTORY = textwrap.dedent(
 
         return Net(), (images, labels), loss
 
+    def trainable():  # the four-value form meshplan train takes
+        import numpy as np
+
+        def batches(split, index):
+            return np.random.default_rng(index).normal(size=(32, 64)).astype(np.float32)
+
+        model, batch, loss = linen()
+        return model, batch, loss, batches
+
     def step():
         state, step_fn, batch = linen_step()
         return state, step_fn, batch
@@ -123,7 +132,7 @@ def test_table_counts_rejections_and_the_command(here, capsys):
     assert "predicted" in out and "all-reduce" in out and "memory/device" in out
     assert "1x8 data,model tensor_parallel: invalid: dim 2 ('heads') of size 4" in out
     assert "candidates: enumerated " in out and "scored" in out and "compiled 0" in out
-    assert "train it:  meshplan train --mesh " in out
+    assert "train it, after --rules-out rules.json:  meshplan train --mesh " in out
     assert "--size tiny --batch 8 --seq 16" in out
 
 
@@ -179,6 +188,17 @@ def test_factory_models_search_and_plan(here, capsys, factory):
     plan = json.loads(capsys.readouterr().out)
     specs = {leaf["path"]: leaf["spec"] for leaf in plan["plan"]["leaves"]}
     assert specs["params/Dense_0/kernel"] == ["data", "model"]  # fsdp_tp by default
+
+
+def test_a_trainable_factory_gets_its_train_command(here, capsys):
+    data = search_json(
+        capsys, "--model", "usermodels:trainable", "--profile", "h100", "--top-k", "0",
+        "--rules-out", "r.json",
+    )  # fmt: skip
+    command = shlex.split(data["train_command"])
+    assert command[:2] == ["meshplan", "train"]
+    assert command[command.index("--model") + 1] == "usermodels:trainable"
+    assert command[command.index("--rules") + 1] == "r.json" and "--size" not in command
 
 
 def test_a_factory_rules_file_plans_on_three_axes(here, capsys):

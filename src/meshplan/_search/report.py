@@ -12,7 +12,7 @@ from typing import Any
 
 from meshplan._search.cost import Cost
 from meshplan._search.profiles import HardwareProfile
-from meshplan._text import human_bytes
+from meshplan._text import human_bytes, human_seconds
 
 __all__ = ["prediction_fields", "prediction_lines"]
 
@@ -68,15 +68,16 @@ def prediction_lines(fields: dict[str, Any]) -> list[str]:
         >>> from meshplan._search.report import prediction_fields, prediction_lines
         >>> c = Cost(2.0, 1.5, 0.1, 0.4, 2e14, {}, {}, 4 << 30, 6 << 30, 10, 1 << 30, 0, 1.0)
         >>> print("\\n".join(prediction_lines(prediction_fields(c, 1 << 20, 256, get_profile("tpu_v5e"), 16 << 30))))
-        predicted step 2.000 s on 256 tpu_v5e (compute 1.500 s, memory traffic 0.100 s, exposed communication 0.400 s of 1.000 s)
+        predicted step 2.000 s on 256 tpu_v5e (compute 1.500 s, memory traffic 100.000 ms, exposed communication 400.000 ms of 1.000 s)
         throughput 524,288 tokens/s · MFU 50.8% (traced matmul FLOPs, recomputation included)
         memory/device 11.00 GiB of 16.00 GiB (fits): state 4.00 GiB, batch 0 B, activations 6.00 GiB, temporaries 1.00 GiB
     """
     f = fields
     lines = [
-        f"predicted step {f['predicted_step_s']:.3f} s on {f['devices']} {f['profile']} "
-        f"(compute {f['compute_s']:.3f} s, memory traffic {f['memory_s']:.3f} s, exposed "
-        f"communication {f['comm_s']:.3f} s of {f['comm_total_s']:.3f} s)"
+        f"predicted step {human_seconds(f['predicted_step_s'])} on {f['devices']} "
+        f"{f['profile']} (compute {human_seconds(f['compute_s'])}, memory traffic "
+        f"{human_seconds(f['memory_s'])}, exposed communication {human_seconds(f['comm_s'])} "
+        f"of {human_seconds(f['comm_total_s'])})"
     ]
     tps = "-" if f["tokens_per_s"] is None else f"{f['tokens_per_s']:,.0f}"
     mfu = "-" if f["mfu"] is None else f"{f['mfu']:.1%}"

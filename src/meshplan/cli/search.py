@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from meshplan._errors import MeshError, MeshplanError
+from meshplan._text import human_seconds
 from meshplan.cli.devices import PLATFORMS, use_cpu_backend
 from meshplan.cli.factory import is_factory, load_factory
 from meshplan.cli.output import print_error, say
@@ -277,9 +278,11 @@ def train_command(row: Any, rules_path: str = "rules.json") -> str:
     return f"meshplan train --mesh {row.mesh_text} --axes {row.axes_text} --rules {rules_path}"
 
 
-def _train_command(args: argparse.Namespace, result: Any) -> tuple[str | None, Path | None]:
+def _train_command(
+    args: argparse.Namespace, result: Any, trainable: bool
+) -> tuple[str | None, Path | None]:
     """Writes the best row's rules (only with ``--rules-out``); its ``meshplan train`` command
-    for the Transformers (naming ``rules.json`` when nothing was written)."""
+    for a model ``meshplan train`` trains (naming ``rules.json`` when nothing was written)."""
     best = result.best
     if best is None:
         return None, None
@@ -289,10 +292,11 @@ def _train_command(args: argparse.Namespace, result: Any) -> tuple[str | None, P
             path.parent.mkdir(parents=True, exist_ok=True)
         best.write_rules(str(path))
     command = train_command(best, str(path or "rules.json"))
-    if not args.model.startswith("transformer"):
+    if not trainable:
         return None, path
     extra = [] if args.model == "transformer" else ["--model", args.model]
-    extra += ["--size", args.size, "--batch", str(args.batch), "--seq", str(args.seq)]
+    if not is_factory(args.model):  # a factory's own batches set the batch and the sequence
+        extra += ["--size", args.size, "--batch", str(args.batch), "--seq", str(args.seq)]
     return f"{command} {' '.join(extra)}", path
 
 
@@ -324,7 +328,7 @@ def _table(result: Any, rows: int) -> Table:
         tps = "-" if f["tokens_per_s"] is None else f"{f['tokens_per_s']:,.0f}"
         mfu = "-" if f["mfu"] is None else f"{f['mfu']:.1%}"
         table.add_row(
-            str(r.rank), r.mesh_text, r.axes_text, _seconds(c.step_s), measured, tps, mfu,
+            str(r.rank), r.mesh_text, r.axes_text, human_seconds(c.step_s), measured, tps, mfu,
             human_bytes(c.state_bytes), human_bytes(c.activation_bytes),
             human_bytes(c.temporary_bytes + c.batch_bytes),
             f"{human_bytes(c.memory_bytes)} / {human_bytes(result.budget_bytes)}",
@@ -332,10 +336,6 @@ def _table(result: Any, rows: int) -> Table:
             r.short_rules, r.layout if r.layout != "searched" else "",
         )  # fmt: skip
     return table
-
-
-def _seconds(s: float) -> str:
-    return f"{s:.3f} s" if s >= 1 else f"{s * 1e3:.3f} ms"
 
 
 def _counts_line(result: Any, top_k: int) -> str:
@@ -356,17 +356,23 @@ def _counts_line(result: Any, top_k: int) -> str:
     return line
 
 
-def _load(args: argparse.Namespace) -> tuple[str, Any, Any, Any]:
-    """``(what, abstract_state, step_fn, example_batch)`` of ``--model``."""
+def _load(args: argparse.Namespace) -> tuple[str, Any, Any, Any, bool]:
+    """``(what, abstract_state, step_fn, example_batch, trainable)`` of ``--model``:
+    ``trainable`` when ``meshplan train`` trains it (the example Transformers, and a factory
+    of the four-value form)."""
     if is_factory(args.model):
         loaded = load_factory(args.model)
-        return loaded.what, loaded.abstract_state, loaded.step_fn, loaded.example_batch
+        return (
+            loaded.what, loaded.abstract_state, loaded.step_fn, loaded.example_batch,
+            loaded.trainable is not None,
+        )  # fmt: skip
     built = example_of(args)
     return (
         built.what,
         built.model.abstract_state(),
         built.model.step,
         built.batch(args.batch, getattr(args, "seq", None) or 0),
+        args.model.startswith("transformer"),
     )
 
 
@@ -402,7 +408,7 @@ def run(args: argparse.Namespace) -> int:
         if args.layouts:
             names = [n.strip() for n in args.layouts.split(",") if n.strip()]
             layouts = {name: get_layout(name) for name in names}
-        what, state, step, batch = _load(args)
+        what, state, step, batch, trainable = _load(args)
         roles = tuple(args.axes) if args.axes else ROLES
         result = meshplan.search_rules(
             args.devices, state, step, batch,
@@ -411,7 +417,7 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
         if args.axes:
             _rename(result, args.axes)
-        command, path = _train_command(args, result)
+        command, path = _train_command(args, result, trainable)
     except (MeshplanError, OSError) as e:
         print_error(e, err)
         return 2
@@ -459,15 +465,17 @@ def _print(
     say(
         out, ("best: ", "bold"),
         f"{best.mesh_text} {best.axes_text} {best.short_rules} · predicted "
-        f"{_seconds(best.cost.step_s)}/step, {human_bytes(best.cost.memory_bytes)}/device",
+        f"{human_seconds(best.cost.step_s)}/step, {human_bytes(best.cost.memory_bytes)}/device",
     )  # fmt: skip
     if path is None:
         say(out, "rules not written: pass --rules-out PATH to write them (JSON)")
         path = Path("rules.json")
+        train_it = "train it, after --rules-out rules.json:  "
     else:
         say(out, f"rules written to {path}")
+        train_it = "train it:  "
     if command is not None:
-        say(out, "train it:  ", (command, "bold"))
+        say(out, train_it, (command, "bold"))
     else:
         say(
             out,
