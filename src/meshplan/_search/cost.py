@@ -357,11 +357,12 @@ def predict_specs(
     flops, compute_s = 0.0, 0.0
     by_kind: dict[str, int] = {}
     by_axis: dict[str, int] = {}
-    gathers: dict[Any, list[Any]] = {}  # key -> [kind, axes, bytes, count, dots]
+    gathers: dict[Any, list[Any]] = {}  # key -> [kind, axes, bytes, count, dots, trips]
     dependent: list[tuple[str, tuple[str, ...], int, int]] = []
     independent: dict[tuple[str, tuple[str, ...], int], int] = {}
     gathered_extra: dict[Dot, dict[Any, int]] = {}
     for dot, count in workload.dots.items():
+        trips = workload.trips(dot)  # runs in sequence; count / trips appear side by side
         f, colls, out_bytes = _dot_cost_cached(dot, specs, profile.reduce_scatter, cache)
         flops += f * count
         score = fused and dot in workload.score_dots
@@ -373,12 +374,13 @@ def predict_specs(
         extra: dict[Any, int] = {}  # gathered arrays: the bytes each adds on a device
         for kind, axes, nbytes, key in colls:
             if key is not None:
-                g = gathers.setdefault(key, [kind, axes, nbytes, 0, 0])
+                g = gathers.setdefault(key, [kind, axes, nbytes, 0, 0, 0])
                 g[3] = max(g[3], count)
                 g[4] += 1
+                g[5] = max(g[5], trips)
                 extra[key] = nbytes * (math.prod(sizes[a] for a in axes) - 1)
-            elif _independent(kind, key, dot):
-                k = (kind, axes, count)
+            elif _independent(kind, key, dot):  # combined with those of the same trips
+                k = (kind, axes, trips)
                 independent[k] = independent.get(k, 0) + nbytes * count
             else:
                 dependent.append((kind, axes, nbytes, count))
@@ -390,19 +392,19 @@ def predict_specs(
         src = [taken[order.index(i)] for i in range(len(shape))]
         for kind, axes in reshard_collectives(src, specs(after, len(shape))):
             dependent.append((kind, axes, nbytes, count))
-    for key, (kind, axes, nbytes, count, ndots) in gathers.items():
+    for key, (kind, axes, nbytes, count, ndots, trips) in gathers.items():
         passes = min(2, ndots) if profile.regather else 1  # forward, again for the backward
         if "batch" in (key[0] or ()):
             dependent.append((kind, axes, nbytes, count * passes))
         else:
-            k = (kind, axes, count * passes)
+            k = (kind, axes, trips * passes)
             independent[k] = independent.get(k, 0) + nbytes * count * passes
     n_coll, exposed, hidden = 0, 0.0, 0.0
     for kind, axes, nbytes, count in dependent:
         exposed += count * collective_time(profile, kind, sizes, axes, nbytes)
         n_coll += count
         _tally(by_kind, by_axis, kind, axes, nbytes * count)
-    for (kind, axes, count), nbytes in independent.items():
+    for (kind, axes, count), nbytes in independent.items():  # count: runs in sequence
         per_run = nbytes / count if count else nbytes
         groups = max(1, math.ceil(per_run / profile.combine_bytes)) if profile.combine_bytes else 0
         if groups:  # combined: one latency per group, the bandwidth term for all the bytes

@@ -91,6 +91,7 @@ class Workload:
     batch arrays (names, shape, itemsize); ``tokens``: tokens (or examples) per step,
     ``tokens_unit`` says which (``'tokens'`` when the first batch array holds integer
     token ids);
+    ``dot_trips``: ``{Dot: trips}``, the loop trips of one run (:meth:`trips`);
     ``reshards``: ``{(names before, names after, shape, itemsize): count}`` of the
     model's logical constraints that rename a value (the dispatch of a mixture of
     experts: ``('batch', ..., 'embed')`` to ``('expert', 'expert_batch', ...)``), which
@@ -112,6 +113,13 @@ class Workload:
     )
     memory_kept: Any = None
     tokens_unit: ThroughputUnit = "examples"
+    dot_trips: dict[Dot, int] = dataclasses.field(default_factory=dict)
+
+    def trips(self, dot: Dot) -> int:
+        """How many times one run of ``dot`` repeats in sequence: the trips of the loops
+        around it (``dots[dot]`` divided by this is how often it appears in the unrolled
+        program, runs whose collectives XLA may combine). Its count where not traced."""
+        return self.dot_trips.get(dot, self.dots.get(dot, 1))
 
     @property
     def flops(self) -> int:
@@ -199,6 +207,7 @@ def dedupe(names: Names) -> Names:
 class _Walker:
     def __init__(self) -> None:
         self.dots: dict[Dot, int] = {}
+        self.dot_trips: dict[Dot, int] = {}  # the loop trips of one run of a dot
         self.traffic: dict[tuple[Names, tuple[int, ...], bool], int] = {}
         self.seen: dict[str, None] = {}
         self.var_names: dict[Any, Names] = {}
@@ -302,6 +311,7 @@ class _Walker:
         """Gives each dot whose output a constraint names otherwise (its buffer's names,
         known once the walk is done) those names as ``out_names``."""
         dots: dict[Dot, int] = {}
+        trips: dict[Dot, int] = {}
         for key, out, dot, times in self.dot_runs:
             names = self.buffer_names.get(out)
             if names is not None and names != self.var_names.get(out):
@@ -310,7 +320,8 @@ class _Walker:
                     self.score_dots.add(named)
                 dot = self.dot_by_eqn[key] = named
             dots[dot] = dots.get(dot, 0) + times
-        self.dots = dots
+            trips[dot] = max(trips.get(dot, 0), times)
+        self.dots, self.dot_trips = dots, trips
 
     def buffer(self, v: Any) -> Names | None:
         """The names of ``v``'s buffer, where a constraint renamed it (else ``None``)."""
@@ -344,6 +355,7 @@ class _Walker:
                       (tuple(lb), tuple(rb)), _itemsize(eqn.outvars[0].aval),
                       _itemsize(eqn.invars[0].aval), _itemsize(eqn.invars[1].aval))  # fmt: skip
             self.dots[dot] = self.dots.get(dot, 0) + times
+            self.dot_trips[dot] = max(self.dot_trips.get(dot, 0), times)
             self.dot_by_eqn[id(eqn)] = dot
             self.dot_runs.append((id(eqn), eqn.outvars[0], dot, times))
             if self._is_score_dot(eqn, ins):
@@ -674,4 +686,5 @@ def trace_workload(
     return Workload(
         walker.dots, walker.traffic, state, tuple(walker.seen), batch, params, programs[0],
         frozenset(walker.score_dots), batch_state, tokens, walker.reshards, programs[1], unit,
+        walker.dot_trips,
     )  # fmt: skip

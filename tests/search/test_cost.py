@@ -1,0 +1,77 @@
+"""The cost model's collective mechanisms: combining, and what cannot be combined."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import meshplan
+from meshplan._search.cost import predict
+from meshplan._search.profiles import get_profile
+from meshplan._search.trace import trace_workload
+
+DEPTH = 12
+WIDTH = 64
+DATA = (("batch", "data"),)
+
+
+def _weights(depth: int):
+    w = jax.ShapeDtypeStruct((WIDTH, WIDTH), jnp.float32)
+    return {f"w{i}": meshplan.LogicallyPartitioned(w, ("embed", "mlp")) for i in range(depth)}
+
+
+def _unrolled(state, x):
+    def loss(ws):
+        h = x
+        for i in range(len(ws)):
+            h = jnp.tanh(h @ ws[f"w{i}"])
+        return (h**2).sum()
+
+    return jax.grad(loss)({k: v.value for k, v in state.items()})
+
+
+def _scanned(state, x):
+    def loss(w):
+        def layer(h, wi):
+            return jnp.tanh(h @ wi), None
+
+        return (jax.lax.scan(layer, x, w)[0] ** 2).sum()
+
+    return jax.grad(loss)(state["w"].value)
+
+
+def _batch():
+    return jax.ShapeDtypeStruct((16, WIDTH), jnp.float32)
+
+
+def test_unrolled_layers_gradient_all_reduces_are_combined_into_one():
+    work = trace_workload(_unrolled, _weights(DEPTH), _batch())
+    one = trace_workload(_unrolled, _weights(1), _batch())
+    profile = get_profile("h100")
+    deep = predict(work, {"data": 8}, DATA, profile)
+    shallow = predict(one, {"data": 8}, DATA, profile)
+    assert deep.comm_bytes["all-reduce"] == DEPTH * shallow.comm_bytes["all-reduce"]
+    # 12 small gradients, independent of each other: XLA's combiner makes one all-reduce.
+    assert deep.collectives == shallow.collectives == 1
+    assert deep.comm_total_s < 2 * shallow.comm_total_s  # one latency, not twelve
+
+
+def test_scanned_layers_all_reduce_once_per_trip():
+    stacked = jax.ShapeDtypeStruct((DEPTH, WIDTH, WIDTH), jnp.float32)
+    state = {"w": meshplan.LogicallyPartitioned(stacked, ("layer", "embed", "mlp"))}
+    work = trace_workload(_scanned, state, _batch())
+    cost = predict(work, {"data": 8}, DATA, get_profile("h100"))
+    # A loop's trips run one after another: their collectives cannot be combined.
+    assert cost.collectives == DEPTH
+
+
+@pytest.mark.parametrize("profile", ["h100", "tpu_v5e"])
+def test_data_parallel_beats_tensor_parallel_for_a_small_unrolled_model(profile):
+    work = trace_workload(
+        _unrolled, _weights(DEPTH), jax.ShapeDtypeStruct((256, WIDTH), jnp.float32)
+    )
+    p = get_profile(profile)
+    dp = predict(work, {"data": 8}, DATA, p)
+    tp = predict(work, {"tensor": 8}, (("mlp", "tensor"),), p)
+    assert dp.step_s < tp.step_s, (dp, tp)
