@@ -9,6 +9,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import meshplan
 from meshplan._search.cost import predict
@@ -112,3 +113,37 @@ def test_a_scanned_layer_gathers_all_its_weights_at_once():
     assert got.temporaries == 100 + 10 + 7  # the layer's weights, and dot0's activation
     outside = dataclasses.replace(program, scope=np.array([-1, -1, -1]))
     assert peak(outside, lambda c: 1, gathered).temporaries == 107  # only the running matmul's
+
+
+def test_a_recomputed_transient_is_not_counted_with_the_value_kept_to_recompute_it():
+    # v = 2·(x @ w) is read whole by two matmuls; recomputing it would keep x @ w alive for
+    # it, as large as v: XLA keeps v once, so at the second matmul v, the first's product and
+    # its own are alive (three [64, 64] buffers), not x @ w as well.
+    from meshplan._search.memory import build, peak
+
+    def f(w, u, x):
+        v = 2.0 * (x @ w)
+        return v @ u + v @ w
+
+    ones = jnp.ones((64, 64), F32)
+    j = jax.make_jaxpr(f)(ones, ones, ones)
+    got = peak(build(j.jaxpr, {}, set(), id), lambda c: int(np.prod(c[1])) * c[2])
+    assert got.total == 3 * 64 * 64 * 4
+
+
+def test_a_matmul_whose_operands_claim_one_axis_gathers_the_smaller_operand():
+    # A weight gradient dW[embed, mlp] = dz[batch, embed]ᵀ · h[batch, mlp] with both free
+    # dimensions on tensor: XLA shards the output as the larger operand (h) and gathers dz.
+    from meshplan._search.cost import _dot_cost, _Specs
+    from meshplan._search.trace import Dot
+
+    dot = Dot(("batch", "embed"), ("batch", "mlp"), (64, 128), (64, 512), ((0,), (0,)),
+              ((), ()), 4, 4, 4)  # fmt: skip
+    specs = _Specs({"tensor": 4}, (("embed", "tensor"), ("mlp", "tensor")))
+    _, colls, _ = _dot_cost(dot, specs)
+    gathers = [(key[0], axes) for kind, axes, _, key in colls if kind == "all-gather"]
+    assert gathers == [(("batch", "embed"), ("tensor",))]
+    swapped = dataclasses.replace(dot, lhs_names=dot.rhs_names, rhs_names=dot.lhs_names,
+                                  lhs_shape=dot.rhs_shape, rhs_shape=dot.lhs_shape)  # fmt: skip
+    _, colls, _ = _dot_cost(swapped, specs)
+    assert [key[0] for kind, _, _, key in colls if kind == "all-gather"] == [("batch", "embed")]

@@ -187,6 +187,31 @@ def _read_whole(body: Any, k: int) -> bool:
     )
 
 
+def _whole_reads(jaxpr: Any, alias: Mapping[Any, Any]) -> dict[Any, list[int]]:
+    """``{value: the equations of jaxpr that read it whole}``, in order: the reads that
+    need it in memory (a matmul's operand, a loop's input), not those fused with it
+    (elementwise ops, reductions), nor its sharding constraints."""
+    out: dict[Any, list[int]] = {}
+    whole: dict[tuple[int, int], bool] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive.name in _FUSES_OPERANDS or is_alias(eqn):
+            continue
+        body = call_body(eqn)
+        for k, u in enumerate(eqn.invars):
+            if isinstance(u, Literal):
+                continue
+            if body is not None:
+                key = (id(body), k)
+                if key not in whole:
+                    whole[key] = _read_whole(body, k)
+                if not whole[key]:
+                    continue
+            reads = out.setdefault(alias.get(u, u), [])
+            if not reads or reads[-1] != i:
+                reads.append(i)
+    return out
+
+
 def recompute_sources(
     jaxpr: Any, cache: dict[int, Any] | None = None, direct: bool = False
 ) -> dict[Any, frozenset[Any]]:
@@ -276,7 +301,7 @@ class _Builder:
         ``skip``: variables not counted (inputs and outputs held by an outer buffer)."""
         alias = aliases(jaxpr)  # a constraint's value is its input's buffer
         skip = skip | {alias[v] for v in skip if v in alias}
-        last: dict[Any, int] = {}
+        last: dict[Any, float] = {}
         n = len(jaxpr.eqns)
         for i, eqn in enumerate(jaxpr.eqns):
             if is_alias(eqn):
@@ -307,7 +332,9 @@ class _Builder:
                 if c is not None and v in last:
                     outs[v] = c
             here_long, here_short = dict(long), dict(short)
-            for c in alive.values():
+            for v, c in alive.items():
+                if last[v] < i:  # a recomputed value's source, freed once it was recomputed
+                    continue
                 target = here_long if top else here_short
                 target[c] = target.get(c, 0) + 1
             if prim not in _FUSES_OPERANDS:  # a recomputed operand exists while it is read
@@ -343,7 +370,7 @@ class _Builder:
             alive.update(outs)
 
     def _recomputed(
-        self, jaxpr: Any, alias: Mapping[Any, Any], last: dict[Any, int], skip: set[Any]
+        self, jaxpr: Any, alias: Mapping[Any, Any], last: dict[Any, float], skip: set[Any]
     ) -> set[Any]:
         """The values of ``jaxpr`` XLA recomputes where they are used instead of keeping
         them (:func:`recompute_sources`): those whose sources are in memory (kept by XLA, or
@@ -352,6 +379,7 @@ class _Builder:
         out: set[Any] = set()
         if not self.recompute:
             return out
+        whole = _whole_reads(jaxpr, alias)
         held: dict[Any, frozenset[Any]] = {}  # a recomputed value: the kept values it needs
         for v, operands in recompute_sources(jaxpr, self.sources, direct=True).items():
             sources = frozenset().union(*(held.get(u, frozenset({u})) for u in operands))
@@ -363,10 +391,14 @@ class _Builder:
             if self.materialized is not None and any(x not in self.materialized for x in inner):
                 continue  # a source fused away: not in memory to recompute from
             late = [x for x in inner if last.get(x, -1) < last[v]]
-            if sum(map(_nbytes, late)) > _nbytes(v):
-                continue
+            extra, reads = sum(map(_nbytes, late)), whole.get(v, [])
+            if extra > _nbytes(v) or (late and reads and extra == _nbytes(v)):
+                continue  # keeping its sources would cost more, or as much and its reads more
+            # Read whole last (a matmul's operand), the value is recomputed just before that
+            # read and exists during it: its sources, if kept only for it, are freed by then.
+            until = last[v] - 0.5 if reads and reads[-1] == last[v] else last[v]
             for x in late:
-                last[x] = last[v]
+                last[x] = max(last.get(x, -1), until)
             out.add(v)
             held[v] = sources
         return out
