@@ -1,5 +1,5 @@
-"""Runs before JAX is imported anywhere in the test session: 8 emulated CPU devices, and
-one compilation cache for the session.
+"""Runs before JAX is imported anywhere in the test session: 8 emulated CPU devices, quick
+CPU code generation, and one compilation cache for the session.
 
 The cache is JAX's persistent compilation cache in a fresh temporary folder, shared by the
 pytest workers and by the ``meshplan`` processes the tests start: a program compiled once
@@ -13,9 +13,15 @@ import os
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+# CPU code generation at LLVM's lowest optimisation level: the programs are the ones users
+# get (the same HLO, SPMD partitioning and buffer assignment; tests/search/test_memory.py reads
+# memory_analysis()), only their machine code is less optimised, which the tests' tiny models
+# do not notice, and a train step compiles in half the time (a sharded init in a quarter).
+# Processes the tests start keep it (tests/child_env.py drops only the device count).
+_flags = os.environ.get("XLA_FLAGS", "")
+if "--xla_backend_optimization_level" not in _flags:
+    _flags += " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # pytest workers inherit the folder

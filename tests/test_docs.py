@@ -38,7 +38,6 @@ import doctest
 import importlib
 import io
 import json
-import os
 import re
 import subprocess
 import sys
@@ -49,6 +48,7 @@ from typing import Any
 
 import pytest
 
+from child_env import fresh_env
 from docblocks import SHELL, Block, Command, blocks_of, commands_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,8 +93,7 @@ def cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     As a reader's shell runs them: without the test session's XLA_FLAGS (the command sets
     its own from --devices, and its messages differ when the user's XLA_FLAGS set the count).
     """
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = fresh_env(JAX_PLATFORMS="cpu")
     return subprocess.run(
         [sys.executable, "-m", "meshplan.cli", *args],
         cwd=cwd,

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import meshplan
+from child_env import fresh_env
 from meshplan._checkpoint.folder import complete_steps, read_metadata
 from meshplan._checkpoint.integrity import check_step, intact_step, step_directory
 from meshplan._checkpoint.lock import LOCK_NAME, read_lock
@@ -37,8 +38,7 @@ SRC = os.path.join(
 
 def _run(code: str, *args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
     """Runs ``code`` in a fresh Python on one CPU device; returns the result and its wall time."""
-    env = {**os.environ, "PYTHONPATH": SRC, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = fresh_env(PYTHONPATH=SRC, JAX_PLATFORMS="cpu")
     start = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code), *args],
@@ -370,8 +370,7 @@ time.sleep(120)
 
 
 def _hold(folder, how="sleep"):
-    env = {**os.environ, "PYTHONPATH": SRC, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = fresh_env(PYTHONPATH=SRC, JAX_PLATFORMS="cpu")
     child = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(_HOLDER), str(folder), how],
         stdout=subprocess.PIPE,

@@ -15,6 +15,7 @@ import time
 import pytest
 
 import meshplan
+from child_env import fresh_env
 from meshplan import cli
 from meshplan.cli.app import build_parser
 from meshplan.cli.devices import MAX_CPU_DEVICES, check_device_count, use_cpu_devices
@@ -25,9 +26,7 @@ _FLAG = "--xla_force_host_platform_device_count"
 
 def _fresh_env(**extra: str) -> dict[str, str]:
     """The environment of a fresh process that sets its own device count."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env.update(extra)
-    return env
+    return fresh_env("JAX_PLATFORMS", **extra)
 
 
 def _refused(args: list[str], capsys) -> str:

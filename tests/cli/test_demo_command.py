@@ -1,16 +1,17 @@
 """`meshplan demo` runs the whole workflow from the command line."""
 
-import os
 import subprocess
 import sys
 
 import pytest
 
+from child_env import fresh_env
+
 pytestmark = pytest.mark.slow  # each test here takes seconds: processes or long compiles
 
 
 def test_demo_command_runs_every_step_and_restores_onto_another_mesh():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = fresh_env()
     out = subprocess.run(
         [sys.executable, "-m", "meshplan.cli", "demo", "--depth", "128", "--steps", "1"],
         capture_output=True,

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 
 import pytest
 
+from child_env import fresh_env
 from meshplan import cli
 from meshplan.cli.mesh_text import parse_mesh_shape
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """``python -m meshplan.cli plan ...`` in a fresh process (its own device count)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = fresh_env("JAX_PLATFORMS")
     env["COLUMNS"] = "200"
     return subprocess.run(
         [sys.executable, "-m", "meshplan.cli", "plan", *args],

@@ -6,7 +6,6 @@ The steps are :mod:`meshplan.examples.workflow_nnx`; ``meshplan demo --nnx`` run
 from __future__ import annotations
 
 import itertools
-import os
 import subprocess
 import sys
 
@@ -18,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshplan
+from child_env import fresh_env
 from meshplan.examples import workflow_nnx as wf
 
 DEPTH = 64  # the guide's 1024, smaller: the same shardings, faster
@@ -215,7 +215,7 @@ def test_logical_variant_on_an_explicit_mesh(auto_mesh, explicit_mesh):
 
 @pytest.mark.slow
 def test_demo_nnx_runs_every_step_of_the_guide():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = fresh_env()
     command = ["demo", "--nnx", "--depth", "128", "--layers", "2", "--steps", "3"]
     out = subprocess.run(
         [sys.executable, "-m", "meshplan.cli", *command],
