@@ -193,23 +193,32 @@ def _signature(
     leaves: Leaves,
     batch_names: Names,
     specs: _Specs | None = None,
+    positions: dict[Any, dict[str, tuple[tuple[int, int], ...]]] | None = None,
 ) -> tuple[Any, ...]:
     """What makes two candidates the same: where each mesh axis splits the state's arrays
     and the batch (dimension by dimension), whatever its name. Axes that split the same
     dimensions are one axis of their product (merged) unless the profile's links differ
-    by position (``hierarchical``: then mesh order counts too)."""
+    by position (``hierarchical``: then mesh order counts too). ``positions``: where each
+    axis splits, by rules, shared by the candidates of a search (the sizes do not change
+    it where every axis the rules name splits)."""
     specs = specs if specs is not None else _Specs(c.mesh, c.rules)
-    where: dict[str, list[tuple[int, int]]] = {a: [] for a, s in c.mesh.items() if s > 1}
-    arrays = [*leaves, (batch_names, (0,) * len(batch_names))]
-    for i, (names, shape) in enumerate(arrays):
-        for d, axes in enumerate(specs(names, len(shape))):
-            for a in axes:
-                where[a].append((i, d))
+    at = positions.get(c.rules) if positions is not None and specs.every_axis_splits else None
+    if at is None:
+        found: dict[str, list[tuple[int, int]]] = {}
+        arrays = [*leaves, (batch_names, (0,) * len(batch_names))]
+        for i, (names, shape) in enumerate(arrays):
+            for d, axes in enumerate(specs(names, len(shape))):
+                for a in axes:
+                    found.setdefault(a, []).append((i, d))
+        at = {a: tuple(w) for a, w in found.items()}
+        if positions is not None and specs.every_axis_splits:
+            positions[c.rules] = at
+    where = {a: at.get(a, ()) for a, s in c.mesh.items() if s > 1}
     if hierarchical:
-        return tuple((c.mesh[a], tuple(w)) for a, w in where.items())
+        return tuple((c.mesh[a], w) for a, w in where.items())
     merged: dict[tuple[tuple[int, int], ...], int] = {}
     for a, w in where.items():
-        merged[tuple(w)] = merged.get(tuple(w), 1) * c.mesh[a]
+        merged[w] = merged.get(w, 1) * c.mesh[a]
     return tuple(sorted((size, w) for w, size in merged.items()))
 
 
@@ -304,8 +313,10 @@ def _prune(
     acts: Names,
     specs: _Specs | None = None,
     checks: _Checks | None = None,
+    used_axes: dict[Any, set[str]] | None = None,
 ) -> str | None:
-    """Why the validator (or an idle axis) rejects ``c``, or ``None``.
+    """Why the validator (or an idle axis) rejects ``c``, or ``None``. ``used_axes``: the
+    axes each rules split, shared by the candidates of a search.
 
     A fast divisibility pass finds the leaf to ask :func:`meshplan.validate` about; rules
     naming axes the mesh lacks (given layouts) are asked about for every leaf. With
@@ -327,9 +338,13 @@ def _prune(
             error = _ask(checks, "batch", shape, batch_names, c, fast)
             if error is not None:
                 return f"batch: {error}"
-    used = {a for names, shape in leaves for axes in specs(names, len(shape)) for a in axes}
-    used |= {a for axes in specs(batch_names, len(batch_names)) for a in axes}
-    used |= {a for axes in specs(acts, len(acts)) for a in axes}
+    used = used_axes.get(c.rules) if used_axes is not None and specs.every_axis_splits else None
+    if used is None:
+        used = {a for names, shape in leaves for axes in specs(names, len(shape)) for a in axes}
+        used |= {a for axes in specs(batch_names, len(batch_names)) for a in axes}
+        used |= {a for axes in specs(acts, len(acts)) for a in axes}
+        if used_axes is not None and specs.every_axis_splits:
+            used_axes[c.rules] = used
     idle = [a for a, s in c.mesh.items() if s > 1 and a not in used]
     if idle:
         return f"idle: mesh axis {idle[0]!r} ({c.mesh[idle[0]]}) splits nothing"
@@ -454,17 +469,23 @@ def search_rules(
     checks = _Checks()
     dot_cache: DotCache = {}  # matmul costs, shared by the candidates with the same splits
     resolved: Resolved = {}  # arrays' resolutions, shared by the candidates with the same rules
+    # What depends on the rules alone (every axis they name splits), shared by the many
+    # mesh shapes of the same axes: each array's spec, where each axis splits, the axes used.
+    by_rules: dict[Any, dict[Names, Any]] = {}
+    positions: dict[Any, dict[str, tuple[tuple[int, int], ...]]] = {}
+    used_axes: dict[Any, set[str]] = {}
     for c in candidates:
         row = SearchRow(c.mesh, c.rules, c.layout)
         # one per candidate, for every question; a generated candidate's rules are pairs
-        specs = _Specs(c.mesh, c.rules, resolved, normal=c.layout == "searched")
+        searched = c.layout == "searched"
+        specs = _Specs(c.mesh, c.rules, resolved, searched, by_rules if searched else None)
         # A generated candidate with the splits of one listed before is that candidate
         # (asked first: it is cheaper than the validator, and most are).
-        sig = _signature(c, hierarchical, sig_arrays, batch_names, specs)
+        sig = _signature(c, hierarchical, sig_arrays, batch_names, specs, positions)
         if c.layout == "searched" and sig in seen:
             reason: str | None = "symmetric: the same splits as a candidate listed before"
         else:
-            reason = _prune(c, batch, batch_names, leaves, acts, specs, checks)
+            reason = _prune(c, batch, batch_names, leaves, acts, specs, checks, used_axes)
             if reason is None and sig in seen:
                 reason = "symmetric: the same splits as a candidate listed before"
             if c.layout == "searched" or reason is None:
