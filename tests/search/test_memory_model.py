@@ -129,21 +129,3 @@ def test_a_recomputed_transient_is_not_counted_with_the_value_kept_to_recompute_
     j = jax.make_jaxpr(f)(ones, ones, ones)
     got = peak(build(j.jaxpr, {}, set(), id), lambda c: int(np.prod(c[1])) * c[2])
     assert got.total == 3 * 64 * 64 * 4
-
-
-def test_a_matmul_whose_operands_claim_one_axis_gathers_the_smaller_operand():
-    # A weight gradient dW[embed, mlp] = dz[batch, embed]ᵀ · h[batch, mlp] with both free
-    # dimensions on tensor: XLA shards the output as the larger operand (h) and gathers dz.
-    from meshplan._search.cost import _dot_cost, _Specs
-    from meshplan._search.trace import Dot
-
-    dot = Dot(("batch", "embed"), ("batch", "mlp"), (64, 128), (64, 512), ((0,), (0,)),
-              ((), ()), 4, 4, 4)  # fmt: skip
-    specs = _Specs({"tensor": 4}, (("embed", "tensor"), ("mlp", "tensor")))
-    _, colls, _ = _dot_cost(dot, specs)
-    gathers = [(key[0], axes) for kind, axes, _, key in colls if kind == "all-gather"]
-    assert gathers == [(("batch", "embed"), ("tensor",))]
-    swapped = dataclasses.replace(dot, lhs_names=dot.rhs_names, rhs_names=dot.lhs_names,
-                                  lhs_shape=dot.rhs_shape, rhs_shape=dot.lhs_shape)  # fmt: skip
-    _, colls, _ = _dot_cost(swapped, specs)
-    assert [key[0] for kind, _, _, key in colls if kind == "all-gather"] == [("batch", "embed")]

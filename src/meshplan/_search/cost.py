@@ -6,9 +6,8 @@ dimensions map to mesh axes through the rules exactly as the sharding would
 (``meshplan.logical_to_mesh_axes``, per array), and each ``dot_general`` is
 partitioned the way XLA's SPMD partitioner does in the common cases:
 
-* its *output* dimensions (batch, then the larger operand's free ones, then the
-  smaller's: XLA's sharding propagation gives the larger operand's sharding
-  priority) keep their mesh axes; an axis already taken by an earlier
+* its *output* dimensions (batch, then the left operand's free ones, then the
+  right's) keep their mesh axes; an axis already taken by an earlier
   dimension means the operand holding it is **all-gathered** over that axis
   (FSDP: the weight's ``embed`` shard, when the batch holds the same axis);
 * a *contracting* dimension split over an axis no output dimension holds
@@ -220,16 +219,12 @@ def _dot_cost(
         if ls[i] and rs[j] and ls[i] != rs[j]:
             for a in rs[j]:
                 gather[(1, a)] = None
-    # The free dimensions: where both operands' claim one axis, the output is sharded as the
-    # larger operand (XLA's sharding propagation gives the larger operand's sharding priority,
-    # InferDotShardingFromOperands) and the smaller one is gathered.
-    free = [(0, ls, lc, lb), (1, rs, rc, rb)]
-    if math.prod(dot.lhs_shape) * dot.lhs_itemsize < math.prod(dot.rhs_shape) * dot.rhs_itemsize:
-        free.reverse()
-    for side, spec, contract, batch in free:
-        for i in range(len(spec)):
-            if i not in contract and i not in batch:
-                take(spec[i], side)
+    for i in range(len(ls)):
+        if i not in lc and i not in lb:
+            take(ls[i], 0)
+    for j in range(len(rs)):
+        if j not in rc and j not in rb:
+            take(rs[j], 1)
     reduce: list[str] = []
     contract_used: dict[str, list[int]] = {}
     for i, j in zip(lc, rc, strict=True):
