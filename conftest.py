@@ -6,6 +6,9 @@ pytest workers and by the ``meshplan`` processes the tests start: a program comp
 (the same tiny Transformer's step, say) is read back instead of compiled again. The folder
 is made new for each session and removed after it, so no test sees an earlier run's
 programs. ``JAX_COMPILATION_CACHE_DIR`` set in the environment is used as it is.
+
+meshplan's own cache (``MESHPLAN_CACHE``: the CPU profile it measures) is a fresh folder
+too, unless set: the tests neither read nor write the user's ``~/.cache/meshplan``.
 """
 
 import atexit
@@ -23,6 +26,11 @@ if "--xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+if "MESHPLAN_CACHE" not in os.environ:  # the measured CPU profile: not the user's own cache
+    _ours = tempfile.mkdtemp(prefix="meshplan-tests-cache-")
+    atexit.register(shutil.rmtree, _ours, ignore_errors=True)
+    os.environ["MESHPLAN_CACHE"] = _ours
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # pytest workers inherit the folder
     _cache = tempfile.mkdtemp(prefix="meshplan-tests-jax-cache-")

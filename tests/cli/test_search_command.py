@@ -290,3 +290,42 @@ def test_a_batch_without_token_ids_is_counted_in_examples(capsys):
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "examples/s" in out and "tokens/s" not in out
+
+
+@pytest.mark.slow
+def test_cli_search_prints_the_ranked_table_and_the_best(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the best rules file is written here
+    argv = ["search", "--model", "transformer", "--size", "tiny", "--devices", "8"]
+    assert cli.main([*argv, "--profile", "h100", "--top-k", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "Transformer (tiny) · 8 devices · profile h100" in out and "batch 32" in out
+    assert "best: 1x8 data,model batch=model" in out  # data parallel: the tiny model is cheap
+    assert "1x8 data,model tensor_parallel: invalid: dim 2 ('heads') of size 4" in out
+    assert not list(tmp_path.iterdir())  # rules are written only with --rules-out
+
+
+def test_cli_search_json_with_a_budget(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = ["search", "--size", "tiny", "--devices", "8", "--batch", "32", "--budget", "40MiB"]
+    assert cli.main([*argv, "--profile", "h100", "--top-k", "0", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"] == "Transformer (tiny)" and data["budget_bytes"] == 40 << 20
+    assert data["counts"]["pruned"]["memory"] > 0
+    best = data["best"]
+    assert best["memory_bytes_per_device"] <= 40 << 20 and best["predicted_step_s"] > 0
+    assert best["mesh_shape"] == list(best["mesh"].values())
+    assert best["axis_names"] == list(best["mesh"])
+    assert all(isinstance(pair, list) and len(pair) == 2 for pair in best["rules"])
+    memory = [r for r in data["rows"] if r["reason"].startswith("memory:")]
+    assert memory and all(r["memory_bytes_per_device"] > 40 << 20 for r in memory)
+
+
+def test_cli_search_exits_1_when_nothing_fits_and_2_on_a_bad_budget(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["search", "--devices", "8", "--budget", "1KiB", "--top-k", "0"]) == 1
+    assert "best: none" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())  # no rules file when nothing fits
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["search", "--budget", "lots"])
+    assert exit_info.value.code == 2
+    assert "cannot read the size 'lots'" in capsys.readouterr().err

@@ -22,7 +22,6 @@ from meshplan._search.hlo import measure_step
 from meshplan._search.profiles import PROFILES, calibrate_cpu, get_profile
 from meshplan._search.rule_search import TIE
 from meshplan._search.trace import trace_workload
-from meshplan.cli.search import train_command
 from meshplan.examples.mlp import LogicalMLP, init_fn
 from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
 from meshplan.train.settings import TrainSettings
@@ -168,18 +167,13 @@ def test_a_16384_device_search_of_a_linen_model_is_analytic():
     assert row["rules"][0][0] == "batch" and row["predicted_step_s"] == best.predicted_s
 
 
-def test_the_top_choice_written_when_asked_and_its_train_command(tmp_path):
+def test_the_top_choice_is_written_only_when_asked(tmp_path):
     state, step, x = mlp_case()
     result = meshplan.search_rules(8, state, step, x, profile="cpu", compile_top=1)
     assert result.counts["compiled"] == 1 and result.best.compiled is not None
     path = tmp_path / "rules.json"
     assert not path.exists()  # the search writes nothing unless asked
     result.best.write_rules(str(path))
-    command = train_command(result.best, str(path))
-    assert command == (
-        f"meshplan train --mesh {result.best.mesh_text} --axes {result.best.axes_text} "
-        f"--rules {path}"
-    )
     rules = meshplan.layouts.get_layout(str(path))
     assert next(iter(rules))[0] == "batch"
     assert "best:" in str(result) and "enumerated" in str(result)

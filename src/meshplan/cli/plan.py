@@ -268,7 +268,9 @@ def model_args_problem(args: argparse.Namespace) -> str | None:
                 f"your factory, or leave {', '.join(given)} out."
             )
         return None
-    transformer = args.model.startswith("transformer")
+    from meshplan.examples.models import EXAMPLE_MODELS
+
+    transformer = EXAMPLE_MODELS[args.model].sequence  # known: model_problem asked
     own, other = (
         (_TRANSFORMER_DEFAULTS, _MLP_DEFAULTS)
         if transformer

@@ -232,9 +232,13 @@ def _flags_problem(args: argparse.Namespace) -> str | None:
     problem = model_args_problem(args)
     if problem is not None:
         return problem
-    own = {"batch": 32} if args.model == "mlp" else {"batch": 32, "seq": 128}
     if is_factory(args.model):
-        own = {}
+        own: dict[str, int] = {}
+    else:
+        from meshplan.examples.models import EXAMPLE_MODELS
+
+        sequence = EXAMPLE_MODELS[args.model].sequence  # known: model_args_problem asked
+        own = {"batch": 32, "seq": 128} if sequence else {"batch": 32}
     given = [f"--{k}" for k in ("batch", "seq") if k not in own and getattr(args, k) is not None]
     if given:
         flags = " and ".join(given)
@@ -294,7 +298,7 @@ def _train_command(
     command = train_command(best, str(path or "rules.json"))
     if not trainable:
         return None, path
-    extra = [] if args.model == "transformer" else ["--model", args.model]
+    extra = ["--model", args.model]
     if not is_factory(args.model):  # a factory's own batches set the batch and the sequence
         extra += ["--size", args.size, "--batch", str(args.batch), "--seq", str(args.seq)]
     return f"{command} {' '.join(extra)}", path
@@ -366,13 +370,15 @@ def _load(args: argparse.Namespace) -> tuple[str, Any, Any, Any, bool]:
             loaded.what, loaded.abstract_state, loaded.step_fn, loaded.example_batch,
             loaded.trainable is not None,
         )  # fmt: skip
+    from meshplan.examples.models import EXAMPLE_MODELS
+
     built = example_of(args)
     return (
         built.what,
         built.model.abstract_state(),
         built.model.step,
         built.batch(args.batch, getattr(args, "seq", None) or 0),
-        args.model.startswith("transformer"),
+        EXAMPLE_MODELS[args.model].sequence,  # meshplan train trains the sequence models
     )
 
 

@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,7 +151,7 @@ class Trainer:
 
     def __init__(
         self,
-        model: TrainModel | Any = None,
+        model: TrainModel | nn.Module | Callable[[jax.Array], Any] | None = None,
         batches: Batches | None = None,
         settings: TrainSettings | None = None,
         placement: Placement | None = None,
