@@ -50,7 +50,7 @@ MISSES = {
 CASES = [
     pytest.param(
         remat, scan, layout,
-        marks=[pytest.mark.xfail(reason=MISSES[(remat, scan, layout)], strict=False)]
+        marks=[pytest.mark.xfail(reason=MISSES[(remat, scan, layout)], strict=True)]
         if (remat, scan, layout) in MISSES else [],
         id=f"{remat}-{'scan' if scan else 'loop'}-{layout}",
     )
