@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import meshplan
+from child_env import fresh_env
 from meshplan._checkpoint.folder import complete_steps
 from meshplan._checkpoint.integrity import step_directory
 from meshplan._checkpoint.lock import LOCK_NAME, read_lock
@@ -57,9 +58,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": SRC, **extra}
-    env.pop("XLA_FLAGS", None)
-    return env
+    return fresh_env(PYTHONPATH=SRC, **extra)
 
 
 def _start(args: list[str], log: Path, **env: str) -> subprocess.Popen:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import meshplan
+from child_env import fresh_env
 from meshplan._checkpoint.folder import complete_steps
 from meshplan._checkpoint.integrity import step_directory
 from meshplan._checkpoint.lock import LOCK_NAME
@@ -34,9 +35,7 @@ _CLI = [sys.executable, "-m", "meshplan.cli"]
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": SRC, **extra}
-    env.pop("XLA_FLAGS", None)
-    return env
+    return fresh_env(PYTHONPATH=SRC, **extra)
 
 
 def _cli(*args: str, timeout: float = 180, **env: str) -> subprocess.CompletedProcess[str]:
