@@ -246,7 +246,17 @@ def plan_1b() -> None:
     for devices, profile in ((64, "h100"), (256, "tpu_v5e")):
         r = meshplan.search_rules(devices, state, step, tokens, profile=profile, compile_top=0)
         b = r.best
-        assert b is not None and b.cost is not None
+        if b is None or b.cost is None:  # every candidate over the budget: say by how much
+            priced = [x for x in r.rows if x.cost is not None]
+            least = min(priced, key=lambda x: x.cost.memory_bytes) if priced else None
+            print(
+                f"{profile} x{devices}: no layout fits {r.budget_bytes / 2**30:.2f} GiB/device "
+                f"({r.counts['pruned']['memory']} over it); the least memory: "
+                + (f"{least.mesh_text} ({least.axes_text}) {least.short_rules}, "
+                   f"{least.cost.memory_bytes / 2**30:.2f} GiB/device" if least else "none priced")
+                + f"; search {r.seconds:.1f} s"
+            )  # fmt: skip
+            continue
         print(
             f"{profile} x{devices}: {b.mesh_text} ({b.axes_text}) {b.short_rules}"
             f"{'' if b.layout == 'searched' else ' (' + b.layout + ')'}: predicted "
