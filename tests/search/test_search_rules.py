@@ -192,8 +192,12 @@ def test_measure_runs_the_top_few_and_ranks_them_by_measured_time():
 
 
 def test_search_rules_needs_a_step_or_a_model():
-    with pytest.raises(meshplan.ArgumentError, match="abstract_state, step_fn, example_batch"):
+    with pytest.raises(meshplan.ArgumentError, match="abstract_state, step_fn, example_batch") as e:
         meshplan.search_rules(8)
+    assert [(p.code, p.path) for p in e.value.problems] == [("missing-argument", "step_fn")]
+    with pytest.raises(meshplan.ArgumentError, match="needs example_batch=") as e:
+        meshplan.search_rules(8, model=object())
+    assert [(p.code, p.path) for p in e.value.problems] == [("missing-argument", "example_batch")]
 
 
 @pytest.mark.slow

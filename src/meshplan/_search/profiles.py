@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from meshplan._errors import ArgumentError
+from meshplan._errors import ArgumentError, Problem, error_for
 
 __all__ = ["PROFILES", "HardwareProfile", "calibrate_cpu", "get_profile", "load_profile"]
 
@@ -346,20 +346,24 @@ def load_profile(path: str) -> HardwareProfile:
         with open(path) as f:
             data = json.load(f)
     except OSError as e:
-        raise ArgumentError(
-            f"Cannot read the profile {path!r}: {e.strerror}.\nPass a JSON file of "
-            f"HardwareProfile fields, or a profile name: cpu, {', '.join(PROFILES)}."
-        ) from None
+        raise error_for(
+            ArgumentError, "profile-unreadable", path,
+            f"Cannot read the profile {path!r}: {e.strerror}",
+            f"Pass a JSON file of HardwareProfile fields, or a profile name: cpu, "
+            f"{', '.join(PROFILES)}.",
+        ) from None  # fmt: skip
     except ValueError as e:
-        raise ArgumentError(
-            f"The profile {path!r} is not JSON: {e}.\nWrite an object of HardwareProfile "
-            f"fields, e.g. meshplan.get_profile('h100').to_dict() saved with json.dump."
-        ) from None
+        raise error_for(
+            ArgumentError, "profile-not-json", path, f"The profile {path!r} is not JSON: {e}",
+            "Write an object of HardwareProfile fields, e.g. "
+            "meshplan.get_profile('h100').to_dict() saved with json.dump.",
+        ) from None  # fmt: skip
     if not isinstance(data, dict):
-        raise ArgumentError(
-            f"The profile {path!r} holds a {type(data).__name__}, not an object of fields.\n"
-            f'Write an object like {{"name": "mine", "peak_flops": 1e14, ...}}.'
-        )
+        raise error_for(
+            ArgumentError, "profile-not-object", path,
+            f"The profile {path!r} holds a {type(data).__name__}, not an object of fields",
+            'Write an object like {"name": "mine", "peak_flops": 1e14, ...}.',
+        )  # fmt: skip
     problems = [f"missing field {n!r}" for n in required if n not in data]
     problems += [f"unknown field {n!r}" for n in data if n not in fields]
     kinds: dict[str, Any] = {"name": str, "source": str, "fused_attention": bool,
@@ -380,9 +384,10 @@ def load_profile(path: str) -> HardwareProfile:
                    "domain_devices", "memory_bytes") and v <= 0:  # fmt: skip
             problems.append(f"{n!r} is {v!r}: it must be positive")
     if problems:
+        fix = f"Required fields: {', '.join(required)}; see meshplan.HardwareProfile."
         raise ArgumentError(
-            f"The profile {path!r} is not a valid hardware profile: {'; '.join(problems)}.\n"
-            f"Required fields: {', '.join(required)}; see meshplan.HardwareProfile."
+            f"The profile {path!r} is not a valid hardware profile: {'; '.join(problems)}.\n{fix}",
+            [Problem("error", path, p, fix, "profile-field") for p in problems],
         )
     return HardwareProfile(**data)
 
@@ -408,9 +413,10 @@ def get_profile(profile: str | HardwareProfile, devices: int | None = None) -> H
     if profile.endswith(".json"):
         return load_profile(profile)
     if profile not in PROFILES:
-        raise ArgumentError(
-            f"Unknown hardware profile {profile!r}. Known: cpu, {', '.join(PROFILES)}.\n"
-            f"Pass one of those, a JSON file of HardwareProfile fields, or a meshplan "
-            f"HardwareProfile."
-        )
+        raise error_for(
+            ArgumentError, "unknown-profile", "profile",
+            f"Unknown hardware profile {profile!r}. Known: cpu, {', '.join(PROFILES)}",
+            "Pass one of those, a JSON file of HardwareProfile fields, or a meshplan "
+            "HardwareProfile.",
+        )  # fmt: skip
     return PROFILES[profile]

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from meshplan._errors import ArgumentError
+from meshplan._errors import ArgumentError, error_for
 from meshplan._search.candidates import (
     ALL_ROLES,
     CONTEXT_NAMES,
@@ -426,19 +426,27 @@ def search_rules(
     t0 = time.perf_counter()
     if model is not None:
         if example_batch is None:
-            raise ArgumentError(
-                "search_rules(model=...) needs example_batch= (the model's inputs)."
-            )
+            raise error_for(
+                ArgumentError, "missing-argument", "example_batch",
+                "search_rules(model=...) needs example_batch= (the model's inputs)",
+                "Pass example_batch=, a batch of the model's inputs (arrays or ShapeDtypeStructs).",
+            )  # fmt: skip
         abstract_state, step_fn, example_batch = linen_step(model, example_batch, loss, optimizer)
     if workload is None:
         if step_fn is None or abstract_state is None or example_batch is None:
-            raise ArgumentError(
-                "search_rules needs (abstract_state, step_fn, example_batch), or model= with "
-                "example_batch=, or workload=."
-            )
+            raise error_for(
+                ArgumentError, "missing-argument", "step_fn",
+                "search_rules has no step to trace",
+                "Pass (abstract_state, step_fn, example_batch), or model= with example_batch=, "
+                "or workload=.",
+            )  # fmt: skip
         workload = trace_workload(step_fn, abstract_state, example_batch, read_constraints=True)
     if measure and step_fn is None:
-        raise ArgumentError("search_rules(measure=True) runs the step: pass step_fn= or model=.")
+        raise error_for(
+            ArgumentError, "missing-argument", "step_fn",
+            "search_rules(measure=True) runs the step, and none was given",
+            "Pass step_fn= or model=.",
+        )  # fmt: skip
     if measure:
         require_devices(devices, "measure=True (running the step)")
     have_devices = jax.device_count() >= devices
