@@ -152,6 +152,9 @@ def test_missing_partition_name_raises_naming_the_box_and_partition_name(method,
     assert f"{cls.__name__}(names=('embed', 'hidden'), shape=(4, 8))" in message
     assert "metadata_params" in message
     assert isinstance(info.value, ValueError)
+    assert [(p.code, p.path) for p in info.value.problems] == [
+        ("partition-name-missing", "metadata_params")
+    ]
 
 
 def test_remove_axis_of_a_different_name_raises():
@@ -354,8 +357,9 @@ def test_swapped_initializer_arguments_are_rejected(wrap):
     with pytest.raises(
         TypeError,
         match=rf"(?s){wrap.__name__}\(fn, names\) got the arguments swapped.*{wrap.__name__}\(initializer, names\)",
-    ):
+    ) as info:
         wrap((None, "model"), init)
+    assert [(p.code, p.path) for p in info.value.problems] == [("swapped-arguments", "fn")]
 
 
 @pytest.mark.parametrize(
@@ -365,12 +369,14 @@ def test_swapped_initializer_arguments_are_rejected(wrap):
 )
 def test_initializer_wrapper_rejects_bad_names_early(wrap):
     init = nn.initializers.xavier_normal()
-    with pytest.raises(meshplan.LogicalNamesError, match="names=None"):
+    with pytest.raises(meshplan.LogicalNamesError, match="names=None") as info:
         wrap(init, None)
+    assert info.value.problems[0].code == "names-none"
     with pytest.raises(meshplan.LogicalNamesError, match="bare string"):
         wrap(init, "model")
-    with pytest.raises(TypeError, match="needs an initializer function"):
+    with pytest.raises(TypeError, match="needs an initializer function") as info:
         wrap(42, (None,))
+    assert info.value.problems[0].code == "not-an-initializer"
 
 
 def test_with_partitioning_boxes_the_initializer_result(auto_mesh):

@@ -23,6 +23,7 @@ from meshplan._errors import (
     LogicalNamesError,
     PartitioningUnspecifiedError,
     Problem,
+    error_for,
 )
 from meshplan._spmd.place import active_mesh, apply_spec
 from meshplan._spmd.rules import (
@@ -56,10 +57,11 @@ def _check_names(names: Any, cls_name: str) -> AxisNames:
     if type(names) is tuple and all(n is None or type(n) is str for n in names):
         return names  # fast path: the common case, already normal
     if names is None:
-        raise LogicalNamesError(
-            f"{cls_name} needs one axis name (or None) per dimension, got names=None.\n"
-            f"For a replicated value give (None,) * value.ndim, or leave the value unboxed."
-        )
+        raise error_for(
+            LogicalNamesError, "names-none", "names",
+            f"{cls_name} needs one axis name (or None) per dimension, got names=None",
+            "For a replicated value give (None,) * value.ndim, or leave the value unboxed.",
+        )  # fmt: skip
     return normalize_names(names, what=f"{cls_name} names")
 
 
@@ -148,12 +150,13 @@ class Partitioned(AxisMetadata[A], Generic[A]):
 
     def _partition_name(self, params: dict[Any, Any]) -> Any:
         if PARTITION_NAME not in params:
-            raise PartitioningUnspecifiedError(
+            raise error_for(
+                PartitioningUnspecifiedError, "partition-name-missing", "metadata_params",
                 f"nn.scan/nn.vmap is adding an axis to {self._what()}, but its metadata_params "
-                f"do not name that axis (got metadata_params={params!r}).\n"
-                f"Pass metadata_params={{meshplan.PARTITION_NAME: 'layer'}} (or None for an "
-                f"unsharded axis) to the transform."
-            )
+                f"do not name that axis (got metadata_params={params!r})",
+                "Pass metadata_params={meshplan.PARTITION_NAME: 'layer'} (or None for an "
+                "unsharded axis) to the transform.",
+            )  # fmt: skip
         return params[PARTITION_NAME]
 
     def add_axis(self, index: int, params: dict[Any, Any]) -> Partitioned[A]:
@@ -184,11 +187,12 @@ class Partitioned(AxisMetadata[A], Generic[A]):
         name = self._partition_name(params)
         names = list(self.names)
         if index >= len(names) or names[index] != name:
-            raise LogicalNamesError(
+            raise error_for(
+                LogicalNamesError, "remove-axis-mismatch", "names",
                 f"Cannot remove axis {index} named {name!r} from {self._what()}: "
-                f"that position holds {names[index] if index < len(names) else 'nothing'!r}.\n"
-                f"remove_axis must undo the add_axis of the same transform."
-            )
+                f"that position holds {names[index] if index < len(names) else 'nothing'!r}",
+                "remove_axis must undo the add_axis of the same transform.",
+            )  # fmt: skip
         del names[index]
         return dataclasses.replace(self, names=tuple(names))
 
@@ -497,16 +501,19 @@ def is_box(x: Any) -> bool:
 def _check_initializer_args(fn: Any, names: Any, who: str) -> AxisNames:
     """``names`` normalised, after checking that ``fn`` is callable and ``names`` are names."""
     if not callable(fn) and callable(names):
-        raise ArgumentError(
+        raise error_for(
+            ArgumentError, "swapped-arguments", "fn",
             f"{who}(fn, names) got the arguments swapped: fn={fn!r} is not callable and "
-            f"names={names!r} is.\nCall {who}(initializer, names), e.g. "
-            f"{who}(nn.initializers.lecun_normal(), (None, 'model'))."
-        )
+            f"names={names!r} is",
+            f"Call {who}(initializer, names), e.g. "
+            f"{who}(nn.initializers.lecun_normal(), (None, 'model')).",
+        )  # fmt: skip
     if not callable(fn):
-        raise ArgumentError(
-            f"{who} needs an initializer function as its first argument, got {fn!r}.\n"
-            f"Pass an initializer, e.g. {who}(nn.initializers.lecun_normal(), names)."
-        )
+        raise error_for(
+            ArgumentError, "not-an-initializer", "fn",
+            f"{who} needs an initializer function as its first argument, got {fn!r}",
+            f"Pass an initializer, e.g. {who}(nn.initializers.lecun_normal(), names).",
+        )  # fmt: skip
     return _check_names(names, who)
 
 
