@@ -403,3 +403,31 @@ def test_a_name_without_rule_is_reported_not_silently_replicated():
     problems = meshplan.check(tree, MESH, (("hidden", "model"),))
     (warning,) = [p for p in problems if p.code == "no-rule"]
     assert "'embed' is placed by no rule" in warning.message and "replicated" in warning.message
+
+
+def _constrain_unmatched():
+    with jax.set_mesh(jax.make_mesh((2, 4), ("data", "model"))):
+        meshplan.with_logical_constraint(
+            jnp.ones((8, 4)), ("batch", "embed"), rules=(("batch", "data"),),
+            fallback=meshplan.RulesFallback.RAISE_ERROR,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "code"),
+    [
+        (lambda: meshplan.explain({}, 42, ()), meshplan.MeshError, "not-a-mesh"),
+        (lambda: meshplan.explain({}, {"data": 0}, ()), meshplan.MeshError, "bad-mesh-axes"),
+        (
+            lambda: meshplan.logical_to_mesh_sharding(jax.sharding.PartitionSpec(), None, ()),
+            meshplan.MeshError,
+            "no-mesh",
+        ),
+        (lambda: _constrain_unmatched(), meshplan.UnmatchedLogicalAxisError, "unmatched-name"),
+    ],
+    ids=["not-a-mesh", "bad-mesh-axes", "no-mesh", "unmatched-name"],
+)
+def test_a_single_bad_input_carries_its_code(call, error, code):
+    with pytest.raises(error) as info:
+        call()
+    assert [p.code for p in info.value.problems] == [code]

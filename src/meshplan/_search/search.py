@@ -32,7 +32,7 @@ from typing import Any, cast
 
 import jax
 
-from meshplan._errors import ArgumentError
+from meshplan._errors import ArgumentError, error_for
 from meshplan._plan.explain import explain
 from meshplan._plan.plan import Plan
 from meshplan._search.candidates import layout_candidates, mesh_shapes
@@ -180,9 +180,16 @@ def search_layouts(
     if batch is None and example_batch is not None:
         batch = int(jax.tree.leaves(example_batch)[0].shape[0])
     if top_k < 1:
-        raise ArgumentError(f"search_layouts requires a positive top_k, got {top_k=}.")
+        raise error_for(
+            ArgumentError, "bad-top-k", "top_k",
+            f"search_layouts requires a positive top_k, got {top_k=}", "Pass top_k=1 or more.",
+        )  # fmt: skip
     if measure and (step_fn is None or example_batch is None):
-        raise ArgumentError("measure=True compiles a step: pass step_fn= and example_batch=.")
+        raise error_for(
+            ArgumentError, "missing-argument", "step_fn",
+            "measure=True compiles a step, and step_fn= or example_batch= is missing",
+            "Pass step_fn= and example_batch=.",
+        )  # fmt: skip
     if measure:
         require_devices(devices, "measuring")
     candidates = layout_candidates(devices, given, axis_names)

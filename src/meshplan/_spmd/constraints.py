@@ -9,7 +9,7 @@ from typing import Any, TypeVar, cast
 import jax
 from jax.sharding import PartitionSpec
 
-from meshplan._errors import UnmatchedLogicalAxisError
+from meshplan._errors import UnmatchedLogicalAxisError, error_for
 from meshplan._spmd.place import active_mesh, apply_spec
 from meshplan._spmd.rules import (
     UNASSIGNED,
@@ -71,12 +71,13 @@ def _constrain_one(
     unmatched = [n for n, r in zip(tuple(spec), resolved, strict=True) if r is UNASSIGNED]
     if unmatched:
         if fallback is RulesFallback.RAISE_ERROR:
-            raise UnmatchedLogicalAxisError(
+            raise error_for(
+                UnmatchedLogicalAxisError, "unmatched-name", str(unmatched[0]),
                 f"Axis names {tuple(spec)!r} did not match a rule: {tuple(unmatched)!r} "
-                f"has no rule in {tuple(rules)!r}.\nAdd a rule for it (e.g. "
-                f"({unmatched[0]!r}, None) to keep it unsharded), or use "
-                f"fallback=RulesFallback.AXIS_IS_UNSHARDED."
-            )
+                f"has no rule in {tuple(rules)!r}",
+                f"Add a rule for it (e.g. ({unmatched[0]!r}, None) to keep it unsharded), or "
+                f"use fallback=RulesFallback.AXIS_IS_UNSHARDED.",
+            )  # fmt: skip
         if fallback is RulesFallback.NO_CONSTRAINT:
             return x
     mesh_spec = PartitionSpec(*(None if r is UNASSIGNED else r for r in resolved))

@@ -11,7 +11,7 @@ from typing import Any, TypeAlias
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 
-from meshplan._errors import MeshError
+from meshplan._errors import MeshError, error_for
 from meshplan._text import count_text
 
 __all__ = ["JaxMesh", "MeshInfo", "MeshLike", "axis_names_fix", "mesh_info"]
@@ -76,22 +76,24 @@ def mesh_info(mesh: MeshLike | MeshInfo) -> MeshInfo:
         except (AttributeError, ValueError, TypeError):  # AbstractMesh has no devices
             ids = None
     else:
-        raise MeshError(
+        raise error_for(
+            MeshError, "not-a-mesh", "mesh",
             f"A plan needs a mesh (jax.sharding.Mesh, AbstractMesh, or a mapping of axis "
-            f"sizes such as {{'data': 2, 'model': 4}}), got {type(mesh).__name__}: {mesh!r}.\n"
-            f"Build one with jax.make_mesh((2, 4), ('data', 'model'))."
-        )
+            f"sizes such as {{'data': 2, 'model': 4}}), got {type(mesh).__name__}: {mesh!r}",
+            "Build one with jax.make_mesh((2, 4), ('data', 'model')).",
+        )  # fmt: skip
     bad = [
         (n, s)
         for n, s in zip(names, sizes, strict=True)
         if not isinstance(n, str) or not _is_pos(s)
     ]
     if bad or len(set(names)) != len(names):
-        raise MeshError(
+        raise error_for(
+            MeshError, "bad-mesh-axes", "mesh",
             f"A mesh needs distinct string axis names with positive integer sizes, got "
-            f"{dict(zip(names, sizes, strict=True))!r}.\nName each axis once, e.g. "
-            f"{{'data': 2, 'model': 4}}."
-        )
+            f"{dict(zip(names, sizes, strict=True))!r}",
+            "Name each axis once, e.g. {'data': 2, 'model': 4}.",
+        )  # fmt: skip
     sizes = tuple(int(s) for s in sizes)
     if ids is None or len(ids) != math.prod(sizes):
         ids = tuple(range(math.prod(sizes)))

@@ -8,7 +8,7 @@ from typing import Any, TypeVar, cast
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from meshplan._errors import LogicalNamesError, MeshError, error_from_problems
+from meshplan._errors import LogicalNamesError, MeshError, error_for, error_from_problems
 from meshplan._spmd.mesh_info import JaxMesh, mesh_info
 from meshplan._spmd.validate import check_leaf
 
@@ -164,9 +164,10 @@ def apply_spec(value: T, spec: PartitionSpec, mesh: Any = None, *, what: str = "
             _fill_unconstrained(value, spec), target, what, getattr(value, "shape", None)
         )
         return cast(T, jax.sharding.reshard(value, NamedSharding(target, spec) if named else spec))
-    raise MeshError(
+    raise error_for(
+        MeshError, "mixed-axis-types", what,
         f"Cannot constrain {what} to {spec} on a mesh with mixed axis types "
-        f"{dict(zip(target.axis_names, _axis_types(target), strict=True))}.\n"
-        f"Use a mesh whose axes are all Auto or all Explicit "
-        f"(jax.make_mesh(..., axis_types=(AxisType.Explicit,) * n))."
-    )
+        f"{dict(zip(target.axis_names, _axis_types(target), strict=True))}",
+        "Use a mesh whose axes are all Auto or all Explicit "
+        "(jax.make_mesh(..., axis_types=(AxisType.Explicit,) * n)).",
+    )  # fmt: skip

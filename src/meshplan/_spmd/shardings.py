@@ -15,6 +15,7 @@ from meshplan._errors import (
     MeshError,
     MeshplanError,
     Problem,
+    error_for,
     error_from_problems,
 )
 from meshplan._spmd.leaves import is_leaf, is_spec_leaf, leaf_kind
@@ -102,10 +103,11 @@ def _mesh_or_active(mesh: Any, caller: str) -> Any:
     active = active_mesh()
     if active is not None:
         return active
-    raise MeshError(
-        f"{caller} got mesh=None and no mesh is active.\nPass a mesh "
-        f"(jax.make_mesh((2, 4), ('data', 'model'))), or call it inside `with jax.set_mesh(mesh):`."
-    )
+    raise error_for(
+        MeshError, "no-mesh", "mesh", f"{caller} got mesh=None and no mesh is active",
+        "Pass a mesh (jax.make_mesh((2, 4), ('data', 'model'))), or call it inside "
+        "`with jax.set_mesh(mesh):`.",
+    )  # fmt: skip
 
 
 def get_partition_spec(tree: Any) -> Any:
