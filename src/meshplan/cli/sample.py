@@ -321,10 +321,11 @@ def run(args: argparse.Namespace) -> int:
         kind = model_of(metadata)
         config = TransformerConfig.from_dict(metadata.config)
         model: Any
-        if kind == "transformer-nnx":
+        api = MODELS.get(kind)  # the registry's: which Flax API wrote the checkpoint
+        if api == "Flax NNX":
             model = NnxModel(config)
             params = model.params_of(restored)
-        elif kind == "transformer":
+        elif api == "Flax Linen":
             model = Transformer(config)
             params = meshplan.unbox(state["params"])
         else:
