@@ -13,7 +13,7 @@ to the published layout's, whether it fits) and the search's wall time. The prof
 (matmul efficiency, latencies, overlap), never a figure per row; rows marked ``held
 out`` were not looked at while choosing those parameters.
 
-Run: ``.venv/bin/python benchmarks/bench_published.py [--rows N] [--no-search] [--json PATH]``.
+Run: ``.venv/bin/python benchmarks/bench_published.py [--rows N] [--only NAME] [--no-search] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -224,6 +224,7 @@ def _gib(n: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=None, help="only the first N rows")
+    parser.add_argument("--only", default=None, help="only the rows whose name starts so")
     parser.add_argument("--no-search", action="store_true", help="skip the search per row")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
@@ -232,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{'fits':>4}  {'top-1 vs pub':>12} {'fits':>4} {'search s':>8}  top-1")  # fmt: skip
     print(head)
     results = []
-    for row in rows()[: args.rows]:
+    chosen = [r for r in rows() if args.only is None or r.name.startswith(args.only)]
+    for row in chosen[: args.rows]:
         r = run_row(row, not args.no_search)
         results.append(r)
         mem = f"{_gib(r['memory_bytes'])}/{_gib(r['budget_bytes'])}"
