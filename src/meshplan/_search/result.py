@@ -1,8 +1,8 @@
 """What a search finds: one row type and one result type for both searches.
 
-:func:`meshplan.search_rules` ranks by a predicted step time (a row's ``cost``);
-:func:`meshplan.search_layouts`, which needs no step, ranks by state bytes and a
-static estimate of the bytes moved (a row's ``bytes_per_device`` and ``comm``).
+:func:`meshplan.search_rules` ranks by a predicted step time (a row's ``cost``); without
+a step (``ranked_by='static'``, which :func:`meshplan.search_layouts` is), by state bytes
+and a static estimate of the bytes moved (a row's ``bytes_per_device`` and ``comm``).
 Both give a :class:`SearchResult` of :class:`SearchRow`; the result's ``ranked_by``
 says which ranking it holds, and so how it prints.
 
@@ -56,7 +56,7 @@ by state bytes, then the static estimate of bytes moved (:func:`meshplan.search_
 CommEstimate = TypedDict(
     "CommEstimate", {"all-gather": int, "gradient-reduce": int, "activations": int | None}
 )
-"""The static estimate, bytes per step per device (:mod:`meshplan._search.search`);
+"""The static estimate, bytes per step per device (:mod:`meshplan._search.static`);
 ``activations`` is ``None`` when the model's code decides it (tensor parallelism)."""
 
 
