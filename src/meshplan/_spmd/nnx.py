@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshplan._errors import ArgumentError, LogicalNamesError, Problem
+from meshplan._errors import ArgumentError, LogicalNamesError, Problem, error_for
 from meshplan._spmd.mesh_info import JaxMesh
 from meshplan._spmd.rules import (
     LogicalNames,
@@ -304,11 +304,13 @@ def with_nnx_partitioning(
     from flax.nnx import variablelib
 
     if not callable(initializer):
-        raise ArgumentError(
+        raise error_for(
+            ArgumentError, "not-an-initializer", "initializer",
             f"with_nnx_partitioning needs an initializer as its first argument, got "
-            f"{initializer!r}.\nPass one, e.g. with_nnx_partitioning("
-            f"nnx.initializers.lecun_normal(), ('embed', 'mlp'))."
-        )
+            f"{initializer!r}",
+            "Pass one, e.g. with_nnx_partitioning(nnx.initializers.lecun_normal(), "
+            "('embed', 'mlp')).",
+        )  # fmt: skip
     bad = names_problem(names, what="names")
     if bad is not None:
         raise LogicalNamesError(f"with_nnx_partitioning: {bad.message}.\n{bad.fix}", [bad])
