@@ -11,7 +11,7 @@ import pytest
 
 import meshplan
 import meshplan.layouts
-from meshplan._search.result import SearchRow
+from meshplan._search.result import PRUNE_REASONS, SearchRow
 from meshplan._search.rule_search import example_search
 
 
@@ -149,3 +149,16 @@ def test_a_static_search_needs_a_state():
     with pytest.raises(meshplan.ArgumentError) as info:
         meshplan.search_rules(4, ranked_by="static")
     assert info.value.problems[0].code == "missing-argument"
+
+
+def test_why_a_row_was_dropped_is_a_record_not_text_to_parse():
+    state, step, x = _case()
+    by_bytes = meshplan.search_layouts(state, 4, batch=6)
+    by_time = meshplan.search_rules(4, state, step, x, profile="h100", compile_top=0)
+    for result in (by_bytes, by_time):
+        assert {r.pruned_by for r in result.ok} == {None}
+        dropped = [r for r in result.rows if r.status != "ok"]
+        assert dropped and all(r.pruned_by in PRUNE_REASONS for r in dropped)
+        assert sum(result.counts["pruned"].values()) >= len(dropped)
+        assert result.to_dict()["rows"][-1]["pruned_by"] == dropped[-1].pruned_by
+    assert {r.pruned_by for r in by_bytes.rows if r.status != "ok"} == {"batch"}

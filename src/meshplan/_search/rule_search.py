@@ -555,7 +555,7 @@ def search_rules(
                           f"the budget of {human_bytes(budget)}")  # fmt: skip
         if reason is not None:
             row.status, row.reason = "pruned", reason
-            kind = _kind(reason)
+            kind = row.pruned_by = _kind(reason)
             pruned[kind] += 1
             if c.layout != "searched" or kind != "symmetric":
                 out.append(row)

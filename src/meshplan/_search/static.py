@@ -111,7 +111,7 @@ def static_rows(
     rows = [SearchRow(c.mesh, c.rules, c.layout) for c in candidates]
     pruned: dict[PruneKind, int] = dict.fromkeys(STATIC_PRUNE_REASONS, 0)
     for row in rows:
-        kind = _evaluate(row, state, batch, budget)
+        kind = row.pruned_by = _evaluate(row, state, batch, budget)
         if kind is not None:
             pruned[kind] += 1
     return [r for r in rows if r.status == "ok"], [r for r in rows if r.status != "ok"], pruned
