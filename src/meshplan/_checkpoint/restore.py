@@ -43,7 +43,7 @@ from meshplan._errors import (
 )
 from meshplan._spmd.boxes import LogicallyPartitioned, Partitioned, is_box
 from meshplan._spmd.leaves import is_leaf, leaf_kind
-from meshplan._spmd.rules import LogicalRules, logical_to_mesh_axes, normalize_rules
+from meshplan._spmd.rules import LogicalRules, NamesKind, logical_to_mesh_axes, normalize_rules
 from meshplan._spmd.validate import validate
 
 __all__ = ["Restored", "compatibility_problems", "mismatch_problems", "restore", "target_shardings"]
@@ -76,7 +76,7 @@ def target_shardings(
     problems: list[Problem] = []
     out: dict[str, NamedSharding] = {}
     for key, info in metadata.arrays.items():
-        kind = "unboxed" if info.names is None else "logical" if info.logical else "mesh"
+        kind: NamesKind = "unboxed" if info.names is None else "logical" if info.logical else "mesh"
         errors = [
             p
             for p in validate(key, info.shape, info.names, mesh, rules, kind=kind)

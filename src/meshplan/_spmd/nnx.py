@@ -34,6 +34,7 @@ from meshplan._spmd.mesh_info import JaxMesh
 from meshplan._spmd.rules import (
     LogicalNames,
     LogicalRules,
+    NamesKind,
     bad_entries,
     get_logical_axis_rules,
     logical_to_mesh_axes,
@@ -99,7 +100,7 @@ class NnxNames:
     """
 
     names: tuple[Any, ...] | None
-    kind: str
+    kind: NamesKind
     rules: tuple[tuple[str, Any], ...] | None
     local_rules: tuple[tuple[str, Any], ...]
 
