@@ -46,7 +46,7 @@ from meshplan._spmd.leaves import is_leaf, leaf_kind
 from meshplan._spmd.rules import LogicalRules, NamesKind, logical_to_mesh_axes, normalize_rules
 from meshplan._spmd.validate import validate
 
-__all__ = ["Restored", "compatibility_problems", "mismatch_problems", "restore", "target_shardings"]
+__all__ = ["Restored", "mismatch_problems", "restore", "target_shardings"]
 
 
 def _single_device_mesh(axis_names: tuple[str, ...]) -> Mesh:
@@ -217,16 +217,6 @@ def mismatch_problems(metadata: CheckpointMetadata, template: Any) -> list[Probl
     return [
         Problem("error", key, text, _MISMATCH_FIX, "checkpoint-mismatch") for key, text in found
     ]
-
-
-def compatibility_problems(metadata: CheckpointMetadata, template: Any) -> list[str]:
-    """One line per array whose shape/dtype differs between ``template`` and the checkpoint
-    (:func:`mismatch_problems` as text: ``key: what differs``).
-
-    ``template`` may be abstract (``jax.eval_shape`` output). An empty list
-    means :meth:`Restored.into` will succeed.
-    """
-    return [f"{p.path}: {p.message}" for p in mismatch_problems(metadata, template)]
 
 
 def restore(
