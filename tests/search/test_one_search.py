@@ -162,3 +162,15 @@ def test_why_a_row_was_dropped_is_a_record_not_text_to_parse():
         assert sum(result.counts["pruned"].values()) >= len(dropped)
         assert result.to_dict()["rows"][-1]["pruned_by"] == dropped[-1].pruned_by
     assert {r.pruned_by for r in by_bytes.rows if r.status != "ok"} == {"batch"}
+
+
+def test_a_static_search_refuses_what_the_predicted_one_refuses():
+    state, step, x = _case()
+    with pytest.raises(meshplan.ArgumentError, match="no step to trace"):
+        meshplan.search_rules(4, state, ranked_by="predicted")
+    with pytest.raises(meshplan.ArgumentError, match="runs the step") as info:
+        meshplan.search_rules(4, state, measure=True)
+    assert info.value.problems[0].code == "missing-argument"
+    with pytest.raises(meshplan.MeshError) as info:
+        meshplan.search_rules(4096, state, step, x, ranked_by="static", measure=True)
+    assert info.value.problems[0].code == "too-few-devices"

@@ -599,6 +599,14 @@ def _static_search(
             "search_rules(ranked_by='static') sizes a state, and none was given",
             "Pass abstract_state= (jax.eval_shape of init), or model= with example_batch=.",
         )  # fmt: skip
+    if measure and step_fn is None:
+        raise error_for(
+            ArgumentError, "missing-argument", "step_fn",
+            "search_rules(measure=True) runs the step, and none was given",
+            "Pass step_fn= or model=.",
+        )  # fmt: skip
+    if measure:
+        require_devices(devices, "measure=True (running the step)")
     if batch is None and example_batch is not None:
         batch = int(jax.tree.leaves(example_batch)[0].shape[0])
     named = layouts if layouts is not None else LAYOUTS
