@@ -306,3 +306,34 @@ def test_public_signatures_have_no_bare_any_but_pytrees():
         "give these a real type (meshplan._spmd.mesh_info.MeshLike, ..._spmd.rules.LogicalNames, "
         "...), or add a parameter that takes any pytree to PYTREE_PARAMETERS"
     )
+
+
+def _meshplan_errors() -> set[str]:
+    import meshplan._errors as errors
+
+    return {
+        name
+        for name, value in vars(errors).items()
+        if isinstance(value, type) and issubclass(value, errors.MeshplanError)
+    }
+
+
+def test_every_library_error_carries_its_problem_records():
+    """A library error is built with its :class:`meshplan.Problem` records (``error_for``,
+    ``error_from_problems``, or the class with ``problems``), so that a caller (the command
+    line) reads a code, never the message's text. The command line's own errors, which it
+    prints and nobody reads back, may be bare."""
+    classes = _meshplan_errors()
+    assert {"MeshplanError", "CheckpointError", "ArgumentError"} <= classes
+    bare = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path.relative_to(SRC).parts[0] == "cli" or path.name == "_errors.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+            if name in classes and len(node.args) + len(node.keywords) < 2:
+                bare.append(f"{path.relative_to(SRC)}:{node.lineno}: {name}")
+    assert bare == [], "raise these with error_for(...) or with their Problem records"

@@ -149,6 +149,21 @@ def test_into_rejects_a_different_model(saved):
     assert "params/layers/mlp/wi: checkpoint shape (2, 32, 64), this model (3, 32, 64)" in message
     assert "  * " in message
     assert message.splitlines()[-1].startswith("Use the model config the checkpoint was saved")
+    assert {p.code for p in e.value.problems} == {"checkpoint-mismatch"}
+    assert "params/layers/mlp/wi" in {p.path for p in e.value.problems}
+
+
+def test_a_mismatch_is_a_record_with_a_code_and_the_array_path():
+    state = {"w": jnp.ones((2, 4)), "b": jnp.ones(4)}
+    restored = meshplan.Restored(state, meshplan.CheckpointMetadata.describe(0, state))
+    with pytest.raises(meshplan.CheckpointError) as e:
+        restored.into({"w": jax.ShapeDtypeStruct((2, 8), jnp.float32)})
+    found = [(p.code, p.path, p.message) for p in e.value.problems]
+    assert found == [
+        ("checkpoint-mismatch", "w", "checkpoint shape (2, 4), this model (2, 8)"),
+        ("checkpoint-mismatch", "b", "shape (4,) is in the checkpoint but not in this model"),
+    ]
+    assert "  * w: checkpoint shape (2, 4), this model (2, 8)" in str(e.value)
 
 
 def test_mesh_that_cannot_split_an_array_is_a_clear_error(saved):

@@ -11,7 +11,7 @@ import pytest
 
 import meshplan
 import meshplan.layouts
-from meshplan._search.result import SearchRow
+from meshplan._search.result import PRUNE_REASONS, SearchRow
 from meshplan._search.rule_search import example_search
 
 
@@ -98,3 +98,79 @@ def test_a_search_writes_nothing_and_a_row_writes_its_rules_when_asked(tmp_path,
 def test_the_shared_example_search_runs_once_per_process():
     assert example_search() is example_search()
     assert example_search().best.layout == "tensor_parallel"
+
+
+def test_search_layouts_is_search_rules_without_a_step():
+    state, _, _ = _case()
+    by_layouts = meshplan.search_layouts(state, 4, batch=32, memory_budget_bytes=200_000)
+    by_rules = meshplan.search_rules(
+        4, state, layouts=["data_parallel", "fsdp", "tensor_parallel", "fsdp_tp"], batch=32,
+        memory_budget_bytes=200_000,
+    )  # fmt: skip
+    assert by_rules.ranked_by == "static" and by_rules.profile is None
+    by_layouts_data, by_rules_data = by_layouts.to_dict(), by_rules.to_dict()
+    for data in (by_layouts_data, by_rules_data):
+        data.pop("seconds")
+    assert by_layouts_data == by_rules_data
+
+
+def test_the_one_search_ranks_both_ways_and_never_on_its_own_elsewhere():
+    import inspect
+
+    import meshplan._search.search as step_less
+
+    # search_layouts holds no ranking, no candidates and no checks of its own.
+    source = inspect.getsource(step_less)
+    for own in ("sorted(", ".sort(", "_static_key", "layout_candidates", "explain(", "validate("):
+        assert own not in source
+
+
+def test_a_static_search_with_a_step_traces_nothing(monkeypatch):
+    import meshplan._search.rule_search as rule_search
+
+    def no_trace(*args, **kwargs):
+        raise AssertionError("the static ranking traced the step")
+
+    monkeypatch.setattr(rule_search, "trace_workload", no_trace)
+    state, step, x = _case()
+    result = meshplan.search_rules(4, state, step, x, ranked_by="static", compile_top=0)
+    assert result.ranked_by == "static" and result.batch == 32
+    assert result.best is not None and result.best.cost is None
+
+
+def test_search_rules_refuses_a_batch_other_than_its_example_batch():
+    state, step, x = _case()
+    with pytest.raises(meshplan.ArgumentError, match="batch=16") as info:
+        meshplan.search_rules(4, state, step, x, batch=16, compile_top=0)
+    assert info.value.problems[0].code == "bad-batch"
+
+
+def test_a_static_search_needs_a_state():
+    with pytest.raises(meshplan.ArgumentError) as info:
+        meshplan.search_rules(4, ranked_by="static")
+    assert info.value.problems[0].code == "missing-argument"
+
+
+def test_why_a_row_was_dropped_is_a_record_not_text_to_parse():
+    state, step, x = _case()
+    by_bytes = meshplan.search_layouts(state, 4, batch=6)
+    by_time = meshplan.search_rules(4, state, step, x, profile="h100", compile_top=0)
+    for result in (by_bytes, by_time):
+        assert {r.pruned_by for r in result.ok} == {None}
+        dropped = [r for r in result.rows if r.status != "ok"]
+        assert dropped and all(r.pruned_by in PRUNE_REASONS for r in dropped)
+        assert sum(result.counts["pruned"].values()) >= len(dropped)
+        assert result.to_dict()["rows"][-1]["pruned_by"] == dropped[-1].pruned_by
+    assert {r.pruned_by for r in by_bytes.rows if r.status != "ok"} == {"batch"}
+
+
+def test_a_static_search_refuses_what_the_predicted_one_refuses():
+    state, step, x = _case()
+    with pytest.raises(meshplan.ArgumentError, match="no step to trace"):
+        meshplan.search_rules(4, state, ranked_by="predicted")
+    with pytest.raises(meshplan.ArgumentError, match="runs the step") as info:
+        meshplan.search_rules(4, state, measure=True)
+    assert info.value.problems[0].code == "missing-argument"
+    with pytest.raises(meshplan.MeshError) as info:
+        meshplan.search_rules(4096, state, step, x, ranked_by="static", measure=True)
+    assert info.value.problems[0].code == "too-few-devices"

@@ -497,3 +497,17 @@ def test_comparing_boxes_of_traced_values_raises_a_clear_error():
 
     with pytest.raises(TypeError, match=r"jnp\.array_equal"):
         jax.jit(compare)(jnp.ones((2, 2)))
+
+
+def test_replace_boxed_errors_are_records_with_codes():
+    tree = {"w": meshplan.Partitioned(jnp.ones((2, 2)), (None, "model")), "b": jnp.ones(2)}
+    updates = {"w": meshplan.Partitioned(jnp.zeros((2, 2)), (None, "model")), "b": jnp.ones(2)}
+    with pytest.raises(meshplan.LogicalNamesError) as info:
+        meshplan.replace_boxed(tree, updates)
+    assert [(p.code, p.path) for p in info.value.problems] == [("update-is-a-box", "w")]
+    with pytest.raises(meshplan.LogicalNamesError) as info:
+        meshplan.replace_boxed(tree, {"w": jnp.zeros(4), "b": jnp.ones(2)})
+    [problem] = info.value.problems
+    assert (problem.code, problem.path) == ("update-rank", "w")
+    assert "  * w: a value of shape (4,) (rank 1) cannot go into a box" in str(info.value)
+    assert str(info.value).splitlines()[-1] == problem.fix

@@ -375,3 +375,32 @@ def test_a_mesh_axis_named_twice_in_one_rule_is_a_bad_rule():
     assert [(p.path, p.code) for p in info.value.problems] == [("rules[0]", "bad-rule")]
     plan = meshplan.explain({}, {"data": 2}, [["batch", ["data", "data"]]])
     assert [p.code for p in plan.problems] == ["bad-rule"]
+
+
+def test_kinds_and_statuses_are_literal_types_the_docs_list():
+    import dataclasses
+    import re
+    import typing
+    from pathlib import Path
+
+    from meshplan._plan.records import DimPlan, LeafLayout
+    from meshplan._spmd import leaves, validate
+    from meshplan._spmd.rules import DimStatus, NamesKind
+
+    assert typing.get_args(NamesKind) == validate.KINDS
+    hints = {
+        "DimCheck.status": typing.get_type_hints(validate.DimCheck)["status"],
+        "DimPlan.status": typing.get_type_hints(DimPlan)["status"],
+        "ArrayLeaf.kind": typing.get_type_hints(leaves.ArrayLeaf)["kind"],
+        "LeafNames.kind": typing.get_type_hints(leaves.LeafNames)["kind"],
+        "LeafLayout.kind": typing.get_type_hints(LeafLayout)["kind"],
+    }
+    assert hints == {
+        "DimCheck.status": DimStatus, "DimPlan.status": DimStatus, "ArrayLeaf.kind": NamesKind,
+        "LeafNames.kind": NamesKind, "LeafLayout.kind": NamesKind,
+    }  # fmt: skip
+    assert "status" in {f.name for f in dataclasses.fields(validate.DimCheck)}
+    page = (Path(__file__).parents[2] / "docs" / "plan.md").read_text()
+    documented = re.search(r'"status": ((?:"[\w-]+"(?: \| )?)+)', page)
+    assert documented is not None
+    assert tuple(re.findall(r'"([\w-]+)"', documented.group(1))) == typing.get_args(DimStatus)

@@ -76,3 +76,15 @@ def test_a_group_and_its_fields_together_are_refused(extra, match):
     model, mesh = _parts()
     with pytest.raises(TypeError, match=match):
         Trainer(model, _no_batches, SETTINGS, Placement(mesh, ()), **extra)
+
+
+def test_the_trainer_takes_typed_parts():
+    import typing
+
+    import optax
+
+    hints = typing.get_type_hints(Trainer.__init__)
+    assert hints["tx"] == optax.GradientTransformation | None
+    assert hints["placement"] == Placement | None
+    assert hints["checkpoints"] == Checkpoints | None
+    assert hints["measures"] == Measures | None

@@ -43,10 +43,10 @@ from meshplan._errors import (
 )
 from meshplan._spmd.boxes import LogicallyPartitioned, Partitioned, is_box
 from meshplan._spmd.leaves import is_leaf, leaf_kind
-from meshplan._spmd.rules import LogicalRules, logical_to_mesh_axes, normalize_rules
+from meshplan._spmd.rules import LogicalRules, NamesKind, logical_to_mesh_axes, normalize_rules
 from meshplan._spmd.validate import validate
 
-__all__ = ["Restored", "compatibility_problems", "restore", "target_shardings"]
+__all__ = ["Restored", "mismatch_problems", "restore", "target_shardings"]
 
 
 def _single_device_mesh(axis_names: tuple[str, ...]) -> Mesh:
@@ -76,7 +76,7 @@ def target_shardings(
     problems: list[Problem] = []
     out: dict[str, NamedSharding] = {}
     for key, info in metadata.arrays.items():
-        kind = "unboxed" if info.names is None else "logical" if info.logical else "mesh"
+        kind: NamesKind = "unboxed" if info.names is None else "logical" if info.logical else "mesh"
         errors = [
             p
             for p in validate(key, info.shape, info.names, mesh, rules, kind=kind)
@@ -158,15 +158,12 @@ class Restored(NamedTuple):
             >>> out["w"].names, float(out["w"].value.sum())
             ((None, 'model'), 8.0)
         """
-        problems = compatibility_problems(self.metadata, template)
+        problems = mismatch_problems(self.metadata, template)
         if problems:
-            raise CheckpointError(
-                problem_message(
-                    f"The checkpoint (step {self.metadata.step}) does not fit this state:",
-                    problems,
-                    "Use the model config the checkpoint was saved with, or a new checkpoint "
-                    "folder.",
-                )
+            raise error_from_problems(
+                CheckpointError,
+                f"The checkpoint (step {self.metadata.step}) does not fit this state:",
+                problems,
             )
         arrays = self.arrays()
         leaves, treedef = jax.tree_util.tree_flatten_with_path(template, is_leaf=is_leaf)
@@ -183,30 +180,43 @@ class Restored(NamedTuple):
         return jax.tree_util.tree_unflatten(treedef, new)
 
 
-def compatibility_problems(metadata: CheckpointMetadata, template: Any) -> list[str]:
-    """One line per array whose shape/dtype differs between ``template`` and the checkpoint.
+_MISMATCH_FIX = "Use the model config the checkpoint was saved with, or a new checkpoint folder."
+
+
+def mismatch_problems(metadata: CheckpointMetadata, template: Any) -> list[Problem]:
+    """One :class:`Problem` per array whose shape/dtype differs between ``template`` and the
+    checkpoint (code ``'checkpoint-mismatch'``, its path the array's key).
 
     ``template`` may be abstract (``jax.eval_shape`` output). An empty list
     means :meth:`Restored.into` will succeed.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> from meshplan._checkpoint.restore import mismatch_problems
+        >>> saved = meshplan.CheckpointMetadata.describe(0, {"w": jnp.ones((2, 4))})
+        >>> [(p.code, p.path, p.message) for p in mismatch_problems(saved, {"w": jnp.ones(3)})]
+        [('checkpoint-mismatch', 'w', 'checkpoint shape (2, 4), this model (3,)')]
     """
-    problems = []
+    found: list[tuple[str, str]] = []
     flat = flatten_state(template)
     for key, (value, _) in flat.items():
         info = metadata.arrays.get(key)
         if info is None:
-            problems.append(f"{key}: shape {tuple(value.shape)} is not in the checkpoint")
+            found.append((key, f"shape {tuple(value.shape)} is not in the checkpoint"))
             continue
         shape, dtype = tuple(value.shape), str(np.dtype(value.dtype))
         if shape != info.shape:
-            problems.append(f"{key}: checkpoint shape {info.shape}, this model {shape}")
+            found.append((key, f"checkpoint shape {info.shape}, this model {shape}"))
         elif dtype != info.dtype:
-            problems.append(f"{key}: checkpoint dtype {info.dtype}, this model {dtype}")
-    problems += [
-        f"{key}: shape {info.shape} is in the checkpoint but not in this model"
+            found.append((key, f"checkpoint dtype {info.dtype}, this model {dtype}"))
+    found += [
+        (key, f"shape {info.shape} is in the checkpoint but not in this model")
         for key, info in metadata.arrays.items()
         if key not in flat
     ]
-    return problems
+    return [
+        Problem("error", key, text, _MISMATCH_FIX, "checkpoint-mismatch") for key, text in found
+    ]
 
 
 def restore(

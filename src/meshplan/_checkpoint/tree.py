@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from meshplan._errors import CheckpointError
+from meshplan._errors import CheckpointError, error_for
 from meshplan._spmd.leaves import array_leaves
 from meshplan._spmd.rules import LogicalRules
 from meshplan._text import path_text
@@ -28,10 +28,11 @@ def _key_name(key: Any) -> str:
     else:  # pragma: no cover - a key type JAX may add later
         name = str(key)
     if "/" in name or not name:
-        raise CheckpointError(
-            f"Cannot save a tree whose key {name!r} is empty or contains '/', got {key=}.\n"
-            f"Rename the module or dict key: '/' separates path parts in checkpoints."
-        )
+        raise error_for(
+            CheckpointError, "bad-tree-key", name,
+            f"Cannot save a tree whose key {name!r} is empty or contains '/', got {key=}",
+            "Rename the module or dict key: '/' separates path parts in checkpoints.",
+        )  # fmt: skip
     return name
 
 

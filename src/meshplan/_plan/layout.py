@@ -14,6 +14,7 @@ import numpy as np
 from meshplan._plan.records import DimPlan, LeafLayout
 from meshplan._plan.shards import uneven_device_bytes
 from meshplan._spmd.mesh_info import MeshInfo
+from meshplan._spmd.rules import NamesKind
 from meshplan._spmd.validate import check_leaf
 
 __all__ = ["build_layout"]
@@ -30,7 +31,7 @@ def _itemsize(dtype: Any) -> int:
 
 
 def build_layout(
-    kind: str,
+    kind: NamesKind,
     names: tuple[Any, ...] | None,
     shape: tuple[int, ...] | None,
     dtype: Any,

@@ -14,7 +14,7 @@ import numpy.typing as npt
 from jax.sharding import PartitionSpec
 
 from meshplan._errors import Problem
-from meshplan._spmd.rules import UNCONSTRAINED
+from meshplan._spmd.rules import UNCONSTRAINED, NamesKind
 from meshplan._spmd.validate import DimCheck
 from meshplan._text import axes_text, rule_text
 
@@ -156,7 +156,7 @@ class DimPlan(DimCheck):
 class LeafLayout:
     """Everything about a leaf that depends only on (kind, names, shape, dtype, rules)."""
 
-    kind: str
+    kind: NamesKind
     names: tuple[Any, ...] | None
     shape: tuple[int, ...] | None
     dtype: str

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from meshplan._errors import MeshplanError
+from meshplan._errors import MeshplanError, error_for
 from meshplan._spmd.rules import LogicalRules
 
 __all__ = ["COLLECTIVES", "DTYPE_BYTES", "collective_bytes", "compile_candidate", "measure_step"]
@@ -207,11 +207,12 @@ def measure_step(
     seconds = time.perf_counter() - t0
     hlo_text = compiled.as_text()
     if hlo_text is None:  # JAX: "None if unavailable, e.g. based on backend"
-        raise MeshplanError(
+        raise error_for(
+            MeshplanError, "no-hlo-text", "step",
             f"XLA gave no HLO text for the step compiled on the mesh {dict(mesh_shape)}, so "
-            f"its collectives cannot be counted.\nSearch without measure=True: the static "
-            f"estimate still ranks the layouts."
-        )
+            f"its collectives cannot be counted",
+            "Search without measure=True: the static estimate still ranks the layouts.",
+        )  # fmt: skip
     kinds = collective_bytes(hlo_text)
     memory = compiled.memory_analysis()
     return {

@@ -1,8 +1,8 @@
 """What a search finds: one row type and one result type for both searches.
 
-:func:`meshplan.search_rules` ranks by a predicted step time (a row's ``cost``);
-:func:`meshplan.search_layouts`, which needs no step, ranks by state bytes and a
-static estimate of the bytes moved (a row's ``bytes_per_device`` and ``comm``).
+:func:`meshplan.search_rules` ranks by a predicted step time (a row's ``cost``); without
+a step (``ranked_by='static'``, which :func:`meshplan.search_layouts` is), by state bytes
+and a static estimate of the bytes moved (a row's ``bytes_per_device`` and ``comm``).
 Both give a :class:`SearchResult` of :class:`SearchRow`; the result's ``ranked_by``
 says which ranking it holds, and so how it prints.
 
@@ -56,7 +56,7 @@ by state bytes, then the static estimate of bytes moved (:func:`meshplan.search_
 CommEstimate = TypedDict(
     "CommEstimate", {"all-gather": int, "gradient-reduce": int, "activations": int | None}
 )
-"""The static estimate, bytes per step per device (:mod:`meshplan._search.search`);
+"""The static estimate, bytes per step per device (:mod:`meshplan._search.static`);
 ``activations`` is ``None`` when the model's code decides it (tensor parallelism)."""
 
 
@@ -102,7 +102,8 @@ class SearchRow:
     """One candidate: a mesh (axis -> size) under rules, and what the search found.
 
     ``layout``: a built-in's (or a given layout's) name, else ``'searched'``;
-    ``status``/``reason``: :data:`RowStatus`; ``rank``: 1 is the best; ``compiled``:
+    ``status``/``reason``: :data:`RowStatus`; ``pruned_by``: why a row that is not ``ok``
+    was dropped, as a record (a :data:`PruneKind`; read it, not the reason's text); ``rank``: 1 is the best; ``compiled``:
     what the compiled step showed (:func:`meshplan._search.hlo.measure_step`). The
     predicted ranking fills ``cost`` (and ``measured_s``, the median step time when
     run); the static one fills ``bytes_per_device``, ``params_bytes_per_device``,
@@ -123,6 +124,7 @@ class SearchRow:
     params_bytes_per_device: int | None = None
     comm: CommEstimate | None = None
     idle_axes: tuple[str, ...] = ()
+    pruned_by: PruneKind | None = None
 
     @property
     def mesh_text(self) -> str:
@@ -195,7 +197,8 @@ class SearchRow:
             "mesh": dict(self.mesh), "mesh_text": self.mesh_text,
             "mesh_shape": list(self.mesh.values()), "axis_names": list(self.mesh),
             "layout": self.layout, "rules": self.rules_pairs, "status": self.status,
-            "reason": self.reason, "rank": self.rank, "fits": self.fits,
+            "reason": self.reason, "pruned_by": self.pruned_by, "rank": self.rank,
+            "fits": self.fits,
             "bytes_per_device": self.bytes_per_device,
             "params_bytes_per_device": self.params_bytes_per_device,
             "comm": None if self.comm is None else dict(self.comm),
@@ -323,7 +326,7 @@ class SearchResult:
         Example:
             >>> from meshplan._search.rule_search import example_search
             >>> result = example_search()  # search_rules' example, run once
-            >>> result.row("8x1", "fsdp").status, result.row("8x1", "fsdp").reason.split(":")[0]
+            >>> result.row("8x1", "fsdp").status, result.row("8x1", "fsdp").pruned_by
             ('pruned', 'symmetric')
         """
         for r in self.rows:

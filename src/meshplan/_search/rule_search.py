@@ -37,11 +37,13 @@ from meshplan._search.profiles import HardwareProfile, get_profile
 from meshplan._search.result import (
     PRUNE_REASONS,
     PruneKind,
+    RankedBy,
     SearchCounts,
     SearchResult,
     SearchRow,
     require_devices,
 )
+from meshplan._search.static import as_given, static_rows
 from meshplan._search.trace import Names, Workload, trace_workload
 from meshplan._spmd.rules import (
     LogicalRules,
@@ -53,7 +55,7 @@ from meshplan._spmd.rules import (
 )
 from meshplan._spmd.validate import validate
 from meshplan._text import human_bytes
-from meshplan.layouts import LAYOUTS
+from meshplan.layouts import LAYOUTS, get_layout
 
 if TYPE_CHECKING:
     import flax.linen as nn
@@ -155,9 +157,18 @@ def _step(row: SearchRow) -> float:
     return row.cost.step_s if row.cost is not None else math.inf
 
 
-def _rank(rows: list[SearchRow]) -> list[SearchRow]:
+def _rank(
+    rows: list[SearchRow], ranked_by: RankedBy = "predicted", refined: bool = False
+) -> list[SearchRow]:
     """Rows by predicted time; ties (:data:`TIE`) broken deterministically: built-in layouts,
-    fewer mesh axes, less memory, then the mesh and rules' text."""
+    fewer mesh axes, less memory, then the mesh and rules' text. ``refined``: rows just
+    compiled, by their refined time alone. ``'static'``: by
+    :meth:`~meshplan._search.result.SearchRow._static_key` (within the budget, state bytes,
+    idle axes, then the bytes moved; measured bytes where compiled), stable."""
+    if ranked_by == "static":
+        return sorted(rows, key=SearchRow._static_key)
+    if refined:
+        return sorted(rows, key=lambda r: r.cost.step_s if r.cost else 0)
     by_time = sorted(rows, key=lambda r: r.cost.step_s if r.cost else math.inf)
     out: list[SearchRow] = []
     i = 0
@@ -371,6 +382,9 @@ def search_rules(
     measure_top: int = 3,
     measure_steps: int = 5,
     workload: Workload | None = None,
+    ranked_by: RankedBy | None = None,
+    axis_names: tuple[str, ...] = ("data", "model"),
+    batch: int | None = None,
 ) -> SearchResult:
     """Searches meshes of ``devices`` and logical rules for the fastest predicted step.
 
@@ -393,6 +407,18 @@ def search_rules(
 
         :class:`meshplan.SearchResult`'s examples use this search
         (:func:`example_search`); ``max_axes=0`` searches only the ``layouts``.
+
+        Without a step (only ``abstract_state``), or with ``ranked_by='static'``, nothing
+        is traced: only the ``layouts`` are searched, over every shape of ``axis_names``,
+        each checked by :func:`meshplan.explain` (rejected with the path and the problem),
+        and ranked by memory per device (:mod:`meshplan._search.static`: within the
+        budget, state bytes on the fullest device, idle axes, then a static estimate of the
+        bytes moved); a step, when given, is only compiled (``compile_top``).
+        :func:`meshplan.search_layouts` is this search.
+
+        >>> static = meshplan.search_rules(8, state, layouts=["fsdp", "data_parallel"])
+        >>> static.ranked_by, static.best.mesh_text, static.best.layout, static.profile
+        ('static', '1x8', 'fsdp', None)
 
     Args:
         devices: The device count (any: nothing runs unless compiling or measuring).
@@ -417,9 +443,16 @@ def search_rules(
         measure_top: How many to run.
         measure_steps: Steps timed per candidate (the median counts).
         workload: A traced workload (skips tracing).
+        ranked_by: ``'predicted'`` (by predicted step time: needs a step) or ``'static'``
+            (by memory per device: no step is traced); default: ``'predicted'`` with a
+            step, ``'static'`` without one.
+        axis_names: The mesh axis names of the ``layouts``' rules.
+        batch: The global batch size the static ranking checks (default: the
+            ``example_batch``'s, else unchecked); with a step, the example batch's.
 
     Raises:
-        ArgumentError: neither a step nor a model.
+        ArgumentError: neither a state, a step nor a model; ``ranked_by='predicted'``
+            without a step; a ``batch`` other than the example batch's.
         MeshError: ``measure`` with fewer JAX devices than ``devices`` (code
             ``'too-few-devices'``, as :func:`meshplan.search_layouts` raises).
     """
@@ -432,6 +465,12 @@ def search_rules(
                 "Pass example_batch=, a batch of the model's inputs (arrays or ShapeDtypeStructs).",
             )  # fmt: skip
         abstract_state, step_fn, example_batch = linen_step(model, example_batch, loss, optimizer)
+    if ranked_by == "static" or (ranked_by is None and workload is None and step_fn is None
+                                 and abstract_state is not None):  # fmt: skip
+        return _static_search(
+            devices, abstract_state, step_fn, example_batch, layouts, axis_names, batch,
+            memory_budget_bytes, compile_top, measure, measure_top, measure_steps, t0,
+        )  # fmt: skip
     if workload is None:
         if step_fn is None or abstract_state is None or example_batch is None:
             raise error_for(
@@ -441,6 +480,12 @@ def search_rules(
                 "or workload=.",
             )  # fmt: skip
         workload = trace_workload(step_fn, abstract_state, example_batch, read_constraints=True)
+    if batch is not None and batch != workload.batch:
+        raise error_for(
+            ArgumentError, "bad-batch", "batch",
+            f"search_rules got batch={batch}, and its example batch holds {workload.batch}",
+            "Leave batch= out: with a step, the batch is the example batch's.",
+        )  # fmt: skip
     if measure and step_fn is None:
         raise error_for(
             ArgumentError, "missing-argument", "step_fn",
@@ -455,14 +500,14 @@ def search_rules(
     if layouts is None:
         layouts = dict(LAYOUTS)
     elif not isinstance(layouts, Mapping):
-        layouts = {n: LAYOUTS[n] for n in layouts}
+        layouts = {n: get_layout(n) for n in layouts}
     given = {n: _own_rules(normalize_rules(r), workload) for n, r in layouts.items()}
     search_names = [n for n in (names or workload.param_names) if n != "layer"]
     if names is None:  # activations' own names (MaxText's activation_embed) may split too
         search_names += [n for n in workload.names
                          if n.startswith("activation_") and n not in CONTEXT_NAMES]  # fmt: skip
     other = [n for n in workload.names if n not in search_names and n != "batch"]
-    candidates = layout_candidates(devices, given, layouts_first=True)
+    candidates = layout_candidates(devices, given, axis_names, layouts_first=True)
     candidates += generate(devices, search_names, other_names=other, max_axes=max_axes, roles=roles)
     hierarchical = devices > prof.domain_devices
     leaves = list(dict.fromkeys((n, s) for n, s, _ in workload.state if n is not None))
@@ -510,23 +555,100 @@ def search_rules(
                           f"the budget of {human_bytes(budget)}")  # fmt: skip
         if reason is not None:
             row.status, row.reason = "pruned", reason
-            kind = _kind(reason)
+            kind = row.pruned_by = _kind(reason)
             pruned[kind] += 1
             if c.layout != "searched" or kind != "symmetric":
                 out.append(row)
             continue
         rows.append(row)
     scored = sum(1 for r in [*rows, *out] if r.cost is not None)
-    rows = _rank(rows)
+    compile_top = compile_top if have_devices else 0
+    rows, compiled, measured = _finish(rows, "predicted", step_fn, abstract_state, example_batch,
+                                       compile_top, measure, measure_top, measure_steps)  # fmt: skip
+    counts = SearchCounts(enumerated=len(candidates), pruned=pruned, scored=scored,
+                          compiled=compiled, measured=measured)  # fmt: skip
+    for row in rows:
+        row.fits = True  # every ranked row fits: the others were pruned as "memory"
+    return SearchResult(
+        rows + out, devices, prof, budget, counts, time.perf_counter() - t0, batch,
+        workload.tokens, tokens_unit=workload.tokens_unit,
+    )  # fmt: skip
+
+
+def _static_search(
+    devices: int,
+    abstract_state: Any,
+    step_fn: Callable[[Any, Any], Any] | None,
+    example_batch: Any,
+    layouts: Mapping[str, LogicalRules] | Sequence[str] | None,
+    axis_names: tuple[str, ...],
+    batch: int | None,
+    budget: int | None,
+    compile_top: int,
+    measure: bool,
+    measure_top: int,
+    measure_steps: int,
+    t0: float,
+) -> SearchResult:
+    """:func:`search_rules` without a trace: the ``layouts`` over every shape of
+    ``axis_names``, sized and checked (:func:`meshplan._search.static.static_rows`), then
+    ranked, compiled and measured as every search is (:func:`_finish`)."""
+    if abstract_state is None:
+        raise error_for(
+            ArgumentError, "missing-argument", "abstract_state",
+            "search_rules(ranked_by='static') sizes a state, and none was given",
+            "Pass abstract_state= (jax.eval_shape of init), or model= with example_batch=.",
+        )  # fmt: skip
+    if measure and step_fn is None:
+        raise error_for(
+            ArgumentError, "missing-argument", "step_fn",
+            "search_rules(measure=True) runs the step, and none was given",
+            "Pass step_fn= or model=.",
+        )  # fmt: skip
+    if measure:
+        require_devices(devices, "measure=True (running the step)")
+    if batch is None and example_batch is not None:
+        batch = int(jax.tree.leaves(example_batch)[0].shape[0])
+    named = layouts if layouts is not None else LAYOUTS
+    if not isinstance(named, Mapping):  # names of built-in layouts (or rules files)
+        named = {name: get_layout(name) for name in named}
+    given = {n: as_given(r) for n, r in named.items()}
+    candidates = layout_candidates(devices, given, axis_names)
+    rows, out, pruned = static_rows(abstract_state, candidates, batch, budget)
+    compile_top = compile_top if jax.device_count() >= devices else 0
+    rows, compiled, measured = _finish(rows, "static", step_fn, abstract_state, example_batch,
+                                       compile_top, measure, measure_top, measure_steps)  # fmt: skip
+    counts = SearchCounts(enumerated=len(candidates), pruned=pruned, scored=len(rows),
+                          compiled=compiled, measured=measured)  # fmt: skip
+    return SearchResult(
+        rows + out, devices, None, budget, counts, time.perf_counter() - t0, batch,
+        ranked_by="static",
+    )  # fmt: skip
+
+
+def _finish(
+    rows: list[SearchRow],
+    ranked_by: RankedBy,
+    step_fn: Callable[[Any, Any], Any] | None,
+    abstract_state: Any,
+    example_batch: Any,
+    compile_top: int,
+    measure: bool,
+    measure_top: int,
+    measure_steps: int,
+) -> tuple[list[SearchRow], int, int]:
+    """The one ranking of every search: the ``ok`` rows ranked (:func:`_rank`), the first
+    ``compile_top`` compiled and ranked again with what the compile showed, the first
+    ``measure_top`` run and ranked by measured time, then numbered. Returns the rows and
+    how many were compiled and measured."""
+    rows = _rank(rows, ranked_by)
     compiled = 0
-    if compile_top and have_devices and step_fn is not None:
+    if compile_top and step_fn is not None:
         for row in rows[:compile_top]:
             row.compiled = measure_step(step_fn, abstract_state, example_batch, row.mesh, row.rules)
             compiled += 1
             _refine(row)
-        rows[:compile_top] = sorted(
-            rows[:compile_top], key=lambda r: r.cost.step_s if r.cost else 0
-        )
+        rows[:compile_top] = _rank(rows[:compile_top], ranked_by, refined=True)
     measured = 0
     if measure and step_fn is not None:
         from meshplan._search.timing import prepare_step
@@ -547,14 +669,7 @@ def search_rules(
         rows[:measure_top] = sorted(top, key=lambda r: r.measured_s or 0)
     for i, row in enumerate(rows, 1):
         row.rank = i
-    counts = SearchCounts(enumerated=len(candidates), pruned=pruned, scored=scored,
-                          compiled=compiled, measured=measured)  # fmt: skip
-    for row in rows:
-        row.fits = True  # every ranked row fits: the others were pruned as "memory"
-    return SearchResult(
-        rows + out, devices, prof, budget, counts, time.perf_counter() - t0, batch,
-        workload.tokens, tokens_unit=workload.tokens_unit,
-    )  # fmt: skip
+    return rows, compiled, measured
 
 
 def _kind(reason: str) -> PruneKind:

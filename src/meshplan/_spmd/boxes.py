@@ -612,40 +612,39 @@ def replace_boxed(tree: Any, updates: Any) -> Any:
         >>> new["w"].names, float(new["w"].value.sum())
         ((None, 'model'), 0.0)
     """
-    problems: list[str] = []
+    problems: list[Problem] = []
+    fix = "Updates must have the structure and ranks of meshplan.unbox(tree)."
 
     def update(path: Any, box: Any, new: Any) -> Any:
         if not isinstance(box, AxisMetadata):
             return new
         inner = box.value if isinstance(box, Partitioned) else box.unbox()
         if isinstance(new, AxisMetadata):
-            problems.append(
-                f"{path_text(path)}: the update is itself a box "
-                f"({type(new).__name__}); pass raw values (meshplan.unbox(updates))"
-            )
+            problems.append(Problem(
+                "error", path_text(path),
+                f"the update is itself a box ({type(new).__name__}); pass raw values "
+                f"(meshplan.unbox(updates))", fix, "update-is-a-box",
+            ))  # fmt: skip
             return box
         if isinstance(inner, AxisMetadata):
             new = replace_boxed(inner, new)
         elif isinstance(box, Partitioned):
             new_shape = getattr(new, "shape", None)
             if new_shape is not None and len(new_shape) != len(box.names):
-                problems.append(
-                    f"{path_text(path)}: a value of shape {tuple(new_shape)} "
-                    f"(rank {len(new_shape)}) cannot go into a box named {box.names!r} "
-                    f"(rank {len(box.names)})"
-                )
+                problems.append(Problem(
+                    "error", path_text(path),
+                    f"a value of shape {tuple(new_shape)} (rank {len(new_shape)}) cannot go "
+                    f"into a box named {box.names!r} (rank {len(box.names)})", fix,
+                    "update-rank",
+                ))  # fmt: skip
                 return box
         return box.replace_boxed(new)
 
     out = jax.tree_util.tree_map_with_path(update, tree, updates, is_leaf=is_box)
     if problems:
-        from meshplan._errors import problem_message
+        from meshplan._errors import error_from_problems
 
-        raise LogicalNamesError(
-            problem_message(
-                "replace_boxed cannot put these updates into their boxes:",
-                problems,
-                "Updates must have the structure and ranks of meshplan.unbox(tree).",
-            )
+        raise error_from_problems(
+            LogicalNamesError, "replace_boxed cannot put these updates into their boxes:", problems
         )
     return out

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshplan._spmd.boxes import LogicallyPartitioned, Partitioned, is_box
 from meshplan._spmd.nnx import is_variable, variable_names, variable_spec
-from meshplan._spmd.rules import LogicalRules, logical_to_mesh_axes
+from meshplan._spmd.rules import LogicalRules, NamesKind, logical_to_mesh_axes
 
 __all__ = [
     "ArrayLeaf",
@@ -53,7 +53,7 @@ class LeafNames:
         own_rules: Rules carried by the container, if any (``None``: the rules in effect).
     """
 
-    kind: str
+    kind: NamesKind
     names: tuple[Any, ...] | None
     value: Any
     own_rules: Any
@@ -108,7 +108,7 @@ class ArrayLeaf:
     """
 
     keypath: tuple[Any, ...]
-    kind: str
+    kind: NamesKind
     names: tuple[Any, ...] | None
     shape: tuple[int, ...]
     dtype: Any
@@ -116,7 +116,7 @@ class ArrayLeaf:
     value: Any = None
 
 
-def unwrap(box: Any) -> tuple[str, Any, Any, Any]:
+def unwrap(box: Any) -> tuple[NamesKind, Any, Any, Any]:
     """``(kind, names, value, own_rules)`` of a box, however nested.
 
     Example:
@@ -161,6 +161,7 @@ def array_leaves(tree: Any, rules: LogicalRules | None = None) -> tuple[list[Arr
     skipped = 0
     for keypath, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
         found = leaf_kind(leaf)
+        kind: NamesKind
         if found is None:
             kind, names, value, own_rules = "unboxed", None, leaf, None
         else:

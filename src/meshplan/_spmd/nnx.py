@@ -29,11 +29,12 @@ from typing import TYPE_CHECKING, Any
 
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshplan._errors import ArgumentError, LogicalNamesError, Problem
+from meshplan._errors import ArgumentError, LogicalNamesError, Problem, error_for
 from meshplan._spmd.mesh_info import JaxMesh
 from meshplan._spmd.rules import (
     LogicalNames,
     LogicalRules,
+    NamesKind,
     bad_entries,
     get_logical_axis_rules,
     logical_to_mesh_axes,
@@ -99,7 +100,7 @@ class NnxNames:
     """
 
     names: tuple[Any, ...] | None
-    kind: str
+    kind: NamesKind
     rules: tuple[tuple[str, Any], ...] | None
     local_rules: tuple[tuple[str, Any], ...]
 
@@ -304,11 +305,13 @@ def with_nnx_partitioning(
     from flax.nnx import variablelib
 
     if not callable(initializer):
-        raise ArgumentError(
+        raise error_for(
+            ArgumentError, "not-an-initializer", "initializer",
             f"with_nnx_partitioning needs an initializer as its first argument, got "
-            f"{initializer!r}.\nPass one, e.g. with_nnx_partitioning("
-            f"nnx.initializers.lecun_normal(), ('embed', 'mlp'))."
-        )
+            f"{initializer!r}",
+            "Pass one, e.g. with_nnx_partitioning(nnx.initializers.lecun_normal(), "
+            "('embed', 'mlp')).",
+        )  # fmt: skip
     bad = names_problem(names, what="names")
     if bad is not None:
         raise LogicalNamesError(f"with_nnx_partitioning: {bad.message}.\n{bad.fix}", [bad])

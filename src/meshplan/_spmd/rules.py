@@ -21,10 +21,12 @@ from meshplan._errors import LogicalNamesError, Problem, RulesError, error_from_
 
 __all__ = [
     "AxisNames",
+    "DimStatus",
     "LogicalNames",
     "LogicalRules",
     "LogicalSpecTree",
     "MeshAxes",
+    "NamesKind",
     "RulePairs",
     "Rules",
     "get_logical_axis_rules",
@@ -528,6 +530,15 @@ def mesh_axes_of(entry: Any) -> tuple[str, ...]:
 # The name _plan_layout.py and _check_problems.py import (they are being refactored apart).
 _axes_of = mesh_axes_of
 
+
+NamesKind: TypeAlias = Literal["logical", "mesh", "unboxed"]
+"""What an array's names are: logical names for the rules to resolve, mesh axes given
+directly, or none (an array in no box or variable)."""
+
+DimStatus: TypeAlias = Literal["rule", "mesh", "no-rule", "unnamed", "unconstrained", "unboxed"]
+"""How one dimension was placed: by a rule, by mesh axes given directly, by no rule (a
+logical name no rule places: replicated), unnamed (``None``), ``UNCONSTRAINED``, or as an
+array with no names at all."""
 
 SkipReason: TypeAlias = Literal[
     "dimension already assigned", "mesh axis taken", "tuple partly taken"

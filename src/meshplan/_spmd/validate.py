@@ -28,8 +28,10 @@ from meshplan._spmd.mesh_info import MeshInfo, MeshLike, axis_names_fix, mesh_in
 from meshplan._spmd.rules import (
     UNASSIGNED,
     UNCONSTRAINED,
+    DimStatus,
     LogicalNames,
     LogicalRules,
+    NamesKind,
     SkippedRule,
     bad_entries,
     get_logical_axis_rules,
@@ -42,7 +44,7 @@ from meshplan._text import axes_text
 
 __all__ = ["DimCheck", "LeafCheck", "check_leaf", "rank_problem", "validate"]
 
-KINDS = ("logical", "mesh", "unboxed")
+KINDS: tuple[NamesKind, ...] = ("logical", "mesh", "unboxed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +74,7 @@ class DimCheck:
     entry: Any
     mesh_axes: tuple[str, ...]
     shards: int
-    status: str
+    status: DimStatus
     rule_index: int | None
     rule: tuple[str, Any] | None
     skipped: tuple[SkippedRule, ...]
@@ -205,7 +207,7 @@ def shape_problems(shape: Any) -> list[Problem]:
 
 
 def check_leaf(
-    kind: str,
+    kind: NamesKind,
     names: tuple[Any, ...] | None,
     shape: tuple[int, ...] | None,
     rules: tuple[tuple[str, Any], ...],
@@ -276,6 +278,7 @@ def check_leaf(
         rule_index: int | None = None
         rule: tuple[str, Any] | None = None
         skipped: tuple[SkippedRule, ...] = ()
+        status: DimStatus
         if kind == "unboxed":
             entry, status = None, "unboxed"
         elif trace is not None:
@@ -355,7 +358,7 @@ def validate(
     mesh: MeshLike,
     rules: LogicalRules | None = None,
     *,
-    kind: str = "logical",
+    kind: NamesKind = "logical",
 ) -> list[Problem]:
     """Every problem of one array laid out on ``mesh``: a code, the path, the message, the fix.
 

@@ -452,7 +452,7 @@ def _print(
         out.print(_table(result, args.rows))
     rejected = sorted(  # the reasons that teach something first; symmetric ones last
         (r for r in result.rows if r.status == "pruned"),
-        key=lambda r: r.reason.startswith("symmetric"),
+        key=lambda r: r.pruned_by == "symmetric",
     )
     if rejected:
         shown = rejected[:8]

@@ -168,7 +168,8 @@ def prepare_factory_run(request: TrainRequest) -> PreparedRun:
         built.add(
             CheckpointError,
             f"{len(mismatch)} arrays differ between the checkpoint (step {stored.step}) "
-            f"and the model --model {spec} builds now, e.g. {mismatch[0]}",
+            f"and the model --model {spec} builds now, e.g. {mismatch[0].path}: "
+            f"{mismatch[0].message}",
             "Resume with the factory the checkpoint was trained with, or train into a new "
             "--ckpt-dir.",
         )

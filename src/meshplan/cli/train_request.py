@@ -361,7 +361,7 @@ def _check_state(
             CheckpointError,
             f"so {len(mismatch)} arrays differ between the checkpoint (step {stored.step}, "
             f"{len(stored.arrays)} arrays) and this model: they do not fit the model, e.g. "
-            f"{mismatch[0]}",
+            f"{mismatch[0].path}: {mismatch[0].message}",
             f"Resume with the checkpoint's {what}: leave out {flags} and the model size "
             "flags (or repeat the ones it was trained with), or train into a new --ckpt-dir.",
         )

@@ -21,7 +21,7 @@ import optax
 from jax.sharding import Mesh
 
 from meshplan._checkpoint.metadata import CheckpointMetadata
-from meshplan._checkpoint.restore import compatibility_problems
+from meshplan._checkpoint.restore import mismatch_problems
 from meshplan._checkpoint.tree import flatten_state
 from meshplan._errors import MeshplanError, Problem
 from meshplan._spmd.rules import LogicalRules
@@ -50,8 +50,9 @@ class BuiltParts:
         rules_error: Why the layout could not be had (:func:`get_layout`'s error).
         state_error: What creating the abstract state raised (a model of the user's own
             may raise anything).
-        mismatch: The arrays of the checkpoint that do not fit the state
-            (:func:`~meshplan._checkpoint.restore.compatibility_problems`), one line each.
+        mismatch: The arrays of the checkpoint that do not fit the state, one problem each
+            (:func:`~meshplan._checkpoint.restore.mismatch_problems`: code
+            ``'checkpoint-mismatch'``, by path).
         uneven: The parameters the layout cannot split evenly on the mesh: the
             validator's problems of code ``'indivisible'``, by path (``params/...``).
         batch: The arrays of the example batch whose first dimension, ``'batch'``, the
@@ -66,7 +67,7 @@ class BuiltParts:
     mesh_error: MeshplanError | None = None
     rules_error: MeshplanError | None = None
     state_error: Exception | None = None
-    mismatch: list[str] = dataclasses.field(default_factory=list)
+    mismatch: list[Problem] = dataclasses.field(default_factory=list)
     uneven: list[Problem] = dataclasses.field(default_factory=list)
     batch: list[Problem] = dataclasses.field(default_factory=list)
 
@@ -115,7 +116,7 @@ def build_parts(
         except Exception as e:  # a model of the user's own may raise anything
             parts.state_error = e
     if parts.abstract is not None and stored is not None:
-        parts.mismatch = list(compatibility_problems(stored, parts.abstract))
+        parts.mismatch = mismatch_problems(stored, parts.abstract)
     try:
         parts.rules = get_layout(layout)
     except MeshplanError as e:

@@ -50,6 +50,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshplan._checkpoint.checkpointer import Checkpointer
@@ -158,7 +159,7 @@ class Trainer:
         checkpoints: Checkpoints | None = None,
         measures: Measures | None = None,
         *,
-        tx: Any = None,
+        tx: optax.GradientTransformation | None = None,
         abstract: Any = None,
         notes: Sequence[str] = (),
         **separate: Any,
