@@ -122,8 +122,9 @@ class _Specs:
 
     ``shared``: resolutions shared across the candidates of a search (:data:`Resolved`):
     the same answer, asked once per array and set of rules that name it. ``by_rules``:
-    the answers of candidates with the same rules, shared where every axis the rules name
-    splits (then the sizes do not change them): ``{rules: {names: spec}}``."""
+    the answers of the candidates with the same rules (``{names: spec}``), shared where
+    every axis the rules name splits (then the sizes do not change them); ``splits``:
+    whether every axis does, where the caller knows."""
 
     def __init__(
         self,
@@ -131,7 +132,8 @@ class _Specs:
         rules: LogicalRules,
         shared: Resolved | None = None,
         normal: bool = False,
-        by_rules: dict[Any, dict[Names, Spec]] | None = None,
+        by_rules: dict[Names, Spec] | None = None,
+        splits: bool | None = None,
     ) -> None:
         # ``normal``: ``rules`` are pairs already (the search's generated candidates).
         self.sizes = sizes
@@ -139,13 +141,13 @@ class _Specs:
         self.bytes_cache: dict[tuple[Any, ...], int] = {}
         self.shared = shared
         # Every axis a rule names is in the mesh with a size above 1.
-        self.every_axis_splits = all(
-            sizes.get(a, 1) > 1 for _, axes in self.rules for a in mesh_axes_of(axes)
+        self.every_axis_splits = (
+            splits
+            if splits is not None
+            else all(sizes.get(a, 1) > 1 for _, axes in self.rules for a in mesh_axes_of(axes))
         )
         self.cache: dict[Names, Spec] = (
-            by_rules.setdefault(self.rules, {})
-            if by_rules is not None and self.every_axis_splits
-            else {}
+            by_rules if by_rules is not None and self.every_axis_splits else {}
         )
         self.state_of: Workload | None = None  # the workload ``state_total`` is of
         self.state_total: int | None = None
