@@ -280,14 +280,27 @@ def _dot_cost(
     return flops, colls, out_bytes
 
 
-def state_bytes(workload: Workload, specs: _Specs) -> int:
+StateCounts = dict[tuple[Names | None, tuple[int, ...], int], int]
+"""The state's arrays ``(names, shape, itemsize)`` and how many of each (a parameter, its
+optimizer moments): :func:`state_counts`."""
+
+
+def state_counts(workload: Workload) -> StateCounts:
+    """How many of each ``(names, shape, itemsize)`` the state holds."""
+    counts: StateCounts = {}
+    for array in workload.state:
+        counts[array] = counts.get(array, 0) + 1
+    return counts
+
+
+def state_bytes(workload: Workload, specs: _Specs, counts: StateCounts | None = None) -> int:
     """Per-device bytes of the state (shards rounded up, as ``explain`` counts them); asked
-    once per candidate (the search asks before pricing, then :func:`predict_specs`)."""
+    once per candidate (the search asks before pricing, then :func:`predict_specs`).
+    ``counts``: :func:`state_counts` of ``workload``, found once by a search."""
     if specs.state_total is None or specs.state_of is not workload:
+        counts = counts if counts is not None else state_counts(workload)
         specs.state_of = workload
-        specs.state_total = sum(
-            specs.shard_bytes(names, shape, item) for names, shape, item in workload.state
-        )
+        specs.state_total = sum(n * specs.shard_bytes(*array) for array, n in counts.items())
     return specs.state_total
 
 

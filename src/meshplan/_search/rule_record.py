@@ -63,8 +63,8 @@ class RuleRecord:
     resolved ``PartitionSpec`` entries, as the validator's cache keys them.
     """
 
-    __slots__ = ("batch_axes", "clean", "divides", "entries", "named", "place", "rules", "specs",
-                 "used")  # fmt: skip
+    __slots__ = ("axes", "batch_axes", "clean", "divides", "entries", "named", "place", "rules",
+                 "specs", "used")  # fmt: skip
 
     def __init__(
         self,
@@ -79,6 +79,7 @@ class RuleRecord:
     ) -> None:
         self.rules = rules
         self.named = tuple(dict.fromkeys(a for _, axes in rules for a in mesh_axes_of(axes)))
+        self.axes = frozenset(self.named)
         self.specs: dict[Names, Spec] = {}
         # Any sizes above 1: where every named axis splits, the specs do not depend on them.
         specs = _Specs({a: 2 for a in self.named}, rules, resolved, True, self.specs, True)
@@ -107,7 +108,7 @@ class RuleRecord:
     def applies(self, sizes: Mapping[str, int]) -> bool:
         """Whether every axis the rules name is in the mesh and splits, and they name every
         axis of the mesh."""
-        return all(sizes.get(a, 1) > 1 for a in self.named) and all(a in self.place for a in sizes)
+        return sizes.keys() == self.axes and all(s > 1 for s in sizes.values())
 
     def first_indivisible(self, sizes: Mapping[str, int]) -> int | None:
         """The index of the first leaf with a dimension its axes' sizes do not divide, or

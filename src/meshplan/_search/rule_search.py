@@ -31,7 +31,14 @@ from meshplan._search.candidates import (
     generate,
     layout_candidates,
 )
-from meshplan._search.cost import DotCache, Resolved, _Specs, predict_specs, state_bytes
+from meshplan._search.cost import (
+    DotCache,
+    Resolved,
+    _Specs,
+    predict_specs,
+    state_bytes,
+    state_counts,
+)
 from meshplan._search.hlo import measure_step
 from meshplan._search.profiles import HardwareProfile, get_profile
 from meshplan._search.result import (
@@ -488,6 +495,7 @@ def search_rules(
     # splits), found once per rules and shared by the many mesh shapes of the same axes:
     # each array's spec, where each axis splits, the axes used, what must divide.
     records: dict[RulePairs, RuleRecord] = {}
+    in_state = state_counts(workload)
     places: Places = {}  # where an axis splits, as an int: signatures of ints
     symmetric = "symmetric: the same splits as a candidate listed before"
     for c in candidates:
@@ -521,7 +529,7 @@ def search_rules(
             if searched or reason is None:
                 seen.add(sig)
         if reason is None:
-            held = state_bytes(workload, specs)
+            held = state_bytes(workload, specs, in_state)
             if held > budget:  # the state alone: no need to price the step
                 reason = (f"memory: the state alone, {human_bytes(held)} per device, is over "
                           f"the budget of {human_bytes(budget)}")  # fmt: skip
