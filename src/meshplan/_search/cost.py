@@ -182,11 +182,12 @@ class _Specs:
         key = (names, shape, item)
         got = self.bytes_cache.get(key)
         if got is None:
-            spec = self(names, len(shape))
-            got = item * math.prod(
-                -(-s // math.prod(self.sizes[a] for a in axes))
-                for s, axes in zip(shape, spec, strict=True)
-            )
+            got, sizes = item, self.sizes
+            for s, axes in zip(shape, self(names, len(shape)), strict=True):
+                split = 1
+                for a in axes:
+                    split *= sizes[a]
+                got *= -(-s // split)
             self.bytes_cache[key] = got
         return got
 

@@ -115,7 +115,9 @@ class RuleRecord:
         None: :func:`meshplan._search.rule_search._divides`'s answer."""
         first: int | None = None
         for axes, gcd, at in self.divides:
-            split = math.prod(sizes[a] for a in axes)
+            split = 1
+            for a in axes:
+                split *= sizes[a]
             if gcd % split:
                 i = next(i for i, size in at if size % split)
                 first = i if first is None else min(first, i)
