@@ -289,3 +289,40 @@ def test_a_search_prunes_and_prices_candidates_as_it_does_each_alone():
     assert {"ok", "invalid", "batch"} <= reasons and priced > 10
     assert len(cache) < priced * len(work.dots)  # matmuls with the same splits priced once
     assert len(resolved) < len(cands[::3]) * len(leaves)  # arrays resolved once per rules
+
+
+@pytest.mark.slow
+def test_a_rules_record_answers_as_each_generated_candidate_alone():
+    """A generated candidate's checks through its rules' record (found once per rules): the
+    same reason to prune it and the same symmetry signature as found for it alone."""
+    from meshplan._search.candidates import CONTEXT_NAMES
+    from meshplan._search.cost import _Specs
+    from meshplan._search.rule_record import RuleRecord, signature_key
+    from meshplan._search.rule_search import _Checks, _prune, _signature
+
+    state, step, tokens = tiny_case()
+    work = trace_workload(step, state, tokens, read_constraints=True)
+    names = [n for n in work.param_names if n != "layer"]
+    cands = list(generate(64, names, other_names=[n for n in work.names if n not in names]))
+    leaves = list(dict.fromkeys((n, s) for n, s, _ in work.state if n is not None))
+    acts = tuple(n for n in work.names if n in CONTEXT_NAMES or n.startswith("activation_"))
+    arrays = [*leaves, (acts, (0,) * len(acts))] if acts else leaves
+    checks, resolved, records, places = _Checks(), {}, {}, {}
+    reasons = set()
+    for c in cands[1::3]:
+        record = records.get(c.rules)
+        if record is None:
+            clean = checks.rules_clean(c.rules) and all(checks.leaf_clean(*a) for a in leaves)
+            record = records[c.rules] = RuleRecord(
+                c.rules, resolved, leaves, arrays, ("batch",), acts, clean, places
+            )
+        assert record.applies(c.mesh)
+        alone = _prune(c, work.batch, ("batch",), leaves, acts)
+        specs = _Specs(c.mesh, c.rules, resolved, True, record.specs, splits=True)
+        assert _prune(c, work.batch, ("batch",), leaves, acts, specs, checks, record) == alone
+        reasons.add((alone or "ok").split(":")[0])
+        for hierarchical in (False, True):
+            sig = _signature(c, hierarchical, arrays, ("batch",), places)
+            assert signature_key(c.mesh, record.place, hierarchical) == sig
+    assert {"ok", "invalid", "batch"} <= reasons
+    assert len(records) < len(cands[1::3]) / 2  # found once per rules

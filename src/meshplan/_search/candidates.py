@@ -184,25 +184,36 @@ def generate(
     expert_batch = [n for n in all_names if n in EXPERT_BATCH_NAMES]
     roles = [r for r in roles if (r != "context" or context) and (r != "expert" or experts)]
     plain = [n for n in param_names if n not in experts]
+
+    def rules_of(axes: tuple[str, ...]) -> list[RulePairs]:
+        """Every rules of a mesh of ``axes``, in order (the same for every shape)."""
+        out: list[RulePairs] = []
+        batch_axes = tuple(a for a in axes if a in ("data", "fsdp", "expert"))
+        fsdp_names: Sequence[str | None] = plain if "fsdp" in axes else [None]
+        for f in fsdp_names:
+            rest = [n for n in plain if n != f]
+            t_sets: list[tuple[str, ...]] = _tensor_sets(rest) if "tensor" in axes else [()]
+            for t in t_sets:
+                rules: list[tuple[str, MeshAxes]] = [(batch_name, batch_axes or None)]
+                if "expert" in axes:
+                    rules += [(n, "expert") for n in experts]
+                rest_batch = tuple(a for a in batch_axes if a != "expert") or None
+                rules += [(n, rest_batch) for n in expert_batch]
+                if "context" in axes:
+                    rules += [(n, "context") for n in context]
+                if f is not None:
+                    rules.append((f, "fsdp"))
+                rules += [(n, "tensor") for n in t]
+                given = {r[0] for r in rules}
+                rules += [(n, None) for n in all_names if n not in given]
+                out.append(tuple(rules))
+        return out
+
+    by_axes: dict[tuple[str, ...], list[RulePairs]] = {}  # built once, shared by the shapes
     for shape in mesh_factorizations(devices, max_axes):
         for axes in itertools.permutations(roles, len(shape)):
             mesh = dict(zip(axes, shape, strict=True))
-            batch_axes = tuple(a for a in axes if a in ("data", "fsdp", "expert"))
-            fsdp_names: Sequence[str | None] = plain if "fsdp" in axes else [None]
-            for f in fsdp_names:
-                rest = [n for n in plain if n != f]
-                t_sets: list[tuple[str, ...]] = _tensor_sets(rest) if "tensor" in axes else [()]
-                for t in t_sets:
-                    rules: list[tuple[str, MeshAxes]] = [(batch_name, batch_axes or None)]
-                    if "expert" in axes:
-                        rules += [(n, "expert") for n in experts]
-                    rest_batch = tuple(a for a in batch_axes if a != "expert") or None
-                    rules += [(n, rest_batch) for n in expert_batch]
-                    if "context" in axes:
-                        rules += [(n, "context") for n in context]
-                    if f is not None:
-                        rules.append((f, "fsdp"))
-                    rules += [(n, "tensor") for n in t]
-                    given = {r[0] for r in rules}
-                    rules += [(n, None) for n in all_names if n not in given]
-                    yield Candidate(dict(mesh), tuple(rules))
+            if axes not in by_axes:
+                by_axes[axes] = rules_of(axes)
+            for rules in by_axes[axes]:
+                yield Candidate(dict(mesh), rules)

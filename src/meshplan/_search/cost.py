@@ -122,8 +122,9 @@ class _Specs:
 
     ``shared``: resolutions shared across the candidates of a search (:data:`Resolved`):
     the same answer, asked once per array and set of rules that name it. ``by_rules``:
-    the answers of candidates with the same rules, shared where every axis the rules name
-    splits (then the sizes do not change them): ``{rules: {names: spec}}``."""
+    the answers of the candidates with the same rules (``{names: spec}``), shared where
+    every axis the rules name splits (then the sizes do not change them); ``splits``:
+    whether every axis does, where the caller knows."""
 
     def __init__(
         self,
@@ -131,7 +132,8 @@ class _Specs:
         rules: LogicalRules,
         shared: Resolved | None = None,
         normal: bool = False,
-        by_rules: dict[Any, dict[Names, Spec]] | None = None,
+        by_rules: dict[Names, Spec] | None = None,
+        splits: bool | None = None,
     ) -> None:
         # ``normal``: ``rules`` are pairs already (the search's generated candidates).
         self.sizes = sizes
@@ -139,13 +141,13 @@ class _Specs:
         self.bytes_cache: dict[tuple[Any, ...], int] = {}
         self.shared = shared
         # Every axis a rule names is in the mesh with a size above 1.
-        self.every_axis_splits = all(
-            sizes.get(a, 1) > 1 for _, axes in self.rules for a in mesh_axes_of(axes)
+        self.every_axis_splits = (
+            splits
+            if splits is not None
+            else all(sizes.get(a, 1) > 1 for _, axes in self.rules for a in mesh_axes_of(axes))
         )
         self.cache: dict[Names, Spec] = (
-            by_rules.setdefault(self.rules, {})
-            if by_rules is not None and self.every_axis_splits
-            else {}
+            by_rules if by_rules is not None and self.every_axis_splits else {}
         )
         self.state_of: Workload | None = None  # the workload ``state_total`` is of
         self.state_total: int | None = None
@@ -180,11 +182,12 @@ class _Specs:
         key = (names, shape, item)
         got = self.bytes_cache.get(key)
         if got is None:
-            spec = self(names, len(shape))
-            got = item * math.prod(
-                -(-s // math.prod(self.sizes[a] for a in axes))
-                for s, axes in zip(shape, spec, strict=True)
-            )
+            got, sizes = item, self.sizes
+            for s, axes in zip(shape, self(names, len(shape)), strict=True):
+                split = 1
+                for a in axes:
+                    split *= sizes[a]
+                got *= -(-s // split)
             self.bytes_cache[key] = got
         return got
 
@@ -278,14 +281,27 @@ def _dot_cost(
     return flops, colls, out_bytes
 
 
-def state_bytes(workload: Workload, specs: _Specs) -> int:
+StateCounts = dict[tuple[Names | None, tuple[int, ...], int], int]
+"""The state's arrays ``(names, shape, itemsize)`` and how many of each (a parameter, its
+optimizer moments): :func:`state_counts`."""
+
+
+def state_counts(workload: Workload) -> StateCounts:
+    """How many of each ``(names, shape, itemsize)`` the state holds."""
+    counts: StateCounts = {}
+    for array in workload.state:
+        counts[array] = counts.get(array, 0) + 1
+    return counts
+
+
+def state_bytes(workload: Workload, specs: _Specs, counts: StateCounts | None = None) -> int:
     """Per-device bytes of the state (shards rounded up, as ``explain`` counts them); asked
-    once per candidate (the search asks before pricing, then :func:`predict_specs`)."""
+    once per candidate (the search asks before pricing, then :func:`predict_specs`).
+    ``counts``: :func:`state_counts` of ``workload``, found once by a search."""
     if specs.state_total is None or specs.state_of is not workload:
+        counts = counts if counts is not None else state_counts(workload)
         specs.state_of = workload
-        specs.state_total = sum(
-            specs.shard_bytes(names, shape, item) for names, shape, item in workload.state
-        )
+        specs.state_total = sum(n * specs.shard_bytes(*array) for array, n in counts.items())
     return specs.state_total
 
 

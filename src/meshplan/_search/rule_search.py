@@ -18,7 +18,7 @@ import functools
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -31,7 +31,14 @@ from meshplan._search.candidates import (
     generate,
     layout_candidates,
 )
-from meshplan._search.cost import DotCache, Resolved, _Specs, predict_specs, state_bytes
+from meshplan._search.cost import (
+    DotCache,
+    Resolved,
+    _Specs,
+    predict_specs,
+    state_bytes,
+    state_counts,
+)
 from meshplan._search.hlo import measure_step
 from meshplan._search.profiles import HardwareProfile, get_profile
 from meshplan._search.result import (
@@ -43,6 +50,7 @@ from meshplan._search.result import (
     SearchRow,
     require_devices,
 )
+from meshplan._search.rule_record import Places, RuleRecord, place_ids, signature_key
 from meshplan._search.static import as_given, static_rows
 from meshplan._search.trace import Names, Workload, trace_workload
 from meshplan._spmd.rules import (
@@ -203,34 +211,25 @@ def _signature(
     hierarchical: bool,
     leaves: Leaves,
     batch_names: Names,
+    places: Places,
     specs: _Specs | None = None,
-    positions: dict[Any, dict[str, tuple[tuple[int, int], ...]]] | None = None,
-) -> tuple[Any, ...]:
+) -> tuple[tuple[int, int], ...]:
     """What makes two candidates the same: where each mesh axis splits the state's arrays
     and the batch (dimension by dimension), whatever its name. Axes that split the same
     dimensions are one axis of their product (merged) unless the profile's links differ
-    by position (``hierarchical``: then mesh order counts too). ``positions``: where each
-    axis splits, by rules, shared by the candidates of a search (the sizes do not change
-    it where every axis the rules name splits)."""
+    by position (``hierarchical``: then mesh order counts too). ``places``: each place
+    as an int, shared by the candidates of a search (:func:`signature_key`); a generated
+    candidate's is its rules' :class:`RuleRecord`'s, the same."""
     specs = specs if specs is not None else _Specs(c.mesh, c.rules)
-    at = positions.get(c.rules) if positions is not None and specs.every_axis_splits else None
-    if at is None:
-        found: dict[str, list[tuple[int, int]]] = {}
-        arrays = [*leaves, (batch_names, (0,) * len(batch_names))]
-        for i, (names, shape) in enumerate(arrays):
-            for d, axes in enumerate(specs(names, len(shape))):
-                for a in axes:
-                    found.setdefault(a, []).append((i, d))
-        at = {a: tuple(w) for a, w in found.items()}
-        if positions is not None and specs.every_axis_splits:
-            positions[c.rules] = at
-    where = {a: at.get(a, ()) for a, s in c.mesh.items() if s > 1}
-    if hierarchical:
-        return tuple((c.mesh[a], w) for a, w in where.items())
-    merged: dict[tuple[tuple[int, int], ...], int] = {}
-    for a, w in where.items():
-        merged[w] = merged.get(w, 1) * c.mesh[a]
-    return tuple(sorted((size, w) for w, size in merged.items()))
+    found: dict[str, list[tuple[int, int]]] = {}
+    arrays = [*leaves, (batch_names, (0,) * len(batch_names))]
+    for i, (names, shape) in enumerate(arrays):
+        for d, axes in enumerate(specs(names, len(shape))):
+            for a in axes:
+                found.setdefault(a, []).append((i, d))
+    where = {a: tuple(w) for a, w in found.items()}
+    place = place_ids(where, [a for a, s in c.mesh.items() if s > 1], places)
+    return signature_key(c.mesh, place, hierarchical)
 
 
 def _divides(c: Candidate, leaves: Leaves, specs: _Specs | None = None) -> int | None:
@@ -259,16 +258,26 @@ class _Checks:
         self.errors: dict[tuple[Any, ...], str | None] = {}
 
     def first_error(
-        self, path: str, shape: tuple[int, ...], names: Names, c: Candidate, fast: bool
+        self,
+        path: str,
+        shape: tuple[int, ...],
+        names: Names,
+        c: Candidate,
+        fast: bool,
+        record: RuleRecord | None = None,
     ) -> str | None:
         """The first error :func:`meshplan.validate` reports for one array, or None.
 
         ``fast`` (:meth:`only_divisibility`): its answer is then that of the array's
         resolved axes and their sizes, whatever the rest of the candidate, and is asked
-        once per such key."""
+        once per such key (``record``: ``c``'s rules', which resolve the array once)."""
         if not fast:
             return _first_error(validate(path, shape, names, c.mesh, c.rules))
-        entries = tuple(logical_to_mesh_axes(names, c.rules))
+        entries = (
+            record.entries_of(names)
+            if record is not None
+            else tuple(logical_to_mesh_axes(names, c.rules))
+        )
         sizes = tuple(c.mesh[a] for e in entries for a in mesh_axes_of(e))
         key = (path, shape, names, entries, sizes)
         if key not in self.errors:
@@ -308,11 +317,11 @@ def _first_error(problems: list[Any]) -> str | None:
 
 def _ask(
     checks: _Checks | None, path: str, shape: tuple[int, ...], names: Names, c: Candidate,
-    fast: bool,
+    fast: bool, record: RuleRecord | None = None,
 ) -> str | None:  # fmt: skip
     """The validator's first error for one array of ``c``, through ``checks`` when given."""
     if checks is not None:
-        return checks.first_error(path, shape, names, c, fast)
+        return checks.first_error(path, shape, names, c, fast, record)
     return _first_error(validate(path, shape, names, c.mesh, c.rules))
 
 
@@ -324,10 +333,11 @@ def _prune(
     acts: Names,
     specs: _Specs | None = None,
     checks: _Checks | None = None,
-    used_axes: dict[Any, set[str]] | None = None,
+    record: RuleRecord | None = None,
 ) -> str | None:
-    """Why the validator (or an idle axis) rejects ``c``, or ``None``. ``used_axes``: the
-    axes each rules split, shared by the candidates of a search.
+    """Why the validator (or an idle axis) rejects ``c``, or ``None``. ``record``: what
+    ``c``'s rules decide (a generated candidate's, where it :meth:`~RuleRecord.applies`),
+    found once for the candidates of a search that share them; with ``checks``.
 
     A fast divisibility pass finds the leaf to ask :func:`meshplan.validate` about; rules
     naming axes the mesh lacks (given layouts) are asked about for every leaf. With
@@ -335,27 +345,31 @@ def _prune(
     whose leaves all divide is not asked about again (:class:`_Checks`): the same answer."""
     specs = specs if specs is not None else _Specs(c.mesh, c.rules)
     given = c.layout != "searched"
-    first = _divides(c, leaves, specs)
-    fast = checks is not None and checks.only_divisibility(c, leaves)
+    if record is not None:
+        first = record.first_indivisible(c.mesh)
+        fast = record.clean  # checks.only_divisibility(c, leaves), found once per rules
+    else:
+        first = _divides(c, leaves, specs)
+        fast = checks is not None and checks.only_divisibility(c, leaves)
     if not (fast and first is None):
         for names, shape in leaves if given or first is None else [leaves[first]]:
-            error = _ask(checks, "state", shape, names, c, fast)
+            error = _ask(checks, "state", shape, names, c, fast, record)
             if error is not None:
                 return f"invalid: {error}"
     if batch is not None:
         shape = (batch,) + (1,) * (len(batch_names) - 1)
-        split = math.prod(c.mesh[a] for a in specs(batch_names, len(batch_names))[0])
+        axes = record.batch_axes if record is not None else specs(batch_names, len(shape))[0]
+        split = math.prod(c.mesh[a] for a in axes)
         if not (fast and batch > 0 and batch % split == 0):
-            error = _ask(checks, "batch", shape, batch_names, c, fast)
+            error = _ask(checks, "batch", shape, batch_names, c, fast, record)
             if error is not None:
                 return f"batch: {error}"
-    used = used_axes.get(c.rules) if used_axes is not None and specs.every_axis_splits else None
-    if used is None:
+    if record is not None:
+        used: Set[str] = record.used
+    else:
         used = {a for names, shape in leaves for axes in specs(names, len(shape)) for a in axes}
         used |= {a for axes in specs(batch_names, len(batch_names)) for a in axes}
         used |= {a for axes in specs(acts, len(acts)) for a in axes}
-        if used_axes is not None and specs.every_axis_splits:
-            used_axes[c.rules] = used
     idle = [a for a, s in c.mesh.items() if s > 1 and a not in used]
     if idle:
         return f"idle: mesh axis {idle[0]!r} ({c.mesh[idle[0]]}) splits nothing"
@@ -522,29 +536,45 @@ def search_rules(
     checks = _Checks()
     dot_cache: DotCache = {}  # matmul costs, shared by the candidates with the same splits
     resolved: Resolved = {}  # arrays' resolutions, shared by the candidates with the same rules
-    # What depends on the rules alone (every axis they name splits), shared by the many
-    # mesh shapes of the same axes: each array's spec, where each axis splits, the axes used.
-    by_rules: dict[Any, dict[Names, Any]] = {}
-    positions: dict[Any, dict[str, tuple[tuple[int, int], ...]]] = {}
-    used_axes: dict[Any, set[str]] = {}
+    # What depends on a generated candidate's rules alone (where every axis they name
+    # splits), found once per rules and shared by the many mesh shapes of the same axes:
+    # each array's spec, where each axis splits, the axes used, what must divide.
+    records: dict[RulePairs, RuleRecord] = {}
+    in_state = state_counts(workload)
+    places: Places = {}  # where an axis splits, as an int: signatures of ints
+    symmetric = "symmetric: the same splits as a candidate listed before"
     for c in candidates:
-        row = SearchRow(c.mesh, c.rules, c.layout)
-        # one per candidate, for every question; a generated candidate's rules are pairs
         searched = c.layout == "searched"
-        specs = _Specs(c.mesh, c.rules, resolved, searched, by_rules if searched else None)
-        # A generated candidate with the splits of one listed before is that candidate
-        # (asked first: it is cheaper than the validator, and most are).
-        sig = _signature(c, hierarchical, sig_arrays, batch_names, specs, positions)
-        if c.layout == "searched" and sig in seen:
-            reason: str | None = "symmetric: the same splits as a candidate listed before"
+        record = records.get(c.rules) if searched else None
+        if searched and record is None:
+            clean = checks.rules_clean(c.rules) and all(checks.leaf_clean(*a) for a in leaves)
+            record = records[c.rules] = RuleRecord(
+                c.rules, resolved, leaves, sig_arrays, batch_names, acts, clean, places
+            )
+        if record is not None and record.applies(c.mesh):
+            # A generated candidate with the splits of one listed before is that candidate
+            # (asked first: it is cheaper than the validator, and most are).
+            sig = signature_key(c.mesh, record.place, hierarchical)
+            if sig in seen:
+                pruned["symmetric"] += 1
+                continue
+            specs = _Specs(c.mesh, c.rules, resolved, True, record.specs, splits=True)
         else:
-            reason = _prune(c, batch, batch_names, leaves, acts, specs, checks, used_axes)
+            record = None
+            # one per candidate, for every question; a generated candidate's rules are pairs
+            specs = _Specs(c.mesh, c.rules, resolved, searched)
+            sig = _signature(c, hierarchical, sig_arrays, batch_names, places, specs)
+        row = SearchRow(c.mesh, c.rules, c.layout)
+        if searched and sig in seen:
+            reason: str | None = symmetric
+        else:
+            reason = _prune(c, batch, batch_names, leaves, acts, specs, checks, record)
             if reason is None and sig in seen:
-                reason = "symmetric: the same splits as a candidate listed before"
-            if c.layout == "searched" or reason is None:
+                reason = symmetric
+            if searched or reason is None:
                 seen.add(sig)
         if reason is None:
-            held = state_bytes(workload, specs)
+            held = state_bytes(workload, specs, in_state)
             if held > budget:  # the state alone: no need to price the step
                 reason = (f"memory: the state alone, {human_bytes(held)} per device, is over "
                           f"the budget of {human_bytes(budget)}")  # fmt: skip
