@@ -348,7 +348,8 @@ def test_sigkill_and_sigterm_at_random_points_then_resume_is_bit_identical(tmp_p
     args += ["--keep", "2", "--ckpt-dir", str(folder)]
     rng = random.Random(8)
     stops = []
-    for attempt, sig in enumerate([signal.SIGKILL, signal.SIGTERM, signal.SIGKILL, signal.SIGTERM]):
+    # One of each: a third and fourth signal were the same checks again, at 25 s of CI each.
+    for attempt, sig in enumerate([signal.SIGKILL, signal.SIGTERM]):
         before = complete_steps(folder)[-1] if folder.is_dir() and complete_steps(folder) else 0
         if before >= target - 2:
             break
