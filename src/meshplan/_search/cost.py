@@ -193,7 +193,7 @@ Coll = tuple[str, tuple[str, ...], int, Any]
 
 
 def _dot_cost(
-    dot: Dot, specs: _Specs, reduce_scatter: bool = False
+    dot: Dot, specs: _Specs, reduce_scatter: bool = False, params: frozenset[str] = frozenset()
 ) -> tuple[float, list[Coll], int]:
     """Per-device FLOPs, the collectives ``(kind, axes, bytes, key)``, output bytes per device.
 
@@ -219,12 +219,13 @@ def _dot_cost(
         if ls[i] and rs[j] and ls[i] != rs[j]:
             for a in rs[j]:
                 gather[(1, a)] = None
-    for i in range(len(ls)):
-        if i not in lc and i not in lb:
-            take(ls[i], 0)
-    for j in range(len(rs)):
-        if j not in rc and j not in rb:
-            take(rs[j], 1)
+    free = [(0, ls, lc, lb), (1, rs, rc, rb)]
+    if _right_first(dot, params):
+        free.reverse()
+    for side, spec, contract, batch in free:
+        for i in range(len(spec)):
+            if i not in contract and i not in batch:
+                take(spec[i], side)
     reduce: list[str] = []
     contract_used: dict[str, list[int]] = {}
     for i, j in zip(lc, rc, strict=True):
@@ -278,6 +279,22 @@ def _dot_cost(
     return flops, colls, out_bytes
 
 
+def _right_first(dot: Dot, params: frozenset[str]) -> bool:
+    """Whether the right operand's free dimensions keep their mesh axes before the left's,
+    where both claim one axis (the other operand is gathered over it): a weight's gradient
+    (no ``'batch'`` in its output) is made in its parameter's sharding, which XLA's sharding
+    propagation brings back from the parameter, so the operand whose free dimensions carry
+    a parameter's names (``params``) keeps its axes; otherwise the larger operand does, and
+    the smaller is gathered (fewer bytes moved and held)."""
+    (lc, rc), (lb, rb) = dot.contract, dot.batch
+    if not _batch_out(dot):
+        left = any(n in params for i, n in enumerate(dot.lhs_names) if i not in lc and i not in lb)
+        right = any(n in params for j, n in enumerate(dot.rhs_names) if j not in rc and j not in rb)
+        if left != right:
+            return right
+    return math.prod(dot.lhs_shape) * dot.lhs_itemsize < math.prod(dot.rhs_shape) * dot.rhs_itemsize
+
+
 def state_bytes(workload: Workload, specs: _Specs) -> int:
     """Per-device bytes of the state (shards rounded up, as ``explain`` counts them); asked
     once per candidate (the search asks before pricing, then :func:`predict_specs`)."""
@@ -309,23 +326,26 @@ DotCache = dict[tuple[Any, ...], tuple[float, list[Coll], int]]
 operands' mesh axes and those axes' sizes (:func:`_dot_key`)."""
 
 
-def _dot_key(dot: Dot, specs: _Specs, reduce_scatter: bool) -> tuple[Any, ...]:
+def _dot_key(
+    dot: Dot, specs: _Specs, reduce_scatter: bool, params: frozenset[str] = frozenset()
+) -> tuple[Any, ...]:
     """Everything :func:`_dot_cost` reads: the operands' specs and the sizes of their axes."""
     ls, rs = specs(dot.lhs_names, len(dot.lhs_shape)), specs(dot.rhs_names, len(dot.rhs_shape))
     sizes = specs.sizes
     axes = tuple(sorted({a for spec in (ls, rs) for d in spec for a in d}))
-    return (dot, ls, rs, tuple(sizes[a] for a in axes), axes, reduce_scatter)
+    return (dot, ls, rs, tuple(sizes[a] for a in axes), axes, reduce_scatter, params)
 
 
 def _dot_cost_cached(
-    dot: Dot, specs: _Specs, reduce_scatter: bool, cache: DotCache | None
-) -> tuple[float, list[Coll], int]:
+    dot: Dot, specs: _Specs, reduce_scatter: bool, cache: DotCache | None,
+    params: frozenset[str] = frozenset(),
+) -> tuple[float, list[Coll], int]:  # fmt: skip
     if cache is None:
-        return _dot_cost(dot, specs, reduce_scatter)
-    key = _dot_key(dot, specs, reduce_scatter)
+        return _dot_cost(dot, specs, reduce_scatter, params)
+    key = _dot_key(dot, specs, reduce_scatter, params)
     got = cache.get(key)
     if got is None:
-        got = cache[key] = _dot_cost(dot, specs, reduce_scatter)
+        got = cache[key] = _dot_cost(dot, specs, reduce_scatter, params)
     return got
 
 
@@ -368,9 +388,11 @@ def predict_specs(
     dependent: list[tuple[str, tuple[str, ...], int, int]] = []
     independent: dict[tuple[str, tuple[str, ...], int], int] = {}
     gathered_extra: dict[Dot, dict[Any, int]] = {}
+    params = frozenset(workload.param_names)
+    read: dict[Any, set[int]] = {}  # an activation's gather key: the arrays gathered
     for dot, count in workload.dots.items():
         trips = workload.trips(dot)  # runs in sequence; count / trips appear side by side
-        f, colls, out_bytes = _dot_cost_cached(dot, specs, profile.reduce_scatter, cache)
+        f, colls, out_bytes = _dot_cost_cached(dot, specs, profile.reduce_scatter, cache, params)
         flops += f * count
         score = fused and dot in workload.score_dots
         moved = 0 if score else (
@@ -386,6 +408,14 @@ def predict_specs(
                 g[4] += 1
                 g[5] = max(g[5], trips)
                 extra[key] = nbytes * (math.prod(sizes[a] for a in axes) - 1)
+                if workload.arrays and "batch" in (key[0] or ()):
+                    for side, (names, shape) in enumerate(
+                        ((dot.lhs_names, dot.lhs_shape), (dot.rhs_names, dot.rhs_shape))
+                    ):
+                        if (names, shape) == key[:2]:
+                            read.setdefault(key, set()).update(
+                                workload.operand_arrays.get((dot, side), ())
+                            )
             elif _independent(kind, key, dot):  # combined with those of the same trips
                 k = (kind, axes, trips)
                 independent[k] = independent.get(k, 0) + nbytes * count
@@ -402,6 +432,10 @@ def predict_specs(
     for key, (kind, axes, nbytes, count, ndots, trips) in gathers.items():
         passes = min(2, ndots) if profile.regather else 1  # forward, again for the backward
         if "batch" in (key[0] or ()):
+            if key in read:  # each array once per pass (again for the backward: regather)
+                again = 2 if profile.regather else 1
+                arrays = [workload.arrays[i] for i in read[key]]
+                count, passes = sum(t * (again if both else 1) for t, both in arrays), 1
             dependent.append((kind, axes, nbytes, count * passes))
         else:
             k = (kind, axes, trips * passes)
