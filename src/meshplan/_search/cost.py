@@ -6,10 +6,13 @@ dimensions map to mesh axes through the rules exactly as the sharding would
 (``meshplan.logical_to_mesh_axes``, per array), and each ``dot_general`` is
 partitioned the way XLA's SPMD partitioner does in the common cases:
 
-* its *output* dimensions (batch, then the left operand's free ones, then the
-  right's) keep their mesh axes; an axis already taken by an earlier
+* its *output* dimensions (batch, then one operand's free ones, then the
+  other's) keep their mesh axes; an axis already taken by an earlier
   dimension means the operand holding it is **all-gathered** over that axis
-  (FSDP: the weight's ``embed`` shard, when the batch holds the same axis);
+  (FSDP: the weight's ``embed`` shard, when the batch holds the same axis).
+  Where both operands' free dimensions claim one axis, a weight's gradient keeps
+  the operand whose free dimensions carry a parameter's names (it is made in the
+  parameter's sharding) and gathers the other; elsewhere the smaller is gathered;
 * a *contracting* dimension split over an axis no output dimension holds
   leaves partial sums: the output is **all-reduced** over that axis (tensor
   parallelism's activation all-reduces; data parallelism's gradient
@@ -23,8 +26,9 @@ partitioned the way XLA's SPMD partitioner does in the common cases:
   either a gather of the operand or partial sums **reduce-scattered** into the
   output's shards, whichever moves fewer bytes, where the backend reduce-scatters
   (``HardwareProfile.reduce_scatter``; FSDP's weight gradients); an activation's
-  operand (an output with ``'batch'``) is gathered, once per pass for every matmul
-  that reads it.
+  operand (an output with ``'batch'``) is gathered once per array for every matmul
+  that reads it (``Workload.operand_arrays``), and again for the backward pass where
+  both passes read it (``regather``).
 
 Per device, a matmul runs at the roofline: the larger of its FLOPs (divided by the
 product of the axes that split it) over ``peak_flops * matmul_efficiency`` and the
