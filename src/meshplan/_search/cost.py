@@ -299,6 +299,24 @@ def _right_first(dot: Dot, params: frozenset[str]) -> bool:
     return math.prod(dot.lhs_shape) * dot.lhs_itemsize < math.prod(dot.rhs_shape) * dot.rhs_itemsize
 
 
+def _out_array(dot: Dot) -> tuple[Names, tuple[int, ...], int]:
+    """A matmul's output: its names (batch, the left's free, the right's free; a name
+    repeated is dropped), shape, item size."""
+    (lc, rc), (lb, rb) = dot.contract, dot.batch
+    left = [i for i in range(len(dot.lhs_shape)) if i not in lc and i not in lb]
+    right = [j for j in range(len(dot.rhs_shape)) if j not in rc and j not in rb]
+    names = (*(dot.lhs_names[i] for i in lb), *(dot.lhs_names[i] for i in left),
+             *(dot.rhs_names[j] for j in right))  # fmt: skip
+    shape = (*(dot.lhs_shape[i] for i in lb), *(dot.lhs_shape[i] for i in left),
+             *(dot.rhs_shape[j] for j in right))  # fmt: skip
+    if dot.out_names:
+        names = dot.out_names
+    unique: list[Any] = []
+    for n in names:  # a name used once
+        unique.append(None if n is not None and n in unique else n)
+    return tuple(unique), shape, dot.itemsize
+
+
 def state_bytes(workload: Workload, specs: _Specs) -> int:
     """Per-device bytes of the state (shards rounded up, as ``explain`` counts them); asked
     once per candidate (the search asks before pricing, then :func:`predict_specs`)."""
@@ -392,6 +410,7 @@ def predict_specs(
     dependent: list[tuple[str, tuple[str, ...], int, int]] = []
     independent: dict[tuple[str, tuple[str, ...], int], int] = {}
     gathered_extra: dict[Dot, dict[Any, int]] = {}
+    unreduced: dict[Dot, int] = {}  # a weight gradient's partial sums beyond its shard
     params = frozenset(workload.param_names)
     read: dict[Any, set[int]] = {}  # an activation's gather key: the arrays gathered
     for dot, count in workload.dots.items():
@@ -421,6 +440,9 @@ def predict_specs(
                                 workload.operand_arrays.get((dot, side), ())
                             )
             elif _independent(kind, key, dot):  # combined with those of the same trips
+                if kind in ("reduce-scatter", "all-reduce"):  # beyond its reduced shard
+                    kept = specs.shard_bytes(*_out_array(dot))
+                    unreduced[dot] = unreduced.get(dot, 0) + max(0, nbytes - kept)
                 k = (kind, axes, trips)
                 independent[k] = independent.get(k, 0) + nbytes * count
             else:
@@ -466,7 +488,7 @@ def predict_specs(
             traffic += nbytes // specs.split(specs(names, len(shape)))
     memory_s = traffic / profile.memory_bandwidth
     comm_s = exposed + max(0.0, hidden - profile.overlap * (compute_s + memory_s))
-    peak = _peak(workload, specs, profile, gathered_extra)
+    peak = _peak(workload, specs, profile, gathered_extra, unreduced)
     batch_bytes = sum(specs.shard_bytes(n, s, i) for n, s, i in workload.batch_state)
     return Cost(
         step_s=compute_s + memory_s + comm_s,
@@ -498,6 +520,7 @@ def _peak(
     specs: _Specs,
     profile: HardwareProfile,
     gathered: Mapping[Dot, Mapping[Any, int]],
+    unreduced: Mapping[Dot, int] | None = None,
 ) -> memory_model.Peak:
     fused = profile.fused_attention
     program = workload.memory
@@ -513,4 +536,5 @@ def _peak(
         return specs.shard_bytes(names, shape, item)
 
     extra = [gathered.get(d, {}) for d in program.dots]
-    return memory_model.peak(program, bytes_of, extra)
+    partial = [(unreduced or {}).get(d, 0) for d in program.dots]
+    return memory_model.peak(program, bytes_of, extra, partial, profile.combine_bytes)
