@@ -36,6 +36,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
@@ -120,11 +121,22 @@ class Peak:
 
 
 def is_alias(eqn: Any) -> bool:
-    """A sharding constraint of one variable: the same buffer (a reshard is priced apart)."""
-    return (
-        eqn.primitive.name == "sharding_constraint" and len(eqn.invars) == 1
-        and len(eqn.outvars) == 1 and not isinstance(eqn.invars[0], Literal)
-    )  # fmt: skip
+    """A sharding constraint of one variable: the same buffer (a reshard is priced apart);
+    or a ``reduce_precision`` to its value's own precision, which changes nothing (XLA's
+    simplifier removes it): what ``jax.checkpoint`` with ``prevent_cse`` (unrolled layers)
+    passes the residuals it saves through, so a saved matmul's output is still that
+    matmul's buffer, kept for the backward pass."""
+    if len(eqn.invars) != 1 or len(eqn.outvars) != 1 or isinstance(eqn.invars[0], Literal):
+        return False
+    name = eqn.primitive.name
+    if name == "reduce_precision":
+        try:
+            info = jnp.finfo(eqn.invars[0].aval.dtype)  # type: ignore[no-untyped-call]
+        except (TypeError, ValueError):
+            return False
+        p = eqn.params
+        return bool(p.get("exponent_bits") == info.nexp and p.get("mantissa_bits") == info.nmant)
+    return bool(name == "sharding_constraint")
 
 
 def aliases(jaxpr: Any) -> dict[Any, Any]:

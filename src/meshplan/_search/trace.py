@@ -415,8 +415,11 @@ class _Walker:
                 if not isinstance(inner, Literal) and inner in self.scores:
                     self.scores.add(outer)
             lead = next((n[0] for n in ins[nc + ncarry :] if n and n[0] is not None), None)
+            same = memory.aliases(body.jaxpr)  # an output that is a value's own buffer
             for j, (outer, inner) in enumerate(zip(eqn.outvars, body.jaxpr.outvars, strict=True)):
                 got = self.buffer(inner)  # a stacked output's buffer: each trip's, stacked
+                if got is None and not isinstance(inner, Literal) and inner in same:
+                    got = self.buffer(same[inner])
                 if got is None and j < ncarry:  # a carry: one buffer, as the body constrains it
                     got = self.buffer(body.jaxpr.invars[nc + j])
                     if got is not None:  # and so is what the body writes into it
