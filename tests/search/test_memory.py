@@ -43,7 +43,11 @@ AS_ON_ACCELERATORS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIM
 # XLA's combiner makes it: 1.13x; dots-saveable unrolled 1.9-2.4x until the residuals that
 # jax.checkpoint(prevent_cse=True) passes through a no-op reduce_precision were counted as
 # the saved matmuls' buffers: 1.05-1.18x.)
-_LOOP = "XLA on CPU keeps more of the unrolled, rematerialised layers alive"
+# The miss: XLA's all-reduce combiner on CPU merges each layer's rematerialised partial-sum
+# all-reduce with the forward pass's own (one tuple all-reduce of both, in the forward), so
+# the recomputation runs in the forward and what it computes for the backward pass is alive
+# from then on: full remat keeps about what no remat does (the compiled buffers' live ranges).
+_LOOP = "XLA on CPU combines the rematerialised layers' all-reduces with the forward's"
 MISSES = {("full", False, "tp"): _LOOP}
 
 CASES = [
