@@ -75,3 +75,52 @@ def test_data_parallel_beats_tensor_parallel_for_a_small_unrolled_model(profile)
     dp = predict(work, {"data": 8}, DATA, p)
     tp = predict(work, {"tensor": 8}, (("mlp", "tensor"),), p)
     assert dp.step_s < tp.step_s, (dp, tp)
+
+
+def test_a_weight_gradient_gathers_the_activation_not_the_operand_sharded_like_the_weight():
+    # dW[embed, mlp] = h[batch, activation_embed/tensor]^T @ g[batch, mlp/tensor]: both free
+    # dimensions claim 'tensor'; the gradient is made in the parameter's sharding (mlp over
+    # tensor), so h is gathered, not the larger g
+    w = meshplan.LogicallyPartitioned(
+        jax.ShapeDtypeStruct((256, 1024), jnp.float32), ("embed", "mlp")
+    )
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+
+    def step(state, x):
+        def loss(p):
+            h = meshplan.with_logical_constraint(x, ("batch", "activation_embed"))
+            y = meshplan.with_logical_constraint(h @ p["w"].value, ("batch", "mlp"))
+            return (y * y).sum()
+
+        return jax.grad(loss)(state)
+
+    work = trace_workload(step, {"w": w}, x, read_constraints=True)
+    rules = (("activation_embed", "tensor"), ("mlp", "tensor"))
+    cost = predict(work, {"tensor": 4}, rules, get_profile("tpu_v5p"))
+    # h (64 x 256 floats) gathered: for the forward matmul and again for the gradient's
+    assert cost.comm_bytes["all-gather"] == 2 * 64 * 256 * 4 // 4
+
+
+def test_an_activation_read_by_several_matmuls_is_gathered_once_per_array():
+    ws = {
+        k: meshplan.LogicallyPartitioned(
+            jax.ShapeDtypeStruct((256, 128), jnp.float32), ("embed", "heads")
+        )
+        for k in ("a", "b")
+    }
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+
+    def forward(state, x):
+        h = meshplan.with_logical_constraint(x, ("batch", "activation_embed"))
+        g = meshplan.with_logical_constraint(jnp.tanh(x), ("batch", "activation_embed"))
+        # h read by two matmuls (one gather), g by one: two arrays gathered
+        return (
+            (h @ state["a"].value).sum()
+            + (h @ state["b"].value).sum()
+            + (g @ state["a"].value).sum()
+        )
+
+    work = trace_workload(forward, ws, x, read_constraints=True)
+    rules = (("activation_embed", "tensor"), ("heads", "tensor"))
+    cost = predict(work, {"tensor": 4}, rules, get_profile("tpu_v5p"))
+    assert cost.comm_bytes["all-gather"] == 2 * 64 * 256 * 4 // 4

@@ -6,10 +6,13 @@ dimensions map to mesh axes through the rules exactly as the sharding would
 (``meshplan.logical_to_mesh_axes``, per array), and each ``dot_general`` is
 partitioned the way XLA's SPMD partitioner does in the common cases:
 
-* its *output* dimensions (batch, then the left operand's free ones, then the
-  right's) keep their mesh axes; an axis already taken by an earlier
+* its *output* dimensions (batch, then one operand's free ones, then the
+  other's) keep their mesh axes; an axis already taken by an earlier
   dimension means the operand holding it is **all-gathered** over that axis
-  (FSDP: the weight's ``embed`` shard, when the batch holds the same axis);
+  (FSDP: the weight's ``embed`` shard, when the batch holds the same axis).
+  Where both operands' free dimensions claim one axis, a weight's gradient keeps
+  the operand whose free dimensions carry a parameter's names (it is made in the
+  parameter's sharding) and gathers the other; elsewhere the smaller is gathered;
 * a *contracting* dimension split over an axis no output dimension holds
   leaves partial sums: the output is **all-reduced** over that axis (tensor
   parallelism's activation all-reduces; data parallelism's gradient
@@ -23,8 +26,9 @@ partitioned the way XLA's SPMD partitioner does in the common cases:
   either a gather of the operand or partial sums **reduce-scattered** into the
   output's shards, whichever moves fewer bytes, where the backend reduce-scatters
   (``HardwareProfile.reduce_scatter``; FSDP's weight gradients); an activation's
-  operand (an output with ``'batch'``) is gathered, once per pass for every matmul
-  that reads it.
+  operand (an output with ``'batch'``) is gathered once per array for every matmul
+  that reads it (``Workload.operand_arrays``), and again for the backward pass where
+  both passes read it (``regather``).
 
 Per device, a matmul runs at the roofline: the larger of its FLOPs (divided by the
 product of the axes that split it) over ``peak_flops * matmul_efficiency`` and the
@@ -196,7 +200,7 @@ Coll = tuple[str, tuple[str, ...], int, Any]
 
 
 def _dot_cost(
-    dot: Dot, specs: _Specs, reduce_scatter: bool = False
+    dot: Dot, specs: _Specs, reduce_scatter: bool = False, params: frozenset[str] = frozenset()
 ) -> tuple[float, list[Coll], int]:
     """Per-device FLOPs, the collectives ``(kind, axes, bytes, key)``, output bytes per device.
 
@@ -222,12 +226,13 @@ def _dot_cost(
         if ls[i] and rs[j] and ls[i] != rs[j]:
             for a in rs[j]:
                 gather[(1, a)] = None
-    for i in range(len(ls)):
-        if i not in lc and i not in lb:
-            take(ls[i], 0)
-    for j in range(len(rs)):
-        if j not in rc and j not in rb:
-            take(rs[j], 1)
+    free = [(0, ls, lc, lb), (1, rs, rc, rb)]
+    if _right_first(dot, params):
+        free.reverse()
+    for side, spec, contract, batch in free:
+        for i in range(len(spec)):
+            if i not in contract and i not in batch:
+                take(spec[i], side)
     reduce: list[str] = []
     contract_used: dict[str, list[int]] = {}
     for i, j in zip(lc, rc, strict=True):
@@ -294,6 +299,40 @@ def state_counts(workload: Workload) -> StateCounts:
     return counts
 
 
+def _right_first(dot: Dot, params: frozenset[str]) -> bool:
+    """Whether the right operand's free dimensions keep their mesh axes before the left's,
+    where both claim one axis (the other operand is gathered over it): a weight's gradient
+    (no ``'batch'`` in its output) is made in its parameter's sharding, which XLA's sharding
+    propagation brings back from the parameter, so the operand whose free dimensions carry
+    a parameter's names (``params``) keeps its axes; otherwise the larger operand does, and
+    the smaller is gathered (fewer bytes moved and held)."""
+    (lc, rc), (lb, rb) = dot.contract, dot.batch
+    if not _batch_out(dot):
+        left = any(n in params for i, n in enumerate(dot.lhs_names) if i not in lc and i not in lb)
+        right = any(n in params for j, n in enumerate(dot.rhs_names) if j not in rc and j not in rb)
+        if left != right:
+            return right
+    return math.prod(dot.lhs_shape) * dot.lhs_itemsize < math.prod(dot.rhs_shape) * dot.rhs_itemsize
+
+
+def _out_array(dot: Dot) -> tuple[Names, tuple[int, ...], int]:
+    """A matmul's output: its names (batch, the left's free, the right's free; a name
+    repeated is dropped), shape, item size."""
+    (lc, rc), (lb, rb) = dot.contract, dot.batch
+    left = [i for i in range(len(dot.lhs_shape)) if i not in lc and i not in lb]
+    right = [j for j in range(len(dot.rhs_shape)) if j not in rc and j not in rb]
+    names = (*(dot.lhs_names[i] for i in lb), *(dot.lhs_names[i] for i in left),
+             *(dot.rhs_names[j] for j in right))  # fmt: skip
+    shape = (*(dot.lhs_shape[i] for i in lb), *(dot.lhs_shape[i] for i in left),
+             *(dot.rhs_shape[j] for j in right))  # fmt: skip
+    if dot.out_names:
+        names = dot.out_names
+    unique: list[Any] = []
+    for n in names:  # a name used once
+        unique.append(None if n is not None and n in unique else n)
+    return tuple(unique), shape, dot.itemsize
+
+
 def state_bytes(workload: Workload, specs: _Specs, counts: StateCounts | None = None) -> int:
     """Per-device bytes of the state (shards rounded up, as ``explain`` counts them); asked
     once per candidate (the search asks before pricing, then :func:`predict_specs`).
@@ -325,23 +364,26 @@ DotCache = dict[tuple[Any, ...], tuple[float, list[Coll], int]]
 operands' mesh axes and those axes' sizes (:func:`_dot_key`)."""
 
 
-def _dot_key(dot: Dot, specs: _Specs, reduce_scatter: bool) -> tuple[Any, ...]:
+def _dot_key(
+    dot: Dot, specs: _Specs, reduce_scatter: bool, params: frozenset[str] = frozenset()
+) -> tuple[Any, ...]:
     """Everything :func:`_dot_cost` reads: the operands' specs and the sizes of their axes."""
     ls, rs = specs(dot.lhs_names, len(dot.lhs_shape)), specs(dot.rhs_names, len(dot.rhs_shape))
     sizes = specs.sizes
     axes = tuple(sorted({a for spec in (ls, rs) for d in spec for a in d}))
-    return (dot, ls, rs, tuple(sizes[a] for a in axes), axes, reduce_scatter)
+    return (dot, ls, rs, tuple(sizes[a] for a in axes), axes, reduce_scatter, params)
 
 
 def _dot_cost_cached(
-    dot: Dot, specs: _Specs, reduce_scatter: bool, cache: DotCache | None
-) -> tuple[float, list[Coll], int]:
+    dot: Dot, specs: _Specs, reduce_scatter: bool, cache: DotCache | None,
+    params: frozenset[str] = frozenset(),
+) -> tuple[float, list[Coll], int]:  # fmt: skip
     if cache is None:
-        return _dot_cost(dot, specs, reduce_scatter)
-    key = _dot_key(dot, specs, reduce_scatter)
+        return _dot_cost(dot, specs, reduce_scatter, params)
+    key = _dot_key(dot, specs, reduce_scatter, params)
     got = cache.get(key)
     if got is None:
-        got = cache[key] = _dot_cost(dot, specs, reduce_scatter)
+        got = cache[key] = _dot_cost(dot, specs, reduce_scatter, params)
     return got
 
 
@@ -384,9 +426,12 @@ def predict_specs(
     dependent: list[tuple[str, tuple[str, ...], int, int]] = []
     independent: dict[tuple[str, tuple[str, ...], int], int] = {}
     gathered_extra: dict[Dot, dict[Any, int]] = {}
+    unreduced: dict[Dot, int] = {}  # a weight gradient's partial sums beyond its shard
+    params = frozenset(workload.param_names)
+    read: dict[Any, set[int]] = {}  # an activation's gather key: the arrays gathered
     for dot, count in workload.dots.items():
         trips = workload.trips(dot)  # runs in sequence; count / trips appear side by side
-        f, colls, out_bytes = _dot_cost_cached(dot, specs, profile.reduce_scatter, cache)
+        f, colls, out_bytes = _dot_cost_cached(dot, specs, profile.reduce_scatter, cache, params)
         flops += f * count
         score = fused and dot in workload.score_dots
         moved = 0 if score else (
@@ -402,7 +447,18 @@ def predict_specs(
                 g[4] += 1
                 g[5] = max(g[5], trips)
                 extra[key] = nbytes * (math.prod(sizes[a] for a in axes) - 1)
+                if workload.arrays and "batch" in (key[0] or ()):
+                    for side, (names, shape) in enumerate(
+                        ((dot.lhs_names, dot.lhs_shape), (dot.rhs_names, dot.rhs_shape))
+                    ):
+                        if (names, shape) == key[:2]:
+                            read.setdefault(key, set()).update(
+                                workload.operand_arrays.get((dot, side), ())
+                            )
             elif _independent(kind, key, dot):  # combined with those of the same trips
+                if kind in ("reduce-scatter", "all-reduce"):  # beyond its reduced shard
+                    kept = specs.shard_bytes(*_out_array(dot))
+                    unreduced[dot] = unreduced.get(dot, 0) + max(0, nbytes - kept)
                 k = (kind, axes, trips)
                 independent[k] = independent.get(k, 0) + nbytes * count
             else:
@@ -418,6 +474,10 @@ def predict_specs(
     for key, (kind, axes, nbytes, count, ndots, trips) in gathers.items():
         passes = min(2, ndots) if profile.regather else 1  # forward, again for the backward
         if "batch" in (key[0] or ()):
+            if key in read:  # each array once per pass (again for the backward: regather)
+                again = 2 if profile.regather else 1
+                arrays = [workload.arrays[i] for i in read[key]]
+                count, passes = sum(t * (again if both else 1) for t, both in arrays), 1
             dependent.append((kind, axes, nbytes, count * passes))
         else:
             k = (kind, axes, trips * passes)
@@ -444,7 +504,7 @@ def predict_specs(
             traffic += nbytes // specs.split(specs(names, len(shape)))
     memory_s = traffic / profile.memory_bandwidth
     comm_s = exposed + max(0.0, hidden - profile.overlap * (compute_s + memory_s))
-    peak = _peak(workload, specs, profile, gathered_extra)
+    peak = _peak(workload, specs, profile, gathered_extra, unreduced)
     batch_bytes = sum(specs.shard_bytes(n, s, i) for n, s, i in workload.batch_state)
     return Cost(
         step_s=compute_s + memory_s + comm_s,
@@ -476,6 +536,7 @@ def _peak(
     specs: _Specs,
     profile: HardwareProfile,
     gathered: Mapping[Dot, Mapping[Any, int]],
+    unreduced: Mapping[Dot, int] | None = None,
 ) -> memory_model.Peak:
     fused = profile.fused_attention
     program = workload.memory
@@ -491,4 +552,5 @@ def _peak(
         return specs.shard_bytes(names, shape, item)
 
     extra = [gathered.get(d, {}) for d in program.dots]
-    return memory_model.peak(program, bytes_of, extra)
+    partial = [(unreduced or {}).get(d, 0) for d in program.dots]
+    return memory_model.peak(program, bytes_of, extra, partial, profile.combine_bytes)

@@ -36,6 +36,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
@@ -81,7 +82,9 @@ class MemoryProgram:
     ``dots`` of the matmul running there (``-1``: none); ``output``: counts of the step's
     outputs (the updated state), not temporaries; ``scope``: per point, the loop body
     (a scanned layer) it runs in, an index in ``scopes`` (``-1``: none), whose entries
-    list the matmuls of each body.
+    list the matmuls of each body; ``ran``: ``[points, dots]``, how many times each matmul
+    has run before the point since the start of its loop iteration (or of the step, outside
+    loops): the gradients whose reductions XLA may still be combining.
     """
 
     cells: list[Cell]
@@ -92,6 +95,7 @@ class MemoryProgram:
     output: np.ndarray
     scope: np.ndarray | None = None
     scopes: list[list[int]] = dataclasses.field(default_factory=list)
+    ran: np.ndarray | None = None
 
     def sizes(self, bytes_of: Callable[[Cell], int]) -> np.ndarray:
         """Bytes per device of each cell, by ``bytes_of``."""
@@ -117,11 +121,22 @@ class Peak:
 
 
 def is_alias(eqn: Any) -> bool:
-    """A sharding constraint of one variable: the same buffer (a reshard is priced apart)."""
-    return (
-        eqn.primitive.name == "sharding_constraint" and len(eqn.invars) == 1
-        and len(eqn.outvars) == 1 and not isinstance(eqn.invars[0], Literal)
-    )  # fmt: skip
+    """A sharding constraint of one variable: the same buffer (a reshard is priced apart);
+    or a ``reduce_precision`` to its value's own precision, which changes nothing (XLA's
+    simplifier removes it): what ``jax.checkpoint`` with ``prevent_cse`` (unrolled layers)
+    passes the residuals it saves through, so a saved matmul's output is still that
+    matmul's buffer, kept for the backward pass."""
+    if len(eqn.invars) != 1 or len(eqn.outvars) != 1 or isinstance(eqn.invars[0], Literal):
+        return False
+    name = eqn.primitive.name
+    if name == "reduce_precision":
+        try:
+            info = jnp.finfo(eqn.invars[0].aval.dtype)  # type: ignore[no-untyped-call]
+        except (TypeError, ValueError):
+            return False
+        p = eqn.params
+        return bool(p.get("exponent_bits") == info.nexp and p.get("mantissa_bits") == info.nmant)
+    return bool(name == "sharding_constraint")
 
 
 def aliases(jaxpr: Any) -> dict[Any, Any]:
@@ -269,11 +284,15 @@ class _Builder:
         self.names, self.scores, self.dot_of = names, scores, dot_of
         self.materialized, self.recompute = materialized, recompute
         self.cells: dict[Cell, int] = {}
-        self.points: dict[tuple[Any, ...], tuple[dict[int, int], dict[int, int], int, int]] = {}
+        self.points: dict[
+            tuple[Any, ...],
+            tuple[dict[int, int], dict[int, int], int, int, tuple[tuple[int, int], ...]],
+        ] = {}
         self.scope = -1  # the loop body being walked (an index in scopes)
         self.scopes: list[list[int]] = []  # each loop body's matmuls
         self.dots: dict[Any, int] = {}
         self.sources: dict[int, Any] = {}
+        self.ran: dict[int, int] = {}  # matmuls run since the loop iteration (step) began
 
     def cell(self, v: Any, outer: bool = False) -> int | None:
         if not outer and self.materialized is not None and v not in self.materialized:
@@ -287,8 +306,9 @@ class _Builder:
         return self.cells.setdefault(key, len(self.cells))
 
     def add(self, long: dict[int, int], short: dict[int, int], dot: int) -> None:
-        key = (tuple(sorted(long.items())), tuple(sorted(short.items())), dot, self.scope)
-        self.points.setdefault(key, (long, short, dot, self.scope))
+        ran = tuple(sorted(self.ran.items()))
+        key = (tuple(sorted(long.items())), tuple(sorted(short.items())), dot, self.scope, ran)
+        self.points.setdefault(key, (long, short, dot, self.scope, ran))
         if dot >= 0 and self.scope >= 0 and dot not in self.scopes[self.scope]:
             self.scopes[self.scope].append(dot)
 
@@ -351,12 +371,16 @@ class _Builder:
                 if loop:  # a loop's outputs are allocated first; its body writes into them
                     for c in outs.values():
                         with_outs[c] = with_outs.get(c, 0) + 1
-                outer_scope = self.scope
+                outer_scope, outer_ran = self.scope, self.ran
                 if loop and prim == "scan":  # a scanned layer: its weights are gathered together
                     self.scope = len(self.scopes)
                     self.scopes.append([])
+                if loop:  # collectives are not combined across a loop's iterations
+                    self.ran = {}
                 self.walk(body, here_long, with_outs, False, inner_skip)
                 self.scope = outer_scope
+                if loop:
+                    self.ran = outer_ran
             else:
                 for c in outs.values():
                     here_short[c] = here_short.get(c, 0) + 1
@@ -365,6 +389,8 @@ class _Builder:
                     d = self.dot_of(eqn)
                     dot = self.dots.setdefault(d, len(self.dots))
                 self.add(here_long, here_short, dot)
+                if dot >= 0:
+                    self.ran[dot] = self.ran.get(dot, 0) + 1
             for v in [v for v in alive if last.get(v, -1) <= i]:
                 del alive[v]
             alive.update(outs)
@@ -454,14 +480,17 @@ def build(
         if c is not None:
             outputs[c] = outputs.get(c, 0) + 1
     ncell = max(1, len(b.cells))
-    pts = list(b.points.values()) or [({}, {}, -1, -1)]
+    pts = list(b.points.values()) or [({}, {}, -1, -1, ())]
     long = np.zeros((len(pts), ncell))
     short = np.zeros((len(pts), ncell))
-    for k, (lo, sh, _, _) in enumerate(pts):
+    ran = np.zeros((len(pts), max(1, len(b.dots))))
+    for k, (lo, sh, _, _, before) in enumerate(pts):
         for c, m in lo.items():
             long[k, c] = m
         for c, m in sh.items():
             short[k, c] = m
+        for d, m in before:
+            ran[k, d] = m
     out = np.zeros(ncell)
     for c, m in outputs.items():
         out[c] = m
@@ -478,6 +507,7 @@ def build(
         out,
         np.array([p[3] for p in pts]),
         b.scopes,
+        ran,
     )
 
 
@@ -490,6 +520,8 @@ def peak(
     program: MemoryProgram,
     bytes_of: Callable[[Cell], int],
     gathered: Sequence[Mapping[Any, int]] = (),
+    unreduced: Sequence[float] = (),
+    combine_bytes: int = 0,
 ) -> Peak:
     """The largest point of ``program`` with cells sized by ``bytes_of``.
 
@@ -498,6 +530,13 @@ def peak(
     gathers (an array without ``'batch'``) is alive at once: XLA starts those gathers ahead
     of the matmuls, and a weight gathered for one matmul serves the others that read it.
     Elsewhere, and for gathered activations, only the running matmul's.
+
+    ``unreduced``: per matmul, the bytes its output holds before its reduction beyond
+    the reduced shard (a weight gradient's partial sums, reduce-scattered over FSDP's
+    axis): alive while it runs, and, where XLA combines the reductions (up to
+    ``combine_bytes`` of them, each no larger), until the combined collective runs:
+    those of the matmuls run before the point (in its loop iteration, or the step), up
+    to ``combine_bytes``.
     """
     size = program.sizes(bytes_of)
     lo, sh = program.long @ size, program.short @ size
@@ -519,6 +558,13 @@ def peak(
             extra[inside] = layer[program.scope[inside]]
             both = inside & has
             extra[both] += acts[program.dot[both]]
+    if len(unreduced) and any(unreduced):
+        own = np.array([float(u) for u in unreduced])
+        has = program.dot >= 0
+        extra[has] += own[program.dot[has]]
+        if combine_bytes and program.ran is not None:
+            pending = program.ran @ np.where(own <= combine_bytes, own, 0.0)
+            extra += np.minimum(pending, combine_bytes)
     total = lo + sh + extra
     k = int(np.argmax(total)) if len(total) else 0
     return Peak(int(lo[k]), int(sh[k] + extra[k]), int(program.output @ size))

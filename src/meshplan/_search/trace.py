@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import math
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -92,6 +92,11 @@ class Workload:
     ``tokens_unit`` says which (``'tokens'`` when the first batch array holds integer
     token ids);
     ``dot_trips``: ``{Dot: trips}``, the loop trips of one run (:meth:`trips`);
+    ``operand_arrays``: ``{(Dot, side): indices in arrays}``, the arrays each matmul's
+    operand reads (one array read by several matmuls is gathered once for them), and
+    ``arrays``: per array ``(trips, whether both passes read it)``: the loop trips it is
+    made in, and whether the forward and the backward pass (autodiff's transpose) both
+    read it, where an accelerator gathers it again rather than keep the gathered copy;
     ``reshards``: ``{(names before, names after, shape, itemsize): count}`` of the
     model's logical constraints that rename a value (the dispatch of a mixture of
     experts: ``('batch', ..., 'embed')`` to ``('expert', 'expert_batch', ...)``), which
@@ -114,6 +119,8 @@ class Workload:
     memory_kept: Any = None
     tokens_unit: ThroughputUnit = "examples"
     dot_trips: dict[Dot, int] = dataclasses.field(default_factory=dict)
+    operand_arrays: dict[tuple[Dot, int], frozenset[int]] = dataclasses.field(default_factory=dict)
+    arrays: tuple[tuple[int, bool], ...] = ()
 
     def trips(self, dot: Dot) -> int:
         """How many times one run of ``dot`` repeats in sequence: the trips of the loops
@@ -220,7 +227,15 @@ class _Walker:
         self.score_dots: set[Dot] = set()
         self.consumers: dict[Any, list[str]] = {}
         self.dot_by_eqn: dict[int, Dot] = {}
-        self.dot_runs: list[tuple[int, Any, Dot, int]] = []  # (eqn id, output, dot, times)
+        # (eqn id, output, dot, times, operands, in the backward pass)
+        self.dot_runs: list[tuple[int, Any, Dot, int, tuple[Any, ...], bool]] = []
+        self.backward = False  # walking the backward pass (autodiff's transpose)
+        self.alias: Mapping[Any, Any] = {}  # the walked jaxpr's aliases (memory.aliases)
+        # Each array a matmul reads, by operand: ``{(dot, side): {array index}}``, and per
+        # array ``(trips, read in the forward and the backward pass)``: which arrays are
+        # the same, so that one gathered for several matmuls is gathered once per pass.
+        self.operand_arrays: dict[tuple[Dot, int], frozenset[int]] = {}
+        self.arrays: list[tuple[int, bool]] = []
         self.materialized: set[Any] = set()  # values XLA writes to memory (not fused away)
         self.constlike: set[Any] = set()  # computed from no input (iotas, masks): recomputed
         self.reshards: dict[tuple[Names, Names, tuple[int, ...], int], int] = {}
@@ -252,9 +267,13 @@ class _Walker:
             if not isinstance(v, Literal):
                 self.consumers.setdefault(alias.get(v, v), []).append("return")
         producer = {o: e for e in jaxpr.eqns for o in e.outvars}
+        backward = self.backward
         for eqn in jaxpr.eqns:
             ins = [read(v) for v in eqn.invars]
+            self.alias = alias
+            self.backward = backward or "transpose(" in str(eqn.source_info.name_stack)
             outs = [dedupe(n) for n in self.eqn(eqn, ins, times)]
+            self.backward = backward
             for v, n in zip(eqn.outvars, outs, strict=True):
                 env[v] = n
                 self.var_names[v] = n
@@ -312,7 +331,9 @@ class _Walker:
         known once the walk is done) those names as ``out_names``."""
         dots: dict[Dot, int] = {}
         trips: dict[Dot, int] = {}
-        for key, out, dot, times in self.dot_runs:
+        operands: dict[tuple[Dot, int], set[int]] = {}
+        arrays: dict[Any, list[Any]] = {}  # var -> [index, trips, forward, backward]
+        for key, out, dot, times, ins, backward in self.dot_runs:
             names = self.buffer_names.get(out)
             if names is not None and names != self.var_names.get(out):
                 named = dataclasses.replace(dot, out_names=names)
@@ -321,7 +342,16 @@ class _Walker:
                 dot = self.dot_by_eqn[key] = named
             dots[dot] = dots.get(dot, 0) + times
             trips[dot] = max(trips.get(dot, 0), times)
+            for side, v in enumerate(ins):
+                if v is None:
+                    continue
+                a = arrays.setdefault(v, [len(arrays), times, False, False])
+                a[1] = max(a[1], times)
+                a[3 if backward else 2] = True
+                operands.setdefault((dot, side), set()).add(a[0])
         self.dots, self.dot_trips = dots, trips
+        self.operand_arrays = {k: frozenset(v) for k, v in operands.items()}
+        self.arrays = [(t, fwd and bwd) for _, t, fwd, bwd in arrays.values()]
 
     def buffer(self, v: Any) -> Names | None:
         """The names of ``v``'s buffer, where a constraint renamed it (else ``None``)."""
@@ -357,7 +387,10 @@ class _Walker:
             self.dots[dot] = self.dots.get(dot, 0) + times
             self.dot_trips[dot] = max(self.dot_trips.get(dot, 0), times)
             self.dot_by_eqn[id(eqn)] = dot
-            self.dot_runs.append((id(eqn), eqn.outvars[0], dot, times))
+            operands = tuple(
+                None if isinstance(v, Literal) else self.alias.get(v, v) for v in eqn.invars
+            )
+            self.dot_runs.append((id(eqn), eqn.outvars[0], dot, times, operands, self.backward))
             if self._is_score_dot(eqn, ins):
                 self.scores.add(eqn.outvars[0])
                 self.score_dots.add(dot)
@@ -382,8 +415,11 @@ class _Walker:
                 if not isinstance(inner, Literal) and inner in self.scores:
                     self.scores.add(outer)
             lead = next((n[0] for n in ins[nc + ncarry :] if n and n[0] is not None), None)
+            same = memory.aliases(body.jaxpr)  # an output that is a value's own buffer
             for j, (outer, inner) in enumerate(zip(eqn.outvars, body.jaxpr.outvars, strict=True)):
                 got = self.buffer(inner)  # a stacked output's buffer: each trip's, stacked
+                if got is None and not isinstance(inner, Literal) and inner in same:
+                    got = self.buffer(same[inner])
                 if got is None and j < ncarry:  # a carry: one buffer, as the body constrains it
                     got = self.buffer(body.jaxpr.invars[nc + j])
                     if got is not None:  # and so is what the body writes into it
@@ -686,5 +722,5 @@ def trace_workload(
     return Workload(
         walker.dots, walker.traffic, state, tuple(walker.seen), batch, params, programs[0],
         frozenset(walker.score_dots), batch_state, tokens, walker.reshards, programs[1], unit,
-        walker.dot_trips,
+        walker.dot_trips, walker.operand_arrays, tuple(walker.arrays),
     )  # fmt: skip
