@@ -271,7 +271,9 @@ def plan_1b() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default="mlp,tiny,small")
+    parser.add_argument(
+        "--models", default=None, help="default: mlp,tiny,small; none with --plan-1b alone"
+    )
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--limit", type=int, default=0, help="measure at most this many")
     parser.add_argument("--compile-top", type=int, default=3)
@@ -292,6 +294,8 @@ def main() -> None:
         "tiny": lambda: transformer("tiny"),
         "small": lambda: transformer("small", 16),
     }
+    if args.models is None:
+        args.models = "" if args.plan_1b else "mlp,tiny,small"
     rows = []
     for name in args.models.split(","):
         if name:
