@@ -169,3 +169,7 @@ def test_the_settings_reach_the_checks_and_the_trainer():
         assert stop in path
     assert result["back_steps"] < result["stops"]
     assert result["upward_calls"] == 0  # the library never calls back up into the command line
+    # The trainer decides what the settings say against the checkpoint's (a changed
+    # validation) before it builds the state: not after, going back up to the settings.
+    assert "meshplan.train.records:valid_changed_note" in path
+    assert "meshplan.train.records:valid_changed_note" not in result["back"]
