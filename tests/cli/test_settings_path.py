@@ -106,6 +106,39 @@ def test_an_else_branch_follows_what_came_before_its_if_not_the_other_branch(tmp
     assert result["back_steps"] == 0  # one run goes into Loop or into prepare, not both
 
 
+def test_going_on_after_a_call_into_the_bottom_layer_is_not_a_back_step(tmp_path):
+    (tmp_path / "meshplan" / "_errors").mkdir(parents=True)
+    (tmp_path / "meshplan" / "_errors" / "__init__.py").write_text(
+        "def error_for(flag):\n    pass\n"
+    )
+    result = _measure(tmp_path, """
+        from meshplan._errors import error_for
+
+        def run(args):
+            error_for(args.steps)
+            show(args)
+            loop = Loop(args.steps)
+            error_for(args.lr)
+            decide(args)
+
+        def show(args):
+            pass
+
+        def decide(args):
+            pass
+    """)  # fmt: skip
+    assert result["path"] == [
+        "meshplan.cli.train:run",
+        "meshplan._errors:error_for",
+        "meshplan.cli.train:show",
+        "meshplan.train.loop:Loop.__init__",
+        "meshplan.cli.train:decide",
+    ]
+    # `show` after the bottom is not a back-step; `decide`, after Loop (through the bottom), is.
+    assert result["back"] == {"meshplan.cli.train:decide": "meshplan.train.loop:Loop.__init__"}
+    assert (result["back_steps"], result["back_steps_counting_bottom"]) == (1, 2)
+
+
 def test_arguments_run_before_the_call_and_a_str_method_is_not_the_package_s(tmp_path):
     result = _measure(tmp_path, """
         def run(args):
@@ -136,3 +169,7 @@ def test_the_settings_reach_the_checks_and_the_trainer():
         assert stop in path
     assert result["back_steps"] < result["stops"]
     assert result["upward_calls"] == 0  # the library never calls back up into the command line
+    # The trainer decides what the settings say against the checkpoint's (a changed
+    # validation) before it builds the state: not after, going back up to the settings.
+    assert "meshplan.train.records:valid_changed_note" in path
+    assert "meshplan.train.records:valid_changed_note" not in result["back"]

@@ -7,6 +7,7 @@ experts, and the controls (a short sequence, a dense model)."""
 from __future__ import annotations
 
 import functools
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -14,10 +15,11 @@ import optax
 import pytest
 
 import meshplan
-from meshplan._search.cost import predict
+from meshplan._search.cost import Cost, predict
 from meshplan._search.profiles import get_profile
 from meshplan._search.reshard import reshard_collectives
-from meshplan._search.roles import role_verdict
+from meshplan._search.result import SearchResult, SearchRow
+from meshplan._search.roles import Term, VerdictKind, role_verdict
 from meshplan._search.trace import trace_workload
 from meshplan.examples.llama import LlamaConfig, llama_step
 from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
@@ -114,6 +116,28 @@ def test_many_experts_are_split_over_an_expert_axis_with_all_to_alls():
 def test_a_dense_model_has_no_expert_axis_and_says_so():
     v = role_verdict(_search(_moe(0)), "expert")
     assert (v.proposed, v.kind, v.with_row) == (False, "absent", None)
+
+
+def _row(mesh, step_s, memory, status="ok"):
+    cost = Cost(step_s, step_s / 2, step_s / 8, step_s / 4, 1e12, {"all-to-all": 1 << 20}, {},
+                memory, 0, 1)  # fmt: skip
+    return SearchRow(mesh, (("batch", "data"),), status=status, cost=cost)
+
+
+def test_a_verdict_is_typed_records_read_from_the_rows():
+    """The kind is one of :data:`VerdictKind`, the terms are :data:`Term`s, the rows are the
+    result's own: no text is read back."""
+    with_, without = _row({"data": 2, "expert": 2}, 1.0, 100), _row({"data": 4}, 2.0, 300)
+    v = role_verdict(SearchResult([with_, without], 4, budget_bytes=1000), "expert")
+    assert v.proposed and (v.with_row, v.without_row) == (with_, without)
+    assert v.kind in typing.get_args(VerdictKind) and v.kind in typing.get_args(Term)
+    assert tuple(v.terms) == typing.get_args(Term) and v.terms[v.kind] == min(v.terms.values())
+    assert (v.min_memory_with, v.min_memory_without) == (100, 300)
+    # Nothing without the role is ok (the row without it was pruned): the reason is memory.
+    without.status = "pruned"
+    v = role_verdict(SearchResult([with_, without], 4, budget_bytes=200), "expert")
+    assert (v.kind, v.without_row, v.terms) == ("memory", None, {})
+    assert v.to_dict()["without"] is None and v.to_dict()["with"]["memory_bytes"] == 100
 
 
 @pytest.mark.parametrize(

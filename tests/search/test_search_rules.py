@@ -75,8 +75,10 @@ def test_candidates_are_counted_and_pruned_with_reasons():
     pruned = counts["pruned"]
     assert counts["enumerated"] == counts["scored"] + sum(pruned.values()) - pruned["memory"]
     assert pruned["invalid"] > 0 and pruned["symmetric"] > 0 and pruned["idle"] > 0
-    reasons = {r.reason.split(":")[0] for r in result.rows if r.status == "pruned"}
-    assert {"invalid", "idle"} <= reasons
+    prunes = [r for r in result.rows if r.status == "pruned"]
+    assert {"invalid", "idle"} <= {r.pruned_by for r in prunes}  # the kind, as a record
+    assert all(r.reason.startswith(f"{r.pruned_by}: ") for r in prunes)  # the text from it
+    assert all(r.pruned_by is None for r in result.ok)
     bad = next(r for r in result.rows if r.layout == "tensor_parallel" and r.mesh_text == "1x8")
     assert bad.status == "pruned" and "('heads') of size 4 does not divide by 8" in bad.reason
     # The built-ins are among the candidates; ranks are 1..n by predicted time.
@@ -282,7 +284,7 @@ def test_a_search_prunes_and_prices_candidates_as_it_does_each_alone():
         specs = _Specs(c.mesh, c.rules, resolved)
         shared = _prune(c, work.batch, ("batch",), leaves, (), specs, checks)
         assert shared == alone, (c.mesh, c.rules)
-        reasons.add((alone or "ok").split(":")[0])
+        reasons.add(alone[0] if alone is not None else "ok")
         if alone is None:
             assert predict_specs(work, specs, prof, cache) == predict(work, c.mesh, c.rules, prof)
             priced += 1
@@ -320,7 +322,7 @@ def test_a_rules_record_answers_as_each_generated_candidate_alone():
         alone = _prune(c, work.batch, ("batch",), leaves, acts)
         specs = _Specs(c.mesh, c.rules, resolved, True, record.specs, splits=True)
         assert _prune(c, work.batch, ("batch",), leaves, acts, specs, checks, record) == alone
-        reasons.add((alone or "ok").split(":")[0])
+        reasons.add(alone[0] if alone is not None else "ok")
         for hierarchical in (False, True):
             sig = _signature(c, hierarchical, arrays, ("batch",), places)
             assert signature_key(c.mesh, record.place, hierarchical) == sig

@@ -16,11 +16,23 @@ predictions. The reason is the largest term by which they differ:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
+from meshplan._search.cost import Cost
+from meshplan._search.result import SearchResult, SearchRow
 from meshplan._text import human_bytes
 
-__all__ = ["RoleVerdict", "role_verdict"]
+__all__ = ["Role", "RoleVerdict", "Term", "VerdictKind", "role_verdict"]
+
+Role: TypeAlias = Literal["context", "expert"]
+"""A role :func:`role_verdict` judges: the mesh axis of that name."""
+
+Term: TypeAlias = Literal["communication", "compute", "memory traffic"]
+"""A term of a predicted step by which the best with a role and without it differ."""
+
+VerdictKind: TypeAlias = Literal["communication", "compute", "memory traffic", "memory", "absent"]
+"""Why a role is proposed or not (module docstring): a :data:`Term`, ``'memory'`` or
+``'absent'``."""
 
 
 @dataclasses.dataclass
@@ -36,18 +48,18 @@ class RoleVerdict:
     candidate with and without it.
     """
 
-    role: str
+    role: Role
     proposed: bool
-    kind: str
+    kind: VerdictKind
     reason: str
-    with_row: Any = None
-    without_row: Any = None
+    with_row: SearchRow | None = None
+    without_row: SearchRow | None = None
     min_memory_without: int | None = None
     min_memory_with: int | None = None
-    terms: dict[str, float] = dataclasses.field(default_factory=dict)
+    terms: dict[Term, float] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        def row(r: Any) -> dict[str, Any] | None:
+        def row(r: SearchRow | None) -> dict[str, Any] | None:
             if r is None or r.cost is None:
                 return None
             return {"mesh": dict(r.mesh), "rules": r.short_rules, "step_s": r.cost.step_s,
@@ -60,16 +72,16 @@ class RoleVerdict:
                 "min_memory_without": self.min_memory_without}  # fmt: skip
 
 
-def _uses(row: Any, role: str) -> bool:
+def _uses(row: SearchRow, role: Role) -> bool:
     return int(row.mesh.get(role, 1)) > 1
 
 
-def _comm_line(cost: Any) -> str:
+def _comm_line(cost: Cost) -> str:
     kinds = sorted(cost.comm_bytes.items(), key=lambda kv: -kv[1])
     return ", ".join(f"{k} {human_bytes(v)}" for k, v in kinds if v) or "none"
 
 
-def role_verdict(result: Any, role: str) -> RoleVerdict:
+def role_verdict(result: SearchResult, role: Role) -> RoleVerdict:
     """Whether ``result``'s best uses ``role`` (``'context'`` or ``'expert'``), and why.
 
     Example:
@@ -86,42 +98,40 @@ def role_verdict(result: Any, role: str) -> RoleVerdict:
     budget = result.budget_bytes
     ok = result.ok
     best = result.best
-    costed = [r for r in result.rows if r.cost is not None]
-    with_all = [r for r in costed if _uses(r, role)]
-    without_all = [r for r in costed if not _uses(r, role)]
+    memory = [(r.cost.memory_bytes, _uses(r, role)) for r in result.rows if r.cost is not None]
     any_with = any(_uses(r, role) for r in result.rows)
     w = next((r for r in ok if _uses(r, role)), None)
     n = next((r for r in ok if not _uses(r, role)), None)
-    mem_w = min((r.cost.memory_bytes for r in with_all), default=None)
-    mem_n = min((r.cost.memory_bytes for r in without_all), default=None)
+    mem_w = min((m for m, uses in memory if uses), default=None)
+    mem_n = min((m for m, uses in memory if not uses), default=None)
     proposed = best is not None and _uses(best, role)
-    v = RoleVerdict(role, proposed, "", "", w, n, mem_n, mem_w)
+
+    def verdict(kind: VerdictKind, reason: str, terms: dict[Term, float] | None = None
+                ) -> RoleVerdict:  # fmt: skip
+        return RoleVerdict(role, proposed, kind, reason, w, n, mem_n, mem_w, terms or {})
+
     if not any_with:
         article = "an" if role[0] in "aeiou" else "a"
-        v.kind, v.reason = "absent", f"the model has no name {article} {role} axis splits"
-        return v
+        return verdict("absent", f"the model has no name {article} {role} axis splits")
     if n is None or w is None:
         side, least = ("without", mem_n) if n is None else ("with", mem_w)
-        v.kind = "memory"
-        v.reason = (f"{side} {role} nothing fits: the least memory per device is "
-                    f"{'unknown' if least is None else human_bytes(least)}, over the budget "
-                    f"of {human_bytes(budget)}")  # fmt: skip
-        return v
+        return verdict("memory", f"{side} {role} nothing fits: the least memory per device is "
+                       f"{'unknown' if least is None else human_bytes(least)}, over the budget "
+                       f"of {'none' if budget is None else human_bytes(budget)}")  # fmt: skip
     cw, cn = w.cost, n.cost
     assert cw is not None and cn is not None
-    terms = {
+    terms: dict[Term, float] = {
         "communication": cw.comm_s - cn.comm_s,
         "compute": cw.compute_s - cn.compute_s,
         "memory traffic": cw.memory_s - cn.memory_s,
     }
     # Why it pays: the term it saves most; why not: the term it adds most.
     kind = min(terms, key=terms.__getitem__) if proposed else max(terms, key=terms.__getitem__)
-    v.kind, v.terms = kind, terms
     pays = "pays" if proposed else "does not pay"
     parts = [f"{k} {d * 1e3:+.2f} ms" for k, d in sorted(terms.items(), key=lambda kv: -abs(kv[1]))]
-    v.reason = (
+    reason = (
         f"{role} {pays}: {', '.join(parts)} with it (step {cw.step_s * 1e3:.2f} against "
         f"{cn.step_s * 1e3:.2f} ms; collectives with: {_comm_line(cw)}; without: "
         f"{_comm_line(cn)})"
     )
-    return v
+    return verdict(kind, reason, terms)

@@ -19,7 +19,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence, Set
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import jax
 
@@ -325,6 +325,18 @@ def _ask(
     return _first_error(validate(path, shape, names, c.mesh, c.rules))
 
 
+Pruned: TypeAlias = tuple[PruneKind, str]
+"""Why a candidate is pruned: its kind, as a record, and the reason ``'<kind>: <detail>'``
+written from it (never read back)."""
+
+
+def _pruned(kind: PruneKind, detail: str) -> Pruned:
+    return kind, f"{kind}: {detail}"
+
+
+_SYMMETRIC = _pruned("symmetric", "the same splits as a candidate listed before")
+
+
 def _prune(
     c: Candidate,
     batch: int | None,
@@ -334,8 +346,9 @@ def _prune(
     specs: _Specs | None = None,
     checks: _Checks | None = None,
     record: RuleRecord | None = None,
-) -> str | None:
-    """Why the validator (or an idle axis) rejects ``c``, or ``None``. ``record``: what
+) -> Pruned | None:
+    """Why the validator (or an idle axis) rejects ``c`` (its kind and reason), or ``None``.
+    ``record``: what
     ``c``'s rules decide (a generated candidate's, where it :meth:`~RuleRecord.applies`),
     found once for the candidates of a search that share them; with ``checks``.
 
@@ -355,7 +368,7 @@ def _prune(
         for names, shape in leaves if given or first is None else [leaves[first]]:
             error = _ask(checks, "state", shape, names, c, fast, record)
             if error is not None:
-                return f"invalid: {error}"
+                return _pruned("invalid", error)
     if batch is not None:
         shape = (batch,) + (1,) * (len(batch_names) - 1)
         axes = record.batch_axes if record is not None else specs(batch_names, len(shape))[0]
@@ -363,7 +376,7 @@ def _prune(
         if not (fast and batch > 0 and batch % split == 0):
             error = _ask(checks, "batch", shape, batch_names, c, fast, record)
             if error is not None:
-                return f"batch: {error}"
+                return _pruned("batch", error)
     if record is not None:
         used: Set[str] = record.used
     else:
@@ -372,7 +385,7 @@ def _prune(
         used |= {a for axes in specs(acts, len(acts)) for a in axes}
     idle = [a for a, s in c.mesh.items() if s > 1 and a not in used]
     if idle:
-        return f"idle: mesh axis {idle[0]!r} ({c.mesh[idle[0]]}) splits nothing"
+        return _pruned("idle", f"mesh axis {idle[0]!r} ({c.mesh[idle[0]]}) splits nothing")
     return None
 
 
@@ -542,7 +555,6 @@ def search_rules(
     records: dict[RulePairs, RuleRecord] = {}
     in_state = state_counts(workload)
     places: Places = {}  # where an axis splits, as an int: signatures of ints
-    symmetric = "symmetric: the same splits as a candidate listed before"
     for c in candidates:
         searched = c.layout == "searched"
         record = records.get(c.rules) if searched else None
@@ -566,26 +578,26 @@ def search_rules(
             sig = _signature(c, hierarchical, sig_arrays, batch_names, places, specs)
         row = SearchRow(c.mesh, c.rules, c.layout)
         if searched and sig in seen:
-            reason: str | None = symmetric
+            why: Pruned | None = _SYMMETRIC
         else:
-            reason = _prune(c, batch, batch_names, leaves, acts, specs, checks, record)
-            if reason is None and sig in seen:
-                reason = symmetric
-            if searched or reason is None:
+            why = _prune(c, batch, batch_names, leaves, acts, specs, checks, record)
+            if why is None and sig in seen:
+                why = _SYMMETRIC
+            if searched or why is None:
                 seen.add(sig)
-        if reason is None:
+        if why is None:
             held = state_bytes(workload, specs, in_state)
             if held > budget:  # the state alone: no need to price the step
-                reason = (f"memory: the state alone, {human_bytes(held)} per device, is over "
-                          f"the budget of {human_bytes(budget)}")  # fmt: skip
-        if reason is None:
+                why = _pruned("memory", f"the state alone, {human_bytes(held)} per device, "
+                                        f"is over the budget of {human_bytes(budget)}")  # fmt: skip
+        if why is None:
             row.cost = predict_specs(workload, specs, prof, dot_cache)
             if row.cost.memory_bytes > budget:
-                reason = (f"memory: {human_bytes(row.cost.memory_bytes)} per device is over "
-                          f"the budget of {human_bytes(budget)}")  # fmt: skip
-        if reason is not None:
-            row.status, row.reason = "pruned", reason
-            kind = row.pruned_by = _kind(reason)
+                why = _pruned("memory", f"{human_bytes(row.cost.memory_bytes)} per device is "
+                                        f"over the budget of {human_bytes(budget)}")  # fmt: skip
+        if why is not None:
+            kind, row.reason = why
+            row.status, row.pruned_by = "pruned", kind
             pruned[kind] += 1
             if c.layout != "searched" or kind != "symmetric":
                 out.append(row)
@@ -700,13 +712,6 @@ def _finish(
     for i, row in enumerate(rows, 1):
         row.rank = i
     return rows, compiled, measured
-
-
-def _kind(reason: str) -> PruneKind:
-    """The kind a pruning reason starts with (``'memory: ...'``)."""
-    kind = reason.split(":")[0]
-    assert kind in PRUNE_REASONS, reason
-    return kind
 
 
 def _refine(row: SearchRow) -> None:

@@ -202,16 +202,7 @@ class Trainer:
         self._start_step = 0
         self.set_aside: tuple[list[int], str] | None = None
         self._last_eval: tuple[int, float] | None = None
-        # A caller that has built both to check a request passes them: not traced twice.
-        self.tx = make_optimizer(settings) if tx is None else tx
-        self.abstract = (
-            abstract_train_state(self.model, self.tx, settings, self.example_input)
-            if abstract is None
-            else abstract
-        )
-        self.shardings = state_shardings(self.abstract, self.mesh, self.rules)
-        self.state: Any = None
-        self.step = 0
+        # What the settings decide (against the checkpoint's) first, then what is built.
         self.best_valid: tuple[int, float] | None = None
         self.valid_setting = valid_setting(settings.to_dict(), self.record.get("data"))
         resume_from = self.resume_from
@@ -224,6 +215,16 @@ class Trainer:
                 changes = valid_changes(stored, settings.to_dict(), self.record.get("data"))
                 self.best_valid = None
                 self.notes.append(valid_changed_note(resume_from.step, changes))
+        # A caller that has built both to check a request passes them: not traced twice.
+        self.tx = make_optimizer(settings) if tx is None else tx
+        self.abstract = (
+            abstract_train_state(self.model, self.tx, settings, self.example_input)
+            if abstract is None
+            else abstract
+        )
+        self.shardings = state_shardings(self.abstract, self.mesh, self.rules)
+        self.state: Any = None
+        self.step = 0
         self._checkpointer: Checkpointer | None = None
         self._train_step: Callable[[Any, Any], tuple[Any, jax.Array, Any]] | None = None
         self._eval_step: Callable[[Any, Any], jax.Array] | None = None
