@@ -513,14 +513,7 @@ def search_rules(
             f"search_rules got batch={batch}, and its example batch holds {workload.batch}",
             "Leave batch= out: with a step, the batch is the example batch's.",
         )  # fmt: skip
-    if measure and step_fn is None:
-        raise error_for(
-            ArgumentError, "missing-argument", "step_fn",
-            "search_rules(measure=True) runs the step, and none was given",
-            "Pass step_fn= or model=.",
-        )  # fmt: skip
-    if measure:
-        require_devices(devices, "measure=True (running the step)")
+    _check_measure(measure, step_fn, devices)
     have_devices = jax.device_count() >= devices
     prof = get_profile(profile, devices)
     budget = memory_budget_bytes if memory_budget_bytes is not None else prof.memory_bytes
@@ -617,6 +610,19 @@ def search_rules(
     )  # fmt: skip
 
 
+def _check_measure(measure: bool, step_fn: object, devices: int) -> None:
+    """``measure=True`` runs the step: it needs one, and the devices to run it on."""
+    if not measure:
+        return
+    if step_fn is None:
+        raise error_for(
+            ArgumentError, "missing-argument", "step_fn",
+            "search_rules(measure=True) runs the step, and none was given",
+            "Pass step_fn= or model=.",
+        )  # fmt: skip
+    require_devices(devices, "measure=True (running the step)")
+
+
 def _static_search(
     devices: int,
     abstract_state: Any,
@@ -641,14 +647,7 @@ def _static_search(
             "search_rules(ranked_by='static') sizes a state, and none was given",
             "Pass abstract_state= (jax.eval_shape of init), or model= with example_batch=.",
         )  # fmt: skip
-    if measure and step_fn is None:
-        raise error_for(
-            ArgumentError, "missing-argument", "step_fn",
-            "search_rules(measure=True) runs the step, and none was given",
-            "Pass step_fn= or model=.",
-        )  # fmt: skip
-    if measure:
-        require_devices(devices, "measure=True (running the step)")
+    _check_measure(measure, step_fn, devices)
     if batch is None and example_batch is not None:
         batch = int(jax.tree.leaves(example_batch)[0].shape[0])
     named = layouts if layouts is not None else LAYOUTS
