@@ -166,3 +166,30 @@ def test_residuals_saved_through_prevent_cse_reduce_precision_are_kept():
         kept[scan] = predict(trace_workload(step, state, batch), {"data": 1}, (), prof)
     # the unrolled layers keep what the scanned ones stack (they kept 0.4x before)
     assert kept[False].activation_bytes > 0.9 * kept[True].activation_bytes
+
+
+def test_a_rematerialised_partial_sum_combined_into_the_forward_keeps_its_recomputation():
+    # Full remat, tensor parallel over 4: each layer's recomputation has the attention
+    # output projection's partial-sum all-reduce. Where the combiner merges it with the
+    # forward's own (XLA on CPU), the recomputation up to it runs in the forward and its
+    # values (the scores among them) are kept from there to the backward: only for unrolled
+    # layers (a scan's iterations are not combined) and only where there is a partial sum.
+    tp = {"data": 2, "tensor": 4}, (("batch", "data"), ("heads", "tensor"),
+                                    ("kv_heads", "tensor"), ("mlp", "tensor"))  # fmt: skip
+    dp = {"data": 8}, (("batch", "data"),)
+    base = dataclasses.replace(H100, fused_attention=False, rematerialize=False)
+    combined = dataclasses.replace(base, combines_remat_collectives=True)
+    scores = 8 * 1 * 64 * 64 * 4  # one layer's [batch 16/2, heads 4/4, 64, 64] float32
+    added = {}
+    for scan in (False, True):
+        cfg = LlamaConfig(embed=128, heads=4, kv_heads=4, head_dim=32, mlp=512, layers=4,
+                          vocab=256, remat="full", scan=scan, dtype="float32")  # fmt: skip
+        state, step, batch = llama_step(cfg, 16, 64)
+        work = trace_workload(step, state, batch)
+        for name, (mesh, rules) in (("tp", tp), ("dp", dp)):
+            kept = [predict(work, mesh, rules, p).activation_bytes for p in (base, combined)]
+            added[scan, name] = kept[1] - kept[0]
+    assert added[False, "tp"] >= 3 * scores  # the three layers before the last one, at least
+    assert added[True, "tp"] == added[False, "dp"] == added[True, "dp"] == 0
+    assert get_profile("cpu").combines_remat_collectives
+    assert not any(get_profile(n).combines_remat_collectives for n in ("h100", "tpu_v5p"))

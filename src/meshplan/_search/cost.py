@@ -427,6 +427,7 @@ def predict_specs(
     independent: dict[tuple[str, tuple[str, ...], int], int] = {}
     gathered_extra: dict[Dot, dict[Any, int]] = {}
     unreduced: dict[Dot, int] = {}  # a weight gradient's partial sums beyond its shard
+    partial_sums: set[Dot] = set()  # activations all-reduced (a tensor-parallel projection)
     params = frozenset(workload.param_names)
     read: dict[Any, set[int]] = {}  # an activation's gather key: the arrays gathered
     for dot, count in workload.dots.items():
@@ -455,6 +456,9 @@ def predict_specs(
                             read.setdefault(key, set()).update(
                                 workload.operand_arrays.get((dot, side), ())
                             )
+            elif kind == "all-reduce" and _batch_out(dot):
+                partial_sums.add(dot)
+                dependent.append((kind, axes, nbytes, count))
             elif _independent(kind, key, dot):  # combined with those of the same trips
                 if kind in ("reduce-scatter", "all-reduce"):  # beyond its reduced shard
                     kept = specs.shard_bytes(*_out_array(dot))
@@ -504,7 +508,7 @@ def predict_specs(
             traffic += nbytes // specs.split(specs(names, len(shape)))
     memory_s = traffic / profile.memory_bandwidth
     comm_s = exposed + max(0.0, hidden - profile.overlap * (compute_s + memory_s))
-    peak = _peak(workload, specs, profile, gathered_extra, unreduced)
+    peak = _peak(workload, specs, profile, gathered_extra, unreduced, partial_sums)
     batch_bytes = sum(specs.shard_bytes(n, s, i) for n, s, i in workload.batch_state)
     return Cost(
         step_s=compute_s + memory_s + comm_s,
@@ -537,6 +541,7 @@ def _peak(
     profile: HardwareProfile,
     gathered: Mapping[Dot, Mapping[Any, int]],
     unreduced: Mapping[Dot, int] | None = None,
+    partial_sums: set[Dot] | frozenset[Dot] = frozenset(),
 ) -> memory_model.Peak:
     fused = profile.fused_attention
     program = workload.memory
@@ -553,4 +558,7 @@ def _peak(
 
     extra = [gathered.get(d, {}) for d in program.dots]
     partial = [(unreduced or {}).get(d, 0) for d in program.dots]
-    return memory_model.peak(program, bytes_of, extra, partial, profile.combine_bytes)
+    hoisted = (
+        [d in partial_sums for d in program.dots] if profile.combines_remat_collectives else []
+    )
+    return memory_model.peak(program, bytes_of, extra, partial, profile.combine_bytes, hoisted)

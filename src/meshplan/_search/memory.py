@@ -41,7 +41,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 __all__ = [
-    "MemoryProgram", "Peak", "aliases", "build", "call_body", "is_alias", "peak",
+    "Hoist", "MemoryProgram", "Peak", "aliases", "build", "call_body", "is_alias", "peak",
     "recompute_sources",
 ]  # fmt: skip
 
@@ -49,6 +49,7 @@ Cell = tuple[tuple[Any, ...], tuple[int, ...], int, bool]
 """(names, shape, itemsize, score)"""
 
 _LOOPS = ("scan", "while")
+_REMAT = ("remat2", "checkpoint", "remat")
 _CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 # Elementwise ops (and the broadcasts, casts, slices around them) that XLA recomputes where
@@ -84,7 +85,10 @@ class MemoryProgram:
     (a scanned layer) it runs in, an index in ``scopes`` (``-1``: none), whose entries
     list the matmuls of each body; ``ran``: ``[points, dots]``, how many times each matmul
     has run before the point since the start of its loop iteration (or of the step, outside
-    loops): the gradients whose reductions XLA may still be combining.
+    loops): the gradients whose reductions XLA may still be combining; ``top``: per point,
+    the index of the step's top-level equation it is in; ``hoists``: the rematerialised
+    regions of unrolled layers (:class:`Hoist`), which a collective combiner may run in the
+    forward pass.
     """
 
     cells: list[Cell]
@@ -96,10 +100,30 @@ class MemoryProgram:
     scope: np.ndarray | None = None
     scopes: list[list[int]] = dataclasses.field(default_factory=list)
     ran: np.ndarray | None = None
+    top: np.ndarray | None = None
+    hoists: list[Hoist] = dataclasses.field(default_factory=list)
 
     def sizes(self, bytes_of: Callable[[Cell], int]) -> np.ndarray:
         """Bytes per device of each cell, by ``bytes_of``."""
         return np.array([float(bytes_of(c)) for c in self.cells])
+
+
+@dataclasses.dataclass(frozen=True)
+class Hoist:
+    """A rematerialised region of an unrolled layer (a top-level ``checkpoint``/``remat``
+    equation of the backward pass: the layer's recomputation, then its transpose).
+
+    ``at``: the top-level equation of the region; ``triggers``: per matmul of the region,
+    in its order, ``(index in dots, earliest, counts)``: if that matmul is the region's
+    first whose output is a partial sum (all-reduced), and XLA's combiner merges that
+    all-reduce with the forward pass's own of the same layer, the matmul and every value
+    it depends on in the region run as soon as their inputs exist (after the top-level
+    equation ``earliest``), and the values of them the rest of the region reads
+    (``counts`` per cell) stay alive until the region.
+    """
+
+    at: int
+    triggers: list[tuple[int, int, np.ndarray]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,13 +310,16 @@ class _Builder:
         self.cells: dict[Cell, int] = {}
         self.points: dict[
             tuple[Any, ...],
-            tuple[dict[int, int], dict[int, int], int, int, tuple[tuple[int, int], ...]],
+            tuple[dict[int, int], dict[int, int], int, int, tuple[tuple[int, int], ...], int],
         ] = {}
         self.scope = -1  # the loop body being walked (an index in scopes)
         self.scopes: list[list[int]] = []  # each loop body's matmuls
         self.dots: dict[Any, int] = {}
         self.sources: dict[int, Any] = {}
         self.ran: dict[int, int] = {}  # matmuls run since the loop iteration (step) began
+        self.top = -1  # the top-level equation being walked
+        self.defined: dict[Any, int] = {}  # a top-level value: the equation defining it
+        self.hoists: list[tuple[int, list[tuple[int, int, dict[int, int]]]]] = []
 
     def cell(self, v: Any, outer: bool = False) -> int | None:
         if not outer and self.materialized is not None and v not in self.materialized:
@@ -307,8 +334,11 @@ class _Builder:
 
     def add(self, long: dict[int, int], short: dict[int, int], dot: int) -> None:
         ran = tuple(sorted(self.ran.items()))
-        key = (tuple(sorted(long.items())), tuple(sorted(short.items())), dot, self.scope, ran)
-        self.points.setdefault(key, (long, short, dot, self.scope, ran))
+        key = (
+            tuple(sorted(long.items())), tuple(sorted(short.items())), dot, self.scope, ran,
+            self.top,
+        )  # fmt: skip
+        self.points.setdefault(key, (long, short, dot, self.scope, ran, self.top))
         if dot >= 0 and self.scope >= 0 and dot not in self.scopes[self.scope]:
             self.scopes[self.scope].append(dot)
 
@@ -341,9 +371,14 @@ class _Builder:
             if c is not None:
                 alive[v] = c
         for i, eqn in enumerate(jaxpr.eqns):
+            if top:
+                self.top = i
+                self.defined.update((v, i) for v in eqn.outvars)
             if is_alias(eqn):
                 continue
             prim = eqn.primitive.name
+            if top and prim in _REMAT:
+                self._hoist(eqn, i)
             outs = {}
             for v in eqn.outvars:
                 if type(v).__name__ == "DropVar" or v in skip or v in alias or v in recomputed:
@@ -394,6 +429,55 @@ class _Builder:
             for v in [v for v in alive if last.get(v, -1) <= i]:
                 del alive[v]
             alive.update(outs)
+
+    def _hoist(self, eqn: Any, at: int) -> None:
+        """Record the region of a top-level rematerialised call (:class:`Hoist`)."""
+        body = call_body(eqn)
+        if body is None:
+            return
+        outer = dict(zip(body.invars, eqn.invars, strict=True))
+        producer = {v: m for m, e in enumerate(body.eqns) for v in e.outvars}
+        outputs = {v for v in body.outvars if not isinstance(v, Literal)}
+        triggers = []
+        for m, e in enumerate(body.eqns):
+            if e.primitive.name != "dot_general":
+                continue
+            ancestors, stack, inputs = set(), [m], set()
+            while stack:
+                k = stack.pop()
+                if k in ancestors:
+                    continue
+                ancestors.add(k)
+                for u in body.eqns[k].invars:
+                    if isinstance(u, Literal):
+                        continue
+                    if u in producer:
+                        stack.append(producer[u])
+                    elif u in outer and not isinstance(outer[u], Literal):
+                        inputs.add(outer[u])
+            earliest = max((self.defined.get(u, -1) for u in inputs), default=-1)
+            read_after = {
+                u
+                for k, x in enumerate(body.eqns)
+                if k not in ancestors
+                for u in x.invars
+                if not isinstance(u, Literal)
+            } | outputs
+            counts: dict[int, int] = {}
+            for k in sorted(ancestors):
+                x = body.eqns[k]
+                if is_alias(x):
+                    continue
+                for v in x.outvars:
+                    if v not in read_after or type(v).__name__ == "DropVar":
+                        continue
+                    c = self.cell(v)
+                    if c is not None:
+                        counts[c] = counts.get(c, 0) + 1
+            dot = self.dots.setdefault(self.dot_of(e), len(self.dots))
+            triggers.append((dot, earliest, counts))
+        if triggers:
+            self.hoists.append((at, triggers))
 
     def _recomputed(
         self, jaxpr: Any, alias: Mapping[Any, Any], last: dict[Any, float], skip: set[Any]
@@ -480,11 +564,11 @@ def build(
         if c is not None:
             outputs[c] = outputs.get(c, 0) + 1
     ncell = max(1, len(b.cells))
-    pts = list(b.points.values()) or [({}, {}, -1, -1, ())]
+    pts = list(b.points.values()) or [({}, {}, -1, -1, (), -1)]
     long = np.zeros((len(pts), ncell))
     short = np.zeros((len(pts), ncell))
     ran = np.zeros((len(pts), max(1, len(b.dots))))
-    for k, (lo, sh, _, _, before) in enumerate(pts):
+    for k, (lo, sh, _, _, before, _) in enumerate(pts):
         for c, m in lo.items():
             long[k, c] = m
         for c, m in sh.items():
@@ -498,6 +582,15 @@ def build(
     if not cells:
         cells = [((), (), 0, False)]
     dots = sorted(b.dots, key=lambda d: b.dots[d])
+    hoists = []
+    for at, triggers in b.hoists:
+        rows = []
+        for dot, earliest, counts in triggers:
+            row = np.zeros(ncell)
+            for c, m in counts.items():
+                row[c] = m
+            rows.append((dot, earliest, row))
+        hoists.append(Hoist(at, rows))
     return MemoryProgram(
         cells,
         long,
@@ -508,6 +601,8 @@ def build(
         np.array([p[3] for p in pts]),
         b.scopes,
         ran,
+        np.array([p[5] for p in pts]),
+        hoists,
     )
 
 
@@ -522,6 +617,7 @@ def peak(
     gathered: Sequence[Mapping[Any, int]] = (),
     unreduced: Sequence[float] = (),
     combine_bytes: int = 0,
+    partial_sums: Sequence[bool] = (),
 ) -> Peak:
     """The largest point of ``program`` with cells sized by ``bytes_of``.
 
@@ -537,6 +633,11 @@ def peak(
     ``combine_bytes`` of them, each no larger), until the combined collective runs:
     those of the matmuls run before the point (in its loop iteration, or the step), up
     to ``combine_bytes``.
+
+    ``partial_sums``: per matmul, whether its output is all-reduced (a partial sum) and
+    the combiner merges a rematerialised one with the forward's (``[]``: it does not):
+    each of ``program.hoists`` whose first such matmul is one keeps that matmul's
+    recomputation from when its inputs exist (:class:`Hoist`).
     """
     size = program.sizes(bytes_of)
     lo, sh = program.long @ size, program.short @ size
@@ -565,6 +666,12 @@ def peak(
         if combine_bytes and program.ran is not None:
             pending = program.ran @ np.where(own <= combine_bytes, own, 0.0)
             extra += np.minimum(pending, combine_bytes)
+    if any(partial_sums) and program.top is not None:
+        for h in program.hoists:
+            first = next((t for t in h.triggers if partial_sums[t[0]]), None)
+            if first is not None:
+                _, earliest, row = first
+                lo = lo + np.where((program.top > earliest) & (program.top < h.at), row @ size, 0.0)
     total = lo + sh + extra
     k = int(np.argmax(total)) if len(total) else 0
     return Peak(int(lo[k]), int(sh[k] + extra[k]), int(program.output @ size))

@@ -56,6 +56,13 @@ class HardwareProfile:
             activation's derivative) where they are used rather than keep them for the
             backward pass, as its fusion and rematerialisation passes do against a device's
             memory (TPU, GPU); XLA on CPU, with no memory limit, keeps them.
+        combines_remat_collectives: A rematerialised region of an unrolled (not scanned)
+            layer whose recomputation contains a partial-sum all-reduce (a tensor-parallel
+            projection's) runs in the forward pass: the collective combiner merges that
+            all-reduce with the forward's own of the same layer into one, so the
+            recomputation up to it is computed there, and what it computes for the backward
+            pass is kept from then on, as if not rematerialised. XLA on CPU does
+            (its pass ``cpu-all-reduce-combiner``); not known of TPU's or GPU's combiners.
 
     Example:
         >>> import meshplan
@@ -81,6 +88,7 @@ class HardwareProfile:
     combine_bytes: int = 0
     regather: bool = False
     rematerialize: bool = False
+    combines_remat_collectives: bool = False
 
     def __post_init__(self) -> None:
         if self.slow_latency_s is None:
@@ -215,6 +223,10 @@ PROFILES: dict[str, HardwareProfile] = {
 """Published profiles by name; ``cpu`` is measured (:func:`get_profile`)."""
 
 _CPU: dict[int, HardwareProfile] = {}
+# What XLA on CPU does, not measured (so a profile cached before a field was added has it):
+# its all-reduce combiner (cpu-all-reduce-combiner) merges an unrolled layer's rematerialised
+# partial-sum all-reduce with the forward pass's own, running that recomputation in the forward.
+_CPU_BEHAVIOUR: dict[str, Any] = dict(combines_remat_collectives=True)
 
 
 def _median_seconds(fn: Any, *args: Any, repeat: int = 7) -> float:
@@ -278,6 +290,7 @@ def calibrate_cpu(devices: int | None = None) -> HardwareProfile:
     profile = HardwareProfile(
         "cpu", flops, 8 * GiB, memory_bw, link, link, n, latency,
         f"measured on this machine: {n} emulated devices ({jax.devices()[0].platform})",
+        **_CPU_BEHAVIOUR,
     )  # fmt: skip
     _CPU[n] = profile
     _save_cpu(n, profile)
@@ -304,7 +317,7 @@ def _cached_cpu(n: int) -> HardwareProfile | None:
         return None
     try:
         data = json.loads(_cache_path(n).read_text())
-        return HardwareProfile(**data)
+        return HardwareProfile(**{**data, **_CPU_BEHAVIOUR})
     except (OSError, ValueError, TypeError):
         return None
 
@@ -367,7 +380,8 @@ def load_profile(path: str) -> HardwareProfile:
     problems = [f"missing field {n!r}" for n in required if n not in data]
     problems += [f"unknown field {n!r}" for n in data if n not in fields]
     kinds: dict[str, Any] = {"name": str, "source": str, "fused_attention": bool,
-                             "reduce_scatter": bool, "regather": bool, "rematerialize": bool, "domain_devices": int,
+                             "reduce_scatter": bool, "regather": bool, "rematerialize": bool,
+                             "combines_remat_collectives": bool, "domain_devices": int,
                              "memory_bytes": int, "combine_bytes": int}  # fmt: skip
     for n, v in data.items():
         if n not in fields or (n == "slow_latency_s" and v is None):
