@@ -85,10 +85,9 @@ class MemoryProgram:
     (a scanned layer) it runs in, an index in ``scopes`` (``-1``: none), whose entries
     list the matmuls of each body; ``ran``: ``[points, dots]``, how many times each matmul
     has run before the point since the start of its loop iteration (or of the step, outside
-    loops): the gradients whose reductions XLA may still be combining; ``top``: per point,
-    the index of the step's top-level equation it is in; ``hoists``: the rematerialised
-    regions of unrolled layers (:class:`Hoist`), which a collective combiner may run in the
-    forward pass.
+    loops): the gradients whose reductions XLA may still be combining; ``hoists``: the
+    rematerialised regions of unrolled layers (:class:`Hoist`), which a collective combiner
+    may run in the forward pass.
     """
 
     cells: list[Cell]
@@ -100,7 +99,6 @@ class MemoryProgram:
     scope: np.ndarray | None = None
     scopes: list[list[int]] = dataclasses.field(default_factory=list)
     ran: np.ndarray | None = None
-    top: np.ndarray | None = None
     hoists: list[Hoist] = dataclasses.field(default_factory=list)
 
     def sizes(self, bytes_of: Callable[[Cell], int]) -> np.ndarray:
@@ -114,16 +112,18 @@ class Hoist:
     equation of the backward pass: the layer's recomputation, then its transpose).
 
     ``at``: the top-level equation of the region; ``triggers``: per matmul of the region,
-    in its order, ``(index in dots, earliest, counts)``: if that matmul is the region's
+    in its order, ``(index in dots, between, counts)``: if that matmul is the region's
     first whose output is a partial sum (all-reduced), and XLA's combiner merges that
     all-reduce with the forward pass's own of the same layer, the matmul and every value
     it depends on in the region run as soon as their inputs exist (after the top-level
-    equation ``earliest``), and the values of them the rest of the region reads
-    (``counts`` per cell) stay alive until the region.
+    equation that makes the last of them), and the values of them the rest of the region
+    reads (``counts`` per cell) stay alive until the region: through the points
+    ``between`` marks (a point stands for every place of the step it occurs at, and is
+    marked where one of them lies between).
     """
 
     at: int
-    triggers: list[tuple[int, int, np.ndarray]]
+    triggers: list[tuple[int, np.ndarray, np.ndarray]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,7 +310,7 @@ class _Builder:
         self.cells: dict[Cell, int] = {}
         self.points: dict[
             tuple[Any, ...],
-            tuple[dict[int, int], dict[int, int], int, int, tuple[tuple[int, int], ...], int],
+            tuple[dict[int, int], dict[int, int], int, int, tuple[tuple[int, int], ...], set[int]],
         ] = {}
         self.scope = -1  # the loop body being walked (an index in scopes)
         self.scopes: list[list[int]] = []  # each loop body's matmuls
@@ -334,11 +334,9 @@ class _Builder:
 
     def add(self, long: dict[int, int], short: dict[int, int], dot: int) -> None:
         ran = tuple(sorted(self.ran.items()))
-        key = (
-            tuple(sorted(long.items())), tuple(sorted(short.items())), dot, self.scope, ran,
-            self.top,
-        )  # fmt: skip
-        self.points.setdefault(key, (long, short, dot, self.scope, ran, self.top))
+        key = (tuple(sorted(long.items())), tuple(sorted(short.items())), dot, self.scope, ran)
+        # the top-level equations a point occurs at, for the hoisted regions (:class:`Hoist`)
+        self.points.setdefault(key, (long, short, dot, self.scope, ran, set()))[5].add(self.top)
         if dot >= 0 and self.scope >= 0 and dot not in self.scopes[self.scope]:
             self.scopes[self.scope].append(dot)
 
@@ -564,7 +562,7 @@ def build(
         if c is not None:
             outputs[c] = outputs.get(c, 0) + 1
     ncell = max(1, len(b.cells))
-    pts = list(b.points.values()) or [({}, {}, -1, -1, (), -1)]
+    pts = list(b.points.values()) or [({}, {}, -1, -1, (), {-1})]
     long = np.zeros((len(pts), ncell))
     short = np.zeros((len(pts), ncell))
     ran = np.zeros((len(pts), max(1, len(b.dots))))
@@ -589,7 +587,8 @@ def build(
             row = np.zeros(ncell)
             for c, m in counts.items():
                 row[c] = m
-            rows.append((dot, earliest, row))
+            between = np.array([any(earliest < t < at for t in p[5]) for p in pts])
+            rows.append((dot, between, row))
         hoists.append(Hoist(at, rows))
     return MemoryProgram(
         cells,
@@ -601,7 +600,6 @@ def build(
         np.array([p[3] for p in pts]),
         b.scopes,
         ran,
-        np.array([p[5] for p in pts]),
         hoists,
     )
 
@@ -666,12 +664,12 @@ def peak(
         if combine_bytes and program.ran is not None:
             pending = program.ran @ np.where(own <= combine_bytes, own, 0.0)
             extra += np.minimum(pending, combine_bytes)
-    if any(partial_sums) and program.top is not None:
+    if any(partial_sums):
         for h in program.hoists:
             first = next((t for t in h.triggers if partial_sums[t[0]]), None)
             if first is not None:
-                _, earliest, row = first
-                lo = lo + np.where((program.top > earliest) & (program.top < h.at), row @ size, 0.0)
+                _, between, row = first
+                lo = lo + np.where(between, row @ size, 0.0)
     total = lo + sh + extra
     k = int(np.argmax(total)) if len(total) else 0
     return Peak(int(lo[k]), int(sh[k] + extra[k]), int(program.output @ size))
