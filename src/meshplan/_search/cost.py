@@ -65,7 +65,7 @@ from meshplan._search import memory as memory_model
 from meshplan._search.collectives import collective_time
 from meshplan._search.profiles import HardwareProfile
 from meshplan._search.reshard import batch_first, reshard_collectives
-from meshplan._search.trace import Dot, Names, Workload
+from meshplan._search.trace import Dot, Names, Workload, dedupe, dot_out_names
 from meshplan._spmd.rules import (
     LogicalRules,
     logical_to_mesh_axes,
@@ -316,21 +316,17 @@ def _right_first(dot: Dot, params: frozenset[str]) -> bool:
 
 
 def _out_array(dot: Dot) -> tuple[Names, tuple[int, ...], int]:
-    """A matmul's output: its names (batch, the left's free, the right's free; a name
-    repeated is dropped), shape, item size."""
+    """A matmul's output: its names (the constraint's where one names it, else as the
+    trace names it: :func:`meshplan._search.trace.dot_out_names`), shape, item size."""
     (lc, rc), (lb, rb) = dot.contract, dot.batch
-    left = [i for i in range(len(dot.lhs_shape)) if i not in lc and i not in lb]
-    right = [j for j in range(len(dot.rhs_shape)) if j not in rc and j not in rb]
-    names = (*(dot.lhs_names[i] for i in lb), *(dot.lhs_names[i] for i in left),
-             *(dot.rhs_names[j] for j in right))  # fmt: skip
-    shape = (*(dot.lhs_shape[i] for i in lb), *(dot.lhs_shape[i] for i in left),
-             *(dot.rhs_shape[j] for j in right))  # fmt: skip
+    shape = (*(dot.lhs_shape[i] for i in lb),
+             *(dot.lhs_shape[i] for i in range(len(dot.lhs_shape)) if i not in lc and i not in lb),
+             *(dot.rhs_shape[j] for j in range(len(dot.rhs_shape)) if j not in rc and j not in rb))  # fmt: skip
     if dot.out_names:
-        names = dot.out_names
-    unique: list[Any] = []
-    for n in names:  # a name used once
-        unique.append(None if n is not None and n in unique else n)
-    return tuple(unique), shape, dot.itemsize
+        names = dedupe(dot.out_names)
+    else:
+        names = dot_out_names(dot.lhs_names, dot.rhs_names, dot.contract, dot.batch)
+    return names, shape, dot.itemsize
 
 
 def state_bytes(workload: Workload, specs: _Specs, counts: StateCounts | None = None) -> int:

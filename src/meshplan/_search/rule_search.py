@@ -517,11 +517,7 @@ def search_rules(
     have_devices = jax.device_count() >= devices
     prof = get_profile(profile, devices)
     budget = memory_budget_bytes if memory_budget_bytes is not None else prof.memory_bytes
-    if layouts is None:
-        layouts = dict(LAYOUTS)
-    elif not isinstance(layouts, Mapping):
-        layouts = {n: get_layout(n) for n in layouts}
-    given = {n: _own_rules(normalize_rules(r), workload) for n, r in layouts.items()}
+    given = {n: _own_rules(normalize_rules(r), workload) for n, r in _named(layouts).items()}
     search_names = [n for n in (names or workload.param_names) if n != "layer"]
     if names is None:  # activations' own names (MaxText's activation_embed) may split too
         search_names += [n for n in workload.names
@@ -610,6 +606,18 @@ def search_rules(
     )  # fmt: skip
 
 
+def _named(
+    layouts: Mapping[str, LogicalRules] | Sequence[str] | None,
+) -> Mapping[str, LogicalRules]:
+    """The ``layouts`` by name: every built-in one when None; names (of built-in layouts or
+    rules files) read with :func:`meshplan.layouts.get_layout`."""
+    if layouts is None:
+        return LAYOUTS
+    if isinstance(layouts, Mapping):
+        return layouts
+    return {name: get_layout(name) for name in layouts}
+
+
 def _check_measure(measure: bool, step_fn: object, devices: int) -> None:
     """``measure=True`` runs the step: it needs one, and the devices to run it on."""
     if not measure:
@@ -650,10 +658,7 @@ def _static_search(
     _check_measure(measure, step_fn, devices)
     if batch is None and example_batch is not None:
         batch = int(jax.tree.leaves(example_batch)[0].shape[0])
-    named = layouts if layouts is not None else LAYOUTS
-    if not isinstance(named, Mapping):  # names of built-in layouts (or rules files)
-        named = {name: get_layout(name) for name in named}
-    given = {n: as_given(r) for n, r in named.items()}
+    given = {n: as_given(r) for n, r in _named(layouts).items()}
     candidates = layout_candidates(devices, given, axis_names)
     rows, out, pruned = static_rows(abstract_state, candidates, batch, budget)
     compile_top = compile_top if jax.device_count() >= devices else 0

@@ -189,6 +189,27 @@ _BOUNDARY = frozenset({
 _SAME_LAYOUT = frozenset({"add", "add_any", "sub", "neg", "mul", "convert_element_type"})
 
 
+def dot_out_names(
+    lhs: Names,
+    rhs: Names,
+    contract: tuple[Sequence[int], Sequence[int]],
+    batch: tuple[Sequence[int], Sequence[int]],
+) -> Names:
+    """A matmul's output names: its batch dimensions (the left's name, else the right's),
+    the left's free dimensions, the right's, a repeated name dropped (:func:`dedupe`).
+
+    Example:
+        >>> from meshplan._search.trace import dot_out_names
+        >>> dot_out_names(("batch", "embed"), ("embed", "mlp"), ((1,), (0,)), ((), ()))
+        ('batch', 'mlp')
+    """
+    (lc, rc), (lb, rb) = contract, batch
+    out = [_merge(lhs[i], rhs[j]) for i, j in zip(lb, rb, strict=True)]
+    out += [lhs[i] for i in range(len(lhs)) if i not in lc and i not in lb]
+    out += [rhs[i] for i in range(len(rhs)) if i not in rc and i not in rb]
+    return dedupe(tuple(out))
+
+
 def dedupe(names: Names) -> Names:
     """``names`` with every repeat of a name dropped to ``None`` (the first one keeps it).
 
@@ -396,10 +417,7 @@ class _Walker:
                 self.score_dots.add(dot)
             elif any(v in self.scores for v in eqn.invars if not isinstance(v, Literal)):
                 self.score_dots.add(dot)
-            out = [_merge(lhs[i], rhs[j]) for i, j in zip(lb, rb, strict=True)]
-            out += [lhs[i] for i in range(len(lhs)) if i not in lc and i not in lb]
-            out += [rhs[i] for i in range(len(rhs)) if i not in rc and i not in rb]
-            names = dedupe(tuple(out))
+            names = dot_out_names(lhs, rhs, (lc, rc), (lb, rb))
             self._count(eqn.outvars[0], names, times, eqn.outvars[0] in self.scores, dot_out=True)
             return [names]
         if prim == "scan":
