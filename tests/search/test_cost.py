@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -124,3 +127,81 @@ def test_an_activation_read_by_several_matmuls_is_gathered_once_per_array():
     rules = (("activation_embed", "tensor"), ("heads", "tensor"))
     cost = predict(work, {"tensor": 4}, rules, get_profile("tpu_v5p"))
     assert cost.comm_bytes["all-gather"] == 2 * 64 * 256 * 4 // 4
+
+
+def _transformer_step(layers: int = 1):
+    """The example Transformer's training step, small: one layer (no loop) by default."""
+    import optax
+
+    from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
+    from meshplan.train.settings import TrainSettings
+    from meshplan.train.state import abstract_train_state
+
+    cfg = config_from_name("tiny", num_layers=layers, embed_dim=64, mlp_dim=128, max_len=32)
+    model = Transformer(cfg)
+    state = abstract_train_state(model, optax.sgd(1e-3), TrainSettings(batch=8, seq_len=16))
+
+    def step(state, tokens):
+        return state.apply_gradients(grads=jax.grad(loss_fn)(state.params, tokens, model))
+
+    return step, state, jax.ShapeDtypeStruct((8, 17), jnp.int32)
+
+
+FSDP = (("batch", "data"), ("embed", "data"))
+
+
+def test_a_norm_scale_is_gathered_under_fsdp_not_under_data_parallelism():
+    step, state, tokens = _transformer_step()
+    work = trace_workload(step, state, tokens, read_constraints=True)
+    # the layer's two layer norms and the final one read their [embed] scale and bias with
+    # the activation
+    reads = [(n, s, a) for n, s, _, a, _, _ in work.weight_reads]
+    assert reads == [(("embed",), (64,), ("batch", "length", "embed"))] * 6
+    h100 = get_profile("h100")
+    dp = predict(work, {"data": 8}, DATA, h100)
+    fsdp = predict(work, {"data": 8}, FSDP, h100)
+    without = predict(dataclasses.replace(work, weight_reads=()), {"data": 8}, FSDP, h100)
+    assert "all-gather" not in dp.comm_bytes
+    # each a shard of an eighth; the backward pass's gathers again on a GPU (regather)
+    forward_only = sum(1 for *_, both in work.weight_reads if not both)
+    scales = (forward_only + 2 * (6 - forward_only)) * 64 * 4 // 8
+    assert fsdp.comm_bytes["all-gather"] - without.comm_bytes["all-gather"] == scales
+
+
+@pytest.mark.parametrize(
+    ("combines_gathers", "collectives"),
+    # one combined gather, one combined reduction; each of the 14 arrays gathered on its own
+    [(True, 2), (False, 15)],
+)
+def test_gathers_pay_one_latency_each_where_the_backend_does_not_combine_them(
+    combines_gathers, collectives
+):
+    step, state, tokens = _transformer_step()
+    work = trace_workload(step, state, tokens, read_constraints=True)
+    cpu = dataclasses.replace(get_profile("cpu"), combines_gathers=combines_gathers)
+    assert predict(work, {"data": 8}, FSDP, cpu).collectives == collectives
+
+
+def _runs(hlo: str, pattern: str, trips: int) -> int:
+    """How often the instructions matching ``pattern`` run: those of a loop's body once per trip."""
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo))
+    total = 0
+    for comp in re.split(r"\n\s*\n", hlo):
+        head = comp.lstrip().split("(", 1)[0].split()[-1].lstrip("%") if comp.strip() else ""
+        total += len(re.findall(pattern, comp)) * (trips if head in bodies else 1)
+    return total
+
+
+@pytest.mark.parametrize(("layers", "rules"), [(1, FSDP), (1, DATA), (2, FSDP), (2, DATA)])
+def test_the_cpu_profile_counts_the_collectives_xla_runs_on_the_cpu(layers, rules):
+    from meshplan._search.hlo import compile_candidate
+
+    step, state, tokens = _transformer_step(layers)
+    work = trace_workload(step, state, tokens, read_constraints=True)
+    cpu = get_profile("cpu")
+    assert not cpu.combines_gathers  # XLA:CPU runs its all-reduce combiner only
+    compiled, _, _ = compile_candidate(step, state, tokens, {"data": 8}, rules)
+    hlo = compiled.as_text()
+    gathers = _runs(hlo, r" all-gather(?:-start)?\(", layers)
+    reductions = _runs(hlo, r" (?:all-reduce|reduce-scatter)(?:-start)?\(", layers)
+    assert predict(work, {"data": 8}, rules, cpu).collectives == gathers + reductions

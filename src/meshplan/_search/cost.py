@@ -420,7 +420,7 @@ def predict_specs(
     by_axis: dict[str, int] = {}
     gathers: dict[Any, list[Any]] = {}  # key -> [kind, axes, bytes, count, dots, trips]
     dependent: list[tuple[str, tuple[str, ...], int, int]] = []
-    independent: dict[tuple[str, tuple[str, ...], int], int] = {}
+    independent: dict[tuple[str, tuple[str, ...], int], list[int]] = {}  # [bytes, arrays]
     gathered_extra: dict[Dot, dict[Any, int]] = {}
     unreduced: dict[Dot, int] = {}  # a weight gradient's partial sums beyond its shard
     partial_sums: set[Dot] = set()  # activations all-reduced (a tensor-parallel projection)
@@ -459,8 +459,9 @@ def predict_specs(
                 if kind in ("reduce-scatter", "all-reduce"):  # beyond its reduced shard
                     kept = specs.shard_bytes(*_out_array(dot))
                     unreduced[dot] = unreduced.get(dot, 0) + max(0, nbytes - kept)
-                k = (kind, axes, trips)
-                independent[k] = independent.get(k, 0) + nbytes * count
+                ind = independent.setdefault((kind, axes, trips), [0, 0])
+                ind[0] += nbytes * count
+                ind[1] += count
             else:
                 dependent.append((kind, axes, nbytes, count))
         gathered_extra[dot] = extra
@@ -480,17 +481,30 @@ def predict_specs(
                 count, passes = sum(t * (again if both else 1) for t, both in arrays), 1
             dependent.append((kind, axes, nbytes, count * passes))
         else:
-            k = (kind, axes, trips * passes)
-            independent[k] = independent.get(k, 0) + nbytes * count * passes
+            ind = independent.setdefault((kind, axes, trips * passes), [0, 0])
+            ind[0] += nbytes * count * passes
+            ind[1] += count * passes
+    for names, shape, item, act, trips, both in workload.weight_reads:
+        axes = _weight_gather_axes(specs, names, len(shape), act)
+        if axes:  # gathered where the op reads it, again for the backward (regather)
+            passes = 2 if profile.regather and both else 1
+            ind = independent.setdefault(("all-gather", axes, trips * passes), [0, 0])
+            ind[0] += specs.shard_bytes(names, shape, item) * trips * passes
+            ind[1] += trips * passes
     n_coll, exposed, hidden = 0, 0.0, 0.0
     for kind, axes, nbytes, count in dependent:
         exposed += count * collective_time(profile, kind, sizes, axes, nbytes)
         n_coll += count
         _tally(by_kind, by_axis, kind, axes, nbytes * count)
-    for (kind, axes, count), nbytes in independent.items():  # count: runs in sequence
+    for (kind, axes, count), (nbytes, arrays) in independent.items():  # count: runs in sequence
         per_run = nbytes / count if count else nbytes
-        groups = max(1, math.ceil(per_run / profile.combine_bytes)) if profile.combine_bytes else 0
-        if groups:  # combined: one latency per group, the bandwidth term for all the bytes
+        if kind != "all-reduce" and not profile.combines_gathers:  # one per array
+            groups = max(1, round(arrays / count)) if count else arrays
+        elif profile.combine_bytes:
+            groups = max(1, math.ceil(per_run / profile.combine_bytes))
+        else:
+            groups = 0
+        if groups:  # one latency per group, the bandwidth term for all the bytes
             t = count * groups * collective_time(profile, kind, sizes, axes, per_run / groups)
             n_coll += count * groups
         else:
@@ -521,6 +535,19 @@ def predict_specs(
         batch_bytes=batch_bytes,
         comm_total_s=exposed + hidden,
     )
+
+
+def _weight_gather_axes(specs: _Specs, names: Names, ndim: int, act: Names) -> tuple[str, ...]:
+    """The mesh axes a parameter read by an elementwise op with an activation named ``act``
+    is gathered over: those splitting one of its dimensions that do not split the
+    activation's dimension of that name (a norm's ``embed`` scale under FSDP, where
+    ``batch`` took the axis; none under tensor parallelism's split ``embed``)."""
+    own = specs(names, ndim)
+    other = dict(zip(act, specs(act, len(act)), strict=True))
+    out: list[str] = []
+    for name, axes in zip(names, own, strict=True):
+        out += [a for a in axes if a not in other.get(name, ()) and a not in out]
+    return tuple(a for a in specs.sizes if a in out)
 
 
 def _tally(

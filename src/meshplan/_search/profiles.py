@@ -48,7 +48,13 @@ class HardwareProfile:
         overlap: The fraction of compute time that hides independent collectives
             (weight gathers, gradient reductions; XLA's async collectives); 0: none.
         combine_bytes: Independent collectives are combined up to this many bytes (as
-            XLA's combiner passes do), so they pay one latency; 0: never combined.
+            XLA's combiner passes do), so they pay one latency; 0: no limit (each kind's
+            on one mesh axis group, once per loop iteration, is one collective), and
+            no reduction is kept pending for a combined one in the memory peak.
+        combines_gathers: XLA combines independent all-gathers and reduce-scatters too
+            (its ``AllGatherCombiner``/``ReduceScatterCombiner`` passes, on GPU and TPU);
+            ``False``: each array's pays its own latency, as on CPU, where XLA runs only
+            its all-reduce combiner (``CpuAllReduceCombiner``, no byte limit).
         regather: A weight FSDP gathers for the forward pass is gathered again for the
             backward pass (not kept alive between them), as on TPU and GPU; XLA on CPU
             keeps it.
@@ -86,6 +92,7 @@ class HardwareProfile:
     reduce_scatter: bool = True
     overlap: float = 0.0
     combine_bytes: int = 0
+    combines_gathers: bool = True
     regather: bool = False
     rematerialize: bool = False
     combines_remat_collectives: bool = False
@@ -226,7 +233,7 @@ _CPU: dict[int, HardwareProfile] = {}
 # What XLA on CPU does, not measured (so a profile cached before a field was added has it):
 # its all-reduce combiner (cpu-all-reduce-combiner) merges an unrolled layer's rematerialised
 # partial-sum all-reduce with the forward pass's own, running that recomputation in the forward.
-_CPU_BEHAVIOUR: dict[str, Any] = dict(combines_remat_collectives=True)
+_CPU_BEHAVIOUR: dict[str, Any] = dict(combines_remat_collectives=True, combines_gathers=False)
 
 
 def _median_seconds(fn: Any, *args: Any, repeat: int = 7) -> float:
@@ -381,7 +388,8 @@ def load_profile(path: str) -> HardwareProfile:
     problems += [f"unknown field {n!r}" for n in data if n not in fields]
     kinds: dict[str, Any] = {"name": str, "source": str, "fused_attention": bool,
                              "reduce_scatter": bool, "regather": bool, "rematerialize": bool,
-                             "combines_remat_collectives": bool, "domain_devices": int,
+                             "combines_remat_collectives": bool, "combines_gathers": bool,
+                             "domain_devices": int,
                              "memory_bytes": int, "combine_bytes": int}  # fmt: skip
     for n, v in data.items():
         if n not in fields or (n == "slow_latency_s" and v is None):

@@ -97,6 +97,9 @@ class Workload:
     ``arrays``: per array ``(trips, whether both passes read it)``: the loop trips it is
     made in, and whether the forward and the backward pass (autodiff's transpose) both
     read it, where an accelerator gathers it again rather than keep the gathered copy;
+    ``weight_reads``: ``(names, shape, itemsize, activation names, trips, both passes)``
+    per parameter array an op other than a matmul reads with an activation (a norm's
+    scale, a bias): the partitioner gathers it where the activation is not split as it is;
     ``reshards``: ``{(names before, names after, shape, itemsize): count}`` of the
     model's logical constraints that rename a value (the dispatch of a mixture of
     experts: ``('batch', ..., 'embed')`` to ``('expert', 'expert_batch', ...)``), which
@@ -121,6 +124,7 @@ class Workload:
     dot_trips: dict[Dot, int] = dataclasses.field(default_factory=dict)
     operand_arrays: dict[tuple[Dot, int], frozenset[int]] = dataclasses.field(default_factory=dict)
     arrays: tuple[tuple[int, bool], ...] = ()
+    weight_reads: tuple[tuple[Names, tuple[int, ...], int, Names, int, bool], ...] = ()
 
     def trips(self, dot: Dot) -> int:
         """How many times one run of ``dot`` repeats in sequence: the trips of the loops
@@ -260,6 +264,12 @@ class _Walker:
         self.materialized: set[Any] = set()  # values XLA writes to memory (not fused away)
         self.constlike: set[Any] = set()  # computed from no input (iotas, masks): recomputed
         self.reshards: dict[tuple[Names, Names, tuple[int, ...], int], int] = {}
+        # Values computed from one parameter alone (its broadcast, its cast): ``{var: root}``,
+        # the root being the parameter's array (a scanned layer's slice of it); and the
+        # parameters other ops than matmuls read with an activation (a norm's scale):
+        # ``{root: [names, shape, itemsize, activation names, trips, forward, backward]}``.
+        self.weight_of: dict[Any, Any] = {}
+        self.weight_reads: dict[Any, list[Any]] = {}
 
     def note(self, names: Names) -> None:
         for n in names:
@@ -294,6 +304,7 @@ class _Walker:
             self.alias = alias
             self.backward = backward or "transpose(" in str(eqn.source_info.name_stack)
             outs = [dedupe(n) for n in self.eqn(eqn, ins, times)]
+            self._weights(eqn, ins, outs, times)
             self.backward = backward
             for v, n in zip(eqn.outvars, outs, strict=True):
                 env[v] = n
@@ -306,6 +317,50 @@ class _Walker:
                 self.buffer_names.setdefault(out, env[out])
                 self._constrain_back(root, env[out], producer)
         return [read(v) for v in jaxpr.outvars]
+
+    def weight_root(self, v: Any) -> None:
+        """``v`` is a parameter's array (a state input; a scanned layer's slice of one)."""
+        self.weight_of[v] = v
+
+    def _into(self, outer: Sequence[Any], inner: Sequence[Any], sliced: int = -1) -> None:
+        """A call's (a loop's) inner inputs are the outer parameters' arrays; from index
+        ``sliced`` on, a scan's slices of them: arrays of their own."""
+        for i, (o, n) in enumerate(zip(outer, inner, strict=False)):
+            if not isinstance(o, Literal) and o in self.weight_of:
+                self.weight_of[n] = n if 0 <= sliced <= i else self.weight_of[o]
+
+    def _weights(self, eqn: Any, ins: list[Names], outs: list[Names], times: int) -> None:
+        """Follows values made from one parameter alone, and notes a parameter that an op
+        other than a matmul reads with an activation (``x * scale``): the partitioner
+        gathers it where its sharding is not the activation's (:mod:`.cost`)."""
+        prim = eqn.primitive.name
+        if (
+            prim == "dot_general"
+            or memory.call_body(eqn) is not None
+            or prim in ("scan", "while", "cond")
+        ):
+            return
+        roots, acts = set(), []
+        for v, n in zip(eqn.invars, ins, strict=True):
+            if isinstance(v, Literal) or v in self.constlike:
+                continue
+            if v in self.weight_of:
+                roots.add(self.weight_of[v])
+            else:
+                acts.append(n)
+        if len(roots) == 1 and not acts:
+            root = next(iter(roots))
+            for o in eqn.outvars:
+                self.weight_of[o] = root
+        elif roots and times and _elementwise_op(eqn) and any("batch" in n for n in acts):
+            for root in roots:
+                shape = tuple(getattr(root.aval, "shape", ()))
+                names = self.var_names.get(root, (None,) * len(shape))
+                r = self.weight_reads.setdefault(
+                    root, [names, shape, _itemsize(root.aval), outs[0], times, False, False]
+                )
+                r[4] = max(r[4], times)
+                r[6 if self.backward else 5] = True
 
     def _constrain_forward(
         self, eqn: Any, env: dict[Any, Names], alias: dict[Any, Any], producer: dict[Any, Any]
@@ -428,6 +483,7 @@ class _Walker:
             for outer, inner in zip(eqn.invars, body.jaxpr.invars, strict=True):
                 if not isinstance(outer, Literal) and outer in self.scores:
                     self.scores.add(inner)
+            self._into(eqn.invars, body.jaxpr.invars, nc + ncarry)
             body_out = self.walk(body.jaxpr, body_in, times * length)
             for outer, inner in zip(eqn.outvars, body.jaxpr.outvars, strict=True):
                 if not isinstance(inner, Literal) and inner in self.scores:
@@ -452,9 +508,11 @@ class _Walker:
             carry = ins[p["cond_nconsts"] + nc :]
             consts = ins[p["cond_nconsts"] : p["cond_nconsts"] + nc]
             carry = _carry_fixpoint(body, [*consts, *carry], nc, len(carry))
+            self._into(eqn.invars[p["cond_nconsts"] : p["cond_nconsts"] + nc], body.invars)
             return self.walk(body, [*consts, *carry], times)
         if prim == "cond":
             branch = p["branches"][-1].jaxpr
+            self._into(eqn.invars[1:], branch.invars)
             return self.walk(branch, ins[1:], times)
         for key in _CALL_PARAMS:
             sub = p.get(key)
@@ -466,6 +524,7 @@ class _Walker:
                             self.constlike.add(inner)
                         if not isinstance(outer, Literal) and outer in self.scores:
                             self.scores.add(inner)
+                    self._into(eqn.invars, sub.invars)
                     result = self.walk(sub, ins, times)
                     alias = memory.aliases(sub)
                     for outer, inner in zip(eqn.outvars, sub.outvars, strict=True):
@@ -568,6 +627,23 @@ class _Walker:
         return [_elementwise(shape, pairs) for shape in out_shapes]
 
 
+def _elementwise_op(eqn: Any) -> bool:
+    """An op of operands of its output's shape or broadcast to it (``mul``, ``add``,
+    ``select_n``; a ``[1, 1, embed]`` scale): not an indexing op (an embedding's lookup,
+    which the partitioner does where the table lies)."""
+    if len(eqn.outvars) != 1:
+        return False
+    shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
+    return all(
+        isinstance(v, Literal)
+        or (
+            len(v.aval.shape) == len(shape)
+            and all(a in (b, 1) for a, b in zip(v.aval.shape, shape, strict=True))
+        )
+        for v in eqn.invars
+    )
+
+
 def _carry_fixpoint(body: Any, body_in: list[Names], nc: int, ncarry: int) -> list[Names]:
     """A loop carry's names, filled in from what the body gives it back.
 
@@ -637,6 +713,9 @@ def _walk(jaxpr: Any, in_names: list[Names]) -> _Walker:
         walker.note(n)
     if len(jaxpr.invars) != len(in_names):  # leaves JAX did not make inputs: names unknown
         in_names = [(None,) * len(v.aval.shape) for v in jaxpr.invars]
+    for v, n in zip(jaxpr.invars, in_names, strict=True):
+        if "batch" not in n and any(isinstance(a, str) for a in n):
+            walker.weight_root(v)  # a named state array: a parameter (or its optimizer state)
     walker.walk(jaxpr, in_names, 1)
     walker.name_dot_outputs()
     return walker
@@ -741,4 +820,6 @@ def trace_workload(
         walker.dots, walker.traffic, state, tuple(walker.seen), batch, params, programs[0],
         frozenset(walker.score_dots), batch_state, tokens, walker.reshards, programs[1], unit,
         walker.dot_trips, walker.operand_arrays, tuple(walker.arrays),
+        tuple((n, s, i, act, t, fwd and bwd)
+              for n, s, i, act, t, fwd, bwd in walker.weight_reads.values()),
     )  # fmt: skip
