@@ -173,3 +173,10 @@ def test_the_settings_reach_the_checks_and_the_trainer():
     # validation) before it builds the state: not after, going back up to the settings.
     assert "meshplan.train.records:valid_changed_note" in path
     assert "meshplan.train.records:valid_changed_note" not in result["back"]
+    # --rules is read with the other flags, before the library builds anything; the step's
+    # memory is the library's check (build_parts), which the command line only words.
+    assert path.index("meshplan.layouts:get_layout") < path.index(
+        "meshplan.train.build:build_parts"
+    )
+    assert "meshplan.cli.train_memory:memory_problem" not in result["back"]
+    assert result["back_steps"] <= 10

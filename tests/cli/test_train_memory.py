@@ -1,16 +1,18 @@
-"""meshplan train's memory check is the planner's model (cli/train_memory.py)."""
+"""meshplan train's memory check is the planner's model: the library finds a step that does not
+fit (train/memory.py), the command line words it (cli/train_memory.py)."""
 
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 
-from meshplan.cli import train_memory
-from meshplan.cli.train_memory import device_memory, memory_problem, step_memory
+from meshplan.cli.train_memory import memory_problem
 from meshplan.examples.models import example
 from meshplan.examples.transformer import config_from_name
 from meshplan.layouts import get_layout
+from meshplan.train import memory
 from meshplan.train.device_mesh import make_mesh
+from meshplan.train.memory import device_memory, memory_shortfall, step_memory
 from meshplan.train.settings import TrainSettings, make_optimizer
 from meshplan.train.state import abstract_train_state
 
@@ -23,20 +25,27 @@ def _run(batch):
     return model, abstract, settings, make_mesh({"data": 2, "model": 4}), get_layout("fsdp_tp")
 
 
+def _check(model, abstract, settings, mesh, rules):
+    """What meshplan train says of a step of ``settings.batch`` sequences split over 2 devices."""
+    tokens = jax.ShapeDtypeStruct((settings.batch, settings.seq_len + 1), jnp.int32)
+    shortfall = memory_shortfall(model, abstract, tokens, mesh, rules)
+    return None if shortfall is None else memory_problem(shortfall, settings, 2, False)
+
+
 def test_a_step_that_fits_passes_and_one_that_does_not_names_a_batch_that_does(monkeypatch):
     # A fixed device (the host's available memory moves while other processes run).
-    monkeypatch.setattr(train_memory, "device_memory", lambda mesh: (1 << 30, "a test device"))
+    monkeypatch.setattr(memory, "device_memory", lambda mesh: (1 << 30, "a test device"))
     model, abstract, settings, mesh, rules = _run(8)
-    assert memory_problem(model, abstract, settings, mesh, rules, 2, False) is None
+    assert _check(model, abstract, settings, mesh, rules) is None
     model, abstract, settings, mesh, rules = _run(1 << 22)
-    problem = memory_problem(model, abstract, settings, mesh, rules, 2, False)
+    problem = _check(model, abstract, settings, mesh, rules)
     assert problem is not None and problem.code == "out-of-memory"
     assert "--batch 4194304 needs about" in problem.message
     assert "but a device has about 1.00 GiB (a test device)" in problem.message
     largest = int(problem.fix.split("Use --batch ")[1].split()[0])
     assert 0 < largest < 1 << 22 and largest % 2 == 0
     fits = dataclasses.replace(settings, batch=largest)
-    assert memory_problem(model, abstract, fits, mesh, rules, 2, False) is None
+    assert _check(model, abstract, fits, mesh, rules) is None
 
 
 def test_the_prediction_grows_with_the_batch_and_keeps_the_state():

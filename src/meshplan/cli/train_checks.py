@@ -1,6 +1,8 @@
 """The checks of ``meshplan train`` that need no model: problems collected, the mesh text,
 the batch against the mesh and rules, the corpus, the metrics file.
 
+They run before the library builds anything: on the flags and the settings decided.
+
 Each check takes the values it checks (and the flag text to name them by) and adds
 its problems, in flag terms, to a :class:`Problems`; :mod:`meshplan.cli.train_request`
 calls them in order and raises every problem at once.
@@ -9,19 +11,16 @@ calls them in order and raises every problem at once.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import jax
-from jax.sharding import Mesh
-
 from meshplan._errors import MeshError, MeshplanError, Problem, error_for, problem_message
 from meshplan._spmd.mesh_info import mesh_info
-from meshplan._spmd.rules import LogicalRules, logical_axis_rules, rules_problems
+from meshplan._spmd.rules import Rules
 from meshplan._spmd.validate import check_leaf
 from meshplan.cli.mesh_text import parse_mesh_shape
 from meshplan.cli.train_flags import CODE_ADVICE
-from meshplan.examples.context import context_shards
 from meshplan.examples.data import BATCH_NAMES, ByteCorpus, DataError
 from meshplan.train.device_mesh import MESH_AXES
 from meshplan.train.settings import TrainSettings
@@ -90,18 +89,29 @@ def check_batch(
     layout: str,
     mesh_text: str,
     settings: TrainSettings,
-    mesh: Mesh,
-    rules: LogicalRules,
+    shape: Mapping[str, int],
+    rules: Rules,
     problems: Problems,
 ) -> int:
     """A batch of tokens, ``[batch, seq_len + 1]``, splits over the mesh axes the rules give.
 
-    The validator checks the batch as one more array; this turns what it finds into flag advice.
+    Checked before anything is built: against the mesh's axis sizes (``--mesh``,
+    ``--axes``) and the rules read (``--rules``), by the one validator (each array's
+    :class:`~meshplan._spmd.validate.LeafCheck`); this turns what it finds into flag advice.
     Returns the number of devices 'batch' is split over.
     """
-    valid, index_map, _ = rules_problems(rules)
-    with jax.set_mesh(mesh), logical_axis_rules(valid):
-        context = context_shards()
+    mesh = mesh_info(shape)
+    axis_names = tuple(shape)
+    valid, index_map = rules.pairs, rules.positions
+    leaf = check_leaf("logical", BATCH_NAMES, (settings.batch, settings.seq_len + 1), valid,
+                      index_map, mesh)  # fmt: skip
+    # The activations' 'length' (context parallelism): how many pieces it is split into, and
+    # its mesh axes must exist.
+    activations = check_leaf(
+        "logical", ("batch", "length"), (settings.batch, settings.seq_len), valid, index_map,
+        mesh,
+    )  # fmt: skip
+    context = int(activations.dims[1].shards)
     if context > 1 and settings.seq_len % (2 * context):
         problems.add(
             MeshplanError,
@@ -111,14 +121,6 @@ def check_batch(
             f"Use a --seq that is a multiple of {2 * context}.",
             "seq-not-striped",
         )
-    shape = (settings.batch, settings.seq_len + 1)
-    leaf = check_leaf("logical", BATCH_NAMES, shape, valid, index_map, mesh_info(mesh))
-    # The activations' 'length' (context parallelism): its mesh axes must exist (the stripes
-    # are checked above).
-    activations = check_leaf(
-        "logical", ("batch", "length"), (settings.batch, settings.seq_len), valid, index_map,
-        mesh_info(mesh),
-    )  # fmt: skip
     shards = 1
     for d in [*leaf.dims, *(d for d in activations.dims[1:] if d.missing_axes)]:
         if d.index == 0 and not d.missing_axes:
@@ -128,9 +130,9 @@ def check_batch(
                 MeshError,
                 f"--rules {layout} shard {d.name!r} over mesh axis "
                 f"{', '.join(map(repr, d.missing_axes))}, which the {mesh_text} mesh "
-                f"{tuple(mesh.axis_names)} does not have",
-                f"Map {d.name!r} to the mesh's axes {tuple(mesh.axis_names)}, e.g. "
-                f"({d.name!r}, {mesh.axis_names[0]!r}).",
+                f"{axis_names} does not have",
+                f"Map {d.name!r} to the mesh's axes {axis_names}, e.g. "
+                f"({d.name!r}, {axis_names[0]!r}).",
                 "unknown-axis",
             )
         elif not d.divides:

@@ -85,7 +85,7 @@ def prepare_factory_run(request: TrainRequest) -> PreparedRun:
     Raises:
         MeshplanError: one bullet per problem, then the fixes.
     """
-    flags = read_flags(request)  # the flags alone, and the checkpoint
+    flags = read_flags(request)  # the flags alone, the checkpoint and the layout
     ckpt_dir, resume, stored = flags.ckpt_dir, flags.resume, flags.resume.stored
     problems = Problems()
     spec = str(request.model)
@@ -146,13 +146,12 @@ def prepare_factory_run(request: TrainRequest) -> PreparedRun:
         settings,
         flags.shape,
         None if request.devices is None else request.devices.devices,
-        request.rules,
+        None if flags.rules is None else flags.rules.pairs,
         None if trainable is None else trainable.model,
         stored,
         None if trainable is None else trainable.example_batch,
     )
-    placed = Problems()
-    placement_problems(request.rules, flags, parts, placed)
+    placement_problems(request.rules, flags, parts, flags.layout)
     built = Problems()
     if trainable is not None and parts.state_error is not None:
         raised = parts.state_error
@@ -177,7 +176,7 @@ def prepare_factory_run(request: TrainRequest) -> PreparedRun:
     for p in parts.batch:
         built.add(MeshplanError, f"{p.path}: {p.message}", p.fix, p.code)
     # In the order a user reads them: the placement, the checkpoint, the model, ...
-    problems = Problems.joined(placed, flags.mesh, flags.ckpt, problems, flags.metrics, built)
+    problems = Problems.joined(flags.layout, flags.mesh, flags.ckpt, problems, flags.metrics, built)
     raise_if_any(problems, ckpt_dir)
     mesh, rules, abstract = parts.mesh, parts.rules, parts.abstract
     assert trainable is not None and mesh is not None and abstract is not None

@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from meshplan._checkpoint.checkpointer import Checkpointer
 from meshplan._checkpoint.metadata import CheckpointMetadata
 from meshplan._errors import CheckpointError, MeshError, MeshplanError, Problem
-from meshplan._spmd.rules import LogicalRules
+from meshplan._spmd.rules import LogicalRules, Rules
 from meshplan.cli.devices import (
     DeviceChoice,
     choose_devices,
@@ -58,7 +58,7 @@ from meshplan.examples.transformer import (
     config_from_name,
     train_flops,
 )
-from meshplan.layouts import CONTEXT_EXPERT_LAYOUTS, LAYOUT_AXES
+from meshplan.layouts import CONTEXT_EXPERT_LAYOUTS, LAYOUT_AXES, get_layout
 from meshplan.train.build import BuiltParts, build_parts
 from meshplan.train.flops import MeshPeak, mesh_peak
 from meshplan.train.model import TrainModel
@@ -410,24 +410,30 @@ class FlagsRead:
         needed: The devices the mesh asks for, once read.
         ckpt_dir: The checkpoint folder (``None``: none).
         resume: The step to resume from, read from the checkpoint folder.
+        rules: The rules of ``--rules`` (a built-in layout or a rules file), validated,
+            with their positions; ``None`` when they cannot be had.
         mesh: The problems of ``--mesh``, ``--axes`` and ``--devices``.
         ckpt: The problems of ``--ckpt-dir`` and ``--resume``.
         metrics: The problems of ``--metrics``.
+        layout: The problems of ``--rules``.
     """
 
     shape: dict[str, int] | None
     needed: int | None
     ckpt_dir: Path | None
     resume: Resume
+    rules: Rules | None
     mesh: Problems
     ckpt: Problems
     metrics: Problems
+    layout: Problems
 
 
 def read_flags(request: TrainRequest) -> FlagsRead:
     """The flags that need nothing built: ``--metrics``; ``--mesh`` and ``--axes``
-    against the devices; then ``--ckpt-dir`` and the checkpoint's step to resume from."""
-    metrics, mesh, ckpt = Problems(), Problems(), Problems()
+    against the devices; ``--ckpt-dir`` and the checkpoint's step to resume from; then
+    ``--rules``, the layout's rules (a rules file is read here)."""
+    metrics, mesh, ckpt, layout = Problems(), Problems(), Problems(), Problems()
     check_metrics_file(request.metrics, metrics)
     shape = needed = None
     try:
@@ -449,7 +455,12 @@ def read_flags(request: TrainRequest) -> FlagsRead:
         shape = None
         mesh.add_error(mesh_flag_advice(e, needed))
     ckpt_dir, resume = check_checkpoint_dir(request, ckpt)
-    return FlagsRead(shape, needed, ckpt_dir, resume, mesh, ckpt, metrics)
+    rules = None
+    try:
+        rules = Rules.of(get_layout(request.rules))  # validated by get_layout: never raises
+    except MeshplanError as e:
+        layout.add_error(e, f"--rules {request.rules}")
+    return FlagsRead(shape, needed, ckpt_dir, resume, rules, mesh, ckpt, metrics, layout)
 
 
 def placement_problems(
@@ -489,12 +500,15 @@ def prepare_run(request: TrainRequest) -> PreparedRun:
         ...     print(str(e).splitlines()[0])
         meshplan train cannot start:
     """
-    # 1. The flags alone, and the checkpoint: what a resume leaves out comes from it.
+    # 1. The flags alone, the checkpoint and the layout: what a resume leaves out comes from it.
     flags = read_flags(request)
     ckpt_dir, resume, stored = flags.ckpt_dir, flags.resume, flags.resume.stored
-    # 2. Every setting decided: the flags', else the checkpoint's, else the defaults.
-    found = {p: Problems() for p in ("rules", "settings", "config", "model", "batch", "data")}
+    # 2. Every setting decided: the flags', else the checkpoint's, else the defaults; the
+    # corpus and the model they name. Then, when the settings are sane, checked against what
+    # needs nothing built: the mesh's sizes and the rules (the batch), the corpus.
+    found = {p: Problems() for p in ("settings", "config", "model", "batch", "data")}
     kind = _resolve_model(request, stored, found["model"])
+    note = None if kind is None else _model_note(kind, stored)
     settings = resolve_settings(request, stored, found["settings"])
     data = request.data
     if data is not None:
@@ -503,40 +517,46 @@ def prepare_run(request: TrainRequest) -> PreparedRun:
         data = (stored.extra.get("train") or {}).get("data")
     corpus = load_corpus(data, found["data"])
     config, model = _build_model(request, stored, settings, kind, found["config"])
-    # 3. The library builds its objects from them, and checks them, in one call.
+    settings_ok = not settings.problems()
+    batch_shards = None
+    if flags.shape is not None and flags.rules is not None and settings_ok:
+        batch_shards = check_batch(
+            str(request.rules), request.mesh, settings, flags.shape, flags.rules, found["batch"]
+        )
+    if corpus is not None and settings_ok:
+        check_corpus(corpus, settings, found["data"])
+    # 3. The library builds its objects from them and checks them, in one call; the memory
+    # of a step too, when nothing is wrong so far (it traces the step).
+    so_far = Problems.joined(flags.layout, flags.mesh, flags.ckpt, flags.metrics, *found.values())
+    memory_batch = None
+    if not so_far.items and batch_shards is not None:
+        micro = max(settings.batch // settings.grad_accum, 1)  # a device holds one at a time
+        memory_batch = jax.ShapeDtypeStruct((micro, settings.seq_len + 1), jnp.int32)
     on = None if request.devices is None else request.devices.devices
-    parts = build_parts(settings, flags.shape, on, request.rules, model, stored)
+    layout = None if flags.rules is None else flags.rules.pairs
+    parts = build_parts(settings, flags.shape, on, layout, model, stored, None, memory_batch)
     if parts.state_error is not None:
         raise parts.state_error
-    # 4. What it found, and the recipe's own checks, in flags.
-    placement_problems(request.rules, flags, parts, found["rules"])
+    # 4. What it found, in flags.
+    placement_problems(request.rules, flags, parts, flags.layout)
     mesh, rules, abstract = parts.mesh, parts.rules, parts.abstract
-    batch_shards = None
-    if mesh is not None and rules is not None and parts.settings_ok:
-        batch_shards = check_batch(
-            str(request.rules), request.mesh, settings, mesh, rules, found["batch"]
-        )
-    if corpus is not None and parts.settings_ok:
-        check_corpus(corpus, settings, found["data"])
     state = Problems()
     if config is not None and abstract is not None:
         _check_state(request, config, parts, stored, state, kind or DEFAULT_MODEL)
+    batch = found["batch"] if mesh is not None else Problems()  # said once the mesh is made
     # In the order a user reads them: the placement, the checkpoint, the settings, ...
     problems = Problems.joined(
-        found["rules"], flags.mesh, flags.ckpt, found["settings"], flags.metrics,
-        found["config"], found["model"], found["batch"], found["data"], state,
+        flags.layout, flags.mesh, flags.ckpt, found["settings"], flags.metrics,
+        found["config"], found["model"], batch, found["data"], state,
     )  # fmt: skip
-    if not problems.items and batch_shards is not None:
-        assert mesh is not None and rules is not None and config is not None
-        assert model is not None
-        oom = memory_problem(model, abstract, settings, mesh, rules, batch_shards, config.remat)
-        if oom is not None:
-            problems.items.append((MeshplanError, oom))
+    if not problems.items and parts.memory is not None:
+        assert batch_shards is not None and config is not None
+        oom = memory_problem(parts.memory, settings, batch_shards, config.remat)
+        problems.items.append((MeshplanError, oom))
     raise_if_any(problems, ckpt_dir)
     assert mesh is not None and model is not None and config is not None and corpus is not None
     assert kind is not None and rules is not None
     tx = parts.tx
-    note = _model_note(kind, stored)
     flops = train_flops(config, settings.batch, settings.seq_len)  # what a step computes
     peak = None
     if request.devices is not None:  # MFU against the devices the mesh uses, in its dtype

@@ -4,7 +4,8 @@
 :class:`~meshplan.train.trainer.Trainer`: given the settings (decided already: the
 user's, the checkpoint's or the defaults), the mesh's axis sizes, the layout and the
 model, it builds the mesh, the rules, the optimizer and the abstract state, and checks
-them against each other and against the checkpoint being resumed. Nothing is raised:
+them against each other, against the checkpoint being resumed and, when asked, against
+what a device holds (:mod:`meshplan.train.memory`). Nothing is raised:
 every error and every problem is a record in the :class:`BuiltParts` it returns, with
 its code, so that the caller reports them together, in its own words (the command
 line's are flags).
@@ -28,6 +29,7 @@ from meshplan._spmd.rules import LogicalRules
 from meshplan._spmd.validate import validate
 from meshplan.layouts import get_layout
 from meshplan.train.device_mesh import make_mesh
+from meshplan.train.memory import MemoryShortfall, memory_shortfall
 from meshplan.train.model import TrainModel
 from meshplan.train.settings import TrainSettings, make_optimizer
 from meshplan.train.state import abstract_train_state
@@ -57,6 +59,9 @@ class BuiltParts:
             validator's problems of code ``'indivisible'``, by path (``params/...``).
         batch: The arrays of the example batch whose first dimension, ``'batch'``, the
             layout cannot split: the validator's errors, by path (``batch[0]``).
+        memory: How a step of the memory batch does not fit in a device
+            (:func:`~meshplan.train.memory.memory_shortfall`), or ``None``: it fits, was
+            not asked for, or something else is wrong (then it is not traced).
     """
 
     settings_ok: bool
@@ -70,16 +75,18 @@ class BuiltParts:
     mismatch: list[Problem] = dataclasses.field(default_factory=list)
     uneven: list[Problem] = dataclasses.field(default_factory=list)
     batch: list[Problem] = dataclasses.field(default_factory=list)
+    memory: MemoryShortfall | None = None
 
 
 def build_parts(
     settings: TrainSettings,
     shape: Mapping[str, int] | None,
     devices: Sequence[Any] | None,
-    layout: str,
+    layout: str | LogicalRules | None,
     model: TrainModel | None,
     stored: CheckpointMetadata | None = None,
     example_batch: Any = None,
+    memory_batch: Any = None,
 ) -> BuiltParts:
     """The mesh, rules, optimizer and abstract state of a run, checked, every problem kept.
 
@@ -87,12 +94,17 @@ def build_parts(
         settings: The run's settings, decided.
         shape: ``{axis: size}`` of the mesh (``None``: no mesh, its problem is known).
         devices: The devices to build it on (``None``: JAX's default devices).
-        layout: A built-in layout's name or a rules file (:func:`get_layout`).
+        layout: A built-in layout's name or a rules file (:func:`get_layout`), or the
+            rules it gave the caller already (``None``: none, its problem is known).
         model: The model to build the state of (``None``: none, its problem is known).
         stored: The metadata of the checkpoint being resumed, whose arrays the state
             must fit.
         example_batch: A batch whose every array's first dimension is ``'batch'``,
             checked against the mesh and rules (``None``: not checked here).
+        memory_batch: What a device holds of a step's batch at a time (one microbatch;
+            ``ShapeDtypeStruct``\\ s will do): the step of it is traced and its memory
+            predicted against a device's, once nothing else is wrong (``None``: not
+            checked; it takes a trace, so a caller with problems of its own leaves it out).
 
     Example:
         >>> from meshplan.train.build import build_parts
@@ -117,10 +129,13 @@ def build_parts(
             parts.state_error = e
     if parts.abstract is not None and stored is not None:
         parts.mismatch = mismatch_problems(stored, parts.abstract)
-    try:
-        parts.rules = get_layout(layout)
-    except MeshplanError as e:
-        parts.rules_error = e
+    if isinstance(layout, str):
+        try:
+            parts.rules = get_layout(layout)
+        except MeshplanError as e:
+            parts.rules_error = e
+    else:
+        parts.rules = layout
     mesh, rules = parts.mesh, parts.rules
     if mesh is None or rules is None:
         return parts
@@ -141,4 +156,7 @@ def build_parts(
                 for p in validate(where, tuple(leaf.shape), names, mesh, rules)
                 if p.severity == "error"
             ]
+    sound = not (parts.state_error or parts.mismatch or parts.uneven or parts.batch)
+    if memory_batch is not None and model is not None and parts.abstract is not None and sound:
+        parts.memory = memory_shortfall(model, parts.abstract, memory_batch, mesh, rules)
     return parts

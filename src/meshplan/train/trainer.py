@@ -275,7 +275,7 @@ class Trainer:
         after = [s for s in ckpt.all_steps() if s > self.resume_from.step]
         removed = [s for s in after if s in self.discard_steps]
         for step in removed:
-            self._delete_step(step)
+            ckpt.delete(step)
         if removed:
             self.notes.append(
                 f"Removed damaged step{'s' * (len(removed) > 1)} "
@@ -288,10 +288,6 @@ class Trainer:
             self.set_aside = (later, str(aside))
             ckpt_dir = str(self.ckpt_dir)
             self.notes.append(set_aside_note(later, ckpt_dir, self.resume_from.step, str(aside)))
-
-    def _delete_step(self, step: int) -> None:
-        assert self._checkpointer is not None
-        self._checkpointer.delete(step)
 
     def start(self) -> None:
         """Opens the checkpoint folder (:meth:`open`), then creates the sharded state.
