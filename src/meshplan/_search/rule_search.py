@@ -165,18 +165,15 @@ def _step(row: SearchRow) -> float:
     return row.cost.step_s if row.cost is not None else math.inf
 
 
-def _rank(
-    rows: list[SearchRow], ranked_by: RankedBy = "predicted", refined: bool = False
-) -> list[SearchRow]:
+def _rank(rows: list[SearchRow], ranked_by: RankedBy = "predicted") -> list[SearchRow]:
     """Rows by predicted time; ties (:data:`TIE`) broken deterministically: built-in layouts,
-    fewer mesh axes, less memory, then the mesh and rules' text. ``refined``: rows just
-    compiled, by their refined time alone. ``'static'``: by
+    fewer mesh axes, less memory, then the mesh and rules' text; rows just compiled again
+    by their refined times, with the same ties (a compile pins the collective bytes, not
+    the time model's precision). ``'static'``: by
     :meth:`~meshplan._search.result.SearchRow._static_key` (within the budget, state bytes,
     idle axes, then the bytes moved; measured bytes where compiled), stable."""
     if ranked_by == "static":
         return sorted(rows, key=SearchRow._static_key)
-    if refined:
-        return sorted(rows, key=lambda r: r.cost.step_s if r.cost else 0)
     by_time = sorted(rows, key=lambda r: r.cost.step_s if r.cost else math.inf)
     out: list[SearchRow] = []
     i = 0
@@ -694,7 +691,7 @@ def _finish(
             row.compiled = measure_step(step_fn, abstract_state, example_batch, row.mesh, row.rules)
             compiled += 1
             _refine(row)
-        rows[:compile_top] = _rank(rows[:compile_top], ranked_by, refined=True)
+        rows[:compile_top] = _rank(rows[:compile_top], ranked_by)
     measured = 0
     if measure and step_fn is not None:
         from meshplan._search.timing import prepare_step
