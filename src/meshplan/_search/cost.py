@@ -496,10 +496,10 @@ def predict_specs(
         exposed += count * collective_time(profile, kind, sizes, axes, nbytes)
         n_coll += count
         _tally(by_kind, by_axis, kind, axes, nbytes * count)
-    for (kind, axes, count), (nbytes, arrays) in independent.items():  # count: runs in sequence
+    for (kind, axes, count), (nbytes, runs) in independent.items():  # count: runs in sequence
         per_run = nbytes / count if count else nbytes
         if kind != "all-reduce" and not profile.combines_gathers:  # one per array
-            groups = max(1, round(arrays / count)) if count else arrays
+            groups = max(1, round(runs / count)) if count else runs
         elif profile.combine_bytes:
             groups = max(1, math.ceil(per_run / profile.combine_bytes))
         else:
