@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import jax
 import jax.numpy as jnp
@@ -182,26 +181,16 @@ def test_gathers_pay_one_latency_each_where_the_backend_does_not_combine_them(
     assert predict(work, {"data": 8}, FSDP, cpu).collectives == collectives
 
 
-def _runs(hlo: str, pattern: str, trips: int) -> int:
-    """How often the instructions matching ``pattern`` run: those of a loop's body once per trip."""
-    bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo))
-    total = 0
-    for comp in re.split(r"\n\s*\n", hlo):
-        head = comp.lstrip().split("(", 1)[0].split()[-1].lstrip("%") if comp.strip() else ""
-        total += len(re.findall(pattern, comp)) * (trips if head in bodies else 1)
-    return total
-
-
 @pytest.mark.parametrize(("layers", "rules"), [(1, FSDP), (1, DATA), (2, FSDP), (2, DATA)])
 def test_the_cpu_profile_counts_the_collectives_xla_runs_on_the_cpu(layers, rules):
-    from meshplan._search.hlo import compile_candidate
+    from meshplan._search.hlo import collective_counts, compile_candidate
 
     step, state, tokens = _transformer_step(layers)
     work = trace_workload(step, state, tokens, read_constraints=True)
     cpu = get_profile("cpu")
     assert not cpu.combines_gathers  # XLA:CPU runs its all-reduce combiner only
     compiled, _, _ = compile_candidate(step, state, tokens, {"data": 8}, rules)
-    hlo = compiled.as_text()
-    gathers = _runs(hlo, r" all-gather(?:-start)?\(", layers)
-    reductions = _runs(hlo, r" (?:all-reduce|reduce-scatter)(?:-start)?\(", layers)
+    runs = collective_counts(compiled.as_text())  # a loop body's once per trip
+    gathers = runs["all-gather"]
+    reductions = runs["all-reduce"] + runs["reduce-scatter"]
     assert predict(work, {"data": 8}, rules, cpu).collectives == gathers + reductions

@@ -420,7 +420,7 @@ def predict_specs(
     by_axis: dict[str, int] = {}
     gathers: dict[Any, list[Any]] = {}  # key -> [kind, axes, bytes, count, dots, trips]
     dependent: list[tuple[str, tuple[str, ...], int, int]] = []
-    independent: dict[tuple[str, tuple[str, ...], int], list[int]] = {}  # [bytes, arrays]
+    independent: dict[tuple[str, tuple[str, ...], int], list[int]] = {}  # [bytes, runs]
     gathered_extra: dict[Dot, dict[Any, int]] = {}
     unreduced: dict[Dot, int] = {}  # a weight gradient's partial sums beyond its shard
     partial_sums: set[Dot] = set()  # activations all-reduced (a tensor-parallel projection)

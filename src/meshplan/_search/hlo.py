@@ -17,7 +17,14 @@ from typing import Any
 from meshplan._errors import MeshplanError, error_for
 from meshplan._spmd.rules import LogicalRules
 
-__all__ = ["COLLECTIVES", "DTYPE_BYTES", "collective_bytes", "compile_candidate", "measure_step"]
+__all__ = [
+    "COLLECTIVES",
+    "DTYPE_BYTES",
+    "collective_bytes",
+    "collective_counts",
+    "compile_candidate",
+    "measure_step",
+]
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 """The collective kinds counted, in the order :func:`collective_bytes` returns them."""
@@ -41,30 +48,12 @@ def _type_bytes(type_text: str) -> int:
     return total
 
 
-def collective_bytes(hlo_text: str) -> dict[str, int]:
-    """Per-device operand bytes of the collectives one run of ``hlo_text`` executes, by kind.
+def _collective_runs(hlo_text: str) -> list[tuple[str, int, int]]:
+    """``(kind, operand bytes, runs)`` per collective instruction of ``hlo_text``.
 
-    Collectives in a ``while`` body count once per trip (``known_trip_count``,
-    e.g. ``nn.scan``'s layers), in computations reached through
-    ``calls=``/``to_apply=`` as often as their caller. Async pairs
-    (``all-gather-start``/``-done``) count once.
-
-    Example:
-        >>> from meshplan._search.hlo import collective_bytes
-        >>> hlo = '''
-        ... ENTRY %main (p: f32[4,8]) -> f32[4,8] {
-        ...   %p = f32[4,8]{1,0} parameter(0)
-        ...   ROOT %ar = f32[4,8]{1,0} all-reduce(%p), replica_groups={{0,1}}, to_apply=%add
-        ... }
-        ... '''
-        >>> collective_bytes(hlo)["all-reduce"]
-        128
-
-    Args:
-        hlo_text: The text of a compiled (or lowered) HLO module.
-
-    Returns:
-        ``{kind: bytes}`` for every kind of :data:`COLLECTIVES` (0 when absent).
+    Collectives in a ``while`` body run once per trip (``known_trip_count``, e.g.
+    ``nn.scan``'s layers), in computations reached through ``calls=``/``to_apply=`` as
+    often as their caller. Async pairs (``all-gather-start``/``-done``) count once.
     """
     computations: dict[str, list[tuple[str, list[str], str]]] = {}
     types: dict[str, str] = {}
@@ -103,14 +92,66 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
 
     if entry is not None:
         visit(entry, 1)
-    by_kind = dict.fromkeys(COLLECTIVES, 0)
+    runs = []
     for comp, instrs in computations.items():
         for op, operands, _ in instrs:
             kind = op.removesuffix("-start")
-            if kind not in by_kind or op.endswith("-done"):
+            if kind not in COLLECTIVES or op.endswith("-done"):
                 continue
             nbytes = sum(_type_bytes(types.get(o, "")) for o in operands)
-            by_kind[kind] += nbytes * multiplier.get(comp, 0)
+            runs.append((kind, nbytes, multiplier.get(comp, 0)))
+    return runs
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+    """Per-device operand bytes of the collectives one run of ``hlo_text`` executes, by kind.
+
+    Collectives in a ``while`` body count once per trip (``known_trip_count``,
+    e.g. ``nn.scan``'s layers), in computations reached through
+    ``calls=``/``to_apply=`` as often as their caller. Async pairs
+    (``all-gather-start``/``-done``) count once.
+
+    Example:
+        >>> from meshplan._search.hlo import collective_bytes
+        >>> hlo = '''
+        ... ENTRY %main (p: f32[4,8]) -> f32[4,8] {
+        ...   %p = f32[4,8]{1,0} parameter(0)
+        ...   ROOT %ar = f32[4,8]{1,0} all-reduce(%p), replica_groups={{0,1}}, to_apply=%add
+        ... }
+        ... '''
+        >>> collective_bytes(hlo)["all-reduce"]
+        128
+
+    Args:
+        hlo_text: The text of a compiled (or lowered) HLO module.
+
+    Returns:
+        ``{kind: bytes}`` for every kind of :data:`COLLECTIVES` (0 when absent).
+    """
+    by_kind = dict.fromkeys(COLLECTIVES, 0)
+    for kind, nbytes, times in _collective_runs(hlo_text):
+        by_kind[kind] += nbytes * times
+    return by_kind
+
+
+def collective_counts(hlo_text: str) -> dict[str, int]:
+    """How many collectives one run of ``hlo_text`` executes, by kind (a combined one, a
+    tuple, once), counted as :func:`collective_bytes` counts their bytes.
+
+    Example:
+        >>> from meshplan._search.hlo import collective_counts
+        >>> hlo = '''
+        ... ENTRY %main (p: f32[4,8]) -> (f32[4,8], f32[4,8]) {
+        ...   %p = f32[4,8]{1,0} parameter(0)
+        ...   ROOT %ar = (f32[4,8]{1,0}, f32[4,8]{1,0}) all-reduce(%p, %p), to_apply=%add
+        ... }
+        ... '''
+        >>> collective_counts(hlo)["all-reduce"]
+        1
+    """
+    by_kind = dict.fromkeys(COLLECTIVES, 0)
+    for kind, _, times in _collective_runs(hlo_text):
+        by_kind[kind] += times
     return by_kind
 
 

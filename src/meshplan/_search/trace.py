@@ -318,10 +318,6 @@ class _Walker:
                 self._constrain_back(root, env[out], producer)
         return [read(v) for v in jaxpr.outvars]
 
-    def weight_root(self, v: Any) -> None:
-        """``v`` is a parameter's array (a state input; a scanned layer's slice of one)."""
-        self.weight_of[v] = v
-
     def _into(self, outer: Sequence[Any], inner: Sequence[Any], sliced: int = -1) -> None:
         """A call's (a loop's) inner inputs are the outer parameters' arrays; from index
         ``sliced`` on, a scan's slices of them: arrays of their own."""
@@ -715,7 +711,7 @@ def _walk(jaxpr: Any, in_names: list[Names]) -> _Walker:
         in_names = [(None,) * len(v.aval.shape) for v in jaxpr.invars]
     for v, n in zip(jaxpr.invars, in_names, strict=True):
         if "batch" not in n and any(isinstance(a, str) for a in n):
-            walker.weight_root(v)  # a named state array: a parameter (or its optimizer state)
+            walker.weight_of[v] = v  # a named state array: a parameter (or its optimizer state)
     walker.walk(jaxpr, in_names, 1)
     walker.name_dot_outputs()
     return walker

@@ -457,7 +457,7 @@ def read_flags(request: TrainRequest) -> FlagsRead:
     ckpt_dir, resume = check_checkpoint_dir(request, ckpt)
     rules = None
     try:
-        rules = Rules.of(get_layout(request.rules))  # validated by get_layout: never raises
+        rules = Rules.of(get_layout(request.rules))  # get_layout validates; Rules.of indexes
     except MeshplanError as e:
         layout.add_error(e, f"--rules {request.rules}")
     return FlagsRead(shape, needed, ckpt_dir, resume, rules, mesh, ckpt, metrics, layout)
