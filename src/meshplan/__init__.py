@@ -24,6 +24,7 @@ from meshplan._errors import (
 from meshplan._plan.check import check
 from meshplan._plan.explain import explain
 from meshplan._plan.plan import Plan
+from meshplan._search.infer import InferredNames, NameClass, infer_names
 from meshplan._search.profiles import HardwareProfile, get_profile, load_profile
 from meshplan._search.rule_search import RuleSearchResult, search_rules
 from meshplan._search.search import SearchResult, search_layouts
@@ -66,10 +67,12 @@ __all__ = [
     "CheckpointMetadata",
     "Checkpointer",
     "HardwareProfile",
+    "InferredNames",
     "LogicalNamesError",
     "LogicallyPartitioned",
     "MeshError",
     "MeshplanError",
+    "NameClass",
     "Partitioned",
     "PartitioningUnspecifiedError",
     "Plan",
@@ -90,6 +93,7 @@ __all__ = [
     "get_partition_spec",
     "get_profile",
     "get_sharding",
+    "infer_names",
     "load_profile",
     "logical_axis_rules",
     "logical_dot_general",
