@@ -36,6 +36,7 @@ from meshplan._spmd.boxes import (
     with_logical_partitioning,
     with_partitioning,
 )
+from meshplan._spmd.by_path import UnnamedLeavesWarning, name_by_path
 from meshplan._spmd.constraints import (
     RulesFallback,
     explicit_out_sharding,
@@ -82,6 +83,7 @@ __all__ = [
     "ShardingValidationError",
     "UnevenShardWarning",
     "UnmatchedLogicalAxisError",
+    "UnnamedLeavesWarning",
     "active_mesh",
     "check",
     "explain",
@@ -96,6 +98,7 @@ __all__ = [
     "logical_to_mesh",
     "logical_to_mesh_axes",
     "logical_to_mesh_sharding",
+    "name_by_path",
     "nnx_sharding",
     "replace_boxed",
     "restore",
