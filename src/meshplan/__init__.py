@@ -37,6 +37,7 @@ from meshplan._spmd.boxes import (
     with_logical_partitioning,
     with_partitioning,
 )
+from meshplan._spmd.by_path import UnnamedLeavesWarning, name_by_path
 from meshplan._spmd.constraints import (
     RulesFallback,
     explicit_out_sharding,
@@ -85,6 +86,7 @@ __all__ = [
     "ShardingValidationError",
     "UnevenShardWarning",
     "UnmatchedLogicalAxisError",
+    "UnnamedLeavesWarning",
     "active_mesh",
     "check",
     "explain",
@@ -100,6 +102,7 @@ __all__ = [
     "logical_to_mesh",
     "logical_to_mesh_axes",
     "logical_to_mesh_sharding",
+    "name_by_path",
     "nnx_sharding",
     "replace_boxed",
     "restore",

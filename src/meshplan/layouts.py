@@ -34,7 +34,15 @@ import os
 import runpy
 from typing import Any
 
-from meshplan._errors import MeshplanError, RulesError, bullets, error_for, error_from_problems
+from meshplan._errors import (
+    LogicalNamesError,
+    MeshplanError,
+    RulesError,
+    bullets,
+    error_for,
+    error_from_problems,
+)
+from meshplan._spmd.by_path import check_path_rules
 from meshplan._spmd.rules import RulePairs, check_rules
 
 __all__ = [
@@ -50,6 +58,7 @@ __all__ = [
     "fsdp_ep",
     "fsdp_tp",
     "get_layout",
+    "get_names",
     "guide",
     "list_layouts",
     "tensor_parallel",
@@ -354,10 +363,12 @@ def _unknown_layout(name: str, fix: str) -> MeshplanError:
     return error_for(RulesError, "unknown-layout", "layout", message, fix)
 
 
-def _file_error(path: str, problem: str, fix: str) -> MeshplanError:
-    """A rules file that cannot be read (code ``'rules-file'``), ``problem`` ending in a stop."""
-    message = f"Cannot read rules from {path!r}: {problem.removesuffix('.')}"
-    return error_for(RulesError, "rules-file", path, message, fix)
+def _file_error(
+    path: str, problem: str, fix: str, what: str = "rules", error: type[MeshplanError] = RulesError
+) -> MeshplanError:
+    """A rules (or names) file that cannot be read (code ``'rules-file'`` or ``'names-file'``)."""
+    message = f"Cannot read {what} from {path!r}: {problem.removesuffix('.')}"
+    return error_for(error, f"{what}-file", path, message, fix)
 
 
 def _axes_from_json(entry: Any) -> Any:
@@ -368,17 +379,29 @@ def _axes_from_json(entry: Any) -> Any:
     raise TypeError(entry)
 
 
-def _load_json(path: str) -> RulePairs:
-    fix = 'Write a list of [name, axes] pairs, e.g. [["batch", "data"], ["mlp", "model"], ["embed", null]].'
+def _json_list(path: str, fix: str, what: str, error: type[MeshplanError]) -> list[Any]:
+    """The top-level JSON list of ``path``; the error names the line and column of bad JSON."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise _file_error(
-            path, f"not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}).", fix
+            path,
+            f"not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}).",
+            fix,
+            what,
+            error,
         ) from None
     if not isinstance(data, list):
-        raise _file_error(path, f"the top level is a JSON {type(data).__name__}, not a list.", fix)
+        raise _file_error(
+            path, f"the top level is a JSON {type(data).__name__}, not a list.", fix, what, error
+        )
+    return data
+
+
+def _load_json(path: str) -> RulePairs:
+    fix = 'Write a list of [name, axes] pairs, e.g. [["batch", "data"], ["mlp", "model"], ["embed", null]].'
+    data = _json_list(path, fix, "rules", RulesError)
     rules = []
     problems = []
     for i, pair in enumerate(data):
@@ -399,9 +422,15 @@ def _load_json(path: str) -> RulePairs:
     return tuple(rules)
 
 
-def _load_py(path: str) -> object:
-    """What the file defines as ``RULES`` (or ``rules``), as it is: get_layout validates it."""
-    fix = "Define RULES = (('batch', 'data'), ('mlp', 'model'), ...) at the top level of the file."
+def _load_py(
+    path: str,
+    keys: tuple[str, str] = ("RULES", "rules"),
+    fix: str = "Define RULES = (('batch', 'data'), ('mlp', 'model'), ...) at the top level of the "
+    "file.",
+    what: str = "rules",
+    error: type[MeshplanError] = RulesError,
+) -> object:
+    """What the file defines as ``keys[0]`` (or ``keys[1]``), as it is: the caller validates it."""
     try:
         namespace = runpy.run_path(path)
     except KeyboardInterrupt:
@@ -410,15 +439,19 @@ def _load_py(path: str) -> object:
         raise _file_error(
             path,
             f"running it called exit (SystemExit with code {e.code!r}), which would end the caller.",
-            "Remove the exit()/sys.exit() call from the rules file: it is run, not launched. "
+            f"Remove the exit()/sys.exit() call from the {what} file: it is run, not launched. "
             + fix,
+            what,
+            error,
         ) from None
     except BaseException as e:  # anything else the file raises, named
-        raise _file_error(path, f"running it raised {type(e).__name__}: {e}", fix) from e
-    for key in ("RULES", "rules"):
+        raise _file_error(
+            path, f"running it raised {type(e).__name__}: {e}", fix, what, error
+        ) from e
+    for key in keys:
         if key in namespace:
             return namespace[key]
-    raise _file_error(path, "it defines neither RULES nor rules.", fix)
+    raise _file_error(path, f"it defines neither {keys[0]} nor {keys[1]}.", fix, what, error)
 
 
 def get_layout(name_or_path: str | os.PathLike[str]) -> RulePairs:
@@ -480,3 +513,49 @@ def _check_file_rules(path: str, rules: object) -> RulePairs:
         return valid.pairs
     where = "" if all(p.path == "rules" for p in problems) else " (rules[i] is rule i, from 0)"
     raise error_from_problems(RulesError, f"Cannot read rules from {path!r}{where}:", problems)
+
+
+_NAMES_FIX = (
+    "Write a list of [pattern, names] pairs: a regular expression matched in full against the "
+    "paths meshplan.explain prints, and one logical name (or null) per dimension, e.g. "
+    '[[".*/kernel", ["embed", "mlp"]], [".*/bias", ["mlp"]]] in a .json file, or '
+    "NAMES = [(r'.*/kernel', ('embed', 'mlp')), ...] in a .py file."
+)
+
+
+def get_names(path: str | os.PathLike[str]) -> tuple[tuple[str, tuple[Any, ...] | None], ...]:
+    """Path rules for :func:`meshplan.name_by_path` from a ``.json`` or ``.py`` file.
+
+    A ``.json`` file holds a list of ``[pattern, names]`` pairs (``names`` a list of
+    strings and nulls, or null to leave the arrays alone); a ``.py`` file defines
+    ``NAMES`` (or ``names``) as a list of such pairs. ``meshplan plan``, ``search`` and
+    ``train`` read ``--names FILE`` with it.
+
+    Example:
+        >>> import json, os, tempfile, meshplan.layouts
+        >>> path = os.path.join(tempfile.mkdtemp(), "names.json")
+        >>> with open(path, "w") as f:
+        ...     json.dump([[".*/kernel", ["embed", "mlp"]], [".*/bias", None]], f)
+        >>> meshplan.layouts.get_names(path)
+        (('.*/kernel', ('embed', 'mlp')), ('.*/bias', None))
+
+    Raises:
+        LogicalNamesError: a missing or unreadable file, or pairs that are not valid
+            (every one named, with its index).
+    """
+    text = os.fspath(path)
+    if not os.path.isfile(text) or not text.endswith((".py", ".json")):
+        problem = "no such file." if not os.path.exists(text) else "it is not a .py or .json file."
+        raise _file_error(text, problem, _NAMES_FIX, "names", LogicalNamesError)
+    if text.endswith(".json"):
+        pairs: object = _json_list(text, _NAMES_FIX, "names", LogicalNamesError)
+    else:
+        pairs = _load_py(text, ("NAMES", "names"), _NAMES_FIX, "names", LogicalNamesError)
+    try:
+        checked = check_path_rules(pairs)  # type: ignore[arg-type]
+    except LogicalNamesError as e:
+        raise error_from_problems(
+            LogicalNamesError, f"Cannot read names from {text!r} (path_rules[i] is pair i, from 0):",
+            e.problems,
+        ) from None  # fmt: skip
+    return tuple((r.pattern.pattern, r.names) for r in checked)

@@ -340,3 +340,22 @@ def test_a_negative_dim_in_a_tree_is_reported_and_counts_no_bytes():
     assert plan.totals["all"].max_device_bytes == 0  # not -4096
     with pytest.raises(meshplan.ShardingValidationError, match="dim 0 has size -64"):
         meshplan.check(tree, MESH, rules, strict=True)
+
+
+def test_a_tree_with_no_names_under_rules_says_so_first_and_only_once():
+    tree = {"params": {"wte": sds(4096, 256), "h": {"w": sds(256, 1024)}, "b": sds(1024)}}
+    rules = meshplan.layouts.get_layout("fsdp")
+    problems = meshplan.check(tree, MESH, rules)
+    assert [p.code for p in problems] == ["no-names"]  # no idle axis, no per-array replication
+    [problem] = problems
+    assert problem.severity == "warning"
+    assert problem.message.startswith("no array carries a logical name: the rules place nothing")
+    assert "all 3 arrays" in problem.message and "5.00 MiB" in problem.message
+    assert "name_by_path" in problem.fix and "infer_names" in problem.fix
+    assert "Map a logical name" not in str(meshplan.explain(tree, MESH, rules).problems)
+    # without rules nothing claims to place it: the replicated arrays are said as before
+    assert {p.code for p in meshplan.check(tree, MESH)} == {"replicated"}
+    # one named array: the usual advice, per axis and per name
+    tree["params"]["wte"] = logical(4096, 256, names=("vocab", "embed"))
+    codes = [p.code for p in meshplan.check(tree, MESH, (("embed", "data"),))]
+    assert "no-names" not in codes and "idle-axis" in codes

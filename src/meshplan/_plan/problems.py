@@ -7,7 +7,12 @@ from typing import TYPE_CHECKING
 
 from meshplan._errors import Problem
 from meshplan._spmd.mesh_info import MeshInfo
-from meshplan._spmd.tree_check import no_rules_problem, only_unmatched, rule_axis_problems
+from meshplan._spmd.tree_check import (
+    no_names_problem,
+    no_rules_problem,
+    only_unmatched,
+    rule_axis_problems,
+)
 from meshplan._text import count_text, human_bytes, paths_text, rule_text
 
 if TYPE_CHECKING:
@@ -39,6 +44,10 @@ def find_problems(
 ) -> list[Problem]:
     """Every problem of ``plan``: errors first, then warnings, each in tree/rule order.
 
+    A tree in which no array carries a name, with rules given, is said first (code
+    ``'no-names'``), and then not again per array or mesh axis: the rules place nothing
+    because nothing is named, not because a rule or an axis is missing.
+
     Example:
         >>> import jax, jax.numpy as jnp, meshplan
         >>> from meshplan._plan.problems import find_problems
@@ -63,6 +72,8 @@ def find_problems(
             entry[1].append(leaf.path)
 
     rules = plan.rules or ()
+    named_any = any(layout.kind != "unboxed" for layout, _ in groups.values())
+    no_names = bool(rules) and bool(groups) and not named_any
     index_map = plan.rule_index_map
     placed = dict.fromkeys(index_map, 0)
     skipped: dict[int, list[str]] = {}
@@ -89,6 +100,7 @@ def find_problems(
                 unmatched.setdefault(d.name, []).extend(paths)
         if (
             layout.shape is not None
+            and not no_names
             and mesh.size > 1
             and layout.replication == mesh.size
             and layout.bytes >= replicated_threshold_bytes
@@ -158,7 +170,11 @@ def find_problems(
         if _names_activations(name)
         for a in ((axes,) if isinstance(axes, str) else (axes or ()))
     }
-    if plan.leaves:
+    if no_names:  # said first, once: not again as idle axes or replicated arrays
+        nbytes = sum(leaf._layout.bytes for leaf in plan.leaves)
+        paths = [leaf.path for leaf in plan.leaves]
+        return [no_names_problem(paths, nbytes), *errors, *warnings, *infos]
+    if plan.leaves and named_any:
         for axis, size in mesh.shape.items():
             if size > 1 and axis not in used_axes and axis in splits_activations:
                 infos.append(

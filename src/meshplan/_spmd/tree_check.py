@@ -23,9 +23,10 @@ from meshplan._spmd.leaves import array_leaves, is_spec_leaf, leaf_kind
 from meshplan._spmd.mesh_info import MeshInfo, axis_names_fix, mesh_info
 from meshplan._spmd.rules import LogicalRules, get_logical_axis_rules, mesh_axes_of, rules_problems
 from meshplan._spmd.validate import LeafCheck, check_leaf
-from meshplan._text import axes_text, count_text, path_text, paths_text, rule_text
+from meshplan._text import axes_text, count_text, human_bytes, path_text, paths_text, rule_text
 
 __all__ = [
+    "no_names_problem",
     "no_rules_problem",
     "only_unmatched",
     "raise_for_errors",
@@ -35,6 +36,33 @@ __all__ = [
 ]
 
 _MAX_BULLETS = 40
+
+
+NO_NAMES_FIX = (
+    "Name the arrays' dimensions: meshplan.name_by_path(tree, [(path_regex, names), ...]) "
+    "for a model written without names, or meshplan.infer_names(step_fn, state, batch) to "
+    "infer them from the train step; or box them in the model (with_logical_partitioning)."
+)
+"""How to name a model that carries no names (code ``'no-names'``): the library's words."""
+
+
+def no_names_problem(paths: Sequence[str], nbytes: int) -> Problem:
+    """Rules given, and no array carries a name: the rules place nothing, all is replicated.
+
+    Example:
+        >>> from meshplan._spmd.tree_check import no_names_problem
+        >>> print(no_names_problem(["params/wte", "params/h/0/w"], 3 << 20).message)
+        no array carries a logical name: the rules place nothing, and every device holds all
+        2 arrays (params/wte, params/h/0/w; 3.00 MiB)
+    """
+    return Problem(
+        "warning",
+        paths[0],
+        f"no array carries a logical name: the rules place nothing, and every device holds all "
+        f"{count_text(len(paths), 'array')} ({paths_text(paths)}; {human_bytes(nbytes)})",
+        NO_NAMES_FIX,
+        "no-names",
+    )
 
 
 def no_rules_problem(paths: Sequence[str]) -> Problem:
