@@ -12,7 +12,8 @@ dimensions by its role, where the program shows it:
 * ``heads`` and ``kv``: a product of two activations (attention's q·kᵀ and its
   probabilities times v) batched over ``heads``, contracting or giving ``kv``, the
   head dimension, where a weight's matmul made them (every layer's, where the layers
-  are not scanned);
+  are not scanned); with grouped-query attention, the query's heads are ``heads`` and
+  the keys' and values' (their major factor) ``kv_heads``;
 * ``mlp``: a weight's output that another weight contracts back into ``embed`` (every
   layer's);
 * a dimension that a reshape merges from others (``heads x kv``, a fused ``qkv``
@@ -43,7 +44,7 @@ from meshplan._text import path_text
 __all__ = ["InferredNames", "NameClass", "infer_names"]
 
 Names = tuple[str | None, ...]
-PathRule = tuple[str, Names]
+PathRule = tuple[str, Names | None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,10 +114,6 @@ class InferredNames(Sequence[PathRule]):
         lines = [f"{a:<{w0}}  {b:>{w1}}  {c}" for a, b, c in rows]
         wp = max((len(p) for p, _ in self.rules), default=0)
         return "\n".join([*lines, "", *(f"{p:<{wp}}  {n!r}" for p, n in self.rules)])
-
-    def json_list(self) -> list[list[Any]]:
-        """The rules as JSON: ``[[pattern, [name or null, ...]], ...]`` (what ``--names`` reads)."""
-        return [[p, list(n)] for p, n in self.rules]
 
 
 # -- naming the classes ----------------------------------------------------------------
@@ -197,22 +194,46 @@ class _Namer:
                 todo += new
         return out
 
-    def attention(self) -> None:
+    def attention_dims(self, made: set[Node]) -> tuple[list[Node], set[Node], set[Node]]:
+        """Of the products of two activations batched over the batch (attention): the
+        classes a weight made that they are batched over, those q·kᵀ contracts (a score:
+        contracting what a weight made), and the free ones of the others (v's head
+        dimension) that no score has."""
         c = self.c
-        made = self.weight_free()
-        heads: collections.Counter[Node] = collections.Counter()
-        kv: collections.Counter[Node] = collections.Counter()
+        batched: dict[Node, None] = {}
+        kv: set[Node] = set()
+        score_free: set[Node] = set()
+        value_free: set[Node] = set()
         for contract, batch, fl, fr, side in c.dots:
-            if side != "acts":
-                continue
             roots = [c.find(n) for n in batch]
-            if self.batch not in roots:
+            if side != "acts" or self.batch not in roots:
                 continue
-            heads.update(r for r in roots if r in made and r != self.batch)
-            kv.update(c.find(n) for n in (*contract, *fl, *fr) if c.find(n) in made)
+            batched.update(dict.fromkeys(r for r in roots if r in made and r != self.batch))
+            contracted = {c.find(n) for n in contract} & made
+            free = {c.find(n) for n in (*fl, *fr)} & made
+            kv |= contracted
+            (score_free if contracted else value_free).update(free)
+        return list(batched), kv, value_free - score_free
+
+    def attention(self) -> None:
+        made = self.weight_free()
+        batched, kv, value_kv = self.attention_dims(made)
+        # Grouped-query attention batches q·kᵀ over kv_heads, the major factor of the
+        # query's heads (kv_heads x group, the group not a head dimension): the query's
+        # heads are the whole, the keys' the factor.
+        wholes = {self.c.find(w): tuple(map(self.c.find, f)) for w, f in self.c.products}
+        split = {w: f for w, f in wholes.items() if f[0] in batched and w in self.counts
+                 and not any(x in kv or x in value_kv for x in f)}  # fmt: skip
+        parts = {x for f in split.values() for x in f}
+        heads = [*split, *(r for r in batched if r not in parts)]
         for r in heads:
             self.give(r, "heads", "attention heads: q·kᵀ is batched over them", factor=True)
-        for r in kv:
+        for r in heads:
+            major = wholes.get(r, ())[:1]
+            if major and major[0] in made:
+                self.give(major[0], "kv_heads", "the keys' and values' heads (grouped-query "
+                          "attention): the major factor of the query's heads", factor=True)  # fmt: skip
+        for r in [*kv, *value_kv]:
             self.give(r, "kv", "head dimension: q·kᵀ contracts it", factor=True)
 
     def mlp(self) -> None:
@@ -318,7 +339,52 @@ def _rules(paths: Sequence[str | None], names: Sequence[Names]) -> list[PathRule
         got = next((r for r in rules if re.fullmatch(r[0], p)), None)
         if got is None or got[1] != n:
             exact.append((re.escape(p), n))
-    return exact + rules
+    rules = exact + rules
+    alone: list[PathRule] = []  # scalars and arrays of size-1 dimensions: left as they are
+    for p in paths:
+        if p is not None and not any(re.fullmatch(r[0], p) for r in rules + alone):
+            alone.append((_general(p), None))
+    return rules + alone
+
+
+def _unnamed(abstract_state: Any) -> bool:
+    """Whether no array of the state carries names (logical or mesh axes)."""
+    leaves, _ = array_leaves(abstract_state, (("meshplan.search: names are logical", None),))
+    return bool(leaves) and all(leaf.kind == "unboxed" for leaf in leaves)
+
+
+def _unboxed(step_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """``step_fn`` of a state named by :func:`meshplan.name_by_path`: it gets the state
+    unboxed, as it was written for (a Hugging Face model reads plain arrays)."""
+    from meshplan._spmd.boxes import unbox
+
+    def step(state: Any, batch: Any) -> Any:
+        return step_fn(unbox(state), batch)
+
+    return step
+
+
+def name_unnamed(
+    step_fn: Callable[[Any, Any], Any], abstract_state: Any, example_batch: Any
+) -> tuple[InferredNames, Any, Callable[[Any, Any], Any]] | None:
+    """For a state with no names: the inferred names, the state named by them, and the
+    step that takes it (unboxing it first); ``None`` for a state with names.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from meshplan._search.infer import name_unnamed
+        >>> state = {"w": jax.ShapeDtypeStruct((64, 256), jnp.float32)}
+        >>> step = lambda s, x: jax.grad(lambda s: (x @ s["w"]).sum())(s)
+        >>> names, named, named_step = name_unnamed(step, state, jax.ShapeDtypeStruct((8, 64), jnp.float32))
+        >>> named["w"].names, name_unnamed(named_step, named, jax.ShapeDtypeStruct((8, 64), jnp.float32))
+        (('dim_64', 'embed'), None)
+    """
+    from meshplan._spmd.by_path import name_by_path
+
+    if not _unnamed(abstract_state):
+        return None
+    names = infer_names(step_fn, abstract_state, example_batch)
+    return names, name_by_path(abstract_state, names), _unboxed(step_fn)
 
 
 def infer_names(

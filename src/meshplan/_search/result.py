@@ -13,6 +13,7 @@ shown on that result in ``docs/layouts.md`` ("Searching the space of rules").
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypedDict
 
 from meshplan._errors import MeshError, error_for
@@ -241,8 +242,10 @@ class SearchResult:
     ``ranked_by``: :data:`RankedBy`; ``profile``: the hardware the step time is
     predicted for (``None`` for the static ranking); ``budget_bytes``: bytes one
     device may hold (``None``: no budget); ``counts``: ``enumerated``, ``pruned`` (by
-    kind), ``scored``, ``compiled``, ``measured``; ``seconds``: the search's wall time.
-    Prints as a table (the static ranking's is a ``rich`` one), then ``best: ...``.
+    kind), ``scored``, ``compiled``, ``measured``; ``seconds``: the search's wall time;
+    ``path_rules``: the names :func:`meshplan.infer_names` gave a model that had none, as
+    the ``(pattern, names)`` pairs :func:`meshplan.name_by_path` takes (``None`` for a
+    named model; :meth:`write_names` writes them). Prints as a table (the static ranking's is a ``rich`` one), then ``best: ...``.
 
     Example:
         >>> import jax, jax.numpy as jnp, meshplan, meshplan.layouts
@@ -272,6 +275,17 @@ class SearchResult:
     tokens: int | None = None
     ranked_by: RankedBy = "predicted"
     tokens_unit: ThroughputUnit = "tokens"
+    path_rules: Sequence[tuple[str, Any]] | None = None
+
+    def write_names(self, path: str) -> None:
+        """Writes :attr:`path_rules` to ``path`` as JSON ``[pattern, names]`` pairs (what
+        ``--names`` and :func:`meshplan.layouts.get_names` read back)."""
+        import json
+
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump([[p, None if n is None else list(n)] for p, n in self.path_rules or ()], f,
+                      indent=1)  # fmt: skip
+            f.write("\n")
 
     @property
     def memory_budget_bytes(self) -> int | None:

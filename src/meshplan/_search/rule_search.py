@@ -40,6 +40,7 @@ from meshplan._search.cost import (
     state_counts,
 )
 from meshplan._search.hlo import measure_step
+from meshplan._search.infer import name_unnamed
 from meshplan._search.profiles import HardwareProfile, get_profile
 from meshplan._search.result import (
     PRUNE_REASONS,
@@ -414,7 +415,10 @@ def search_rules(
 
     Give the step as ``(abstract_state, step_fn, example_batch)``, or a Flax Linen
     ``model`` with ``example_batch`` (its inputs) and optionally ``loss``/``optimizer``
-    (:func:`linen_step` builds the step), or a traced ``workload``.
+    (:func:`linen_step` builds the step), or a traced ``workload``. A state with no
+    names at all (a Hugging Face or Equinox model, plain arrays) is named first from
+    its step's dataflow (:func:`meshplan.infer_names`); the result's ``path_rules``
+    are those names, for :func:`meshplan.name_by_path` or ``--names``.
 
     Example:
         >>> import jax, jax.numpy as jnp, meshplan
@@ -495,6 +499,7 @@ def search_rules(
             devices, abstract_state, step_fn, example_batch, layouts, axis_names, batch,
             memory_budget_bytes, compile_top, measure, measure_top, measure_steps, t0,
         )  # fmt: skip
+    path_rules = None
     if workload is None:
         if step_fn is None or abstract_state is None or example_batch is None:
             raise error_for(
@@ -503,6 +508,9 @@ def search_rules(
                 "Pass (abstract_state, step_fn, example_batch), or model= with example_batch=, "
                 "or workload=.",
             )  # fmt: skip
+        inferred = name_unnamed(step_fn, abstract_state, example_batch)
+        if inferred is not None:  # a model with no names: named from its step's dataflow
+            path_rules, abstract_state, step_fn = inferred
         workload = trace_workload(step_fn, abstract_state, example_batch, read_constraints=True)
     if batch is not None and batch != workload.batch:
         raise error_for(
@@ -599,7 +607,7 @@ def search_rules(
         row.fits = True  # every ranked row fits: the others were pruned as "memory"
     return SearchResult(
         rows + out, devices, prof, budget, counts, time.perf_counter() - t0, batch,
-        workload.tokens, tokens_unit=workload.tokens_unit,
+        workload.tokens, tokens_unit=workload.tokens_unit, path_rules=path_rules,
     )  # fmt: skip
 
 
