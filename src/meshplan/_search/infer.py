@@ -38,6 +38,7 @@ from typing import Any, overload
 import jax
 
 from meshplan._search.dim_classes import DimClasses, Node, dim_classes
+from meshplan._search.trace import Workload, trace_workload
 from meshplan._spmd.leaves import array_leaves
 from meshplan._text import path_text
 
@@ -354,37 +355,56 @@ def _unnamed(abstract_state: Any) -> bool:
 
 
 def _unboxed(step_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    """``step_fn`` of a state named by :func:`meshplan.name_by_path`: it gets the state
-    unboxed, as it was written for (a Hugging Face model reads plain arrays)."""
-    from meshplan._spmd.boxes import unbox
+    """``step_fn`` of a state named by :func:`meshplan.name_by_path`: it gets the plain
+    arrays it was written for (a Hugging Face model reads no boxes), with no constraint
+    of its own: the arrays are where the names place them."""
+    from flax.core.meta import AxisMetadata
+
+    from meshplan._spmd.boxes import is_box
+
+    def plain(x: Any) -> Any:
+        return x.unbox(apply_constraint=False) if isinstance(x, AxisMetadata) else x
 
     def step(state: Any, batch: Any) -> Any:
-        return step_fn(unbox(state), batch)
+        return step_fn(jax.tree.map(plain, state, is_leaf=is_box), batch)
 
     return step
 
 
 def name_unnamed(
     step_fn: Callable[[Any, Any], Any], abstract_state: Any, example_batch: Any
-) -> tuple[InferredNames, Any, Callable[[Any, Any], Any]] | None:
-    """For a state with no names: the inferred names, the state named by them, and the
-    step that takes it (unboxing it first); ``None`` for a state with names.
+) -> tuple[InferredNames, Any, Callable[[Any, Any], Any], Workload] | None:
+    """For a state with no names: the inferred names, the state named by them, the step
+    that takes it, and its workload (traced as :func:`meshplan.search_rules` traces);
+    ``None`` for a state with names.
+
+    The step gets the named state as it is (Flax modules read boxed parameters, and
+    constrain them to their names where they read them, as they do for a model written
+    with names); a step that cannot read boxes (Hugging Face's GPT-2 reads its tied
+    embedding with ``.T``) gets it unboxed.
 
     Example:
         >>> import jax, jax.numpy as jnp
         >>> from meshplan._search.infer import name_unnamed
         >>> state = {"w": jax.ShapeDtypeStruct((64, 256), jnp.float32)}
         >>> step = lambda s, x: jax.grad(lambda s: (x @ s["w"]).sum())(s)
-        >>> names, named, named_step = name_unnamed(step, state, jax.ShapeDtypeStruct((8, 64), jnp.float32))
-        >>> named["w"].names, name_unnamed(named_step, named, jax.ShapeDtypeStruct((8, 64), jnp.float32))
-        (('dim_64', 'embed'), None)
+        >>> x = jax.ShapeDtypeStruct((8, 64), jnp.float32)
+        >>> names, named, named_step, work = name_unnamed(step, state, x)
+        >>> named["w"].names, work.param_names, name_unnamed(named_step, named, x)
+        (('dim_64', 'embed'), ('dim_64', 'embed'), None)
     """
     from meshplan._spmd.by_path import name_by_path
 
     if not _unnamed(abstract_state):
         return None
     names = infer_names(step_fn, abstract_state, example_batch)
-    return names, name_by_path(abstract_state, names), _unboxed(step_fn)
+    named = name_by_path(abstract_state, names)
+    try:
+        work = trace_workload(step_fn, named, example_batch, read_constraints=True)
+    except Exception:  # noqa: BLE001 - a step that reads plain arrays only
+        step_fn = _unboxed(step_fn)
+        work = trace_workload(step_fn, named, example_batch, read_constraints=True)
+    return names, named, step_fn, work
 
 
 def infer_names(

@@ -510,8 +510,9 @@ def search_rules(
             )  # fmt: skip
         inferred = name_unnamed(step_fn, abstract_state, example_batch)
         if inferred is not None:  # a model with no names: named from its step's dataflow
-            path_rules, abstract_state, step_fn = inferred
-        workload = trace_workload(step_fn, abstract_state, example_batch, read_constraints=True)
+            path_rules, abstract_state, step_fn, workload = inferred
+        else:
+            workload = trace_workload(step_fn, abstract_state, example_batch, read_constraints=True)
     if batch is not None and batch != workload.batch:
         raise error_for(
             ArgumentError, "bad-batch", "batch",
