@@ -8,7 +8,8 @@ dimensions by its role, where the program shows it:
 * ``vocab``: the rows of a table looked up with the batch's token ids (an embedding),
   and so the logits of a tied head;
 * ``embed``: that table's features, the residual stream (without a lookup: the class
-  in the most arrays: the norms' scales, most matmuls' inputs);
+  in the most arrays: the norms' scales, most matmuls' inputs; on a tie, the batch's
+  features);
 * ``heads`` and ``kv``: a product of two activations (attention's q·kᵀ and its
   probabilities times v) batched over ``heads``, contracting or giving ``kv``, the
   head dimension, where a weight's matmul made them (every layer's, where the layers
@@ -178,8 +179,9 @@ class _Namer:
                 self.give(features[0], "embed", "residual stream: the embedding's features")
                 return
         left = self.free(self.order)
+        inputs = {c.find(n) for n in c.batch_dims}  # the features the batch brings
         if left:
-            best = max(left, key=lambda r: (self.counts[r], c.size(r)))
+            best = max(left, key=lambda r: (self.counts[r], r in inputs, c.size(r)))
             self.give(best, "embed", "residual stream: the most arrays' dimension")
 
     def weight_free(self) -> set[Node]:
@@ -342,9 +344,9 @@ def _rules(paths: Sequence[str | None], names: Sequence[Names]) -> list[PathRule
             exact.append((re.escape(p), n))
     rules = exact + rules
     alone: list[PathRule] = []  # scalars and arrays of size-1 dimensions: left as they are
-    for p in paths:
-        if p is not None and not any(re.fullmatch(r[0], p) for r in rules + alone):
-            alone.append((_general(p), None))
+    for path in paths:
+        if path is not None and not any(re.fullmatch(r[0], path) for r in rules + alone):
+            alone.append((_general(path), None))
     return rules + alone
 
 
@@ -356,17 +358,11 @@ def _unnamed(abstract_state: Any) -> bool:
 
 def _unboxed(step_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     """``step_fn`` of a state named by :func:`meshplan.name_by_path`: it gets the plain
-    arrays it was written for (a Hugging Face model reads no boxes), with no constraint
-    of its own: the arrays are where the names place them."""
-    from flax.core.meta import AxisMetadata
-
-    from meshplan._spmd.boxes import is_box
-
-    def plain(x: Any) -> Any:
-        return x.unbox(apply_constraint=False) if isinstance(x, AxisMetadata) else x
+    arrays it was written for (a Hugging Face model reads no boxes)."""
+    from meshplan._spmd.boxes import unbox
 
     def step(state: Any, batch: Any) -> Any:
-        return step_fn(jax.tree.map(plain, state, is_leaf=is_box), batch)
+        return step_fn(unbox(state), batch)
 
     return step
 
@@ -391,7 +387,7 @@ def name_unnamed(
         >>> x = jax.ShapeDtypeStruct((8, 64), jnp.float32)
         >>> names, named, named_step, work = name_unnamed(step, state, x)
         >>> named["w"].names, work.param_names, name_unnamed(named_step, named, x)
-        (('dim_64', 'embed'), ('dim_64', 'embed'), None)
+        (('embed', 'dim_256'), ('embed', 'dim_256'), None)
     """
     from meshplan._spmd.by_path import name_by_path
 
@@ -401,7 +397,7 @@ def name_unnamed(
     named = name_by_path(abstract_state, names)
     try:
         work = trace_workload(step_fn, named, example_batch, read_constraints=True)
-    except Exception:  # noqa: BLE001 - a step that reads plain arrays only
+    except Exception:  # a step that reads plain arrays only
         step_fn = _unboxed(step_fn)
         work = trace_workload(step_fn, named, example_batch, read_constraints=True)
     return names, named, step_fn, work

@@ -1,0 +1,244 @@
+"""infer_names: logical names read from a step's dataflow, on plain JAX and Equinox code."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import meshplan
+
+B, L, E, H, D, M, V = 4, 16, 64, 4, 16, 256, 128
+
+
+def sds(*shape, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def names(rules, path):
+    """The names the first rule matching ``path`` gives (as name_by_path reads them)."""
+    return next(n for p, n in rules if re.fullmatch(p, path))
+
+
+def grad_step(loss):
+    return lambda s, x: jax.grad(loss)(s, x)
+
+
+def attention(q, k, v):
+    scores = jnp.einsum("blhd,bmhd->bhlm", q, k)
+    return jnp.einsum("bhlm,bmhd->blhd", jax.nn.softmax(scores, axis=-1), v)
+
+
+def test_a_fused_qkv_kernel_split_into_heads_is_named_heads():
+    state = {"qkv": sds(E, 3 * H * D), "out": sds(H * D, E)}
+
+    def loss(s, x):
+        qkv = (x @ s["qkv"]).reshape(B, L, 3, H, D)
+        y = attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]).reshape(B, L, H * D)
+        return ((x + y @ s["out"]) ** 2).mean()
+
+    rules = meshplan.infer_names(grad_step(loss), state, sds(B, L, E))
+    assert names(rules, "qkv") == ("embed", "heads")
+    assert names(rules, "out") == ("heads", "embed")
+
+
+def test_an_einsum_over_heads_names_heads_and_kv():
+    state = {k: sds(E, H, D) for k in ("q", "k", "v")} | {"o": sds(H, D, E)}
+
+    def loss(s, x):
+        q, k, v = (jnp.einsum("ble,ehd->blhd", x, s[n]) for n in "qkv")
+        return ((x + jnp.einsum("blhd,hde->ble", attention(q, k, v), s["o"])) ** 2).mean()
+
+    rules = meshplan.infer_names(grad_step(loss), state, sds(B, L, E))
+    assert [names(rules, n) for n in "qkvo"] == [("embed", "heads", "kv")] * 3 + [
+        ("heads", "kv", "embed")
+    ]
+
+
+def test_a_transposed_kernel_is_named_through_the_transpose():
+    state = {"up": sds(M, E), "down": sds(E, M)}  # stored [out, in], as Equinox and GPT-2 do
+
+    def loss(s, x):
+        return ((x + jax.nn.gelu(x @ s["up"].T) @ s["down"].T) ** 2).mean()
+
+    rules = meshplan.infer_names(grad_step(loss), state, sds(B, E))
+    assert names(rules, "up") == ("mlp", "embed")
+    assert names(rules, "down") == ("embed", "mlp")
+
+
+def test_biases_and_norm_scales_share_their_class_names():
+    state = {"scale": sds(E), "up": sds(E, M), "b_up": sds(M), "down": sds(M, E), "b_down": sds(E)}
+
+    def loss(s, x):
+        h = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True)) * s["scale"]
+        return ((x + jax.nn.relu(h @ s["up"] + s["b_up"]) @ s["down"] + s["b_down"]) ** 2).mean()
+
+    rules = meshplan.infer_names(grad_step(loss), state, sds(B, E))
+    assert names(rules, "b_up") == ("mlp",)
+    assert names(rules, "scale") == names(rules, "b_down") == ("embed",)
+
+
+def test_dimensions_of_size_one_are_unnamed():
+    state = {"gain": sds(1, E), "w": sds(E, E)}
+
+    def loss(s, x):
+        return ((x * s["gain"]) @ s["w"] + x).sum()
+
+    rules = meshplan.infer_names(grad_step(loss), state, sds(B, E))
+    assert names(rules, "gain") == (None, "embed")
+
+
+def test_a_scanned_stack_is_layer_and_a_token_lookup_is_vocab():
+    state = {"table": sds(V, E), "up": sds(3, E, M), "down": sds(3, M, E)}
+
+    def loss(s, tokens):
+        x = jnp.take(s["table"], tokens, axis=0)
+
+        def layer(x, w):
+            return x + jax.nn.relu(x @ w[0]) @ w[1], None
+
+        x, _ = jax.lax.scan(layer, x, (s["up"], s["down"]))
+        logits = x @ s["table"].T  # a tied head
+        return -(jax.nn.log_softmax(logits) * jax.nn.one_hot(tokens, V)).sum()
+
+    rules = meshplan.infer_names(grad_step(loss), state, sds(B, L, dtype=jnp.int32))
+    assert names(rules, "table") == ("vocab", "embed")
+    assert names(rules, "up") == ("layer", "embed", "mlp")
+    assert names(rules, "down") == ("layer", "mlp", "embed")
+
+
+def test_grouped_query_attention_names_kv_heads():
+    kv_heads = 2
+    state = {"q": sds(E, H * D), "kv": sds(E, 2 * kv_heads * D), "o": sds(H * D, E)}
+
+    def loss(s, x):
+        q = (x @ s["q"]).reshape(B, L, H, D)
+        k, v = jnp.split((x @ s["kv"]).reshape(B, L, 2 * kv_heads, D), 2, axis=2)
+        k, v = (jnp.repeat(t, H // kv_heads, axis=2) for t in (k, v))
+        y = attention(q, k, v).reshape(B, L, H * D)
+        return ((x + y @ s["o"]) ** 2).mean()
+
+    rules = meshplan.infer_names(grad_step(loss), state, sds(B, L, E))
+    assert names(rules, "q") == ("embed", "heads")
+    assert names(rules, "o") == ("heads", "embed")
+    assert names(rules, "kv")[0] == "embed"
+
+
+def test_calls_of_one_cached_function_do_not_join_their_arrays():
+    """JAX caches a jitted helper's jaxpr: its calls on two arrays of one shape share the
+    body's variables, and must not make their dimensions one."""
+    state = {"a": sds(E, E), "b": sds(E, E)}
+    act = jax.jit(lambda t: t * jax.nn.sigmoid(t))
+
+    def loss(s, x):
+        h = act(x @ s["a"])  # h's features: a's output
+        return (act(x) @ s["b"] + h.sum()).sum()  # act(x)'s: the input's
+
+    rules = meshplan.infer_names(grad_step(loss), state, sds(B, E))
+    a_in, a_out = names(rules, "a")
+    assert a_in != a_out
+    assert names(rules, "b")[0] == a_in
+
+
+def test_equinox_modules_are_named_through_their_linear_layers():
+    eqx = pytest.importorskip("equinox")
+
+    class Block(eqx.Module):
+        norm: eqx.nn.LayerNorm
+        qkv: eqx.nn.Linear
+        out: eqx.nn.Linear
+        up: eqx.nn.Linear
+        down: eqx.nn.Linear
+
+        def __init__(self, key):
+            k = jax.random.split(key, 4)
+            self.norm = eqx.nn.LayerNorm(E)
+            self.qkv = eqx.nn.Linear(E, 3 * H * D, key=k[0])
+            self.out = eqx.nn.Linear(H * D, E, key=k[1])
+            self.up = eqx.nn.Linear(E, M, key=k[2])
+            self.down = eqx.nn.Linear(M, E, key=k[3])
+
+        def __call__(self, x):  # x: [length, embed], vmapped over the batch
+            q, k, v = jnp.split(jax.vmap(self.qkv)(jax.vmap(self.norm)(x)), 3, axis=-1)
+            q, k, v = (t.reshape(L, H, D) for t in (q, k, v))
+            scores = jnp.einsum("lhd,mhd->hlm", q, k)
+            y = jnp.einsum("hlm,mhd->lhd", jax.nn.softmax(scores, -1), v).reshape(L, H * D)
+            x = x + jax.vmap(self.out)(y)
+            return x + jax.vmap(self.down)(jax.nn.gelu(jax.vmap(self.up)(x)))
+
+    model = jax.eval_shape(Block, jax.random.key(0))
+
+    def step(model, x):
+        return jax.grad(lambda m: (jax.vmap(m)(x) ** 2).mean())(model)
+
+    rules = meshplan.infer_names(step, model, sds(B, L, E))
+    assert names(rules, "qkv/weight") == ("heads", "embed")  # Linear's weight: [out, in]
+    assert names(rules, "qkv/bias") == ("heads",)
+    assert names(rules, "out/weight") == ("embed", "heads")
+    assert names(rules, "up/weight") == ("mlp", "embed")
+    assert names(rules, "norm/weight") == names(rules, "down/bias") == ("embed",)
+    named = meshplan.name_by_path(model, rules)
+    assert named.up.weight.names == ("mlp", "embed")
+
+
+def test_rules_match_the_optimizer_copies_and_write_layer_indices_as_patterns():
+    from flax.training import train_state
+
+    params = {"layers": [{"up": sds(E, M), "down": sds(M, E)} for _ in range(3)]}
+    state = jax.eval_shape(
+        lambda p: train_state.TrainState.create(apply_fn=None, params=p, tx=optax.adam(1e-3)),
+        params,
+    )
+
+    def step(state, x):
+        def loss(p):
+            h = x
+            for layer in p["layers"]:
+                h = h + jax.nn.relu(h @ layer["up"]) @ layer["down"]
+            return (h**2).mean()
+
+        return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+    rules = meshplan.infer_names(step, state, sds(B, E))
+    assert (r"(?:.*/)?layers/\d+/up", ("embed", "mlp")) in list(rules)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every array matched: no UnnamedLeavesWarning
+        named = meshplan.name_by_path(state, rules)
+    assert named.opt_state[0].mu["layers"][2]["down"].names == ("mlp", "embed")
+    assert named.step.shape == ()  # the step count: left alone (a None rule)
+
+
+def test_text_lists_each_name_with_its_size_and_role():
+    state = {"table": sds(V, E), "up": sds(E, M), "down": sds(M, E)}
+
+    def loss(s, tokens):
+        x = s["table"][tokens]
+        return ((x + jax.nn.relu(x @ s["up"]) @ s["down"]) ** 2).mean()
+
+    inferred = meshplan.infer_names(grad_step(loss), state, sds(B, L, dtype=jnp.int32))
+    classes = {c.name: c for c in inferred.classes}
+    assert (classes["mlp"].size, classes["vocab"].size, classes["embed"].arrays) == (M, V, 3)
+    text = inferred.text()
+    assert re.search(r"vocab\s+128\s+vocabulary", text)
+    assert re.search(r"mlp\s+256\s+MLP hidden", text)
+
+
+def test_search_rules_names_an_unnamed_model_and_returns_its_path_rules():
+    state = {"up": sds(1024, 4096), "down": sds(4096, 1024)}
+
+    def step(s, x):
+        return jax.grad(lambda s: ((x + jax.nn.relu(x @ s["up"]) @ s["down"]) ** 2).mean())(s)
+
+    result = meshplan.search_rules(8, state, step, sds(64, 1024), profile="h100", compile_top=0)
+    assert list(result.path_rules) == [("down", ("mlp", "embed")), ("up", ("embed", "mlp"))]
+    assert {n for n, _ in result.best.rules} >= {"embed", "mlp", "batch"}
+    named = meshplan.search_rules(  # the names passed back: the step reads plain arrays
+        8, meshplan.name_by_path(state, result.path_rules),
+        lambda s, x: step(meshplan.unbox(s), x), sds(64, 1024), profile="h100", compile_top=0,
+    )  # fmt: skip
+    assert named.path_rules is None
+    assert named.best.cost.step_s == result.best.cost.step_s
