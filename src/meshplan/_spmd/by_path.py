@@ -203,8 +203,9 @@ def name_by_path(tree: T, path_rules: PathRules) -> T:
             length is not the rank of an array they match: every one, raised once.
 
     Warns:
-        UnnamedLeavesWarning: arrays that no pattern matches (they stay replicated), and
-            patterns that match no array: one warning listing them all.
+        UnnamedLeavesWarning: arrays that no pattern matches (they stay replicated; scalars,
+            which have nothing to name, are not listed), and patterns that match no array:
+            one warning listing them all.
     """
     rules = check_path_rules(path_rules)
     problems: list[Problem] = []
@@ -219,8 +220,8 @@ def name_by_path(tree: T, path_rules: PathRules) -> T:
         rule = next((r for r in rules if r.pattern.fullmatch(path)), None)
         if rule is None:
             kind = leaf_kind(leaf)
-            if kind is None or kind.read(leaf, None).kind == "unboxed":
-                unmatched.append(path)
+            if len(shape) and (kind is None or kind.read(leaf, None).kind == "unboxed"):
+                unmatched.append(path)  # a scalar has no dimension to name: not listed
             return leaf
         used.add(rule.index)
         if rule.names is None:
@@ -243,8 +244,9 @@ def _warning(unmatched: list[str], unused: list[str]) -> UnnamedLeavesWarning:
     parts = []
     if unmatched:
         parts.append(
-            f"{count_text(len(unmatched), 'array')} that no pattern matches stay unnamed "
-            f"(replicated): {paths_text(unmatched, 8)}"
+            f"{count_text(len(unmatched), 'array')} that no pattern matches "
+            f"{'stays' if len(unmatched) == 1 else 'stay'} unnamed (replicated): "
+            f"{paths_text(unmatched, 8)}"
         )
     if unused:
         parts.append(

@@ -12,10 +12,12 @@ check is written once. ``get_sharding(strict=True)`` and
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from meshplan._errors import Problem, ShardingValidationError, problem_message
@@ -26,6 +28,7 @@ from meshplan._spmd.validate import LeafCheck, check_leaf
 from meshplan._text import axes_text, count_text, human_bytes, path_text, paths_text, rule_text
 
 __all__ = [
+    "no_names_in_tree",
     "no_names_problem",
     "no_rules_problem",
     "only_unmatched",
@@ -63,6 +66,34 @@ def no_names_problem(paths: Sequence[str], nbytes: int) -> Problem:
         NO_NAMES_FIX,
         "no-names",
     )
+
+
+def no_names_in_tree(tree: Any, rules: LogicalRules | None) -> Problem | None:
+    """The ``'no-names'`` problem of ``tree`` under ``rules`` (the active ones if ``None``), or
+    ``None`` when some array carries names, or no rules are in effect.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from meshplan._spmd.tree_check import no_names_in_tree
+        >>> tree = {"w": jax.ShapeDtypeStruct((4, 8), jnp.float32)}
+        >>> no_names_in_tree(tree, (("embed", "data"),)).code, no_names_in_tree(tree, ())
+        ('no-names', None)
+    """
+    in_effect = get_logical_axis_rules() if rules is None else rules
+    if not in_effect:
+        return None
+    leaves, _ = array_leaves(tree, in_effect)
+    if not leaves or any(leaf.kind != "unboxed" for leaf in leaves):
+        return None
+    nbytes = sum(math.prod(leaf.shape) * _itemsize(leaf.dtype) for leaf in leaves)
+    return no_names_problem([path_text(leaf.keypath) for leaf in leaves], nbytes)
+
+
+def _itemsize(dtype: Any) -> int:
+    try:
+        return int(np.dtype(dtype).itemsize)
+    except TypeError:
+        return 0
 
 
 def no_rules_problem(paths: Sequence[str]) -> Problem:

@@ -8,7 +8,9 @@ The factory is a function of no arguments, imported from a module on
 
   - ``model``: a Flax Linen module, or for Flax NNX a function
     ``make(rngs) -> nnx.Module`` (called with ``nnx.Rngs(key)``; the module's
-    state must be ``nnx.Param``\\ s);
+    state must be ``nnx.Param``\\ s), or a pair of JAX functions ``(init(key) ->
+    params, apply(params, inputs) -> outputs)`` (Hugging Face's Flax models,
+    Equinox, plain JAX: :mod:`meshplan.cli.factory_names`);
   - ``example_batch``: a batch (arrays or ``jax.ShapeDtypeStruct``\\ s, first
     dimension ``'batch'``); a tuple ``(inputs, targets, ...)`` gives the model its
     first item and the loss all of it;
@@ -44,7 +46,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from meshplan._errors import ArgumentError
+from meshplan._errors import ArgumentError, LogicalNamesError
+from meshplan._spmd.by_path import PathRules
+from meshplan.cli.factory_names import Namer, functional_model, is_functional
 from meshplan.examples.models import EXAMPLE_MODELS
 
 __all__ = [
@@ -61,7 +65,8 @@ BUILT_IN_MODELS = tuple(EXAMPLE_MODELS)
 
 _PROTOCOL = (
     "A --model factory is a function of no arguments returning (model, example_batch, loss, "
-    "batches), with model a Flax Linen module or, for Flax NNX, make(rngs) -> nnx.Module, and "
+    "batches), with model a Flax Linen module, for Flax NNX make(rngs) -> nnx.Module, or a "
+    "pair of JAX functions (init(key) -> params, apply(params, inputs) -> outputs), and "
     "batches(split, index) -> batch or an iterable of batches (what meshplan train needs); "
     "plan and search also take (abstract_state, step_fn, example_batch), (linen_module, "
     "example_batch) or (linen_module, example_batch, loss). A tuple batch (inputs, targets) "
@@ -77,9 +82,11 @@ class FactoryModel:
     abstract_state: Any
     step_fn: Callable[[Any, Any], Any]
     example_batch: Any
-    kind: str  # 'step', 'linen' or 'nnx'
+    kind: str  # 'step', 'linen', 'nnx' or 'jax'
     trainable: Trainable | None = None
     """The model as ``meshplan train`` trains it: given by the four-value form only."""
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """What naming it by ``--names`` warned of (arrays no pattern matches), for the command."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,8 +167,11 @@ def _import(module_name: str, spec: str) -> Any:
         ) from None
 
 
-def load_factory(spec: str) -> FactoryModel:
+def load_factory(spec: str, names: PathRules | None = None) -> FactoryModel:
     """Imports ``pkg.module:function``, calls it, and reads what it returned.
+
+    ``names``: path rules (``--names FILE``, :mod:`meshplan.cli.factory_names`) that name
+    the model's arrays, at the paths its state has (``params/...``).
 
     Example:
         >>> from meshplan.cli.factory import load_factory
@@ -204,24 +214,31 @@ def load_factory(spec: str) -> FactoryModel:
             f"--model {spec}: calling {module_name}.{attr}() raised {type(e).__name__}: {e}\n"
             f"{_PROTOCOL}"
         ) from None
-    return _read(spec, returned)
+    return _read(spec, returned, None if names is None else Namer(names))
 
 
-def _read(spec: str, returned: Any) -> FactoryModel:
+def _read(spec: str, returned: Any, namer: Namer | None = None) -> FactoryModel:
     import flax.linen as nn
     import jax
 
     got = f"an object of type {type(returned).__name__}"
     if isinstance(returned, tuple | list):
         got = f"a {type(returned).__name__} of {len(returned)}: ({', '.join(type(v).__name__ for v in returned)})"
-        if len(returned) == 4 and (isinstance(returned[0], nn.Module) or callable(returned[0])):
-            return _read_trainable(spec, *returned)
+        first = returned[0] if returned else None
+        if len(returned) == 4 and (
+            isinstance(first, nn.Module) or callable(first) or is_functional(first)
+        ):
+            model, batch, loss, batches = returned
+            return _read_trainable(spec, model, batch, loss, batches, namer)
         if returned and isinstance(returned[0], nn.Module) and len(returned) in (2, 3):
             module, batch = returned[0], returned[1]
             loss = returned[2] if len(returned) == 3 else None
             if loss is not None:
                 _check_loss(spec, loss)
             _check_batch(spec, batch)
+            if namer is not None:  # the form train takes, with no batches: named at init
+                mean_square = loss or (lambda y, _: jax.numpy.mean(jax.numpy.square(y)))
+                return _read_trainable(spec, module, batch, mean_square, None, namer=namer)
             from meshplan._search.rule_search import linen_step
 
             try:
@@ -242,7 +259,12 @@ def _read(spec: str, returned: Any) -> FactoryModel:
                     f"Return jax.eval_shape of the model's init, with logical names."
                 )
             _check_batch(spec, batch)
-            return FactoryModel(f"{spec} (step function)", state, step, batch, "step")
+            if namer is not None:
+                state, step = namer.tree(state), namer.step(step)
+            what = f"{spec} (step function)"
+            return FactoryModel(
+                what, state, step, batch, "step", None, namer.notes if namer else []
+            )
     raise ArgumentError(f"--model {spec}: the factory returned {got}.\n{_PROTOCOL}")
 
 
@@ -271,8 +293,14 @@ def _inputs(batch: Any) -> Any:
     return batch[0] if isinstance(batch, tuple | list) else batch
 
 
-def _read_trainable(spec: str, model: Any, batch: Any, loss: Any, batches: Any) -> FactoryModel:
-    """The four-value form ``(model, example_batch, loss, batches)``: every command's."""
+def _read_trainable(
+    spec: str, model: Any, batch: Any, loss: Any, batches: Any, namer: Namer | None = None
+) -> FactoryModel:
+    """The four-value form ``(model, example_batch, loss, batches)``: every command's.
+
+    ``batches=None``: a Linen module's ``(module, example_batch[, loss])`` named by
+    ``--names`` (for plan and search: no :class:`Trainable`).
+    """
     import flax.linen as nn
     import jax
 
@@ -281,7 +309,7 @@ def _read_trainable(spec: str, model: Any, batch: Any, loss: Any, batches: Any) 
     _check_loss(spec, loss)
     _check_batch(spec, batch)
     example = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
-    source = _batch_source(spec, batches)
+    source = None if batches is None else _batch_source(spec, batches)
     if isinstance(model, nn.Module):
         module = model
 
@@ -289,21 +317,43 @@ def _read_trainable(spec: str, model: Any, batch: Any, loss: Any, batches: Any) 
             return loss(module.apply({"params": params}, _inputs(b)), b)
 
         train = TrainModel(module, linen_loss, _inputs(example))
+        if namer is not None:
+            x = _inputs(example)
+            train = TrainModel(
+                namer.init(lambda key: module.init(key, _zeros(x))["params"]), linen_loss
+            )
         api, name = "Flax Linen", type(module).__name__
+    elif is_functional(model):
+        init, functional_loss = functional_model(model[0], model[1], loss, _inputs)
+        train = TrainModel(init if namer is None else namer.init(init), functional_loss)
+        api, name = "JAX functions", getattr(model[0], "__qualname__", "init").split(".")[0]
     else:
         train, name = _nnx_model(spec, model, loss)
+        if namer is not None:
+            train = TrainModel(namer.init(train.model), train.loss)
         api = "Flax NNX"
     try:
         abstract = train.abstract_state()
+    except LogicalNamesError:
+        raise  # --names that do not fit the arrays: the error names each path
     except Exception as e:
         raise ArgumentError(
             f"--model {spec}: initialising the {name} on the example batch raised "
             f"{type(e).__name__}: {e}\nReturn the inputs the model takes as the second value "
             f"(or a tuple batch whose first item they are)."
         ) from None
-    trainable = Trainable(train, source, example, api, name)
-    kind = "nnx" if api == "Flax NNX" else "linen"
-    return FactoryModel(f"{spec}: {name} ({api})", abstract, train.step, example, kind, trainable)
+    trainable = None if source is None else Trainable(train, source, example, api, name)
+    kind = {"Flax NNX": "nnx", "Flax Linen": "linen"}.get(api, "jax")
+    notes = [] if namer is None else namer.notes
+    what = f"{spec}: {name} ({api})"
+    return FactoryModel(what, abstract, train.step, example, kind, trainable, notes)
+
+
+def _zeros(example: Any) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), example)
 
 
 def _nnx_model(spec: str, make: Any, loss: Any) -> tuple[Any, str]:

@@ -16,6 +16,7 @@ from meshplan._spmd.rules import LogicalRules
 from meshplan.cli.devices import mesh_flag_advice, use_cpu_backend
 from meshplan.cli.factory import is_factory, load_factory, model_problem
 from meshplan.cli.mesh_text import parse_mesh_shape
+from meshplan.cli.names_file import add_names_argument, no_names_text, notes_text, read_names
 from meshplan.cli.output import print_error, say
 from meshplan.cli.sizes import parse_bytes
 
@@ -54,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: guide for the MLP, fsdp_tp for the Transformers and factories)",
     )
     add_model_size_arguments(parser)
+    add_names_argument(parser)
     parser.add_argument(
         "--profile",
         default=None,
@@ -408,7 +410,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         label, rules = load_rules(args.rules, args.model)
-        loaded = load_factory(args.model) if is_factory(args.model) else None
+        names = read_names(args.names, args.model)
+        loaded = load_factory(args.model, names) if is_factory(args.model) else None
         if loaded is not None:  # a --model factory is imported and called once
             what, state = loaded.what, loaded.abstract_state
         else:
@@ -427,6 +430,11 @@ def run(args: argparse.Namespace) -> int:
             data["prediction"] = prediction
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
     else:
+        for line in notes_text(loaded.notes if loaded is not None else []):
+            say(err, line)
+        unnamed = no_names_text(problems, args.model, label)
+        if unnamed is not None:  # said first: the table below shows why
+            say(err, ("warning: ", "bold yellow"), unnamed, soft_wrap=True)
         say(out, (what, "bold"), " · rules ", (label, "bold"))
         out.print(plan.table(full=args.full))
         if prediction is not None:

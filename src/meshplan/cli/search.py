@@ -26,6 +26,7 @@ from meshplan._errors import MeshError, MeshplanError
 from meshplan._text import human_seconds
 from meshplan.cli.devices import PLATFORMS, use_cpu_backend
 from meshplan.cli.factory import is_factory, load_factory
+from meshplan.cli.names_file import add_names_argument, read_names
 from meshplan.cli.output import print_error, say
 from meshplan.cli.plan import add_model_size_arguments, model_args_problem
 from meshplan.cli.sizes import parse_bytes
@@ -107,6 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "example_batch) or (linen_module, example_batch[, loss])",
     )
     add_model_size_arguments(parser)
+    add_names_argument(parser)
     parser.add_argument(
         "--devices",
         type=int,
@@ -298,7 +300,7 @@ def _train_command(
     command = train_command(best, str(path or "rules.json"))
     if not trainable:
         return None, path
-    extra = ["--model", args.model]
+    extra = ["--model", args.model] + (["--names", args.names] if args.names else [])
     if not is_factory(args.model):  # a factory's own batches set the batch and the sequence
         extra += ["--size", args.size, "--batch", str(args.batch), "--seq", str(args.seq)]
     return f"{command} {' '.join(extra)}", path
@@ -365,7 +367,7 @@ def _load(args: argparse.Namespace) -> tuple[str, Any, Any, Any, bool]:
     ``trainable`` when ``meshplan train`` trains it (the example Transformers, and a factory
     of the four-value form)."""
     if is_factory(args.model):
-        loaded = load_factory(args.model)
+        loaded = load_factory(args.model, read_names(args.names, args.model))
         return (
             loaded.what, loaded.abstract_state, loaded.step_fn, loaded.example_batch,
             loaded.trainable is not None,

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from meshplan.cli.devices import PLATFORMS, select_platform
+from meshplan.cli.names_file import add_names_argument, read_names
 from meshplan.cli.output import print_error, say
 from meshplan.cli.train_flags import MODEL_FLAGS, SETTINGS, SETTINGS_FLAGS, error_in_flags, in_flags
 
@@ -139,6 +140,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(transformer-nnx): the same parameters and names; or a model of your own, "
         "pkg.module:factory (docs/training.md#your-own-model)",
     )
+    add_names_argument(model)
     model.add_argument(
         "--size",
         dest="config",
@@ -224,6 +226,7 @@ def _request(args: argparse.Namespace, devices: DeviceChoice | None = None) -> T
         model=getattr(args, "model", None),
         devices=devices,
         sync_every_step=bool(getattr(args, "sync_every_step", False)),
+        names=getattr(args, "names", None),
     )
 
 
@@ -262,6 +265,12 @@ def run(args: argparse.Namespace) -> int:
 
     console = _console(jax.process_index() == 0)
     request = _request(args, devices)
+    if request.names is not None and not (request.model and is_factory(request.model)):
+        try:
+            read_names(request.names, request.model)  # refused: a built-in model's own names
+        except MeshplanError as e:
+            print_error(e)
+            return 2
     while True:
         try:
             if request.model is not None and is_factory(request.model):

@@ -19,8 +19,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from meshplan._errors import ArgumentError, CheckpointError, MeshplanError
+from meshplan._spmd.by_path import PathRules
 from meshplan._spmd.rules import LogicalRules, logical_to_mesh_axes
+from meshplan._spmd.tree_check import no_names_in_tree
 from meshplan.cli.factory import IterableBatches, Trainable, load_factory
+from meshplan.cli.names_file import no_names_text, notes_text, read_names
 from meshplan.cli.train_checks import Problems
 from meshplan.cli.train_flags import MODEL_FLAGS
 from meshplan.cli.train_flags import flag as model_flag
@@ -112,8 +115,17 @@ def prepare_factory_run(request: TrainRequest) -> PreparedRun:
             "Leave out --data: the factory's fourth value gives the batches.",
         )
     trainable: Trainable | None = None
+    names_file, names = request.names, None
+    stored_names = None if stored is None else (stored.extra.get("train") or {}).get("names")
+    notes: list[str] = []
     try:
-        trainable = load_factory(spec).trainable
+        if names_file is not None:
+            names = read_names(names_file, spec)
+        elif stored_names:  # trained with --names: the checkpoint keeps the rules
+            names = tuple((p, None if n is None else tuple(n)) for p, n in stored_names)
+        loaded = load_factory(spec, names)
+        trainable = loaded.trainable
+        notes = notes_text(loaded.notes)
         if trainable is None:
             problems.add(
                 ArgumentError,
@@ -181,6 +193,9 @@ def prepare_factory_run(request: TrainRequest) -> PreparedRun:
     mesh, rules, abstract = parts.mesh, parts.rules, parts.abstract
     assert trainable is not None and mesh is not None and abstract is not None
     assert rules is not None
+    unnamed = no_names_in_tree(abstract, rules)
+    if unnamed is not None:  # said first: the run trains every array replicated
+        notes.insert(0, no_names_text([unnamed], spec, str(request.rules)) or "")
     source = trainable.batches
     if isinstance(source, IterableBatches):
         source.hold_out(settings.eval_batches)  # the first batches are the validation set
@@ -195,10 +210,19 @@ def prepare_factory_run(request: TrainRequest) -> PreparedRun:
         batches,
         settings,
         Placement(mesh, rules, str(request.rules)),
-        Checkpoints(ckpt_dir, stored, tuple(resume.damaged), record={"model": spec}),
+        Checkpoints(ckpt_dir, stored, tuple(resume.damaged), record=_record(spec, names)),
         Measures(None, None, request.sync_every_step),
         tx=parts.tx,
         abstract=abstract,
-        notes=list(resume.notes),
+        notes=[*notes, *resume.notes],
     )
     return PreparedRun(trainer, None, None, spec, None, trainable)
+
+
+def _record(spec: str, names: PathRules | None) -> dict[str, Any]:
+    """What the checkpoints record of the model: the factory, and the path rules that named it
+    (a resumed run without ``--names`` names it the same way)."""
+    if names is None:
+        return {"model": spec}
+    pairs = [[p, None if n is None else list(n)] for p, n in names]
+    return {"model": spec, "names": pairs}

@@ -132,6 +132,8 @@ class TrainRequest:
         damaged: Steps already found damaged when their arrays were read (a
             checksum mismatch, which the cheap check cannot see), each with its
             ``'ckpt-damaged'`` problem: ``resume`` takes the newest intact step before them.
+        names: ``--names FILE``: path rules naming a factory's arrays (``None``: the
+            checkpoint's, when resuming one trained with them).
     """
 
     mesh: str = "2x4"
@@ -149,6 +151,7 @@ class TrainRequest:
     devices: DeviceChoice | None = None
     sync_every_step: bool = False
     damaged: tuple[DamagedStep, ...] = ()
+    names: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

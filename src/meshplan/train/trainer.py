@@ -56,6 +56,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from meshplan._checkpoint.checkpointer import Checkpointer
 from meshplan._checkpoint.restore import restore
 from meshplan._errors import CheckpointError
+from meshplan._spmd.explicit import explicit_mesh_error, is_sharding_type_error
 from meshplan._spmd.rules import logical_axis_rules
 from meshplan.train.model import TrainModel
 from meshplan.train.parts import Checkpoints, Measures, Placement, group_parts
@@ -349,7 +350,12 @@ class Trainer:
         )
 
     def _loss_and_metrics(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
-        out = self.loss(params, batch)
+        try:  # traced once per compile: no cost per step
+            out = self.loss(params, batch)
+        except Exception as e:  # code written for Auto meshes, on Explicit axes
+            if is_sharding_type_error(e):
+                raise explicit_mesh_error(e, "the model's loss") from e
+            raise
         return (out[0], out[1]) if self.has_aux else (out, {})
 
     def train_step(self, batch: Any = None) -> jax.Array:
