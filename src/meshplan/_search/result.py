@@ -282,10 +282,9 @@ class SearchResult:
         ``--names`` and :func:`meshplan.layouts.get_names` read back)."""
         import json
 
+        pairs = [json.dumps([p, None if n is None else list(n)]) for p, n in self.path_rules or ()]
         with open(path, "w", encoding="utf-8") as f:
-            json.dump([[p, None if n is None else list(n)] for p, n in self.path_rules or ()], f,
-                      indent=1)  # fmt: skip
-            f.write("\n")
+            f.write("[\n  " + ",\n  ".join(pairs) + "\n]\n")  # one pair a line
 
     @property
     def memory_budget_bytes(self) -> int | None:

@@ -15,14 +15,27 @@ from collections.abc import Sequence
 from meshplan._errors import ArgumentError, Problem, error_for
 from meshplan._spmd.by_path import PathRules
 
-__all__ = ["NAMES_HELP", "add_names_argument", "no_names_text", "notes_text", "read_names"]
+__all__ = [
+    "INFER",
+    "NAMES_HELP",
+    "add_names_argument",
+    "factory_rules",
+    "inferred_names",
+    "no_names_text",
+    "notes_text",
+    "read_names",
+]
 
 NAMES_HELP = (
     "a .json file of [pattern, names] pairs, or a .py file defining NAMES: logical names for "
     "the arrays of a --model pkg.module:factory written without them (a regex matched in full "
     "against the paths the plan prints, e.g. params/transformer/h/0/mlp/c_fc/kernel, first "
-    "match wins; one name or null per dimension; docs/any_model.md)"
+    "match wins; one name or null per dimension; docs/any_model.md); or 'infer': names "
+    "inferred from the model's train step (meshplan.infer_names, docs/infer.md)"
 )
+
+INFER = "infer"
+"""``--names infer``: the names :func:`meshplan.infer_names` reads from the factory's step."""
 
 
 def add_names_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -43,6 +56,8 @@ def read_names(names: str | None, model: str | None) -> PathRules | None:
         meshplan.ArgumentError: --names names the arrays of a --model pkg.module:factory; --model transformer carries its own names.
         Leave out --names, or pass --model mymodels:make_model.
 
+    ``--names infer`` infers them from the factory's train step (:func:`inferred_names`).
+
     Raises:
         ArgumentError: ``--names`` with a built-in model (code ``'names-built-in'``).
         LogicalNamesError: a file that is missing or does not hold valid pairs.
@@ -56,9 +71,43 @@ def read_names(names: str | None, model: str | None) -> PathRules | None:
             f"{model or 'transformer'} carries its own names",
             "Leave out --names, or pass --model mymodels:make_model.",
         )  # fmt: skip
+    if names == INFER:
+        return inferred_names(model)
     from meshplan.layouts import get_names
 
     return get_names(names)
+
+
+def inferred_names(model: str) -> PathRules:
+    """The path rules :func:`meshplan.infer_names` reads from ``model``'s train step (the
+    factory loaded without names, traced once), for its parameters: the rules that leave an
+    array alone (the step count, Adam's count) are left out, as a factory's names apply to
+    the parameters it initialises (:func:`factory_rules`).
+
+    Example:
+        >>> from meshplan.cli.names_file import inferred_names
+        >>> dict(inferred_names("meshplan.examples.third_party:jax_mlp"))["(?:.*/)?w1"]
+        ('dim_16', 'embed')
+    """
+    import meshplan
+    from meshplan.cli.factory import load_factory
+
+    loaded = load_factory(model, None)
+    return factory_rules(
+        meshplan.infer_names(loaded.step_fn, loaded.abstract_state, loaded.example_batch)
+    )
+
+
+def factory_rules(path_rules: PathRules) -> PathRules:
+    """``path_rules`` less those that leave arrays alone (``names`` ``None``): a factory's
+    names are given to its parameters, where no step count or optimizer count is.
+
+    Example:
+        >>> from meshplan.cli.names_file import factory_rules
+        >>> factory_rules([("w", ("embed",)), ("step", None)])
+        [('w', ('embed',))]
+    """
+    return [(p, n) for p, n in path_rules if n is not None]
 
 
 def no_names_text(problems: Sequence[Problem], model: str, rules: str) -> str | None:

@@ -26,7 +26,14 @@ from meshplan._errors import MeshError, MeshplanError
 from meshplan._text import human_seconds
 from meshplan.cli.devices import PLATFORMS, use_cpu_backend
 from meshplan.cli.factory import is_factory, load_factory
-from meshplan.cli.names_file import add_names_argument, read_names
+from meshplan.cli.inferred import (
+    add_names_out_argument,
+    names_flag,
+    names_json,
+    names_lines,
+    write_names,
+)
+from meshplan.cli.names_file import INFER, add_names_argument, read_names
 from meshplan.cli.output import print_error, say
 from meshplan.cli.plan import add_model_size_arguments, model_args_problem
 from meshplan.cli.sizes import parse_bytes
@@ -174,6 +181,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write the best choice's rules (JSON, with every name the model uses) here; "
         "nothing is written without it",
     )
+    add_names_out_argument(parser)
     parser.add_argument("--rows", type=int, default=10, help="ranked rows shown (default 10)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead")
 
@@ -300,7 +308,8 @@ def _train_command(
     command = train_command(best, str(path or "rules.json"))
     if not trainable:
         return None, path
-    extra = ["--model", args.model] + (["--names", args.names] if args.names else [])
+    names = names_flag(args, result, write_names(args, result))
+    extra = ["--model", args.model] + (["--names", names] if names else [])
     if not is_factory(args.model):  # a factory's own batches set the batch and the sequence
         extra += ["--size", args.size, "--batch", str(args.batch), "--seq", str(args.seq)]
     return f"{command} {' '.join(extra)}", path
@@ -367,7 +376,8 @@ def _load(args: argparse.Namespace) -> tuple[str, Any, Any, Any, bool]:
     ``trainable`` when ``meshplan train`` trains it (the example Transformers, and a factory
     of the four-value form)."""
     if is_factory(args.model):
-        loaded = load_factory(args.model, read_names(args.names, args.model))
+        names = None if args.names == INFER else read_names(args.names, args.model)
+        loaded = load_factory(args.model, names)  # with no names: search_rules infers them
         return (
             loaded.what, loaded.abstract_state, loaded.step_fn, loaded.example_batch,
             loaded.trainable is not None,
@@ -432,6 +442,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         data = {"model": what, **result.to_dict(), "rules_file": None if path is None else
                 str(path), "train_command": command}  # fmt: skip
+        if result.path_rules is not None:  # names inferred from the step
+            data["path_rules"] = names_json(result)
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
         return 0 if result.best is not None else 1
     _print(out, args, what, result, command, path)
@@ -475,6 +487,9 @@ def _print(
         f"{best.mesh_text} {best.axes_text} {best.short_rules} · predicted "
         f"{human_seconds(best.cost.step_s)}/step, {human_bytes(best.cost.memory_bytes)}/device",
     )  # fmt: skip
+    written = Path(args.names_out) if args.names_out and result.path_rules is not None else None
+    for line in names_lines(result, written):
+        say(out, line)
     if path is None:
         say(out, "rules not written: pass --rules-out PATH to write them (JSON)")
         path = Path("rules.json")
