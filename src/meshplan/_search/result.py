@@ -275,7 +275,7 @@ class SearchResult:
     tokens: int | None = None
     ranked_by: RankedBy = "predicted"
     tokens_unit: ThroughputUnit = "tokens"
-    path_rules: Sequence[tuple[str, Any]] | None = None
+    path_rules: Sequence[tuple[str, Sequence[str | None] | None]] | None = None
 
     def write_names(self, path: str) -> None:
         """Writes :attr:`path_rules` to ``path`` as JSON ``[pattern, names]`` pairs (what
