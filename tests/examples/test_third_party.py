@@ -1,20 +1,15 @@
 """Models nobody here wrote (Hugging Face Flax GPT-2 and Llama, Equinox, plain JAX), named by
-path, planned, stepped, trained and resumed onto another mesh; Hugging Face's forward pass on
-an Explicit mesh refused with the fix."""
+path, planned clean, their named steps traced; Hugging Face's forward pass on an Explicit mesh
+refused with the fix. GPT-2's training and resuming onto another mesh is docs/any_model.md's."""
 
 from __future__ import annotations
 
-import json
-
 import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import meshplan
-from meshplan.cli import main
 from meshplan.cli.factory import load_factory
 from meshplan.examples import third_party
 
@@ -82,25 +77,5 @@ def test_hugging_face_on_an_explicit_mesh_is_refused_naming_the_call_and_auto_ax
                 assert jax.eval_shape(loss, params, batch_here).shape == ()
 
 
-@pytest.mark.slow
-def test_gpt2_from_a_config_trained_and_resumed_on_another_mesh(tmp_path, capsys):
-    names = tmp_path / "gpt2_names.json"
-    names.write_text(json.dumps([[p, list(n)] for p, n in third_party.GPT2_NAMES]))
-    folder, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
-    base = ["train", "--model", "meshplan.examples.third_party:gpt2", "--eval-every", "0",
-            "--eval-batches", "1", "--ckpt-dir", str(folder), "--metrics", str(metrics)]  # fmt: skip
-    assert main([*base, "--names", str(names), "--steps", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "FlaxGPT2LMHeadModel (JAX functions)" in out and "layout fsdp_tp" in out
-    assert main([*base, "--resume", "--mesh", "4x2", "--steps", "3"]) == 0
-    captured = capsys.readouterr()
-    assert "resuming from step 2" in captured.out and "carries a logical name" not in captured.err
-    losses = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in losses if "loss" in r] == [1, 2, 3]
-    assert all(np.isfinite(r["loss"]) for r in losses if "loss" in r)
-    mesh = meshplan.train.device_mesh.make_mesh({"data": 4, "model": 2})
-    state, metadata = meshplan.restore(folder, mesh, FSDP_TP)
-    assert metadata.step == 3
-    fc = state["params"]["transformer"]["h"]["1"]["mlp"]["c_fc"]["kernel"]
-    assert fc.names == ("mlp", "embed") and fc.value.sharding.spec == P("model", "data")
-    assert bool(jnp.isfinite(fc.value).all())
+# GPT-2 trained by `meshplan train --names`, then resumed onto a 4x2 mesh without it and
+# restored: docs/any_model.md's blocks, run by tests/test_docs.py (slow).
