@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+import meshplan
 from meshplan.cli import main
 
 MLP = "meshplan.examples.third_party:jax_mlp"
@@ -56,3 +59,22 @@ def test_plan_with_names_infer_places_the_inferred_names(capsys):
     assert "--names" not in err  # every pattern matched, every parameter named
     assert "dim_16, embed" in out
     assert "P(None, ('data', 'model'))" in out  # fsdp splits embed over the devices
+
+
+@pytest.mark.slow
+def test_train_with_names_infer_keeps_the_inferred_names_for_a_resume_on_another_mesh(
+    capsys, tmp_path
+):
+    folder = str(tmp_path / "run")
+    common = ["--model", MLP, "--eval-every", "0", "--eval-batches", "1", "--ckpt-dir", folder]
+    code, out, err = _run(capsys, "train", *common, "--names", "infer", "--steps", "2",
+                          "--rules", "fsdp", "--mesh", "8")  # fmt: skip
+    assert code == 0, out + err
+    assert "carries a logical name" not in err and "--names" not in err
+    _, metadata = meshplan.restore(folder, None)
+    assert ["(?:.*/)?w1", ["dim_16", "embed"]] in metadata.extra["train"]["names"]
+    code, out, err = _run(capsys, "train", *common, "--resume", "--steps", "3", "--rules",
+                          "fsdp", "--mesh", "2x4")  # fmt: skip
+    assert code == 0, out + err
+    assert "resuming from step 2" in out + err
+    assert "carries a logical name" not in err
