@@ -242,3 +242,29 @@ def test_search_rules_names_an_unnamed_model_and_returns_its_path_rules():
     )  # fmt: skip
     assert named.path_rules is None
     assert named.best.cost.step_s == result.best.cost.step_s
+
+
+def test_flax_nnx_states_are_named_by_their_variables_paths():
+    from flax import nnx
+
+    class Mlp(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(E, M, rngs=rngs)
+            self.down = nnx.Linear(M, E, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.down(jax.nn.relu(self.up(x)))
+
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Mlp(nnx.Rngs(0))))
+
+    def step(state, x):
+        return jax.grad(lambda s: (nnx.merge(graphdef, s)(x) ** 2).mean())(state)
+
+    rules = meshplan.infer_names(step, state, sds(B, E))
+    assert list(rules) == [
+        ("down/bias", ("embed",)), ("down/kernel", ("mlp", "embed")),
+        ("up/bias", ("mlp",)), ("up/kernel", ("embed", "mlp")),
+    ]  # fmt: skip
+    named = meshplan.name_by_path(state, rules)
+    plan = meshplan.explain(named, {"data": 2, "model": 4}, meshplan.layouts.fsdp_tp)
+    assert not [p for p in plan.problems if p.severity == "error"]
