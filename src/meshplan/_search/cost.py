@@ -396,9 +396,9 @@ def predict(
 
     ``microbatches``: the step accumulates the gradients of this many runs of ``workload``
     (traced at one microbatch): compute, memory traffic and the collectives run once per
-    microbatch (FSDP gathers the weights and reduce-scatters the gradients per
-    microbatch), but for the all-reduces of replicated weight gradients (accumulated, then
-    reduced once, as DDP and Megatron do); the activations are one microbatch's, and the
+    microbatch (FSDP gathers the weights and reduces the gradients into their shards per
+    microbatch), but for the reductions of weight gradients replicated over the reduced
+    axes (accumulated whole, then reduced once, as DDP and Megatron do); the activations are one microbatch's, and the
     gradients are accumulated in the parameters' sharding (``Cost.accumulator_bytes``).
 
     Example:
@@ -434,6 +434,14 @@ def predict_specs(
     return _predict_one(workload, specs, profile, cache, max(1, microbatches))
 
 
+def _sharded_over(specs: _Specs, dot: Dot, axes: tuple[str, ...]) -> bool:
+    """Whether a weight gradient's array is split over some of ``axes``, the axes it is
+    reduced over: FSDP accumulates it in its shard, reduced per microbatch; a replicated
+    one (DDP) is accumulated whole and reduced once a step."""
+    names, shape, _ = _out_array(dot)
+    return any(a in axes for d in specs(names, len(shape)) for a in d)
+
+
 def _accumulator_bytes(workload: Workload, specs: _Specs) -> int:
     """The gradients accumulated over microbatches: what the weight-gradient matmuls
     (outputs without ``'batch'``) produce, in their sharding."""
@@ -460,6 +468,7 @@ def _predict_one(
     gathers: dict[Any, list[Any]] = {}  # key -> [kind, axes, bytes, count, dots, trips]
     dependent: list[tuple[str, tuple[str, ...], int, int]] = []
     independent: dict[tuple[str, tuple[str, ...], int], list[int]] = {}  # [bytes, runs]
+    once: set[tuple[str, tuple[str, ...], int]] = set()  # reductions a step makes once
     gathered_extra: dict[Dot, dict[Any, int]] = {}
     unreduced: dict[Dot, int] = {}  # a weight gradient's partial sums beyond its shard
     partial_sums: set[Dot] = set()  # activations all-reduced (a tensor-parallel projection)
@@ -505,6 +514,9 @@ def _predict_one(
                 if kind in ("reduce-scatter", "all-reduce"):  # beyond its reduced shard
                     kept = specs.shard_bytes(*_out_array(dot))
                     unreduced[dot] = unreduced.get(dot, 0) + max(0, nbytes - kept)
+                if micro > 1 and not _sharded_over(specs, dot, axes):  # DDP: once a step
+                    kind = f"{kind} once"
+                    once.add((kind, axes, trips))
                 ind = independent.setdefault((kind, axes, trips), [0, 0])
                 ind[0] += nbytes * count
                 ind[1] += count
@@ -544,12 +556,15 @@ def _predict_one(
         n_coll += micro * count
         _tally(by_kind, by_axis, kind, axes, micro * nbytes * count)
     for (kind, axes, count), (nbytes, runs) in independent.items():  # count: runs in sequence
-        reps = 1 if kind == "all-reduce" else micro  # FSDP's gathers and reduce-scatters
+        # per microbatch but replicated gradients' reductions (accumulated, reduced once)
+        reps = 1 if (kind, axes, count) in once else micro
+        kind = kind.removesuffix(" once")
         per_run = nbytes / count if count else nbytes
         if kind != "all-reduce" and not profile.combines_gathers:  # one per array
             groups = max(1, round(runs / count)) if count else runs
-        elif profile.combine_bytes:
-            groups = max(1, math.ceil(per_run / profile.combine_bytes))
+        elif profile.combine_bytes:  # small arrays merged up to the threshold, never split
+            arrays = max(1, round(runs / count)) if count else runs
+            groups = max(1, min(arrays, math.ceil(per_run / profile.combine_bytes)))
         else:
             groups = 0
         if groups:  # one latency per group, the bandwidth term for all the bytes
