@@ -563,8 +563,8 @@ def _predict_one(
         if kind != "all-reduce" and not profile.combines_gathers:  # one per array
             groups = max(1, round(runs / count)) if count else runs
         elif profile.combine_bytes:  # small arrays merged up to the threshold, never split
-            arrays = max(1, round(runs / count)) if count else runs
-            groups = max(1, min(arrays, math.ceil(per_run / profile.combine_bytes)))
+            n_arrays = max(1, round(runs / count)) if count else runs
+            groups = max(1, min(n_arrays, math.ceil(per_run / profile.combine_bytes)))
         else:
             groups = 0
         if groups:  # one latency per group, the bandwidth term for all the bytes

@@ -511,10 +511,11 @@ def search_rules(
             )  # fmt: skip
         example_batch = split_batch(example_batch, microbatches)
         workload = trace_workload(step_fn, abstract_state, example_batch, read_constraints=True)
-    if batch is not None and batch != workload.batch * microbatches:
+    whole = None if workload.batch is None else workload.batch * microbatches
+    if batch is not None and batch != whole:
         raise error_for(
             ArgumentError, "bad-batch", "batch",
-            f"search_rules got batch={batch}, and its example batch holds {workload.batch}",
+            f"search_rules got batch={batch}, and its example batch holds {whole}",
             "Leave batch= out: with a step, the batch is the example batch's.",
         )  # fmt: skip
     _check_measure(measure, step_fn, devices)

@@ -568,7 +568,7 @@ class _Walker:
                     group.add(y)
             return [self._constraint(eqn, ins[0], shapes[0], times)]
         if prim == "select_n" and self._masks_scores(eqn, ins):
-            self.causal_masks.add(shapes[0][-2:])  # type: ignore[arg-type]
+            self.causal_masks.add(shapes[0][-2:])
         outs = [dedupe(n) for n in self.other(prim, p, ins, shapes, out_shapes)]
         score = prim not in _BOUNDARY and self._score_input(eqn)
         for n, v in zip(outs, eqn.outvars, strict=True):
