@@ -160,9 +160,10 @@ _TPU: dict[str, Any] = dict(
     matmul_efficiency=0.86, fused_attention=True, overlap=0.9, combine_bytes=32 << 20,
     regather=True, rematerialize=True, causal_block=512,
 )  # fmt: skip
-# NCCL's collectives take steps: its tuning model (src/graph/tuning.cc, ``hwLat``) gives a
-# ring 2.5 us a step over NVLink and over the network with its LL128 protocol, the one it
-# picks for the chunks a sharded weight's ring moves per step (a few hundred KiB to MiB).
+# NCCL's collectives take steps: its tuning model (src/graph/tuning.cc, ``hwLat``, per ring
+# step) gives 0.4 us over NVLink with its LL protocol, the one it picks for the small
+# messages whose latency matters within a host, and 6.6 us over the network with its
+# Simple protocol, the one it picks for the large chunks a sharded weight's ring moves.
 # Its kernels run on the GPU's streaming multiprocessors (a channel each: 16 to 32 of an
 # H100's 132) and share its memory bandwidth with the compute they overlap, which loses
 # a fifth of the time they run (overlap_cost 0.2: fitted with the matmul efficiencies on
@@ -170,7 +171,7 @@ _TPU: dict[str, Any] = dict(
 # hides (128 keys a tile: FlashAttention 2 and 3, cuDNN).
 _GPU: dict[str, Any] = dict(
     fused_attention=True, overlap=0.9, combine_bytes=32 << 20, regather=True, rematerialize=True,
-    hop_latency_s=2.5e-6, slow_hop_latency_s=2.5e-6, overlap_cost=0.2, causal_block=128,
+    hop_latency_s=0.4e-6, slow_hop_latency_s=6.6e-6, overlap_cost=0.2, causal_block=128,
 )  # fmt: skip
 # GPU matmul efficiencies, fitted on the calibration rows of benchmarks/bench_published.py
 # (llm-foundry's PyTorch FSDP runs, MaxText's A3 runs at 2 and 16 hosts, Megatron-LM's;
