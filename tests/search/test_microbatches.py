@@ -86,7 +86,7 @@ def test_search_rules_prices_the_accumulated_step_and_reports_the_whole_batch():
     assert result.best.cost.flops_per_device == pytest.approx(whole.best.cost.flops_per_device)
 
 
-@pytest.mark.parametrize(("microbatches", "fragment"), [(3, "does not divide"), (0, "at least 1")])
+@pytest.mark.parametrize(("microbatches", "fragment"), [(3, "do not divide"), (0, "at least 1")])
 def test_a_bad_number_of_microbatches_is_refused_naming_it(microbatches, fragment):
     step, state, batch = _mlp()
     with pytest.raises(meshplan.ArgumentError, match=fragment) as info:

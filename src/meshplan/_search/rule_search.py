@@ -637,17 +637,17 @@ def split_batch(example_batch: Any, microbatches: int) -> Any:
         return example_batch
     leaves, tree = jax.tree.flatten(example_batch)
     bad = [
-        f"{jax.tree_util.keystr(path)} {tuple(x.shape)}"
+        f"batch{jax.tree_util.keystr(path)} {tuple(getattr(x, 'shape', ()))}"
         for path, x in jax.tree_util.tree_flatten_with_path(example_batch)[0]
         if not getattr(x, "shape", ()) or x.shape[0] % microbatches
     ]
     if bad:
         raise error_for(
             ArgumentError, "bad-microbatches", "microbatches",
-            f"microbatches={microbatches} does not divide the first dimension of the batch's "
-            f"arrays {', '.join(bad)}",
-            f"Pass a batch of a multiple of {microbatches} examples, or microbatches= a divisor "
-            "of the batch size.",
+            f"{microbatches} microbatches (microbatches=, --grad-accum) do not divide the first "
+            f"dimension of the batch's arrays: {', '.join(bad)}",
+            f"Pass a batch of a multiple of {microbatches} examples, or a number of microbatches "
+            "that divides the batch size.",
         )  # fmt: skip
     micro = [
         jax.ShapeDtypeStruct((x.shape[0] // microbatches, *x.shape[1:]), x.dtype) for x in leaves
