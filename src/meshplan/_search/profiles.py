@@ -184,6 +184,17 @@ _A100_EFF, _HOPPER_EFF = 0.62, 0.48
 _A100_ATTN, _HOPPER_ATTN = 0.55, 0.35
 _V6E_EFF = 0.60  # TPU v6e: see its profile
 
+# NVIDIA H100 SXM5 datasheet (nvidia.com/en-us/data-center/h100): 989 TFLOP/s dense bf16
+# (1,979 with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s per GPU (both
+# directions: 450 GB/s each way). Between hosts: DGX H100, 8x 400 Gb/s ConnectX-7
+# InfiniBand per 8 GPUs = 50 GB/s per GPU each way. Collective latency ~10 us (NCCL).
+_H100 = HardwareProfile(
+    "h100", 989e12, 80 * 10**9, 3.35e12, 450e9, 50e9, 8, 10e-6,
+    "NVIDIA H100 SXM5 datasheet; DGX H100 (8x ConnectX-7 400 Gb/s)",
+    slow_latency_s=20e-6, matmul_efficiency=_HOPPER_EFF,
+    attention_efficiency=_HOPPER_ATTN, **_GPU,
+)  # fmt: skip
+
 PROFILES: dict[str, HardwareProfile] = {
     # NVIDIA A100 SXM4 80GB datasheet (nvidia.com/en-us/data-center/a100): 312 TFLOP/s dense
     # bf16, 80 GB HBM2e at 2,039 GB/s, NVLink 3 600 GB/s per GPU (300 GB/s each way). DGX A100:
@@ -194,24 +205,14 @@ PROFILES: dict[str, HardwareProfile] = {
         slow_latency_s=20e-6, matmul_efficiency=_A100_EFF, attention_efficiency=_A100_ATTN,
         **_GPU,
     ),
-    # NVIDIA H100 SXM5 datasheet (nvidia.com/en-us/data-center/h100): 989 TFLOP/s dense bf16
-    # (1,979 with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s per GPU (both
-    # directions: 450 GB/s each way). Between hosts: DGX H100, 8x 400 Gb/s ConnectX-7
-    # InfiniBand per 8 GPUs = 50 GB/s per GPU each way. Collective latency ~10 us (NCCL).
-    "h100": HardwareProfile(
-        "h100", 989e12, 80 * 10**9, 3.35e12, 450e9, 50e9, 8, 10e-6,
-        "NVIDIA H100 SXM5 datasheet; DGX H100 (8x ConnectX-7 400 Gb/s)",
-        slow_latency_s=20e-6, matmul_efficiency=_HOPPER_EFF,
-        attention_efficiency=_HOPPER_ATTN, **_GPU,
-    ),
+    "h100": _H100,
     # Google Cloud A3 VMs (a3-highgpu-8g, cloud.google.com/compute/docs/gpus, "A3 High"): 8
     # H100 SXM on NVLink 4 as above; between VMs GPUDirect-TCPX over 4 NICs of 200 Gb/s for
     # the GPUs: 800 Gb/s per 8 GPUs, 12.5 GB/s per GPU each way. MaxText's A3 results ran here.
-    "h100_a3": HardwareProfile(
-        "h100_a3", 989e12, 80 * 10**9, 3.35e12, 450e9, 12.5e9, 8, 10e-6,
-        "NVIDIA H100 SXM5 datasheet; Google Cloud A3 High (4x 200 Gb/s GPUDirect-TCPX per VM)",
-        slow_latency_s=20e-6, matmul_efficiency=_HOPPER_EFF,
-        attention_efficiency=_HOPPER_ATTN, **_GPU,
+    "h100_a3": dataclasses.replace(
+        _H100, name="h100_a3", slow_bandwidth=12.5e9,
+        source="NVIDIA H100 SXM5 datasheet; Google Cloud A3 High (4x 200 Gb/s GPUDirect-TCPX "
+        "per VM)",
     ),
     # NVIDIA H200 SXM datasheet (nvidia.com/en-us/data-center/h200): 989 TFLOP/s dense bf16,
     # 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s (450 GB/s each way); hosts as DGX H100.
