@@ -49,6 +49,10 @@ MAXTEXT_A3 = (
     "README.md (TFLOP/s per chip; configs 1vm.sh and 8vm.sh beside it)"
 )
 PALM = "Chowdhery et al. 2022, PaLM, arXiv:2204.02311, sec. 4 and appendix B (46.2% MFU)"
+MEGATRON = (
+    "Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters "
+    "Using Megatron-LM, arXiv:2104.04473, Table 1 (the rows without pipeline parallelism)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +60,10 @@ class Row:
     """One published configuration and its published speed.
 
     ``mesh``/``rules``: the published layout; ``published_s``: the published step time
-    (``how``: how it follows from the source's figures); ``batch``: sequences per step.
+    (``how``: how it follows from the source's figures); ``batch``: sequences per
+    microbatch, ``microbatches`` of them accumulated per step; ``flash``: the framework ran
+    fused (flash) attention (``False``: the scores written to memory, as Megatron-LM's
+    2021 kernels did: the profile without ``fused_attention``).
     """
 
     name: str
@@ -70,6 +77,8 @@ class Row:
     how: str
     source: str
     held_out: bool = False
+    flash: bool = True
+    microbatches: int = 1
 
 
 def _maxtext_flops(cfg: LlamaConfig, batch: int, seq: int) -> float:
@@ -125,7 +134,37 @@ LLAMA2_70B = LlamaConfig(embed=8192, heads=64, kv_heads=8, head_dim=128, mlp=286
                          vocab=32000)  # fmt: skip
 
 
-def _a3(name: str, hosts: int, tflops_chip: float) -> Row:
+def _megatron(
+    params_b: float, heads: int, hidden: int, layers: int, tensor: int, gpus: int, batch: int,
+    tflops_gpu: float, micro: int, *, held_out: bool = False,
+) -> Row:  # fmt: skip
+    """A GPT of Megatron-LM's Table 1 (2021) on DGX A100 80GB: tensor parallelism within a
+    host, data parallelism across hosts (gradients all-reduced once per step), full
+    activation recomputation, unfused attention, sequence 2048, vocabulary 51,200; the
+    published throughput counts the recomputation: ``96 B s l h^2 (1 + s/6h + V/16lh)``
+    FLOPs per step (their eq. 3). The microbatch is not in the table: ``micro`` sequences."""
+    seq, vocab = 2048, 51200
+    cfg = LlamaConfig(embed=hidden, heads=heads, kv_heads=heads, head_dim=hidden // heads,
+                      mlp=4 * hidden, layers=layers, vocab=vocab, gated=False, remat="full",
+                      scan=False)  # fmt: skip
+    flops = (
+        96
+        * batch
+        * seq
+        * layers
+        * hidden**2
+        * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+    )
+    data = gpus // tensor
+    mesh = {"data": data, "tensor": tensor} if tensor > 1 else {"data": data}
+    rules = tuple((n, None if n == "activation_embed" else a) for n, a in FSDP_TP)
+    how = f"eq. 3 FLOPs ({batch} x {seq} tokens) / ({tflops_gpu:g} TFLOP/s x {gpus} GPUs)"
+    return Row(f"Megatron-LM {params_b:g}B {gpus}x A100", "a100", cfg, micro * data, seq, mesh,
+               rules, flops / (tflops_gpu * 1e12 * gpus), how, MEGATRON, held_out,
+               flash=False, microbatches=batch // (micro * data))  # fmt: skip
+
+
+def _a3(name: str, hosts: int, tflops_chip: float, held_out: bool = True) -> Row:
     """MaxText's Llama2-7B on ``hosts`` A3 hosts of 8 H100s: per-device batch 4, sequence
     4096, FSDP over a host's 8 GPUs, data parallel across hosts, ``remat_policy=
     minimal_flash`` (every matmul without batch dimensions saved), layers not scanned."""
@@ -135,8 +174,8 @@ def _a3(name: str, hosts: int, tflops_chip: float) -> Row:
     mesh = {"data": hosts, "fsdp": 8} if hosts > 1 else {"fsdp": 8}
     flops = _maxtext_flops(cfg, batch, seq) / gpus
     how = f"MaxText model FLOPs per GPU / {tflops_chip:g} TFLOP/s per GPU"
-    return Row(name, "h100", cfg, batch, seq, mesh, FSDP_TP, flops / (tflops_chip * 1e12), how,
-               MAXTEXT_A3, held_out=True)  # fmt: skip
+    return Row(name, "h100_a3", cfg, batch, seq, mesh, FSDP_TP, flops / (tflops_chip * 1e12),
+               how, MAXTEXT_A3, held_out=held_out)  # fmt: skip
 
 
 def rows() -> list[Row]:
@@ -167,6 +206,15 @@ def rows() -> list[Row]:
             TPU_RECIPES_V6E),  # calibrates the v6e profile's matmul efficiency
         _a3("MaxText Llama2-7B 8x H100 (1 A3)", 1, 492),
         _a3("MaxText Llama2-7B 64x H100 (8 A3)", 8, 409),
+        # New sources: the same MaxText table's other host counts (the scale), and
+        # Megatron-LM's paper (A100, tensor + data parallelism, unfused attention).
+        _a3("MaxText Llama2-7B 16x H100 (2 A3)", 2, 422, held_out=False),
+        _a3("MaxText Llama2-7B 32x H100 (4 A3)", 4, 407),
+        _a3("MaxText Llama2-7B 128x H100 (16 A3)", 16, 375, held_out=False),
+        _megatron(1.7, 24, 2304, 24, 1, 32, 512, 137, 4),
+        _megatron(3.6, 32, 3072, 30, 2, 64, 512, 138, 4, held_out=True),
+        _megatron(7.5, 32, 4096, 36, 4, 128, 512, 142, 4),
+        _megatron(18.4, 48, 6144, 40, 8, 256, 1024, 135, 4, held_out=True),
     ]  # fmt: skip
     # PaLM's remat: its 57.8% hardware FLOPs utilisation over its 46.2% MFU is 1.25x the
     # model FLOPs recomputed, what rematerialising every layer's forward costs here (1.25x).
@@ -185,13 +233,19 @@ def rows() -> list[Row]:
     return out
 
 
+def row_profile(row: Row) -> meshplan.HardwareProfile:
+    """The row's hardware profile, without fused attention where its framework had none."""
+    prof = get_profile(row.profile)
+    return prof if row.flash else dataclasses.replace(prof, fused_attention=False)
+
+
 def run_row(row: Row, search: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     state, step, batch = llama_step(row.cfg, row.batch, row.seq)
     work = trace_workload(step, state, batch, read_constraints=True)
     trace_s = time.perf_counter() - t0
-    prof = get_profile(row.profile)
-    cost = predict(work, row.mesh, row.rules, prof)
+    prof = row_profile(row)
+    cost = predict(work, row.mesh, row.rules, prof, microbatches=row.microbatches)
     out: dict[str, Any] = {
         "name": row.name, "profile": row.profile, "held_out": row.held_out,
         "mesh": row.mesh, "params": row.cfg.params(), "published_s": row.published_s,
@@ -205,7 +259,9 @@ def run_row(row: Row, search: bool) -> dict[str, Any]:
         devices = 1
         for n in row.mesh.values():
             devices *= n
-        result = meshplan.search_rules(devices, workload=work, profile=prof, compile_top=0)
+        result = meshplan.search_rules(
+            devices, workload=work, profile=prof, compile_top=0, microbatches=row.microbatches
+        )
         out["search_s"] = time.perf_counter() - t0
         best = result.best
         if best is not None and best.cost is not None:

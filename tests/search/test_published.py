@@ -17,7 +17,7 @@ import bench_published
 
 pytestmark = pytest.mark.slow  # each test here takes seconds: processes or long compiles
 
-ROWS = ["MaxText 16B v5e-256", "llm-foundry MPT-30B 8x A100"]
+ROWS = ["MaxText 16B v5e-256", "llm-foundry MPT-30B 8x A100", "Megatron-LM 1.7B 32x A100"]
 
 
 @pytest.mark.parametrize("name", ROWS)

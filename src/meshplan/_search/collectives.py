@@ -18,7 +18,13 @@ device (the operand, as :func:`meshplan._search.hlo.collective_bytes` counts it)
 * all-to-all: ``(k-1)/(k m) b / fast + (m-1)/m b / slow``;
 * collective-permute (a ring shift, context parallelism): ``b`` over the slowest link.
 
-Each adds the latency of the links it uses.
+Each adds the latency of the links it uses (``latency_s``, ``slow_latency_s``: a
+collective's start), and the latency of its steps, as NCCL's tuning model counts them
+(``ncclTopoTuneModel``): a ring over ``n = k m`` devices takes ``n - 1`` steps per phase
+(two phases for an all-reduce), of which ``m - 1`` cross domains
+(``slow_hop_latency_s`` each) and the rest do not (``hop_latency_s`` each). So the time
+of a collective grows with its participants where the bytes per device do not: FSDP's
+gathers over 512 GPUs pay 511 steps each, over 128 GPUs 127.
 """
 
 from __future__ import annotations
@@ -75,6 +81,9 @@ def collective_time(
     fast, slow = profile.fast_bandwidth, profile.slow_bandwidth
     slow_lat = profile.slow_latency_s if profile.slow_latency_s is not None else profile.latency_s
     lat = (profile.latency_s if k > 1 else 0.0) + (slow_lat if m > 1 else 0.0)
+    phases = {"all-reduce": 2, "reduce-scatter": 1, "all-gather": 1}.get(kind, 0)
+    if phases:  # the ring's steps: those crossing domains and the others
+        lat += phases * ((m - 1) * profile.slow_hop_latency_s + (k * m - m) * profile.hop_latency_s)
     b = float(nbytes)
     if kind == "all-reduce":
         t = 2 * (k - 1) / k * b / fast + 2 * (m - 1) / m * (b / k) / slow

@@ -61,6 +61,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from meshplan._search import attention
 from meshplan._search import memory as memory_model
 from meshplan._search.collectives import collective_time
 from meshplan._search.profiles import HardwareProfile
@@ -89,7 +90,8 @@ class Cost:
     ``state_bytes``: parameters and optimizer state; ``batch_bytes``: the batch;
     ``activation_bytes``: values kept across layers at the peak (residuals for the
     backward pass, gradients); ``temporary_bytes``: the rest of the peak (the layer
-    being computed, gathered weights, the optimizer update).
+    being computed, gathered weights, the optimizer update); ``accumulator_bytes``: the
+    gradients accumulated over microbatches (:func:`predict`'s ``microbatches``).
     """
 
     step_s: float
@@ -105,11 +107,14 @@ class Cost:
     temporary_bytes: int = 0
     batch_bytes: int = 0
     comm_total_s: float = 0.0
+    accumulator_bytes: int = 0
 
     @property
     def memory_bytes(self) -> int:
-        """State, batch, activations and temporaries: the peak on one device."""
-        return self.state_bytes + self.batch_bytes + self.activation_bytes + self.temporary_bytes
+        """State, batch, activations, temporaries and the gradient accumulator (with
+        microbatches): the peak on one device."""
+        return (self.state_bytes + self.batch_bytes + self.activation_bytes
+                + self.temporary_bytes + self.accumulator_bytes)  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "memory_bytes": self.memory_bytes}
@@ -384,9 +389,17 @@ def _dot_cost_cached(
 
 
 def predict(
-    workload: Workload, mesh: Mapping[str, int], rules: LogicalRules, profile: HardwareProfile
-) -> Cost:
+    workload: Workload, mesh: Mapping[str, int], rules: LogicalRules, profile: HardwareProfile,
+    *, microbatches: int = 1,
+) -> Cost:  # fmt: skip
     """The predicted step time and per-device bytes of ``workload`` on ``mesh`` under ``rules``.
+
+    ``microbatches``: the step accumulates the gradients of this many runs of ``workload``
+    (traced at one microbatch): compute, memory traffic and the collectives run once per
+    microbatch (FSDP gathers the weights and reduces the gradients into their shards per
+    microbatch), but for the reductions of weight gradients replicated over the reduced
+    axes (accumulated whole, then reduced once, as DDP and Megatron do); the activations are one microbatch's, and the
+    gradients are accumulated in the parameters' sharding (``Cost.accumulator_bytes``).
 
     Example:
         >>> import jax, jax.numpy as jnp, meshplan
@@ -403,15 +416,49 @@ def predict(
         >>> tp = predict(work, {"tensor": 8}, (("mlp", "tensor"),), get_profile("h100"))
         >>> tp.comm_bytes, tp.flops_per_device == dp.flops_per_device == work.flops / 8
         ({}, True)
+        >>> four = predict(work, {"data": 8}, (("batch", "data"),), get_profile("h100"), microbatches=4)
+        >>> four.comm_bytes, four.accumulator_bytes        # reduced once; one f32 gradient
+        ({'all-reduce': 1048576}, 1048576)
+        >>> round(four.compute_s / dp.compute_s, 6)
+        4.0
     """
-    return predict_specs(workload, _Specs(mesh, rules), profile)
+    return predict_specs(workload, _Specs(mesh, rules), profile, microbatches=microbatches)
 
 
 def predict_specs(
-    workload: Workload, specs: _Specs, profile: HardwareProfile, cache: DotCache | None = None
-) -> Cost:
+    workload: Workload, specs: _Specs, profile: HardwareProfile, cache: DotCache | None = None,
+    microbatches: int = 1,
+) -> Cost:  # fmt: skip
     """:func:`predict` of a candidate's resolved specs; ``cache``: matmul costs shared by the
     candidates of one search (the same answers as without it, computed once)."""
+    return _predict_one(workload, specs, profile, cache, max(1, microbatches))
+
+
+def _sharded_over(specs: _Specs, dot: Dot, axes: tuple[str, ...]) -> bool:
+    """Whether a weight gradient's array is split over some of ``axes``, the axes it is
+    reduced over: FSDP accumulates it in its shard, reduced per microbatch; a replicated
+    one (DDP) is accumulated whole and reduced once a step."""
+    names, shape, _ = _out_array(dot)
+    return any(a in axes for d in specs(names, len(shape)) for a in d)
+
+
+def _accumulator_bytes(workload: Workload, specs: _Specs) -> int:
+    """The gradients accumulated over microbatches: what the weight-gradient matmuls
+    (outputs without ``'batch'``) produce, in their sharding."""
+    return sum(
+        specs.shard_bytes(*_out_array(dot)) * count
+        for dot, count in workload.dots.items()
+        if not _batch_out(dot)
+    )
+
+
+def _predict_one(
+    workload: Workload, specs: _Specs, profile: HardwareProfile, cache: DotCache | None,
+    micro: int,
+) -> Cost:  # fmt: skip
+    """:func:`predict_specs` of a step of ``micro`` runs of ``workload`` (microbatches):
+    everything but the weight gradients' all-reduces (accumulated, then reduced once, as
+    DDP and Megatron do) runs once per microbatch."""
     sizes = specs.sizes
     eff_flops = profile.peak_flops * profile.matmul_efficiency
     fused = profile.fused_attention
@@ -421,21 +468,29 @@ def predict_specs(
     gathers: dict[Any, list[Any]] = {}  # key -> [kind, axes, bytes, count, dots, trips]
     dependent: list[tuple[str, tuple[str, ...], int, int]] = []
     independent: dict[tuple[str, tuple[str, ...], int], list[int]] = {}  # [bytes, runs]
+    once: set[tuple[str, tuple[str, ...], int]] = set()  # reductions a step makes once
     gathered_extra: dict[Dot, dict[Any, int]] = {}
     unreduced: dict[Dot, int] = {}  # a weight gradient's partial sums beyond its shard
     partial_sums: set[Dot] = set()  # activations all-reduced (a tensor-parallel projection)
     params = frozenset(workload.param_names)
     read: dict[Any, set[int]] = {}  # an activation's gather key: the arrays gathered
+    attn_flops = profile.peak_flops * (profile.attention_efficiency or profile.matmul_efficiency)
+    scores = [0.0, 0.0]  # fused attention's FLOPs per device: [producing, reading] scores
     for dot, count in workload.dots.items():
         trips = workload.trips(dot)  # runs in sequence; count / trips appear side by side
         f, colls, out_bytes = _dot_cost_cached(dot, specs, profile.reduce_scatter, cache, params)
         flops += f * count
         score = fused and dot in workload.score_dots
-        moved = 0 if score else (
-            specs.shard_bytes(dot.lhs_names, dot.lhs_shape, dot.lhs_itemsize)
-            + specs.shard_bytes(dot.rhs_names, dot.rhs_shape, dot.rhs_itemsize) + out_bytes
-        )  # fmt: skip
-        compute_s += count * max(f / eff_flops, moved / profile.memory_bandwidth)
+        if score:  # one flash kernel: its efficiency, masked blocks skipped (attention.py)
+            run = f * count * _causal(dot, workload, profile)
+            scores[0 if attention.produces_scores(dot) else 1] += run
+            compute_s += run / attn_flops
+        else:
+            moved = (
+                specs.shard_bytes(dot.lhs_names, dot.lhs_shape, dot.lhs_itemsize)
+                + specs.shard_bytes(dot.rhs_names, dot.rhs_shape, dot.rhs_itemsize) + out_bytes
+            )  # fmt: skip
+            compute_s += count * max(f / eff_flops, moved / profile.memory_bandwidth)
         extra: dict[Any, int] = {}  # gathered arrays: the bytes each adds on a device
         for kind, axes, nbytes, key in colls:
             if key is not None:
@@ -459,12 +514,16 @@ def predict_specs(
                 if kind in ("reduce-scatter", "all-reduce"):  # beyond its reduced shard
                     kept = specs.shard_bytes(*_out_array(dot))
                     unreduced[dot] = unreduced.get(dot, 0) + max(0, nbytes - kept)
+                if micro > 1 and not _sharded_over(specs, dot, axes):  # DDP: once a step
+                    kind = f"{kind} once"
+                    once.add((kind, axes, trips))
                 ind = independent.setdefault((kind, axes, trips), [0, 0])
                 ind[0] += nbytes * count
                 ind[1] += count
             else:
                 dependent.append((kind, axes, nbytes, count))
         gathered_extra[dot] = extra
+    compute_s += attention.flash_recompute(*scores) / attn_flops  # the backward's q·kᵀ
     for (before, after, shape, item), count in workload.reshards.items():
         nbytes = specs.shard_bytes(before, shape, item)  # a constraint that moves axes
         order = batch_first(before)
@@ -493,33 +552,39 @@ def predict_specs(
             ind[1] += trips * passes
     n_coll, exposed, hidden = 0, 0.0, 0.0
     for kind, axes, nbytes, count in dependent:
-        exposed += count * collective_time(profile, kind, sizes, axes, nbytes)
-        n_coll += count
-        _tally(by_kind, by_axis, kind, axes, nbytes * count)
+        exposed += micro * count * collective_time(profile, kind, sizes, axes, nbytes)
+        n_coll += micro * count
+        _tally(by_kind, by_axis, kind, axes, micro * nbytes * count)
     for (kind, axes, count), (nbytes, runs) in independent.items():  # count: runs in sequence
+        # per microbatch but replicated gradients' reductions (accumulated, reduced once)
+        reps = 1 if (kind, axes, count) in once else micro
+        kind = kind.removesuffix(" once")
         per_run = nbytes / count if count else nbytes
         if kind != "all-reduce" and not profile.combines_gathers:  # one per array
             groups = max(1, round(runs / count)) if count else runs
-        elif profile.combine_bytes:
-            groups = max(1, math.ceil(per_run / profile.combine_bytes))
+        elif profile.combine_bytes:  # small arrays merged up to the threshold, never split
+            n_arrays = max(1, round(runs / count)) if count else runs
+            groups = max(1, min(n_arrays, math.ceil(per_run / profile.combine_bytes)))
         else:
             groups = 0
         if groups:  # one latency per group, the bandwidth term for all the bytes
             t = count * groups * collective_time(profile, kind, sizes, axes, per_run / groups)
-            n_coll += count * groups
+            n_coll += reps * count * groups
         else:
             t = count * collective_time(profile, kind, sizes, axes, per_run)
-            n_coll += count
-        hidden += t
-        _tally(by_kind, by_axis, kind, axes, int(nbytes))
+            n_coll += reps * count
+        hidden += reps * t
+        _tally(by_kind, by_axis, kind, axes, int(reps * nbytes))
     traffic = 0
     for (names, shape, score), nbytes in workload.traffic.items():
         if not (fused and score):
             traffic += nbytes // specs.split(specs(names, len(shape)))
-    memory_s = traffic / profile.memory_bandwidth
-    comm_s = exposed + max(0.0, hidden - profile.overlap * (compute_s + memory_s))
+    memory_s = micro * traffic / profile.memory_bandwidth
+    compute_s, flops = compute_s * micro, flops * micro
+    covered = profile.overlap * (compute_s + memory_s)  # what compute can hide
+    comm_s = exposed + max(0.0, hidden - covered) + profile.overlap_cost * min(hidden, covered)
     peak = _peak(workload, specs, profile, gathered_extra, unreduced, partial_sums)
-    batch_bytes = sum(specs.shard_bytes(n, s, i) for n, s, i in workload.batch_state)
+    batch_bytes = micro * sum(specs.shard_bytes(n, s, i) for n, s, i in workload.batch_state)
     return Cost(
         step_s=compute_s + memory_s + comm_s,
         compute_s=compute_s,
@@ -534,7 +599,17 @@ def predict_specs(
         temporary_bytes=peak.temporaries,
         batch_bytes=batch_bytes,
         comm_total_s=exposed + hidden,
+        accumulator_bytes=_accumulator_bytes(workload, specs) if micro > 1 else 0,
     )
+
+
+def _causal(dot: Dot, workload: Workload, profile: HardwareProfile) -> float:
+    """The fraction of a fused attention matmul's FLOPs that run: under a causal mask,
+    the tiles not wholly masked (:func:`meshplan._search.attention.causal_fraction`)."""
+    if not profile.causal_block:
+        return 1.0
+    mask = attention.is_causal(dot, workload.causal_masks)
+    return 1.0 if mask is None else attention.causal_fraction(*mask, profile.causal_block)
 
 
 def _weight_gather_axes(specs: _Specs, names: Names, ndim: int, act: Names) -> tuple[str, ...]:

@@ -62,6 +62,19 @@ class HardwareProfile:
             activation's derivative) where they are used rather than keep them for the
             backward pass, as its fusion and rematerialisation passes do against a device's
             memory (TPU, GPU); XLA on CPU, with no memory limit, keeps them.
+        attention_efficiency: The fraction of ``peak_flops`` the fused attention kernels
+            reach, forward and backward (the backward's recompute of the scores counted as
+            FLOPs: :mod:`meshplan._search.attention`); 0: ``matmul_efficiency``.
+        causal_block: Keys per tile of the fused attention kernel: under a causal mask the
+            tiles wholly masked are skipped (0: none skipped, the whole square computed).
+        hop_latency_s: Seconds each step of a ring collective adds within a domain (NCCL's
+            per-hop latency over NVLink; a ring over ``k`` devices takes ``k - 1`` steps per
+            phase, a tree ``log2 k``).
+        slow_hop_latency_s: The same for each step that crosses domains (a network hop).
+        overlap_cost: The fraction of a hidden collective's time that the compute it
+            overlaps loses anyway: NCCL's kernels run on the GPU's cores (its channels take
+            streaming multiprocessors) and read and write its memory; 0: none (a TPU's ICI
+            has its own DMA engines).
         combines_remat_collectives: A rematerialised region of an unrolled (not scanned)
             layer whose recomputation contains a partial-sum all-reduce (a tensor-parallel
             projection's) runs in the forward pass: the collective combiner merges that
@@ -96,6 +109,11 @@ class HardwareProfile:
     regather: bool = False
     rematerialize: bool = False
     combines_remat_collectives: bool = False
+    attention_efficiency: float = 0.0
+    causal_block: int = 0
+    hop_latency_s: float = 0.0
+    slow_hop_latency_s: float = 0.0
+    overlap_cost: float = 0.0
 
     def __post_init__(self) -> None:
         if self.slow_latency_s is None:
@@ -136,18 +154,46 @@ GiB = 1 << 30
 # (flash) attention kernels (Pallas on TPU, cuDNN on GPU). The matmul efficiency is the
 # fraction of the datasheet peak large bf16 matmuls reach; the collective latencies are
 # a hop's start-up on the fast links and on the data-centre network.
+# MaxText's TPU attention is Pallas' splash kernel, whose tiles (sa_block_q, sa_block_kv) are
+# 512 wide: it skips those a causal mask hides.
 _TPU: dict[str, Any] = dict(
     matmul_efficiency=0.86, fused_attention=True, overlap=0.9, combine_bytes=32 << 20,
-    regather=True, rematerialize=True,
+    regather=True, rematerialize=True, causal_block=512,
 )  # fmt: skip
+# NCCL's collectives take steps: its tuning model (src/graph/tuning.cc, ``hwLat``, per ring
+# step) gives 0.4 us over NVLink with its LL protocol, the one it picks for the small
+# messages whose latency matters within a host, and 6.6 us over the network with its
+# Simple protocol, the one it picks for the large chunks a sharded weight's ring moves.
+# Its kernels run on the GPU's streaming multiprocessors (a channel each: 16 to 32 of an
+# H100's 132) and share its memory bandwidth with the compute they overlap, which loses
+# a fifth of the time they run (overlap_cost 0.2: fitted with the matmul efficiencies on
+# the calibration rows, within that share). Flash kernels skip the tiles a causal mask
+# hides (128 keys a tile: FlashAttention 2 and 3, cuDNN).
 _GPU: dict[str, Any] = dict(
-    fused_attention=True, overlap=0.9, combine_bytes=32 << 20, regather=True, rematerialize=True
-)
-# GPU matmul efficiencies, from the calibration rows of benchmarks/bench_published.py
-# (llm-foundry's PyTorch FSDP runs; the held-out rows check them): A100 0.62 of 312 TFLOP/s,
-# H100-class 0.45 of 989 (Hopper's bf16 peak is rarely approached by those kernels).
-_A100_EFF, _HOPPER_EFF = 0.62, 0.45
+    fused_attention=True, overlap=0.9, combine_bytes=32 << 20, regather=True, rematerialize=True,
+    hop_latency_s=0.4e-6, slow_hop_latency_s=6.6e-6, overlap_cost=0.2, causal_block=128,
+)  # fmt: skip
+# GPU matmul efficiencies, fitted on the calibration rows of benchmarks/bench_published.py
+# (llm-foundry's PyTorch FSDP runs, MaxText's A3 runs at 2 and 16 hosts, Megatron-LM's;
+# the held-out rows check them): A100 0.62 of 312 TFLOP/s, H100-class 0.48 of 989 (Hopper's
+# bf16 peak is rarely approached by those kernels). Attention efficiencies from the kernels'
+# papers: FlashAttention-2 reaches 50-73% of an A100's peak (Dao 2023, arXiv:2307.08691,
+# abstract; the low end under causal masks and short sequences): 0.55; and 35% of an
+# H100's (Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, abstract): 0.35.
+_A100_EFF, _HOPPER_EFF = 0.62, 0.48
+_A100_ATTN, _HOPPER_ATTN = 0.55, 0.35
 _V6E_EFF = 0.60  # TPU v6e: see its profile
+
+# NVIDIA H100 SXM5 datasheet (nvidia.com/en-us/data-center/h100): 989 TFLOP/s dense bf16
+# (1,979 with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s per GPU (both
+# directions: 450 GB/s each way). Between hosts: DGX H100, 8x 400 Gb/s ConnectX-7
+# InfiniBand per 8 GPUs = 50 GB/s per GPU each way. Collective latency ~10 us (NCCL).
+_H100 = HardwareProfile(
+    "h100", 989e12, 80 * 10**9, 3.35e12, 450e9, 50e9, 8, 10e-6,
+    "NVIDIA H100 SXM5 datasheet; DGX H100 (8x ConnectX-7 400 Gb/s)",
+    slow_latency_s=20e-6, matmul_efficiency=_HOPPER_EFF,
+    attention_efficiency=_HOPPER_ATTN, **_GPU,
+)  # fmt: skip
 
 PROFILES: dict[str, HardwareProfile] = {
     # NVIDIA A100 SXM4 80GB datasheet (nvidia.com/en-us/data-center/a100): 312 TFLOP/s dense
@@ -156,23 +202,25 @@ PROFILES: dict[str, HardwareProfile] = {
     "a100": HardwareProfile(
         "a100", 312e12, 80 * 10**9, 2.039e12, 300e9, 25e9, 8, 10e-6,
         "NVIDIA A100 SXM4 80GB datasheet; DGX A100 (8x HDR 200 Gb/s InfiniBand)",
-        slow_latency_s=20e-6, matmul_efficiency=_A100_EFF, **_GPU,
+        slow_latency_s=20e-6, matmul_efficiency=_A100_EFF, attention_efficiency=_A100_ATTN,
+        **_GPU,
     ),
-    # NVIDIA H100 SXM5 datasheet (nvidia.com/en-us/data-center/h100): 989 TFLOP/s dense bf16
-    # (1,979 with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s per GPU (both
-    # directions: 450 GB/s each way). Between hosts: DGX H100, 8x 400 Gb/s ConnectX-7
-    # InfiniBand per 8 GPUs = 50 GB/s per GPU each way. Collective latency ~10 us (NCCL).
-    "h100": HardwareProfile(
-        "h100", 989e12, 80 * 10**9, 3.35e12, 450e9, 50e9, 8, 10e-6,
-        "NVIDIA H100 SXM5 datasheet; DGX H100 (8x ConnectX-7 400 Gb/s)",
-        slow_latency_s=20e-6, matmul_efficiency=_HOPPER_EFF, **_GPU,
+    "h100": _H100,
+    # Google Cloud A3 VMs (a3-highgpu-8g, cloud.google.com/compute/docs/gpus, "A3 High"): 8
+    # H100 SXM on NVLink 4 as above; between VMs GPUDirect-TCPX over 4 NICs of 200 Gb/s for
+    # the GPUs: 800 Gb/s per 8 GPUs, 12.5 GB/s per GPU each way. MaxText's A3 results ran here.
+    "h100_a3": dataclasses.replace(
+        _H100, name="h100_a3", slow_bandwidth=12.5e9,
+        source="NVIDIA H100 SXM5 datasheet; Google Cloud A3 High (4x 200 Gb/s GPUDirect-TCPX "
+        "per VM)",
     ),
     # NVIDIA H200 SXM datasheet (nvidia.com/en-us/data-center/h200): 989 TFLOP/s dense bf16,
     # 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s (450 GB/s each way); hosts as DGX H100.
     "h200": HardwareProfile(
         "h200", 989e12, 141 * 10**9, 4.8e12, 450e9, 50e9, 8, 10e-6,
         "NVIDIA H200 SXM datasheet; DGX-style hosts (8x 400 Gb/s InfiniBand)",
-        slow_latency_s=20e-6, matmul_efficiency=_HOPPER_EFF, **_GPU,
+        slow_latency_s=20e-6, matmul_efficiency=_HOPPER_EFF,
+        attention_efficiency=_HOPPER_ATTN, **_GPU,
     ),
     # NVIDIA DGX B200 datasheet (nvidia.com/en-us/data-center/dgx-b200): 72 PFLOP/s FP8
     # training per 8 GPUs, i.e. 2.25 PFLOP/s dense bf16 per GPU; 1,440 GB HBM3e per 8 GPUs
@@ -181,7 +229,8 @@ PROFILES: dict[str, HardwareProfile] = {
     "b200": HardwareProfile(
         "b200", 2.25e15, 180 * 10**9, 8e12, 900e9, 50e9, 8, 10e-6,
         "NVIDIA DGX B200 datasheet (per GPU: 1/8 of the system)",
-        slow_latency_s=20e-6, matmul_efficiency=_HOPPER_EFF, **_GPU,
+        slow_latency_s=20e-6, matmul_efficiency=_HOPPER_EFF,
+        attention_efficiency=_HOPPER_ATTN, **_GPU,
     ),
     # Google Cloud TPU v4 (cloud.google.com/tpu/docs/v4): 275 TFLOP/s bf16, 32 GiB HBM2 at
     # 1,200 GB/s, 3D torus of 6 ICI ports of 50 GB/s each way (Jouppi et al., ISCA 2023); a
@@ -389,7 +438,7 @@ def load_profile(path: str) -> HardwareProfile:
     kinds: dict[str, Any] = {"name": str, "source": str, "fused_attention": bool,
                              "reduce_scatter": bool, "regather": bool, "rematerialize": bool,
                              "combines_remat_collectives": bool, "combines_gathers": bool,
-                             "domain_devices": int,
+                             "domain_devices": int, "causal_block": int,
                              "memory_bytes": int, "combine_bytes": int}  # fmt: skip
     for n, v in data.items():
         if n not in fields or (n == "slow_latency_s" and v is None):
@@ -425,7 +474,7 @@ def get_profile(profile: str | HardwareProfile, devices: int | None = None) -> H
         >>> get_profile("a1000")
         Traceback (most recent call last):
         ...
-        meshplan.ArgumentError: Unknown hardware profile 'a1000'. Known: cpu, a100, h100, h200, b200, tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e.
+        meshplan.ArgumentError: Unknown hardware profile 'a1000'. Known: cpu, a100, h100, h100_a3, h200, b200, tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e.
         Pass one of those, a JSON file of HardwareProfile fields, or a meshplan HardwareProfile.
     """
     if isinstance(profile, HardwareProfile):

@@ -410,6 +410,7 @@ def search_rules(
     ranked_by: RankedBy | None = None,
     axis_names: tuple[str, ...] = ("data", "model"),
     batch: int | None = None,
+    microbatches: int = 1,
 ) -> SearchResult:
     """Searches meshes of ``devices`` and logical rules for the fastest predicted step.
 
@@ -477,6 +478,10 @@ def search_rules(
         axis_names: The mesh axis names of the ``layouts``' rules.
         batch: The global batch size the static ranking checks (default: the
             ``example_batch``'s, else unchecked); with a step, the example batch's.
+        microbatches: The step accumulates gradients over this many microbatches of the
+            ``example_batch`` (split along its first dimension; a ``workload`` is one
+            microbatch's): priced as :func:`meshplan._search.cost.predict` does, with one
+            microbatch's activations; compiled and measured candidates run one microbatch.
 
     Raises:
         ArgumentError: neither a state, a step nor a model; ``ranked_by='predicted'``
@@ -485,6 +490,7 @@ def search_rules(
             ``'too-few-devices'``, as :func:`meshplan.search_layouts` raises).
     """
     t0 = time.perf_counter()
+    _check_microbatches(microbatches)
     if model is not None:
         if example_batch is None:
             raise error_for(
@@ -508,15 +514,17 @@ def search_rules(
                 "Pass (abstract_state, step_fn, example_batch), or model= with example_batch=, "
                 "or workload=.",
             )  # fmt: skip
+        example_batch = split_batch(example_batch, microbatches)
         inferred = name_unnamed(step_fn, abstract_state, example_batch)
         if inferred is not None:  # a model with no names: named from its step's dataflow
             path_rules, abstract_state, step_fn, workload = inferred
         else:
             workload = trace_workload(step_fn, abstract_state, example_batch, read_constraints=True)
-    if batch is not None and batch != workload.batch:
+    whole = None if workload.batch is None else workload.batch * microbatches
+    if batch is not None and batch != whole:
         raise error_for(
             ArgumentError, "bad-batch", "batch",
-            f"search_rules got batch={batch}, and its example batch holds {workload.batch}",
+            f"search_rules got batch={batch}, and its example batch holds {whole}",
             "Leave batch= out: with a step, the batch is the example batch's.",
         )  # fmt: skip
     _check_measure(measure, step_fn, devices)
@@ -586,7 +594,7 @@ def search_rules(
                 why = _pruned("memory", f"the state alone, {human_bytes(held)} per device, "
                                         f"is over the budget of {human_bytes(budget)}")  # fmt: skip
         if why is None:
-            row.cost = predict_specs(workload, specs, prof, dot_cache)
+            row.cost = predict_specs(workload, specs, prof, dot_cache, microbatches)
             if row.cost.memory_bytes > budget:
                 why = _pruned("memory", f"{human_bytes(row.cost.memory_bytes)} per device is "
                                         f"over the budget of {human_bytes(budget)}")  # fmt: skip
@@ -607,9 +615,53 @@ def search_rules(
     for row in rows:
         row.fits = True  # every ranked row fits: the others were pruned as "memory"
     return SearchResult(
-        rows + out, devices, prof, budget, counts, time.perf_counter() - t0, batch,
-        workload.tokens, tokens_unit=workload.tokens_unit, path_rules=path_rules,
+        rows + out, devices, prof, budget, counts, time.perf_counter() - t0,
+        None if batch is None else batch * microbatches,
+        None if workload.tokens is None else workload.tokens * microbatches,
+        tokens_unit=workload.tokens_unit, path_rules=path_rules,
     )  # fmt: skip
+
+
+def _check_microbatches(microbatches: object) -> None:
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise error_for(
+            ArgumentError, "bad-microbatches", "microbatches",
+            f"microbatches is {microbatches!r}: it must be a whole number of at least 1",
+            "Pass microbatches=N, the number of microbatches whose gradients one step "
+            "accumulates (1: none).",
+        )  # fmt: skip
+
+
+def split_batch(example_batch: Any, microbatches: int) -> Any:
+    """One microbatch of ``example_batch``: every array's first dimension divided by
+    ``microbatches`` (as abstract values: nothing is computed).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from meshplan._search.rule_search import split_batch
+        >>> split_batch({"tokens": jax.ShapeDtypeStruct((64, 128), jnp.int32)}, 4)["tokens"].shape
+        (16, 128)
+    """
+    if microbatches == 1:
+        return example_batch
+    leaves, tree = jax.tree.flatten(example_batch)
+    bad = [
+        f"batch{jax.tree_util.keystr(path)} {tuple(getattr(x, 'shape', ()))}"
+        for path, x in jax.tree_util.tree_flatten_with_path(example_batch)[0]
+        if not getattr(x, "shape", ()) or x.shape[0] % microbatches
+    ]
+    if bad:
+        raise error_for(
+            ArgumentError, "bad-microbatches", "microbatches",
+            f"{microbatches} microbatches (microbatches=, --grad-accum) do not divide the first "
+            f"dimension of the batch's arrays: {', '.join(bad)}",
+            f"Pass a batch of a multiple of {microbatches} examples, or a number of microbatches "
+            "that divides the batch size.",
+        )  # fmt: skip
+    micro = [
+        jax.ShapeDtypeStruct((x.shape[0] // microbatches, *x.shape[1:]), x.dtype) for x in leaves
+    ]
+    return jax.tree.unflatten(tree, micro)
 
 
 def _named(

@@ -103,7 +103,10 @@ class Workload:
     ``reshards``: ``{(names before, names after, shape, itemsize): count}`` of the
     model's logical constraints that rename a value (the dispatch of a mixture of
     experts: ``('batch', ..., 'embed')`` to ``('expert', 'expert_batch', ...)``), which
-    :mod:`meshplan._search.reshard` prices as all-to-alls or gathers.
+    :mod:`meshplan._search.reshard` prices as all-to-alls or gathers;
+    ``causal_masks``: ``(queries, keys)`` of the attention scores a mask that is no function
+    of the batch (one built from iotas: a causal mask) selects from, whose masked blocks a flash kernel skips
+    (:mod:`meshplan._search.attention`).
     """
 
     dots: dict[Dot, int]
@@ -125,6 +128,7 @@ class Workload:
     operand_arrays: dict[tuple[Dot, int], frozenset[int]] = dataclasses.field(default_factory=dict)
     arrays: tuple[tuple[int, bool], ...] = ()
     weight_reads: tuple[tuple[Names, tuple[int, ...], int, Names, int, bool], ...] = ()
+    causal_masks: frozenset[tuple[int, int]] = frozenset()
 
     def trips(self, dot: Dot) -> int:
         """How many times one run of ``dot`` repeats in sequence: the trips of the loops
@@ -250,6 +254,11 @@ class _Walker:
         self.buffer_names: dict[Any, Names] = {}
         self.scores: set[Any] = set()  # vars holding attention scores
         self.score_dots: set[Dot] = set()
+        # (queries, keys) of score arrays a mask that is no function of the batch selects
+        # from (a causal mask built from iotas): a flash kernel skips the blocks it masks out
+        # (meshplan._search.attention)
+        self.causal_masks: set[tuple[int, int]] = set()
+        self.score_sizes: set[int] = set()  # elements of the q·kᵀ products seen
         self.consumers: dict[Any, list[str]] = {}
         self.dot_by_eqn: dict[int, Dot] = {}
         # (eqn id, output, dot, times, operands, in the backward pass)
@@ -430,11 +439,24 @@ class _Walker:
         return None if isinstance(v, Literal) else self.buffer_names.get(v)
 
     def _is_score_dot(self, eqn: Any, ins: list[Names]) -> bool:
-        """A product of two activations that is larger than both: q·kᵀ (or its gradient)."""
-        if not all("batch" in n for n in ins):
-            return False
+        """A product of two activations that is larger than both: q·kᵀ (or its gradient
+        dP = dO·vᵀ, also where the backward pass's transposes left dO without names: a
+        product larger than both operands, of the size of the scores already seen)."""
         sizes = [math.prod(getattr(v.aval, "shape", ())) for v in eqn.invars]
-        return bool(math.prod(eqn.outvars[0].aval.shape) > max(sizes))
+        out = math.prod(eqn.outvars[0].aval.shape)
+        if out <= max(sizes):
+            return False
+        if all("batch" in n for n in ins):
+            self.score_sizes.add(out)
+            return True
+        return out in self.score_sizes
+
+    def _masks_scores(self, eqn: Any, ins: list[Names]) -> bool:
+        """A ``select_n`` of scores by a predicate that is no function of the batch (a
+        causal mask built from iotas; a padding mask carries the batch's names)."""
+        if len(getattr(eqn.invars[0].aval, "shape", ())) < 2 or "batch" in ins[0]:
+            return False
+        return any(v in self.scores for v in eqn.invars[1:] if not isinstance(v, Literal))
 
     def _score_input(self, eqn: Any) -> bool:
         size = math.prod(getattr(eqn.outvars[0].aval, "shape", ())) if eqn.outvars else 0
@@ -545,6 +567,8 @@ class _Walker:
                 if x in group:
                     group.add(y)
             return [self._constraint(eqn, ins[0], shapes[0], times)]
+        if prim == "select_n" and self._masks_scores(eqn, ins):
+            self.causal_masks.add(shapes[0][-2:])
         outs = [dedupe(n) for n in self.other(prim, p, ins, shapes, out_shapes)]
         score = prim not in _BOUNDARY and self._score_input(eqn)
         for n, v in zip(outs, eqn.outvars, strict=True):
@@ -818,4 +842,5 @@ def trace_workload(
         walker.dot_trips, walker.operand_arrays, tuple(walker.arrays),
         tuple((n, s, i, act, t, fwd and bwd)
               for n, s, i, act, t, fwd, bwd in walker.weight_reads.values()),
+        frozenset(walker.causal_masks),
     )  # fmt: skip

@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="also predict the step on this hardware, without devices: its time, tokens/s, "
         "MFU and memory per device (state, activations, temporaries) against the budget; a "
-        "profile name (a100, h100, h200, b200, tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e, cpu) or a "
+        "profile name (a100, h100, h100_a3, h200, b200, tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e, cpu) or a "
         ".json file of meshplan.HardwareProfile fields",
     )
     parser.add_argument(
@@ -81,6 +81,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seq", type=int, default=None, help="Transformer sequence length, with --profile "
         "(default 128)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--grad-accum", type=int, default=None, metavar="N", help="the step accumulates the "
+        "gradients of N microbatches of the batch, with --profile: the weights gathered and "
+        "gradients reduce-scattered per microbatch, one microbatch's activations (default 1)",
     )  # fmt: skip
     parser.add_argument(
         "--experts",
@@ -151,7 +156,8 @@ def _prediction_problem(args: argparse.Namespace, shape: dict[str, int]) -> str 
             f"--devices {args.devices} but --mesh {args.mesh} has {devices} devices.\nPass a "
             f"mesh whose sizes multiply to {args.devices}, or --devices {devices}."
         )
-    given = [f"--{k}" for k in ("batch", "seq", "budget", "devices") if getattr(args, k, None)]
+    keys = ("batch", "seq", "budget", "devices", "grad_accum")
+    given = [f"--{k.replace('_', '-')}" for k in keys if getattr(args, k, None)]
     if args.profile is None and [g for g in given if g != "--devices"]:
         return (
             f"{', '.join(g for g in given if g != '--devices')} size the predicted step: they "
@@ -162,10 +168,11 @@ def _prediction_problem(args: argparse.Namespace, shape: dict[str, int]) -> str 
             "--batch and --seq size the built-in models' step; your factory's example batch "
             "sets yours.\nLeave them out."
         )
-    for k in ("batch", "seq"):
+    for k in ("batch", "seq", "grad_accum"):
         v = getattr(args, k, None)
         if v is not None and v < 1:
-            return f"--{k} {v}: it must be at least 1.\nPass e.g. --batch 32 --seq 128."
+            flag = f"--{k.replace('_', '-')}"
+            return f"{flag} {v}: it must be at least 1.\nPass e.g. --batch 32 --seq 128."
     return None
 
 
@@ -178,6 +185,7 @@ def _predict(
     from meshplan._search.cost import predict
     from meshplan._search.profiles import get_profile
     from meshplan._search.report import prediction_fields
+    from meshplan._search.rule_search import split_batch
     from meshplan._search.trace import trace_workload
     from meshplan.cli.steps import step_and_batch
 
@@ -190,9 +198,11 @@ def _predict(
     devices = math.prod(shape.values())
     profile = get_profile(args.profile, devices)
     budget = args.budget if args.budget is not None else profile.memory_bytes
-    work = trace_workload(step, state, batch)
-    cost = predict(work, shape, rules, profile)
-    return prediction_fields(cost, work.tokens, devices, profile, budget, work.tokens_unit)
+    micro = getattr(args, "grad_accum", None) or 1
+    work = trace_workload(step, state, split_batch(batch, micro))  # one microbatch
+    cost = predict(work, shape, rules, profile, microbatches=micro)
+    tokens = None if work.tokens is None else work.tokens * micro
+    return prediction_fields(cost, tokens, devices, profile, budget, work.tokens_unit)
 
 
 def abstract_mesh(shape: dict[str, int]) -> Any:

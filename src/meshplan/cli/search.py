@@ -45,7 +45,18 @@ HELP = (
     "print the best as a meshplan train command (--budget, --measure, --json)."
 )
 
-PROFILES = ("cpu", "a100", "h100", "h200", "b200", "tpu_v4", "tpu_v5e", "tpu_v5p", "tpu_v6e")
+PROFILES = (
+    "cpu",
+    "a100",
+    "h100",
+    "h100_a3",
+    "h200",
+    "b200",
+    "tpu_v4",
+    "tpu_v5e",
+    "tpu_v5p",
+    "tpu_v6e",
+)
 ROLES = ("data", "fsdp", "tensor", "context", "expert")
 
 
@@ -59,7 +70,7 @@ def parse_profile(text: str) -> str:
         >>> parse_profile("tpu")
         Traceback (most recent call last):
         ...
-        argparse.ArgumentTypeError: --profile 'tpu' is not a profile: give one of cpu, a100, h100, h200, b200, tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e, or a .json file of HardwareProfile fields
+        argparse.ArgumentTypeError: --profile 'tpu' is not a profile: give one of cpu, a100, h100, h100_a3, h200, b200, tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e, or a .json file of HardwareProfile fields
     """
     if text in PROFILES or text.endswith(".json"):
         return text
@@ -129,11 +140,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seq", type=int, default=None, help="Transformer sequence length (default 128)"
     )
     parser.add_argument(
+        "--grad-accum", type=int, default=1, metavar="N", help="the step accumulates the "
+        "gradients of N microbatches of the batch: priced with the weights gathered and "
+        "gradients reduce-scattered per microbatch, one microbatch's activations (default 1)",
+    )  # fmt: skip
+    parser.add_argument(
         "--profile",
         type=parse_profile,
         default="cpu",
         help="hardware the step time is predicted for: cpu (measured on this machine, default), "
-        "a100, h100, h200, b200, tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e (published figures), or a "
+        "a100, h100, h100_a3, h200, b200, tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e (published figures), or a "
         ".json file of meshplan.HardwareProfile fields",
     )
     parser.add_argument(
@@ -225,9 +241,10 @@ def _smaller(devices: int) -> int:
 
 def _flags_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the numbers and the model's flags, or ``None`` (fills defaults)."""
-    least = {"devices": 1, "batch": 1, "seq": 1, "rows": 1, "top-k": 1 if args.measure else 0}
+    least = {"devices": 1, "batch": 1, "seq": 1, "rows": 1, "top-k": 1 if args.measure else 0,
+             "grad-accum": 1}  # fmt: skip
     values = {"devices": args.devices, "batch": args.batch, "seq": args.seq,
-              "rows": args.rows, "top-k": args.top_k}  # fmt: skip
+              "rows": args.rows, "top-k": args.top_k, "grad-accum": args.grad_accum}  # fmt: skip
     bad = [f"--{k} {v}" for k, v in values.items() if v is not None and v < least[k]]
     if bad:
         return (
@@ -432,6 +449,7 @@ def run(args: argparse.Namespace) -> int:
             args.devices, state, step, batch,
             profile=args.profile, memory_budget_bytes=args.budget, layouts=layouts,
             roles=roles, compile_top=args.top_k, measure=args.measure, measure_top=args.top_k,
+            microbatches=args.grad_accum,
         )  # fmt: skip
         if args.axes:
             _rename(result, args.axes)
