@@ -105,3 +105,17 @@ def test_a_model_that_cannot_run_as_this_pipeline_is_refused_with_every_problem(
             jax.eval_shape(loss, params, DATA[0][:5])
     codes = [p.code for p in e.value.problems]
     assert codes == ["pipeline-layers", "pipeline-microbatches", "pipeline-batch", "pipeline-moe"]
+
+
+def test_the_plan_table_has_a_row_per_stage_and_no_warning_for_the_stage_rule():
+    from meshplan._plan.render.table import to_text
+
+    cfg = config_from_name("tiny", **SMALL, num_layers=4)
+    init, _ = _linen(cfg)
+    abstract = jax.eval_shape(init, jax.random.key(0))
+    plan = meshplan.explain({"params": abstract}, {"pipeline": 2, "data": 4}, layouts.pipeline)
+    blocks = sum(np.prod(leaf.shape) for leaf in plan.leaves if "/layers/" in leaf.path)
+    rest = sum(np.prod(leaf.shape) for leaf in plan.leaves) - blocks
+    assert [s.parameters for s in plan.stages] == [blocks // 2 + rest] * 2
+    assert "stage   parameters" in to_text(plan.table())
+    assert not [p for p in plan.problems if p.severity != "info"]

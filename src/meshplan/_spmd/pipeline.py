@@ -240,7 +240,9 @@ def pipeline_layers(
 
     def stage_fn(stage_params: Any, h: jax.Array, held: jax.Array) -> jax.Array:
         repeat = jnp.clip(held // m, 0, v - 1)
-        group = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, repeat, 0, False), stage_params)
+        group = jax.tree.map(
+            lambda a: jax.lax.dynamic_index_in_dim(a, repeat, 0, False), stage_params
+        )
 
         def one(h: jax.Array, layer: Any) -> tuple[jax.Array, None]:
             return layer_fn(layer, h), None

@@ -173,8 +173,14 @@ def check_batch(
 
 
 def check_pipeline(
-    layout: str, mesh_text: str, config: Any, settings: TrainSettings, shape: Mapping[str, int],
-    rules: Rules, given: bool, problems: Problems,
+    layout: str,
+    mesh_text: str,
+    config: Any,
+    settings: TrainSettings,
+    shape: Mapping[str, int],
+    rules: Rules,
+    given: bool,
+    problems: Problems,
 ) -> None:
     """The pipeline the rules make (``'stage'`` on mesh axes) runs the model, its
     ``--microbatches`` and ``--pipeline-repeats`` on each step's batch; ``given``: either

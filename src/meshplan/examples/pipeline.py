@@ -30,7 +30,9 @@ __all__ = ["pipeline_problems", "pipeline_schedule", "pipelined_blocks"]
 EMBED_NAMES = ("batch", "length", "embed")
 
 
-def pipeline_problems(cfg: TransformerConfig, stages: int, batch: int | None = None) -> list[Problem]:
+def pipeline_problems(
+    cfg: TransformerConfig, stages: int, batch: int | None = None
+) -> list[Problem]:
     """What stops ``cfg`` from running as a pipeline of ``stages`` stages on ``batch`` rows.
 
     Example:
