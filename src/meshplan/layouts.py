@@ -353,7 +353,7 @@ pp_tp: RulePairs = _layout(
     _PIPELINE_TP,
     """Pipeline parallel over ``pipeline``, tensor parallel over ``model``, batch over ``data``.
 
-For a mesh with axes ``('pipeline', 'data', 'model')`` (``--mesh 2x2x2``). As
+For a mesh with axes ``('pipeline', 'data', 'model')``. As
 :data:`pipeline`, and the ``heads``, ``mlp`` and ``vocab`` dimensions split
 over ``model`` as in :data:`tensor_parallel`, Megatron-LM's 3-D layout: tensor
 parallelism inside a host, the pipeline between hosts, data parallel over the

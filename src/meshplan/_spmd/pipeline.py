@@ -66,23 +66,48 @@ class PipelineSchedule:
 
     @property
     def iterations(self) -> int:
-        """Iterations of the loop: ``microbatches * repeats + stages - 1``."""
+        """Iterations of the loop: ``microbatches * repeats + stages - 1``.
+
+        Example:
+            >>> from meshplan import PipelineSchedule
+            >>> PipelineSchedule(stages=4, microbatches=8, repeats=2).iterations
+            19
+        """
         return self.microbatches * self.repeats + self.stages - 1
 
     @property
     def bubble(self) -> float:
-        """The idle fraction of every stage: ``(p - 1) / (M * v + p - 1)``."""
+        """The idle fraction of every stage: ``(p - 1) / (M * v + p - 1)``.
+
+        Example:
+            >>> from meshplan import PipelineSchedule
+            >>> PipelineSchedule(stages=2, microbatches=3).bubble
+            0.25
+        """
         return (self.stages - 1) / self.iterations
 
     def work(self, iteration: int, stage: int) -> tuple[int, int] | None:
-        """``(microbatch, repeat)`` that ``stage`` works on at ``iteration``; ``None``: idle."""
+        """``(microbatch, repeat)`` that ``stage`` works on at ``iteration``; ``None``: idle.
+
+        Example:
+            >>> from meshplan import PipelineSchedule
+            >>> circular = PipelineSchedule(stages=2, microbatches=2, repeats=2)
+            >>> [circular.work(t, 1) for t in range(circular.iterations)]
+            [None, (0, 0), (1, 0), (0, 1), (1, 1)]
+        """
         k = iteration - stage
         if not 0 <= k < self.microbatches * self.repeats:
             return None
         return k % self.microbatches, k // self.microbatches
 
     def layers_per_stage(self, layers: int) -> int:
-        """Consecutive layers in each of a stage's ``repeats`` groups."""
+        """Consecutive layers in each of a stage's ``repeats`` groups.
+
+        Example:
+            >>> from meshplan import PipelineSchedule
+            >>> PipelineSchedule(stages=4, microbatches=8, repeats=2).layers_per_stage(16)
+            2
+        """
         return layers // (self.stages * self.repeats)
 
     def problems(self, layers: int, batch: int | None = None) -> list[Problem]:
@@ -193,7 +218,7 @@ def pipeline_layers(
     names: Sequence[str | None],
     *,
     with_activity: bool = False,
-) -> Any:
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``x`` through a stack of layers, as a pipeline of ``schedule.stages`` stages.
 
     The same as ``jax.lax.scan`` of ``layer_fn`` over ``params`` (every leaf with a

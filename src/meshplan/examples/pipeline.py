@@ -14,7 +14,7 @@ whole batch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 
@@ -22,8 +22,21 @@ from meshplan import MeshError, PipelineSchedule, pipeline_layers
 from meshplan._errors import Problem, error_from_problems
 from meshplan._spmd.pipeline import stage_axes
 
-if TYPE_CHECKING:
-    from meshplan.examples.transformer import TransformerConfig
+
+class TransformerConfig(Protocol):
+    """What a pipeline reads of :class:`meshplan.examples.transformer.TransformerConfig`."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def scan_layers(self) -> bool: ...
+    @property
+    def microbatches(self) -> int: ...
+    @property
+    def pipeline_repeats(self) -> int: ...
+
 
 __all__ = ["pipeline_problems", "pipeline_schedule", "pipelined_blocks"]
 
@@ -76,24 +89,15 @@ def pipeline_schedule(cfg: TransformerConfig, batch: int) -> PipelineSchedule | 
 
 
 def pipelined_blocks(
-    cfg: TransformerConfig,
     schedule: PipelineSchedule,
-    apply_block: Callable[[TransformerConfig, Any, jax.Array, Any], jax.Array],
+    layer: Callable[[Any, jax.Array], jax.Array],
     layers: Any,
     x: jax.Array,
-    positions: Any,
 ) -> jax.Array:
     """``x[batch, length, embed]`` through the stacked blocks ``layers``, as ``schedule`` says.
 
-    ``apply_block(cfg, layer_params, x, positions)`` runs one block; with
-    ``cfg.remat`` it is rematerialised with the config's policy.
+    ``layer(layer_params, x) -> x`` runs one block (rematerialised, if the model is).
     """
-    from meshplan.examples.transformer import remat_policy
-
-    def layer(params: Any, h: jax.Array) -> jax.Array:
-        return apply_block(cfg, params, h, positions)
-
-    if cfg.remat:
-        layer = jax.checkpoint(layer, policy=remat_policy(cfg))
-    out: jax.Array = pipeline_layers(layer, layers, x, schedule, EMBED_NAMES)
+    out = pipeline_layers(layer, layers, x, schedule, EMBED_NAMES)
+    assert isinstance(out, jax.Array)
     return out

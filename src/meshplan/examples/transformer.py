@@ -600,6 +600,19 @@ def _apply_block(cfg: TransformerConfig, params: Any, x: Array, positions: Any) 
     return out[0]
 
 
+def pipeline_layer(
+    cfg: TransformerConfig,
+    apply_block: Callable[[TransformerConfig, Any, Array, Any], Array],
+    positions: Any,
+) -> Callable[[Any, Array], Array]:
+    """``layer(params, x) -> x``: one block for the pipeline, rematerialised as ``cfg`` says."""
+
+    def layer(params: Any, x: Array) -> Array:
+        return apply_block(cfg, params, x, positions)
+
+    return jax.checkpoint(layer, policy=remat_policy(cfg)) if cfg.remat else layer
+
+
 def remat_policy(cfg: TransformerConfig) -> Any:
     """The ``jax.checkpoint`` policy of :attr:`TransformerConfig.remat_policy` (``None``: full)."""
     return jax.checkpoint_policies.dots_saveable if cfg.remat_policy == "dots_saveable" else None
@@ -700,7 +713,7 @@ class Transformer(nn.Module):
         schedule = None if self.is_initializing() else pipeline_schedule(cfg, tokens.shape[0])
         if schedule is not None:
             layers = meshplan.unbox(self.variables["params"]["layers"])
-            x = pipelined_blocks(cfg, schedule, _apply_block, layers, x, positions)
+            x = pipelined_blocks(schedule, pipeline_layer(cfg, _apply_block, positions), layers, x)
         elif cfg.scan_layers:
             x, stats = nn.scan(
                 block,

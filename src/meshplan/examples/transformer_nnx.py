@@ -59,6 +59,7 @@ from meshplan.examples.transformer import (
     gathered,
     loss_and_stats,
     moe_forward,
+    pipeline_layer,
     remat_policy,
 )
 
@@ -282,7 +283,8 @@ class Transformer(nnx.Module):
         stats: Any = None
         schedule = pipeline_schedule(cfg, tokens.shape[0])
         if schedule is not None:  # the rules give 'stage' a mesh axis
-            x = pipelined_blocks(cfg, schedule, _apply_block, self.layers, x, order)
+            layer = pipeline_layer(cfg, _apply_block, order)
+            x = pipelined_blocks(schedule, layer, self.layers, x)
         elif cfg.scan_layers:
             x, stats = jax.lax.scan(run, x, self.layers)
         else:
