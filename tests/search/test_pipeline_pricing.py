@@ -18,7 +18,7 @@ from meshplan._search.trace import trace_workload
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import published_pipeline  # noqa: E402
+import published_pipeline
 
 RULES = (("batch", "data"), ("stage", "pipeline"), ("layer", "pipeline"), ("embed", None))
 
