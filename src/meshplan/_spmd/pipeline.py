@@ -285,9 +285,11 @@ def pipeline_layers(
         h = with_logical_constraint(h, state_names)
         held = jnp.where(first, jnp.where(t < m * v, t, -1), jnp.roll(held, 1))
         out = with_logical_constraint(run(staged, h, held), state_names)
-        last = held[p - 1]
-        done = jnp.where(
-            last >= 0, jax.lax.dynamic_update_index_in_dim(done, out[p - 1], last % m, 0), done
+        last = held[p - 1]  # one slot written (kept as it was while the last stage idles)
+        slot = jnp.maximum(last, 0) % m
+        kept = jax.lax.dynamic_index_in_dim(done, slot, 0, keepdims=False)
+        done = jax.lax.dynamic_update_index_in_dim(
+            done, jnp.where(last >= 0, out[p - 1], kept), slot, 0
         )
         return (out, held, with_logical_constraint(done, buffer_names)), held
 
