@@ -34,13 +34,16 @@ def _bad(args: list[str], capsys) -> str:
          "x --pipeline-repeats 3", "a multiple of 12"),
         (["--layers", "4", "--microbatches", "2"],
          "--microbatches 2 are fewer than the 4 stages", "Use --microbatches 4 or more"),
-        (["--layers", "4", "--microbatches", "8", "--grad-accum", "2"],
-         "--batch 8 (/ --grad-accum 2: 4 rows a step) does not split into --microbatches 8",
-         "a multiple of 16 (--microbatches x --grad-accum)"),
+        (["--layers", "4", "--microbatches", "8", "--grad-accum", "4"],
+         "--batch 8 (/ --grad-accum 4: 2 rows a step) does not split into --microbatches 8",
+         "a multiple of 32 (--microbatches x --grad-accum)"),
+        (["--layers", "4", "--microbatches", "8"],
+         "--microbatches 8 cut 8 rows into microbatches of 1, which do not split over the 2 "
+         "devices", "a multiple of 16 (--microbatches x 2 x --grad-accum)"),
         (["--layers", "4", "--microbatches", "4", "--rules", "fsdp", "--mesh", "2x4"],
          "--rules fsdp on --mesh 2x4 gives 'stage' no mesh axis", "Use --rules pipeline"),
     ],
-    ids=["layers", "repeats", "microbatches", "batch", "no-pipeline"],
+    ids=["layers", "repeats", "microbatches", "batch", "data-shards", "no-pipeline"],
 )  # fmt: skip
 def test_a_bad_pipeline_is_refused_before_any_work(tmp_path, capsys, extra, expected, fix):
     folder = tmp_path / "run"

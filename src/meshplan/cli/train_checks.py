@@ -180,11 +180,13 @@ def check_pipeline(
     shape: Mapping[str, int],
     rules: Rules,
     given: bool,
+    batch_shards: int,
     problems: Problems,
 ) -> None:
     """The pipeline the rules make (``'stage'`` on mesh axes) runs the model, its
-    ``--microbatches`` and ``--pipeline-repeats`` on each step's batch; ``given``: either
-    flag was passed, which a layout with no pipeline refuses rather than ignores."""
+    ``--microbatches`` and ``--pipeline-repeats`` on each step's batch, each microbatch
+    split over the ``batch_shards`` devices of ``'batch'``; ``given``: either flag was
+    passed, which a layout with no pipeline refuses rather than ignores."""
     from meshplan._spmd.pipeline import stage_axes
     from meshplan.examples.pipeline import pipeline_problems
 
@@ -221,9 +223,19 @@ def check_pipeline(
             f"--grad-accum), or --microbatches that divide {micro}.",
         ),
     }
-    for p in pipeline_problems(config, stages, micro):
+    found = pipeline_problems(config, stages, micro)
+    for p in found:
         message, fix = flags.get(p.code, (p.message, p.fix))
         problems.add(MeshplanError, message, fix, p.code)
+    if not found and (micro // m) % batch_shards:
+        problems.add(
+            MeshplanError,
+            f"--microbatches {m} cut {micro} rows into microbatches of {micro // m}, which do not "
+            f"split over the {batch_shards} devices that --rules {layout} shard 'batch' over",
+            f"Use a --batch that is a multiple of {m * batch_shards * settings.grad_accum} "
+            f"(--microbatches x {batch_shards} x --grad-accum), or fewer --microbatches.",
+            "pipeline-batch",
+        )
 
 
 def check_corpus(corpus: Any, settings: TrainSettings, problems: Problems) -> None:

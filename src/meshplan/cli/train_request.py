@@ -531,7 +531,7 @@ def prepare_run(request: TrainRequest) -> PreparedRun:
         if config is not None:
             given = any(request.overrides.get(f) is not None for f in PIPELINE_FIELDS)
             check_pipeline(str(request.rules), request.mesh, config, settings, flags.shape,
-                           flags.rules, given, found["batch"])  # fmt: skip
+                           flags.rules, given, batch_shards, found["batch"])  # fmt: skip
     if corpus is not None and settings_ok:
         check_corpus(corpus, settings, found["data"])
     # 3. The library builds its objects from them and checks them, in one call; the memory
