@@ -8,11 +8,15 @@ MaxText's loop does), so a step takes ``a * iterations + b``; the fitted ``a`` i
 iteration's time, and ``(p - 1) * a / t`` the share of a step's time spent in the bubble.
 Both are set against the schedule's ``(p - 1) / (M v + p - 1)``.
 
-Run: ``.venv/bin/python benchmarks/bench_pipeline.py`` (a few minutes on 2 cores).
+Run: ``.venv/bin/python benchmarks/bench_pipeline.py`` (a few minutes on 2 cores);
+``--one-device``: the stages vmapped on one device, no mesh (an accelerator's check:
+``benchmarks/accelerator_check.sh``); ``--quick``: two microbatch counts, GPipe only.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import os
 import time
 
@@ -34,16 +38,21 @@ def _layer(w, x):
     return jnp.tanh(x @ w)
 
 
-def measure(microbatches: int, repeats: int, runs: int = 7) -> tuple[float, float]:
+def measure(
+    microbatches: int, repeats: int, runs: int = 7, one_device: bool = False
+) -> tuple[float, float]:
     """``(fastest seconds of a forward+backward step, counted idle fraction)``: the fastest
     of ``runs``, the least disturbed by other work on a shared machine."""
-    mesh = make_mesh({"pipeline": STAGES, "data": 2})
     schedule = PipelineSchedule(STAGES, microbatches, repeats)
     w = jax.random.normal(jax.random.key(0), (LAYERS, WIDTH, WIDTH)) / np.sqrt(WIDTH)
     x = jax.random.normal(jax.random.key(1), (ROWS * microbatches, WIDTH))
     names = ("batch", "embed")
-    with jax.set_mesh(mesh), meshplan.logical_axis_rules(RULES):
-        w = jax.device_put(w, jax.NamedSharding(mesh, jax.P("pipeline")))
+    with contextlib.ExitStack() as stack:
+        if not one_device:
+            mesh = make_mesh({"pipeline": STAGES, "data": 2})
+            stack.enter_context(jax.set_mesh(mesh))
+            stack.enter_context(meshplan.logical_axis_rules(RULES))
+            w = jax.device_put(w, jax.NamedSharding(mesh, jax.P("pipeline")))
 
         def loss(w, x):
             return pipeline_layers(_layer, w, x, schedule, names).sum()
@@ -61,11 +70,16 @@ def measure(microbatches: int, repeats: int, runs: int = 7) -> tuple[float, floa
 
 
 def main() -> None:
-    print(f"{STAGES} stages on a 4x2 mesh, microbatches of {ROWS} rows, {LAYERS} layers of "
-          f"{WIDTH}; machine shared (timings noisy)")  # fmt: skip
-    for repeats in (1, 2):
-        ms = [4, 8, 16, 32]
-        results = {m: measure(m, repeats) for m in ms}
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--one-device", action="store_true", help="no mesh: stages vmapped")
+    parser.add_argument("--quick", action="store_true", help="M of 4 and 16, GPipe only")
+    args = parser.parse_args()
+    where = "vmapped on one device" if args.one_device else "on a 4x2 mesh"
+    print(f"{STAGES} stages {where}, microbatches of {ROWS} rows, {LAYERS} layers of "
+          f"{WIDTH}; {jax.devices()[0].device_kind}")  # fmt: skip
+    for repeats in (1,) if args.quick else (1, 2):
+        ms = [4, 16] if args.quick else [4, 8, 16, 32]
+        results = {m: measure(m, repeats, one_device=args.one_device) for m in ms}
         iters = np.array([m * repeats + STAGES - 1 for m in ms], float)
         secs = np.array([results[m][0] for m in ms])
         a, b = np.polyfit(iters, secs, 1)
