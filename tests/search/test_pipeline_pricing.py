@@ -83,3 +83,46 @@ def test_a_published_pipelined_run_is_predicted_within_25_percent_and_fits(name)
     result = published_pipeline.run_pipeline_row(row)
     assert abs(result["error"]) <= 0.25, result
     assert result["fits"], result
+
+
+def _stack(layers, width, rows):
+    from meshplan._search.pipeline import pipeline_verdict
+
+    w = meshplan.LogicallyPartitioned(
+        jax.ShapeDtypeStruct((layers, width, width), jnp.bfloat16), ("layer", "embed", "mlp")
+    )
+
+    def loss(w, x):
+        x = meshplan.with_logical_constraint(x, ("batch", "embed"))
+        h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, w)[0]
+        return h.astype(jnp.float32).sum()
+
+    x = jax.ShapeDtypeStruct((rows, width), jnp.bfloat16)
+    work = trace_workload(lambda s, x: jax.grad(loss)(s["w"].value, x), {"w": w}, x)
+
+    def verdict(devices):
+        h100 = get_profile("h100")
+        result = meshplan.search_rules(devices, workload=work, profile=h100, compile_top=0)
+        return pipeline_verdict(result, work, h100, layers=layers, batch=rows)
+
+    return verdict
+
+
+def test_a_pipeline_across_hosts_pays_where_the_search_best_reduces_over_infiniband():
+    verdict = _stack(16, 8192, 4096)(16)  # two 8-GPU hosts
+    assert verdict.proposed and verdict.kind == "communication", verdict.reason
+    assert verdict.terms["communication"] < 0
+    assert "pipeline pays" in verdict.reason and "over the slow link" in verdict.reason
+
+
+def test_a_pipeline_inside_one_host_does_not_pay_for_a_small_model():
+    verdict = _stack(8, 1024, 256)(8)
+    assert not verdict.proposed, verdict.reason
+    assert verdict.kind in ("communication", "compute", "memory traffic")
+    assert "pipeline does not pay" in verdict.reason
+
+
+def test_no_pipeline_splits_three_layers_over_eight_devices():
+    verdict = _stack(3, 1024, 256)(8)
+    assert (verdict.proposed, verdict.kind) == (False, "absent")
+    assert "splits 3 layers" in verdict.reason
