@@ -66,9 +66,10 @@ def _train(folder: Path, metrics: Path, *args: str) -> None:
 
 @pytest.mark.slow
 def test_a_pipelined_checkpoint_resumes_without_a_pipeline_and_back(tmp_path, capsys):
-    """Checkpoints hold the unsplit ('layer', ...) stack: any layout restores them."""
+    """Checkpoints hold the unsplit ('layer', ...) stack: any layout restores them; the
+    pipeline composes with gradient accumulation (the same losses)."""
     first, metrics = tmp_path / "piped", tmp_path / "piped.jsonl"
-    common = ["--eval-every", "0", "--ckpt-every", "2", *FAST]
+    common = ["--eval-every", "0", "--ckpt-every", "2", *FAST, "--batch", "16"]
     _train(first, metrics, "--rules", "pipeline", "--mesh", "4x2", "--microbatches", "4",
            "--layers", "4", "--steps", "6", *TINY, *common)  # fmt: skip
     reference = _losses(metrics)
@@ -85,7 +86,9 @@ def test_a_pipelined_checkpoint_resumes_without_a_pipeline_and_back(tmp_path, ca
     assert "(saved on 4x2 with pipeline) onto 2x4" in capsys.readouterr().out
     back, back_metrics = tmp_path / "back", tmp_path / "back.jsonl"
     shutil.copytree(plain, back)
-    _train(back, back_metrics, "--resume", "--rules", "pipeline", "--mesh", "4x2", "--steps", "6")
+    # and with gradient accumulation: each accumulated half cut into the 4 microbatches
+    _train(back, back_metrics, "--resume", "--rules", "pipeline", "--mesh", "4x2", "--steps", "6",
+           "--grad-accum", "2")  # fmt: skip
     losses = {**_losses(plain_metrics), **_losses(back_metrics)}
     assert sorted(losses) == [3, 4, 5, 6]
     for step, loss in losses.items():  # the uninterrupted pipelined run's, step by step
