@@ -73,6 +73,9 @@ def test_a_pipelined_checkpoint_resumes_without_a_pipeline_and_back(tmp_path, ca
     _train(first, metrics, "--rules", "pipeline", "--mesh", "4x2", "--microbatches", "4",
            "--layers", "4", "--steps", "6", *TINY, *common)  # fmt: skip
     reference = _losses(metrics)
+    out = capsys.readouterr().out
+    assert "pipeline: 4 stages (pipeline) x 1 layer group of 1 layers, 4 microbatches: " in out
+    assert "bubble 43% of a step" in out  # (4 - 1) / (4 + 4 - 1)
     stored = meshplan.restore(first).metadata.arrays["params/layers/mlp/wi"]
     assert stored.names == ("layer", "embed", "mlp")
     assert meshplan.restore(first).metadata.step == 6
@@ -81,9 +84,10 @@ def test_a_pipelined_checkpoint_resumes_without_a_pipeline_and_back(tmp_path, ca
     shutil.copytree(first, plain)
     for step in ("4", "6"):
         shutil.rmtree(plain / step)
-    capsys.readouterr()
     _train(plain, plain_metrics, "--resume", "--rules", "fsdp", "--mesh", "2x4", "--steps", "4")
-    assert "(saved on 4x2 with pipeline) onto 2x4" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "(saved on 4x2 with pipeline) onto 2x4" in out
+    assert "pipeline: " not in out  # fsdp: no pipeline, the stored microbatches unused
     back, back_metrics = tmp_path / "back", tmp_path / "back.jsonl"
     shutil.copytree(plain, back)
     # and with gradient accumulation: each accumulated half cut into the 4 microbatches
