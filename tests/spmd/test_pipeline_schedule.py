@@ -117,3 +117,13 @@ def test_bad_schedules_are_refused_with_the_numbers_and_the_fix():
     [batch] = PipelineSchedule(2, 4).problems(layers=4, batch=10)
     assert batch.code == "pipeline-batch" and "multiple of 4" in batch.fix
     assert PipelineSchedule(0, 4).problems(layers=4)[0].code == "pipeline-count"
+
+
+def test_a_pipeline_on_explicit_mesh_axes_is_refused_with_the_fix():
+    mesh = jax.make_mesh((4, 2), ("pipeline", "data"))  # Explicit axes: JAX's default
+    params, x = _params(), jnp.ones((16, 16))
+    refused = pytest.raises(meshplan.MeshError, match="stage axes must be Auto")
+    with jax.set_mesh(mesh), meshplan.logical_axis_rules(RULES), refused as e:
+        _piped(PipelineSchedule(4, 4), params, x)
+    assert e.value.problems[0].code == "pipeline-explicit"
+    assert "AxisType.Auto" in e.value.problems[0].fix

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from meshplan._errors import Problem
+from meshplan._errors import MeshError, Problem, error_for
 from meshplan._spmd.constraints import with_logical_constraint
 from meshplan._spmd.place import active_mesh, apply_spec
 from meshplan._spmd.rules import LogicalRules, get_logical_axis_rules, mesh_axes_of, resolve
@@ -180,6 +180,23 @@ def stage_axes(rules: LogicalRules | None = None, mesh: Any = None) -> tuple[tup
     return axes, math.prod(sizes[a] for a in axes)
 
 
+def _check_auto(axes: tuple[str, ...]) -> None:
+    """The stage axes are ``Auto``: the shift of the stage dimension (``jnp.roll``) is
+    XLA's to lower; JAX's ``Explicit`` sharding types cannot slice a sharded dimension."""
+    mesh = active_mesh()
+    types = dict(zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ()) or (),
+                     strict=False))  # fmt: skip
+    explicit = [a for a in axes if types.get(a) == jax.sharding.AxisType.Explicit]
+    if explicit:
+        raise error_for(
+            MeshError, "pipeline-explicit", "stage",
+            f"A pipeline's stage axes must be Auto, but {', '.join(map(repr, explicit))} "
+            f"is Explicit (JAX cannot shift activations along an Explicit sharded dimension)",
+            "Build the mesh with jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,) * n) "
+            "(meshplan train builds Auto meshes).",
+        )  # fmt: skip
+
+
 def _microbatched(x: jax.Array, m: int) -> jax.Array:
     """``x[batch, ...]`` as ``[m, batch / m, ...]``: rows ``i, i + m, ...`` are microbatch ``i``.
 
@@ -257,6 +274,7 @@ def pipeline_layers(
     """
     p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
     axes, _ = stage_axes()
+    _check_auto(axes)
     spmd = None if not axes else axes[0] if len(axes) == 1 else axes
     staged = _by_stage(params, schedule, axes)
     inputs = _microbatched(x, m)
