@@ -13,7 +13,9 @@
 #   4. context parallelism: `--rules fsdp_cp` at sequence 4096 (batch 8), $LAYOUT_STEPS steps;
 #   5. mixture of experts: `--experts 8 --top-k 2 --rules expert_parallel`, $LAYOUT_STEPS steps
 #      (with one device the context and expert axes have size 1: these measure the long-sequence
-#      and MoE steps' time and memory, and that the layouts run on the device).
+#      and MoE steps' time and memory, and that the layouts run on the device);
+#   6. pipeline: benchmarks/bench_pipeline.py --one-device --quick (4 stages vmapped on the one
+#      device: the bubble counted and timed); in cpu mode `--rules pipeline --mesh 4x2`.
 # Results: $OUT (or RESULTS_DIR)/accelerator_check.txt, with the logs and --metrics beside it.
 #
 # MESHPLAN_CHECK_MODE=cpu runs the same steps on a tiny config on 8 emulated CPU devices, with
@@ -106,6 +108,19 @@ train 4-context 150 "${where[@]}" "${size[@]}" --rules fsdp_cp "${long[@]}" \
   "${layout_common[@]}" --metrics "$out/metrics-context.jsonl"
 train 5-experts 150 "${where[@]}" "${size[@]}" --rules expert_parallel "${experts[@]}" \
   "${layout_common[@]}" --metrics "$out/metrics-experts.jsonl"
+# 6. The pipeline: on one device its stages are vmapped there (no pipeline axis to split).
+if [ "$mode" = cpu ]; then
+  train 6-pipeline 150 "${where[@]}" "${size[@]}" --rules pipeline --mesh 4x2 --layers 4 \
+    --microbatches 4 "${layout_common[@]}"
+elif timeout 150 "$python" benchmarks/bench_pipeline.py --one-device --quick \
+     >"$out/6-pipeline.log" 2>&1; then
+  note "6-pipeline: ok (bench_pipeline.py --one-device --quick)"
+  tee -a "$results" <"$out/6-pipeline.log"
+else
+  failed=1
+  note "6-pipeline: FAILED (exit $?); the end of 6-pipeline.log:"
+  tail -n 30 "$out/6-pipeline.log" | tee -a "$results"
+fi
 
 # The figures: from --metrics (every timed step) and the summaries (MFU's peak, memory).
 "$python" - "$out" "$steps" <<'PY' 2>&1 | tee -a "$results"

@@ -283,7 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="only the rows whose name starts so")
     parser.add_argument("--no-search", action="store_true", help="skip the search per row")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--pipeline", action="store_true", help="only the pipelined runs "
+                        "(benchmarks/published_pipeline.py)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.pipeline:  # their own section: published_pipeline.py
+        from published_pipeline import main as pipeline_main
+
+        pipeline_main()
+        return 0
     print(f"meshplan {meshplan.__version__}, jax {jax.__version__}; traced abstractly, no devices")
     head = (f"{'configuration':<38} {'pub s':>7} {'pred s':>7} {'err':>6} {'mem GiB':>8} "
             f"{'fits':>4}  {'top-1 vs pub':>12} {'fits':>4} {'search s':>8}  top-1")  # fmt: skip

@@ -225,6 +225,7 @@ def test_no_library_text_names_a_command_line_flag():
 # dataclass's ``**updates``. Everything else in a public signature has a real type.
 PYTREE_PARAMETERS = {"tree", "target", "template", "state", "updates", "val", "abstract_state"}
 PYTREE_PARAMETERS |= {"example_batch"}
+PYTREE_PARAMETERS |= {"params"}  # pipeline_layers: the stacked layers' parameters
 PYTREE_RESULTS = {
     "Restored.into",
     "get_partition_spec",

@@ -214,6 +214,10 @@ def small_run(args: list[str], session: Session, cwd: Path, shown: list[str] = (
     step = session.steps.get(folder, 0) + 2 if parsed.resume else 2
     if parsed.model and ":" in parsed.model:  # a factory: its model and batches are small
         small += ["--eval-every", "0", "--eval-batches", "1", "--steps", str(step)]
+    elif getattr(parsed, "microbatches", None) and not parsed.resume:
+        # a pipeline: the page's --layers and --batch fit its stages, so they win over TINY's
+        small = [small[0], *FAST, *TINY, *small[1:], "--steps", str(step)]
+        small += ["--data", str(Path(__file__))]
     else:
         small += [*FAST, "--steps", str(step)]
         if not parsed.resume:

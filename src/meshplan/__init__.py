@@ -45,6 +45,7 @@ from meshplan._spmd.constraints import (
     with_logical_constraint,
 )
 from meshplan._spmd.nnx import nnx_sharding, with_nnx_partitioning
+from meshplan._spmd.pipeline import PipelineSchedule, pipeline_layers
 from meshplan._spmd.place import UnevenShardWarning, active_mesh
 from meshplan._spmd.rules import (
     get_logical_axis_rules,
@@ -76,6 +77,7 @@ __all__ = [
     "NameClass",
     "Partitioned",
     "PartitioningUnspecifiedError",
+    "PipelineSchedule",
     "Plan",
     "Problem",
     "Restored",
@@ -104,6 +106,7 @@ __all__ = [
     "logical_to_mesh_sharding",
     "name_by_path",
     "nnx_sharding",
+    "pipeline_layers",
     "replace_boxed",
     "restore",
     "search_layouts",

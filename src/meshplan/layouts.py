@@ -3,7 +3,11 @@
 The context-parallel layouts (:data:`context_parallel`, :data:`fsdp_cp`) are
 for a mesh with axes ``('data', 'context')``, the expert-parallel ones
 (:data:`expert_parallel`, :data:`fsdp_ep`) for ``('data', 'expert')``
-(``meshplan train --mesh 2x4 --axes data,context --rules fsdp_cp``).
+(``meshplan train --mesh 2x4 --axes data,context --rules fsdp_cp``). The pipeline
+layouts (:data:`pipeline`, :data:`pp_fsdp`) are for ``('pipeline', 'data')``,
+:data:`pp_tp` for ``('pipeline', 'data', 'model')``: they map the stage
+dimension ``stage`` and the stored layer stack ``layer`` to ``pipeline``
+(``meshplan train --rules pipeline --mesh 4x2 --microbatches 8``).
 
 Each layout is a plain tuple of ``(logical_name, mesh_axes)`` rules that covers
 every name of the Transformer's vocabulary (``batch``, ``length``, ``embed``,
@@ -61,12 +65,17 @@ __all__ = [
     "get_names",
     "guide",
     "list_layouts",
+    "pipeline",
+    "pp_fsdp",
+    "pp_tp",
     "tensor_parallel",
 ]
 
 _DATA_MODEL = ("data", "model")
 _CONTEXT = ("data", "context")
 _EXPERT = ("data", "expert")
+_PIPELINE = ("pipeline", "data")
+_PIPELINE_TP = ("pipeline", "data", "model")
 
 _REGISTRY: dict[str, tuple[RulePairs, tuple[str, ...], str]] = {}
 """Every built-in layout by name: its rules, the mesh axes it is written for, its description."""
@@ -292,6 +301,88 @@ it for a large MoE model whose dense part does not fit one device either.
 )
 
 
+pipeline: RulePairs = _layout(
+    "pipeline",
+    _PIPELINE,
+    """Pipeline parallel: the layers split into stages over ``pipeline``, the batch over ``data``.
+
+For a mesh with axes ``('pipeline', 'data')``. The stored ``('layer', ...)``
+stack of the scanned blocks is split over ``pipeline`` (stage ``s`` of ``p``
+holds layers ``s L/p`` to ``(s+1) L/p - 1``), and in the step the blocks run as a
+pipeline of ``p`` stages (``'stage'`` on ``pipeline``) over the config's
+``microbatches`` (:class:`meshplan.PipelineSchedule`; ``pipeline_repeats``
+for the circular schedule); only activations, and their gradients, move
+between stages. The embedding and head are replicated, the batch split over
+``data``. Pick it across slow links (between hosts or slices), where FSDP's
+gathers or tensor parallelism's all-reduces would wait on the network; the
+bubble ``(p - 1) / (M v + p - 1)`` is the price. ``num_layers`` must be a
+multiple of ``p`` (times the repeats), the batch of the microbatches.
+""",
+    (
+        ("batch", "data"),
+        ("stage", "pipeline"),
+        ("layer", "pipeline"),
+        ("length", None),
+        ("embed", None),
+        ("heads", None),
+        ("kv", None),
+        ("mlp", None),
+        ("vocab", None),
+    ),
+)
+
+
+pp_fsdp: RulePairs = _layout(
+    "pp_fsdp",
+    _PIPELINE,
+    """Pipeline parallel over ``pipeline`` combined with FSDP over ``data``.
+
+For a mesh with axes ``('pipeline', 'data')``. As :data:`pipeline`, and every
+parameter's ``embed`` dimension split over ``data`` (each stage's layers
+sharded over its ``data`` devices, gathered before use): each device keeps
+``1 / devices`` of the blocks' parameters and optimizer state. Pick it when
+one stage's layers do not fit a device either.
+""",
+    (
+        ("batch", "data"),
+        ("stage", "pipeline"),
+        ("layer", "pipeline"),
+        ("embed", "data"),
+        ("length", None),
+        ("heads", None),
+        ("kv", None),
+        ("mlp", None),
+        ("vocab", None),
+    ),
+)
+
+
+pp_tp: RulePairs = _layout(
+    "pp_tp",
+    _PIPELINE_TP,
+    """Pipeline parallel over ``pipeline``, tensor parallel over ``model``, batch over ``data``.
+
+For a mesh with axes ``('pipeline', 'data', 'model')``. As
+:data:`pipeline`, and the ``heads``, ``mlp`` and ``vocab`` dimensions split
+over ``model`` as in :data:`tensor_parallel`, Megatron-LM's 3-D layout: tensor
+parallelism inside a host, the pipeline between hosts, data parallel over the
+rest. ``num_heads``, ``mlp_dim`` and ``vocab_size`` must be multiples of the
+``model`` axis size.
+""",
+    (
+        ("batch", "data"),
+        ("stage", "pipeline"),
+        ("layer", "pipeline"),
+        ("heads", "model"),
+        ("mlp", "model"),
+        ("vocab", "model"),
+        ("length", None),
+        ("embed", None),
+        ("kv", None),
+    ),
+)
+
+
 guide: RulePairs = _layout(
     "guide",
     _DATA_MODEL,
@@ -310,7 +401,7 @@ LAYOUTS: dict[str, RulePairs] = {n: r for n, (r, a, _) in _REGISTRY.items() if a
 CONTEXT_EXPERT_LAYOUTS: dict[str, RulePairs] = {
     n: r for n, (r, a, _) in _REGISTRY.items() if a != _DATA_MODEL
 }
-"""The built-in layouts for meshes with a ``context`` or an ``expert`` axis, by name."""
+"""The built-in layouts for meshes with a ``context``, an ``expert`` or a ``pipeline`` axis, by name."""
 
 ALL_LAYOUTS: dict[str, RulePairs] = {**LAYOUTS, **CONTEXT_EXPERT_LAYOUTS}
 """Every built-in layout by name: :data:`LAYOUTS` and :data:`CONTEXT_EXPERT_LAYOUTS`."""
@@ -333,7 +424,7 @@ def list_layouts() -> list[tuple[str, str]]:
         >>> [name for name, _ in meshplan.layouts.list_layouts()][:5]
         ['data_parallel', 'fsdp', 'tensor_parallel', 'fsdp_tp', 'guide']
         >>> [name for name, _ in meshplan.layouts.list_layouts()][5:]
-        ['context_parallel', 'fsdp_cp', 'expert_parallel', 'fsdp_ep']
+        ['context_parallel', 'fsdp_cp', 'expert_parallel', 'fsdp_ep', 'pipeline', 'pp_fsdp', 'pp_tp']
     """
     return [(name, _REGISTRY[name][2].split("\n", 1)[0]) for name in ALL_LAYOUTS]
 

@@ -8,11 +8,13 @@
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
 from meshplan._errors import Problem
 from meshplan._plan.records import LeafPlan
+from meshplan._plan.stages import StageTotals, stage_totals
 from meshplan._plan.totals import Totals, group_totals
 from meshplan._spmd.mesh_info import MeshInfo
 
@@ -58,6 +60,11 @@ class PlanData:
         self.rule_index_map = rule_index_map
         self.totals: dict[str, Totals] = group_totals(self.leaves, mesh.size)
         self._by_path: dict[str, LeafPlan] | None = None
+
+    @functools.cached_property
+    def stages(self) -> tuple[StageTotals, ...]:
+        """What each pipeline stage holds (``'stage'`` on mesh axes); ``()`` without a pipeline."""
+        return stage_totals(self.leaves, self.mesh, self.rules, self.totals)
 
     def __len__(self) -> int:
         return len(self.leaves)

@@ -25,10 +25,11 @@ DEFAULT_REPLICATED_THRESHOLD = 1 << 20
 """Arrays of at least this many bytes that every device holds whole are reported (1 MiB)."""
 
 
-ACTIVATION_NAMES = frozenset({"batch", "length", "seq", "sequence"})
+ACTIVATION_NAMES = frozenset({"batch", "length", "seq", "sequence", "stage"})
 """Logical names that, by convention, name activations, not parameters (Flax's guide,
-MaxText's ``activation_*`` too): a rule for one of them places no array of the state,
-and that is how it should be."""
+MaxText's ``activation_*`` too; ``stage``, the pipeline's stage dimension of activations
+and of the layers as the step splits them): a rule for one of them places no array of the
+state, and that is how it should be."""
 
 
 def _names_activations(name: str) -> bool:

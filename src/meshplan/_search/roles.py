@@ -24,8 +24,9 @@ from meshplan._text import human_bytes
 
 __all__ = ["Role", "RoleVerdict", "Term", "VerdictKind", "role_verdict"]
 
-Role: TypeAlias = Literal["context", "expert"]
-"""A role :func:`role_verdict` judges: the mesh axis of that name."""
+Role: TypeAlias = Literal["context", "expert", "pipeline"]
+"""A role :func:`role_verdict` judges: the mesh axis of that name (``'pipeline'``:
+:func:`meshplan._search.pipeline.pipeline_verdict`, which prices its own candidates)."""
 
 Term: TypeAlias = Literal["communication", "compute", "memory traffic"]
 """A term of a predicted step by which the best with a role and without it differ."""

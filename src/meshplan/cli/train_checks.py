@@ -30,6 +30,7 @@ __all__ = [
     "check_batch",
     "check_corpus",
     "check_metrics_file",
+    "check_pipeline",
     "load_corpus",
     "parse_train_mesh",
 ]
@@ -169,6 +170,72 @@ def check_batch(
             "indivisible",
         )
     return shards
+
+
+def check_pipeline(
+    layout: str,
+    mesh_text: str,
+    config: Any,
+    settings: TrainSettings,
+    shape: Mapping[str, int],
+    rules: Rules,
+    given: bool,
+    batch_shards: int,
+    problems: Problems,
+) -> None:
+    """The pipeline the rules make (``'stage'`` on mesh axes) runs the model, its
+    ``--microbatches`` and ``--pipeline-repeats`` on each step's batch, each microbatch
+    split over the ``batch_shards`` devices of ``'batch'``; ``given``: either flag was
+    passed, which a layout with no pipeline refuses rather than ignores."""
+    from meshplan._spmd.pipeline import stage_axes
+    from meshplan.examples.pipeline import pipeline_problems
+
+    axes, stages = stage_axes(rules.pairs, dict(shape))
+    where = f"the {stages} stages of --rules {layout} ('stage' on {', '.join(axes)} of --mesh {mesh_text})"
+    if stages <= 1:
+        if given:
+            problems.add(
+                MeshplanError,
+                f"--microbatches/--pipeline-repeats set a pipeline, but --rules {layout} on "
+                f"--mesh {mesh_text} gives 'stage' no mesh axis of more than one device",
+                "Use --rules pipeline (or pp_fsdp, pp_tp) with --mesh PxD, or leave out "
+                "--microbatches and --pipeline-repeats (--grad-accum cuts a batch without a "
+                "pipeline).", "pipeline-unused",
+            )  # fmt: skip
+        return
+    micro = settings.batch // settings.grad_accum
+    m, v, layers = config.microbatches, config.pipeline_repeats, config.num_layers
+    flags = {
+        "pipeline-layers": (
+            f"--layers {layers} do not split into {where} x --pipeline-repeats {v}",
+            f"Use --layers that is a multiple of {stages * v} (stages x repeats), or fewer "
+            f"--pipeline-repeats.",
+        ),
+        "pipeline-microbatches": (
+            f"--microbatches {m} are fewer than {where}",
+            f"Use --microbatches {stages} or more (e.g. {2 * stages}: bubble "
+            f"{(stages - 1) / (2 * stages * v + stages - 1):.0%}).",
+        ),
+        "pipeline-batch": (
+            f"--batch {settings.batch} (/ --grad-accum {settings.grad_accum}: {micro} rows a "
+            f"step) does not split into --microbatches {m}",
+            f"Use a --batch that is a multiple of {m * settings.grad_accum} (--microbatches x "
+            f"--grad-accum), or --microbatches that divide {micro}.",
+        ),
+    }
+    found = pipeline_problems(config, stages, micro)
+    for p in found:
+        message, fix = flags.get(p.code, (p.message, p.fix))
+        problems.add(MeshplanError, message, fix, p.code)
+    if not found and (micro // m) % batch_shards:
+        problems.add(
+            MeshplanError,
+            f"--microbatches {m} cut {micro} rows into microbatches of {micro // m}, which do not "
+            f"split over the {batch_shards} devices that --rules {layout} shard 'batch' over",
+            f"Use a --batch that is a multiple of {m * batch_shards * settings.grad_accum} "
+            f"(--microbatches x {batch_shards} x --grad-accum), or fewer --microbatches.",
+            "pipeline-batch",
+        )
 
 
 def check_corpus(corpus: Any, settings: TrainSettings, problems: Problems) -> None:

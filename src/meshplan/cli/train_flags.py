@@ -106,6 +106,8 @@ MODEL_FLAGS = {
     "experts": "num_experts",
     "top_k": "top_k",
     "capacity_factor": "capacity_factor",
+    "microbatches": "microbatches",
+    "pipeline_repeats": "pipeline_repeats",
 }
 """``argparse`` destination -> field of the example Transformer's config."""
 

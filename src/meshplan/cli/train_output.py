@@ -76,6 +76,9 @@ def header(console: Console, prepared: PreparedRun, devices: Any, peak: MeshPeak
         ],
         [f"MFU against: {peak.label}" if peak.flops else f"no MFU: {no_mfu_why(peak)}"],
     ]
+    pipeline = _pipeline_line(config, trainer)
+    if pipeline:
+        lines.insert(2, [pipeline])
     if trainer.resume_from is not None:
         meta = trainer.resume_from
         saved_mesh = "x".join(str(v) for v in meta.mesh_shape.values()) or "?"
@@ -290,3 +293,18 @@ class MetricsLog(contextlib.AbstractContextManager["MetricsLog", None]):
             except OSError as e:
                 self._file = None
                 raise self._failed(e, "closing it") from e
+
+
+def _pipeline_line(config: Any, trainer: Any) -> str:
+    """``pipeline: 4 stages x 1 layer group, 8 microbatches: bubble 27% of a step``, or ``''``."""
+    from meshplan import PipelineSchedule
+    from meshplan._spmd.pipeline import stage_axes
+
+    axes, stages = stage_axes(trainer.rules, dict(trainer.mesh.shape))
+    if stages <= 1:
+        return ""
+    plan = PipelineSchedule(stages, config.microbatches, config.pipeline_repeats)
+    groups = f"{plan.repeats} layer group{'s' * (plan.repeats != 1)}"
+    return (f"pipeline: {stages} stages ({', '.join(axes)}) x {groups} of "
+            f"{plan.layers_per_stage(config.num_layers)} layers, {plan.microbatches} microbatches: "
+            f"bubble {plan.bubble:.0%} of a step")  # fmt: skip

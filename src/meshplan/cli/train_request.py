@@ -44,6 +44,7 @@ from meshplan.cli.train_checks import (
     check_batch,
     check_corpus,
     check_metrics_file,
+    check_pipeline,
     load_corpus,
     parse_train_mesh,
 )
@@ -214,6 +215,10 @@ class ByteBatches:
         s = self.settings
         tokens = self.corpus.batch_at(split, index, s.seed, s.batch, s.seq_len)
         return shard_batch(tokens, self.mesh, self.rules)
+
+
+PIPELINE_FIELDS = ("microbatches", "pipeline_repeats")
+"""The config fields a pipeline reads (``--microbatches``, ``--pipeline-repeats``)."""
 
 
 def _resolve_config(request: TrainRequest, stored: CheckpointMetadata | None) -> TransformerConfig:
@@ -526,6 +531,10 @@ def prepare_run(request: TrainRequest) -> PreparedRun:
         batch_shards = check_batch(
             str(request.rules), request.mesh, settings, flags.shape, flags.rules, found["batch"]
         )
+        if config is not None:
+            given = any(request.overrides.get(f) is not None for f in PIPELINE_FIELDS)
+            check_pipeline(str(request.rules), request.mesh, config, settings, flags.shape,
+                           flags.rules, given, batch_shards, found["batch"])  # fmt: skip
     if corpus is not None and settings_ok:
         check_corpus(corpus, settings, found["data"])
     # 3. The library builds its objects from them and checks them, in one call; the memory

@@ -70,6 +70,7 @@ import meshplan
 from meshplan._spmd.place import apply_spec  # not public: constrain on Auto, reshard on Explicit
 from meshplan.examples.context import context_shards, load_balanced_order
 from meshplan.examples.moe import expert_capacity, route
+from meshplan.examples.pipeline import pipeline_schedule, pipelined_blocks
 
 __all__ = [
     "AXIS_NAMES",
@@ -125,6 +126,10 @@ class TransformerConfig:
         capacity_factor: Slots of an expert per sequence, as a multiple of its
             fair share ``top_k * length / num_experts``; choices beyond them are dropped.
         aux_loss_coef: Weight of the load-balancing loss (the mean over layers) in :func:`loss_fn`.
+        microbatches: Microbatches of a pipeline (:mod:`meshplan.examples.pipeline`): used
+            when the active rules map ``'stage'`` to mesh axes of more than one device.
+        pipeline_repeats: Layer groups each pipeline stage holds (1: GPipe; more: the
+            circular schedule).
     """
 
     vocab_size: int = 256
@@ -142,6 +147,8 @@ class TransformerConfig:
     top_k: int = 2
     capacity_factor: float = 1.25
     aux_loss_coef: float = 0.01
+    microbatches: int = 1
+    pipeline_repeats: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
@@ -154,7 +161,8 @@ class TransformerConfig:
             problems.append(f"rotary positions need an even head_dim, got {self.head_dim}")
         if self.positions not in ("rope", "learned"):
             problems.append(f"positions must be 'rope' or 'learned', got {self.positions!r}")
-        for field in ("vocab_size", "num_layers", "num_heads", "embed_dim", "mlp_dim", "max_len"):
+        counts = ("vocab_size", "num_layers", "num_heads", "embed_dim", "mlp_dim", "max_len")
+        for field in (*counts, "microbatches", "pipeline_repeats"):
             if getattr(self, field) < 1:
                 problems.append(f"{field} must be positive, got {getattr(self, field)}")
         if self.remat_policy not in REMAT_POLICIES:
@@ -586,6 +594,25 @@ class Block(nn.Module):
         return _constrain(x + y, names), stats
 
 
+def _apply_block(cfg: TransformerConfig, params: Any, x: Array, positions: Any) -> Array:
+    """One dense :class:`Block` with ``params`` (one layer's), as a pure function."""
+    out: tuple[Array, Any] = Block(cfg, parent=None).apply({"params": params}, x, positions)
+    return out[0]
+
+
+def pipeline_layer(
+    cfg: TransformerConfig,
+    apply_block: Callable[[TransformerConfig, Any, Array, Any], Array],
+    positions: Any,
+) -> Callable[[Any, Array], Array]:
+    """``layer(params, x) -> x``: one block for the pipeline, rematerialised as ``cfg`` says."""
+
+    def layer(params: Any, x: Array) -> Array:
+        return apply_block(cfg, params, x, positions)
+
+    return jax.checkpoint(layer, policy=remat_policy(cfg)) if cfg.remat else layer
+
+
 def remat_policy(cfg: TransformerConfig) -> Any:
     """The ``jax.checkpoint`` policy of :attr:`TransformerConfig.remat_policy` (``None``: full)."""
     return jax.checkpoint_policies.dots_saveable if cfg.remat_policy == "dots_saveable" else None
@@ -682,8 +709,12 @@ class Transformer(nn.Module):
         block: Any = Block
         if cfg.remat:
             block = nn.remat(Block, prevent_cse=not cfg.scan_layers, policy=remat_policy(cfg))
-        stats: Any
-        if cfg.scan_layers:
+        stats: Any = None
+        schedule = None if self.is_initializing() else pipeline_schedule(cfg, tokens.shape[0])
+        if schedule is not None:
+            layers = meshplan.unbox(self.variables["params"]["layers"])
+            x = pipelined_blocks(schedule, pipeline_layer(cfg, _apply_block, positions), layers, x)
+        elif cfg.scan_layers:
             x, stats = nn.scan(
                 block,
                 variable_axes={"params": 0},

@@ -45,6 +45,7 @@ import numpy as np
 from flax import nnx
 
 import meshplan
+from meshplan.examples.pipeline import pipeline_schedule, pipelined_blocks
 from meshplan.examples.transformer import (
     EXPERT_WI_NAMES,
     EXPERT_WO_NAMES,
@@ -58,6 +59,7 @@ from meshplan.examples.transformer import (
     gathered,
     loss_and_stats,
     moe_forward,
+    pipeline_layer,
     remat_policy,
 )
 
@@ -278,8 +280,12 @@ class Transformer(nnx.Module):
             run = jax.checkpoint(
                 run_block, prevent_cse=not cfg.scan_layers, policy=remat_policy(cfg)
             )
-        stats: Any
-        if cfg.scan_layers:
+        stats: Any = None
+        schedule = pipeline_schedule(cfg, tokens.shape[0])
+        if schedule is not None:  # the rules give 'stage' a mesh axis
+            layer = pipeline_layer(cfg, _apply_block, order)
+            x = pipelined_blocks(schedule, layer, self.layers, x)
+        elif cfg.scan_layers:
             x, stats = jax.lax.scan(run, x, self.layers)
         else:
             stats = []
@@ -300,6 +306,12 @@ class Transformer(nnx.Module):
         )
         logits = _constrain(logits.astype(jnp.float32), logits_names)
         return (logits, _layer_stats(stats)) if return_stats else logits
+
+
+def _apply_block(cfg: TransformerConfig, block: Block, x: Array, positions: Any) -> Array:
+    """One dense :class:`Block` (its variables one layer's), for the pipeline."""
+    out: tuple[Array, Any] = block(x, positions)
+    return out[0]
 
 
 def _create(config: TransformerConfig, key: jax.Array) -> Transformer:

@@ -172,6 +172,8 @@ def _parts(
         )
 
     parts: list[Any] = [title, table, totals]
+    if plan.stages:
+        parts.append(_stages(plan))
     if problems:
         n_err = sum(p.severity == "error" for p in problems)
         n_warn = sum(p.severity == "warning" for p in problems)
@@ -205,3 +207,17 @@ def to_text(renderable: Any, width: int = 180) -> str:
     out = io.StringIO()
     Console(file=out, width=width, color_system=None, force_terminal=False).print(renderable)
     return out.getvalue().rstrip() + "\n"
+
+
+def _stages(plan: PlanData) -> Any:
+    """One row per pipeline stage: its parameters and its fullest device's bytes."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for name in ("stage", "parameters", "params, fullest device", "all, fullest device"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for s in plan.stages:
+        table.add_row(str(s.stage), f"{s.parameters:,}", human_bytes(s.param_bytes),
+                      human_bytes(s.device_bytes))  # fmt: skip
+    return table
