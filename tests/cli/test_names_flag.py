@@ -120,3 +120,44 @@ def test_train_of_an_unnamed_factory_says_so_first_and_search_passes_names_on(tm
     assert code == 0, out + err
     data = json.loads(out)
     assert f"--model {MLP} --names {names}" in data["train_command"]
+
+
+FORMS = """
+import flax.linen as nn
+import jax, jax.numpy as jnp
+
+class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(nn.relu(nn.Dense(8)(x)))
+
+def linen():
+    return Mlp(), jnp.zeros((16, 4))
+
+def step_form():
+    state = {"w": jax.ShapeDtypeStruct((4, 8), jnp.float32)}
+    def step(state, x):  # written for plain arrays
+        return {"w": state["w"] - 0.1 * jnp.mean(x @ state["w"])}
+    return state, step, jax.ShapeDtypeStruct((16, 4), jnp.float32)
+"""
+
+
+def test_names_on_the_linen_and_step_forms_of_plan_and_search(tmp_path, monkeypatch):
+    from meshplan.cli.factory import load_factory
+
+    (tmp_path / "unnamed_forms.py").write_text(FORMS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    linen = load_factory(
+        "unnamed_forms:linen",
+        [(r"params/Dense_0/kernel", ("embed", "mlp")), (r"params/Dense_1/kernel", ("mlp", "embed")),
+         (r".*/bias", None)],
+    )  # fmt: skip
+    plan = meshplan.explain(linen.abstract_state, {"data": 2, "model": 4}, meshplan.layouts.fsdp)
+    assert plan["params/Dense_0/kernel"].names == ("embed", "mlp")
+    assert plan["opt_state/0/mu/Dense_1/kernel"].names == ("mlp", "embed")
+    jax.eval_shape(linen.step_fn, linen.abstract_state, linen.example_batch)  # the step runs
+    stepped = load_factory("unnamed_forms:step_form", [(r"w", ("embed", "mlp"))])
+    assert stepped.abstract_state["w"].names == ("embed", "mlp")
+    after = jax.eval_shape(stepped.step_fn, stepped.abstract_state, stepped.example_batch)
+    assert after["w"].shape == (4, 8)  # the step was given the state unboxed

@@ -12,6 +12,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import meshplan
+from meshplan._plan.render.table import to_text
 from meshplan.examples.mlp import LOGICAL_RULES, LogicalMLP, init_fn
 from trees import logical, mesh_box, sds
 
@@ -359,3 +360,11 @@ def test_a_tree_with_no_names_under_rules_says_so_first_and_only_once():
     tree["params"]["wte"] = logical(4096, 256, names=("vocab", "embed"))
     codes = [p.code for p in meshplan.check(tree, MESH, (("embed", "data"),))]
     assert "no-names" not in codes and "idle-axis" in codes
+
+
+def test_the_table_of_a_plan_with_nothing_named_says_so_under_its_title():
+    tree = {"params": {"w": sds(4096, 256)}}
+    text = to_text(meshplan.explain(tree, MESH, meshplan.layouts.get_layout("fsdp")).table())
+    title, first = text.splitlines()[:2]
+    assert title.startswith("Sharding plan on")
+    assert first.startswith("! no array carries a logical name: the rules place nothing")

@@ -138,6 +138,7 @@ def test_nnx_state_variables_get_out_sharding():
     assert merged.up.kernel.get_metadata()["out_sharding"] == ("embed", "mlp")
 
 
+@pytest.mark.slow  # imports transformers and initialises real weights (~5-12 s)
 def test_hugging_face_gpt2_params_named_and_planned():
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=128, n_positions=64)

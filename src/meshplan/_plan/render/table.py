@@ -174,6 +174,9 @@ def _parts(
     parts: list[Any] = [title, table, totals]
     if plan.stages:
         parts.append(_stages(plan))
+    if problems and problems[0].code == "no-names":  # said first: the table shows nothing named
+        first = problems[0]
+        parts.insert(1, Text.from_markup("[yellow]![/] ") + Text(f"{first.message}. {first.fix}"))
     if problems:
         n_err = sum(p.severity == "error" for p in problems)
         n_warn = sum(p.severity == "warning" for p in problems)
