@@ -13,7 +13,10 @@
 #   4. context parallelism: `--rules fsdp_cp` at sequence 4096 (batch 8), $LAYOUT_STEPS steps;
 #   5. mixture of experts: `--experts 8 --top-k 2 --rules expert_parallel`, $LAYOUT_STEPS steps
 #      (with one device the context and expert axes have size 1: these measure the long-sequence
-#      and MoE steps' time and memory, and that the layouts run on the device).
+#      and MoE steps' time and memory, and that the layouts run on the device);
+#   6. the step loop's own cost: benchmarks/bench_train_overhead.py, Trainer against a bare
+#      jitted loop of the same model, optimizer and batches (a few-millisecond Transformer step
+#      and a --model factory's), alternating; prints the ratios (target <= 1.03).
 # Results: $OUT (or RESULTS_DIR)/accelerator_check.txt, with the logs and --metrics beside it.
 #
 # MESHPLAN_CHECK_MODE=cpu runs the same steps on a tiny config on 8 emulated CPU devices, with
@@ -47,12 +50,14 @@ if [ "$mode" = cpu ]; then
   layout_steps="${LAYOUT_STEPS:-2}"
   long=(--seq 32)
   experts=(--experts 4)
+  overhead=(--platform cpu --case own --steps 3 --rounds 1)
 else
   size=(--size base --dtype bfloat16)
   where=(--mesh 1x1)
   layout_steps="${LAYOUT_STEPS:-20}"
   long=(--seq 4096 --max-len 4096 --batch 8)
   experts=(--experts 8 --top-k 2 --batch 16)
+  overhead=(--platform gpu --case small --case own --steps 20 --rounds 10)
   export JAX_PLATFORMS=  # every platform: the test suite's conftest would otherwise pick the CPU
   if ! "$python" -m pip install --quiet --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 \
      && ! "$python" -m pip install --quiet --no-deps -e . >>"$out/install.log" 2>&1; then
@@ -106,6 +111,16 @@ train 4-context 150 "${where[@]}" "${size[@]}" --rules fsdp_cp "${long[@]}" \
   "${layout_common[@]}" --metrics "$out/metrics-context.jsonl"
 train 5-experts 150 "${where[@]}" "${size[@]}" --rules expert_parallel "${experts[@]}" \
   "${layout_common[@]}" --metrics "$out/metrics-experts.jsonl"
+
+# 6. The step loop against a bare jitted loop (its lines go into the results as printed).
+if timeout 150 "$python" benchmarks/bench_train_overhead.py "${overhead[@]}" >"$out/6-overhead.log" 2>&1; then
+  note "6-overhead: ok (trainer / bare loop, median step times; target ratio <= 1.03)"
+  grep -E "^(jax|tiny|small|own) " "$out/6-overhead.log" | tee -a "$results"
+else
+  failed=1
+  note "6-overhead: FAILED (exit $?); the end of 6-overhead.log:"
+  tail -n 20 "$out/6-overhead.log" | tee -a "$results"
+fi
 
 # The figures: from --metrics (every timed step) and the summaries (MFU's peak, memory).
 "$python" - "$out" "$steps" <<'PY' 2>&1 | tee -a "$results"

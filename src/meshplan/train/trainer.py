@@ -360,7 +360,7 @@ class Trainer:
             out_shardings=(self.shardings, replicated, replicated),
             donate_argnums=(0,),
         )
-        treedef = jax.tree.structure(self.abstract)
+        treedef: Any = jax.tree.structure(self.abstract)
         self._treedef = treedef
         flat_shardings = jax.tree.leaves(self.shardings)  # (boxes hold one array each)
         assert len(flat_shardings) == treedef.num_leaves, (len(flat_shardings), treedef)
@@ -397,15 +397,16 @@ class Trainer:
                 self._compile(batch)
             leaves = self._treedef.flatten_up_to(self._state)
         step = self._executable(leaves, batch)
-        self._state = None  # its arrays are donated to the step
-        self._leaves, loss, metrics = step(leaves, batch)
+        new_leaves, loss, metrics = step(leaves, batch)
+        self._leaves, self._state = new_leaves, None  # the old arrays were donated to the step
         loss.copy_to_host_async()  # read a step later (run): no wait for the transfer then
         self.step += 1
         if metrics:
             for value in metrics.values():
                 value.copy_to_host_async()
             self._step_metrics[self.step] = metrics
-        return loss
+        out: jax.Array = loss
+        return out
 
     def _executable(self, leaves: list[jax.Array], batch: Any) -> Any:
         """The compiled step for batches shaped and placed like ``batch``.
