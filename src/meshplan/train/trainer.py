@@ -26,6 +26,14 @@ step is never saved before its loss was read and found finite (and the
 checkpoint library refuses non-finite states anyway). ``sync_every_step``
 reads each loss at once instead (the slower way, to measure the difference).
 
+A step costs the host no more than a bare jitted loop does
+(``benchmarks/bench_train_overhead.py``): the step is compiled ahead of time
+once per distinct batch (shapes, dtypes, shardings) over the state's flat list
+of arrays, so a step neither rebuilds the state's tree of boxes nor looks up a
+jit cache nor enters the mesh context; :attr:`state` builds the tree when read.
+The loss (and metrics) start their copy to the host at dispatch and are read
+together, one ``jax.device_get``.
+
 When batches are a function of (split, index) and the learning-rate schedule
 of the step only, as in ``meshplan train``, a run resumed from a checkpoint
 (on any mesh, with any layout) sees exactly the batches and updates of an
