@@ -16,6 +16,9 @@
 #      and MoE steps' time and memory, and that the layouts run on the device);
 #   6. pipeline: benchmarks/bench_pipeline.py --one-device --quick (4 stages vmapped on the one
 #      device: the bubble counted and timed); in cpu mode `--rules pipeline --mesh 4x2`.
+#   7. the step loop's own cost: benchmarks/bench_train_overhead.py, Trainer against a bare
+#      jitted loop of the same model, optimizer and batches (a few-millisecond Transformer step
+#      and a --model factory's), alternating; prints the ratios (target <= 1.03).
 # Results: $OUT (or RESULTS_DIR)/accelerator_check.txt, with the logs and --metrics beside it.
 #
 # MESHPLAN_CHECK_MODE=cpu runs the same steps on a tiny config on 8 emulated CPU devices, with
@@ -49,12 +52,14 @@ if [ "$mode" = cpu ]; then
   layout_steps="${LAYOUT_STEPS:-2}"
   long=(--seq 32)
   experts=(--experts 4)
+  overhead=(--platform cpu --case own --steps 3 --rounds 1)
 else
   size=(--size base --dtype bfloat16)
   where=(--mesh 1x1)
   layout_steps="${LAYOUT_STEPS:-20}"
   long=(--seq 4096 --max-len 4096 --batch 8)
   experts=(--experts 8 --top-k 2 --batch 16)
+  overhead=(--platform gpu --case small --case own --steps 20 --rounds 10)
   export JAX_PLATFORMS=  # every platform: the test suite's conftest would otherwise pick the CPU
   if ! "$python" -m pip install --quiet --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 \
      && ! "$python" -m pip install --quiet --no-deps -e . >>"$out/install.log" 2>&1; then
@@ -120,6 +125,16 @@ else
   failed=1
   note "6-pipeline: FAILED (exit $?); the end of 6-pipeline.log:"
   tail -n 30 "$out/6-pipeline.log" | tee -a "$results"
+fi
+
+# 6. The step loop against a bare jitted loop (its lines go into the results as printed).
+if timeout 150 "$python" benchmarks/bench_train_overhead.py "${overhead[@]}" >"$out/7-overhead.log" 2>&1; then
+  note "7-overhead: ok (trainer / bare loop, median step times; target ratio <= 1.03)"
+  grep -E "^(jax|tiny|small|own) " "$out/7-overhead.log" | tee -a "$results"
+else
+  failed=1
+  note "7-overhead: FAILED (exit $?); the end of 7-overhead.log:"
+  tail -n 20 "$out/7-overhead.log" | tee -a "$results"
 fi
 
 # The figures: from --metrics (every timed step) and the summaries (MFU's peak, memory).

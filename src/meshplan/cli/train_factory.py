@@ -71,7 +71,11 @@ def batch_placer(mesh: Mesh, rules: LogicalRules) -> Callable[[Any], Any]:
         if x.ndim not in shardings:
             spec = logical_to_mesh_axes(("batch",) + (None,) * (x.ndim - 1), rules)
             shardings[x.ndim] = NamedSharding(mesh, spec)
-        return jax.make_array_from_callback(x.shape, shardings[x.ndim], lambda index: x[index])
+        sharding = shardings[x.ndim]
+        if sharding.is_fully_addressable:  # one process: the batched host-to-devices copy
+            put: jax.Array = jax.device_put(x, sharding)
+            return put
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
     def place(batch: Any) -> Any:
         return jax.tree.map(put, batch)

@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import sysconfig
@@ -324,7 +325,9 @@ def shard_batch(tokens: np.ndarray, mesh: jax.sharding.Mesh, rules: LogicalRules
 
     Every process passes the same global batch (:meth:`ByteCorpus.batch_at` is
     deterministic); each keeps the rows and columns its devices hold and hands
-    them to ``jax.make_array_from_process_local_data``.
+    them to ``jax.make_array_from_process_local_data`` (one process puts the
+    whole batch with ``jax.device_put``). The batch is checked against the mesh
+    and rules once per shape (every step's batch is alike).
 
     Example:
         >>> import jax, numpy as np
@@ -338,23 +341,10 @@ def shard_batch(tokens: np.ndarray, mesh: jax.sharding.Mesh, rules: LogicalRules
         DataError: the batch size (or length) does not divide by the number of
             devices it is split over.
     """
-    errors = [
-        p
-        for p in meshplan.validate("batch", tokens.shape, BATCH_NAMES, mesh, rules)
-        if p.severity == "error"
-    ]
-    if errors:
-        error = meshplan.MeshError if errors[0].code == "unknown-axis" else DataError
-        lines = "\n".join(f"  * {p.message}" for p in errors)
-        fixes = " ".join(dict.fromkeys(p.fix for p in errors))
-        raise error(
-            f"A batch of {tokens.shape[0]} windows of {tokens.shape[1]} tokens cannot be split "
-            f"over the mesh {dict(mesh.shape)} ({mesh.size} devices) with these rules:\n{lines}\n"
-            f"{fixes}",
-            errors,
-        )
-    spec = meshplan.logical_to_mesh_axes(BATCH_NAMES, rules)
-    sharding = NamedSharding(mesh, spec)
+    sharding = _batch_sharding(tokens.shape, mesh, _hashable(rules))
+    if sharding.is_fully_addressable:  # one process: the batched host-to-devices copy
+        put: jax.Array = jax.device_put(tokens, sharding)
+        return put
     index_map = sharding.devices_indices_map(tokens.shape)
     indices = [index_map[device] for device in sharding.addressable_devices]
     local = []
@@ -366,3 +356,30 @@ def shard_batch(tokens: np.ndarray, mesh: jax.sharding.Mesh, rules: LogicalRules
         sharding, tokens[tuple(local)], tokens.shape
     )
     return placed
+
+
+def _hashable(rules: LogicalRules) -> tuple[tuple[str, object], ...]:
+    return tuple((name, tuple(a) if isinstance(a, list) else a) for name, a in rules)
+
+
+@functools.lru_cache(maxsize=64)
+def _batch_sharding(
+    shape: tuple[int, ...], mesh: jax.sharding.Mesh, rules: LogicalRules
+) -> NamedSharding:
+    """The sharding of a batch of ``shape`` (checked once per shape: every step's batch is alike)."""
+    errors = [
+        p
+        for p in meshplan.validate("batch", shape, BATCH_NAMES, mesh, rules)
+        if p.severity == "error"
+    ]
+    if errors:
+        error = meshplan.MeshError if errors[0].code == "unknown-axis" else DataError
+        lines = "\n".join(f"  * {p.message}" for p in errors)
+        fixes = " ".join(dict.fromkeys(p.fix for p in errors))
+        raise error(
+            f"A batch of {shape[0]} windows of {shape[1]} tokens cannot be split "
+            f"over the mesh {dict(mesh.shape)} ({mesh.size} devices) with these rules:\n{lines}\n"
+            f"{fixes}",
+            errors,
+        )
+    return NamedSharding(mesh, meshplan.logical_to_mesh_axes(BATCH_NAMES, rules))

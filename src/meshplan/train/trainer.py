@@ -26,6 +26,14 @@ step is never saved before its loss was read and found finite (and the
 checkpoint library refuses non-finite states anyway). ``sync_every_step``
 reads each loss at once instead (the slower way, to measure the difference).
 
+A step costs the host no more than a bare jitted loop does
+(``benchmarks/bench_train_overhead.py``): the step is compiled ahead of time
+once per distinct batch (shapes, dtypes, shardings) over the state's flat list
+of arrays, so a step neither rebuilds the state's tree of boxes nor looks up a
+jit cache nor enters the mesh context; :attr:`state` builds the tree when read.
+The loss (and metrics) start their copy to the host at dispatch and are read
+together, one ``jax.device_get``.
+
 When batches are a function of (split, index) and the learning-rate schedule
 of the step only, as in ``meshplan train``, a run resumed from a checkpoint
 (on any mesh, with any layout) sees exactly the batches and updates of an
@@ -224,13 +232,31 @@ class Trainer:
             else abstract
         )
         self.shardings = state_shardings(self.abstract, self.mesh, self.rules)
-        self.state: Any = None
+        # The state between steps: its arrays as a flat list (the steps take and give
+        # that list, so a step unflattens nothing in Python), the tree built on access.
+        self._state: Any = None
+        self._leaves: list[jax.Array] | None = None
+        self._treedef: Any = None
         self.step = 0
         self._checkpointer: Checkpointer | None = None
         self._train_step: Callable[[Any, Any], tuple[Any, jax.Array, Any]] | None = None
         self._eval_step: Callable[[Any, Any], jax.Array] | None = None
+        # The step over flat leaves, jitted, and its executables by batch signature.
+        self._flat_step: Any = None
+        self._executables: dict[Any, Any] = {}
         self._valid_batches: list[Any] | None = None
         self._step_metrics: dict[int, Any] = {}
+
+    @property
+    def state(self) -> Any:
+        """The sharded ``TrainState`` (``None`` before :meth:`start`)."""
+        if self._state is None and self._leaves is not None:
+            self._state = jax.tree.unflatten(self._treedef, self._leaves)
+        return self._state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._state, self._leaves = value, None
 
     # -- context ---------------------------------------------------------------
 
@@ -343,6 +369,20 @@ class Trainer:
             out_shardings=(self.shardings, replicated, replicated),
             donate_argnums=(0,),
         )
+        treedef: Any = jax.tree.structure(self.abstract)
+        self._treedef = treedef
+        flat_shardings = jax.tree.leaves(self.shardings)  # (boxes hold one array each)
+        assert len(flat_shardings) == treedef.num_leaves, (len(flat_shardings), treedef)
+
+        def flat_step(leaves: list[jax.Array], batch: Any) -> tuple[list[jax.Array], Any, Any]:
+            state, value, metrics = train_step(jax.tree.unflatten(treedef, leaves), batch)
+            return treedef.flatten_up_to(state), value, metrics
+
+        self._flat_step = jax.jit(
+            flat_step,
+            out_shardings=(flat_shardings, replicated, replicated),
+            donate_argnums=(0,),
+        )
         self._eval_step = jax.jit(
             lambda params, batch: self._loss_and_metrics(params, batch)[0],
             in_shardings=(self.shardings.params, batch_shardings),
@@ -365,15 +405,40 @@ class Trainer:
         """
         if batch is None:
             batch = self.batches("train", self.step)
-        if self._train_step is None:
-            self._compile(batch)
-        assert self._train_step is not None  # set by _compile
-        with self.active():
-            self.state, loss, metrics = self._train_step(self.state, batch)
+        leaves = self._leaves
+        if leaves is None:  # set, or read from a checkpoint: flattened once
+            if self._train_step is None:
+                self._compile(batch)
+            leaves = self._treedef.flatten_up_to(self._state)
+        step = self._executable(leaves, batch)
+        new_leaves, loss, metrics = step(leaves, batch)
+        self._leaves, self._state = new_leaves, None  # the old arrays were donated to the step
+        loss.copy_to_host_async()  # read a step later (run): no wait for the transfer then
         self.step += 1
         if metrics:
+            for value in metrics.values():
+                value.copy_to_host_async()
             self._step_metrics[self.step] = metrics
-        return loss
+        out: jax.Array = loss
+        return out
+
+    def _executable(self, leaves: list[jax.Array], batch: Any) -> Any:
+        """The compiled step for batches shaped and placed like ``batch``.
+
+        Compiled ahead of time, once per distinct batch (shapes, dtypes and
+        shardings of its arrays): a step never compiles or looks up a cache
+        keyed by the state's thousands of leaves, nor enters the mesh context.
+        """
+        flat, tree = jax.tree.flatten(batch)
+        key = (tree, *((x.shape, x.dtype, getattr(x, "sharding", None)) for x in flat))
+        found = self._executables.get(key)
+        if found is None:
+            if self._train_step is None:
+                self._compile(batch)
+            with self.active():
+                found = self._flat_step.lower(leaves, batch).compile()
+            self._executables[key] = found
+        return found
 
     def evaluate(self) -> float:
         """Mean loss over ``settings.eval_batches`` fixed validation batches."""
@@ -525,14 +590,19 @@ class Trainer:
 
         def read(step: int, loss_array: jax.Array) -> None:
             nonlocal since
-            loss = float(loss_array)  # waits for that step (the next one is queued already)
+            found = self._step_metrics.pop(step, None)
+            # Waits for that step (the next one is queued already); copied to the host
+            # as soon as it was done (train_step), with its metrics: one read.
+            value, read_metrics = jax.device_get((loss_array, found))
+            loss = float(value)
             done = time.perf_counter()
             if not math.isfinite(loss):
                 self._diverged(f"its training loss is {loss}", "loss", step)
             seconds = None if since is None else done - since
             since = done
-            found = self._step_metrics.pop(step, None)
-            metrics = None if found is None else {k: float(v) for k, v in found.items()}
+            metrics = (
+                None if read_metrics is None else {k: float(v) for k, v in read_metrics.items()}
+            )
             if metrics is not None:
                 result.metrics[step] = metrics
             record = StepRecord(step, loss, metrics=metrics)
