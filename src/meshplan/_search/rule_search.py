@@ -40,6 +40,7 @@ from meshplan._search.cost import (
     state_counts,
 )
 from meshplan._search.hlo import measure_step
+from meshplan._search.inputs import check_search_args, whole_number
 from meshplan._search.profiles import HardwareProfile, get_profile
 from meshplan._search.result import (
     PRUNE_REASONS,
@@ -481,6 +482,13 @@ def search_rules(
             ``'too-few-devices'``, as :func:`meshplan.search_layouts` raises).
     """
     t0 = time.perf_counter()
+    check_search_args(
+        devices=devices, budget=memory_budget_bytes, roles=roles, all_roles=ALL_ROLES,
+        max_axes=max_axes, names=names, batch=batch, counts={"compile_top": compile_top,
+        "measure_top": measure_top, "measure_steps": measure_steps},
+    )  # fmt: skip
+    if memory_budget_bytes is not None:  # a whole number: 16e9 is 16_000_000_000
+        memory_budget_bytes = whole_number(memory_budget_bytes)
     if model is not None:
         if example_batch is None:
             raise error_for(
@@ -491,6 +499,7 @@ def search_rules(
         abstract_state, step_fn, example_batch = linen_step(model, example_batch, loss, optimizer)
     if ranked_by == "static" or (ranked_by is None and workload is None and step_fn is None
                                  and abstract_state is not None):  # fmt: skip
+        _generated_only(roles, max_axes, names)
         return _static_search(
             devices, abstract_state, step_fn, example_batch, layouts, axis_names, batch,
             memory_budget_bytes, compile_top, measure, measure_top, measure_steps, t0,
@@ -601,6 +610,21 @@ def search_rules(
         rows + out, devices, prof, budget, counts, time.perf_counter() - t0, batch,
         workload.tokens, tokens_unit=workload.tokens_unit,
     )  # fmt: skip
+
+
+def _generated_only(roles: Sequence[str], max_axes: int, names: Sequence[str] | None) -> None:
+    """Refuses ``roles``, ``max_axes`` and ``names`` other than their defaults where no step is
+    traced: they shape generated candidates, and a step-less search has only the layouts."""
+    given = [f"{k}={v!r}" for k, v, default in (("roles", tuple(roles), ALL_ROLES),
+             ("max_axes", max_axes, 3), ("names", names, None)) if v != default]  # fmt: skip
+    if given:
+        raise error_for(
+            ArgumentError, "generated-without-step", given[0].split("=")[0],
+            f"search_rules without a step searches only the layouts: {', '.join(given)} "
+            f"shape generated candidates and would be ignored",
+            "Give the step (step_fn= and example_batch=, or model=) to search generated rules, "
+            "or leave them out.",
+        )  # fmt: skip
 
 
 def _named(
