@@ -24,9 +24,11 @@ from meshplan._errors import (
 from meshplan._plan.check import check
 from meshplan._plan.explain import explain
 from meshplan._plan.plan import Plan
+from meshplan._search.prediction import Prediction, predict
 from meshplan._search.profiles import HardwareProfile, get_profile, load_profile
 from meshplan._search.rule_search import RuleSearchResult, search_rules
 from meshplan._search.search import SearchResult, search_layouts
+from meshplan._search.trace import Workload, trace_workload
 from meshplan._spmd.boxes import (
     PARTITION_NAME,
     LogicallyPartitioned,
@@ -73,6 +75,7 @@ __all__ = [
     "Partitioned",
     "PartitioningUnspecifiedError",
     "Plan",
+    "Prediction",
     "Problem",
     "Restored",
     "RuleSearchResult",
@@ -82,6 +85,7 @@ __all__ = [
     "ShardingValidationError",
     "UnevenShardWarning",
     "UnmatchedLogicalAxisError",
+    "Workload",
     "active_mesh",
     "check",
     "explain",
@@ -97,11 +101,13 @@ __all__ = [
     "logical_to_mesh_axes",
     "logical_to_mesh_sharding",
     "nnx_sharding",
+    "predict",
     "replace_boxed",
     "restore",
     "search_layouts",
     "search_rules",
     "set_logical_axis_rules",
+    "trace_workload",
     "unbox",
     "validate",
     "with_logical_constraint",

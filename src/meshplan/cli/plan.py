@@ -170,13 +170,9 @@ def _prediction_problem(args: argparse.Namespace, shape: dict[str, int]) -> str 
 def _predict(
     args: argparse.Namespace, loaded: Any, state: Any, shape: dict[str, int], rules: LogicalRules
 ) -> dict[str, Any]:
-    """The prediction's fields (:mod:`meshplan._search.report`) of the step on ``shape``."""
-    import math
-
-    from meshplan._search.cost import predict
-    from meshplan._search.profiles import get_profile
-    from meshplan._search.report import prediction_fields
-    from meshplan._search.trace import trace_workload
+    """The prediction's fields (:mod:`meshplan._search.report`) of the step on ``shape``:
+    :func:`meshplan.predict`'s, as :func:`meshplan.search_rules` prices each row."""
+    import meshplan
     from meshplan.cli.steps import step_and_batch
 
     if loaded is not None:
@@ -185,12 +181,11 @@ def _predict(
         args.batch = args.batch or 32
         args.seq = args.seq or 128
         step, batch = step_and_batch(args)
-    devices = math.prod(shape.values())
-    profile = get_profile(args.profile, devices)
-    budget = args.budget if args.budget is not None else profile.memory_bytes
-    work = trace_workload(step, state, batch)
-    cost = predict(work, shape, rules, profile)
-    return prediction_fields(cost, work.tokens, devices, profile, budget, work.tokens_unit)
+    prediction = meshplan.predict(
+        state, step, batch, mesh=shape, rules=rules, profile=args.profile,
+        memory_budget_bytes=args.budget,
+    )  # fmt: skip
+    return prediction.to_dict()
 
 
 def abstract_mesh(shape: dict[str, int]) -> Any:
