@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="mlp",
         metavar="MODEL",
         help="mlp: the guide's MLP (logical names, default); transformer: the example "
-        "Transformer (Flax Linen); transformer-nnx: the same in Flax NNX; or "
+        "Transformer (Flax Linen); transformer-nnx: the same in Flax NNX; llama: a published "
+        "Llama decoder (--size 7b, 70b, llama3-8b...; with --profile, --seq, --batch, --remat); or "
         "pkg.module:factory, your function returning (model, example_batch, loss, batches) as "
         "for meshplan train, (abstract_state, step_fn, example_batch) or (linen_module, "
         "example_batch[, loss]) (see docs/layouts.md)",
@@ -51,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="a built-in rule set (guide, data_parallel, fsdp, tensor_parallel, fsdp_tp), "
         "or a .py file defining RULES, or a .json file of [name, axes] pairs "
-        "(default: guide for the MLP, fsdp_tp for the Transformers and factories)",
+        "(default: guide for the MLP, fsdp for llama, fsdp_tp for the Transformers and "
+        "factories)",
     )
     add_model_size_arguments(parser)
     parser.add_argument(
@@ -113,6 +115,7 @@ def load_rules(spec: str | None, model: str) -> tuple[str, Any]:
 
         entry = EXAMPLE_MODELS.get(model)
         spec = "fsdp_tp" if entry is None else entry.rules  # a factory: fsdp_tp
+        spec = "fsdp" if model == "llama" else spec  # MaxText's default
     return spec, get_layout(spec)
 
 
@@ -225,7 +228,16 @@ def add_model_size_arguments(parser: argparse.ArgumentParser) -> None:
         "--scan", action="store_true", default=None, help="stack MLP layers with nn.scan"
     )
     parser.add_argument(
-        "--size", default=None, help="Transformer preset (tiny, small, base; default tiny)"
+        "--size",
+        default=None,
+        help="Transformer preset (tiny, small, base; default tiny), or --model llama's published "
+        "size (1b, 7b, 8b, 13b, 70b, 405b, llama2-7b, llama3-70b, maxtext-16b...; default 7b)",
+    )
+    parser.add_argument(
+        "--remat",
+        default=None,
+        metavar="POLICY",
+        help="--model llama's rematerialisation: none (default), full, dots, minimal",
     )
 
 
@@ -247,6 +259,15 @@ def model_args_problem(args: argparse.Namespace) -> str | None:
         --size is a flag of the Transformers, not of --model mlp: it would be ignored.
         Pass --model transformer (or transformer-nnx) with --size, or leave --size out.
     """
+    if args.model == "llama":
+        from meshplan.cli.llama_model import llama_args_problem
+
+        return llama_args_problem(args)
+    if getattr(args, "remat", None) is not None:
+        return (
+            f"--remat is a flag of --model llama, not of --model {args.model}: it would be "
+            f"ignored.\nLeave --remat out, or pass --model llama."
+        )
     problem = model_problem(args.model)
     if problem is not None:
         return problem
@@ -403,8 +424,14 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         label, rules = load_rules(args.rules, args.model)
-        loaded = load_factory(args.model) if is_factory(args.model) else None
-        if loaded is not None:  # a --model factory is imported and called once
+        loaded: Any = load_factory(args.model) if is_factory(args.model) else None
+        if args.model == "llama":  # abstract shapes: nothing allocated
+            from meshplan.cli.llama_model import llama_step_of
+
+            args.batch = args.batch or math.prod(shape.values())  # one sequence per device
+            what, state, step, batch = llama_step_of(args, args.batch)
+            loaded = argparse.Namespace(step_fn=step, example_batch=batch)
+        elif loaded is not None:  # a --model factory is imported and called once
             what, state = loaded.what, loaded.abstract_state
         else:
             what, state = abstract_state(args)
