@@ -23,6 +23,7 @@ from typing import Any
 
 from meshplan._errors import ArgumentError, error_for
 from meshplan._search.inputs import check_profile, check_profile_arg, profile_fields
+from meshplan._search.machine_load import load_per_core, same_load
 
 __all__ = ["PROFILES", "HardwareProfile", "calibrate_cpu", "get_profile", "load_profile"]
 
@@ -253,8 +254,9 @@ def _median_seconds(fn: Any, *args: Any, repeat: int = 7) -> float:
 
 def calibrate_cpu(devices: int | None = None) -> HardwareProfile:
     """Measures this machine's emulated JAX devices, all busy at once (cached per count, in
-    this process and in ``~/.cache/meshplan/cpu-profile-N.json``: ``MESHPLAN_RECALIBRATE=1``
-    measures again).
+    this process and in ``~/.cache/meshplan/cpu-profile-N.json`` with the machine's load, and
+    measured again under another load (:mod:`meshplan._search.machine_load`) or with
+    ``MESHPLAN_RECALIBRATE=1``).
 
     Matmul FLOP/s per device (a 384^3 float32 matmul on each device at once), memory
     bandwidth per device (an elementwise op on 4 MiB each), and a ``psum`` over all
@@ -327,8 +329,10 @@ def _cached_cpu(n: int) -> HardwareProfile | None:
         return None
     try:
         data = json.loads(_cache_path(n).read_text())
+        if not same_load(data.pop("load_per_core", None), load_per_core()):
+            return None  # measured under another load: machine_load says why
         return HardwareProfile(**{**data, **_CPU_BEHAVIOUR})
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, AttributeError):
         return None
 
 
@@ -338,7 +342,7 @@ def _save_cpu(n: int, profile: HardwareProfile) -> None:
     path = _cache_path(n)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(profile.to_dict()))
+        path.write_text(json.dumps({**profile.to_dict(), "load_per_core": load_per_core()}))
     except OSError:
         pass  # a read-only home: measured again next time
 

@@ -582,6 +582,7 @@ def search_rules(
                 seen.add(sig)
         if why is None:
             held = state_bytes(workload, specs, in_state)
+            row.bytes_per_device = held  # the state's (the closest to fit, when nothing does)
             if held > budget:  # the state alone: no need to price the step
                 why = _pruned("memory", f"the state alone, {human_bytes(held)} per device, "
                                         f"is over the budget of {human_bytes(budget)}")  # fmt: skip

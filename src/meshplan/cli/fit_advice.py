@@ -17,10 +17,22 @@ from meshplan._text import human_bytes, human_seconds
 __all__ = ["closest", "fit_changes", "row_text"]
 
 
-def closest(result: Any) -> Any:
-    """The priced candidate with the least memory per device (``None`` when none was priced)."""
+def closest(result: Any, workload: Any = None) -> Any:
+    """The priced candidate with the least memory per device; where the state alone was over
+    the budget everywhere, the one with the least state, priced here (with ``workload``);
+    ``None`` when no candidate was valid."""
     priced = [r for r in result.rows if r.cost is not None]
-    return min(priced, key=lambda r: r.cost.memory_bytes, default=None)
+    if priced or workload is None:
+        return min(priced, key=lambda r: r.cost.memory_bytes, default=None)
+    sized = [r for r in result.rows if r.pruned_by == "memory" and r.bytes_per_device]
+    row = min(sized, key=lambda r: r.bytes_per_device, default=None)
+    if row is not None:
+        import meshplan
+
+        row.cost = meshplan.predict(
+            workload=workload, mesh=row.mesh, rules=row.rules, profile=result.profile
+        ).cost
+    return row
 
 
 def row_text(row: Any) -> str:
@@ -38,9 +50,11 @@ def _priced(
     best fits, the line that says so, and the data."""
     import meshplan
 
-    state, step_fn, batch = step if step is not None else (None, None, None)
+    if step is not None:
+        state, step_fn, batch = step
+        workload = meshplan.trace_workload(step_fn, state, batch, read_constraints=True)
     found = meshplan.search_rules(
-        devices, state, step_fn, batch, workload=None if step is not None else workload,
+        devices, workload=workload,
         layouts={row.layout if row.layout != "searched" else "closest": row.rules},
         axis_names=tuple(row.mesh), max_axes=0, profile=result.profile,
         memory_budget_bytes=result.budget_bytes, compile_top=0,
@@ -48,9 +62,10 @@ def _priced(
     best = found.best
     if best is not None:
         return True, f"fits: {row_text(best)}", {"fits": True, "row": best.to_dict(found)}
-    near = closest(found)
+    near = closest(found, workload)
     if near is None:
-        return False, "no mesh of these rules is valid for it", {"fits": False, "row": None}
+        why = next((r.reason for r in found.rows if r.reason), "no candidate")
+        return False, f"no valid mesh ({why})", {"fits": False, "row": None}
     return False, f"still over: {row_text(near)}", {"fits": False, "row": near.to_dict(found)}
 
 
@@ -82,7 +97,12 @@ def fit_changes(
             if b < 1 or tried(f"--batch {b}", step_of(batch=b), result.devices):
                 break
             b //= 2
-    for k in (2, 4):
-        if tried(f"--devices {result.devices * k}", None, result.devices * k):
+    for k in (2, 4):  # the same global batch; then the same batch per device
+        n = result.devices * k
+        if tried(f"--devices {n}", None, n):
             break
+        if out[-1][3]["row"] is None and step_of is not None and result.batch:
+            b = result.batch * k
+            if tried(f"--devices {n} --batch {b}", step_of(batch=b), n):
+                break
     return out

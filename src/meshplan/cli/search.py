@@ -483,7 +483,7 @@ def _advice(args: argparse.Namespace, result: Any, work: Any, state: Any) -> Adv
     re-priced (:mod:`meshplan.cli.fit_advice`)."""
     from meshplan.cli.fit_advice import closest, fit_changes, row_text
 
-    row = closest(result)
+    row = closest(result, work)
     if row is None:
         return None, None, []
     step_of: Any = None
