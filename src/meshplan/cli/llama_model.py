@@ -71,7 +71,7 @@ def llama_step_of(
         >>> from meshplan.cli.llama_model import llama_step_of
         >>> args = argparse.Namespace(model="llama", size="70b", seq=4096, remat="full")
         >>> what, state, step, tokens = llama_step_of(args, 512)
-        >>> what, tokens.shape, state.params["layers"]["wi"].shape
+        >>> what, tokens.shape, state.params["layers"]["wi"].value.shape
         ('Llama 2 70B (llama2-70b, 69.0B parameters; seq 4096, remat full)', (512, 4096), (80, 8192, 28672))
     """
     from meshplan.examples.llama import LLAMA_SIZES, llama_size, llama_step
