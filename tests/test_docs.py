@@ -252,9 +252,44 @@ def run_meshplan(command: Command, args: list[str], session: Session, cwd: Path)
             small_run(args, session, cwd, output)
     elif parsed.command == "demo" or (parsed.command == "search" and parsed.measure):
         pass  # parsed above; `make demo` and tests/search/test_search_layouts.py run them
+    elif parsed.command in ("plan", "search") and output:
+        result = cli(args, cwd)
+        status = 1 if parsed.command == "search" and any("best: none" in s for s in output) else 0
+        assert result.returncode == status, f"`meshplan {' '.join(args)}`:\n" + _shown(result)
+        check_planner_output(output, result.stdout + result.stderr, args)
     else:
         result = cli(args, cwd)
         assert result.returncode == 0, f"`meshplan {' '.join(args)}` failed:\n" + _shown(result)
+
+
+def _planner_line(line: str) -> str:
+    """A line of ``meshplan plan``/``search`` output as compared: spaces collapsed, and the
+    search's own wall time (``(6.9 s)``) left out: the figures are a published profile's,
+    the same on every machine.
+
+    Example:
+        >>> _planner_line("candidates: enumerated 951;  scored 176 (6.9 s)")
+        'candidates: enumerated 951; scored 176 (# s)'
+    """
+    return re.sub(r"\(\d+(\.\d+)? s\)$", "(# s)", _words(line))
+
+
+def check_planner_output(shown: list[str], printed: str, args: list[str]) -> None:
+    """Every line shown after a ``meshplan plan``/``search`` command (``...`` abridges) is a
+    line it prints, figures included, in the order shown: the docs cannot fall behind the
+    planner (docs/plan.md, docs/layouts.md, README.md; a published profile, never ``cpu``)."""
+    where = f"`meshplan {' '.join(args)}`"
+    assert "--profile" in args and "cpu" not in args, f"{where}: show a published profile"
+    real = [_planner_line(line) for line in printed.splitlines() if line.strip()]
+    at = 0
+    for line in shown:
+        if not line.strip() or line.strip() in ("...", "…"):
+            continue
+        want = _planner_line(line)
+        assert want in real[at:], (
+            f"{where}: shown, but not printed (in this order): {line!r}\nprinted:\n{printed}"
+        )
+        at = real.index(want, at) + 1
 
 
 def run_shell(block: Block, session: Session, cwd: Path) -> None:
@@ -406,3 +441,14 @@ def test_readme_links_every_page():
     readme = (ROOT / "README.md").read_text()
     unlinked = [p for p in PAGES[1:] if f"]({p})" not in readme]
     assert not unlinked, f"README.md's docs list lacks {unlinked}"
+
+
+def test_a_stale_planner_output_in_the_docs_fails():
+    printed = "header\npredicted step 0.039 ms on 8 h100\nbest: 1x8 (6.9 s)\n"
+    args = ["search", "--profile", "h100"]
+    check_planner_output(["...", "predicted step 0.039 ms on 8 h100", "best: 1x8 (1.0 s)"],
+                         printed, args)  # fmt: skip
+    with pytest.raises(AssertionError, match="shown, but not printed"):
+        check_planner_output(["predicted step 0.079 ms on 8 h100"], printed, args)
+    with pytest.raises(AssertionError, match="in this order"):
+        check_planner_output(["best: 1x8 (1.0 s)", "header"], printed, args)

@@ -25,9 +25,11 @@ from meshplan._plan.check import check
 from meshplan._plan.explain import explain
 from meshplan._plan.plan import Plan
 from meshplan._search.infer import InferredNames, NameClass, infer_names
+from meshplan._search.prediction import Prediction, predict
 from meshplan._search.profiles import HardwareProfile, get_profile, load_profile
 from meshplan._search.rule_search import RuleSearchResult, search_rules
 from meshplan._search.search import SearchResult, search_layouts
+from meshplan._search.trace import Workload, trace_workload
 from meshplan._spmd.boxes import (
     PARTITION_NAME,
     LogicallyPartitioned,
@@ -79,6 +81,7 @@ __all__ = [
     "PartitioningUnspecifiedError",
     "PipelineSchedule",
     "Plan",
+    "Prediction",
     "Problem",
     "Restored",
     "RuleSearchResult",
@@ -89,6 +92,7 @@ __all__ = [
     "UnevenShardWarning",
     "UnmatchedLogicalAxisError",
     "UnnamedLeavesWarning",
+    "Workload",
     "active_mesh",
     "check",
     "explain",
@@ -107,11 +111,13 @@ __all__ = [
     "name_by_path",
     "nnx_sharding",
     "pipeline_layers",
+    "predict",
     "replace_boxed",
     "restore",
     "search_layouts",
     "search_rules",
     "set_logical_axis_rules",
+    "trace_workload",
     "unbox",
     "validate",
     "with_logical_constraint",

@@ -368,11 +368,13 @@ operands' mesh axes and those axes' sizes (:func:`_dot_key`)."""
 def _dot_key(
     dot: Dot, specs: _Specs, reduce_scatter: bool, params: frozenset[str] = frozenset()
 ) -> tuple[Any, ...]:
-    """Everything :func:`_dot_cost` reads: the operands' specs and the sizes of their axes."""
+    """Everything :func:`_dot_cost` reads: the operands' specs, the spec of the constraint its
+    output flows into (it decides a reduce-scatter), and the sizes of their axes."""
     ls, rs = specs(dot.lhs_names, len(dot.lhs_shape)), specs(dot.rhs_names, len(dot.rhs_shape))
+    into = () if dot.out_names is None else specs(dot.out_names, len(dot.out_names))
     sizes = specs.sizes
-    axes = tuple(sorted({a for spec in (ls, rs) for d in spec for a in d}))
-    return (dot, ls, rs, tuple(sizes[a] for a in axes), axes, reduce_scatter, params)
+    axes = tuple(sorted({a for spec in (ls, rs, into) for d in spec for a in d}))
+    return (dot, ls, rs, into, tuple(sizes[a] for a in axes), axes, reduce_scatter, params)
 
 
 def _dot_cost_cached(

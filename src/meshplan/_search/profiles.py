@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from meshplan._errors import ArgumentError, Problem, error_for
+from meshplan._errors import ArgumentError, error_for
+from meshplan._search.inputs import check_profile, check_profile_arg, profile_fields
+from meshplan._search.machine_load import load_per_core, same_load
 
 __all__ = ["PROFILES", "HardwareProfile", "calibrate_cpu", "get_profile", "load_profile"]
 
@@ -118,6 +121,7 @@ class HardwareProfile:
     def __post_init__(self) -> None:
         if self.slow_latency_s is None:
             object.__setattr__(self, "slow_latency_s", self.latency_s)
+        check_profile(self)  # finite, in range, of its type: meshplan._search.inputs
 
     def axis_bandwidth(self, mesh: Mapping[str, int], axis: str) -> float:
         """The bandwidth of ``axis`` of ``mesh`` (row-major over the devices).
@@ -299,8 +303,9 @@ def _median_seconds(fn: Any, *args: Any, repeat: int = 7) -> float:
 
 def calibrate_cpu(devices: int | None = None) -> HardwareProfile:
     """Measures this machine's emulated JAX devices, all busy at once (cached per count, in
-    this process and in ``~/.cache/meshplan/cpu-profile-N.json``: ``MESHPLAN_RECALIBRATE=1``
-    measures again).
+    this process and in ``~/.cache/meshplan/cpu-profile-N.json`` with the machine's load, and
+    measured again under another load (:mod:`meshplan._search.machine_load`) or with
+    ``MESHPLAN_RECALIBRATE=1``).
 
     Matmul FLOP/s per device (a 384^3 float32 matmul on each device at once), memory
     bandwidth per device (an elementwise op on 4 MiB each), and a ``psum`` over all
@@ -373,8 +378,10 @@ def _cached_cpu(n: int) -> HardwareProfile | None:
         return None
     try:
         data = json.loads(_cache_path(n).read_text())
+        if not same_load(data.pop("load_per_core", None), load_per_core()):
+            return None  # measured under another load: machine_load says why
         return HardwareProfile(**{**data, **_CPU_BEHAVIOUR})
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, AttributeError):
         return None
 
 
@@ -384,12 +391,12 @@ def _save_cpu(n: int, profile: HardwareProfile) -> None:
     path = _cache_path(n)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(profile.to_dict()))
+        path.write_text(json.dumps({**profile.to_dict(), "load_per_core": load_per_core()}))
     except OSError:
         pass  # a read-only home: measured again next time
 
 
-def load_profile(path: str) -> HardwareProfile:
+def load_profile(path: str | os.PathLike[str]) -> HardwareProfile:
     """A profile from a JSON file: an object of :class:`HardwareProfile`'s fields.
 
     Required: ``name``, ``peak_flops``, ``memory_bytes``, ``memory_bandwidth``,
@@ -409,8 +416,14 @@ def load_profile(path: str) -> HardwareProfile:
     """
     import json
 
-    fields = {f.name: f for f in dataclasses.fields(HardwareProfile)}
-    required = [n for n, f in fields.items() if f.default is dataclasses.MISSING]
+    if not isinstance(path, str | os.PathLike):
+        raise error_for(
+            ArgumentError, "bad-argument", "path",
+            f"load_profile reads a JSON file, and got a {type(path).__name__}: {path!r}",
+            "Pass the file's path; build a profile from its fields with "
+            "meshplan.HardwareProfile(**fields).",
+        )  # fmt: skip
+    path = os.fspath(path)
     try:
         with open(path) as f:
             data = json.load(f)
@@ -433,34 +446,7 @@ def load_profile(path: str) -> HardwareProfile:
             f"The profile {path!r} holds a {type(data).__name__}, not an object of fields",
             'Write an object like {"name": "mine", "peak_flops": 1e14, ...}.',
         )  # fmt: skip
-    problems = [f"missing field {n!r}" for n in required if n not in data]
-    problems += [f"unknown field {n!r}" for n in data if n not in fields]
-    kinds: dict[str, Any] = {"name": str, "source": str, "fused_attention": bool,
-                             "reduce_scatter": bool, "regather": bool, "rematerialize": bool,
-                             "combines_remat_collectives": bool, "combines_gathers": bool,
-                             "domain_devices": int, "causal_block": int,
-                             "memory_bytes": int, "combine_bytes": int}  # fmt: skip
-    for n, v in data.items():
-        if n not in fields or (n == "slow_latency_s" and v is None):
-            continue
-        kind = kinds.get(n, float)
-        ok = isinstance(v, kind) if kind is not float else isinstance(v, int | float)
-        if isinstance(v, bool) and kind is not bool:
-            ok = False
-        if not ok:
-            problems.append(f"{n!r} is {v!r}, not a {kind.__name__}")
-        elif kind in (int, float) and v < 0:
-            problems.append(f"{n!r} is {v!r}: it cannot be negative")
-        elif n in ("peak_flops", "memory_bandwidth", "fast_bandwidth", "slow_bandwidth",
-                   "domain_devices", "memory_bytes") and v <= 0:  # fmt: skip
-            problems.append(f"{n!r} is {v!r}: it must be positive")
-    if problems:
-        fix = f"Required fields: {', '.join(required)}; see meshplan.HardwareProfile."
-        raise ArgumentError(
-            f"The profile {path!r} is not a valid hardware profile: {'; '.join(problems)}.\n{fix}",
-            [Problem("error", path, p, fix, "profile-field") for p in problems],
-        )
-    return HardwareProfile(**data)
+    return HardwareProfile(**profile_fields(data, path, HardwareProfile))
 
 
 def get_profile(profile: str | HardwareProfile, devices: int | None = None) -> HardwareProfile:
@@ -477,6 +463,7 @@ def get_profile(profile: str | HardwareProfile, devices: int | None = None) -> H
         meshplan.ArgumentError: Unknown hardware profile 'a1000'. Known: cpu, a100, h100, h100_a3, h200, b200, tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e.
         Pass one of those, a JSON file of HardwareProfile fields, or a meshplan HardwareProfile.
     """
+    check_profile_arg(profile, devices, ("cpu", *PROFILES), HardwareProfile)
     if isinstance(profile, HardwareProfile):
         return profile
     if profile == "cpu":

@@ -41,6 +41,7 @@ from meshplan._search.cost import (
 )
 from meshplan._search.hlo import measure_step
 from meshplan._search.infer import name_unnamed
+from meshplan._search.inputs import check_search_args, whole_number
 from meshplan._search.profiles import HardwareProfile, get_profile
 from meshplan._search.result import (
     PRUNE_REASONS,
@@ -491,6 +492,13 @@ def search_rules(
     """
     t0 = time.perf_counter()
     _check_microbatches(microbatches)
+    check_search_args(
+        devices=devices, budget=memory_budget_bytes, roles=roles, all_roles=ALL_ROLES,
+        max_axes=max_axes, names=names, batch=batch, counts={"compile_top": compile_top,
+        "measure_top": measure_top, "measure_steps": measure_steps},
+    )  # fmt: skip
+    if memory_budget_bytes is not None:  # a whole number: 16e9 is 16_000_000_000
+        memory_budget_bytes = whole_number(memory_budget_bytes)
     if model is not None:
         if example_batch is None:
             raise error_for(
@@ -501,6 +509,7 @@ def search_rules(
         abstract_state, step_fn, example_batch = linen_step(model, example_batch, loss, optimizer)
     if ranked_by == "static" or (ranked_by is None and workload is None and step_fn is None
                                  and abstract_state is not None):  # fmt: skip
+        _generated_only(roles, max_axes, names)
         return _static_search(
             devices, abstract_state, step_fn, example_batch, layouts, axis_names, batch,
             memory_budget_bytes, compile_top, measure, measure_top, measure_steps, t0,
@@ -590,6 +599,7 @@ def search_rules(
                 seen.add(sig)
         if why is None:
             held = state_bytes(workload, specs, in_state)
+            row.bytes_per_device = held  # the state's (the closest to fit, when nothing does)
             if held > budget:  # the state alone: no need to price the step
                 why = _pruned("memory", f"the state alone, {human_bytes(held)} per device, "
                                         f"is over the budget of {human_bytes(budget)}")  # fmt: skip
@@ -662,6 +672,21 @@ def split_batch(example_batch: Any, microbatches: int) -> Any:
         jax.ShapeDtypeStruct((x.shape[0] // microbatches, *x.shape[1:]), x.dtype) for x in leaves
     ]
     return jax.tree.unflatten(tree, micro)
+
+
+def _generated_only(roles: Sequence[str], max_axes: int, names: Sequence[str] | None) -> None:
+    """Refuses ``roles``, ``max_axes`` and ``names`` other than their defaults where no step is
+    traced: they shape generated candidates, and a step-less search has only the layouts."""
+    given = [f"{k}={v!r}" for k, v, default in (("roles", tuple(roles), ALL_ROLES),
+             ("max_axes", max_axes, 3), ("names", names, None)) if v != default]  # fmt: skip
+    if given:
+        raise error_for(
+            ArgumentError, "generated-without-step", given[0].split("=")[0],
+            f"search_rules without a step searches only the layouts: {', '.join(given)} "
+            f"shape generated candidates and would be ignored",
+            "Give the step (step_fn= and example_batch=, or model=) to search generated rules, "
+            "or leave them out.",
+        )  # fmt: skip
 
 
 def _named(

@@ -17,6 +17,7 @@ from typing import Any
 
 from meshplan._errors import ArgumentError, error_for
 from meshplan._search.candidates import mesh_shapes
+from meshplan._search.inputs import check_search_args, whole_number
 from meshplan._search.result import SearchResult, SearchRow, require_devices
 from meshplan._search.rule_search import search_rules
 from meshplan._spmd.rules import LogicalRules
@@ -84,7 +85,10 @@ def search_layouts(
         MeshError: ``measure`` with fewer JAX devices than ``devices`` (code
             ``'too-few-devices'``, as :func:`meshplan.search_rules` raises).
     """
-    if top_k < 1:
+    check_search_args(
+        devices=devices, budget=memory_budget_bytes, batch=batch, where="search_layouts"
+    )
+    if whole_number(top_k) is None or top_k < 1 or isinstance(top_k, float):
         raise error_for(
             ArgumentError, "bad-top-k", "top_k",
             f"search_layouts requires a positive top_k, got {top_k=}", "Pass top_k=1 or more.",

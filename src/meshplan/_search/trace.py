@@ -32,6 +32,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from meshplan._search import memory
+from meshplan._search.memory import MemoryProgram
 from meshplan._spmd.leaves import array_leaves
 from meshplan._spmd.rules import LogicalRules
 
@@ -107,6 +108,14 @@ class Workload:
     ``causal_masks``: ``(queries, keys)`` of the attention scores a mask that is no function
     of the batch (one built from iotas: a causal mask) selects from, whose masked blocks a flash kernel skips
     (:mod:`meshplan._search.attention`).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> w = meshplan.LogicallyPartitioned(jax.ShapeDtypeStruct((64, 32), jnp.float32), ("embed", "mlp"))
+        >>> work = meshplan.trace_workload(lambda s, x: (x @ s["w"].value).sum(), {"w": w},
+        ...                                jax.ShapeDtypeStruct((16, 64), jnp.float32))
+        >>> work.batch, work.param_names, work.tokens_unit
+        (16, ('embed', 'mlp'), 'examples')
     """
 
     dots: dict[Dot, int]
@@ -115,14 +124,14 @@ class Workload:
     names: tuple[str, ...]
     batch: int | None = None
     param_names: tuple[str, ...] = ()
-    memory: Any = None
+    memory: MemoryProgram | None = None
     score_dots: frozenset[Dot] = frozenset()
     batch_state: list[tuple[Names, tuple[int, ...], int]] = dataclasses.field(default_factory=list)
     tokens: int | None = None
     reshards: dict[tuple[Names, Names, tuple[int, ...], int], int] = dataclasses.field(
         default_factory=dict
     )
-    memory_kept: Any = None
+    memory_kept: MemoryProgram | None = None
     tokens_unit: ThroughputUnit = "examples"
     dot_trips: dict[Dot, int] = dataclasses.field(default_factory=dict)
     operand_arrays: dict[tuple[Dot, int], frozenset[int]] = dataclasses.field(default_factory=dict)
@@ -133,12 +142,31 @@ class Workload:
     def trips(self, dot: Dot) -> int:
         """How many times one run of ``dot`` repeats in sequence: the trips of the loops
         around it (``dots[dot]`` divided by this is how often it appears in the unrolled
-        program, runs whose collectives XLA may combine). Its count where not traced."""
+        program, runs whose collectives XLA may combine). Its count where not traced.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> w = meshplan.LogicallyPartitioned(jax.ShapeDtypeStruct((8, 8), jnp.float32), ("embed", "mlp"))
+            >>> def step(s, x):
+            ...     body = lambda h, _: (h @ s["w"].value, None)
+            ...     return jax.lax.scan(body, x, None, length=3)[0].sum()
+            >>> work = meshplan.trace_workload(step, {"w": w}, jax.ShapeDtypeStruct((4, 8), jnp.float32))
+            >>> [(work.dots[d], work.trips(d)) for d in work.dots]
+            [(3, 3)]
+        """
         return self.dot_trips.get(dot, self.dots.get(dot, 1))
 
     @property
     def flops(self) -> int:
-        """Global matmul FLOPs of one step."""
+        """Global matmul FLOPs of one step.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> w = meshplan.LogicallyPartitioned(jax.ShapeDtypeStruct((64, 32), jnp.float32), ("embed", "mlp"))
+            >>> meshplan.trace_workload(lambda s, x: (x @ s["w"].value).sum(), {"w": w},
+            ...                         jax.ShapeDtypeStruct((16, 64), jnp.float32)).flops
+            65536
+        """
         return sum(d.flops * n for d, n in self.dots.items())
 
 

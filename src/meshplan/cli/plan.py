@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="mlp",
         metavar="MODEL",
         help="mlp: the guide's MLP (logical names, default); transformer: the example "
-        "Transformer (Flax Linen); transformer-nnx: the same in Flax NNX; or "
+        "Transformer (Flax Linen); transformer-nnx: the same in Flax NNX; llama: a published "
+        "Llama decoder (--size 7b, 70b, llama3-8b...; with --profile, --seq, --batch, --remat); or "
         "pkg.module:factory, your function returning (model, example_batch, loss, batches) as "
         "for meshplan train, (abstract_state, step_fn, example_batch) or (linen_module, "
         "example_batch[, loss]) (see docs/layouts.md)",
@@ -52,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="a built-in rule set (guide, data_parallel, fsdp, tensor_parallel, fsdp_tp), "
         "or a .py file defining RULES, or a .json file of [name, axes] pairs "
-        "(default: guide for the MLP, fsdp_tp for the Transformers and factories)",
+        "(default: guide for the MLP, fsdp for llama, fsdp_tp for the Transformers and "
+        "factories)",
     )
     add_model_size_arguments(parser)
     add_names_argument(parser)
@@ -120,6 +122,7 @@ def load_rules(spec: str | None, model: str) -> tuple[str, Any]:
 
         entry = EXAMPLE_MODELS.get(model)
         spec = "fsdp_tp" if entry is None else entry.rules  # a factory: fsdp_tp
+        spec = "fsdp" if model == "llama" else spec  # MaxText's default
     return spec, get_layout(spec)
 
 
@@ -179,14 +182,9 @@ def _prediction_problem(args: argparse.Namespace, shape: dict[str, int]) -> str 
 def _predict(
     args: argparse.Namespace, loaded: Any, state: Any, shape: dict[str, int], rules: LogicalRules
 ) -> dict[str, Any]:
-    """The prediction's fields (:mod:`meshplan._search.report`) of the step on ``shape``."""
-    import math
-
-    from meshplan._search.cost import predict
-    from meshplan._search.profiles import get_profile
-    from meshplan._search.report import prediction_fields
-    from meshplan._search.rule_search import split_batch
-    from meshplan._search.trace import trace_workload
+    """The prediction's fields (:mod:`meshplan._search.report`) of the step on ``shape``:
+    :func:`meshplan.predict`'s, as :func:`meshplan.search_rules` prices each row."""
+    import meshplan
     from meshplan.cli.steps import step_and_batch
 
     if loaded is not None:
@@ -195,14 +193,11 @@ def _predict(
         args.batch = args.batch or 32
         args.seq = args.seq or 128
         step, batch = step_and_batch(args)
-    devices = math.prod(shape.values())
-    profile = get_profile(args.profile, devices)
-    budget = args.budget if args.budget is not None else profile.memory_bytes
-    micro = getattr(args, "grad_accum", None) or 1
-    work = trace_workload(step, state, split_batch(batch, micro))  # one microbatch
-    cost = predict(work, shape, rules, profile, microbatches=micro)
-    tokens = None if work.tokens is None else work.tokens * micro
-    return prediction_fields(cost, tokens, devices, profile, budget, work.tokens_unit)
+    prediction = meshplan.predict(
+        state, step, batch, mesh=shape, rules=rules, profile=args.profile,
+        memory_budget_bytes=args.budget, microbatches=getattr(args, "grad_accum", None) or 1,
+    )  # fmt: skip
+    return prediction.to_dict()
 
 
 def abstract_mesh(shape: dict[str, int]) -> Any:
@@ -242,7 +237,16 @@ def add_model_size_arguments(parser: argparse.ArgumentParser) -> None:
         "--scan", action="store_true", default=None, help="stack MLP layers with nn.scan"
     )
     parser.add_argument(
-        "--size", default=None, help="Transformer preset (tiny, small, base; default tiny)"
+        "--size",
+        default=None,
+        help="Transformer preset (tiny, small, base; default tiny), or --model llama's published "
+        "size (1b, 7b, 8b, 13b, 70b, 405b, llama2-7b, llama3-70b, maxtext-16b...; default 7b)",
+    )
+    parser.add_argument(
+        "--remat",
+        default=None,
+        metavar="POLICY",
+        help="--model llama's rematerialisation: none (default), full, dots, minimal",
     )
 
 
@@ -264,6 +268,15 @@ def model_args_problem(args: argparse.Namespace) -> str | None:
         --size is a flag of the Transformers, not of --model mlp: it would be ignored.
         Pass --model transformer (or transformer-nnx) with --size, or leave --size out.
     """
+    if args.model == "llama":
+        from meshplan.cli.llama_model import llama_args_problem
+
+        return llama_args_problem(args)
+    if getattr(args, "remat", None) is not None:
+        return (
+            f"--remat is a flag of --model llama, not of --model {args.model}: it would be "
+            f"ignored.\nLeave --remat out, or pass --model llama."
+        )
     problem = model_problem(args.model)
     if problem is not None:
         return problem
@@ -421,8 +434,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         label, rules = load_rules(args.rules, args.model)
         names = read_names(args.names, args.model)
-        loaded = load_factory(args.model, names) if is_factory(args.model) else None
-        if loaded is not None:  # a --model factory is imported and called once
+        loaded: Any = load_factory(args.model, names) if is_factory(args.model) else None
+        if args.model == "llama":  # abstract shapes: nothing allocated
+            from meshplan.cli.llama_model import llama_step_of
+
+            args.batch = args.batch or math.prod(shape.values())  # one sequence per device
+            what, state, step, batch = llama_step_of(args, args.batch)
+            loaded = argparse.Namespace(step_fn=step, example_batch=batch)
+        elif loaded is not None:  # a --model factory is imported and called once
             what, state = loaded.what, loaded.abstract_state
         else:
             what, state = abstract_state(args)

@@ -121,7 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="transformer",
         metavar="MODEL",
         help="transformer: the example Transformer (Flax Linen, default); transformer-nnx: the "
-        "same in Flax NNX; mlp: the guide's MLP; or pkg.module:factory, your function returning "
+        "same in Flax NNX; mlp: the guide's MLP; llama: a published Llama decoder (--size 7b, "
+        "70b, llama3-8b...; --seq default 2048, --batch default one sequence per device, "
+        "--remat); or pkg.module:factory, your function returning "
         "(model, example_batch, loss, batches) as for meshplan train, (abstract_state, step_fn, "
         "example_batch) or (linen_module, example_batch[, loss])",
     )
@@ -261,6 +263,8 @@ def _flags_problem(args: argparse.Namespace) -> str | None:
         return problem
     if is_factory(args.model):
         own: dict[str, int] = {}
+    elif args.model == "llama":
+        own = {"batch": args.devices, "seq": args.seq}
     else:
         from meshplan.examples.models import EXAMPLE_MODELS
 
@@ -332,36 +336,61 @@ def _train_command(
     return f"{command} {' '.join(extra)}", path
 
 
+def _groups(rows: list[Any]) -> list[list[Any]]:
+    """Rows of one layout (a built-in one, or the same generated rules) on mesh shapes of the
+    same axes with the same prediction (step time, memory, collectives, measured time), in
+    rank order: shown as one row listing the shapes."""
+    groups: dict[tuple[Any, ...], list[Any]] = {}
+    for r in rows:
+        c = r.cost
+        rules = r.short_rules if r.layout == "searched" else ""  # a built-in's, on any shape
+        key = (r.layout, r.axes_text, rules, r.measured_s, c.step_s, c.memory_bytes,
+               tuple(sorted(c.comm_bytes.items())))  # fmt: skip
+        groups.setdefault(key, []).append(r)
+    return list(groups.values())
+
+
 def _table(result: Any, rows: int) -> Table:
     from meshplan._search.report import prediction_fields
     from meshplan._text import human_bytes
 
-    ok = result.ok[:rows]
+    groups = _groups([r for r in result.ok if r.cost is not None])[:rows]
+    ok = [g[0] for g in groups]
+    measured_any = any(r.measured_s is not None for r in ok)
     kinds = sorted({k for r in ok if r.cost for k, v in r.cost.comm_bytes.items() if v})
     table = Table(box=None, header_style="bold", pad_edge=False)
-    for name, justify in (("#", "right"), ("mesh", "left"), ("axes", "left"),
-                          ("predicted", "right"), ("measured", "right"), (f"{result.tokens_unit}/s", "right"),
-                          ("MFU", "right"), ("state", "right"), ("activations", "right"),
-                          ("temporaries", "right"), ("memory/device", "right")):  # fmt: skip
+    unit = f"{result.tokens_unit}/s"
+    columns = [("#", "right"), ("mesh", "left"), ("axes", "left"), ("predicted", "right"),
+               ("measured", "right"), (unit, "right"), ("MFU", "right")]  # fmt: skip
+    if measured_any:  # the measured figures beside the predicted ones, each labelled
+        columns += [(f"measured {unit}", "right"), ("measured MFU", "right")]
+    columns += [("state", "right"), ("activations", "right"), ("temporaries", "right"),
+                ("memory/device", "right")]  # fmt: skip
+    for name, justify in columns:
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for kind in kinds:
         table.add_column(kind, justify="right")
     table.add_column("rules (what splits)")
     table.add_column("layout")
-    for r in ok:
-        c = r.cost
+    for group in groups:
+        r, c = group[0], group[0].cost
         measured = "-" if r.measured_s is None else f"{r.measured_s * 1e3:.3f} ms"
-        if c is None:
-            continue
         f = prediction_fields(
             c, result.tokens, result.devices, result.profile, result.budget_bytes,
             result.tokens_unit,
         )  # fmt: skip
         tps = "-" if f["tokens_per_s"] is None else f"{f['tokens_per_s']:,.0f}"
         mfu = "-" if f["mfu"] is None else f"{f['mfu']:.1%}"
+        cells = [str(r.rank), ", ".join(g.mesh_text for g in group), r.axes_text,
+                 human_seconds(c.step_s), measured, tps, mfu]  # fmt: skip
+        if measured_any:
+            m = r.measured_s
+            cells += [
+                "-" if not m or not result.tokens else f"{result.tokens / m:,.0f}",
+                "-" if not m else f"{c.flops_per_device / (m * result.profile.peak_flops):.1%}",
+            ]
         table.add_row(
-            str(r.rank), r.mesh_text, r.axes_text, human_seconds(c.step_s), measured, tps, mfu,
-            human_bytes(c.state_bytes), human_bytes(c.activation_bytes),
+            *cells, human_bytes(c.state_bytes), human_bytes(c.activation_bytes),
             human_bytes(c.temporary_bytes + c.batch_bytes),
             f"{human_bytes(c.memory_bytes)} / {human_bytes(result.budget_bytes)}",
             *[human_bytes(c.comm_bytes.get(k, 0)) for k in kinds],
@@ -399,6 +428,10 @@ def _load(args: argparse.Namespace) -> tuple[str, Any, Any, Any, bool]:
             loaded.what, loaded.abstract_state, loaded.step_fn, loaded.example_batch,
             loaded.trainable is not None,
         )  # fmt: skip
+    if args.model == "llama":
+        from meshplan.cli.llama_model import llama_step_of
+
+        return (*llama_step_of(args, args.batch), False)
     from meshplan.examples.models import EXAMPLE_MODELS
 
     built = example_of(args)
@@ -445,12 +478,14 @@ def run(args: argparse.Namespace) -> int:
             layouts = {name: get_layout(name) for name in names}
         what, state, step, batch, trainable = _load(args)
         roles = tuple(args.axes) if args.axes else ROLES
+        work = meshplan.trace_workload(step, state, batch, read_constraints=True)
         result = meshplan.search_rules(
-            args.devices, state, step, batch,
+            args.devices, state, step, batch, workload=work,
             profile=args.profile, memory_budget_bytes=args.budget, layouts=layouts,
             roles=roles, compile_top=args.top_k, measure=args.measure, measure_top=args.top_k,
             microbatches=args.grad_accum,
         )  # fmt: skip
+        advice = _advice(args, result, work, state) if result.best is None else None
         if args.axes:
             _rename(result, args.axes)
         command, path = _train_command(args, result, trainable)
@@ -462,15 +497,47 @@ def run(args: argparse.Namespace) -> int:
                 str(path), "train_command": command}  # fmt: skip
         if result.path_rules is not None:  # names inferred from the step
             data["path_rules"] = names_json(result)
+        if advice is not None:
+            data["closest"] = advice[0]
+            data["fit_changes"] = [{"flag": f, "fits": ok, **d} for f, ok, _, d in advice[2]]
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
         return 0 if result.best is not None else 1
-    _print(out, args, what, result, command, path)
+    _print(out, args, what, result, command, path, advice)
     return 0 if result.best is not None else 1
+
+
+Advice = tuple[dict[str, Any] | None, str | None, list[tuple[str, bool, str, dict[str, Any]]]]
+"""The closest candidate (data, text) and each change tried: ``(flag, fits, line, data)``."""
+
+
+def _advice(args: argparse.Namespace, result: Any, work: Any, state: Any) -> Advice:
+    """When nothing fits: the closest candidate and the changes that would make it fit, each
+    re-priced (:mod:`meshplan.cli.fit_advice`)."""
+    from meshplan.cli.fit_advice import closest, fit_changes, row_text
+
+    row = closest(result, work)
+    if row is None:
+        return None, None, []
+    step_of: Any = None
+    if args.model == "llama":
+        from meshplan.cli.llama_model import llama_step_of
+
+        def step_of(batch: int = args.batch, remat: str = args.remat) -> tuple[Any, Any, Any]:
+            return llama_step_of(args, batch, remat=remat)[1:]
+
+    elif not is_factory(args.model):
+        built = example_of(args)
+
+        def step_of(batch: int = args.batch, remat: str | None = None) -> tuple[Any, Any, Any]:
+            return state, built.model.step, built.batch(batch, getattr(args, "seq", None) or 0)
+
+    changes = fit_changes(args, result, row, work, step_of)
+    return row.to_dict(result), row_text(row), changes
 
 
 def _print(
     out: Console, args: argparse.Namespace, what: str, result: Any, command: str | None,
-    path: Path | None,
+    path: Path | None, advice: Advice | None = None,
 ) -> None:  # fmt: skip
     from meshplan._text import human_bytes
 
@@ -498,6 +565,12 @@ def _print(
     best = result.best
     if best is None:
         say(out, ("best: none", "bold"), " (no candidate passes and fits the budget)")
+        if advice is not None and advice[1] is not None:
+            say(out, ("closest: ", "bold"), advice[1])
+            say(out, "what would make it fit (its rules searched again on every mesh shape of "
+                     "its axes, re-priced):")  # fmt: skip
+            for flag, _, line, _ in advice[2]:
+                say(out, f"  {flag}: {line}")
         return
     assert best.cost is not None
     say(

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 import meshplan
 
-__all__ = ["Llama", "LlamaConfig", "llama_step", "maxtext_config"]
+__all__ = ["LLAMA_SIZES", "Llama", "LlamaConfig", "llama_size", "llama_step", "maxtext_config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +79,50 @@ def maxtext_config(scale: int, **overrides: Any) -> LlamaConfig:
     )  # fmt: skip
     fields.update(overrides)
     return LlamaConfig(**fields)
+
+
+_L2 = dict(head_dim=128, vocab=32000)  # Llama 2: 32,000 tokens, heads of 128
+_L3 = dict(head_dim=128, vocab=128256)  # Llama 3: 128,256 tokens
+LLAMA_SIZES: dict[str, tuple[str, dict[str, int]]] = {
+    # MaxText's configs/models/<name>.yml (base_emb_dim, base_num_query_heads,
+    # base_num_kv_heads, base_mlp_dim, base_num_decoder_layers, head_dim, vocab_size), the
+    # same as Meta's published Llama 2 and Llama 3 configurations.
+    "llama2-1b": ("MaxText llama2-1b", dict(embed=2048, heads=16, kv_heads=16, mlp=6144, layers=16, **_L2)),
+    "llama2-7b": ("Llama 2 7B", dict(embed=4096, heads=32, kv_heads=32, mlp=11008, layers=32, **_L2)),
+    "llama2-13b": ("Llama 2 13B", dict(embed=5120, heads=40, kv_heads=40, mlp=13824, layers=40, **_L2)),
+    "llama2-70b": ("Llama 2 70B", dict(embed=8192, heads=64, kv_heads=8, mlp=28672, layers=80, **_L2)),
+    "llama3-8b": ("Llama 3 8B", dict(embed=4096, heads=32, kv_heads=8, mlp=14336, layers=32, **_L3)),
+    "llama3-70b": ("Llama 3 70B", dict(embed=8192, heads=64, kv_heads=8, mlp=28672, layers=80, **_L3)),
+    "llama3.1-405b": ("Llama 3.1 405B", dict(embed=16384, heads=128, kv_heads=8, mlp=53248, layers=126, **_L3)),
+    # MaxText's global_parameter_scale models (base.yml scaled: maxtext_config).
+    **{f"maxtext-{n}b": (f"MaxText {n}B (global_parameter_scale={n})",
+                         dataclasses.asdict(maxtext_config(n))) for n in (16, 32, 64, 128)},
+}  # fmt: skip
+"""Published decoder configurations by name: ``(description, LlamaConfig fields)``;
+``1b``, ``7b``, ``8b``, ``13b``, ``70b``, ``405b`` are short for the Llama ones
+(:func:`llama_size`)."""
+
+_SHORT = {"1b": "llama2-1b", "7b": "llama2-7b", "8b": "llama3-8b", "13b": "llama2-13b",
+          "70b": "llama2-70b", "405b": "llama3.1-405b"}  # fmt: skip
+
+
+def llama_size(name: str, **overrides: Any) -> tuple[str, LlamaConfig]:
+    """``(name, config)`` of a published size (:data:`LLAMA_SIZES`, or its short name ``7b``).
+
+    Raises:
+        KeyError: an unknown size.
+
+    Example:
+        >>> from meshplan.examples.llama import llama_size
+        >>> name, cfg = llama_size("7b", remat="full")
+        >>> name, round(cfg.params() / 1e9, 2), cfg.remat
+        ('llama2-7b', 6.74, 'full')
+        >>> round(llama_size("llama3-70b")[1].params() / 1e9, 1)
+        70.6
+    """
+    full = _SHORT.get(name, name)
+    fields = {**LLAMA_SIZES[full][1], **overrides}
+    return full, LlamaConfig(**fields)
 
 
 def _param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple[str, ...]) -> Any:

@@ -1,0 +1,77 @@
+"""``meshplan.predict``: one layout's prediction, the same as the search's row for that layout
+and as ``meshplan plan --profile`` prints."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import meshplan
+from meshplan import cli
+from meshplan.examples.llama import LlamaConfig, llama_step
+
+# A Llama decoder with MaxText's activation constraints ('activation_embed'), grouped-query
+# attention and a scanned, rematerialised stack: where the search's matmul cache once reused
+# another candidate's all-reduce for a reduce-scatter into a constraint's shards.
+CFG = LlamaConfig(embed=128, heads=4, kv_heads=2, head_dim=32, mlp=256, layers=2, vocab=256,
+                  remat="full")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return llama_step(CFG, batch=16, seq=64)
+
+
+def test_predict_gives_every_searched_row_its_own_figures(llama):
+    state, step, batch = llama
+    work = meshplan.trace_workload(step, state, batch, read_constraints=True)
+    result = meshplan.search_rules(8, workload=work, profile="h100", compile_top=0)
+    assert len(result.ok) > 50
+    splits_activations = 0
+    for row in result.ok:
+        p = meshplan.predict(workload=work, mesh=row.mesh, rules=row.rules, profile="h100")
+        assert p.cost == row.cost, f"{row.mesh_text} {row.short_rules}"
+        splits_activations += "activation_embed=" in row.short_rules
+    assert splits_activations > 5  # the rows the cache priced wrong are among them
+
+
+def test_plan_prints_what_predict_returns(capsys):
+    code = cli.main([
+        "plan", "--model", "transformer", "--size", "tiny", "--mesh", "2x4", "--rules", "fsdp_tp",
+        "--profile", "tpu_v5e", "--batch", "16", "--seq", "64",
+    ])  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    import argparse
+
+    from meshplan.cli.steps import example_of, step_and_batch
+
+    args = argparse.Namespace(model="transformer", size="tiny", batch=16, seq=64)
+    model_state = example_of(args).model.abstract_state()
+    step, tokens = step_and_batch(args)
+    p = meshplan.predict(model_state, step, tokens, mesh={"data": 2, "model": 4}, rules="fsdp_tp",
+                         profile="tpu_v5e")  # fmt: skip
+    for line in p.lines():
+        assert line in printed
+
+
+@pytest.mark.parametrize(
+    ("mesh", "says"),
+    [({}, "expected axis sizes"), ({"data": 0}, "of size 0"), ({"data": 2.5}, "of size 2.5"),
+     ("2x4", "mesh='2x4'")],
+)  # fmt: skip
+def test_a_bad_mesh_is_named(llama, mesh, says):
+    state, step, batch = llama
+    with pytest.raises(meshplan.ArgumentError, match=says) as info:
+        meshplan.predict(state, step, batch, mesh=mesh, rules="fsdp", profile="h100")
+    assert info.value.problems[0].path == "mesh"
+
+
+def test_a_bad_budget_or_no_step_is_refused(llama):
+    state, step, batch = llama
+    with pytest.raises(meshplan.ArgumentError, match="memory_budget_bytes=nan"):
+        meshplan.predict(state, step, batch, mesh={"data": 8}, rules="fsdp",
+                         memory_budget_bytes=math.nan, profile="h100")  # fmt: skip
+    with pytest.raises(meshplan.ArgumentError, match="no step to trace"):
+        meshplan.predict(state, mesh={"data": 8}, rules="fsdp", profile="h100")
