@@ -571,6 +571,7 @@ def prepare_run(request: TrainRequest) -> PreparedRun:
             ckpt_dir,
             stored,
             tuple(resume.damaged),
+            resume.why,
             config=config.to_dict(),
             record={"data": data, "model": kind},
         ),
