@@ -12,6 +12,7 @@ import contextlib
 import errno
 import json
 import os
+import stat
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -251,12 +252,37 @@ class MetricsLog(contextlib.AbstractContextManager["MetricsLog", None]):
         if path is not None:
             try:
                 # Not blocking: a FIFO nobody reads (refused up front) cannot hang the run.
-                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+                flags = os.O_APPEND | os.O_CREAT | os.O_NONBLOCK
+                try:  # read too: a half-written last line is found and cut
+                    fd = os.open(path, os.O_RDWR | flags, 0o644)
+                except PermissionError:
+                    fd = os.open(path, os.O_WRONLY | flags, 0o644)
                 os.set_blocking(fd, True)
+                self._cut_partial_line(fd)
                 self._file = open(fd, "a", buffering=1)
             except OSError as e:
                 raise self._failed(e, "opening it") from e
         return self
+
+    def _cut_partial_line(self, fd: int) -> None:
+        """A last line left half-written (a run that stopped while writing it) is cut, and said."""
+        from meshplan.cli.jsonl import cut_partial_line
+
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return
+        try:
+            cut = cut_partial_line(fd)
+        except OSError:  # opened write-only: appended to as it is
+            return
+        if cut:
+            say(
+                Console(stderr=True),
+                ("note: ", "bold"),
+                f"--metrics {self.path!r} ended in a half-written line (the run that wrote it "
+                f"stopped mid-line): cut it off, so every line stays JSON: "
+                f"{cut.decode('utf-8', 'replace')[:80]!r}",
+                soft_wrap=True,
+            )
 
     def _failed(self, e: OSError, when: str) -> Exception:
         from meshplan._errors import MeshplanError, error_for
