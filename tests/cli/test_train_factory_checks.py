@@ -139,3 +139,32 @@ def test_a_million_byte_sequence_reaches_the_memory_refusal(tmp_path, capsys):
     assert code == 2
     assert "--batch 8 needs about" in text and "per device" in text
     assert "Unable to allocate" not in text
+
+
+# -- what a new user missed: --remat shown, experts without --experts, the resume line --
+
+
+@pytest.mark.slow
+def test_remat_and_a_dense_model_under_an_expert_layout_are_said(capsys):
+    flags = ["--seq", "16", "--eval-batches", "1", "--eval-every", "0", "--remat"]
+    code, text = _train([*TINY, "--steps", "1", *flags, "--rules", "expert_parallel",
+                         "--axes", "data,expert"], capsys)  # fmt: skip
+    assert code == 0, text
+    assert "note: --rules expert_parallel places experts" in text
+    assert "(--experts 0): it trains the dense MLP" in text
+    assert "batch 8 x 16 bytes, remat full, lr" in text  # the header
+    assert "│ remat │ full (block activations recomputed)" in text  # the summary
+
+
+@pytest.mark.slow
+def test_resuming_a_model_of_your_own_names_the_layouts(tmp_path, capsys):
+    model = ["--model", "meshplan.examples.own_model:linen_classifier"]
+    run = [*model, "--mesh", "2x4", "--rules", "fsdp", "--eval-every", "0"]
+    ckpt = ["--ckpt-dir", str(tmp_path / "run")]
+    assert _train([*run, "--steps", "1", *ckpt], capsys)[0] == 0
+    code, text = _train([*model, "--mesh", "8", "--rules", "data_parallel", "--resume",
+                         "--steps", "2", *ckpt], capsys)  # fmt: skip
+    assert code == 0, text
+    line = text.split("resuming from step 1 of ", 1)[1][:300]
+    assert line.startswith(f"{tmp_path / 'run'} (saved on 2x4 with fsdp) onto 8"), line
+    assert " with data_parallel" in line

@@ -65,6 +65,7 @@ def header(console: Console, prepared: PreparedRun, devices: Any, peak: MeshPeak
             (str(summary["layout"]), "bold"),
             f"; batch {s.batch} x {s.seq_len} bytes"
             + (f" in {s.grad_accum} microbatches" if s.grad_accum > 1 else "")
+            + _remat_text(config)
             + f", lr {s.lr:g}, seed {s.seed}",
         ],
         [
@@ -78,17 +79,7 @@ def header(console: Console, prepared: PreparedRun, devices: Any, peak: MeshPeak
         [f"MFU against: {peak.label}" if peak.flops else f"no MFU: {no_mfu_why(peak)}"],
     ]
     if trainer.resume_from is not None:
-        meta = trainer.resume_from
-        saved_mesh = "x".join(str(v) for v in meta.mesh_shape.values()) or "?"
-        saved_by = int(meta.extra.get("processes") or 1)
-        lines.append(
-            [
-                f"resuming from step {meta.step} of {trainer.ckpt_dir} (saved on {saved_mesh} "
-                f"with {meta.extra.get('layout') or 'its rules'}"
-                f"{f' by {saved_by} processes' if saved_by > 1 else ''}) onto {mesh} with "
-                f"{summary['layout']}"
-            ]
-        )
+        lines.append([_resume_line(trainer, mesh, str(summary["layout"]))])
     for line in lines:
         say(console, *line, soft_wrap=True)
     table = Table(title=text(f"Plan per device ({summary['source']})"), title_justify="left")
@@ -106,6 +97,30 @@ def header(console: Console, prepared: PreparedRun, devices: Any, peak: MeshPeak
         human_bytes(summary["state_total"]),
     )
     console.print(table)
+
+
+def _resume_line(trainer: Trainer, mesh: str, layout: str) -> str:
+    """``resuming from step N of DIR (saved on 2x4 with fsdp_tp) onto 4x2 with fsdp``."""
+    meta = trainer.resume_from
+    assert meta is not None
+    saved_mesh = "x".join(str(v) for v in meta.mesh_shape.values()) or "?"
+    saved_by = int(meta.extra.get("processes") or 1)
+    return (
+        f"resuming from step {meta.step} of {trainer.ckpt_dir} (saved on {saved_mesh} "
+        f"with {meta.extra.get('layout') or 'its rules'}"
+        f"{f' by {saved_by} processes' if saved_by > 1 else ''}) onto {mesh} with {layout}"
+    )
+
+
+def _remat_text(config: Any) -> str:
+    """``', remat full'`` when the model rematerialises its blocks, else ``''``."""
+    remat = config.get("remat") if isinstance(config, dict) else getattr(config, "remat", False)
+    if not remat:
+        return ""
+    policy = (
+        config.get("remat_policy") if isinstance(config, dict) else config.remat_policy
+    ) or "full"
+    return f", remat {str(policy).replace('_', '-')}"
 
 
 def own_header(console: Console, prepared: PreparedRun, devices: Any) -> None:
@@ -134,7 +149,7 @@ def own_header(console: Console, prepared: PreparedRun, devices: Any) -> None:
         [devices.describe() + "; parameters and AdamW state float32; no MFU (no FLOP count)"],
     ]
     if trainer.resume_from is not None:
-        lines.append([f"resuming from step {trainer.resume_from.step} of {trainer.ckpt_dir}"])
+        lines.append([_resume_line(trainer, mesh, str(summary["layout"]))])
     for line in lines:
         say(console, *line, soft_wrap=True)
 
@@ -217,6 +232,9 @@ def summary(
             f"{len(result.metrics)} steps; load-balancing loss {final.get('aux_loss', 0.0):.3f} "
             f"(1 when balanced) at step {max(result.metrics)}",
         )
+    remat = _remat_text(trainer.config)
+    if remat:
+        table.add_row("remat", remat.removeprefix(", remat ") + " (block activations recomputed)")
     if result.losses:
         last = max(result.losses)
         table.add_row("final train loss", f"{result.losses[last]:.3f}{per} (step {last})")
