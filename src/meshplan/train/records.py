@@ -235,10 +235,14 @@ class Diverged(MeshplanError, FloatingPointError):
                 f"Training stopped at step {step}: {what}, and {cause_detail}, so step {step} "
                 f"was not saved"
             )
+            which = (
+                "the validation batches (batches('valid', i))"
+                if path == "valid_loss"
+                else f"the batch of step {step} (batches('train', {step - 1}))"
+            )
             fix = (
-                f"Fix the batch of step {step} (batches('train', {step - 1})): the learning "
-                f"rate is not the cause, and resuming from an earlier step feeds the same "
-                f"batch again."
+                f"Fix {which}: the learning rate is not the cause, and resuming from an "
+                f"earlier step feeds the same batch again."
                 if cause == "data"
                 else "Check the model's initialisation and the loss on the example batch (a "
                 "log or a division of 0, a mask that leaves nothing): the learning rate is "
