@@ -96,7 +96,10 @@ def test_a_step_whose_bytes_changed_is_skipped_by_resume_and_refused_by_sample(t
     assert code == 0, err
     assert f"note: Skipping damaged step: {damage}: 'params/embed'" in err
     assert "note: Resuming from step 2, the newest step that can be read." in err
-    assert "note: Removed damaged step 4" in err
+    moved = folder / "damaged-step-4"
+    assert f"note: Moved damaged step 4 of '{folder}' into '{moved}'" in " ".join(err.split())
+    assert complete_steps(moved) == [4]  # kept, with why
+    assert "(step 4)" in (moved / "why.txt").read_text()
     assert f"resuming from step 2 of {folder}" in out
     assert complete_steps(folder) == [2, 4, 6]
     assert meshplan.restore(folder, step=4).metadata.step == 4  # rewritten, verified

@@ -92,7 +92,10 @@ from meshplan._errors import ArgumentError, CheckpointError, error_for
 from meshplan._spmd.rules import LogicalRules
 from meshplan._text import paths_text
 
-__all__ = ["Checkpointer"]
+__all__ = ["WHY_NAME", "Checkpointer"]
+
+WHY_NAME = "why.txt"
+"""The file :meth:`Checkpointer.set_aside` writes beside the steps it moved: why they were."""
 
 
 # -- failing I/O ----------------------------------------------------------------
@@ -223,7 +226,10 @@ class Checkpointer:
     Raises:
         CheckpointError: ``'ckpt-not-a-folder'`` (a file), ``'ckpt-not-writable'``
             (the folder or a file in it cannot be created), ``'ckpt-locked'``
-            (another live process writes into it).
+            (another live process writes into it); ``'ckpt-closed'`` from
+            :meth:`save`, :meth:`delete` or :meth:`set_aside` after :meth:`close`.
+        ArgumentError: ``'ckpt-empty-path'`` (``directory`` is ``""``), or
+            ``'ckpt-bad-keep'``.
 
     Example:
         >>> import tempfile, jax.numpy as jnp, meshplan
@@ -262,6 +268,14 @@ class Checkpointer:
                 ArgumentError, "ckpt-bad-keep", "best_mode",
                 f"best_mode must be 'min' or 'max', got {best_mode!r}",
                 "Pass best_mode='min' for a loss (lower is better).",
+            )  # fmt: skip
+        if not str(directory).strip():
+            raise error_for(
+                ArgumentError, "ckpt-empty-path", "directory",
+                f"Checkpointer(directory={str(directory)!r}): the path is empty (it would "
+                f"save into the current folder, {os.getcwd()!r})",
+                "Pass a folder, e.g. Checkpointer('runs/first'); pass '.' to mean the current "
+                "folder.",
             )  # fmt: skip
         self.directory = checkpoint_path(directory)
         self.keep_best = keep_best
@@ -419,6 +433,17 @@ class Checkpointer:
             self._failure_raised = True
             raise self._failure
 
+    def _check_open(self, call: str) -> None:
+        """Raises ``'ckpt-closed'`` once :meth:`close` has run (its lock and Orbax are gone)."""
+        if self._closed:
+            raise error_for(
+                CheckpointError, "ckpt-closed", str(self.directory),
+                f"Checkpointer.{call}: this Checkpointer of {str(self.directory)!r} is closed "
+                f"(close() ran: its lock is released and nothing more is written)",
+                f"Open a new one to write again: meshplan.Checkpointer({str(self.directory)!r}), "
+                f"or call close() (or leave its with-block) after the last save.",
+            )  # fmt: skip
+
     def _check_still_ours(self, step: int) -> None:
         """The folder is still there and still locked by this Checkpointer."""
         if not self.directory.is_dir():
@@ -495,6 +520,7 @@ class Checkpointer:
         """
         step = _save_step(step)
         with self._turn:
+            self._check_open(f"save(step={step}, ...)")
             return self._save(
                 step, state, rules, mesh, config, extra, metrics, check_finite, best_group
             )
@@ -726,6 +752,7 @@ class Checkpointer:
             [1]
         """
         with self._turn:
+            self._check_open(f"delete({step})")
             self._complete_steps([step], "delete", "Pass one of those steps.")
             self._manager.delete(step)
 
@@ -744,13 +771,15 @@ class Checkpointer:
             )  # fmt: skip
         return have
 
-    def set_aside(self, steps: list[int], name: str) -> epath.Path:
+    def set_aside(self, steps: list[int], name: str, why: str | None = None) -> epath.Path:
         """Moves complete ``steps`` into the sub-folder ``name`` (created; never deleted).
 
         For a run that continues from an earlier step: the later steps of the old
-        branch stay on disk, out of the way (Orbax lists only the steps at the top
-        of the folder, so nothing restores or resumes them by accident). If
-        ``name`` exists, ``.2``, ``.3``... is added. Waits for the save in
+        branch, or a step that failed verification, stay on disk, out of the way
+        (Orbax lists only the steps at the top of the folder, so nothing restores
+        or resumes them by accident; ``meshplan.restore(<that folder>)`` still
+        reads them). If ``name`` exists, ``.2``, ``.3``... is added. ``why``, when
+        given, is written beside them into ``why.txt``. Waits for the save in
         progress first; process 0 moves them and every process then re-reads the
         folder (every process of a run calls it together).
 
@@ -773,6 +802,7 @@ class Checkpointer:
         from meshplan._checkpoint.integrity import step_directory
 
         with self._turn:
+            self._check_open("set_aside(...)")
             self._complete_steps(steps, "set aside", "Pass some of those steps.")
             target = self.directory / name
             n = 1
@@ -781,6 +811,8 @@ class Checkpointer:
                 target = self.directory / f"{name}.{n}"
             if jax.process_index() == 0:
                 target.mkdir(parents=True)
+                if why is not None:
+                    (target / WHY_NAME).write_text(why.rstrip("\n") + "\n")
                 for step in steps:
                     source = step_directory(self.directory, step)
                     source.rename(target / source.name)

@@ -38,7 +38,7 @@ import numpy as np
 
 from meshplan._checkpoint.reduction import reduce_arrays
 
-__all__ = ["SCHEME", "array_checksums", "checksum_mismatches"]
+__all__ = ["SCHEME", "array_checksums", "checksum_mismatches", "dtype_has_checksum"]
 
 SCHEME = "ws2"
 """The prefix of the stored checksums (``'ws2:0123abcd4567ef89'``)."""
@@ -93,6 +93,21 @@ def _device_sums(arrays: Sequence[jax.Array]) -> jax.Array:
 def _text(pair: Any) -> str:
     a, b = (int(v) for v in pair)
     return f"{SCHEME}:{a:08x}{b:08x}"
+
+
+def dtype_has_checksum(dtype: Any) -> bool:
+    """Whether arrays of ``dtype`` (a name or a dtype) get a checksum: not complex or sub-byte.
+
+    Example:
+        >>> from meshplan._checkpoint.checksum import dtype_has_checksum
+        >>> dtype_has_checksum("float32"), dtype_has_checksum("complex64")
+        (True, False)
+    """
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:  # a name NumPy does not know (e.g. a PRNG key type): assume kept
+        return "key" in str(dtype)
+    return dt == np.bool_ or (dt.kind != "c" and dt.itemsize in (1, 2, 4, 8))
 
 
 def _kept(value: Any) -> bool:

@@ -316,7 +316,7 @@ def metadata_of(
             damaged_fix(steps, step),
         ) from e  # fmt: skip
     try:
-        return CheckpointMetadata.from_json(data, where)
+        metadata = CheckpointMetadata.from_json(data, where)
     except CheckpointError as e:
         if not e.problems or e.problems[0].code != "ckpt-damaged":
             raise
@@ -324,6 +324,14 @@ def metadata_of(
             CheckpointError, "ckpt-damaged", where, e.problems[0].message,
             damaged_fix(steps, step),
         ) from e  # fmt: skip
+    if metadata.step != step:
+        raise error_for(
+            CheckpointError, "ckpt-damaged", where,
+            f"{where}: its metadata says step {metadata.step}, but it is the folder of step "
+            f"{step} (moved or edited by hand)",
+            damaged_fix(steps, step),
+        )  # fmt: skip
+    return metadata
 
 
 def latest_step(path: str | os.PathLike[str]) -> int | None:

@@ -4,11 +4,20 @@ For every array: its shape, dtype and axis names (logical or mesh), keyed by
 its path; for the run: the step, the model config, the rules and the mesh
 shape, anything else the saver adds, and the meshplan version. The JSON is
 marked with :data:`FORMAT` so a folder that is not meshplan's is recognised.
+
+The JSON carries its own digest (``"digest"``: SHA-256 of the rest, keys sorted),
+so the logical names, the rules, the mesh, the step and the arrays' checksums are
+covered too: metadata edited or damaged since it was saved is a damaged step
+(code ``'ckpt-damaged'``), not another layout. Metadata without a digest (an older
+meshplan's, or edited) still reads, with :attr:`CheckpointMetadata.sealed`
+``False``; :func:`~meshplan.restore` then warns that the step is unverified.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,13 +34,40 @@ from meshplan._spmd.rules import (
     rules_to_json,
 )
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "ArrayInfo", "CheckpointMetadata"]
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "ArrayInfo",
+    "CheckpointMetadata",
+    "UnverifiedWarning",
+    "metadata_digest",
+]
 
 FORMAT = "meshplan-checkpoint"
 """Value of the ``format`` field that marks meshplan's metadata."""
 
 FORMAT_VERSION = 1
 """The newest metadata layout this meshplan reads and writes."""
+
+
+class UnverifiedWarning(UserWarning):
+    """A step was restored without checksums to verify it against (see :meth:`CheckpointMetadata.unverified`)."""
+
+
+_DIGEST_KEY = "digest"
+
+
+def metadata_digest(data: Mapping[str, Any]) -> str:
+    """The digest of a metadata JSON dict: SHA-256 of everything but its ``"digest"``.
+
+    Example:
+        >>> from meshplan._checkpoint.metadata import metadata_digest
+        >>> metadata_digest({"step": 1, "a": [1, 2]}) == metadata_digest({"a": [1, 2], "step": 1})
+        True
+    """
+    body = {k: v for k, v in data.items() if k != _DIGEST_KEY}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +154,9 @@ class CheckpointMetadata:
         config: The model config as a dict (``None`` if none was given).
         extra: Anything else the saver stored (training settings, best loss, ...).
         meshplan_version: The meshplan version that wrote it.
+        sealed: ``False`` when read from JSON that carried no digest (an older
+            meshplan's, or edited by hand): nothing verifies the names and
+            checksums it holds (see :meth:`unverified`).
 
     Example:
         >>> import jax, jax.numpy as jnp, meshplan
@@ -135,6 +174,31 @@ class CheckpointMetadata:
     config: dict[str, Any] | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     meshplan_version: str = ""
+    sealed: bool = dataclasses.field(default=True, compare=False)
+
+    def unverified(self) -> list[str]:
+        """What a restore of this step cannot verify: ``[]`` when everything is covered.
+
+        ``'metadata'`` when it carried no digest, and the path of every array whose
+        dtype has a checksum but that was stored without one.
+
+        Example:
+            >>> import meshplan
+            >>> from meshplan._checkpoint.metadata import ArrayInfo
+            >>> meta = meshplan.CheckpointMetadata(1, {"w": ArrayInfo((2,), "float32")},
+            ...                                    sealed=False)
+            >>> meta.unverified()
+            ['metadata', 'w']
+        """
+        from meshplan._checkpoint.checksum import dtype_has_checksum
+
+        missing = [] if self.sealed else ["metadata"]
+        missing += [
+            key
+            for key, info in self.arrays.items()
+            if info.checksum is None and dtype_has_checksum(info.dtype)
+        ]
+        return missing
 
     @property
     def axis_names(self) -> tuple[str, ...]:
@@ -231,12 +295,12 @@ class CheckpointMetadata:
             >>> import json, meshplan
             >>> meta = meshplan.CheckpointMetadata(step=7, arrays={}, mesh_shape={"data": 8})
             >>> data = meta.to_json()
-            >>> data["format"], data["step"], data["mesh"]
-            ('meshplan-checkpoint', 7, {'axis_names': ['data'], 'shape': [8]})
+            >>> data["format"], data["step"], data["mesh"], data["digest"][:7]
+            ('meshplan-checkpoint', 7, {'axis_names': ['data'], 'shape': [8]}, 'sha256:')
             >>> meshplan.CheckpointMetadata.from_json(json.loads(json.dumps(data))) == meta
             True
         """
-        return {
+        out = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "meshplan_version": self.meshplan_version,
@@ -247,6 +311,8 @@ class CheckpointMetadata:
             "arrays": {k: v.to_json() for k, v in self.arrays.items()},
             "extra": self.extra,
         }
+        out[_DIGEST_KEY] = metadata_digest(out)
+        return out
 
     @classmethod
     def from_json(cls, data: object, where: str = "checkpoint") -> CheckpointMetadata:
@@ -276,6 +342,15 @@ class CheckpointMetadata:
                 f"{data.get('format_version')}), this one reads format_version {FORMAT_VERSION}",
                 "Upgrade meshplan to restore it.",
             )  # fmt: skip
+        stored = data.get(_DIGEST_KEY)
+        if stored is not None and stored != metadata_digest(data):
+            raise error_for(
+                CheckpointError, "ckpt-damaged", where,
+                f"{where}: its meshplan metadata changed since it was saved (digest "
+                f"mismatch): the logical names, layout, step and checksums it holds cannot "
+                f"be trusted",
+                "Restore an earlier step (step=...), or save into a new checkpoint folder.",
+            )  # fmt: skip
         mesh = data.get("mesh") or {}
         try:
             return cls(
@@ -288,6 +363,7 @@ class CheckpointMetadata:
                 config=data.get("config"),
                 extra=dict(data.get("extra") or {}),
                 meshplan_version=str(data.get("meshplan_version", "")),
+                sealed=stored is not None,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise error_for(

@@ -7,8 +7,8 @@ what was there before:
 
 * one ``sys.unraisablehook`` (:func:`install_hook`) with two filters, each turned
   on by the first event that needs it: TensorStore callbacks into Orbax's closed
-  event loop after a failed save (:func:`quiet_late_callbacks`, from the first
-  Checkpointer opened), and the read coroutines of a failed restore
+  event loop after a failed save or read (:func:`quiet_late_callbacks`, from the first
+  Checkpointer opened or the first restore), and the read coroutines of a failed restore
   (:func:`drop_orbax_leftovers`);
 * a filter on asyncio's log for tasks of Orbax's whose exception nobody awaited
   (:data:`ORPHANED_TASKS`, with the first filter above);

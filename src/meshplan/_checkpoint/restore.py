@@ -30,8 +30,8 @@ from meshplan._checkpoint.folder import (
     step_number,
 )
 from meshplan._checkpoint.integrity import check_step, intact_step
-from meshplan._checkpoint.metadata import CheckpointMetadata
-from meshplan._checkpoint.quiet import drop_orbax_leftovers
+from meshplan._checkpoint.metadata import CheckpointMetadata, UnverifiedWarning
+from meshplan._checkpoint.quiet import drop_orbax_leftovers, quiet_late_callbacks
 from meshplan._checkpoint.tree import flatten_state, nest, path_of, unnest
 from meshplan._errors import (
     ArgumentError,
@@ -345,6 +345,9 @@ def _restore_step(
         )
         where = f"{str(p)!r} (step {metadata.step})"
         failure: str | None = None
+        # A read that fails leaves others in flight, which call back into Orbax's closed
+        # event loop (a bare "Event loop is closed" traceback each): left out from here on.
+        quiet_late_callbacks()
         try:
             restored = manager.restore(
                 metadata.step,
@@ -389,6 +392,22 @@ def _restore_step(
                 f"changed since it was saved (checksum mismatch): {shown}",
                 damaged_fix(sorted(manager.all_steps()), metadata.step),
             )  # fmt: skip
+    missing = metadata.unverified()
+    if missing:
+        what = "its metadata carries no digest" if "metadata" in missing else ""
+        arrays = [k for k in missing if k != "metadata"]
+        if arrays:
+            what += (" and " if what else "") + (
+                f"{len(arrays)} of its {len(metadata.arrays)} arrays carry no checksum"
+            )
+        warnings.warn(
+            UnverifiedWarning(
+                f"{where} was restored unverified: {what} (saved by an older meshplan, or "
+                f"its metadata edited by hand), so damage to its arrays or a changed "
+                f"logical name would go unnoticed. Save it again to seal it."
+            ),
+            stacklevel=3,
+        )
     boxed = {}
     for key, value in unnest(restored):
         info = metadata.arrays[key]
@@ -403,4 +422,7 @@ def _restore_step(
 
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    line = text.splitlines()[0] if text else type(e).__name__
+    # Orbax appends the repr of a TensorStore method ("See full TensorStore details: <bound
+    # method ...>"), which says nothing to a reader.
+    return line.split(" See full TensorStore details", 1)[0].rstrip()

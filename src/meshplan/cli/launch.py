@@ -6,11 +6,11 @@ given its share of the emulated CPU devices. Process 0 writes to this
 process's standard output and error; the others' standard error goes to
 temporary files, shown only when that worker fails.
 
-SIGTERM to the launcher is forwarded to every worker: they stop together after
-the same step, finish the save in progress and release the checkpoint folder's
-lock (see ``meshplan train``); the launcher waits for them (up to
-:data:`_TERM_GRACE_SECONDS`, then kills what is left), says so, and exits 143,
-as one process does.
+SIGTERM or SIGINT (Ctrl-C) to the launcher is forwarded to every worker: they
+stop together after the same step, finish the save in progress and release the
+checkpoint folder's lock (see ``meshplan train``); the launcher waits for them
+(up to :data:`_TERM_GRACE_SECONDS`, then kills what is left), says so, and exits
+143 or 130, as one process does.
 
 If a worker fails (a non-zero exit or a signal), the others would wait for it
 forever in their next collective: the launcher stops them, names the worker
@@ -45,15 +45,22 @@ _GRACE_SECONDS = 3.0
 
 
 _TERM_GRACE_SECONDS = 300.0
-"""How long workers get to finish the save in progress after a forwarded SIGTERM."""
+"""How long workers get to finish the save in progress after a forwarded SIGTERM or SIGINT."""
+
+_FORWARDED = (signal.SIGTERM, signal.SIGINT)
+"""The signals the launcher forwards to its workers (then waits for them, as one process)."""
 
 
 class _Terminated(Exception):
-    """SIGTERM reached the launcher."""
+    """SIGTERM or SIGINT reached the launcher."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def _raise_terminated(signum: int, frame: object) -> None:
-    raise _Terminated
+    raise _Terminated(signum)
 
 
 def free_port() -> int:
@@ -163,11 +170,12 @@ def launch(
     procs: list[subprocess.Popen[bytes]] = []
     if threading.current_thread() is not threading.main_thread():
         return _launch(argvs, env, preexec, procs, say)
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous = {sig: signal.signal(sig, _raise_terminated) for sig in _FORWARDED}
     try:
         return _launch(argvs, env, preexec, procs, say)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _launch(
@@ -199,19 +207,19 @@ def _launch(
                 if err is not None:
                     err.close()
             return _supervise(procs, errs, say)
-        except KeyboardInterrupt:
-            _stop(procs, signal.SIGINT, 10.0)
-            _stop_all(procs)
-            return 130
-        except _Terminated:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut this short
+        except _Terminated as e:
+            for sig in _FORWARDED:  # a second one must not cut this short
+                signal.signal(sig, signal.SIG_IGN)
             running = [i for i, p in enumerate(procs) if p.poll() is None]
+            name = signal.Signals(e.signum).name
             say(
-                f"meshplan: SIGTERM: forwarded to the {len(running)} running worker"
+                f"meshplan: {name}: forwarded to the {len(running)} running worker"
                 f"{'s' * (len(running) != 1)}; they stop after the same step and finish the "
                 f"save in progress (waiting up to {_TERM_GRACE_SECONDS:g} s)."
             )
-            _stop(procs, signal.SIGTERM, _TERM_GRACE_SECONDS)
+            # Ctrl-C at a terminal reached the workers too (one process group): a second
+            # one is harmless, they stop after the same step either way.
+            _stop(procs, e.signum, _TERM_GRACE_SECONDS)
             left = [i for i, p in enumerate(procs) if p.poll() is None]
             if left:
                 say(
@@ -221,7 +229,7 @@ def _launch(
                     f"latest complete checkpoint)."
                 )
             _stop_all(procs)
-            return 143
+            return 128 + int(e.signum)
         finally:
             _stop_all(procs)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import time
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -415,20 +416,21 @@ def run(args: argparse.Namespace) -> int:
     except (KeyboardInterrupt, Terminated) as e:
         failed = _close(trainer)  # the save in progress completes: it is the latest checkpoint
         last = trainer.latest_saved
-        how = "stopped by SIGTERM" if isinstance(e, Terminated) else "interrupted"
+        sigterm = isinstance(e, Terminated) and e.signum == signal.SIGTERM
+        how = "stopped by SIGTERM" if sigterm else "interrupted (SIGINT)"
         message = f"{how} at step {trainer.step}; " + (
             f"latest complete checkpoint: step {last} (resume with --resume --ckpt-dir "
             f"{trainer.ckpt_dir})"
             if last is not None
             else "no checkpoint saved"
         )
-        if isinstance(e, Terminated):
+        if sigterm:
             print_error(message + ".")
         else:
             say(console, message)
         if failed is not None:
             print_error(error_in_flags(failed))
-        return 143 if isinstance(e, Terminated) else 130
+        return 143 if sigterm else 130
     except MeshplanError as e:
         _close(trainer)  # the lock is released; a failure already raised is not raised twice
         print_error(error_in_flags(e, trainer.settings.lr, getattr(args, "_argv", None)))

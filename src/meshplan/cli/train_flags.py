@@ -263,6 +263,8 @@ def error_in_flags(error: Exception, lr: float | None = None, argv: list[str] | 
     """
     from meshplan.train.records import Diverged
 
+    if isinstance(error, Diverged) and error.cause != "diverged":
+        return str(error)  # the data or the start: no --lr advice, no resume into it
     if isinstance(error, Diverged):
         problem = error.problems[0]
         lower = "--lr <smaller>" if lr is None else f"--lr {lr / 10:g}"

@@ -12,6 +12,7 @@ import contextlib
 import errno
 import json
 import os
+import stat
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -64,6 +65,7 @@ def header(console: Console, prepared: PreparedRun, devices: Any, peak: MeshPeak
             (str(summary["layout"]), "bold"),
             f"; batch {s.batch} x {s.seq_len} bytes"
             + (f" in {s.grad_accum} microbatches" if s.grad_accum > 1 else "")
+            + _remat_text(config)
             + f", lr {s.lr:g}, seed {s.seed}",
         ],
         [
@@ -80,17 +82,7 @@ def header(console: Console, prepared: PreparedRun, devices: Any, peak: MeshPeak
     if pipeline:
         lines.insert(2, [pipeline])
     if trainer.resume_from is not None:
-        meta = trainer.resume_from
-        saved_mesh = "x".join(str(v) for v in meta.mesh_shape.values()) or "?"
-        saved_by = int(meta.extra.get("processes") or 1)
-        lines.append(
-            [
-                f"resuming from step {meta.step} of {trainer.ckpt_dir} (saved on {saved_mesh} "
-                f"with {meta.extra.get('layout') or 'its rules'}"
-                f"{f' by {saved_by} processes' if saved_by > 1 else ''}) onto {mesh} with "
-                f"{summary['layout']}"
-            ]
-        )
+        lines.append([_resume_line(trainer, mesh, str(summary["layout"]))])
     for line in lines:
         say(console, *line, soft_wrap=True)
     table = Table(title=text(f"Plan per device ({summary['source']})"), title_justify="left")
@@ -108,6 +100,30 @@ def header(console: Console, prepared: PreparedRun, devices: Any, peak: MeshPeak
         human_bytes(summary["state_total"]),
     )
     console.print(table)
+
+
+def _resume_line(trainer: Trainer, mesh: str, layout: str) -> str:
+    """``resuming from step N of DIR (saved on 2x4 with fsdp_tp) onto 4x2 with fsdp``."""
+    meta = trainer.resume_from
+    assert meta is not None
+    saved_mesh = "x".join(str(v) for v in meta.mesh_shape.values()) or "?"
+    saved_by = int(meta.extra.get("processes") or 1)
+    return (
+        f"resuming from step {meta.step} of {trainer.ckpt_dir} (saved on {saved_mesh} "
+        f"with {meta.extra.get('layout') or 'its rules'}"
+        f"{f' by {saved_by} processes' if saved_by > 1 else ''}) onto {mesh} with {layout}"
+    )
+
+
+def _remat_text(config: Any) -> str:
+    """``', remat full'`` when the model rematerialises its blocks, else ``''``."""
+    remat = config.get("remat") if isinstance(config, dict) else getattr(config, "remat", False)
+    if not remat:
+        return ""
+    policy = (
+        config.get("remat_policy") if isinstance(config, dict) else config.remat_policy
+    ) or "full"
+    return f", remat {str(policy).replace('_', '-')}"
 
 
 def own_header(console: Console, prepared: PreparedRun, devices: Any) -> None:
@@ -136,7 +152,7 @@ def own_header(console: Console, prepared: PreparedRun, devices: Any) -> None:
         [devices.describe() + "; parameters and AdamW state float32; no MFU (no FLOP count)"],
     ]
     if trainer.resume_from is not None:
-        lines.append([f"resuming from step {trainer.resume_from.step} of {trainer.ckpt_dir}"])
+        lines.append([_resume_line(trainer, mesh, str(summary["layout"]))])
     for line in lines:
         say(console, *line, soft_wrap=True)
 
@@ -219,6 +235,9 @@ def summary(
             f"{len(result.metrics)} steps; load-balancing loss {final.get('aux_loss', 0.0):.3f} "
             f"(1 when balanced) at step {max(result.metrics)}",
         )
+    remat = _remat_text(trainer.config)
+    if remat:
+        table.add_row("remat", remat.removeprefix(", remat ") + " (block activations recomputed)")
     if result.losses:
         last = max(result.losses)
         table.add_row("final train loss", f"{result.losses[last]:.3f}{per} (step {last})")
@@ -254,12 +273,37 @@ class MetricsLog(contextlib.AbstractContextManager["MetricsLog", None]):
         if path is not None:
             try:
                 # Not blocking: a FIFO nobody reads (refused up front) cannot hang the run.
-                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+                flags = os.O_APPEND | os.O_CREAT | os.O_NONBLOCK
+                try:  # read too: a half-written last line is found and cut
+                    fd = os.open(path, os.O_RDWR | flags, 0o644)
+                except PermissionError:
+                    fd = os.open(path, os.O_WRONLY | flags, 0o644)
                 os.set_blocking(fd, True)
+                self._cut_partial_line(fd)
                 self._file = open(fd, "a", buffering=1)
             except OSError as e:
                 raise self._failed(e, "opening it") from e
         return self
+
+    def _cut_partial_line(self, fd: int) -> None:
+        """A last line left half-written (a run that stopped while writing it) is cut, and said."""
+        from meshplan.cli.jsonl import cut_partial_line
+
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return
+        try:
+            cut = cut_partial_line(fd)
+        except OSError:  # opened write-only: appended to as it is
+            return
+        if cut:
+            say(
+                Console(stderr=True),
+                ("note: ", "bold"),
+                f"--metrics {self.path!r} ended in a half-written line (the run that wrote it "
+                f"stopped mid-line): cut it off, so every line stays JSON: "
+                f"{cut.decode('utf-8', 'replace')[:80]!r}",
+                soft_wrap=True,
+            )
 
     def _failed(self, e: OSError, when: str) -> Exception:
         from meshplan._errors import MeshplanError, error_for

@@ -220,47 +220,72 @@ def join_if_asked(args: argparse.Namespace) -> ProcessGroup | None:
 
 
 class Terminated(Exception):
-    """SIGTERM arrived: the run stops at the end of the current step."""
+    """SIGTERM or SIGINT arrived: the run stops at the end of the current step.
+
+    Attributes:
+        signum: The signal that stopped the run (the first one that arrived).
+    """
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        """What the process exits with, as the shell would for that signal (143, 130)."""
+        return 128 + int(self.signum)
 
 
 class StopOnSigterm(contextlib.AbstractContextManager["StopOnSigterm", None]):
-    """While active, SIGTERM asks the run to stop after the current step.
+    """While active, SIGTERM or SIGINT (Ctrl-C) asks the run to stop after the current step.
 
-    One process: a second SIGTERM stops it at once. Several processes (``--processes
-    N``, whose launcher forwards the signal, or one per host): a SIGTERM to any of
-    them stops all of them after the same step
-    (:class:`~meshplan.train.distributed.StopVote`), so that they finish the save in
-    progress together and the folder's lock is released. Only in the main thread.
+    The handler only records the request: nothing is raised inside whatever the
+    main thread runs at that moment (a save, or a callback of JAX's, which would
+    swallow it as "Exception ignored"); :meth:`check` raises :class:`Terminated`
+    between steps. One process: a second signal raises at once (and, if that is
+    swallowed, the next check raises). Several processes (``--processes N``, whose
+    launcher forwards the signal, or one per host): a signal to any of them stops
+    all of them after the same step (:class:`~meshplan.train.distributed.StopVote`),
+    so that they finish the save in progress together and the folder's lock is
+    released. Only in the main thread.
     """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self) -> None:
         self.enabled = threading.current_thread() is threading.main_thread()
         self.vote = StopVote()
-        self._previous: Any = None
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
 
     @property
     def asked(self) -> bool:
         return self.vote.asked
 
     def _handler(self, signum: int, frame: Any) -> None:
+        if self.signum is None:
+            self.signum = signum
         if self.vote.asked and self.vote.processes == 1:
-            raise Terminated
+            raise Terminated(self.signum)
         self.vote.ask()
 
     def check(self, step: int | None = None) -> None:
         """Raises :class:`Terminated` when the run stops now (after ``step``, when given)."""
+        signum = signal.SIGTERM if self.signum is None else self.signum
         if step is None:
             if self.vote.processes == 1 and self.vote.asked:
-                raise Terminated
+                raise Terminated(signum)
             return
         if self.vote.after(step):
-            raise Terminated
+            raise Terminated(signum)
 
     def __enter__(self) -> StopOnSigterm:
         if self.enabled:
-            self._previous = signal.signal(signal.SIGTERM, self._handler)
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handler)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.enabled:
-            signal.signal(signal.SIGTERM, self._previous)
+            for sig, previous in self._previous.items():
+                signal.signal(sig, previous)

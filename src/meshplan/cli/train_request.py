@@ -332,6 +332,19 @@ def _build_model(
     return config, dataclasses.replace(example(kind, config).model, example_input=tokens)
 
 
+def _dense_expert_note(
+    request: TrainRequest, config: TransformerConfig, rules: LogicalRules
+) -> list[str]:
+    """A note when the layout places experts but the model has none (a dense run)."""
+    if config.num_experts or not any(name == "expert" and axes for name, axes in rules):
+        return []
+    return [
+        f"--rules {request.rules} places experts (the 'expert' name), but this model has none "
+        f"(--experts 0): it trains the dense MLP, and the expert axis only splits what its "
+        f"other rules give it. Pass --experts E for a mixture of experts."
+    ]
+
+
 _SHOWN = 6
 """Parameters the layout cannot split shown in full; the rest are listed by path."""
 
@@ -583,6 +596,7 @@ def prepare_run(request: TrainRequest) -> PreparedRun:
             ckpt_dir,
             stored,
             tuple(resume.damaged),
+            resume.why,
             config=config.to_dict(),
             record={"data": data, "model": kind},
         ),
@@ -593,6 +607,10 @@ def prepare_run(request: TrainRequest) -> PreparedRun:
         ),
         tx=tx,
         abstract=abstract,
-        notes=[*resume.notes, *([] if note is None else [note])],
+        notes=[
+            *resume.notes,
+            *([] if note is None else [note]),
+            *_dense_expert_note(request, config, rules),
+        ],
     )
     return PreparedRun(trainer, corpus, config, kind, peak)

@@ -47,6 +47,8 @@ class Resume:
 
     stored: CheckpointMetadata | None = None
     damaged: list[int] = dataclasses.field(default_factory=list)
+    why: dict[int, str] = dataclasses.field(default_factory=dict)
+    """Why each of ``damaged`` cannot be read (written beside it when it is moved aside)."""
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -105,15 +107,18 @@ def check_checkpoint_dir(
             if intact.step is None:
                 problems.add(
                     CheckpointError,
-                    f"no step of {str(ckpt_dir)!r} can be read: "
-                    + "; ".join(p.message for p in skipped),
-                    "Train into a new --ckpt-dir (or without --resume into this one after "
-                    "removing its steps).",
+                    f"no step of {str(ckpt_dir)!r} can be read (nothing in it was moved or "
+                    f"deleted): " + "; ".join(p.message for p in skipped),
+                    "Train into a new --ckpt-dir; the steps stay as they are, for you to "
+                    "inspect (meshplan.restore names what is damaged in each).",
                     "ckpt-damaged",
                 )
                 return ckpt_dir, found
             found.stored = read_metadata(ckpt_dir, intact.step)
             found.damaged = [*known, *intact.skipped_steps]
+            found.why = {
+                step: problem.message for step, problem in zip(found.damaged, skipped, strict=True)
+            }
             for p in skipped:
                 found.notes.append(f"Skipping damaged step: {p.message}")
             if skipped:

@@ -57,6 +57,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -175,8 +176,16 @@ class TransformerConfig:
             problems.append(
                 f"top_k must be between 1 and num_experts={self.num_experts}, got {self.top_k}"
             )
-        if not self.capacity_factor > 0:
-            problems.append(f"capacity_factor must be above 0, got {self.capacity_factor}")
+        if not 0 < self.capacity_factor < math.inf:
+            problems.append(
+                f"capacity_factor must be a finite number above 0, got {self.capacity_factor}"
+            )
+        elif self.num_experts and self.capacity_factor > self.num_experts:
+            problems.append(
+                f"capacity_factor must be at most num_experts={self.num_experts}, got "
+                f"{self.capacity_factor:g} (from {self.num_experts / self.top_k:g}, that is "
+                f"num_experts / top_k, up, every choice of every token already has a slot)"
+            )
         if not self.aux_loss_coef >= 0:
             problems.append(f"aux_loss_coef must be 0 or more, got {self.aux_loss_coef}")
         if problems:
@@ -373,6 +382,10 @@ def _rotary(x: Array, positions: Array) -> Array:
     return out.astype(x.dtype)
 
 
+_HOST_MASK_LIMIT = 1 << 26
+"""The largest causal mask (elements) built on the host with NumPy: 64 MiB of bools."""
+
+
 def causal_mask(positions: Any) -> Any:
     """``mask[q, k]``: query ``q`` may attend to key ``k`` (position ``k <= q``), in any order.
 
@@ -382,7 +395,11 @@ def causal_mask(positions: Any) -> Any:
         >>> causal_mask(np.array([0, 3, 1, 2])).astype(int).tolist()
         [[1, 0, 0, 0], [1, 1, 1, 1], [1, 0, 1, 0], [1, 0, 1, 1]]
     """
-    xp = np if isinstance(positions, np.ndarray) else jnp
+    # A host mask is a constant of the compiled step; one too big for the host (a million
+    # positions: 931 GiB) is left to JAX, which traces it without building it, so that
+    # the memory check can refuse the step instead of NumPy's allocation failing.
+    small = isinstance(positions, np.ndarray) and positions.size**2 <= _HOST_MASK_LIMIT
+    xp = np if small else jnp
     return xp.asarray(positions)[:, None] >= xp.asarray(positions)[None, :]
 
 

@@ -44,8 +44,10 @@ class Checkpoints:
         ckpt_dir: Where to save checkpoints (``None``: no checkpoints).
         resume_from: The checkpoint to resume from (in ``ckpt_dir``).
         discard_steps: Steps of ``ckpt_dir`` after ``resume_from`` that cannot be
-            read (damaged): removed when the folder is opened, so that this run
-            writes its own.
+            read (damaged): moved aside, never deleted, once the resumed state has
+            been read (each into ``damaged-step-<N>``, its reason in ``why.txt``), so
+            that this run writes its own.
+        discard_why: Why each of ``discard_steps`` cannot be read (step to sentence).
         max_to_keep: The latest checkpoints kept (default ``settings.keep``); the
             one with the best validation loss is never deleted.
         config: The model's config, stored with every checkpoint (``None``:
@@ -57,6 +59,7 @@ class Checkpoints:
     ckpt_dir: Path | None = None
     resume_from: CheckpointMetadata | None = None
     discard_steps: tuple[int, ...] = ()
+    discard_why: Mapping[int, str] = dataclasses.field(default_factory=dict)
     max_to_keep: int | None = None
     config: Mapping[str, Any] | None = None
     record: Mapping[str, Any] = dataclasses.field(default_factory=dict)

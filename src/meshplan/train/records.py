@@ -42,6 +42,7 @@ class Note(str):
       ``changes`` (:func:`valid_changes`); slot ``{changed}``.
     * ``'steps-set-aside'``: fields ``steps``, ``folder``, ``step`` and ``moved_to``;
       slot ``{resume}``.
+    * ``'damaged-step-moved'``: fields ``step``, ``folder``, ``moved_to`` and ``why``.
 
     Example:
         >>> from meshplan.train.records import Note
@@ -127,6 +128,16 @@ def set_aside_note(steps: list[int], folder: str, step: int, moved_to: str) -> N
     return Note(template, "steps-set-aside", fields, {"resume": "resume"})
 
 
+def damaged_note(step: int, folder: str, moved_to: str, why: str) -> Note:
+    """The note of a damaged ``step`` of ``folder`` moved into ``moved_to`` (never deleted)."""
+    template = (
+        f"Moved damaged step {step} of {folder!r} into {moved_to!r} (nothing deleted; the "
+        f"reason is in why.txt there): {why}"
+    )
+    fields = {"step": step, "folder": folder, "moved_to": moved_to, "why": why}
+    return Note(template, "damaged-step-moved", fields, {})
+
+
 def sane_step(
     saved: list[int],
     losses: Mapping[int, float],
@@ -195,6 +206,11 @@ class Diverged(MeshplanError, FloatingPointError):
             which is ``last_good`` unless the loss was already climbing when it was
             saved; else the best step. ``None`` when there is none.
         resume_why: Why that step (a phrase for the message).
+        cause: ``'diverged'`` (the updates diverged: the learning rate), ``'data'``
+            (the step's batch holds NaN or inf; code ``'train-not-finite-data'``) or
+            ``'start'`` (not finite from the run's first step, before any update;
+            code ``'train-not-finite-start'``); see :mod:`meshplan.train.diagnosis`.
+        cause_detail: What was found, as a phrase (``''`` for a divergence).
     """
 
     def __init__(
@@ -207,10 +223,36 @@ class Diverged(MeshplanError, FloatingPointError):
         ckpt_dir: Path | None,
         resume_at: int | None = None,
         resume_why: str = "",
+        cause: str = "diverged",
+        cause_detail: str = "",
     ) -> None:
         self.step, self.last_good, self.best, self.ckpt_dir = step, last_good, best, ckpt_dir
         self.resume_at = last_good if resume_at is None else resume_at
         self.resume_why = resume_why
+        self.cause, self.cause_detail = cause, cause_detail
+        if cause in ("data", "start"):
+            message = (
+                f"Training stopped at step {step}: {what}, and {cause_detail}, so step {step} "
+                f"was not saved"
+            )
+            which = (
+                "the validation batches (batches('valid', i))"
+                if path == "valid_loss"
+                else f"the batch of step {step} (batches('train', {step - 1}))"
+            )
+            fix = (
+                f"Fix {which}: the learning rate is not the cause, and resuming from an "
+                f"earlier step feeds the same batch again."
+                if cause == "data"
+                else "Check the model's initialisation and the loss on the example batch (a "
+                "log or a division of 0, a mask that leaves nothing): the learning rate is "
+                "not the cause."
+            )
+            super().__init__(
+                f"{message}.\n{fix}",
+                [Problem("error", path, message, fix, f"train-not-finite-{cause}")],
+            )
+            return
         if ckpt_dir is None:
             kept = "No checkpoint folder was given, so no step is saved"
             fix = "Lower the learning rate and train again."

@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
@@ -62,16 +63,19 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshplan._checkpoint.checkpointer import Checkpointer
+from meshplan._checkpoint.metadata import UnverifiedWarning
 from meshplan._checkpoint.restore import restore
 from meshplan._errors import CheckpointError
 from meshplan._spmd.explicit import explicit_mesh_error, is_sharding_type_error
 from meshplan._spmd.rules import logical_axis_rules
+from meshplan.train.diagnosis import NanCause, nan_cause
 from meshplan.train.model import TrainModel
 from meshplan.train.parts import Checkpoints, Measures, Placement, group_parts
 from meshplan.train.records import (
     Diverged,
     StepRecord,
     TrainResult,
+    damaged_note,
     sane_step,
     set_aside_note,
     valid_changed_note,
@@ -145,10 +149,10 @@ class Trainer:
 
     Attributes:
         notes: Sentences for the user about the checkpoint folder (a stale lock
-            taken over, damaged steps removed, later steps set aside), filled by
-            :meth:`open`.
+            taken over, damaged steps and later steps moved aside), filled by
+            :meth:`open` and :meth:`start`.
         set_aside: ``(steps, folder)``: the later steps of an old branch that
-            :meth:`open` moved aside, or ``None``.
+            :meth:`start` moved aside, or ``None``.
         saved_on_disk: The complete steps in ``ckpt_dir`` when :meth:`close`
             ran (``[]`` before).
         latest_saved: The latest of them, or ``None``.
@@ -200,6 +204,7 @@ class Trainer:
         keep = checkpoints.max_to_keep
         self.max_to_keep = settings.keep if keep is None else keep
         self.discard_steps = tuple(int(s) for s in checkpoints.discard_steps)
+        self.discard_why = {int(k): str(v) for k, v in checkpoints.discard_why.items()}
         self.measures = measures
         self.flops_per_step = measures.flops_per_step
         self.peak_flops_per_s = measures.peak_flops_per_s
@@ -280,12 +285,9 @@ class Trainer:
     def open(self) -> None:
         """Opens the checkpoint folder for writing: checks it, takes its lock (no-op without one).
 
-        Call it before any work to fail early (:meth:`start` calls it). Steps
-        after ``resume_from`` are dealt with here: damaged ones
-        (``discard_steps``) are removed; intact ones, the later steps of the
-        branch this run leaves, are moved into the sub-folder
-        ``old-branch-after-step-<resume step>`` (:meth:`Checkpointer.set_aside`:
-        never deleted, never resumed; a note says so, :attr:`set_aside` says where).
+        Call it before any work to fail early (:meth:`start` calls it). It changes
+        no step: the steps after ``resume_from`` are dealt with by :meth:`start`,
+        once the state to resume has been read and verified.
 
         Raises:
             CheckpointError: ``'ckpt-not-writable'``, ``'ckpt-not-a-folder'``,
@@ -297,36 +299,59 @@ class Trainer:
         self._checkpointer = ckpt
         if ckpt.note:
             self.notes.append(ckpt.note)
-        if self.resume_from is None:
+
+    def _clear_the_way(self) -> None:
+        """Moves the steps after ``resume_from`` aside (never deletes them), saying so.
+
+        Damaged ones (``discard_steps``) each go into ``damaged-step-<N>`` with the
+        reason in ``why.txt``; intact ones, the later steps of the branch this run
+        leaves, into ``old-branch-after-step-<resume step>``
+        (:meth:`Checkpointer.set_aside`; :attr:`set_aside` says where). A note says
+        every move.
+        """
+        ckpt = self._checkpointer
+        if ckpt is None or self.resume_from is None:
             return
-        after = [s for s in ckpt.all_steps() if s > self.resume_from.step]
-        removed = [s for s in after if s in self.discard_steps]
-        for step in removed:
-            ckpt.delete(step)
-        if removed:
-            self.notes.append(
-                f"Removed damaged step{'s' * (len(removed) > 1)} "
-                f"{', '.join(map(str, removed))} of {str(self.ckpt_dir)!r}: this run writes "
-                f"its own."
-            )
-        later = [s for s in after if s not in removed]
+        step = self.resume_from.step
+        after = [s for s in ckpt.all_steps() if s > step]
+        damaged = [s for s in after if s in self.discard_steps]
+        for bad in damaged:
+            why = self.discard_why.get(bad, "it failed verification")
+            moved = ckpt.set_aside([bad], f"damaged-step-{bad}", why)
+            self.notes.append(damaged_note(bad, str(self.ckpt_dir), str(moved), why))
+        later = [s for s in after if s not in damaged]
         if later:
-            aside = ckpt.set_aside(later, f"old-branch-after-step-{self.resume_from.step}")
+            aside = ckpt.set_aside(
+                later,
+                f"old-branch-after-step-{step}",
+                f"Steps {', '.join(map(str, later))} came after step {step}, which a run "
+                f"resumed from: the branch it left.",
+            )
             self.set_aside = (later, str(aside))
-            ckpt_dir = str(self.ckpt_dir)
-            self.notes.append(set_aside_note(later, ckpt_dir, self.resume_from.step, str(aside)))
+            self.notes.append(set_aside_note(later, str(self.ckpt_dir), step, str(aside)))
 
     def start(self) -> None:
         """Opens the checkpoint folder (:meth:`open`), then creates the sharded state.
 
-        The state is fresh, or read from the checkpoint; nothing is compiled yet.
+        The state is fresh, or read from the checkpoint and verified; only then are
+        the steps after it moved aside (never deleted; see :meth:`_clear_the_way`),
+        so a step that cannot be read changes nothing in the folder. Nothing is
+        compiled yet.
         """
         self.open()
         if self.resume_from is not None:
             assert self.ckpt_dir is not None  # resume_from is a checkpoint in ckpt_dir
-            restored = restore(self.ckpt_dir, self.mesh, self.rules, self.resume_from.step)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", UnverifiedWarning)
+                restored = restore(self.ckpt_dir, self.mesh, self.rules, self.resume_from.step)
+            for w in caught:  # an unverified step is said with the notes; others as they were
+                if issubclass(w.category, UnverifiedWarning):
+                    self.notes.append(str(w.message))
+                else:
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
             self.state = restored.into(self.abstract)
             self.step = int(restored.metadata.step)
+            self._clear_the_way()
         else:
             init = init_fn(self.model, self.tx, self.example_input)
             with self.active():
@@ -464,6 +489,7 @@ class Trainer:
         progress is done."""
         last_good = best = resume_at = None
         why = ""
+        cause = self._nan_cause(self.step if step is None else step, path)
         if self._checkpointer is not None:
             self._checkpointer.wait()  # the step being written counts (or its failure is raised)
             saved = self._checkpointer.all_steps()
@@ -472,8 +498,24 @@ class Trainer:
             resume_at, why = sane_step(saved, self.losses_seen, best, self._start_step)
         raise Diverged(
             self.step if step is None else step, what, path, last_good, best, self.ckpt_dir,
-            resume_at, why,
+            resume_at, why, *(() if cause is None else cause),
         )  # fmt: skip
+
+    def _nan_cause(self, step: int, path: str) -> NanCause | None:
+        """Why the loss at ``step`` is not finite (its batches looked at again); ``None``
+        when it is not a loss (the state)."""
+        if path == "valid_loss":
+            cause = nan_cause(step, self._start_step, self._valid_batches)
+            if cause.kind == "diverged" and step == self._start_step:
+                return NanCause("start", "it is not finite before any update")
+            return cause if cause.kind == "data" else None
+        if path != "loss":
+            return None
+        try:
+            batch = self.batches("train", step - 1)
+        except Exception:  # e.g. an iterable that cannot go back: the data is not looked at
+            batch = None
+        return nan_cause(step, self._start_step, batch)
 
     def save(self) -> bool:
         """Starts an asynchronous save of the current step; ``False`` if not saving.
