@@ -246,7 +246,7 @@ def _dot_cost(
     out_elems = dot.flops // 2 // max(1, math.prod(dot.lhs_shape[i] for i in lc))
     out_bytes = out_elems * dot.itemsize // max(1, math.prod(sizes[a] for a in out_axes))
     shard = (
-        math.prod(dot.lhs_shape) * dot.lhs_itemsize // specs.split(ls),
+        (dot.lhs_size or math.prod(dot.lhs_shape)) * dot.lhs_itemsize // specs.split(ls),
         math.prod(dot.rhs_shape) * dot.rhs_itemsize // specs.split(rs),
     )
     scatter: list[str] = []
@@ -432,7 +432,7 @@ def predict_specs(
         flops += f * count
         score = fused and dot in workload.score_dots
         moved = 0 if score else (
-            specs.shard_bytes(dot.lhs_names, dot.lhs_shape, dot.lhs_itemsize)
+            _lhs_bytes(dot, specs)
             + specs.shard_bytes(dot.rhs_names, dot.rhs_shape, dot.rhs_itemsize) + out_bytes
         )  # fmt: skip
         compute_s += count * max(f / eff_flops, moved / profile.memory_bandwidth)
@@ -535,6 +535,15 @@ def predict_specs(
         batch_bytes=batch_bytes,
         comm_total_s=exposed + hidden,
     )
+
+
+def _lhs_bytes(dot: Dot, specs: _Specs) -> int:
+    """Bytes of a matmul's left operand on a device: a convolution's input as stored, not
+    unfolded (:class:`meshplan._search.trace.Dot`)."""
+    got = specs.shard_bytes(dot.lhs_names, dot.lhs_shape, dot.lhs_itemsize)
+    if dot.lhs_size is None:
+        return got
+    return got * dot.lhs_size // max(1, math.prod(dot.lhs_shape))
 
 
 def _weight_gather_axes(specs: _Specs, names: Names, ndim: int, act: Names) -> tuple[str, ...]:

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from jax.extend.core import Literal
 
-from meshplan._search import memory
+from meshplan._search import memory, op_names
 from meshplan._spmd.leaves import array_leaves
 from meshplan._spmd.rules import LogicalRules
 
@@ -51,6 +51,9 @@ class Dot:
     bytes per element of its output; ``out_names``: the names of its output's buffer
     where a logical constraint it flows into names it otherwise (``None`` where not):
     XLA produces the output in that sharding (partial sums reduce-scattered into it).
+    A convolution is the matmul of its unfolded input (``[batch, *spatial, features x
+    window]`` by ``[features x window, out features]``: its FLOPs), ``lhs_size`` the
+    elements of the input as stored (read once, not once per window position).
     """
 
     lhs_names: Names
@@ -63,6 +66,7 @@ class Dot:
     lhs_itemsize: int
     rhs_itemsize: int
     out_names: Names | None = None
+    lhs_size: int | None = None
 
     @functools.cached_property
     def flops(self) -> int:
@@ -471,6 +475,8 @@ class _Walker:
             names = dot_out_names(lhs, rhs, (lc, rc), (lb, rb))
             self._count(eqn.outvars[0], names, times, eqn.outvars[0] in self.scores, dot_out=True)
             return [names]
+        if prim == "conv_general_dilated":
+            return [self._conv(eqn, ins, times)]
         if prim == "scan":
             body, length = p["jaxpr"], int(p["length"])
             nc, ncarry = p["num_consts"], p["num_carry"]
@@ -553,6 +559,28 @@ class _Walker:
             self._count(v, n, times, score, boundary=prim in _BOUNDARY)
         return outs
 
+    def _conv(self, eqn: Any, ins: list[Names], times: int) -> Names:
+        """A convolution, counted as the matmul of its unfolded input (:class:`Dot`)."""
+        p = eqn.params
+        (lhs, rhs), (x, k), out = ins, eqn.invars, eqn.outvars[0]
+        ls, rs, os_ = op_names.conv_dims(p)
+        xs, ks, ys = tuple(x.aval.shape), tuple(k.aval.shape), tuple(out.aval.shape)
+        inner = ks[rs[1]] * math.prod(ks[d] for d in rs[2:])
+        dot = Dot(
+            (lhs[ls[0]], *(None,) * len(os_[2:]), lhs[ls[1]]), (rhs[rs[1]], rhs[rs[0]]),
+            (xs[ls[0]], *(ys[d] for d in os_[2:]), inner), (inner, ks[rs[0]]),
+            ((len(os_) - 1,), (0,)), ((), ()), _itemsize(out.aval), _itemsize(x.aval),
+            _itemsize(k.aval), lhs_size=math.prod(xs),
+        )  # fmt: skip
+        self.dots[dot] = self.dots.get(dot, 0) + times
+        self.dot_trips[dot] = max(self.dot_trips.get(dot, 0), times)
+        self.dot_by_eqn[id(eqn)] = dot
+        operands = tuple(None if isinstance(v, Literal) else self.alias.get(v, v) for v in (x, k))
+        self.dot_runs.append((id(eqn), out, dot, times, operands, self.backward))
+        names = op_names.conv_names(p, lhs, rhs, ys)
+        self._count(out, names, times, False, dot_out=True)
+        return names
+
     def _constraint(self, eqn: Any, before: Names, shape: tuple[int, ...], times: int) -> Names:
         """The names a logical constraint gives its value (read back from the name mesh
         :func:`trace_workload` traces under: each name its own axis of size 1); a
@@ -603,6 +631,10 @@ class _Walker:
     ) -> list[Names]:
         if prim == "transpose" and ins:
             return [tuple(ins[0][i] for i in p["permutation"])]
+        if prim == "gather" and len(ins) == 2:
+            return [op_names.gather_names(p, ins[0], ins[1], shapes, out_shapes[0])]
+        if prim.startswith("scatter") and len(ins) == 3:
+            return [op_names.scatter_names(p, ins[0], ins[1], ins[2], shapes)]
         if prim == "broadcast_in_dim" and ins:
             out: list[Any] = [None] * len(out_shapes[0])
             for i, d in enumerate(p["broadcast_dimensions"]):
