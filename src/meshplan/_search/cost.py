@@ -89,7 +89,10 @@ class Cost:
     ``state_bytes``: parameters and optimizer state; ``batch_bytes``: the batch;
     ``activation_bytes``: values kept across layers at the peak (residuals for the
     backward pass, gradients); ``temporary_bytes``: the rest of the peak (the layer
-    being computed, gathered weights, the optimizer update).
+    being computed, gathered weights, the optimizer update); ``unpriced``: the primitives
+    the planner does not understand, each ``'primitive at where (n runs)'``, priced
+    conservatively (outputs replicated, declared FLOPs on every device): the prediction is
+    an upper bound there.
     """
 
     step_s: float
@@ -105,6 +108,7 @@ class Cost:
     temporary_bytes: int = 0
     batch_bytes: int = 0
     comm_total_s: float = 0.0
+    unpriced: tuple[str, ...] = ()
 
     @property
     def memory_bytes(self) -> int:
@@ -517,6 +521,8 @@ def predict_specs(
         if not (fused and score):
             traffic += nbytes // specs.split(specs(names, len(shape)))
     memory_s = traffic / profile.memory_bandwidth
+    flops += workload.unpriced_flops  # whole on every device: not split
+    compute_s += workload.unpriced_flops / eff_flops
     comm_s = exposed + max(0.0, hidden - profile.overlap * (compute_s + memory_s))
     peak = _peak(workload, specs, profile, gathered_extra, unreduced, partial_sums)
     batch_bytes = sum(specs.shard_bytes(n, s, i) for n, s, i in workload.batch_state)
@@ -534,6 +540,7 @@ def predict_specs(
         temporary_bytes=peak.temporaries,
         batch_bytes=batch_bytes,
         comm_total_s=exposed + hidden,
+        unpriced=tuple(f"{p} at {w} ({n} runs)" for (p, w), n in workload.unpriced.items()),
     )
 
 

@@ -10,6 +10,11 @@ cumulative ops keep every dimension but the one they work along; a convolution's
 takes the input's batch and spatial dimensions and the kernel's output features. Each
 function here gives those names, from the primitive's own dimension numbers, to
 :mod:`meshplan._search.trace` (``None``: a dimension not named).
+
+:data:`UNDERSTOOD` lists the primitives whose names the trace gives as XLA would (with
+elementwise ops, matmuls, convolutions, loops and calls); any other is priced
+conservatively (its outputs replicated, written to memory) and named in the prediction,
+with where the model runs it (:func:`where`).
 """
 
 from __future__ import annotations
@@ -17,9 +22,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["conv_dims", "conv_names", "gather_names", "scatter_names"]
+__all__ = ["UNDERSTOOD", "conv_dims", "conv_names", "gather_names", "scatter_names", "where"]
 
 Names = tuple[Any, ...]
+
+UNDERSTOOD = frozenset({
+    # structure: names follow dimensions (trace's ``other``) or dimensions of equal size
+    "transpose", "broadcast_in_dim", "reshape", "slice", "squeeze", "expand_dims",
+    "concatenate", "pad", "rev", "split", "iota", "select_n", "clamp", "copy", "copy_p",
+    "dynamic_slice", "dynamic_update_slice", "gather", "scatter", "scatter-add",
+    "scatter_add", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min", "scatter-max",
+    "scatter_max", "sort", "top_k", "argsort", "cumsum", "cumprod", "cummax", "cummin",
+    "cumlogsumexp", "argmax", "argmin", "reduce_sum", "reduce_max", "reduce_min",
+    "reduce_prod", "reduce_and", "reduce_or", "reduce_xor", "reduce_precision",
+    "convert_element_type", "bitcast_convert_type", "stop_gradient", "optimization_barrier",
+    "sharding_constraint", "mesh_cast", "reshard", "pvary",
+    # random numbers: elementwise on their keys
+    "random_bits", "random_seed", "random_wrap", "random_unwrap", "random_fold_in",
+    "random_split", "threefry2x32", "rng_bit_generator", "rng_uniform",
+})  # fmt: skip
 
 
 def gather_names(
@@ -128,3 +149,27 @@ def conv_names(p: Any, lhs: Names, rhs: Names, out_shape: tuple[int, ...]) -> Na
         out[os_[0]] = lhs[ls[0]]
     out[os_[1]] = rhs[rs[0]]
     return tuple(out)
+
+
+def where(eqn: Any) -> str:
+    """Where the model runs ``eqn``: its scope of modules and transformations, and the
+    line of the user's code (``'Block_0/attention (model.py:42)'``; what JAX's own
+    errors print).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from meshplan._search.op_names import where
+        >>> j = jax.make_jaxpr(lambda x: jax.lax.cumsum(x))(jnp.ones(4))
+        >>> where(j.jaxpr.eqns[0]).startswith("<doctest")
+        True
+    """
+    scope = str(eqn.source_info.name_stack)
+    try:
+        from jax._src import source_info_util
+
+        line = source_info_util.summarize(eqn.source_info)
+    except (ImportError, AttributeError):  # JAX moved it: the scope alone
+        line = ""
+    if scope and line:
+        return f"{scope} ({line})"
+    return scope or line or "?"

@@ -107,7 +107,10 @@ class Workload:
     ``reshards``: ``{(names before, names after, shape, itemsize): count}`` of the
     model's logical constraints that rename a value (the dispatch of a mixture of
     experts: ``('batch', ..., 'embed')`` to ``('expert', 'expert_batch', ...)``), which
-    :mod:`meshplan._search.reshard` prices as all-to-alls or gathers.
+    :mod:`meshplan._search.reshard` prices as all-to-alls or gathers;
+    ``unpriced``: ``{(primitive, where): runs}`` of the primitives the planner does not
+    understand (:data:`meshplan._search.op_names.UNDERSTOOD`), priced conservatively:
+    outputs replicated, ``unpriced_flops`` (those they declare) on every device.
     """
 
     dots: dict[Dot, int]
@@ -129,6 +132,8 @@ class Workload:
     operand_arrays: dict[tuple[Dot, int], frozenset[int]] = dataclasses.field(default_factory=dict)
     arrays: tuple[tuple[int, bool], ...] = ()
     weight_reads: tuple[tuple[Names, tuple[int, ...], int, Names, int, bool], ...] = ()
+    unpriced: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
+    unpriced_flops: int = 0
 
     def trips(self, dot: Dot) -> int:
         """How many times one run of ``dot`` repeats in sequence: the trips of the loops
@@ -192,6 +197,18 @@ _BOUNDARY = frozenset({
     "argsort", "top_k", "fft", "custom_call",
 })  # fmt: skip
 
+
+# Elementwise ops (lax's): every dimension of the result is an operand's (or a broadcast's).
+_ELEMENTWISE = frozenset({
+    "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh",
+    "cbrt", "ceil", "clz", "complex", "conj", "cos", "cosh", "digamma", "div", "eq", "erf",
+    "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "igamma", "igammac", "imag",
+    "integer_pow", "is_finite", "le", "lgamma", "log", "log1p", "logistic", "lt", "max", "min",
+    "mul", "mulhi", "ne", "neg", "nextafter", "not", "or", "polygamma", "population_count",
+    "pow", "real", "regularized_incomplete_beta", "rem", "round", "rsqrt", "shift_left",
+    "shift_right_arithmetic", "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square",
+    "sub", "tan", "tanh", "xor", "zeta", "bessel_i0e", "bessel_i1e", "random_gamma_grad",
+})  # fmt: skip
 
 # Elementwise ops whose operands XLA's sharding propagation gives their result's sharding.
 _SAME_LAYOUT = frozenset({"add", "add_any", "sub", "neg", "mul", "convert_element_type"})
@@ -274,6 +291,9 @@ class _Walker:
         # ``{root: [names, shape, itemsize, activation names, trips, forward, backward]}``.
         self.weight_of: dict[Any, Any] = {}
         self.weight_reads: dict[Any, list[Any]] = {}
+        self.unpriced: dict[tuple[str, str], int] = {}  # (primitive, where): runs
+        self.unpriced_flops = 0
+        self.site = "?"  # where the model runs the equation being walked (op_names.where)
 
     def note(self, names: Names) -> None:
         for n in names:
@@ -307,7 +327,10 @@ class _Walker:
             ins = [read(v) for v in eqn.invars]
             self.alias = alias
             self.backward = backward or "transpose(" in str(eqn.source_info.name_stack)
+            site, here = self.site, op_names.where(eqn)
+            self.site = here if here != "?" else site  # inside a library's jit: the caller's
             outs = [dedupe(n) for n in self.eqn(eqn, ins, times)]
+            self.site = site
             self._weights(eqn, ins, outs, times)
             self.backward = backward
             for v, n in zip(eqn.outvars, outs, strict=True):
@@ -551,12 +574,29 @@ class _Walker:
                 if x in group:
                     group.add(y)
             return [self._constraint(eqn, ins[0], shapes[0], times)]
+        if prim not in op_names.UNDERSTOOD and prim not in _ELEMENTWISE:
+            return self._unpriced(eqn, times)
         outs = [dedupe(n) for n in self.other(prim, p, ins, shapes, out_shapes)]
         score = prim not in _BOUNDARY and self._score_input(eqn)
         for n, v in zip(outs, eqn.outvars, strict=True):
             if score:
                 self.scores.add(v)
             self._count(v, n, times, score, boundary=prim in _BOUNDARY)
+        return outs
+
+    def _unpriced(self, eqn: Any, times: int) -> list[Names]:
+        """A primitive the planner does not understand (a Pallas kernel, a custom call):
+        priced conservatively, its outputs replicated and written to memory, its FLOPs
+        (where it declares them: a Pallas kernel's ``cost_estimate``) run whole on every
+        device; and named, with where the model runs it (``Workload.unpriced``)."""
+        key = (eqn.primitive.name, self.site)
+        if times:
+            self.unpriced[key] = self.unpriced.get(key, 0) + times
+            estimate = eqn.params.get("cost_estimate")
+            self.unpriced_flops += int(getattr(estimate, "flops", 0) or 0) * times
+        outs = [(None,) * len(getattr(v.aval, "shape", ())) for v in eqn.outvars]
+        for n, v in zip(outs, eqn.outvars, strict=True):
+            self._count(v, n, times, False, boundary=True)
         return outs
 
     def _conv(self, eqn: Any, ins: list[Names], times: int) -> Names:
@@ -850,4 +890,5 @@ def trace_workload(
         walker.dot_trips, walker.operand_arrays, tuple(walker.arrays),
         tuple((n, s, i, act, t, fwd and bwd)
               for n, s, i, act, t, fwd, bwd in walker.weight_reads.values()),
+        walker.unpriced, walker.unpriced_flops,
     )  # fmt: skip
