@@ -254,6 +254,7 @@ def _dot_cost(
         math.prod(dot.rhs_shape) * dot.rhs_itemsize // specs.split(rs),
     )
     scatter: list[str] = []
+    whole: list[str] = []
     # an activation's output: its operand gathered, once per pass for every matmul reading it
     weight_out = not _batch_out(dot)
     for a, sides in contract_used.items():
@@ -261,6 +262,8 @@ def _dot_cost(
         gathered = sum(shard[s] for s in set(sides)) * (n - 1)
         if reduce_scatter and weight_out and a in out_axes and out_bytes * (n - 1) < gathered:
             scatter.append(a)  # partial sums over ``a``, reduce-scattered into the output
+        elif not reduce_scatter and weight_out and a in out_axes:
+            whole.append(a)  # partial sums of the whole output all-reduced, then sliced
         else:
             for side in set(sides):
                 gather[(side, a)] = None
@@ -280,6 +283,9 @@ def _dot_cost(
     if scatter:
         n = math.prod(sizes[a] for a in scatter)
         colls.append(("reduce-scatter", tuple(scatter), out_bytes * n, None))
+    if whole:  # a backend without reduce-scatters (XLA on CPU): an all-reduce of it whole
+        n = math.prod(sizes[a] for a in whole)
+        colls.append(("all-reduce", tuple(whole), out_bytes * n, None))
     for side in (0, 1):
         axes = tuple(a for s, a in gather if s == side)
         if not axes:
@@ -427,6 +433,7 @@ def predict_specs(
     independent: dict[tuple[str, tuple[str, ...], int], list[int]] = {}  # [bytes, runs]
     gathered_extra: dict[Dot, dict[Any, int]] = {}
     unreduced: dict[Dot, int] = {}  # a weight gradient's partial sums beyond its shard
+    results: dict[Dot, int] = {}  # a weight gradient's all-reduced copy
     partial_sums: set[Dot] = set()  # activations all-reduced (a tensor-parallel projection)
     params = frozenset(workload.param_names)
     read: dict[Any, set[int]] = {}  # an activation's gather key: the arrays gathered
@@ -460,9 +467,13 @@ def predict_specs(
                 partial_sums.add(dot)
                 dependent.append((kind, axes, nbytes, count))
             elif _independent(kind, key, dot):  # combined with those of the same trips
-                if kind in ("reduce-scatter", "all-reduce"):  # beyond its reduced shard
+                if kind == "reduce-scatter":  # the partial sums beyond its reduced shard
                     kept = specs.shard_bytes(*_out_array(dot))
                     unreduced[dot] = unreduced.get(dot, 0) + max(0, nbytes - kept)
+                elif kind == "all-reduce":  # its result: a buffer beside the partial sums
+                    kept = specs.shard_bytes(*_out_array(dot))
+                    unreduced[dot] = unreduced.get(dot, 0) + max(0, nbytes - kept)
+                    results[dot] = results.get(dot, 0) + nbytes
                 ind = independent.setdefault((kind, axes, trips), [0, 0])
                 ind[0] += nbytes * count
                 ind[1] += count
@@ -524,7 +535,7 @@ def predict_specs(
     flops += workload.unpriced_flops  # whole on every device: not split
     compute_s += workload.unpriced_flops / eff_flops
     comm_s = exposed + max(0.0, hidden - profile.overlap * (compute_s + memory_s))
-    peak = _peak(workload, specs, profile, gathered_extra, unreduced, partial_sums)
+    peak = _peak(workload, specs, profile, gathered_extra, unreduced, partial_sums, results)
     batch_bytes = sum(specs.shard_bytes(n, s, i) for n, s, i in workload.batch_state)
     return Cost(
         step_s=compute_s + memory_s + comm_s,
@@ -581,6 +592,7 @@ def _peak(
     gathered: Mapping[Dot, Mapping[Any, int]],
     unreduced: Mapping[Dot, int] | None = None,
     partial_sums: set[Dot] | frozenset[Dot] = frozenset(),
+    results: Mapping[Dot, int] | None = None,
 ) -> memory_model.Peak:
     fused = profile.fused_attention
     program = workload.memory
@@ -600,4 +612,7 @@ def _peak(
     hoisted = (
         [d in partial_sums for d in program.dots] if profile.combines_remat_collectives else []
     )
-    return memory_model.peak(program, bytes_of, extra, partial, profile.combine_bytes, hoisted)
+    copies = [(results or {}).get(d, 0) for d in program.dots]
+    return memory_model.peak(
+        program, bytes_of, extra, partial, profile.combine_bytes, hoisted, copies
+    )

@@ -190,7 +190,7 @@ _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 # ops, broadcasts, reshapes and reductions fuse into their neighbours.
 _BOUNDARY = frozenset({
     "dot_general", "scan", "while", "cond", "pjit", "jit", "closed_call", "core_call",
-    "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
+    "remat", "remat2", "checkpoint", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
     "gather", "scatter", "scatter-add", "scatter_add", "dynamic_slice",
     "dynamic_update_slice", "sort", "cumsum", "cumprod", "cummax", "cumlogsumexp",
     "all_gather", "psum", "all_to_all", "ppermute", "reduce_scatter", "conv_general_dilated",
