@@ -470,10 +470,11 @@ def predict_specs(
                 if kind == "reduce-scatter":  # the partial sums beyond its reduced shard
                     kept = specs.shard_bytes(*_out_array(dot))
                     unreduced[dot] = unreduced.get(dot, 0) + max(0, nbytes - kept)
-                elif kind == "all-reduce":  # its result: a buffer beside the partial sums
+                elif kind == "all-reduce":
                     kept = specs.shard_bytes(*_out_array(dot))
                     unreduced[dot] = unreduced.get(dot, 0) + max(0, nbytes - kept)
-                    results[dot] = results.get(dot, 0) + nbytes
+                    if not profile.reduce_scatter:  # XLA on CPU: its result a buffer of
+                        results[dot] = results.get(dot, 0) + nbytes  # its own (measured)
                 ind = independent.setdefault((kind, axes, trips), [0, 0])
                 ind[0] += nbytes * count
                 ind[1] += count

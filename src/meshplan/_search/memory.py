@@ -639,7 +639,8 @@ def peak(
     recomputation from when its inputs exist (:class:`Hoist`).
 
     ``results``: per matmul, the bytes of its all-reduce's result (a weight gradient's,
-    data parallel): a buffer of its own beside the partial sums, allocated when the
+    data parallel) where the backend gives it a buffer of its own beside the partial sums
+    (XLA on CPU, measured; :mod:`.cost` passes none elsewhere), allocated when the
     combined collective runs, after the last matmul whose reduction it combines (up to
     ``combine_bytes``): at the points of its loop iteration (or the step) where the most
     of them have run.
