@@ -57,11 +57,28 @@ CASES = [
     )
     for remat in ("none", "full", "dots") for scan in (True, False) for layout in LAYOUTS
 ]  # fmt: skip
+# Full remat of unrolled layers keeps each layer's input for the backward pass: deeper.
+DEEP = [
+    pytest.param(layers, layout, id=f"full-loop-{layers}-layers-{layout}")
+    for layers in (8, 16) for layout in ("dp", "fsdp")
+]  # fmt: skip
+
+# XLA on CPU has no fused attention kernel (the scores are materialised), and no memory
+# limit to rematerialise cheap values against (every residual autodiff saves is kept); its
+# all-reduce combiner merges an unrolled layer's rematerialised partial-sum all-reduce with
+# the forward's own, so that recomputation runs in the forward; it does not reduce-scatter
+# (an FSDP gradient's partial sums are all-reduced whole, then sliced), and it combines
+# every gradient's all-reduce into one (one all-reduce in the compiled 16-layer step, 66 MiB):
+# all of them held unreduced until it runs, its result a buffer beside them.
+CPU_LIKE = dataclasses.replace(
+    get_profile("h100"), fused_attention=False, rematerialize=False,
+    combines_remat_collectives=True, reduce_scatter=False, combine_bytes=1 << 30,
+)  # fmt: skip
 
 
 @functools.cache
-def _step(remat: str, scan: bool):
-    cfg = LlamaConfig(embed=256, heads=8, kv_heads=8, head_dim=32, mlp=1024, layers=4,
+def _step(remat: str, scan: bool, layers: int = 4):
+    cfg = LlamaConfig(embed=256, heads=8, kv_heads=8, head_dim=32, mlp=1024, layers=layers,
                       vocab=1024, remat=remat, scan=scan, dtype="float32")  # fmt: skip
     state, step, batch = llama_step(cfg, 16, 256)
     return state, step, batch, trace_workload(step, state, batch)
@@ -70,17 +87,19 @@ def _step(remat: str, scan: bool):
 @pytest.mark.parametrize(("remat", "scan", "layout"), CASES)
 @pytest.mark.slow
 def test_memory_per_device_matches_xla_memory_analysis(remat, scan, layout):
-    state, step, batch, work = _step(remat, scan)
+    _check(remat, scan, layout, 4)
+
+
+@pytest.mark.parametrize(("layers", "layout"), DEEP)
+@pytest.mark.slow
+def test_unrolled_full_remat_keeps_each_layers_input(layers, layout):
+    _check("full", False, layout, layers)
+
+
+def _check(remat: str, scan: bool, layout: str, layers: int) -> None:
+    state, step, batch, work = _step(remat, scan, layers)
     mesh, rules = LAYOUTS[layout]
-    # XLA on CPU has no fused attention kernel (the scores are materialised), and no memory
-    # limit to rematerialise cheap values against (every residual autodiff saves is kept);
-    # its all-reduce combiner merges an unrolled layer's rematerialised partial-sum
-    # all-reduce with the forward's own, so that recomputation runs in the forward.
-    cpu_like = dataclasses.replace(
-        get_profile("h100"), fused_attention=False, rematerialize=False,
-        combines_remat_collectives=True,
-    )  # fmt: skip
-    cost = predict(work, mesh, rules, cpu_like)
+    cost = predict(work, mesh, rules, CPU_LIKE)
     xla = measure_step(step, state, batch, mesh, rules, True, AS_ON_ACCELERATORS)
     assert cost.state_bytes + cost.batch_bytes == xla["xla_argument_bytes"]
     predicted = cost.activation_bytes + cost.temporary_bytes

@@ -92,6 +92,10 @@ class Cost:
     backward pass, gradients); ``temporary_bytes``: the rest of the peak (the layer
     being computed, gathered weights, the optimizer update); ``accumulator_bytes``: the
     gradients accumulated over microbatches (:func:`predict`'s ``microbatches``).
+    being computed, gathered weights, the optimizer update); ``unpriced``: the primitives
+    the planner does not understand, each ``'primitive at where (n runs)'``, priced
+    conservatively (outputs replicated, declared FLOPs on every device): the prediction is
+    an upper bound there.
     """
 
     step_s: float
@@ -108,6 +112,7 @@ class Cost:
     batch_bytes: int = 0
     comm_total_s: float = 0.0
     accumulator_bytes: int = 0
+    unpriced: tuple[str, ...] = ()
 
     @property
     def memory_bytes(self) -> int:
@@ -251,10 +256,11 @@ def _dot_cost(
     out_elems = dot.flops // 2 // max(1, math.prod(dot.lhs_shape[i] for i in lc))
     out_bytes = out_elems * dot.itemsize // max(1, math.prod(sizes[a] for a in out_axes))
     shard = (
-        math.prod(dot.lhs_shape) * dot.lhs_itemsize // specs.split(ls),
+        (dot.lhs_size or math.prod(dot.lhs_shape)) * dot.lhs_itemsize // specs.split(ls),
         math.prod(dot.rhs_shape) * dot.rhs_itemsize // specs.split(rs),
     )
     scatter: list[str] = []
+    whole: list[str] = []
     # an activation's output: its operand gathered, once per pass for every matmul reading it
     weight_out = not _batch_out(dot)
     for a, sides in contract_used.items():
@@ -262,6 +268,8 @@ def _dot_cost(
         gathered = sum(shard[s] for s in set(sides)) * (n - 1)
         if reduce_scatter and weight_out and a in out_axes and out_bytes * (n - 1) < gathered:
             scatter.append(a)  # partial sums over ``a``, reduce-scattered into the output
+        elif not reduce_scatter and weight_out and a in out_axes:
+            whole.append(a)  # partial sums of the whole output all-reduced, then sliced
         else:
             for side in set(sides):
                 gather[(side, a)] = None
@@ -281,6 +289,9 @@ def _dot_cost(
     if scatter:
         n = math.prod(sizes[a] for a in scatter)
         colls.append(("reduce-scatter", tuple(scatter), out_bytes * n, None))
+    if whole:  # a backend without reduce-scatters (XLA on CPU): an all-reduce of it whole
+        n = math.prod(sizes[a] for a in whole)
+        colls.append(("all-reduce", tuple(whole), out_bytes * n, None))
     for side in (0, 1):
         axes = tuple(a for s, a in gather if s == side)
         if not axes:
@@ -473,6 +484,7 @@ def _predict_one(
     once: set[tuple[str, tuple[str, ...], int]] = set()  # reductions a step makes once
     gathered_extra: dict[Dot, dict[Any, int]] = {}
     unreduced: dict[Dot, int] = {}  # a weight gradient's partial sums beyond its shard
+    results: dict[Dot, int] = {}  # a weight gradient's all-reduced copy
     partial_sums: set[Dot] = set()  # activations all-reduced (a tensor-parallel projection)
     params = frozenset(workload.param_names)
     read: dict[Any, set[int]] = {}  # an activation's gather key: the arrays gathered
@@ -489,7 +501,7 @@ def _predict_one(
             compute_s += run / attn_flops
         else:
             moved = (
-                specs.shard_bytes(dot.lhs_names, dot.lhs_shape, dot.lhs_itemsize)
+                _lhs_bytes(dot, specs)
                 + specs.shard_bytes(dot.rhs_names, dot.rhs_shape, dot.rhs_itemsize) + out_bytes
             )  # fmt: skip
             compute_s += count * max(f / eff_flops, moved / profile.memory_bandwidth)
@@ -513,9 +525,14 @@ def _predict_one(
                 partial_sums.add(dot)
                 dependent.append((kind, axes, nbytes, count))
             elif _independent(kind, key, dot):  # combined with those of the same trips
-                if kind in ("reduce-scatter", "all-reduce"):  # beyond its reduced shard
+                if kind == "reduce-scatter":  # the partial sums beyond its reduced shard
                     kept = specs.shard_bytes(*_out_array(dot))
                     unreduced[dot] = unreduced.get(dot, 0) + max(0, nbytes - kept)
+                elif kind == "all-reduce":
+                    kept = specs.shard_bytes(*_out_array(dot))
+                    unreduced[dot] = unreduced.get(dot, 0) + max(0, nbytes - kept)
+                    if not profile.reduce_scatter:  # XLA on CPU: its result a buffer of
+                        results[dot] = results.get(dot, 0) + nbytes  # its own (measured)
                 if micro > 1 and not _sharded_over(specs, dot, axes):  # DDP: once a step
                     kind = f"{kind} once"
                     once.add((kind, axes, trips))
@@ -583,9 +600,11 @@ def _predict_one(
             traffic += nbytes // specs.split(specs(names, len(shape)))
     memory_s = micro * traffic / profile.memory_bandwidth
     compute_s, flops = compute_s * micro, flops * micro
+    flops += micro * workload.unpriced_flops  # whole on every device: not split
+    compute_s += micro * workload.unpriced_flops / eff_flops
     covered = profile.overlap * (compute_s + memory_s)  # what compute can hide
     comm_s = exposed + max(0.0, hidden - covered) + profile.overlap_cost * min(hidden, covered)
-    peak = _peak(workload, specs, profile, gathered_extra, unreduced, partial_sums)
+    peak = _peak(workload, specs, profile, gathered_extra, unreduced, partial_sums, results)
     batch_bytes = micro * sum(specs.shard_bytes(n, s, i) for n, s, i in workload.batch_state)
     return Cost(
         step_s=compute_s + memory_s + comm_s,
@@ -602,6 +621,7 @@ def _predict_one(
         batch_bytes=batch_bytes,
         comm_total_s=exposed + hidden,
         accumulator_bytes=_accumulator_bytes(workload, specs) if micro > 1 else 0,
+        unpriced=tuple(f"{p} at {w} ({n} runs)" for (p, w), n in workload.unpriced.items()),
     )
 
 
@@ -612,6 +632,15 @@ def _causal(dot: Dot, workload: Workload, profile: HardwareProfile) -> float:
         return 1.0
     mask = attention.is_causal(dot, workload.causal_masks)
     return 1.0 if mask is None else attention.causal_fraction(*mask, profile.causal_block)
+
+
+def _lhs_bytes(dot: Dot, specs: _Specs) -> int:
+    """Bytes of a matmul's left operand on a device: a convolution's input as stored, not
+    unfolded (:class:`meshplan._search.trace.Dot`)."""
+    got = specs.shard_bytes(dot.lhs_names, dot.lhs_shape, dot.lhs_itemsize)
+    if dot.lhs_size is None:
+        return got
+    return got * dot.lhs_size // max(1, math.prod(dot.lhs_shape))
 
 
 def _weight_gather_axes(specs: _Specs, names: Names, ndim: int, act: Names) -> tuple[str, ...]:
@@ -642,6 +671,7 @@ def _peak(
     gathered: Mapping[Dot, Mapping[Any, int]],
     unreduced: Mapping[Dot, int] | None = None,
     partial_sums: set[Dot] | frozenset[Dot] = frozenset(),
+    results: Mapping[Dot, int] | None = None,
 ) -> memory_model.Peak:
     fused = profile.fused_attention
     program = workload.memory
@@ -661,4 +691,7 @@ def _peak(
     hoisted = (
         [d in partial_sums for d in program.dots] if profile.combines_remat_collectives else []
     )
-    return memory_model.peak(program, bytes_of, extra, partial, profile.combine_bytes, hoisted)
+    copies = [(results or {}).get(d, 0) for d in program.dots]
+    return memory_model.peak(
+        program, bytes_of, extra, partial, profile.combine_bytes, hoisted, copies
+    )

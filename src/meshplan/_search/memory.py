@@ -616,6 +616,7 @@ def peak(
     unreduced: Sequence[float] = (),
     combine_bytes: int = 0,
     partial_sums: Sequence[bool] = (),
+    results: Sequence[float] = (),
 ) -> Peak:
     """The largest point of ``program`` with cells sized by ``bytes_of``.
 
@@ -636,6 +637,13 @@ def peak(
     the combiner merges a rematerialised one with the forward's (``[]``: it does not):
     each of ``program.hoists`` whose first such matmul is one keeps that matmul's
     recomputation from when its inputs exist (:class:`Hoist`).
+
+    ``results``: per matmul, the bytes of its all-reduce's result (a weight gradient's,
+    data parallel) where the backend gives it a buffer of its own beside the partial sums
+    (XLA on CPU, measured; :mod:`.cost` passes none elsewhere), allocated when the
+    combined collective runs, after the last matmul whose reduction it combines (up to
+    ``combine_bytes``): at the points of its loop iteration (or the step) where the most
+    of them have run.
     """
     size = program.sizes(bytes_of)
     lo, sh = program.long @ size, program.short @ size
@@ -664,6 +672,14 @@ def peak(
         if combine_bytes and program.ran is not None:
             pending = program.ran @ np.where(own <= combine_bytes, own, 0.0)
             extra += np.minimum(pending, combine_bytes)
+    if len(results) and any(results) and combine_bytes and program.ran is not None:
+        copies = program.ran @ np.where(np.array(results) <= combine_bytes, results, 0.0)
+        scope = program.scope if program.scope is not None else np.zeros(len(copies), int)
+        last = np.zeros(len(copies), bool)
+        for s in np.unique(scope):
+            inside = scope == s
+            last |= inside & (copies == copies[inside].max())
+        extra += np.where(last, np.minimum(copies, combine_bytes), 0.0)
     if any(partial_sums):
         for h in program.hoists:
             first = next((t for t in h.triggers if partial_sums[t[0]]), None)

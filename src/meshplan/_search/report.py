@@ -14,7 +14,7 @@ from meshplan._search.cost import Cost
 from meshplan._search.profiles import HardwareProfile
 from meshplan._text import human_bytes, human_seconds
 
-__all__ = ["prediction_fields", "prediction_lines"]
+__all__ = ["prediction_fields", "prediction_lines", "unpriced_line"]
 
 
 def prediction_fields(
@@ -55,7 +55,7 @@ def prediction_fields(
         "temporary_bytes_per_device": cost.temporary_bytes,
         "budget_bytes": budget, "fits": cost.memory_bytes <= budget,
         "comm_bytes": dict(cost.comm_bytes), "comm_by_axis": dict(cost.comm_by_axis),
-        "devices": devices, "profile": profile.name,
+        "devices": devices, "profile": profile.name, "unpriced": list(cost.unpriced),
     }  # fmt: skip
 
 
@@ -92,4 +92,17 @@ def prediction_lines(fields: dict[str, Any]) -> list[str]:
         f"{human_bytes(f['activation_bytes_per_device'])}, temporaries "
         f"{human_bytes(f['temporary_bytes_per_device'])}"
     )
+    if f.get("unpriced"):
+        lines.append(unpriced_line(f["unpriced"]))
     return lines
+
+
+def unpriced_line(unpriced: list[str] | tuple[str, ...]) -> str:
+    """The primitives a prediction does not understand, as one line.
+
+    Example:
+        >>> from meshplan._search.report import unpriced_line
+        >>> unpriced_line(["pallas_call at model.py:12:8 (attend) (4 runs)"])
+        'not understood, priced as replicated (an upper bound): pallas_call at model.py:12:8 (attend) (4 runs)'
+    """
+    return "not understood, priced as replicated (an upper bound): " + "; ".join(unpriced)

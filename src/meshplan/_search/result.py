@@ -20,6 +20,7 @@ from meshplan._errors import MeshError, error_for
 from meshplan._plan.render.table import to_text
 from meshplan._search.cost import Cost
 from meshplan._search.profiles import HardwareProfile
+from meshplan._search.report import unpriced_line
 from meshplan._search.trace import ThroughputUnit
 from meshplan._spmd.rules import RulePairs, rules_to_json
 from meshplan._text import human_bytes
@@ -393,6 +394,8 @@ class SearchResult:
             lines.append(
                 f"best: {self.best.mesh_text} {self.best.axes_text} {self.best.short_rules}"
             )
+            if self.best.cost is not None and self.best.cost.unpriced:
+                lines.append(unpriced_line(self.best.cost.unpriced))
         else:
             lines.append("best: none (no candidate passes and fits)")
         return "\n".join(lines)

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from jax.extend.core import Literal
 
-from meshplan._search import memory
+from meshplan._search import memory, op_names
 from meshplan._search.memory import MemoryProgram
 from meshplan._spmd.leaves import array_leaves
 from meshplan._spmd.rules import LogicalRules
@@ -52,6 +52,9 @@ class Dot:
     bytes per element of its output; ``out_names``: the names of its output's buffer
     where a logical constraint it flows into names it otherwise (``None`` where not):
     XLA produces the output in that sharding (partial sums reduce-scattered into it).
+    A convolution is the matmul of its unfolded input (``[batch, *spatial, features x
+    window]`` by ``[features x window, out features]``: its FLOPs), ``lhs_size`` the
+    elements of the input as stored (read once, not once per window position).
     """
 
     lhs_names: Names
@@ -64,6 +67,7 @@ class Dot:
     lhs_itemsize: int
     rhs_itemsize: int
     out_names: Names | None = None
+    lhs_size: int | None = None
 
     @functools.cached_property
     def flops(self) -> int:
@@ -107,7 +111,10 @@ class Workload:
     :mod:`meshplan._search.reshard` prices as all-to-alls or gathers;
     ``causal_masks``: ``(queries, keys)`` of the attention scores a mask that is no function
     of the batch (one built from iotas: a causal mask) selects from, whose masked blocks a flash kernel skips
-    (:mod:`meshplan._search.attention`).
+    (:mod:`meshplan._search.attention`);
+    ``unpriced``: ``{(primitive, where): runs}`` of the primitives the planner does not
+    understand (:data:`meshplan._search.op_names.UNDERSTOOD`), priced conservatively:
+    outputs replicated, ``unpriced_flops`` (those they declare) on every device.
 
     Example:
         >>> import jax, jax.numpy as jnp, meshplan
@@ -138,6 +145,8 @@ class Workload:
     arrays: tuple[tuple[int, bool], ...] = ()
     weight_reads: tuple[tuple[Names, tuple[int, ...], int, Names, int, bool], ...] = ()
     causal_masks: frozenset[tuple[int, int]] = frozenset()
+    unpriced: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
+    unpriced_flops: int = 0
 
     def trips(self, dot: Dot) -> int:
         """How many times one run of ``dot`` repeats in sequence: the trips of the loops
@@ -213,13 +222,25 @@ _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 # ops, broadcasts, reshapes and reductions fuse into their neighbours.
 _BOUNDARY = frozenset({
     "dot_general", "scan", "while", "cond", "pjit", "jit", "closed_call", "core_call",
-    "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
+    "remat", "remat2", "checkpoint", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
     "gather", "scatter", "scatter-add", "scatter_add", "dynamic_slice",
     "dynamic_update_slice", "sort", "cumsum", "cumprod", "cummax", "cumlogsumexp",
     "all_gather", "psum", "all_to_all", "ppermute", "reduce_scatter", "conv_general_dilated",
     "argsort", "top_k", "fft", "custom_call",
 })  # fmt: skip
 
+
+# Elementwise ops (lax's): every dimension of the result is an operand's (or a broadcast's).
+_ELEMENTWISE = frozenset({
+    "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh",
+    "cbrt", "ceil", "clz", "complex", "conj", "cos", "cosh", "digamma", "div", "eq", "erf",
+    "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "igamma", "igammac", "imag",
+    "integer_pow", "is_finite", "le", "lgamma", "log", "log1p", "logistic", "lt", "max", "min",
+    "mul", "mulhi", "ne", "neg", "nextafter", "not", "or", "polygamma", "population_count",
+    "pow", "real", "regularized_incomplete_beta", "rem", "round", "rsqrt", "shift_left",
+    "shift_right_arithmetic", "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square",
+    "sub", "tan", "tanh", "xor", "zeta", "bessel_i0e", "bessel_i1e", "random_gamma_grad",
+})  # fmt: skip
 
 # Elementwise ops whose operands XLA's sharding propagation gives their result's sharding.
 _SAME_LAYOUT = frozenset({"add", "add_any", "sub", "neg", "mul", "convert_element_type"})
@@ -307,6 +328,9 @@ class _Walker:
         # ``{root: [names, shape, itemsize, activation names, trips, forward, backward]}``.
         self.weight_of: dict[Any, Any] = {}
         self.weight_reads: dict[Any, list[Any]] = {}
+        self.unpriced: dict[tuple[str, str], int] = {}  # (primitive, where): runs
+        self.unpriced_flops = 0
+        self.site = "?"  # where the model runs the equation being walked (op_names.where)
 
     def note(self, names: Names) -> None:
         for n in names:
@@ -340,7 +364,10 @@ class _Walker:
             ins = [read(v) for v in eqn.invars]
             self.alias = alias
             self.backward = backward or "transpose(" in str(eqn.source_info.name_stack)
+            site, here = self.site, op_names.where(eqn)
+            self.site = here if here != "?" else site  # inside a library's jit: the caller's
             outs = [dedupe(n) for n in self.eqn(eqn, ins, times)]
+            self.site = site
             self._weights(eqn, ins, outs, times)
             self.backward = backward
             for v, n in zip(eqn.outvars, outs, strict=True):
@@ -521,6 +548,8 @@ class _Walker:
             names = dot_out_names(lhs, rhs, (lc, rc), (lb, rb))
             self._count(eqn.outvars[0], names, times, eqn.outvars[0] in self.scores, dot_out=True)
             return [names]
+        if prim == "conv_general_dilated":
+            return [self._conv(eqn, ins, times)]
         if prim == "scan":
             body, length = p["jaxpr"], int(p["length"])
             nc, ncarry = p["num_consts"], p["num_carry"]
@@ -597,6 +626,8 @@ class _Walker:
             return [self._constraint(eqn, ins[0], shapes[0], times)]
         if prim == "select_n" and self._masks_scores(eqn, ins):
             self.causal_masks.add(shapes[0][-2:])
+        if prim not in op_names.UNDERSTOOD and prim not in _ELEMENTWISE:
+            return self._unpriced(eqn, times)
         outs = [dedupe(n) for n in self.other(prim, p, ins, shapes, out_shapes)]
         score = prim not in _BOUNDARY and self._score_input(eqn)
         for n, v in zip(outs, eqn.outvars, strict=True):
@@ -604,6 +635,43 @@ class _Walker:
                 self.scores.add(v)
             self._count(v, n, times, score, boundary=prim in _BOUNDARY)
         return outs
+
+    def _unpriced(self, eqn: Any, times: int) -> list[Names]:
+        """A primitive the planner does not understand (a Pallas kernel, a custom call):
+        priced conservatively, its outputs replicated and written to memory, its FLOPs
+        (where it declares them: a Pallas kernel's ``cost_estimate``) run whole on every
+        device; and named, with where the model runs it (``Workload.unpriced``)."""
+        key = (eqn.primitive.name, self.site)
+        if times:
+            self.unpriced[key] = self.unpriced.get(key, 0) + times
+            estimate = eqn.params.get("cost_estimate")
+            self.unpriced_flops += int(getattr(estimate, "flops", 0) or 0) * times
+        outs = [(None,) * len(getattr(v.aval, "shape", ())) for v in eqn.outvars]
+        for n, v in zip(outs, eqn.outvars, strict=True):
+            self._count(v, n, times, False, boundary=True)
+        return outs
+
+    def _conv(self, eqn: Any, ins: list[Names], times: int) -> Names:
+        """A convolution, counted as the matmul of its unfolded input (:class:`Dot`)."""
+        p = eqn.params
+        (lhs, rhs), (x, k), out = ins, eqn.invars, eqn.outvars[0]
+        ls, rs, os_ = op_names.conv_dims(p)
+        xs, ks, ys = tuple(x.aval.shape), tuple(k.aval.shape), tuple(out.aval.shape)
+        inner = ks[rs[1]] * math.prod(ks[d] for d in rs[2:])
+        dot = Dot(
+            (lhs[ls[0]], *(None,) * len(os_[2:]), lhs[ls[1]]), (rhs[rs[1]], rhs[rs[0]]),
+            (xs[ls[0]], *(ys[d] for d in os_[2:]), inner), (inner, ks[rs[0]]),
+            ((len(os_) - 1,), (0,)), ((), ()), _itemsize(out.aval), _itemsize(x.aval),
+            _itemsize(k.aval), lhs_size=math.prod(xs),
+        )  # fmt: skip
+        self.dots[dot] = self.dots.get(dot, 0) + times
+        self.dot_trips[dot] = max(self.dot_trips.get(dot, 0), times)
+        self.dot_by_eqn[id(eqn)] = dot
+        operands = tuple(None if isinstance(v, Literal) else self.alias.get(v, v) for v in (x, k))
+        self.dot_runs.append((id(eqn), out, dot, times, operands, self.backward))
+        names = op_names.conv_names(p, lhs, rhs, ys)
+        self._count(out, names, times, False, dot_out=True)
+        return names
 
     def _constraint(self, eqn: Any, before: Names, shape: tuple[int, ...], times: int) -> Names:
         """The names a logical constraint gives its value (read back from the name mesh
@@ -655,6 +723,10 @@ class _Walker:
     ) -> list[Names]:
         if prim == "transpose" and ins:
             return [tuple(ins[0][i] for i in p["permutation"])]
+        if prim == "gather" and len(ins) == 2:
+            return [op_names.gather_names(p, ins[0], ins[1], shapes, out_shapes[0])]
+        if prim.startswith("scatter") and len(ins) == 3:
+            return [op_names.scatter_names(p, ins[0], ins[1], ins[2], shapes)]
         if prim == "broadcast_in_dim" and ins:
             out: list[Any] = [None] * len(out_shapes[0])
             for i, d in enumerate(p["broadcast_dimensions"]):
@@ -871,4 +943,5 @@ def trace_workload(
         tuple((n, s, i, act, t, fwd and bwd)
               for n, s, i, act, t, fwd, bwd in walker.weight_reads.values()),
         frozenset(walker.causal_masks),
+        walker.unpriced, walker.unpriced_flops,
     )  # fmt: skip

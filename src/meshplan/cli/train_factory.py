@@ -23,8 +23,8 @@ from meshplan._spmd.by_path import PathRules
 from meshplan._spmd.rules import LogicalRules, logical_to_mesh_axes
 from meshplan._spmd.tree_check import no_names_in_tree
 from meshplan.cli.factory import IterableBatches, Trainable, load_factory
-from meshplan.cli.names_file import no_names_text, notes_text, read_names
 from meshplan.cli.factory_checks import factory_problems
+from meshplan.cli.names_file import no_names_text, notes_text, read_names
 from meshplan.cli.train_checks import Problems
 from meshplan.cli.train_flags import MODEL_FLAGS
 from meshplan.cli.train_flags import flag as model_flag
@@ -217,7 +217,9 @@ def prepare_factory_run(request: TrainRequest) -> PreparedRun:
         batches,
         settings,
         Placement(mesh, rules, str(request.rules)),
-        Checkpoints(ckpt_dir, stored, tuple(resume.damaged), resume.why, record=_record(spec, names)),
+        Checkpoints(
+            ckpt_dir, stored, tuple(resume.damaged), resume.why, record=_record(spec, names)
+        ),
         Measures(None, None, request.sync_every_step),
         tx=parts.tx,
         abstract=abstract,

@@ -1,0 +1,81 @@
+"""Primitives beyond matmuls: convolutions' FLOPs as XLA counts them, and a primitive the
+planner does not understand named in the prediction (priced as replicated, never silently)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+import meshplan
+from meshplan._search.cost import predict
+from meshplan._search.profiles import get_profile
+from meshplan._search.report import prediction_fields, prediction_lines
+from meshplan._search.rule_search import linen_step
+from meshplan._search.trace import trace_workload
+
+_INIT = nn.initializers.lecun_normal()
+
+
+class _CNN(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for features in (16, 32):
+            x = nn.Conv(features, (3, 3), kernel_init=meshplan.with_logical_partitioning(
+                _INIT, (None, None, None, "mlp")))(x)  # fmt: skip
+            x = nn.relu(nn.GroupNorm(8)(x))
+        return nn.Dense(10)(x.mean((1, 2)))
+
+
+def test_convolutions_are_counted_as_xla_counts_their_flops():
+    images = jax.ShapeDtypeStruct((16, 16, 16, 3), jnp.float32)
+    labels = jax.ShapeDtypeStruct((16,), jnp.int32)
+
+    def loss(logits, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+
+    state, step, batch = linen_step(_CNN(), (images, labels), loss, optax.adam(1e-3))
+    work = trace_workload(step, state, batch)
+    xla = jax.jit(step).lower(state, batch).compile().cost_analysis()
+    xla = xla[0] if isinstance(xla, list) else xla
+    # XLA counts the elementwise ops too, and no multiply of a padded window position.
+    assert 0.8 * xla["flops"] < work.flops < 1.25 * xla["flops"]
+
+
+def _kernel(x_ref, o_ref):
+    o_ref[...] = jnp.tanh(x_ref[...])
+
+
+def _pallas_step(state, x):
+    from jax.experimental import pallas as pl
+
+    h = x @ state["w"].value
+    estimate = pl.CostEstimate(flops=10**9, transcendentals=0, bytes_accessed=0)
+    h = pl.pallas_call(_kernel, out_shape=jax.ShapeDtypeStruct(h.shape, h.dtype),
+                       interpret=True, cost_estimate=estimate)(h)  # fmt: skip
+    return (h**2).sum()
+
+
+def test_a_primitive_the_planner_does_not_understand_is_named_and_priced_whole():
+    w = meshplan.LogicallyPartitioned(
+        jax.ShapeDtypeStruct((64, 128), jnp.float32), ("embed", "mlp")
+    )
+    work = trace_workload(_pallas_step, {"w": w}, jax.ShapeDtypeStruct((16, 64), jnp.float32))
+    [(primitive, where)] = work.unpriced
+    assert primitive == "pallas_call" and "test_primitives.py" in where and "_pallas_step" in where
+    cost = predict(work, {"data": 8}, (("batch", "data"),), get_profile("h100"))
+    assert cost.unpriced == (f"pallas_call at {where} (1 runs)",)
+    # its declared FLOPs run whole on every device; its output is replicated (not split by batch)
+    assert cost.flops_per_device >= 10**9
+    fields = prediction_fields(cost, 16, 8, get_profile("h100"), 1 << 30)
+    assert any(line.startswith("not understood") and "pallas_call" in line
+               for line in prediction_lines(fields))  # fmt: skip
+
+
+def test_every_primitive_of_the_example_models_is_understood():
+    from meshplan.examples.llama import LlamaConfig, llama_step
+
+    for remat in ("none", "full"):
+        state, step, tokens = llama_step(LlamaConfig(remat=remat), 4, 32)
+        assert trace_workload(step, state, tokens).unpriced == {}
