@@ -74,7 +74,8 @@ def test_one_registry_gives_every_layout_its_rules_and_axes():
     layouts = meshplan.layouts
     assert set(layouts.LAYOUT_AXES) == set(layouts.ALL_LAYOUTS)
     assert all(layouts.LAYOUT_AXES[n] == ("data", "model") for n in layouts.LAYOUTS)
-    assert {layouts.LAYOUT_AXES[n][1] for n in layouts.CONTEXT_EXPERT_LAYOUTS} == {
-        "context", "expert"
-    }  # fmt: skip
+    assert all(  # the others each add a context, an expert or a pipeline axis
+        {"context", "expert", "pipeline"} & set(layouts.LAYOUT_AXES[n])
+        for n in layouts.CONTEXT_EXPERT_LAYOUTS
+    )
     assert layouts.ALL_LAYOUTS["fsdp_cp"] is layouts.fsdp_cp

@@ -52,7 +52,17 @@ PathRule = tuple[str, Names | None]
 @dataclasses.dataclass(frozen=True)
 class NameClass:
     """One inferred name: its dimension's ``size``, its ``role`` in the step, and how many
-    state ``arrays`` carry it."""
+    state ``arrays`` carry it.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> state = {"w": jax.ShapeDtypeStruct((64, 256), jnp.float32),
+        ...          "b": jax.ShapeDtypeStruct((256,), jnp.float32)}
+        >>> step = lambda s, x: jax.grad(lambda s: (x @ s["w"] + s["b"]).sum())(s)
+        >>> inferred = meshplan.infer_names(step, state, jax.ShapeDtypeStruct((8, 64), jnp.float32))
+        >>> inferred.names_of()["embed"].size, inferred.names_of()["embed"].arrays
+        (256, 2)
+    """
 
     name: str
     size: int
@@ -63,7 +73,17 @@ class NameClass:
 class InferredNames(Sequence[PathRule]):
     """Path rules inferred from a step (:func:`infer_names`): a sequence of ``(pattern,
     names)`` pairs, as :func:`meshplan.name_by_path` takes them, and what each name is
-    (``classes``: :class:`NameClass`, shown by :meth:`text`)."""
+    (``classes``: :class:`NameClass`, shown by :meth:`text`).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> state = {"w": jax.ShapeDtypeStruct((64, 256), jnp.float32),
+        ...          "b": jax.ShapeDtypeStruct((256,), jnp.float32)}
+        >>> step = lambda s, x: jax.grad(lambda s: (x @ s["w"] + s["b"]).sum())(s)
+        >>> inferred = meshplan.infer_names(step, state, jax.ShapeDtypeStruct((8, 64), jnp.float32))
+        >>> list(inferred)
+        [('b', ('embed',)), ('w', ('dim_64', 'embed'))]
+    """
 
     def __init__(self, rules: Sequence[PathRule], classes: Sequence[NameClass]) -> None:
         self.rules: tuple[PathRule, ...] = tuple(rules)
@@ -92,7 +112,17 @@ class InferredNames(Sequence[PathRule]):
         return f"InferredNames({list(self.rules)!r})"
 
     def names_of(self) -> dict[str, NameClass]:
-        """``{name: NameClass}``."""
+        """``{name: NameClass}``.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> state = {"w": jax.ShapeDtypeStruct((64, 256), jnp.float32),
+            ...          "b": jax.ShapeDtypeStruct((256,), jnp.float32)}
+            >>> step = lambda s, x: jax.grad(lambda s: (x @ s["w"] + s["b"]).sum())(s)
+            >>> inferred = meshplan.infer_names(step, state, jax.ShapeDtypeStruct((8, 64), jnp.float32))
+            >>> sorted(inferred.names_of())
+            ['dim_64', 'embed']
+        """
         return {c.name: c for c in self.classes}
 
     def text(self) -> str:

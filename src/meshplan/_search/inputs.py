@@ -60,6 +60,14 @@ _RANGES: dict[str, _Range] = {
     "latency_s": _Range(0.0, False, math.inf, "seconds a collective costs at least", "10e-6"),
     "slow_latency_s": _Range(0.0, False, math.inf, "the same across domains", "20e-6"),
     "matmul_efficiency": _Range(0.0, True, 1.0, "the fraction of peak_flops matmuls reach", "0.45"),
+    "attention_efficiency": _Range(
+        *_FRACTION,
+        "the fraction of peak_flops attention kernels reach (0: matmul_efficiency)",
+        "0.35",
+    ),
+    "overlap_cost": _Range(
+        *_FRACTION, "the fraction of hidden collectives' time still paid", "0.2"
+    ),
     "overlap": _Range(*_FRACTION, "the fraction of compute time hiding collectives", "0.9"),
     "combine_bytes": _Range(0.0, False, math.inf, "bytes up to which collectives combine", "0"),
 }
@@ -224,7 +232,7 @@ def check_profile_arg(profile: Any, devices: Any, known: Sequence[str], cls: typ
         ...
         meshplan.ArgumentError: Cannot choose a hardware profile:
           * profile: profile is None (NoneType): expected a profile's name, a .json file of HardwareProfile fields, or a meshplan.HardwareProfile
-        Pass e.g. profile='h100'; the names: cpu, a100, h100, h200, b200, tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e.
+        Pass e.g. profile='h100'; the names: cpu, a100, h100, h100_a3, h200, b200, tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e.
     """
     problems = []
     if not isinstance(profile, str | cls):

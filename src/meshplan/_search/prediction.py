@@ -63,7 +63,7 @@ class Prediction:
         Example:
             >>> from meshplan._search.prediction import example_prediction
             >>> round(example_prediction().step_s * 1e3, 3)
-            0.142
+            0.149
         """
         return self.cost.step_s
 
@@ -197,8 +197,8 @@ def predict(
         >>> p.cost.comm_bytes, p.fits       # data parallelism: the gradient all-reduced
         ({'all-reduce': 33554432}, True)
         >>> print(p)
-        predicted step 0.142 ms on 8 h100 (compute 0.011 ms, memory traffic 0.000 ms, exposed communication 0.131 ms of 0.140 ms)
-        throughput 452,114 examples/s · MFU 0.4% (traced matmul FLOPs, recomputation included)
+        predicted step 0.149 ms on 8 h100 (compute 0.011 ms, memory traffic 0.000 ms, exposed communication 0.138 ms of 0.146 ms)
+        throughput 429,163 examples/s · MFU 0.4% (traced matmul FLOPs, recomputation included)
         memory/device 32.19 MiB of 74.51 GiB (fits): state 32.00 MiB, batch 64.00 KiB, activations 64.00 KiB, temporaries 64.00 KiB
 
     Args:

@@ -280,7 +280,18 @@ class SearchResult:
 
     def write_names(self, path: str) -> None:
         """Writes :attr:`path_rules` to ``path`` as JSON ``[pattern, names]`` pairs (what
-        ``--names`` and :func:`meshplan.layouts.get_names` read back)."""
+        ``--names`` and :func:`meshplan.layouts.get_names` read back).
+
+        Example:
+            >>> import json, os, tempfile
+            >>> import meshplan
+            >>> result = meshplan.SearchResult.__new__(meshplan.SearchResult)
+            >>> result.path_rules = [("params/w", ("embed", "mlp"))]
+            >>> path = os.path.join(tempfile.mkdtemp(), "names.json")
+            >>> result.write_names(path)
+            >>> json.load(open(path))
+            [['params/w', ['embed', 'mlp']]]
+        """
         import json
 
         pairs = [json.dumps([p, None if n is None else list(n)]) for p, n in self.path_rules or ()]

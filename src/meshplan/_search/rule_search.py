@@ -663,7 +663,7 @@ def split_batch(example_batch: Any, microbatches: int) -> Any:
     if bad:
         raise error_for(
             ArgumentError, "bad-microbatches", "microbatches",
-            f"{microbatches} microbatches (microbatches=, --grad-accum) do not divide the first "
+            f"{microbatches} microbatches (microbatches=) do not divide the first "
             f"dimension of the batch's arrays: {', '.join(bad)}",
             f"Pass a batch of a multiple of {microbatches} examples, or a number of microbatches "
             "that divides the batch size.",

@@ -478,14 +478,16 @@ def run(args: argparse.Namespace) -> int:
             layouts = {name: get_layout(name) for name in names}
         what, state, step, batch, trainable = _load(args)
         roles = tuple(args.axes) if args.axes else ROLES
-        work = meshplan.trace_workload(step, state, batch, read_constraints=True)
         result = meshplan.search_rules(
-            args.devices, state, step, batch, workload=work,
+            args.devices, state, step, batch,
             profile=args.profile, memory_budget_bytes=args.budget, layouts=layouts,
             roles=roles, compile_top=args.top_k, measure=args.measure, measure_top=args.top_k,
             microbatches=args.grad_accum,
         )  # fmt: skip
-        advice = _advice(args, result, work, state) if result.best is None else None
+        advice = None
+        if result.best is None:  # nothing fits: the closest, and what would make it fit
+            work = meshplan.trace_workload(step, state, batch, read_constraints=True)
+            advice = _advice(args, result, work, state)
         if args.axes:
             _rename(result, args.axes)
         command, path = _train_command(args, result, trainable)
