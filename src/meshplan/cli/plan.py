@@ -440,7 +440,7 @@ def run(args: argparse.Namespace) -> int:
 
             args.batch = args.batch or math.prod(shape.values())  # one sequence per device
             what, state, step, batch = llama_step_of(args, args.batch)
-            loaded = argparse.Namespace(step_fn=step, example_batch=batch)
+            loaded = argparse.Namespace(step_fn=step, example_batch=batch, notes=[])
         elif loaded is not None:  # a --model factory is imported and called once
             what, state = loaded.what, loaded.abstract_state
         else:
