@@ -31,6 +31,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshplan._errors import ArgumentError, LogicalNamesError, Problem, error_for
 from meshplan._spmd.mesh_info import JaxMesh
+from meshplan._spmd.nnx_fit import check_fit
+from meshplan._spmd.place import active_mesh
 from meshplan._spmd.rules import (
     LogicalNames,
     LogicalRules,
@@ -221,7 +223,11 @@ def flax_placement(names: Sequence[Any], rules: Sequence[tuple[str, Any]]) -> Pa
 
 
 def nnx_sharding(
-    names: LogicalNames, rules: LogicalRules | None = None, mesh: JaxMesh | None = None
+    names: LogicalNames,
+    rules: LogicalRules | None = None,
+    mesh: JaxMesh | None = None,
+    *,
+    shape: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """``flax.nnx.Variable`` metadata that makes Flax place a variable as meshplan's rules do.
 
@@ -233,8 +239,16 @@ def nnx_sharding(
     active ``meshplan.logical_axis_rules``) when this is called; with no rules
     the names are mesh axes, and are given as they are.
 
+    Given the value's ``shape``, the placement is checked against ``mesh`` (or
+    the active one) first: a dimension its mesh axes do not divide raises
+    meshplan's ``ShardingValidationError`` naming the dimension, its name, the
+    mesh axes and sizes and the fix, where Flax's eager sharding would end in
+    JAX's ``IndivisibleError`` naming none of them. (Flax gives this function no
+    way to see the value: pass ``shape``, or use :func:`with_nnx_partitioning`,
+    which checks the initializer's result.)
+
     Example:
-        >>> import jax.numpy as jnp, meshplan
+        >>> import jax, jax.numpy as jnp, meshplan
         >>> from flax import nnx
         >>> rules = (("embed", "data"), ("embed", "model"), ("hidden", "data"), ("hidden", "model"))
         >>> meshplan.nnx_sharding(("embed", "hidden"), rules)
@@ -243,14 +257,27 @@ def nnx_sharding(
         ...               **meshplan.nnx_sharding(("embed", "hidden"), rules))
         >>> nnx.get_partition_spec(nnx.state(nnx.Dict(w=w)))["w"].get_value()
         P('data', 'model')
+        >>> with jax.set_mesh(jax.make_mesh((2, 4), ("data", "model"))):
+        ...     nnx.Param(jnp.ones((4, 6)), **meshplan.nnx_sharding(("embed", "hidden"), rules,
+        ...                                                        shape=(4, 6)))
+        Traceback (most recent call last):
+        ...
+        meshplan.ShardingValidationError: Cannot place nnx_sharding's variable of shape (4, 6) by ('embed', 'hidden') on the mesh {'data': 2, 'model': 4}:
+          * dim 1 ('hidden') of size 6 does not divide by 4 (mesh axis 'model' of size 4)
+        Pad dim 1 to 8 (the nearest multiple of 4), or put a rule for 'hidden' first (rules[3] maps it now) that maps it to mesh axes whose size divides 6, or ('hidden', None) to keep it whole.
 
     Args:
         names: One logical name (or ``None``, or a tuple of mesh axes) per dimension.
         rules: Logical axis rules; ``None`` uses the active ones.
         mesh: Also hand Flax this mesh as the variable's ``mesh`` metadata.
+        shape: The value's shape: check that the placement fits it on ``mesh`` (or the
+            active mesh; with neither, nothing is checked).
 
     Returns:
         Keyword arguments for ``nnx.Param(...)`` (or ``nnx.with_metadata``).
+
+    Raises:
+        ShardingValidationError: ``shape`` given and the placement does not fit it.
     """
     bad = names_problem(names, what="names")
     if bad is not None:
@@ -265,6 +292,9 @@ def nnx_sharding(
         )
     if mesh is not None:
         out["mesh"] = mesh
+    target = mesh if mesh is not None else active_mesh()
+    if shape is not None and target is not None:
+        check_fit(names, shape, target, active, "nnx_sharding's variable")
     return out
 
 
@@ -280,7 +310,10 @@ def with_nnx_partitioning(
     :func:`nnx_sharding`'s metadata, resolved with ``rules`` (``None``: the
     rules active when the initializer runs). Under ``jax.set_mesh`` Flax's
     eager sharding places the variable at creation as meshplan does; the
-    variable keeps its logical names.
+    variable keeps its logical names. The placement is checked against the
+    initializer's result first: a dimension the mesh axes do not divide raises
+    meshplan's ``ShardingValidationError`` (the dimension, its name, the mesh
+    axes and sizes, the fix) instead of JAX's ``IndivisibleError``.
 
     Example:
         >>> import jax, meshplan
@@ -318,7 +351,13 @@ def with_nnx_partitioning(
     fixed_rules = None if rules is None else normalize_rules(rules)
 
     def wrapper(*args: Any, **kwargs: Any) -> VariableMetadata[Any]:
+        value = initializer(*args, **kwargs)
         metadata = nnx_sharding(names, fixed_rules, mesh)
-        return variablelib.VariableMetadata(initializer(*args, **kwargs), metadata=metadata)
+        target = mesh if mesh is not None else active_mesh()
+        shape = getattr(value, "shape", None)
+        if shape is not None and target is not None and variablelib.using_eager_sharding():
+            rules_used = get_logical_axis_rules() if fixed_rules is None else fixed_rules
+            check_fit(names, shape, target, rules_used, "with_nnx_partitioning's variable")
+        return variablelib.VariableMetadata(value, metadata=metadata)
 
     return wrapper
