@@ -48,6 +48,39 @@ def test_nothing_compiles_after_the_first_step_evaluations_included():
     assert by_step[9] == by_step[1]
 
 
+@pytest.mark.slow
+def test_saving_every_step_compiles_once_and_never_slices(tmp_path):
+    """Orbax's replica-parallel save sliced each replicated array eagerly: 64 ``jit(slice)``
+    programs at the first save of this data-parallel run (issue 33). Now the first save
+    compiles its checks once, and no later step or save compiles anything."""
+    settings = {"steps": 4, "batch": 8, "seq_len": 32, "eval_every": 0, "ckpt_every": 1}
+    request = TrainRequest(
+        mesh="8", rules="data_parallel", overrides=TINY, settings=settings, ckpt_dir=str(tmp_path)
+    )
+    trainer = prepare(request)
+    compiles: list[str] = []
+    by_step: dict[int, int] = {}
+
+    def listen(event: str, duration: float, **kwargs: object) -> None:
+        if event == COMPILE_EVENT:
+            compiles.append(str(kwargs.get("fun_name", "?")))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        trainer.run(on_step=lambda r: by_step.__setitem__(r.step, len(compiles)))
+        trainer.close()  # the last save reaches the disk
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert not [c for c in compiles if "slice" in c], compiles
+    first_save = compiles[by_step[1] : by_step[2]]  # the checks of step 1's save, once each
+    assert len(first_save) == len(set(first_save)) <= 3, first_save
+    assert by_step[4] == by_step[2], compiles[by_step[2] :]  # steps 3-4 and their saves
+    # Written by one replica per shard, the steps are whole: the last restores onto
+    # another mesh, every checksum verified.
+    state, meta = meshplan.restore(tmp_path, make_mesh({"data": 2, "model": 4}))
+    assert meta.step == 4 and jax.tree.leaves(state)
+
+
 def _poisoned_run(nan_at: int) -> tuple[Trainer, list[int]]:
     """A linear model whose batch of step ``nan_at`` (1-based) holds a NaN."""
     mesh = make_mesh({"data": 8, "model": 1})

@@ -72,7 +72,6 @@ from jax.sharding import Mesh
 from meshplan._checkpoint.checksum import array_checksums
 from meshplan._checkpoint.finite import nonfinite_paths
 from meshplan._checkpoint.folder import (
-    ITEM_NAMES,
     META_ITEM,
     STATE_ITEM,
     checkpoint_path,
@@ -88,6 +87,7 @@ from meshplan._checkpoint.quiet import (
     unblock_orbax_threads,
 )
 from meshplan._checkpoint.tree import flatten_state, nest
+from meshplan._checkpoint.writer import item_handlers, state_save_args
 from meshplan._errors import ArgumentError, CheckpointError, error_for
 from meshplan._spmd.rules import LogicalRules
 from meshplan._text import paths_text
@@ -328,7 +328,7 @@ class Checkpointer:
         quiet_late_callbacks()
         try:
             self._manager = ocp.CheckpointManager(
-                self.directory, options=options, item_names=ITEM_NAMES
+                self.directory, options=options, item_handlers=item_handlers()
             )
         except BaseException as e:
             quiet_orbax_logs(-1)
@@ -569,7 +569,7 @@ class Checkpointer:
                     step,
                     args=ocp.args.Composite(
                         **{
-                            STATE_ITEM: ocp.args.StandardSave(raw),
+                            STATE_ITEM: state_save_args(raw),
                             META_ITEM: ocp.args.JsonSave(metadata.to_json()),
                         }
                     ),

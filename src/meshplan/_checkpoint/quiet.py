@@ -15,8 +15,9 @@ what was there before:
 * a filter on absl's log for Orbax's error logs while a Checkpointer is open
   (:func:`quiet_orbax_logs`);
 * :func:`unblock_orbax_threads`: Orbax's threads that wait for a signal from a
-  failed one, woken. This is the one use of Orbax's private API
-  (``orbax.checkpoint._src.futures.future._SignalingThread`` and ``set_signals``);
+  failed one, woken. This uses Orbax's private API
+  (``orbax.checkpoint._src.futures.future._SignalingThread`` and ``set_signals``;
+  the one other use is ``writer``'s array-metadata store);
   where a later Orbax lacks either, it does nothing, and those threads end when
   their own timeout (minutes) runs out, keeping the process alive until then.
 
