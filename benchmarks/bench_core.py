@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshplan
-from meshplan.examples import mlp
+from meshplan.models import mlp
 
 RULES = (
     ("batch", "data"),

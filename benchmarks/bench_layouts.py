@@ -51,9 +51,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import meshplan
 import meshplan.layouts
-from meshplan._search.hlo import collective_bytes
-from meshplan.examples.data import ByteCorpus, shard_batch
-from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
+from meshplan._search.measure.hlo import collective_bytes
+from meshplan.models.data import ByteCorpus, shard_batch
+from meshplan.models.transformer import Transformer, config_from_name, loss_fn
 
 LAYOUT_NAMES = ("data_parallel", "fsdp", "tensor_parallel", "fsdp_tp")
 MiB = 2**20

@@ -5,7 +5,7 @@ of ``--seq`` bytes under :data:`meshplan.layouts.context_parallel` on a
 ``data=1 x context=N`` mesh of emulated CPU devices, and prints XLA's own count
 of each device's temporary buffers (``compiled.memory_analysis()``), its ratio
 to one device, and the bytes of the collectives in the compiled step
-(:func:`meshplan._search.hlo.collective_bytes`): the all-gathers of keys and
+(:func:`meshplan._search.measure.hlo.collective_bytes`): the all-gathers of keys and
 values over ``context``. Nothing is run: it compiles only.
 
     .venv/bin/python benchmarks/bench_parallelism.py             # ~2 minutes on 2 cores
@@ -27,9 +27,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import meshplan
 from meshplan import layouts
-from meshplan._search.hlo import collective_bytes
+from meshplan._search.measure.hlo import collective_bytes
 from meshplan._text import human_bytes
-from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
+from meshplan.models.transformer import Transformer, config_from_name, loss_fn
 from meshplan.train.device_mesh import make_mesh
 
 

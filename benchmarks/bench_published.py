@@ -9,7 +9,7 @@ and by the search (``meshplan.search_rules``, analytic: ``compile_top=0``).
 Per row: predicted / published step time, whether the published layout fits the
 predicted memory (it ran, so it must), the search's top-1 (its predicted time relative
 to the published layout's, whether it fits) and the search's wall time. The profiles
-(``meshplan._search.profiles``) carry one set of physical parameters per hardware
+(``meshplan._search.predict.profiles``) carry one set of physical parameters per hardware
 (matmul efficiency, latencies, overlap), never a figure per row; rows marked ``held
 out`` were not looked at while choosing those parameters.
 
@@ -29,10 +29,10 @@ from typing import Any
 import jax
 
 import meshplan
-from meshplan._search.cost import predict
-from meshplan._search.profiles import get_profile
-from meshplan._search.trace import trace_workload
-from meshplan.examples.llama import LlamaConfig, llama_step, maxtext_config
+from meshplan._search.predict.cost import predict
+from meshplan._search.predict.profiles import get_profile
+from meshplan._search.predict.trace import trace_workload
+from meshplan.models.llama import LlamaConfig, llama_step, maxtext_config
 
 MAXTEXT_V5E = "https://github.com/AI-Hypercomputer/maxtext/blob/main/MaxText/configs/v5e/README.md"
 MAXTEXT_V5P = (

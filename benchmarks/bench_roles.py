@@ -5,7 +5,7 @@ For a grid of long-context and mixture-of-experts configurations, the step is tr
 accelerator profile, ``compile_top=0``: nothing compiles or runs). Per row: whether the
 search's best layout has a ``context`` (or ``expert``) mesh axis, the best layout with that
 role and the best without it (predicted step time, memory per device), and why, from
-their predictions (:func:`meshplan._search.roles.role_verdict`): the term of the step
+their predictions (:func:`meshplan._search.search.roles.role_verdict`): the term of the step
 (exposed communication, compute, memory traffic) by which they differ most, or that
 nothing fits without (or with) the role.
 
@@ -30,8 +30,8 @@ from collections.abc import Callable
 from typing import Any
 
 import meshplan
-from meshplan._search.roles import RoleVerdict, role_verdict
-from meshplan._search.trace import Workload, trace_workload
+from meshplan._search.predict.trace import Workload, trace_workload
+from meshplan._search.search.roles import RoleVerdict, role_verdict
 from meshplan._text import human_bytes
 
 TOKENS = 2**20
@@ -39,7 +39,7 @@ TOKENS = 2**20
 
 
 def llama_workload(seq: int) -> Workload:
-    from meshplan.examples.llama import llama_step, maxtext_config
+    from meshplan.models.llama import llama_step, maxtext_config
 
     state, step, tokens = llama_step(maxtext_config(1), batch=TOKENS // seq, seq=seq)
     return trace_workload(step, state, tokens, read_constraints=True)
@@ -50,7 +50,7 @@ def moe_workload(experts: int, top_k: int, batch: int = 64, seq: int = 1024) -> 
     import jax.numpy as jnp
     import optax
 
-    from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
+    from meshplan.models.transformer import Transformer, config_from_name, loss_fn
     from meshplan.train.settings import TrainSettings
     from meshplan.train.state import abstract_train_state
 

@@ -44,10 +44,10 @@ import jax.numpy as jnp
 import optax
 
 import meshplan
-from meshplan._search.hlo import collective_bytes
-from meshplan._search.timing import prepare_step
-from meshplan.examples.mlp import LogicalMLP, init_fn
-from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
+from meshplan._search.measure.hlo import collective_bytes
+from meshplan._search.measure.timing import prepare_step
+from meshplan.models.mlp import LogicalMLP, init_fn
+from meshplan.models.transformer import Transformer, config_from_name, loss_fn
 from meshplan.train.settings import TrainSettings
 from meshplan.train.state import abstract_train_state
 

@@ -3,7 +3,7 @@
 Each row is a configuration its authors published with its measured speed, with tensor,
 pipeline and data parallelism (Megatron-LM's 3-D layout). The step of the same model is
 traced once, abstractly, without a pipeline, and priced by
-:func:`meshplan._search.pipeline.predict_pipeline`: one stage's devices (tensor x data)
+:func:`meshplan._search.predict.pipeline.predict_pipeline`: one stage's devices (tensor x data)
 priced by the planner, the layers split over the ``pipeline`` axis, the schedule's bubble,
 the sends of activations and their gradients between stages (over InfiniBand: a stage's
 8 GPUs are one host) and the data-parallel reduction of each stage's gradients. The
@@ -24,10 +24,10 @@ import statistics
 import time
 from typing import Any
 
-from meshplan._search.pipeline import predict_pipeline
-from meshplan._search.profiles import get_profile
-from meshplan._search.trace import trace_workload
-from meshplan.examples.llama import LlamaConfig, llama_step
+from meshplan._search.predict.pipeline import predict_pipeline
+from meshplan._search.predict.profiles import get_profile
+from meshplan._search.predict.trace import trace_workload
+from meshplan.models.llama import LlamaConfig, llama_step
 
 MEGATRON = (
     "Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters "

@@ -24,8 +24,8 @@ code without running it:
 
 Each function is a *stop* the first time the walk reaches it (depth first, in
 the order Python runs the calls: a call's arguments before the call). The layer
-of a stop is its package's in ``docs/architecture.md`` (``cli`` 7, ``examples`` 6,
-``train`` 5, ``_search`` and ``testing`` 4, ``_plan`` and ``_checkpoint`` 3,
+of a stop is its package's in ``docs/architecture.md`` (``cli`` 8, ``examples`` 7,
+``models`` 6, ``train`` 5, ``_search`` and ``testing`` 4, ``_plan`` and ``_checkpoint`` 3,
 ``layouts`` 2, ``_spmd`` 1, the bottom 0). A *back-step* is a stop whose layer is
 above the previous stop's: the settings went down and came back up (to be read
 again by a higher layer). The previous stop is the one a run reaches last before
@@ -67,8 +67,9 @@ import sys
 from pathlib import Path
 
 LAYERS = {
-    "cli": 7,
-    "examples": 6,
+    "cli": 8,
+    "examples": 7,
+    "models": 6,
     "train": 5,
     "_search": 4,
     "testing": 4,

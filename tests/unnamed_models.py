@@ -89,7 +89,7 @@ def hf_llama(embed: int = 256, heads: int = 4, mlp: int = 512, layers: int = 2,
 
 def transformer(size: str = "tiny", batch: int = 16, seq: int = 128, **overrides: Any) -> Any:
     """meshplan's Transformer example (named), its Adam train step and tokens."""
-    from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
+    from meshplan.models.transformer import Transformer, config_from_name, loss_fn
     from meshplan.train.settings import TrainSettings
     from meshplan.train.state import abstract_train_state
 
@@ -104,6 +104,6 @@ def transformer(size: str = "tiny", batch: int = 16, seq: int = 128, **overrides
 
 def llama(batch: int = 16, seq: int = 128, **config: Any) -> Any:
     """meshplan's Llama example (named), its AdamW train step and tokens."""
-    from meshplan.examples.llama import LlamaConfig, llama_step
+    from meshplan.models.llama import LlamaConfig, llama_step
 
     return llama_step(LlamaConfig(**config), batch, seq)

@@ -24,12 +24,12 @@ from meshplan._errors import (
 from meshplan._plan.check import check
 from meshplan._plan.explain import explain
 from meshplan._plan.plan import Plan
-from meshplan._search.infer import InferredNames, NameClass, infer_names
-from meshplan._search.prediction import Prediction, predict
-from meshplan._search.profiles import HardwareProfile, get_profile, load_profile
-from meshplan._search.rule_search import RuleSearchResult, search_rules
-from meshplan._search.search import SearchResult, search_layouts
-from meshplan._search.trace import Workload, trace_workload
+from meshplan._search.predict.infer import InferredNames, NameClass, infer_names
+from meshplan._search.predict.prediction import Prediction, predict
+from meshplan._search.predict.profiles import HardwareProfile, get_profile, load_profile
+from meshplan._search.predict.trace import Workload, trace_workload
+from meshplan._search.search.layout_search import SearchResult, search_layouts
+from meshplan._search.search.rule_search import RuleSearchResult, search_rules
 from meshplan._spmd.boxes import (
     PARTITION_NAME,
     LogicallyPartitioned,

@@ -12,8 +12,8 @@ dimension ``stage`` and the stored layer stack ``layer`` to ``pipeline``
 Each layout is a plain tuple of ``(logical_name, mesh_axes)`` rules that covers
 every name of the Transformer's vocabulary (``batch``, ``length``, ``embed``,
 ``heads``, ``kv``, ``mlp``, ``vocab``, ``layer``; see
-:mod:`meshplan.examples.transformer`; the expert-parallel layouts also
-``expert``, ``expert_batch`` and ``capacity``, :mod:`meshplan.examples.moe`). RulePairs are applied in order, so
+:mod:`meshplan.models.transformer`; the expert-parallel layouts also
+``expert``, ``expert_batch`` and ``capacity``, :mod:`meshplan.models.moe`). RulePairs are applied in order, so
 ``batch`` comes first: an activation named ``('batch', 'length', 'embed')``
 gives its mesh axes to ``batch``, and ``embed`` (which a parameter may shard
 over the same axes) stays whole in activations.
@@ -198,7 +198,7 @@ activations for ``1/context`` of the positions, so activation memory falls
 about as ``1/context``; parameters are replicated. Attention stays exact: keys
 and values are all-gathered over ``context`` once per layer, and the sequence
 is fed in load-balanced order so that the causal mask leaves every shard the
-same work (:mod:`meshplan.examples.context`). Pick it for long sequences,
+same work (:mod:`meshplan.models.context`). Pick it for long sequences,
 when one sequence's activations no longer fit a device (the batch per device
 cannot go below one sequence). The sequence length must be a multiple of
 ``2 * context``.
@@ -389,7 +389,7 @@ guide: RulePairs = _layout(
     """The guide's rules, for its MLP demo: ``batch`` over ``data``, ``hidden`` over ``model``.
 
 They do not cover the Transformer's vocabulary; use them with
-:mod:`meshplan.examples.mlp`.
+:mod:`meshplan.models.mlp`.
 """,
     (("batch", "data"), ("hidden", "model")),
 )

@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 import meshplan
 from meshplan._checkpoint.folder import latest_step, read_metadata
 from meshplan._checkpoint.tree import flatten_state
-from meshplan.examples.transformer import Transformer, config_from_name
 from meshplan.layouts import data_parallel, fsdp, fsdp_tp, tensor_parallel
+from meshplan.models.transformer import Transformer, config_from_name
 from meshplan.train.device_mesh import make_mesh
 from meshplan.train.settings import TrainSettings, make_optimizer
 from meshplan.train.state import abstract_train_state, state_shardings

@@ -202,7 +202,7 @@ def untrained_checkpoint(tmp_path_factory):
     import jax
     import jax.numpy as jnp
 
-    from meshplan.examples.transformer import Transformer, config_from_name
+    from meshplan.models.transformer import Transformer, config_from_name
 
     config = config_from_name("tiny", num_layers=1, embed_dim=16, mlp_dim=16, max_len=16)
     params = Transformer(config).init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))["params"]

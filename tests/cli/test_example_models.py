@@ -1,4 +1,4 @@
-"""One registry of example models (examples/models.py), read by plan, search, train and factory."""
+"""One registry of example models (models/registry.py), read by plan, search, train and factory."""
 
 import argparse
 
@@ -9,7 +9,7 @@ from meshplan.cli.factory import BUILT_IN_MODELS, model_problem
 from meshplan.cli.plan import abstract_state, load_rules
 from meshplan.cli.steps import example_of
 from meshplan.cli.train_request import MODELS
-from meshplan.examples.models import EXAMPLE_MODELS, example
+from meshplan.models.registry import EXAMPLE_MODELS, example
 
 
 def _args(name):

@@ -10,9 +10,9 @@ import json
 import pytest
 
 from meshplan import cli
-from meshplan._search.cost import Cost
-from meshplan._search.profiles import get_profile
-from meshplan._search.result import SearchResult, SearchRow
+from meshplan._search.predict.cost import Cost
+from meshplan._search.predict.profiles import get_profile
+from meshplan._search.search.result import SearchResult, SearchRow
 from meshplan.cli.search import _groups, _table
 
 

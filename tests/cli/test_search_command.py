@@ -55,7 +55,7 @@ FACTORY = textwrap.dedent(
         return state, step_fn, batch
 
     def linen_step():
-        import meshplan._search.rule_search as rs
+        import meshplan._search.search.rule_search as rs
         return rs.linen_step(Net(), jax.ShapeDtypeStruct((16, 64), jnp.float32))
 
     def a_number():

@@ -9,7 +9,7 @@ import pytest
 
 from meshplan.cli.plan import abstract_state
 from meshplan.cli.steps import step_and_batch
-from meshplan.examples.transformer import CONFIGS
+from meshplan.models.transformer import CONFIGS
 
 
 @pytest.mark.parametrize("model", ["transformer", "transformer-nnx"])

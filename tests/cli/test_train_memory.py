@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 
 from meshplan.cli.train_memory import memory_problem
-from meshplan.examples.models import example
-from meshplan.examples.transformer import config_from_name
 from meshplan.layouts import get_layout
+from meshplan.models.registry import example
+from meshplan.models.transformer import config_from_name
 from meshplan.train import memory
 from meshplan.train.device_mesh import make_mesh
 from meshplan.train.memory import device_memory, memory_shortfall, step_memory

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import meshplan
 from meshplan._plan.render.table import to_text
-from meshplan.examples.mlp import LOGICAL_RULES, LogicalMLP, init_fn
+from meshplan.models.mlp import LOGICAL_RULES, LogicalMLP, init_fn
 from trees import logical, mesh_box, sds
 
 MESH = {"data": 2, "model": 4}

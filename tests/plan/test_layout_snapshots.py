@@ -18,7 +18,7 @@ from flax.training import train_state
 
 import meshplan
 import meshplan.layouts
-from meshplan.examples.transformer import Transformer, config_from_name
+from meshplan.models.transformer import Transformer, config_from_name
 from meshplan.testing import assert_plan_matches
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 import meshplan
 import meshplan.layouts as layouts
-from meshplan.examples.transformer import AXIS_NAMES, Transformer, TransformerConfig
+from meshplan.models.transformer import AXIS_NAMES, Transformer, TransformerConfig
 
 P = PartitionSpec
 CONFIG = TransformerConfig(num_layers=2, num_heads=4, embed_dim=32, mlp_dim=64, max_len=16)

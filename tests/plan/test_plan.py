@@ -15,7 +15,7 @@ from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 import meshplan
-from meshplan.examples.mlp import LOGICAL_RULES, MLP, LogicalMLP, init_fn
+from meshplan.models.mlp import LOGICAL_RULES, MLP, LogicalMLP, init_fn
 
 F32 = jnp.float32
 

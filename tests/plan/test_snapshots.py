@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import meshplan
-from meshplan.examples.mlp import LOGICAL_RULES, MLP, LogicalMLP, init_fn
+from meshplan.models.mlp import LOGICAL_RULES, MLP, LogicalMLP, init_fn
 from meshplan.testing import UPDATE_ENV, assert_plan_matches, diff_snapshots, snapshot
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"

@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import pytest
 
 import meshplan
-from meshplan._search import attention
-from meshplan._search.cost import predict
-from meshplan._search.profiles import get_profile
-from meshplan._search.trace import trace_workload
+from meshplan._search.predict import attention
+from meshplan._search.predict.cost import predict
+from meshplan._search.predict.profiles import get_profile
+from meshplan._search.predict.trace import trace_workload
 
 B, S, D, H = 8, 512, 256, 4
 RULES = (("batch", "data"), ("heads", None), ("embed", None), ("kv", None))

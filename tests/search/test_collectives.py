@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import pytest
 
 import meshplan
-from meshplan._search.collectives import collective_time
-from meshplan._search.cost import predict
-from meshplan._search.profiles import get_profile
-from meshplan._search.trace import trace_workload
+from meshplan._search.predict.collectives import collective_time
+from meshplan._search.predict.cost import predict
+from meshplan._search.predict.profiles import get_profile
+from meshplan._search.predict.trace import trace_workload
 
 
 def test_a_ring_pays_a_step_per_participant_network_steps_dearer():

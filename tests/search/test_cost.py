@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import pytest
 
 import meshplan
-from meshplan._search.cost import predict
-from meshplan._search.profiles import get_profile
-from meshplan._search.trace import trace_workload
+from meshplan._search.predict.cost import predict
+from meshplan._search.predict.profiles import get_profile
+from meshplan._search.predict.trace import trace_workload
 
 DEPTH = 12
 WIDTH = 64
@@ -132,7 +132,7 @@ def _transformer_step(layers: int = 1):
     """The example Transformer's training step, small: one layer (no loop) by default."""
     import optax
 
-    from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
+    from meshplan.models.transformer import Transformer, config_from_name, loss_fn
     from meshplan.train.settings import TrainSettings
     from meshplan.train.state import abstract_train_state
 
@@ -183,7 +183,7 @@ def test_gathers_pay_one_latency_each_where_the_backend_does_not_combine_them(
 
 @pytest.mark.parametrize(("layers", "rules"), [(1, FSDP), (1, DATA), (2, FSDP), (2, DATA)])
 def test_the_cpu_profile_counts_the_collectives_xla_runs_on_the_cpu(layers, rules):
-    from meshplan._search.hlo import collective_counts, compile_candidate
+    from meshplan._search.measure.hlo import collective_counts, compile_candidate
 
     step, state, tokens = _transformer_step(layers)
     work = trace_workload(step, state, tokens, read_constraints=True)

@@ -21,7 +21,7 @@ import optax
 import pytest
 
 import meshplan
-from meshplan.examples.llama import LlamaConfig, maxtext_config
+from meshplan.models.llama import LlamaConfig, maxtext_config
 
 GiB = 2**30
 PER_DEVICE_BATCH = {16: 6, 32: 4, 64: 2}  # MaxText's v5e-256 rows (benchmarks/bench_published.py)

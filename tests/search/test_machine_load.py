@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import meshplan
-from meshplan._search import profiles
+from meshplan._search.predict import profiles
 
 
 def _cached(tmp_path, monkeypatch, then, now):

@@ -1,6 +1,6 @@
 """The planner's memory per device against XLA's ``memory_analysis()`` of compiled steps.
 
-A Llama-style decoder (``meshplan.examples.llama``) compiled here on 8 CPU devices, under
+A Llama-style decoder (``meshplan.models.llama``) compiled here on 8 CPU devices, under
 remat none, full and dots-saveable, scanned or looped, data parallel, FSDP and tensor
 parallel. The arguments (state and batch) must match exactly; the temporaries (what the
 step keeps for its backward pass and its largest transient) within 20%, or, where the
@@ -14,11 +14,11 @@ import functools
 
 import pytest
 
-from meshplan._search.cost import predict
-from meshplan._search.hlo import measure_step
-from meshplan._search.profiles import get_profile
-from meshplan._search.trace import trace_workload
-from meshplan.examples.llama import LlamaConfig, llama_step
+from meshplan._search.measure.hlo import measure_step
+from meshplan._search.predict.cost import predict
+from meshplan._search.predict.profiles import get_profile
+from meshplan._search.predict.trace import trace_workload
+from meshplan.models.llama import LlamaConfig, llama_step
 
 LAYOUTS = {
     "dp": ({"data": 8}, (("batch", "data"),)),

@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import meshplan
-from meshplan._search.cost import predict
-from meshplan._search.memory import recompute_sources
-from meshplan._search.profiles import get_profile
-from meshplan._search.trace import trace_workload
-from meshplan.examples.llama import LlamaConfig, llama_step
+from meshplan._search.predict.cost import predict
+from meshplan._search.predict.memory import recompute_sources
+from meshplan._search.predict.profiles import get_profile
+from meshplan._search.predict.trace import trace_workload
+from meshplan.models.llama import LlamaConfig, llama_step
 
 H100 = get_profile("h100")
 F32 = jnp.float32
@@ -97,7 +97,7 @@ def test_a_scanned_layer_gathers_all_its_weights_at_once():
     # weights' gathers ahead of the matmuls), the activation only at its matmul.
     import numpy as np
 
-    from meshplan._search.memory import MemoryProgram, peak
+    from meshplan._search.predict.memory import MemoryProgram, peak
 
     cell = (("batch", None), (8, 8), 4, False)
     ones = np.ones((3, 1))
@@ -119,7 +119,7 @@ def test_a_recomputed_transient_is_not_counted_with_the_value_kept_to_recompute_
     # v = 2·(x @ w) is read whole by two matmuls; recomputing it would keep x @ w alive for
     # it, as large as v: XLA keeps v once, so at the second matmul v, the first's product and
     # its own are alive (three [64, 64] buffers), not x @ w as well.
-    from meshplan._search.memory import build, peak
+    from meshplan._search.predict.memory import build, peak
 
     def f(w, u, x):
         v = 2.0 * (x @ w)

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import pytest
 
 import meshplan
-from meshplan._search.cost import predict
-from meshplan._search.profiles import get_profile
-from meshplan._search.rule_search import split_batch
-from meshplan._search.trace import trace_workload
+from meshplan._search.predict.cost import predict
+from meshplan._search.predict.profiles import get_profile
+from meshplan._search.predict.step import split_batch
+from meshplan._search.predict.trace import trace_workload
 
 D, BATCH = 1024, 256
 FSDP = (("batch", "data"), ("embed", "data"), ("mlp", None))

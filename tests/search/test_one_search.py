@@ -11,8 +11,8 @@ import pytest
 
 import meshplan
 import meshplan.layouts
-from meshplan._search.result import PRUNE_REASONS, SearchRow
-from meshplan._search.rule_search import example_search
+from meshplan._search.search.result import PRUNE_REASONS, SearchRow
+from meshplan._search.search.rule_search import example_search
 
 
 def _case() -> tuple[dict, object, jax.ShapeDtypeStruct]:
@@ -117,7 +117,7 @@ def test_search_layouts_is_search_rules_without_a_step():
 def test_the_one_search_ranks_both_ways_and_never_on_its_own_elsewhere():
     import inspect
 
-    import meshplan._search.search as step_less
+    import meshplan._search.search.layout_search as step_less
 
     # search_layouts holds no ranking, no candidates and no checks of its own.
     source = inspect.getsource(step_less)
@@ -126,7 +126,7 @@ def test_the_one_search_ranks_both_ways_and_never_on_its_own_elsewhere():
 
 
 def test_a_static_search_with_a_step_traces_nothing(monkeypatch):
-    import meshplan._search.rule_search as rule_search
+    import meshplan._search.search.rule_search as rule_search
 
     def no_trace(*args, **kwargs):
         raise AssertionError("the static ranking traced the step")

@@ -1,4 +1,4 @@
-"""The planner's price of a pipeline (``meshplan._search.pipeline``): the bubble, the sends
+"""The planner's price of a pipeline (``meshplan._search.predict.pipeline``): the bubble, the sends
 between stages over the link the stage axis crosses, each stage's memory, and published
 pipelined runs (``benchmarks/published_pipeline.py``) within 25%."""
 
@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import pytest
 
 import meshplan
-from meshplan._search.pipeline import block_fraction, predict_pipeline
-from meshplan._search.profiles import get_profile
-from meshplan._search.trace import trace_workload
+from meshplan._search.predict.pipeline import block_fraction, predict_pipeline
+from meshplan._search.predict.profiles import get_profile
+from meshplan._search.predict.trace import trace_workload
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
@@ -86,7 +86,7 @@ def test_a_published_pipelined_run_is_predicted_within_25_percent_and_fits(name)
 
 
 def _stack(layers, width, rows):
-    from meshplan._search.pipeline import pipeline_verdict
+    from meshplan._search.search.pipeline_verdict import pipeline_verdict
 
     w = meshplan.LogicallyPartitioned(
         jax.ShapeDtypeStruct((layers, width, width), jnp.bfloat16), ("layer", "embed", "mlp")

@@ -9,7 +9,7 @@ import pytest
 
 import meshplan
 from meshplan import cli
-from meshplan.examples.llama import LlamaConfig, llama_step
+from meshplan.models.llama import LlamaConfig, llama_step
 
 # A Llama decoder with MaxText's activation constraints ('activation_embed'), grouped-query
 # attention and a scanned, rematerialised stack: where the search's matmul cache once reused

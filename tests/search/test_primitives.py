@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import optax
 
 import meshplan
-from meshplan._search.cost import predict
-from meshplan._search.profiles import get_profile
-from meshplan._search.report import prediction_fields, prediction_lines
-from meshplan._search.rule_search import linen_step
-from meshplan._search.trace import trace_workload
+from meshplan._search.predict.cost import predict
+from meshplan._search.predict.profiles import get_profile
+from meshplan._search.predict.report import prediction_fields, prediction_lines
+from meshplan._search.predict.step import linen_step
+from meshplan._search.predict.trace import trace_workload
 
 _INIT = nn.initializers.lecun_normal()
 
@@ -74,7 +74,7 @@ def test_a_primitive_the_planner_does_not_understand_is_named_and_priced_whole()
 
 
 def test_every_primitive_of_the_example_models_is_understood():
-    from meshplan.examples.llama import LlamaConfig, llama_step
+    from meshplan.models.llama import LlamaConfig, llama_step
 
     for remat in ("none", "full"):
         state, step, tokens = llama_step(LlamaConfig(remat=remat), 4, 32)

@@ -15,14 +15,14 @@ import optax
 import pytest
 
 import meshplan
-from meshplan._search.cost import Cost, predict
-from meshplan._search.profiles import get_profile
-from meshplan._search.reshard import reshard_collectives
-from meshplan._search.result import SearchResult, SearchRow
-from meshplan._search.roles import Term, VerdictKind, role_verdict
-from meshplan._search.trace import trace_workload
-from meshplan.examples.llama import LlamaConfig, llama_step
-from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
+from meshplan._search.predict.cost import Cost, predict
+from meshplan._search.predict.profiles import get_profile
+from meshplan._search.predict.reshard import reshard_collectives
+from meshplan._search.predict.trace import trace_workload
+from meshplan._search.search.result import SearchResult, SearchRow
+from meshplan._search.search.roles import Term, VerdictKind, role_verdict
+from meshplan.models.llama import LlamaConfig, llama_step
+from meshplan.models.transformer import Transformer, config_from_name, loss_fn
 from meshplan.train.settings import TrainSettings
 from meshplan.train.state import abstract_train_state
 

@@ -12,9 +12,9 @@ import pytest
 
 import meshplan
 import meshplan.layouts
-from meshplan._search.hlo import measure_step
-from meshplan.examples.mlp import LogicalMLP, init_fn
-from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
+from meshplan._search.measure.hlo import measure_step
+from meshplan.models.mlp import LogicalMLP, init_fn
+from meshplan.models.transformer import Transformer, config_from_name, loss_fn
 from meshplan.train.settings import TrainSettings
 from meshplan.train.state import abstract_train_state
 

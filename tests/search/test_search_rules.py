@@ -16,14 +16,14 @@ import pytest
 
 import meshplan
 import meshplan.layouts
-from meshplan._search.candidates import generate, mesh_factorizations
-from meshplan._search.cost import predict
-from meshplan._search.hlo import measure_step
-from meshplan._search.profiles import PROFILES, calibrate_cpu, get_profile
-from meshplan._search.rule_search import TIE
-from meshplan._search.trace import trace_workload
-from meshplan.examples.mlp import LogicalMLP, init_fn
-from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
+from meshplan._search.measure.hlo import measure_step
+from meshplan._search.predict.cost import predict
+from meshplan._search.predict.profiles import PROFILES, calibrate_cpu, get_profile
+from meshplan._search.predict.trace import trace_workload
+from meshplan._search.search.candidates import generate, mesh_factorizations
+from meshplan._search.search.rule_search import TIE
+from meshplan.models.mlp import LogicalMLP, init_fn
+from meshplan.models.transformer import Transformer, config_from_name, loss_fn
 from meshplan.train.settings import TrainSettings
 from meshplan.train.state import abstract_train_state
 
@@ -206,7 +206,7 @@ def test_search_rules_needs_a_step_or_a_model():
 def test_a_timed_step_is_the_program_traced_under_the_candidates_rules():
     # Called outside the mesh and rules it was traced under, a jitted step is traced again
     # without them: the timing would measure another program (it did, up to 10x slower).
-    from meshplan._search.timing import prepare_step
+    from meshplan._search.measure.timing import prepare_step
     from meshplan._spmd.rules import get_logical_axis_rules
 
     state, step, x = mlp_case(depth=128, batch=32)
@@ -265,9 +265,9 @@ def test_a_learned_position_table_the_length_of_the_sequence_searches():
 def test_a_search_prunes_and_prices_candidates_as_it_does_each_alone():
     """The search's shared checks, resolutions and matmul costs give every candidate the
     answer it gets alone: the same reason to prune it, the same prediction."""
-    from meshplan._search.candidates import layout_candidates
-    from meshplan._search.cost import _Specs, predict_specs
-    from meshplan._search.rule_search import _Checks, _prune
+    from meshplan._search.predict.cost import _Specs, predict_specs
+    from meshplan._search.search.candidates import layout_candidates
+    from meshplan._search.search.rule_search import _Checks, _prune
 
     state, step, tokens = tiny_case()
     work = trace_workload(step, state, tokens)
@@ -297,10 +297,10 @@ def test_a_search_prunes_and_prices_candidates_as_it_does_each_alone():
 def test_a_rules_record_answers_as_each_generated_candidate_alone():
     """A generated candidate's checks through its rules' record (found once per rules): the
     same reason to prune it and the same symmetry signature as found for it alone."""
-    from meshplan._search.candidates import CONTEXT_NAMES
-    from meshplan._search.cost import _Specs
-    from meshplan._search.rule_record import RuleRecord, signature_key
-    from meshplan._search.rule_search import _Checks, _prune, _signature
+    from meshplan._search.predict.cost import _Specs
+    from meshplan._search.predict.role_names import CONTEXT_NAMES
+    from meshplan._search.search.rule_record import RuleRecord, signature_key
+    from meshplan._search.search.rule_search import _Checks, _prune, _signature
 
     state, step, tokens = tiny_case()
     work = trace_workload(step, state, tokens, read_constraints=True)

@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import pytest
 
 import meshplan
-from meshplan._search.cost import predict
-from meshplan._search.hlo import compile_candidate, measure_step
-from meshplan._search.profiles import get_profile
-from meshplan._search.trace import trace_workload
-from meshplan.examples.llama import LlamaConfig, llama_step
+from meshplan._search.measure.hlo import compile_candidate, measure_step
+from meshplan._search.predict.cost import predict
+from meshplan._search.predict.profiles import get_profile
+from meshplan._search.predict.trace import trace_workload
+from meshplan.models.llama import LlamaConfig, llama_step
 
 MESH = {"data": 2, "tensor": 4}
 RULES = (

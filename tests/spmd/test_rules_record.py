@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import meshplan
 import meshplan.layouts
-from meshplan._search.cost import _Specs
+from meshplan._search.predict.cost import _Specs
 from meshplan._spmd.rules import Rules, check_rules, split_axes
 
 PAIRS = (("batch", ("data", "fsdp")), ("embed", "fsdp"), ("mlp", "tensor"))

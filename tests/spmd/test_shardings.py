@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshplan
-from meshplan.examples import mlp
+from meshplan.models import mlp
 
 BATCH, LAYERS, DEPTH = 8, 4, 1024
 RULES = mlp.LOGICAL_RULES
@@ -28,7 +28,7 @@ RULES = mlp.LOGICAL_RULES
 # --------------------------------------------------------------------------
 
 
-# The class names match meshplan.examples.mlp's, so the parameter paths match too.
+# The class names match meshplan.models.mlp's, so the parameter paths match too.
 class DotReluDot(nn.Module):
     depth: int
     logical: bool = False

@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from meshplan.cli.train_request import TrainRequest, prepare
-from meshplan.examples.transformer import CONFIGS, parameter_count, train_flops
+from meshplan.models.transformer import CONFIGS, parameter_count, train_flops
 from meshplan.train.flops import PEAKS, measure_cpu_peak, mesh_peak, peak_of
 
 
@@ -44,7 +44,7 @@ def test_base_config_has_100_to_150_million_parameters():
     config = CONFIGS["base"]
     shapes = jax.eval_shape(
         lambda: (
-            __import__("meshplan.examples.transformer", fromlist=["Transformer"])
+            __import__("meshplan.models.transformer", fromlist=["Transformer"])
             .Transformer(config)
             .init(jax.random.key(0), jax.numpy.zeros((1, 16), jax.numpy.int32))
         )

@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 import meshplan
 from collectives import counting_batches
 from meshplan import layouts
-from meshplan.examples.data import shard_batch
-from meshplan.examples.transformer import Transformer, config_from_name, loss_fn
+from meshplan.models.data import shard_batch
+from meshplan.models.transformer import Transformer, config_from_name, loss_fn
 from meshplan.train.device_mesh import make_mesh
 from meshplan.train.settings import TrainSettings
 from meshplan.train.trainer import Trainer

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from meshplan.examples.models import example
-from meshplan.examples.transformer import config_from_name
+from meshplan.models.registry import example
+from meshplan.models.transformer import config_from_name
 from meshplan.train.device_mesh import make_mesh
 from meshplan.train.parts import Checkpoints, Measures, Placement
 from meshplan.train.settings import TrainSettings

@@ -118,8 +118,8 @@ def run(args: argparse.Namespace) -> int:
     from jax.sharding import PartitionSpec
 
     import meshplan
-    from meshplan.examples import workflow as wf
-    from meshplan.examples.mlp import LOGICAL_RULES
+    from meshplan.models import workflow as wf
+    from meshplan.models.mlp import LOGICAL_RULES
 
     started = time.perf_counter()
     mesh = wf.make_mesh((2, 4))
@@ -276,7 +276,7 @@ def _run_nnx(args: argparse.Namespace, console: Console) -> int:
     from jax.sharding import PartitionSpec as P
 
     import meshplan
-    from meshplan.examples import workflow_nnx as wf
+    from meshplan.models import workflow_nnx as wf
 
     started = time.perf_counter()
     depth = args.depth

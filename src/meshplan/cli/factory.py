@@ -27,7 +27,7 @@ The factory is a function of no arguments, imported from a module on
 * ``(module, example_batch)`` or ``(module, example_batch, loss)``: a Flax Linen
   module, its inputs, and ``loss(outputs, batch)`` (default: the mean of the
   squared outputs); the step is Adam on that loss
-  (:func:`meshplan._search.rule_search.linen_step`). A tuple batch
+  (:func:`meshplan._search.predict.step.linen_step`). A tuple batch
   ``(images, labels)`` gives the module its first item and the loss all of it.
   Flax NNX models use the first form: ``nnx.eval_shape`` of the model's
   construction (or ``nnx.state`` of an abstract model) and a step function.
@@ -49,7 +49,7 @@ from typing import Any
 from meshplan._errors import ArgumentError, LogicalNamesError
 from meshplan._spmd.by_path import PathRules
 from meshplan.cli.factory_names import Namer, functional_model, is_functional
-from meshplan.examples.models import EXAMPLE_MODELS
+from meshplan.models.registry import EXAMPLE_MODELS
 
 __all__ = [
     "BUILT_IN_MODELS",
@@ -239,7 +239,7 @@ def _read(spec: str, returned: Any, namer: Namer | None = None) -> FactoryModel:
             if namer is not None:  # the form train takes, with no batches: named at init
                 mean_square = loss or (lambda y, _: jax.numpy.mean(jax.numpy.square(y)))
                 return _read_trainable(spec, module, batch, mean_square, None, namer=namer)
-            from meshplan._search.rule_search import linen_step
+            from meshplan._search.predict.step import linen_step
 
             try:
                 state, step, batch = linen_step(module, batch, loss)

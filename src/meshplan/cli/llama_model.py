@@ -1,6 +1,6 @@
 """``--model llama --size 7b``: published decoders for ``meshplan plan`` and ``meshplan search``.
 
-The sizes are :data:`meshplan.examples.llama.LLAMA_SIZES` (MaxText's and Meta's published
+The sizes are :data:`meshplan.models.llama.LLAMA_SIZES` (MaxText's and Meta's published
 configurations), built as abstract shapes (``jax.eval_shape``): a 405B model is planned
 without allocating it. ``--seq`` (default 2048, MaxText's ``max_target_length``),
 ``--batch`` (global; default one sequence per device) and ``--remat`` (``none``, ``full``,
@@ -16,7 +16,7 @@ __all__ = ["REMATS", "llama_args_problem", "llama_step_of"]
 
 REMATS = ("none", "full", "dots", "minimal")
 """``--remat``: nothing recomputed, the whole layer, all but the matmuls, all but the
-matmuls without batch dimensions (:mod:`meshplan.examples.llama`)."""
+matmuls without batch dimensions (:mod:`meshplan.models.llama`)."""
 
 DEFAULTS = {"size": "7b", "seq": 2048, "remat": "none"}
 
@@ -33,7 +33,7 @@ def llama_args_problem(args: argparse.Namespace) -> str | None:
         --size '7B' is not a Llama size; the sizes are 1b, 7b, 8b, 13b, 70b, 405b, llama2-1b, llama2-7b, llama2-13b, llama2-70b, llama3-8b, llama3-70b, llama3.1-405b, maxtext-16b, maxtext-32b, maxtext-64b, maxtext-128b.
         Pass e.g. --size 7b (Llama 2 7B) or --size llama3-8b.
     """
-    from meshplan.examples.llama import _SHORT, LLAMA_SIZES
+    from meshplan.models.llama import _SHORT, LLAMA_SIZES
 
     other = [f"--{k}" for k in ("layers", "depth", "scan", "experts") if getattr(args, k, None)]
     if other:
@@ -74,7 +74,7 @@ def llama_step_of(
         >>> what, tokens.shape, state.params["layers"]["wi"].value.shape
         ('Llama 2 70B (llama2-70b, 69.0B parameters; seq 4096, remat full)', (512, 4096), (80, 8192, 28672))
     """
-    from meshplan.examples.llama import LLAMA_SIZES, llama_size, llama_step
+    from meshplan.models.llama import LLAMA_SIZES, llama_size, llama_step
 
     name, cfg = llama_size(args.size, remat=overrides.pop("remat", args.remat), **overrides)
     state, step, tokens = llama_step(cfg, batch, args.seq)

@@ -118,7 +118,7 @@ def load_rules(spec: str | None, model: str) -> tuple[str, Any]:
     from meshplan.layouts import get_layout
 
     if spec is None:
-        from meshplan.examples.models import EXAMPLE_MODELS
+        from meshplan.models.registry import EXAMPLE_MODELS
 
         entry = EXAMPLE_MODELS.get(model)
         spec = "fsdp_tp" if entry is None else entry.rules  # a factory: fsdp_tp
@@ -182,7 +182,7 @@ def _prediction_problem(args: argparse.Namespace, shape: dict[str, int]) -> str 
 def _predict(
     args: argparse.Namespace, loaded: Any, state: Any, shape: dict[str, int], rules: LogicalRules
 ) -> dict[str, Any]:
-    """The prediction's fields (:mod:`meshplan._search.report`) of the step on ``shape``:
+    """The prediction's fields (:mod:`meshplan._search.predict.report`) of the step on ``shape``:
     :func:`meshplan.predict`'s, as :func:`meshplan.search_rules` prices each row."""
     import meshplan
     from meshplan.cli.steps import step_and_batch
@@ -293,7 +293,7 @@ def model_args_problem(args: argparse.Namespace) -> str | None:
                 f"your factory, or leave {', '.join(given)} out."
             )
         return None
-    from meshplan.examples.models import EXAMPLE_MODELS
+    from meshplan.models.registry import EXAMPLE_MODELS
 
     transformer = EXAMPLE_MODELS[args.model].sequence  # known: model_problem asked
     own, other = (
@@ -319,7 +319,7 @@ def model_args_problem(args: argparse.Namespace) -> str | None:
         if getattr(args, name, None) is None:
             setattr(args, name, default)
     if transformer:
-        from meshplan.examples.transformer import CONFIGS
+        from meshplan.models.transformer import CONFIGS
 
         if args.size not in CONFIGS:
             names = ", ".join(CONFIGS)
@@ -467,7 +467,7 @@ def run(args: argparse.Namespace) -> int:
         say(out, (what, "bold"), " · rules ", (label, "bold"))
         out.print(plan.table(full=args.full))
         if prediction is not None:
-            from meshplan._search.report import prediction_lines
+            from meshplan._search.predict.report import prediction_lines
 
             for line in prediction_lines(prediction):
                 say(out, line)

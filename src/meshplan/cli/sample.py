@@ -5,7 +5,7 @@ target tree), and the model is re-created from the config stored beside the
 arrays: the Flax Linen Transformer, or the Flax NNX one for a checkpoint of
 ``meshplan train --model transformer-nnx`` (its parameters go back into the
 model's ``nnx.State``). Generation is byte by byte: greedy at temperature 0,
-else sampled, decoding with a key/value cache (:mod:`meshplan.examples.decode`):
+else sampled, decoding with a key/value cache (:mod:`meshplan.models.decode`):
 the prompt is read once, then each byte is one step of one token.
 ``--no-kv-cache`` runs the whole window through the model for every byte
 instead; ``--compare-cache`` runs both, and reports the tokens per second of
@@ -141,7 +141,7 @@ def generate(
 
     Example:
         >>> import jax, jax.numpy as jnp, meshplan
-        >>> from meshplan.examples.transformer import Transformer, config_from_name
+        >>> from meshplan.models.transformer import Transformer, config_from_name
         >>> from meshplan.cli.sample import generate
         >>> model = Transformer(config_from_name("tiny", num_layers=1, embed_dim=16,
         ...                                      mlp_dim=16, max_len=16))
@@ -157,7 +157,7 @@ def generate(
     import jax.numpy as jnp
     import numpy as np
 
-    from meshplan.examples.decode import choose_byte
+    from meshplan.models.decode import choose_byte
 
     problem = settings_problem(length, temperature)
     if problem is not None:
@@ -193,12 +193,12 @@ class NnxModel:
     """What :func:`generate` calls, for the Flax NNX Transformer: ``config`` and ``apply``.
 
     ``apply({"params": state}, tokens)`` runs
-    :meth:`~meshplan.examples.transformer_nnx.FunctionalTransformer.apply` on the
+    :meth:`~meshplan.models.transformer_nnx.FunctionalTransformer.apply` on the
     ``nnx.State`` ``state`` (see :meth:`params_of`).
     """
 
     def __init__(self, config: Any) -> None:
-        from meshplan.examples.transformer_nnx import FunctionalTransformer
+        from meshplan.models.transformer_nnx import FunctionalTransformer
 
         self.functional = FunctionalTransformer(config)
         self.config = config
@@ -249,7 +249,7 @@ def _decode(
     """The bytes generated, with the key/value cache or without (``--compare-cache``: both)."""
     import statistics
 
-    from meshplan.examples.decode import greedy_cached
+    from meshplan.models.decode import greedy_cached
 
     def cached(times: list[float] | None = None) -> bytes:
         from flax import nnx
@@ -303,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
         restored = meshplan.restore(args.ckpt_dir, mesh=None, step=args.step)
         state, metadata = restored
         from meshplan.cli.train_request import MODELS, model_of
-        from meshplan.examples.transformer import Transformer, TransformerConfig
+        from meshplan.models.transformer import Transformer, TransformerConfig
 
         held = model_of(metadata)
         if held not in MODELS:

@@ -266,7 +266,7 @@ def _flags_problem(args: argparse.Namespace) -> str | None:
     elif args.model == "llama":
         own = {"batch": args.devices, "seq": args.seq}
     else:
-        from meshplan.examples.models import EXAMPLE_MODELS
+        from meshplan.models.registry import EXAMPLE_MODELS
 
         sequence = EXAMPLE_MODELS[args.model].sequence  # known: model_args_problem asked
         own = {"batch": 32, "seq": 128} if sequence else {"batch": 32}
@@ -305,7 +305,7 @@ def train_command(row: Any, rules_path: str = "rules.json") -> str:
     """The ``meshplan train`` command of a search row, its rules read from ``rules_path``.
 
     Example:
-        >>> from meshplan._search.result import SearchRow
+        >>> from meshplan._search.search.result import SearchRow
         >>> from meshplan.cli.search import train_command
         >>> train_command(SearchRow({"data": 2, "tensor": 4}, (("mlp", "tensor"),)), "r.json")
         'meshplan train --mesh 2x4 --axes data,tensor --rules r.json'
@@ -351,7 +351,7 @@ def _groups(rows: list[Any]) -> list[list[Any]]:
 
 
 def _table(result: Any, rows: int) -> Table:
-    from meshplan._search.report import prediction_fields
+    from meshplan._search.predict.report import prediction_fields
     from meshplan._text import human_bytes
 
     groups = _groups([r for r in result.ok if r.cost is not None])[:rows]
@@ -432,7 +432,7 @@ def _load(args: argparse.Namespace) -> tuple[str, Any, Any, Any, bool]:
         from meshplan.cli.llama_model import llama_step_of
 
         return (*llama_step_of(args, args.batch), False)
-    from meshplan.examples.models import EXAMPLE_MODELS
+    from meshplan.models.registry import EXAMPLE_MODELS
 
     built = example_of(args)
     return (

@@ -1,6 +1,6 @@
 """The built-in models from their flags, for ``meshplan plan`` and ``meshplan search``.
 
-A model is chosen by name in one place, :mod:`meshplan.examples.models`; this
+A model is chosen by name in one place, :mod:`meshplan.models.registry`; this
 module only reads its config from the flags (``--size``, ``--experts``; the MLP's
 ``--layers``, ``--depth``, ``--scan``).
 """
@@ -10,13 +10,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from meshplan.examples.models import Example
+from meshplan.models.registry import Example
 
 __all__ = ["example_of", "step_and_batch"]
 
 
 def example_of(args: argparse.Namespace) -> Example:
-    """The built-in ``--model`` of ``args`` (:data:`meshplan.examples.models.EXAMPLE_MODELS`).
+    """The built-in ``--model`` of ``args`` (:data:`meshplan.models.registry.EXAMPLE_MODELS`).
 
     Example:
         >>> import argparse
@@ -27,11 +27,11 @@ def example_of(args: argparse.Namespace) -> Example:
     A ``--seq`` longer than the preset's ``max_len`` plans that step: the presets'
     rotary positions have no parameters, so only the accepted length grows.
     """
-    from meshplan.examples.models import EXAMPLE_MODELS, MLPConfig, example
+    from meshplan.models.registry import EXAMPLE_MODELS, MLPConfig, example
 
     if not EXAMPLE_MODELS[args.model].sequence:  # the guide's MLP
         return example(args.model, MLPConfig(args.layers, args.depth, bool(args.scan)))
-    from meshplan.examples.transformer import CONFIGS, config_from_name
+    from meshplan.models.transformer import CONFIGS, config_from_name
 
     overrides: dict[str, Any] = {"num_experts": getattr(args, "experts", None) or 0}
     seq = getattr(args, "seq", None) or 0

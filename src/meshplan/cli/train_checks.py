@@ -21,7 +21,7 @@ from meshplan._spmd.rules import Rules
 from meshplan._spmd.validate import check_leaf
 from meshplan.cli.mesh_text import parse_mesh_shape
 from meshplan.cli.train_flags import CODE_ADVICE
-from meshplan.examples.data import BATCH_NAMES, ByteCorpus, DataError
+from meshplan.models.data import BATCH_NAMES, ByteCorpus, DataError
 from meshplan.train.device_mesh import MESH_AXES
 from meshplan.train.settings import TrainSettings
 
@@ -188,7 +188,7 @@ def check_pipeline(
     split over the ``batch_shards`` devices of ``'batch'``; ``given``: either flag was
     passed, which a layout with no pipeline refuses rather than ignores."""
     from meshplan._spmd.pipeline import stage_axes
-    from meshplan.examples.pipeline import pipeline_problems
+    from meshplan.models.pipeline import pipeline_problems
 
     axes, stages = stage_axes(rules.pairs, dict(shape))
     where = f"the {stages} stages of --rules {layout} ('stage' on {', '.join(axes)} of --mesh {mesh_text})"

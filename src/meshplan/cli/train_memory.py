@@ -1,7 +1,7 @@
 """A ``meshplan train`` step that does not fit in a device, worded in flags.
 
 The library finds it (:func:`meshplan.train.memory.memory_shortfall`: the planner's
-memory model, :mod:`meshplan._search.memory`, against what a device holds), when it
+memory model, :mod:`meshplan._search.predict.memory`, against what a device holds), when it
 builds the run's parts (:func:`meshplan.train.build.build_parts`), before any array is
 created; this module says it with the numbers and a flag-level fix.
 """

@@ -1,11 +1,11 @@
 """What the user asked ``meshplan train`` for, checked before any work starts.
 
 This is where the command line wires its recipe, the example byte-level
-Transformer trained on a byte corpus (:mod:`meshplan.examples.data`), into the
+Transformer trained on a byte corpus (:mod:`meshplan.models.data`), into the
 model-agnostic :class:`~meshplan.train.trainer.Trainer`: the model, its loss,
 the batches and the settings are passed in as arguments. The Transformer is
-the Flax Linen one (:mod:`meshplan.examples.transformer`, ``--model
-transformer``) or the Flax NNX one (:mod:`meshplan.examples.transformer_nnx`,
+the Flax Linen one (:mod:`meshplan.models.transformer`, ``--model
+transformer``) or the Flax NNX one (:mod:`meshplan.models.transformer_nnx`,
 ``--model transformer-nnx``): the same parameter paths, shapes and logical
 names, so their checkpoints are interchangeable. Every checkpoint records which
 (``extra["train"]["model"]``; a checkpoint without it holds ``transformer``).
@@ -51,15 +51,15 @@ from meshplan.cli.train_checks import (
 from meshplan.cli.train_flags import setting_fix, setting_flag
 from meshplan.cli.train_memory import memory_problem
 from meshplan.cli.train_resume import DamagedStep, Resume, check_checkpoint_dir
-from meshplan.examples.data import ByteCorpus, shard_batch
-from meshplan.examples.models import EXAMPLE_MODELS, example
-from meshplan.examples.transformer import (
+from meshplan.layouts import CONTEXT_EXPERT_LAYOUTS, LAYOUT_AXES, get_layout
+from meshplan.models.data import ByteCorpus, shard_batch
+from meshplan.models.registry import EXAMPLE_MODELS, example
+from meshplan.models.transformer import (
     CONFIG_SETTINGS,
     TransformerConfig,
     config_from_name,
     train_flops,
 )
-from meshplan.layouts import CONTEXT_EXPERT_LAYOUTS, LAYOUT_AXES, get_layout
 from meshplan.train.build import BuiltParts, build_parts
 from meshplan.train.flops import MeshPeak, mesh_peak
 from meshplan.train.model import TrainModel
@@ -197,10 +197,10 @@ class ByteBatches:
     A :data:`meshplan.train.trainer.Batches`: ``batches(split, index)`` is
     ``corpus.batch_at(split, index, seed, batch, seq_len)`` (a function of
     ``(seed, split, index)`` alone, so a resumed run sees the same batches),
-    placed with :func:`meshplan.examples.data.shard_batch`.
+    placed with :func:`meshplan.models.data.shard_batch`.
 
     Attributes:
-        corpus: The :class:`~meshplan.examples.data.ByteCorpus`.
+        corpus: The :class:`~meshplan.models.data.ByteCorpus`.
         settings: Its ``seed``, ``batch`` and ``seq_len`` shape the batches.
         mesh: The mesh the batches are placed on.
         rules: The rules that place ``('batch', 'length')``.

@@ -12,7 +12,7 @@ the vocabulary of the built-in layouts (``embed``, ``mlp``, ``heads``, ``kv``,
 
 The Hugging Face models are tiny configs with random weights (``_do_init=False``:
 the weights are created by ``init``, nothing is downloaded) on byte-level text
-(:class:`meshplan.examples.data.ByteCorpus`, the Python standard library);
+(:class:`meshplan.models.data.ByteCorpus`, the Python standard library);
 ``transformers`` and ``equinox`` are imported when a factory is called, so the
 library does not depend on them.
 
@@ -152,7 +152,7 @@ def equinox_mlp() -> Factory:
 
 @functools.cache
 def _corpus() -> Any:
-    from meshplan.examples.data import ByteCorpus
+    from meshplan.models.data import ByteCorpus
 
     return ByteCorpus.from_stdlib(max_bytes=400_000)
 

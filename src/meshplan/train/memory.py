@@ -1,6 +1,6 @@
 """Whether a train step fits in a device: the planner's prediction against what a device holds.
 
-There is one memory model: the planner's (:mod:`meshplan._search.memory`, the liveness of
+There is one memory model: the planner's (:mod:`meshplan._search.predict.memory`, the liveness of
 the differentiated step's jaxpr, by logical names), which ``meshplan plan --profile`` and
 ``meshplan search`` report. :func:`memory_shortfall` traces the step a run will take (one
 batch, with its optimizer), asks the planner for its peak per device under the run's mesh
@@ -18,9 +18,9 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from meshplan._search.cost import Cost, predict
-from meshplan._search.profiles import get_profile
-from meshplan._search.trace import trace_workload
+from meshplan._search.predict.cost import Cost, predict
+from meshplan._search.predict.profiles import get_profile
+from meshplan._search.predict.trace import trace_workload
 from meshplan._spmd.rules import LogicalRules
 from meshplan._text import human_bytes
 from meshplan.train.model import TrainModel

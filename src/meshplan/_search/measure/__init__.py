@@ -1,0 +1,1 @@
+"""A compiled step measured: its collectives from the HLO, its time, the machine's load."""

@@ -1,0 +1,70 @@
+"""Running a step for real under a mesh and rules, to time it (``measure=True``, the benchmark).
+
+The state is made of zeros of the abstract state's shapes, placed as the rules
+say (values do not change a step's time); the step is compiled ahead of time
+under the candidate's mesh and rules, run once to warm up, then timed.
+
+The compiled executable is what runs, never the jitted function: called
+outside the ``jax.set_mesh``/``logical_axis_rules`` context it was traced in,
+a jitted step is traced again without the candidate's rules, and its logical
+constraints then place the activations differently. That program is not the
+candidate's, and it can be ten times slower.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from meshplan._spmd.rules import LogicalRules
+
+__all__ = ["Prepared", "prepare_step"]
+
+
+class Prepared:
+    """A compiled step with its placed state and batch: :meth:`run` times ``n`` steps.
+
+    ``compiled`` is the ``jax.stages.Compiled`` that runs (its ``cost_analysis()``
+    and ``as_text()`` describe the very program timed).
+    """
+
+    def __init__(self, compiled: Any, state: Any, batch: Any) -> None:
+        self.compiled, self.state, self.batch = compiled, state, batch
+
+    def run(self, n: int = 1) -> list[float]:
+        """Seconds of each of ``n`` steps (each from the same state: no state grows)."""
+        import jax
+
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            jax.block_until_ready(self.compiled(self.state, self.batch))
+            times.append(time.perf_counter() - t0)
+        return times
+
+
+def prepare_step(
+    step_fn: Callable[[Any, Any], Any],
+    abstract_state: Any,
+    example_batch: Any,
+    mesh_shape: Mapping[str, int],
+    rules: LogicalRules,
+) -> Prepared:
+    """Compiles ``step_fn`` on the first devices as a ``mesh_shape`` mesh, with zero state."""
+    import jax
+    import jax.numpy as jnp
+
+    from meshplan._search.measure.hlo import compile_candidate
+
+    compiled, shardings, batch_sh = compile_candidate(
+        step_fn, abstract_state, example_batch, mesh_shape, rules
+    )
+
+    def zeros(tree: Any) -> Any:
+        return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree)
+
+    state = jax.jit(lambda: zeros(abstract_state), out_shardings=shardings)()
+    batch = jax.jit(lambda: zeros(example_batch), out_shardings=batch_sh)()
+    jax.block_until_ready(compiled(state, batch))
+    return Prepared(compiled, state, batch)

@@ -1,0 +1,1 @@
+"""A layout's predicted step time and memory: the traced step, its memory, its cost."""

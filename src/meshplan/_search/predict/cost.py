@@ -1,0 +1,697 @@
+"""Predicted step time of a traced step under a mesh and rules: compute + memory + communication.
+
+:func:`predict` prices a :class:`meshplan._search.predict.trace.Workload` (every matmul and
+the bytes of every other op, by logical names) on one candidate: each array's
+dimensions map to mesh axes through the rules exactly as the sharding would
+(``meshplan.logical_to_mesh_axes``, per array), and each ``dot_general`` is
+partitioned the way XLA's SPMD partitioner does in the common cases:
+
+* its *output* dimensions (batch, then one operand's free ones, then the
+  other's) keep their mesh axes; an axis already taken by an earlier
+  dimension means the operand holding it is **all-gathered** over that axis
+  (FSDP: the weight's ``embed`` shard, when the batch holds the same axis).
+  Where both operands' free dimensions claim one axis, a weight's gradient keeps
+  the operand whose free dimensions carry a parameter's names (it is made in the
+  parameter's sharding) and gathers the other; elsewhere the smaller is gathered;
+* a *contracting* dimension split over an axis no output dimension holds
+  leaves partial sums: the output is **all-reduced** over that axis (tensor
+  parallelism's activation all-reduces; data parallelism's gradient
+  reductions, where the contracting dimension is the batch), or
+  **reduce-scattered** into the output's shards where the output flows into a
+  constraint that shards it over that axis (``Dot.out_names``; Megatron's sequence
+  parallelism) and the backend reduce-scatters;
+* an operand whose dimension is not split where the other's is, is sliced
+  locally (free);
+* a contracting dimension split over an axis an output dimension also holds is
+  either a gather of the operand or partial sums **reduce-scattered** into the
+  output's shards, whichever moves fewer bytes, where the backend reduce-scatters
+  (``HardwareProfile.reduce_scatter``; FSDP's weight gradients); an activation's
+  operand (an output with ``'batch'``) is gathered once per array for every matmul
+  that reads it (``Workload.operand_arrays``), and again for the backward pass where
+  both passes read it (``regather``).
+
+Per device, a matmul runs at the roofline: the larger of its FLOPs (divided by the
+product of the axes that split it) over ``peak_flops * matmul_efficiency`` and the
+bytes of its operands and output over ``memory_bandwidth``. Other ops cost only
+the bytes XLA's fusions read and write (:mod:`meshplan._search.predict.trace` counts what
+leaves a fusion); on a backend with fused attention the scores cost nothing but
+their matmuls' FLOPs. Collectives are priced by :mod:`meshplan._search.predict.collectives`
+(hierarchical where a group crosses domains); a logical constraint that moves a value's
+axes (a mixture of experts' dispatch and combine) is an all-to-all or a gather
+(:mod:`meshplan._search.predict.reshard`). Those on the critical path (tensor
+parallelism's activation reductions) add up; the independent ones (weight gathers
+and gradient reductions: arrays without a ``'batch'`` dimension) are combined up to
+``combine_bytes`` (one latency per combined group) and hidden behind up to
+``overlap`` of the compute: only what is left is exposed. A weight gathered for the
+forward pass is gathered again for the backward pass where the profile says so
+(``regather``: TPU and GPU).
+
+The memory per device is :mod:`meshplan._search.predict.memory`'s: the state, the batch and
+the largest point of the step's liveness program (activations and temporaries).
+
+Bytes are reported as :func:`meshplan._search.measure.hlo.collective_bytes` counts them
+(operands, per device, per step), so a prediction can be checked against a
+compiled step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from meshplan._search.predict import attention
+from meshplan._search.predict import memory as memory_model
+from meshplan._search.predict.collectives import collective_time
+from meshplan._search.predict.profiles import HardwareProfile
+from meshplan._search.predict.reshard import batch_first, reshard_collectives
+from meshplan._search.predict.trace import Dot, Names, Workload, dedupe, dot_out_names
+from meshplan._spmd.rules import (
+    LogicalRules,
+    logical_to_mesh_axes,
+    mesh_axes_of,
+    normalize_rules,
+    split_axes,
+)
+
+__all__ = ["Cost", "predict", "predict_specs"]
+
+Spec = tuple[tuple[str, ...], ...]
+
+
+@dataclasses.dataclass
+class Cost:
+    """One candidate's prediction (seconds per step; bytes per device).
+
+    ``comm_s``: the exposed communication (what compute does not hide); ``comm_total_s``:
+    all of it; ``comm_bytes``: operand bytes by collective kind (as the HLO counts them);
+    ``comm_by_axis``: the same by mesh axis group (``'data'``, ``'data+tensor'``);
+    ``state_bytes``: parameters and optimizer state; ``batch_bytes``: the batch;
+    ``activation_bytes``: values kept across layers at the peak (residuals for the
+    backward pass, gradients); ``temporary_bytes``: the rest of the peak (the layer
+    being computed, gathered weights, the optimizer update); ``accumulator_bytes``: the
+    gradients accumulated over microbatches (:func:`predict`'s ``microbatches``).
+    being computed, gathered weights, the optimizer update); ``unpriced``: the primitives
+    the planner does not understand, each ``'primitive at where (n runs)'``, priced
+    conservatively (outputs replicated, declared FLOPs on every device): the prediction is
+    an upper bound there.
+    """
+
+    step_s: float
+    compute_s: float
+    memory_s: float
+    comm_s: float
+    flops_per_device: float
+    comm_bytes: dict[str, int]
+    comm_by_axis: dict[str, int]
+    state_bytes: int
+    activation_bytes: int
+    collectives: int
+    temporary_bytes: int = 0
+    batch_bytes: int = 0
+    comm_total_s: float = 0.0
+    accumulator_bytes: int = 0
+    unpriced: tuple[str, ...] = ()
+
+    @property
+    def memory_bytes(self) -> int:
+        """State, batch, activations, temporaries and the gradient accumulator (with
+        microbatches): the peak on one device."""
+        return (self.state_bytes + self.batch_bytes + self.activation_bytes
+                + self.temporary_bytes + self.accumulator_bytes)  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "memory_bytes": self.memory_bytes}
+
+
+Resolved = dict[tuple[Names, tuple[Any, ...]], tuple[tuple[str, ...], ...]]
+"""Mesh axes per dimension by ``(names, the rules that name one of them)``: what an array's
+resolution depends on (rules naming none of its names are skipped), shared by candidates."""
+
+
+class _Specs:
+    """Mesh axes (of size > 1) per dimension of an array named ``names``, cached per
+    candidate: the one resolver's answer (:func:`meshplan._spmd.rules.split_axes`).
+
+    ``shared``: resolutions shared across the candidates of a search (:data:`Resolved`):
+    the same answer, asked once per array and set of rules that name it. ``by_rules``:
+    the answers of the candidates with the same rules (``{names: spec}``), shared where
+    every axis the rules name splits (then the sizes do not change them); ``splits``:
+    whether every axis does, where the caller knows."""
+
+    def __init__(
+        self,
+        sizes: Mapping[str, int],
+        rules: LogicalRules,
+        shared: Resolved | None = None,
+        normal: bool = False,
+        by_rules: dict[Names, Spec] | None = None,
+        splits: bool | None = None,
+    ) -> None:
+        # ``normal``: ``rules`` are pairs already (the search's generated candidates).
+        self.sizes = sizes
+        self.rules = rules if normal else normalize_rules(rules)
+        self.bytes_cache: dict[tuple[Any, ...], int] = {}
+        self.shared = shared
+        # Every axis a rule names is in the mesh with a size above 1.
+        self.every_axis_splits = (
+            splits
+            if splits is not None
+            else all(sizes.get(a, 1) > 1 for _, axes in self.rules for a in mesh_axes_of(axes))
+        )
+        self.cache: dict[Names, Spec] = (
+            by_rules if by_rules is not None and self.every_axis_splits else {}
+        )
+        self.state_of: Workload | None = None  # the workload ``state_total`` is of
+        self.state_total: int | None = None
+
+    def __call__(self, names: Names | None, ndim: int) -> Spec:
+        if names is None:
+            return ((),) * ndim
+        spec = self.cache.get(names)
+        if spec is None:
+            if self.shared is None:
+                spec = split_axes(names, self.rules, self.sizes)
+            else:
+                relevant = tuple(r for r in self.rules if r[0] in names)
+                key = (names, relevant)
+                axes = self.shared.get(key)
+                if axes is None:
+                    spec_all = logical_to_mesh_axes(names, relevant)
+                    axes = self.shared[key] = tuple(mesh_axes_of(e) for e in spec_all)
+                if self.every_axis_splits:  # nothing to drop (a generated candidate's rules)
+                    spec = axes
+                else:
+                    sizes = self.sizes
+                    spec = tuple(tuple(a for a in d if sizes.get(a, 1) > 1) for d in axes)
+            self.cache[names] = spec
+        return spec
+
+    def split(self, spec: Spec) -> int:
+        return math.prod(self.sizes[a] for axes in spec for a in axes)
+
+    def shard_bytes(self, names: Names | None, shape: tuple[int, ...], item: int) -> int:
+        """Bytes of one device's shard (rounded up per dimension)."""
+        key = (names, shape, item)
+        got = self.bytes_cache.get(key)
+        if got is None:
+            got, sizes = item, self.sizes
+            for s, axes in zip(shape, self(names, len(shape)), strict=True):
+                split = 1
+                for a in axes:
+                    split *= sizes[a]
+                got *= -(-s // split)
+            self.bytes_cache[key] = got
+        return got
+
+
+Coll = tuple[str, tuple[str, ...], int, Any]
+
+
+def _dot_cost(
+    dot: Dot, specs: _Specs, reduce_scatter: bool = False, params: frozenset[str] = frozenset()
+) -> tuple[float, list[Coll], int]:
+    """Per-device FLOPs, the collectives ``(kind, axes, bytes, key)``, output bytes per device.
+
+    ``key``: for an all-gather, the gathered array's (names, shape, axes): XLA gathers an
+    array once per pass and reuses it (the rematerialised forward shares the backward's)."""
+    sizes = specs.sizes
+    ls, rs = specs(dot.lhs_names, len(dot.lhs_shape)), specs(dot.rhs_names, len(dot.rhs_shape))
+    (lc, rc), (lb, rb) = dot.contract, dot.batch
+    used: set[str] = set()
+    gather: dict[tuple[int, str], None] = {}
+    out_axes: list[str] = []
+
+    def take(axes: tuple[str, ...], side: int) -> None:
+        for a in axes:
+            if a in used:
+                gather[(side, a)] = None
+            else:
+                used.add(a)
+                out_axes.append(a)
+
+    for i, j in zip(lb, rb, strict=True):
+        take(ls[i] or rs[j], 0 if ls[i] else 1)
+        if ls[i] and rs[j] and ls[i] != rs[j]:
+            for a in rs[j]:
+                gather[(1, a)] = None
+    free = [(0, ls, lc, lb), (1, rs, rc, rb)]
+    if _right_first(dot, params):
+        free.reverse()
+    for side, spec, contract, batch in free:
+        for i in range(len(spec)):
+            if i not in contract and i not in batch:
+                take(spec[i], side)
+    reduce: list[str] = []
+    contract_used: dict[str, list[int]] = {}
+    for i, j in zip(lc, rc, strict=True):
+        for a in dict.fromkeys((*ls[i], *rs[j])):
+            if a in used:
+                sides = [s for s, spec in ((0, ls[i]), (1, rs[j])) if a in spec]
+                contract_used.setdefault(a, []).extend(sides)
+            else:
+                used.add(a)
+                reduce.append(a)
+    out_elems = dot.flops // 2 // max(1, math.prod(dot.lhs_shape[i] for i in lc))
+    out_bytes = out_elems * dot.itemsize // max(1, math.prod(sizes[a] for a in out_axes))
+    shard = (
+        (dot.lhs_size or math.prod(dot.lhs_shape)) * dot.lhs_itemsize // specs.split(ls),
+        math.prod(dot.rhs_shape) * dot.rhs_itemsize // specs.split(rs),
+    )
+    scatter: list[str] = []
+    whole: list[str] = []
+    # an activation's output: its operand gathered, once per pass for every matmul reading it
+    weight_out = not _batch_out(dot)
+    for a, sides in contract_used.items():
+        n = sizes[a]
+        gathered = sum(shard[s] for s in set(sides)) * (n - 1)
+        if reduce_scatter and weight_out and a in out_axes and out_bytes * (n - 1) < gathered:
+            scatter.append(a)  # partial sums over ``a``, reduce-scattered into the output
+        elif not reduce_scatter and weight_out and a in out_axes:
+            whole.append(a)  # partial sums of the whole output all-reduced, then sliced
+        else:
+            for side in set(sides):
+                gather[(side, a)] = None
+    split = math.prod(sizes[a] for a in used)
+    flops = dot.flops / split
+    colls: list[Coll] = []
+    if reduce_scatter and reduce and dot.out_names is not None:
+        # partial sums flowing into a constraint that shards the output over their axes:
+        # reduce-scattered into its shards (Megatron's sequence parallelism), the
+        # unreduced output the operand, as an all-reduce's (and no slice after)
+        into = {a for axes in specs(dot.out_names, len(dot.out_names)) for a in axes}
+        if into_scatter := tuple(a for a in reduce if a in into):
+            colls.append(("reduce-scatter", into_scatter, out_bytes, None))
+            reduce = [a for a in reduce if a not in into]
+    if reduce:
+        colls.append(("all-reduce", tuple(reduce), out_bytes, None))
+    if scatter:
+        n = math.prod(sizes[a] for a in scatter)
+        colls.append(("reduce-scatter", tuple(scatter), out_bytes * n, None))
+    if whole:  # a backend without reduce-scatters (XLA on CPU): an all-reduce of it whole
+        n = math.prod(sizes[a] for a in whole)
+        colls.append(("all-reduce", tuple(whole), out_bytes * n, None))
+    for side in (0, 1):
+        axes = tuple(a for s, a in gather if s == side)
+        if not axes:
+            continue
+        shape = dot.lhs_shape if side == 0 else dot.rhs_shape
+        names = dot.lhs_names if side == 0 else dot.rhs_names
+        colls.append(("all-gather", axes, shard[side], (names, shape, axes)))
+    return flops, colls, out_bytes
+
+
+StateCounts = dict[tuple[Names | None, tuple[int, ...], int], int]
+"""The state's arrays ``(names, shape, itemsize)`` and how many of each (a parameter, its
+optimizer moments): :func:`state_counts`."""
+
+
+def state_counts(workload: Workload) -> StateCounts:
+    """How many of each ``(names, shape, itemsize)`` the state holds."""
+    counts: StateCounts = {}
+    for array in workload.state:
+        counts[array] = counts.get(array, 0) + 1
+    return counts
+
+
+def _right_first(dot: Dot, params: frozenset[str]) -> bool:
+    """Whether the right operand's free dimensions keep their mesh axes before the left's,
+    where both claim one axis (the other operand is gathered over it): a weight's gradient
+    (no ``'batch'`` in its output) is made in its parameter's sharding, which XLA's sharding
+    propagation brings back from the parameter, so the operand whose free dimensions carry
+    a parameter's names (``params``) keeps its axes; otherwise the larger operand does, and
+    the smaller is gathered (fewer bytes moved and held)."""
+    (lc, rc), (lb, rb) = dot.contract, dot.batch
+    if not _batch_out(dot):
+        left = any(n in params for i, n in enumerate(dot.lhs_names) if i not in lc and i not in lb)
+        right = any(n in params for j, n in enumerate(dot.rhs_names) if j not in rc and j not in rb)
+        if left != right:
+            return right
+    return math.prod(dot.lhs_shape) * dot.lhs_itemsize < math.prod(dot.rhs_shape) * dot.rhs_itemsize
+
+
+def _out_array(dot: Dot) -> tuple[Names, tuple[int, ...], int]:
+    """A matmul's output: its names (the constraint's where one names it, else as the
+    trace names it: :func:`meshplan._search.predict.trace.dot_out_names`), shape, item size."""
+    (lc, rc), (lb, rb) = dot.contract, dot.batch
+    shape = (*(dot.lhs_shape[i] for i in lb),
+             *(dot.lhs_shape[i] for i in range(len(dot.lhs_shape)) if i not in lc and i not in lb),
+             *(dot.rhs_shape[j] for j in range(len(dot.rhs_shape)) if j not in rc and j not in rb))  # fmt: skip
+    if dot.out_names:
+        names = dedupe(dot.out_names)
+    else:
+        names = dot_out_names(dot.lhs_names, dot.rhs_names, dot.contract, dot.batch)
+    return names, shape, dot.itemsize
+
+
+def state_bytes(workload: Workload, specs: _Specs, counts: StateCounts | None = None) -> int:
+    """Per-device bytes of the state (shards rounded up, as ``explain`` counts them); asked
+    once per candidate (the search asks before pricing, then :func:`predict_specs`).
+    ``counts``: :func:`state_counts` of ``workload``, found once by a search."""
+    if specs.state_total is None or specs.state_of is not workload:
+        counts = counts if counts is not None else state_counts(workload)
+        specs.state_of = workload
+        specs.state_total = sum(n * specs.shard_bytes(*array) for array, n in counts.items())
+    return specs.state_total
+
+
+def _independent(kind: str, key: Any, dot: Dot) -> bool:
+    """A collective no later op of its layer waits for: a weight's gather, a weight
+    gradient's reduction (arrays without ``'batch'``)."""
+    if kind == "all-gather":
+        return "batch" not in (key[0] or ())
+    return not _batch_out(dot)
+
+
+def _batch_out(dot: Dot) -> bool:
+    (lc, rc) = dot.contract
+    keep = [n for i, n in enumerate(dot.lhs_names) if i not in lc]
+    keep += [n for j, n in enumerate(dot.rhs_names) if j not in rc and j not in dot.batch[1]]
+    return "batch" in keep
+
+
+DotCache = dict[tuple[Any, ...], tuple[float, list[Coll], int]]
+""":func:`_dot_cost` answers across candidates, keyed by what they depend on: the matmul, its
+operands' mesh axes and those axes' sizes (:func:`_dot_key`)."""
+
+
+def _dot_key(
+    dot: Dot, specs: _Specs, reduce_scatter: bool, params: frozenset[str] = frozenset()
+) -> tuple[Any, ...]:
+    """Everything :func:`_dot_cost` reads: the operands' specs, the spec of the constraint its
+    output flows into (it decides a reduce-scatter), and the sizes of their axes."""
+    ls, rs = specs(dot.lhs_names, len(dot.lhs_shape)), specs(dot.rhs_names, len(dot.rhs_shape))
+    into = () if dot.out_names is None else specs(dot.out_names, len(dot.out_names))
+    sizes = specs.sizes
+    axes = tuple(sorted({a for spec in (ls, rs, into) for d in spec for a in d}))
+    return (dot, ls, rs, into, tuple(sizes[a] for a in axes), axes, reduce_scatter, params)
+
+
+def _dot_cost_cached(
+    dot: Dot, specs: _Specs, reduce_scatter: bool, cache: DotCache | None,
+    params: frozenset[str] = frozenset(),
+) -> tuple[float, list[Coll], int]:  # fmt: skip
+    if cache is None:
+        return _dot_cost(dot, specs, reduce_scatter, params)
+    key = _dot_key(dot, specs, reduce_scatter, params)
+    got = cache.get(key)
+    if got is None:
+        got = cache[key] = _dot_cost(dot, specs, reduce_scatter, params)
+    return got
+
+
+def predict(
+    workload: Workload, mesh: Mapping[str, int], rules: LogicalRules, profile: HardwareProfile,
+    *, microbatches: int = 1,
+) -> Cost:  # fmt: skip
+    """The predicted step time and per-device bytes of ``workload`` on ``mesh`` under ``rules``.
+
+    ``microbatches``: the step accumulates the gradients of this many runs of ``workload``
+    (traced at one microbatch): compute, memory traffic and the collectives run once per
+    microbatch (FSDP gathers the weights and reduces the gradients into their shards per
+    microbatch), but for the reductions of weight gradients replicated over the reduced
+    axes (accumulated whole, then reduced once, as DDP and Megatron do); the activations are one microbatch's, and the
+    gradients are accumulated in the parameters' sharding (``Cost.accumulator_bytes``).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> from meshplan._search.predict.trace import trace_workload
+        >>> from meshplan._search.predict.cost import predict
+        >>> from meshplan._search.predict.profiles import get_profile
+        >>> w = meshplan.LogicallyPartitioned(jax.ShapeDtypeStruct((512, 512), jnp.float32), ("embed", "mlp"))
+        >>> def step(state, x):
+        ...     return jax.grad(lambda w: ((x @ w) ** 2).sum())(state["w"].value)
+        >>> work = trace_workload(step, {"w": w}, jax.ShapeDtypeStruct((64, 512), jnp.float32))
+        >>> dp = predict(work, {"data": 8}, (("batch", "data"),), get_profile("h100"))
+        >>> dp.comm_bytes                # the weight gradient, all-reduced over data
+        {'all-reduce': 1048576}
+        >>> tp = predict(work, {"tensor": 8}, (("mlp", "tensor"),), get_profile("h100"))
+        >>> tp.comm_bytes, tp.flops_per_device == dp.flops_per_device == work.flops / 8
+        ({}, True)
+        >>> four = predict(work, {"data": 8}, (("batch", "data"),), get_profile("h100"), microbatches=4)
+        >>> four.comm_bytes, four.accumulator_bytes        # reduced once; one f32 gradient
+        ({'all-reduce': 1048576}, 1048576)
+        >>> round(four.compute_s / dp.compute_s, 6)
+        4.0
+    """
+    return predict_specs(workload, _Specs(mesh, rules), profile, microbatches=microbatches)
+
+
+def predict_specs(
+    workload: Workload, specs: _Specs, profile: HardwareProfile, cache: DotCache | None = None,
+    microbatches: int = 1,
+) -> Cost:  # fmt: skip
+    """:func:`predict` of a candidate's resolved specs; ``cache``: matmul costs shared by the
+    candidates of one search (the same answers as without it, computed once)."""
+    return _predict_one(workload, specs, profile, cache, max(1, microbatches))
+
+
+def _sharded_over(specs: _Specs, dot: Dot, axes: tuple[str, ...]) -> bool:
+    """Whether a weight gradient's array is split over some of ``axes``, the axes it is
+    reduced over: FSDP accumulates it in its shard, reduced per microbatch; a replicated
+    one (DDP) is accumulated whole and reduced once a step."""
+    names, shape, _ = _out_array(dot)
+    return any(a in axes for d in specs(names, len(shape)) for a in d)
+
+
+def _accumulator_bytes(workload: Workload, specs: _Specs) -> int:
+    """The gradients accumulated over microbatches: what the weight-gradient matmuls
+    (outputs without ``'batch'``) produce, in their sharding."""
+    return sum(
+        specs.shard_bytes(*_out_array(dot)) * count
+        for dot, count in workload.dots.items()
+        if not _batch_out(dot)
+    )
+
+
+def _predict_one(
+    workload: Workload, specs: _Specs, profile: HardwareProfile, cache: DotCache | None,
+    micro: int,
+) -> Cost:  # fmt: skip
+    """:func:`predict_specs` of a step of ``micro`` runs of ``workload`` (microbatches):
+    everything but the weight gradients' all-reduces (accumulated, then reduced once, as
+    DDP and Megatron do) runs once per microbatch."""
+    sizes = specs.sizes
+    eff_flops = profile.peak_flops * profile.matmul_efficiency
+    fused = profile.fused_attention
+    flops, compute_s = 0.0, 0.0
+    by_kind: dict[str, int] = {}
+    by_axis: dict[str, int] = {}
+    gathers: dict[Any, list[Any]] = {}  # key -> [kind, axes, bytes, count, dots, trips]
+    dependent: list[tuple[str, tuple[str, ...], int, int]] = []
+    independent: dict[tuple[str, tuple[str, ...], int], list[int]] = {}  # [bytes, runs]
+    once: set[tuple[str, tuple[str, ...], int]] = set()  # reductions a step makes once
+    gathered_extra: dict[Dot, dict[Any, int]] = {}
+    unreduced: dict[Dot, int] = {}  # a weight gradient's partial sums beyond its shard
+    results: dict[Dot, int] = {}  # a weight gradient's all-reduced copy
+    partial_sums: set[Dot] = set()  # activations all-reduced (a tensor-parallel projection)
+    params = frozenset(workload.param_names)
+    read: dict[Any, set[int]] = {}  # an activation's gather key: the arrays gathered
+    attn_flops = profile.peak_flops * (profile.attention_efficiency or profile.matmul_efficiency)
+    scores = [0.0, 0.0]  # fused attention's FLOPs per device: [producing, reading] scores
+    for dot, count in workload.dots.items():
+        trips = workload.trips(dot)  # runs in sequence; count / trips appear side by side
+        f, colls, out_bytes = _dot_cost_cached(dot, specs, profile.reduce_scatter, cache, params)
+        flops += f * count
+        score = fused and dot in workload.score_dots
+        if score:  # one flash kernel: its efficiency, masked blocks skipped (attention.py)
+            run = f * count * _causal(dot, workload, profile)
+            scores[0 if attention.produces_scores(dot) else 1] += run
+            compute_s += run / attn_flops
+        else:
+            moved = (
+                _lhs_bytes(dot, specs)
+                + specs.shard_bytes(dot.rhs_names, dot.rhs_shape, dot.rhs_itemsize) + out_bytes
+            )  # fmt: skip
+            compute_s += count * max(f / eff_flops, moved / profile.memory_bandwidth)
+        extra: dict[Any, int] = {}  # gathered arrays: the bytes each adds on a device
+        for kind, axes, nbytes, key in colls:
+            if key is not None:
+                g = gathers.setdefault(key, [kind, axes, nbytes, 0, 0, 0])
+                g[3] = max(g[3], count)
+                g[4] += 1
+                g[5] = max(g[5], trips)
+                extra[key] = nbytes * (math.prod(sizes[a] for a in axes) - 1)
+                if workload.arrays and "batch" in (key[0] or ()):
+                    for side, (names, shape) in enumerate(
+                        ((dot.lhs_names, dot.lhs_shape), (dot.rhs_names, dot.rhs_shape))
+                    ):
+                        if (names, shape) == key[:2]:
+                            read.setdefault(key, set()).update(
+                                workload.operand_arrays.get((dot, side), ())
+                            )
+            elif kind == "all-reduce" and _batch_out(dot):
+                partial_sums.add(dot)
+                dependent.append((kind, axes, nbytes, count))
+            elif _independent(kind, key, dot):  # combined with those of the same trips
+                if kind == "reduce-scatter":  # the partial sums beyond its reduced shard
+                    kept = specs.shard_bytes(*_out_array(dot))
+                    unreduced[dot] = unreduced.get(dot, 0) + max(0, nbytes - kept)
+                elif kind == "all-reduce":
+                    kept = specs.shard_bytes(*_out_array(dot))
+                    unreduced[dot] = unreduced.get(dot, 0) + max(0, nbytes - kept)
+                    if not profile.reduce_scatter:  # XLA on CPU: its result a buffer of
+                        results[dot] = results.get(dot, 0) + nbytes  # its own (measured)
+                if micro > 1 and not _sharded_over(specs, dot, axes):  # DDP: once a step
+                    kind = f"{kind} once"
+                    once.add((kind, axes, trips))
+                ind = independent.setdefault((kind, axes, trips), [0, 0])
+                ind[0] += nbytes * count
+                ind[1] += count
+            else:
+                dependent.append((kind, axes, nbytes, count))
+        gathered_extra[dot] = extra
+    compute_s += attention.flash_recompute(*scores) / attn_flops  # the backward's q·kᵀ
+    for (before, after, shape, item), count in workload.reshards.items():
+        nbytes = specs.shard_bytes(before, shape, item)  # a constraint that moves axes
+        order = batch_first(before)
+        taken = specs(tuple(before[i] for i in order), len(shape))
+        src = [taken[order.index(i)] for i in range(len(shape))]
+        for kind, axes in reshard_collectives(src, specs(after, len(shape))):
+            dependent.append((kind, axes, nbytes, count))
+    for key, (kind, axes, nbytes, count, ndots, trips) in gathers.items():
+        passes = min(2, ndots) if profile.regather else 1  # forward, again for the backward
+        if "batch" in (key[0] or ()):
+            if key in read:  # each array once per pass (again for the backward: regather)
+                again = 2 if profile.regather else 1
+                arrays = [workload.arrays[i] for i in read[key]]
+                count, passes = sum(t * (again if both else 1) for t, both in arrays), 1
+            dependent.append((kind, axes, nbytes, count * passes))
+        else:
+            ind = independent.setdefault((kind, axes, trips * passes), [0, 0])
+            ind[0] += nbytes * count * passes
+            ind[1] += count * passes
+    for names, shape, item, act, trips, both in workload.weight_reads:
+        axes = _weight_gather_axes(specs, names, len(shape), act)
+        if axes:  # gathered where the op reads it, again for the backward (regather)
+            passes = 2 if profile.regather and both else 1
+            ind = independent.setdefault(("all-gather", axes, trips * passes), [0, 0])
+            ind[0] += specs.shard_bytes(names, shape, item) * trips * passes
+            ind[1] += trips * passes
+    n_coll, exposed, hidden = 0, 0.0, 0.0
+    for kind, axes, nbytes, count in dependent:
+        exposed += micro * count * collective_time(profile, kind, sizes, axes, nbytes)
+        n_coll += micro * count
+        _tally(by_kind, by_axis, kind, axes, micro * nbytes * count)
+    for (kind, axes, count), (nbytes, runs) in independent.items():  # count: runs in sequence
+        # per microbatch but replicated gradients' reductions (accumulated, reduced once)
+        reps = 1 if (kind, axes, count) in once else micro
+        kind = kind.removesuffix(" once")
+        per_run = nbytes / count if count else nbytes
+        if kind != "all-reduce" and not profile.combines_gathers:  # one per array
+            groups = max(1, round(runs / count)) if count else runs
+        elif profile.combine_bytes:  # small arrays merged up to the threshold, never split
+            n_arrays = max(1, round(runs / count)) if count else runs
+            groups = max(1, min(n_arrays, math.ceil(per_run / profile.combine_bytes)))
+        else:
+            groups = 0
+        if groups:  # one latency per group, the bandwidth term for all the bytes
+            t = count * groups * collective_time(profile, kind, sizes, axes, per_run / groups)
+            n_coll += reps * count * groups
+        else:
+            t = count * collective_time(profile, kind, sizes, axes, per_run)
+            n_coll += reps * count
+        hidden += reps * t
+        _tally(by_kind, by_axis, kind, axes, int(reps * nbytes))
+    traffic = 0
+    for (names, shape, score), nbytes in workload.traffic.items():
+        if not (fused and score):
+            traffic += nbytes // specs.split(specs(names, len(shape)))
+    memory_s = micro * traffic / profile.memory_bandwidth
+    compute_s, flops = compute_s * micro, flops * micro
+    flops += micro * workload.unpriced_flops  # whole on every device: not split
+    compute_s += micro * workload.unpriced_flops / eff_flops
+    covered = profile.overlap * (compute_s + memory_s)  # what compute can hide
+    comm_s = exposed + max(0.0, hidden - covered) + profile.overlap_cost * min(hidden, covered)
+    peak = _peak(workload, specs, profile, gathered_extra, unreduced, partial_sums, results)
+    batch_bytes = micro * sum(specs.shard_bytes(n, s, i) for n, s, i in workload.batch_state)
+    return Cost(
+        step_s=compute_s + memory_s + comm_s,
+        compute_s=compute_s,
+        memory_s=memory_s,
+        comm_s=comm_s,
+        flops_per_device=flops,
+        comm_bytes=by_kind,
+        comm_by_axis=by_axis,
+        state_bytes=state_bytes(workload, specs),
+        activation_bytes=peak.activations,
+        collectives=n_coll,
+        temporary_bytes=peak.temporaries,
+        batch_bytes=batch_bytes,
+        comm_total_s=exposed + hidden,
+        accumulator_bytes=_accumulator_bytes(workload, specs) if micro > 1 else 0,
+        unpriced=tuple(f"{p} at {w} ({n} runs)" for (p, w), n in workload.unpriced.items()),
+    )
+
+
+def _causal(dot: Dot, workload: Workload, profile: HardwareProfile) -> float:
+    """The fraction of a fused attention matmul's FLOPs that run: under a causal mask,
+    the tiles not wholly masked (:func:`meshplan._search.predict.attention.causal_fraction`)."""
+    if not profile.causal_block:
+        return 1.0
+    mask = attention.is_causal(dot, workload.causal_masks)
+    return 1.0 if mask is None else attention.causal_fraction(*mask, profile.causal_block)
+
+
+def _lhs_bytes(dot: Dot, specs: _Specs) -> int:
+    """Bytes of a matmul's left operand on a device: a convolution's input as stored, not
+    unfolded (:class:`meshplan._search.predict.trace.Dot`)."""
+    got = specs.shard_bytes(dot.lhs_names, dot.lhs_shape, dot.lhs_itemsize)
+    if dot.lhs_size is None:
+        return got
+    return got * dot.lhs_size // max(1, math.prod(dot.lhs_shape))
+
+
+def _weight_gather_axes(specs: _Specs, names: Names, ndim: int, act: Names) -> tuple[str, ...]:
+    """The mesh axes a parameter read by an elementwise op with an activation named ``act``
+    is gathered over: those splitting one of its dimensions that do not split the
+    activation's dimension of that name (a norm's ``embed`` scale under FSDP, where
+    ``batch`` took the axis; none under tensor parallelism's split ``embed``)."""
+    own = specs(names, ndim)
+    other = dict(zip(act, specs(act, len(act)), strict=True))
+    out: list[str] = []
+    for name, axes in zip(names, own, strict=True):
+        out += [a for a in axes if a not in other.get(name, ()) and a not in out]
+    return tuple(a for a in specs.sizes if a in out)
+
+
+def _tally(
+    by_kind: dict[str, int], by_axis: dict[str, int], kind: str, axes: tuple[str, ...], n: int
+) -> None:
+    by_kind[kind] = by_kind.get(kind, 0) + n
+    key = "+".join(axes)
+    by_axis[key] = by_axis.get(key, 0) + n
+
+
+def _peak(
+    workload: Workload,
+    specs: _Specs,
+    profile: HardwareProfile,
+    gathered: Mapping[Dot, Mapping[Any, int]],
+    unreduced: Mapping[Dot, int] | None = None,
+    partial_sums: set[Dot] | frozenset[Dot] = frozenset(),
+    results: Mapping[Dot, int] | None = None,
+) -> memory_model.Peak:
+    fused = profile.fused_attention
+    program = workload.memory
+    if not profile.rematerialize and workload.memory_kept is not None:
+        program = workload.memory_kept  # every residual kept (XLA on CPU)
+    if program is None:
+        return memory_model.Peak(0, 0, 0)
+
+    def bytes_of(cell: memory_model.Cell) -> int:
+        names, shape, item, score = cell
+        if fused and score:
+            return 0
+        return specs.shard_bytes(names, shape, item)
+
+    extra = [gathered.get(d, {}) for d in program.dots]
+    partial = [(unreduced or {}).get(d, 0) for d in program.dots]
+    hoisted = (
+        [d in partial_sums for d in program.dots] if profile.combines_remat_collectives else []
+    )
+    copies = [(results or {}).get(d, 0) for d in program.dots]
+    return memory_model.peak(
+        program, bytes_of, extra, partial, profile.combine_bytes, hoisted, copies
+    )

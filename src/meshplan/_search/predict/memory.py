@@ -1,0 +1,691 @@
+"""Memory per device of a traced step: its state, what it keeps for the backward pass, its peak.
+
+The step's jaxpr, as :func:`meshplan._search.predict.trace.trace_workload` traced it, is the
+program JAX's autodiff wrote: the forward pass, the residuals partial evaluation chose
+to keep (following ``jax.checkpoint``/``nn.remat`` and their policies: a rematerialised
+block keeps only its inputs and what its policy saves, and recomputes the rest inside the
+backward pass), then the backward pass and the optimizer update. So the values it keeps
+are JAX's own choice; this module only asks how long each one lives.
+
+:func:`build` walks the program in order (scan and loop bodies once, as XLA runs one
+iteration at a time, inside the buffers of the loop's stacked outputs; calls inline)
+and records, at every equation, which values are alive, each as a *cell* (its logical
+names, shape and item size, so that one candidate prices it in a few vector products).
+A value is alive from the equation that defines it to its last use; the step's inputs
+(state, batch) are the arguments and its outputs the new state (XLA counts both apart
+from its temporaries, and a donated state aliases them). A value a sharding constraint
+names is priced by the constraint's names (:mod:`meshplan._search.predict.trace` gives each
+buffer the names XLA's sharding propagation would). Where the device has a memory limit
+XLA works to (``recompute``: TPU, GPU), the cheap elementwise values autodiff keeps (a
+norm's float32 copy, an activation's derivative, the targets' one-hot) are recomputed
+where they are used, from values kept anyway, instead of being kept
+(:func:`recompute_sources`); a scan's stacked outputs are always kept.
+
+:func:`peak` prices the program on a candidate: each cell's bytes per device (its shape
+split by the mesh axes its names map to), plus, at each matmul, the all-gathered operand
+the partitioner materialises (FSDP's gathered weight), and returns the largest point,
+split into *activations* (values defined before the top-level equation where the peak
+falls: the residuals, the gradients so far) and *temporaries* (the current layer's
+values, gathered weights, the optimizer update's intermediates).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Literal
+
+__all__ = [
+    "Hoist", "MemoryProgram", "Peak", "aliases", "build", "call_body", "is_alias", "peak",
+    "recompute_sources",
+]  # fmt: skip
+
+Cell = tuple[tuple[Any, ...], tuple[int, ...], int, bool]
+"""(names, shape, itemsize, score)"""
+
+_LOOPS = ("scan", "while")
+_REMAT = ("remat2", "checkpoint", "remat")
+_CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+# Elementwise ops (and the broadcasts, casts, slices around them) that XLA recomputes where
+# their value is used rather than keep it: fusion duplicates them into each consumer, and
+# the rematerialisation pass, run against the device's memory on GPU and TPU, recomputes
+# them from operands that are alive anyway. A norm's float32 copy of a bfloat16 value, an
+# activation's derivative, a one-hot of the targets: residuals JAX's autodiff saves that
+# need no buffer of their own outside a loop (a scan's stacked outputs are buffers).
+_RECOMPUTED = frozenset({
+    "abs", "add", "add_any", "and", "broadcast_in_dim", "convert_element_type", "copy",
+    "copy_p", "cos", "div", "eq", "erf", "exp", "exp2", "expand_dims", "ge", "gt", "integer_pow",
+    "iota", "le", "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "not",
+    "or", "pow", "reshape", "rsqrt", "select_n", "sign", "sin", "slice", "sqrt", "square",
+    "squeeze", "stop_gradient", "sub", "tanh", "xor", "erf_inv", "expm1", "pad",
+})  # fmt: skip
+# Ops that read a recomputed value inside their own fusion (a reduction's input fusion),
+# with no buffer for it; also what XLA may recompute: those ops and the reductions over
+# them (a norm's statistic).
+_FUSES_OPERANDS = _RECOMPUTED | {
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+    "argmax", "argmin",
+}  # fmt: skip
+
+
+@dataclasses.dataclass
+class MemoryProgram:
+    """Alive cells at every point of a step (module docstring).
+
+    ``long``/``short``: ``[points, cells]`` counts of values defined before the point's
+    top-level equation, and of those defined within it; ``dot``: per point, the index in
+    ``dots`` of the matmul running there (``-1``: none); ``output``: counts of the step's
+    outputs (the updated state), not temporaries; ``scope``: per point, the loop body
+    (a scanned layer) it runs in, an index in ``scopes`` (``-1``: none), whose entries
+    list the matmuls of each body; ``ran``: ``[points, dots]``, how many times each matmul
+    has run before the point since the start of its loop iteration (or of the step, outside
+    loops): the gradients whose reductions XLA may still be combining; ``hoists``: the
+    rematerialised regions of unrolled layers (:class:`Hoist`), which a collective combiner
+    may run in the forward pass.
+    """
+
+    cells: list[Cell]
+    long: np.ndarray
+    short: np.ndarray
+    dot: np.ndarray
+    dots: list[Any]
+    output: np.ndarray
+    scope: np.ndarray | None = None
+    scopes: list[list[int]] = dataclasses.field(default_factory=list)
+    ran: np.ndarray | None = None
+    hoists: list[Hoist] = dataclasses.field(default_factory=list)
+
+    def sizes(self, bytes_of: Callable[[Cell], int]) -> np.ndarray:
+        """Bytes per device of each cell, by ``bytes_of``."""
+        return np.array([float(bytes_of(c)) for c in self.cells])
+
+
+@dataclasses.dataclass(frozen=True)
+class Hoist:
+    """A rematerialised region of an unrolled layer (a top-level ``checkpoint``/``remat``
+    equation of the backward pass: the layer's recomputation, then its transpose).
+
+    ``at``: the top-level equation of the region; ``triggers``: per matmul of the region,
+    in its order, ``(index in dots, between, counts)``: if that matmul is the region's
+    first whose output is a partial sum (all-reduced), and XLA's combiner merges that
+    all-reduce with the forward pass's own of the same layer, the matmul and every value
+    it depends on in the region run as soon as their inputs exist (after the top-level
+    equation that makes the last of them), and the values of them the rest of the region
+    reads (``counts`` per cell) stay alive until the region: through the points
+    ``between`` marks (a point stands for every place of the step it occurs at, and is
+    marked where one of them lies between).
+    """
+
+    at: int
+    triggers: list[tuple[int, np.ndarray, np.ndarray]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    """The largest point of a step's memory on one device (bytes).
+
+    ``activations``: alive across the top-level equation of the peak (residuals kept for
+    the backward pass, gradients so far); ``temporaries``: the rest (the layer being
+    computed, gathered weights, the optimizer update); ``outputs``: the updated state.
+    """
+
+    activations: int
+    temporaries: int
+    outputs: int
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.temporaries
+
+
+def is_alias(eqn: Any) -> bool:
+    """A sharding constraint of one variable: the same buffer (a reshard is priced apart);
+    or a ``reduce_precision`` to its value's own precision, which changes nothing (XLA's
+    simplifier removes it): what ``jax.checkpoint`` with ``prevent_cse`` (unrolled layers)
+    passes the residuals it saves through, so a saved matmul's output is still that
+    matmul's buffer, kept for the backward pass."""
+    if len(eqn.invars) != 1 or len(eqn.outvars) != 1 or isinstance(eqn.invars[0], Literal):
+        return False
+    name = eqn.primitive.name
+    if name == "reduce_precision":
+        try:
+            info = jnp.finfo(eqn.invars[0].aval.dtype)  # type: ignore[no-untyped-call]
+        except (TypeError, ValueError):
+            return False
+        p = eqn.params
+        return bool(p.get("exponent_bits") == info.nexp and p.get("mantissa_bits") == info.nmant)
+    return bool(name == "sharding_constraint")
+
+
+def aliases(jaxpr: Any) -> dict[Any, Any]:
+    """``{output: input}`` of ``jaxpr``'s sharding constraints, chains resolved, and of the
+    calls (``pjit``...) that give back one of their inputs (a constraint inside them)."""
+    out: dict[Any, Any] = {}
+    for eqn in jaxpr.eqns:
+        if is_alias(eqn):
+            x = eqn.invars[0]
+            out[eqn.outvars[0]] = out.get(x, x)
+            continue
+        prim = eqn.primitive.name
+        if prim in ("while", "cond"):
+            continue
+        sub = next((eqn.params[k] for k in _CALLS if eqn.params.get(k) is not None), None)
+        sub = getattr(sub, "jaxpr", sub)
+        if sub is None or len(sub.invars) != len(eqn.invars):
+            continue
+        inner = aliases(sub)
+        position = {v: i for i, v in enumerate(sub.invars)}
+        nc, ncarry = eqn.params.get("num_consts", 0), eqn.params.get("num_carry", 0)
+        for j, (outer, v) in enumerate(zip(eqn.outvars, sub.outvars, strict=True)):
+            i = position.get(inner.get(v, v)) if not isinstance(v, Literal) else None
+            if i is None or isinstance(eqn.invars[i], Literal):
+                continue
+            if prim == "scan" and not (i == nc + j if j < ncarry else i >= nc + ncarry):
+                continue  # a scan gives back a carry as it came, or a slice of its xs
+            x = eqn.invars[i]
+            out[outer] = out.get(x, x)
+    return out
+
+
+def call_body(eqn: Any) -> Any:
+    """The body of a call (``pjit``, ``remat``, custom derivatives) with ``eqn``'s arity."""
+    if eqn.primitive.name in ("scan", "while", "cond"):
+        return None
+    for key in _CALLS:
+        sub = eqn.params.get(key)
+        if sub is not None:
+            sub = getattr(sub, "jaxpr", sub)
+            if len(sub.invars) == len(eqn.invars):
+                return sub
+    return None
+
+
+def _itemsize(v: Any) -> int:
+    try:
+        return int(np.dtype(v.aval.dtype).itemsize)
+    except TypeError:  # not a NumPy dtype (a key, a token): priced as 4 bytes
+        return 4
+
+
+def _nbytes(v: Any) -> int:
+    return int(math.prod(getattr(v.aval, "shape", ()))) * _itemsize(v)
+
+
+def _read_whole(body: Any, k: int) -> bool:
+    """Whether ``body`` reads its ``k``-th input other than by ops fused with it."""
+    v = body.invars[k]
+    return any(
+        v in e.invars and e.primitive.name not in _FUSES_OPERANDS and not is_alias(e)
+        for e in body.eqns
+    )
+
+
+def _whole_reads(jaxpr: Any, alias: Mapping[Any, Any]) -> dict[Any, list[int]]:
+    """``{value: the equations of jaxpr that read it whole}``, in order: the reads that
+    need it in memory (a matmul's operand, a loop's input), not those fused with it
+    (elementwise ops, reductions), nor its sharding constraints."""
+    out: dict[Any, list[int]] = {}
+    whole: dict[tuple[int, int], bool] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive.name in _FUSES_OPERANDS or is_alias(eqn):
+            continue
+        body = call_body(eqn)
+        for k, u in enumerate(eqn.invars):
+            if isinstance(u, Literal):
+                continue
+            if body is not None:
+                key = (id(body), k)
+                if key not in whole:
+                    whole[key] = _read_whole(body, k)
+                if not whole[key]:
+                    continue
+            reads = out.setdefault(alias.get(u, u), [])
+            if not reads or reads[-1] != i:
+                reads.append(i)
+    return out
+
+
+def recompute_sources(
+    jaxpr: Any, cache: dict[int, Any] | None = None, direct: bool = False
+) -> dict[Any, frozenset[Any]]:
+    """``{value: the values it is recomputed from}`` for the values of ``jaxpr`` that only
+    elementwise ops and reductions (:data:`_RECOMPUTED`, directly or inside calls) compute
+    from its inputs and from the results of other ops (matmuls, loops, gathers): what XLA
+    can recompute where it is used. ``direct``: the operands each is computed from (a
+    call's: its inputs), rather than those other ops' results.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from meshplan._search.predict.memory import recompute_sources
+        >>> j = jax.make_jaxpr(lambda w, x: jnp.tanh((x @ w).sum(0)).astype(jnp.bfloat16))(
+        ...     jnp.ones((8, 8)), jnp.ones((4, 8)))
+        >>> product = j.jaxpr.eqns[0].outvars[0]      # the matmul's result: kept
+        >>> recompute_sources(j.jaxpr)[j.jaxpr.outvars[0]] == {product}
+        True
+    """
+    cache = {} if cache is None else cache
+    alias = aliases(jaxpr)
+    src: dict[Any, frozenset[Any]] = {}
+
+    def of(v: Any) -> frozenset[Any]:
+        if isinstance(v, Literal):
+            return frozenset()
+        if direct:
+            return frozenset({alias.get(v, v)})
+        return src.get(v, frozenset({alias.get(v, v)}))
+
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _FUSES_OPERANDS or is_alias(eqn):
+            got = frozenset().union(*map(of, eqn.invars))
+            src.update((o, got) for o in eqn.outvars)
+            continue
+        sub = call_body(eqn)
+        if sub is None:
+            continue
+        if id(sub) not in cache:
+            cache[id(sub)] = recompute_sources(sub, cache)
+        inner, position = cache[id(sub)], {v: i for i, v in enumerate(sub.invars)}
+        for o, v in zip(eqn.outvars, sub.outvars, strict=True):
+            got = frozenset() if isinstance(v, Literal) else inner.get(v)
+            if got is None and v in position:
+                got = frozenset({v})  # the call gives back one of its inputs
+            if got is not None and all(x in position for x in got):
+                src[o] = frozenset().union(*(of(eqn.invars[position[x]]) for x in got))
+    return src
+
+
+class _Builder:
+    def __init__(
+        self, names: Mapping[Any, Any], scores: set[Any], dot_of: Callable[[Any], Any],
+        materialized: set[Any] | None, recompute: bool = True,
+    ) -> None:  # fmt: skip
+        self.names, self.scores, self.dot_of = names, scores, dot_of
+        self.materialized, self.recompute = materialized, recompute
+        self.cells: dict[Cell, int] = {}
+        self.points: dict[
+            tuple[Any, ...],
+            tuple[dict[int, int], dict[int, int], int, int, tuple[tuple[int, int], ...], set[int]],
+        ] = {}
+        self.scope = -1  # the loop body being walked (an index in scopes)
+        self.scopes: list[list[int]] = []  # each loop body's matmuls
+        self.dots: dict[Any, int] = {}
+        self.sources: dict[int, Any] = {}
+        self.ran: dict[int, int] = {}  # matmuls run since the loop iteration (step) began
+        self.top = -1  # the top-level equation being walked
+        self.defined: dict[Any, int] = {}  # a top-level value: the equation defining it
+        self.hoists: list[tuple[int, list[tuple[int, int, dict[int, int]]]]] = []
+
+    def cell(self, v: Any, outer: bool = False) -> int | None:
+        if not outer and self.materialized is not None and v not in self.materialized:
+            return None  # fused into its consumers: never in memory
+        shape = tuple(getattr(v.aval, "shape", ()))
+        item = _itemsize(v)
+        if not math.prod(shape) * item:
+            return None
+        names = self.names.get(v, (None,) * len(shape))
+        key = (tuple(names), shape, item, v in self.scores)
+        return self.cells.setdefault(key, len(self.cells))
+
+    def add(self, long: dict[int, int], short: dict[int, int], dot: int) -> None:
+        ran = tuple(sorted(self.ran.items()))
+        key = (tuple(sorted(long.items())), tuple(sorted(short.items())), dot, self.scope, ran)
+        # the top-level equations a point occurs at, for the hoisted regions (:class:`Hoist`)
+        self.points.setdefault(key, (long, short, dot, self.scope, ran, set()))[5].add(self.top)
+        if dot >= 0 and self.scope >= 0 and dot not in self.scopes[self.scope]:
+            self.scopes[self.scope].append(dot)
+
+    def walk(
+        self, jaxpr: Any, long: dict[int, int], short: dict[int, int], top: bool,
+        skip: set[Any],
+    ) -> None:  # fmt: skip
+        """Record the points of ``jaxpr`` over the outer alive cells ``long``/``short``.
+
+        ``skip``: variables not counted (inputs and outputs held by an outer buffer)."""
+        alias = aliases(jaxpr)  # a constraint's value is its input's buffer
+        skip = skip | {alias[v] for v in skip if v in alias}
+        last: dict[Any, float] = {}
+        n = len(jaxpr.eqns)
+        for i, eqn in enumerate(jaxpr.eqns):
+            if is_alias(eqn):
+                continue
+            for v in eqn.invars:
+                if not isinstance(v, Literal):
+                    last[alias.get(v, v)] = i
+        for v in jaxpr.outvars:
+            if not isinstance(v, Literal):
+                last[alias.get(v, v)] = n
+        recomputed = self._recomputed(jaxpr, alias, last, skip)
+        alive: dict[Any, int] = {}  # var -> cell, defined here and still alive
+        for v in jaxpr.invars:
+            if v in skip or v not in last:
+                continue
+            c = self.cell(v)
+            if c is not None:
+                alive[v] = c
+        for i, eqn in enumerate(jaxpr.eqns):
+            if top:
+                self.top = i
+                self.defined.update((v, i) for v in eqn.outvars)
+            if is_alias(eqn):
+                continue
+            prim = eqn.primitive.name
+            if top and prim in _REMAT:
+                self._hoist(eqn, i)
+            outs = {}
+            for v in eqn.outvars:
+                if type(v).__name__ == "DropVar" or v in skip or v in alias or v in recomputed:
+                    continue
+                c = self.cell(v)
+                if c is not None and v in last:
+                    outs[v] = c
+            here_long, here_short = dict(long), dict(short)
+            for v, c in alive.items():
+                if last[v] < i:  # a recomputed value's source, freed once it was recomputed
+                    continue
+                target = here_long if top else here_short
+                target[c] = target.get(c, 0) + 1
+            if prim not in _FUSES_OPERANDS:  # a recomputed operand exists while it is read
+                body = call_body(eqn)
+                for k, u in enumerate(eqn.invars):
+                    v = None if isinstance(u, Literal) else alias.get(u, u)
+                    c = self.cell(v) if v in recomputed else None
+                    if c is not None and (body is None or _read_whole(body, k)):
+                        here_short[c] = here_short.get(c, 0) + 1
+            sub = self._sub(eqn)
+            if sub is not None:
+                body, inner_skip, loop = sub
+                with_outs = dict(here_short)
+                if loop:  # a loop's outputs are allocated first; its body writes into them
+                    for c in outs.values():
+                        with_outs[c] = with_outs.get(c, 0) + 1
+                outer_scope, outer_ran = self.scope, self.ran
+                if loop and prim == "scan":  # a scanned layer: its weights are gathered together
+                    self.scope = len(self.scopes)
+                    self.scopes.append([])
+                if loop:  # collectives are not combined across a loop's iterations
+                    self.ran = {}
+                self.walk(body, here_long, with_outs, False, inner_skip)
+                self.scope = outer_scope
+                if loop:
+                    self.ran = outer_ran
+            else:
+                for c in outs.values():
+                    here_short[c] = here_short.get(c, 0) + 1
+                dot = -1
+                if prim == "dot_general":
+                    d = self.dot_of(eqn)
+                    dot = self.dots.setdefault(d, len(self.dots))
+                self.add(here_long, here_short, dot)
+                if dot >= 0:
+                    self.ran[dot] = self.ran.get(dot, 0) + 1
+            for v in [v for v in alive if last.get(v, -1) <= i]:
+                del alive[v]
+            alive.update(outs)
+
+    def _hoist(self, eqn: Any, at: int) -> None:
+        """Record the region of a top-level rematerialised call (:class:`Hoist`)."""
+        body = call_body(eqn)
+        if body is None:
+            return
+        outer = dict(zip(body.invars, eqn.invars, strict=True))
+        producer = {v: m for m, e in enumerate(body.eqns) for v in e.outvars}
+        outputs = {v for v in body.outvars if not isinstance(v, Literal)}
+        triggers = []
+        for m, e in enumerate(body.eqns):
+            if e.primitive.name != "dot_general":
+                continue
+            ancestors, stack, inputs = set(), [m], set()
+            while stack:
+                k = stack.pop()
+                if k in ancestors:
+                    continue
+                ancestors.add(k)
+                for u in body.eqns[k].invars:
+                    if isinstance(u, Literal):
+                        continue
+                    if u in producer:
+                        stack.append(producer[u])
+                    elif u in outer and not isinstance(outer[u], Literal):
+                        inputs.add(outer[u])
+            earliest = max((self.defined.get(u, -1) for u in inputs), default=-1)
+            read_after = {
+                u
+                for k, x in enumerate(body.eqns)
+                if k not in ancestors
+                for u in x.invars
+                if not isinstance(u, Literal)
+            } | outputs
+            counts: dict[int, int] = {}
+            for k in sorted(ancestors):
+                x = body.eqns[k]
+                if is_alias(x):
+                    continue
+                for v in x.outvars:
+                    if v not in read_after or type(v).__name__ == "DropVar":
+                        continue
+                    c = self.cell(v)
+                    if c is not None:
+                        counts[c] = counts.get(c, 0) + 1
+            dot = self.dots.setdefault(self.dot_of(e), len(self.dots))
+            triggers.append((dot, earliest, counts))
+        if triggers:
+            self.hoists.append((at, triggers))
+
+    def _recomputed(
+        self, jaxpr: Any, alias: Mapping[Any, Any], last: dict[Any, float], skip: set[Any]
+    ) -> set[Any]:
+        """The values of ``jaxpr`` XLA recomputes where they are used instead of keeping
+        them (:func:`recompute_sources`): those whose sources are in memory (kept by XLA, or
+        held by an outer buffer), where keeping the sources alive until the value's last use
+        (``last`` is extended) costs no more than the value itself."""
+        out: set[Any] = set()
+        if not self.recompute:
+            return out
+        whole = _whole_reads(jaxpr, alias)
+        held: dict[Any, frozenset[Any]] = {}  # a recomputed value: the kept values it needs
+        for v, operands in recompute_sources(jaxpr, self.sources, direct=True).items():
+            sources = frozenset().union(*(held.get(u, frozenset({u})) for u in operands))
+            if not sources:  # computed from constants: recomputed from nothing
+                held[v] = sources
+            if v in alias or v not in last or not sources:
+                continue
+            inner = [x for x in sources if x not in skip]
+            if self.materialized is not None and any(x not in self.materialized for x in inner):
+                continue  # a source fused away: not in memory to recompute from
+            late = [x for x in inner if last.get(x, -1) < last[v]]
+            extra, reads = sum(map(_nbytes, late)), whole.get(v, [])
+            if extra > _nbytes(v) or (late and reads and extra == _nbytes(v)):
+                continue  # keeping its sources would cost more, or as much and its reads more
+            # Read whole last (a matmul's operand), the value is recomputed just before that
+            # read and exists during it: its sources, if kept only for it, are freed by then.
+            until = last[v] - 0.5 if reads and reads[-1] == last[v] else last[v]
+            for x in late:
+                last[x] = max(last.get(x, -1), until)
+            out.add(v)
+            held[v] = sources
+        return out
+
+    def _sub(self, eqn: Any) -> tuple[Any, set[Any], bool] | None:
+        p, prim = eqn.params, eqn.primitive.name
+        if prim == "scan":
+            body = p["jaxpr"].jaxpr
+            return body, _vars(*body.invars, *body.outvars), True
+        if prim == "while":
+            body = p["body_jaxpr"].jaxpr
+            return body, _vars(*body.invars, *body.outvars), True
+        if prim == "cond":
+            branch = max(p["branches"], key=lambda b: len(b.jaxpr.eqns)).jaxpr
+            return branch, set(branch.invars), False
+        for key in _CALLS:
+            sub = p.get(key)
+            if sub is not None:
+                sub = getattr(sub, "jaxpr", sub)
+                if len(sub.invars) == len(eqn.invars):
+                    return sub, set(sub.invars), False
+        return None
+
+
+def _vars(*vs: Any) -> set[Any]:
+    """The variables of ``vs`` (a body may return a literal: a constant output)."""
+    return {v for v in vs if not isinstance(v, Literal)}
+
+
+def build(
+    jaxpr: Any,
+    names: Mapping[Any, Any],
+    scores: set[Any],
+    dot_of: Callable[[Any], Any],
+    materialized: set[Any] | None = None,
+    recompute: bool = True,
+) -> MemoryProgram:
+    """The liveness program of a step's (closed) ``jaxpr`` (module docstring).
+
+    ``names``: each variable's logical names; ``scores``: the variables holding attention
+    scores; ``dot_of(eqn)``: the :class:`meshplan._search.predict.trace.Dot` of a ``dot_general``;
+    ``materialized``: the values XLA writes to memory (others are fused away; ``None``: all);
+    ``recompute``: cheap residuals are recomputed where used (:func:`recompute_sources`), as
+    XLA does on a device with a memory limit to fit (GPU, TPU), not on the CPU.
+    """
+    b = _Builder(names, scores, dot_of, materialized, recompute)
+    b.walk(jaxpr, {}, {}, True, set(jaxpr.invars) | set(jaxpr.outvars))
+    outputs: dict[int, int] = {}
+    for v in dict.fromkeys(v for v in jaxpr.outvars if not isinstance(v, Literal)):
+        if v in set(jaxpr.invars):
+            continue
+        c = b.cell(v, outer=True)
+        if c is not None:
+            outputs[c] = outputs.get(c, 0) + 1
+    ncell = max(1, len(b.cells))
+    pts = list(b.points.values()) or [({}, {}, -1, -1, (), {-1})]
+    long = np.zeros((len(pts), ncell))
+    short = np.zeros((len(pts), ncell))
+    ran = np.zeros((len(pts), max(1, len(b.dots))))
+    for k, (lo, sh, _, _, before, _) in enumerate(pts):
+        for c, m in lo.items():
+            long[k, c] = m
+        for c, m in sh.items():
+            short[k, c] = m
+        for d, m in before:
+            ran[k, d] = m
+    out = np.zeros(ncell)
+    for c, m in outputs.items():
+        out[c] = m
+    cells = sorted(b.cells, key=lambda c: b.cells[c])
+    if not cells:
+        cells = [((), (), 0, False)]
+    dots = sorted(b.dots, key=lambda d: b.dots[d])
+    hoists = []
+    for at, triggers in b.hoists:
+        rows = []
+        for dot, earliest, counts in triggers:
+            row = np.zeros(ncell)
+            for c, m in counts.items():
+                row[c] = m
+            between = np.array([any(earliest < t < at for t in p[5]) for p in pts])
+            rows.append((dot, between, row))
+        hoists.append(Hoist(at, rows))
+    return MemoryProgram(
+        cells,
+        long,
+        short,
+        np.array([p[2] for p in pts]),
+        dots,
+        out,
+        np.array([p[3] for p in pts]),
+        b.scopes,
+        ran,
+        hoists,
+    )
+
+
+def _activation(key: Any) -> bool:
+    """A gathered array's key names a batch dimension: an activation, gathered as it is used."""
+    return isinstance(key, tuple) and bool(key) and "batch" in (key[0] or ())
+
+
+def peak(
+    program: MemoryProgram,
+    bytes_of: Callable[[Cell], int],
+    gathered: Sequence[Mapping[Any, int]] = (),
+    unreduced: Sequence[float] = (),
+    combine_bytes: int = 0,
+    partial_sums: Sequence[bool] = (),
+    results: Sequence[float] = (),
+) -> Peak:
+    """The largest point of ``program`` with cells sized by ``bytes_of``.
+
+    ``gathered``: per matmul of ``program.dots``, the arrays the partitioner gathers for it
+    (``{(names, shape, axes): bytes added}``). Inside a scanned layer every weight the layer
+    gathers (an array without ``'batch'``) is alive at once: XLA starts those gathers ahead
+    of the matmuls, and a weight gathered for one matmul serves the others that read it.
+    Elsewhere, and for gathered activations, only the running matmul's.
+
+    ``unreduced``: per matmul, the bytes its output holds before its reduction beyond
+    the reduced shard (a weight gradient's partial sums, reduce-scattered over FSDP's
+    axis): alive while it runs, and, where XLA combines the reductions (up to
+    ``combine_bytes`` of them, each no larger), until the combined collective runs:
+    those of the matmuls run before the point (in its loop iteration, or the step), up
+    to ``combine_bytes``.
+
+    ``partial_sums``: per matmul, whether its output is all-reduced (a partial sum) and
+    the combiner merges a rematerialised one with the forward's (``[]``: it does not):
+    each of ``program.hoists`` whose first such matmul is one keeps that matmul's
+    recomputation from when its inputs exist (:class:`Hoist`).
+
+    ``results``: per matmul, the bytes of its all-reduce's result (a weight gradient's,
+    data parallel) where the backend gives it a buffer of its own beside the partial sums
+    (XLA on CPU, measured; :mod:`.cost` passes none elsewhere), allocated when the
+    combined collective runs, after the last matmul whose reduction it combines (up to
+    ``combine_bytes``): at the points of its loop iteration (or the step) where the most
+    of them have run.
+    """
+    size = program.sizes(bytes_of)
+    lo, sh = program.long @ size, program.short @ size
+    extra = np.zeros(len(lo))
+    if len(gathered):
+        per_dot = np.array([float(sum(g.values())) for g in gathered])
+        has = program.dot >= 0
+        extra[has] = per_dot[program.dot[has]]
+        if program.scope is not None and program.scopes:
+            layer = np.array([
+                float(sum({k: v for d in dots for k, v in gathered[d].items()
+                           if not _activation(k)}.values()))
+                for dots in program.scopes
+            ] + [0.0])  # fmt: skip
+            acts = np.array(
+                [float(sum(v for k, v in g.items() if _activation(k))) for g in gathered]
+            )
+            inside = program.scope >= 0  # the layer's weights, and the running matmul's activation
+            extra[inside] = layer[program.scope[inside]]
+            both = inside & has
+            extra[both] += acts[program.dot[both]]
+    if len(unreduced) and any(unreduced):
+        own = np.array([float(u) for u in unreduced])
+        has = program.dot >= 0
+        extra[has] += own[program.dot[has]]
+        if combine_bytes and program.ran is not None:
+            pending = program.ran @ np.where(own <= combine_bytes, own, 0.0)
+            extra += np.minimum(pending, combine_bytes)
+    if len(results) and any(results) and combine_bytes and program.ran is not None:
+        copies = program.ran @ np.where(np.array(results) <= combine_bytes, results, 0.0)
+        scope = program.scope if program.scope is not None else np.zeros(len(copies), int)
+        last = np.zeros(len(copies), bool)
+        for s in np.unique(scope):
+            inside = scope == s
+            last |= inside & (copies == copies[inside].max())
+        extra += np.where(last, np.minimum(copies, combine_bytes), 0.0)
+    if any(partial_sums):
+        for h in program.hoists:
+            first = next((t for t in h.triggers if partial_sums[t[0]]), None)
+            if first is not None:
+                _, between, row = first
+                lo = lo + np.where(between, row @ size, 0.0)
+    total = lo + sh + extra
+    k = int(np.argmax(total)) if len(total) else 0
+    return Peak(int(lo[k]), int(sh[k] + extra[k]), int(program.output @ size))

@@ -1,0 +1,255 @@
+"""One layout's prediction: :func:`predict`, the figures ``meshplan plan --profile`` prints.
+
+The same trace (:func:`meshplan.trace_workload`, reading the model's logical constraints)
+and the same pricing (:func:`meshplan._search.predict.cost.predict_specs`) as every row of
+:func:`meshplan.search_rules`: a layout predicted here and found by a search has the same
+step time and memory (before a search's compile refines its first rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from meshplan._errors import ArgumentError, Problem, error_from_problems
+from meshplan._search.predict.cost import Cost, _Specs, predict_specs
+from meshplan._search.predict.inputs import check_search_args, whole_number
+from meshplan._search.predict.profiles import HardwareProfile, get_profile
+from meshplan._search.predict.report import prediction_fields, prediction_lines
+from meshplan._search.predict.trace import ThroughputUnit, Workload, trace_workload
+from meshplan._spmd.mesh_info import MeshLike
+from meshplan._spmd.rules import LogicalRules
+
+if TYPE_CHECKING:
+    import flax.linen as nn
+    import optax
+
+__all__ = ["Prediction", "example_prediction", "predict"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """A layout's predicted step on a hardware profile (:func:`predict`).
+
+    Attributes:
+        cost: The figures by kind (compute, memory traffic, communication; bytes per
+            device of state, batch, activations, temporaries).
+        mesh: The mesh's axis sizes.
+        profile: The hardware.
+        budget_bytes: Bytes one device may hold (default: the profile's memory).
+        tokens: What one step processes, in ``tokens_unit`` (``'tokens'`` or ``'examples'``).
+
+    Example:
+        >>> from meshplan._search.predict.prediction import example_prediction
+        >>> p = example_prediction()  # predict's example, run once
+        >>> p.mesh, p.profile.name, p.tokens, p.tokens_unit
+        ({'data': 8}, 'h100', 64, 'examples')
+    """
+
+    cost: Cost
+    mesh: dict[str, int]
+    profile: HardwareProfile
+    budget_bytes: int
+    tokens: int | None
+    tokens_unit: ThroughputUnit = "tokens"
+
+    @property
+    def step_s(self) -> float:
+        """The predicted step time, seconds.
+
+        Example:
+            >>> from meshplan._search.predict.prediction import example_prediction
+            >>> round(example_prediction().step_s * 1e3, 3)
+            0.149
+        """
+        return self.cost.step_s
+
+    @property
+    def memory_bytes(self) -> int:
+        """The predicted peak bytes on one device.
+
+        Example:
+            >>> from meshplan._search.predict.prediction import example_prediction
+            >>> example_prediction().memory_bytes / 2**20
+            32.1875
+        """
+        return self.cost.memory_bytes
+
+    @property
+    def fits(self) -> bool:
+        """Whether :attr:`memory_bytes` is within :attr:`budget_bytes`.
+
+        Example:
+            >>> from meshplan._search.predict.prediction import example_prediction
+            >>> example_prediction().fits, example_prediction().budget_bytes // 2**30
+            (True, 74)
+        """
+        return self.memory_bytes <= self.budget_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """The figures as plain data (``meshplan plan --json``'s ``prediction``).
+
+        Example:
+            >>> from meshplan._search.predict.prediction import example_prediction
+            >>> data = example_prediction().to_dict()
+            >>> data["devices"], data["comm_bytes"], data["fits"]
+            (8, {'all-reduce': 33554432}, True)
+        """
+        devices = math.prod(self.mesh.values())
+        return prediction_fields(
+            self.cost, self.tokens, devices, self.profile, self.budget_bytes, self.tokens_unit
+        )
+
+    def lines(self) -> list[str]:
+        """The figures as the lines ``meshplan plan --profile`` prints.
+
+        Example:
+            >>> from meshplan._search.predict.prediction import example_prediction
+            >>> example_prediction().lines()[2]
+            'memory/device 32.19 MiB of 74.51 GiB (fits): state 32.00 MiB, batch 64.00 KiB, activations 64.00 KiB, temporaries 64.00 KiB'
+        """
+        return prediction_lines(self.to_dict())
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+
+@functools.cache
+def example_prediction() -> Prediction:
+    """:func:`predict`'s example, run once per process (:class:`Prediction`'s examples share it):
+    one 4096x4096 bf16 weight, a batch of 64, data parallelism on 8 H100s.
+
+    Example:
+        >>> from meshplan._search.predict.prediction import example_prediction
+        >>> example_prediction() is example_prediction()
+        True
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from meshplan._spmd.boxes import LogicallyPartitioned
+
+    w = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+    state = {"w": LogicallyPartitioned(w, ("embed", "mlp"))}
+
+    def step(state: Any, x: Any) -> Any:
+        return jax.grad(lambda w: ((x @ w) ** 2).mean())(state["w"].value)
+
+    x = jax.ShapeDtypeStruct((64, 4096), jnp.bfloat16)
+    return predict(state, step, x, mesh={"data": 8}, rules=(("batch", "data"),), profile="h100")
+
+
+def _mesh_sizes(mesh: Any) -> dict[str, int]:
+    """``{axis: size}`` of a mapping, a ``jax.sharding.Mesh`` or an ``AbstractMesh``."""
+    shape = getattr(mesh, "shape", mesh)
+    problems = []
+    if not isinstance(shape, Mapping) or not shape:
+        problems.append(f"mesh={mesh!r}: expected axis sizes, e.g. {{'data': 8, 'model': 4}}")
+    else:
+        for axis, size in shape.items():
+            n = whole_number(size) if not isinstance(size, float) else None
+            if not isinstance(axis, str) or n is None or n < 1:
+                problems.append(f"mesh axis {axis!r} of size {size!r}: expected a name and a "
+                                f"whole number of at least 1")  # fmt: skip
+    if problems:
+        fix = "Pass mesh={'data': 8, 'model': 4} (axis names and sizes), or a jax Mesh."
+        raise error_from_problems(
+            ArgumentError, "predict got a mesh it cannot use:",
+            [Problem("error", "mesh", p, fix, "bad-argument") for p in problems],
+        )  # fmt: skip
+    return {str(a): int(s) for a, s in shape.items()}
+
+
+def predict(
+    abstract_state: Any = None,
+    step_fn: Callable[[Any, Any], Any] | None = None,
+    example_batch: Any = None,
+    *,
+    mesh: MeshLike,
+    rules: LogicalRules | str,
+    profile: str | HardwareProfile = "cpu",
+    memory_budget_bytes: int | None = None,
+    model: nn.Module | None = None,
+    loss: Callable[[Any, Any], Any] | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+    workload: Workload | None = None,
+    microbatches: int = 1,
+) -> Prediction:
+    """Predicts one layout's training step on a hardware profile, without its devices.
+
+    The step time (compute, memory traffic, exposed communication), tokens/s, MFU and the
+    memory per device (state, batch, activations, temporaries) against the budget: what
+    ``meshplan plan --profile`` prints, and what :func:`meshplan.search_rules` ranks by
+    (the same trace and pricing, so the same figures for the same layout).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> w = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+        >>> state = {"w": meshplan.LogicallyPartitioned(w, ("embed", "mlp"))}
+        >>> def step(state, x):
+        ...     return jax.grad(lambda w: ((x @ w) ** 2).mean())(state["w"].value)
+        >>> x = jax.ShapeDtypeStruct((64, 4096), jnp.bfloat16)
+        >>> p = meshplan.predict(state, step, x, mesh={"data": 8}, rules=(("batch", "data"),),
+        ...                      profile="h100")
+        >>> p.cost.comm_bytes, p.fits       # data parallelism: the gradient all-reduced
+        ({'all-reduce': 33554432}, True)
+        >>> print(p)
+        predicted step 0.149 ms on 8 h100 (compute 0.011 ms, memory traffic 0.000 ms, exposed communication 0.138 ms of 0.146 ms)
+        throughput 429,163 examples/s · MFU 0.4% (traced matmul FLOPs, recomputation included)
+        memory/device 32.19 MiB of 74.51 GiB (fits): state 32.00 MiB, batch 64.00 KiB, activations 64.00 KiB, temporaries 64.00 KiB
+
+    Args:
+        abstract_state: The state (``jax.eval_shape`` of init), boxed or NNX.
+        step_fn: ``step_fn(state, batch)``, not jitted.
+        example_batch: The batch (arrays or ``ShapeDtypeStruct``s).
+        mesh: Axis sizes (``{'data': 8, 'model': 4}``) or a ``jax.sharding.Mesh``.
+        rules: Logical axis rules, or a built-in layout's name or a rules file
+            (:func:`meshplan.layouts.get_layout`).
+        profile: A profile's name, a ``.json`` file, or a :class:`meshplan.HardwareProfile`.
+        memory_budget_bytes: Bytes one device may hold (default: the profile's memory).
+        model: A Flax Linen module, in place of the three first (with ``example_batch``).
+        loss: ``loss(outputs, batch)`` for ``model``.
+        optimizer: An Optax optimizer for ``model`` (default Adam).
+        workload: A traced step (:func:`meshplan.trace_workload` with
+            ``read_constraints=True``), in place of the step: of one microbatch.
+        microbatches: Microbatches whose gradients one step accumulates (``--grad-accum``):
+            the step is traced on one microbatch of ``example_batch``.
+
+    Raises:
+        ArgumentError: a bad mesh, budget or profile; no step.
+    """
+    from meshplan._search.predict.step import check_microbatches, linen_step, split_batch
+    from meshplan.layouts import get_layout
+
+    sizes = _mesh_sizes(mesh)
+    devices = math.prod(sizes.values())
+    check_search_args(devices=devices, budget=memory_budget_bytes, where="predict")
+    check_microbatches(microbatches)
+    prof = get_profile(profile, devices)
+    if isinstance(rules, str):
+        rules = get_layout(rules)
+    if model is not None:
+        if example_batch is None:
+            raise error_from_problems(ArgumentError, "predict(model=...) needs example_batch=:", [
+                Problem("error", "example_batch", "no example batch for the model",
+                        "Pass example_batch=, the model's inputs.", "missing-argument")
+            ])  # fmt: skip
+        abstract_state, step_fn, example_batch = linen_step(model, example_batch, loss, optimizer)
+    if workload is None:
+        if step_fn is None or abstract_state is None or example_batch is None:
+            raise error_from_problems(ArgumentError, "predict has no step to trace:", [
+                Problem("error", "step_fn", "no step", "Pass (abstract_state, step_fn, "
+                        "example_batch), model= with example_batch=, or workload=.",
+                        "missing-argument")
+            ])  # fmt: skip
+        one = split_batch(example_batch, microbatches)
+        workload = trace_workload(step_fn, abstract_state, one, read_constraints=True)
+    cost = predict_specs(workload, _Specs(sizes, rules), prof, microbatches=microbatches)
+    budget = whole_number(memory_budget_bytes) if memory_budget_bytes is not None else None
+    return Prediction(
+        cost, sizes, prof, budget if budget is not None else prof.memory_bytes,
+        None if workload.tokens is None else workload.tokens * microbatches, workload.tokens_unit,
+    )  # fmt: skip

@@ -1,0 +1,108 @@
+"""What a user sees of one prediction: step time, tokens/s, MFU and memory against the budget.
+
+One set of fields for ``meshplan plan``, ``meshplan search`` and their ``--json``: the
+predicted step time, the tokens (or examples) per second, the FLOP utilisation (the
+step's traced matmul FLOPs, recomputation included, over the devices' peak), and the
+memory per device by kind (state, batch, activations, temporaries) against the budget.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshplan._search.predict.cost import Cost
+from meshplan._search.predict.profiles import HardwareProfile
+from meshplan._text import human_bytes, human_seconds
+
+__all__ = ["prediction_fields", "prediction_lines", "unpriced_line"]
+
+
+def prediction_fields(
+    cost: Cost,
+    tokens: int | None,
+    devices: int,
+    profile: HardwareProfile,
+    budget: int,
+    unit: str = "tokens",
+) -> dict[str, Any]:
+    """The prediction as plain data (the ``--json`` fields).
+
+    ``tokens``: what one step processes, in ``unit`` (``'tokens'``, or ``'examples'`` for
+    a batch without token ids); ``tokens_per_s`` is that count per second, and
+    ``throughput_unit`` names it.
+
+    Example:
+        >>> from meshplan._search.predict.cost import Cost
+        >>> from meshplan._search.predict.profiles import get_profile
+        >>> from meshplan._search.predict.report import prediction_fields
+        >>> c = Cost(2.0, 1.5, 0.1, 0.4, 2e14, {}, {}, 4 << 30, 6 << 30, 10, 1 << 30, 0, 1.0)
+        >>> f = prediction_fields(c, 1 << 20, 256, get_profile("tpu_v5e"), 16 << 30)
+        >>> f["tokens_per_s"], round(f["mfu"], 3), f["fits"]
+        (524288.0, 0.508, True)
+    """
+    step = cost.step_s
+    return {
+        "predicted_step_s": step,
+        "tokens_per_s": None if not tokens or step <= 0 else tokens / step,
+        "throughput_unit": unit,
+        "mfu": None if step <= 0 else cost.flops_per_device / (step * profile.peak_flops),
+        "compute_s": cost.compute_s, "memory_s": cost.memory_s, "comm_s": cost.comm_s,
+        "comm_total_s": cost.comm_total_s,
+        "memory_bytes_per_device": cost.memory_bytes,
+        "state_bytes_per_device": cost.state_bytes,
+        "batch_bytes_per_device": cost.batch_bytes,
+        "activation_bytes_per_device": cost.activation_bytes,
+        "temporary_bytes_per_device": cost.temporary_bytes,
+        "budget_bytes": budget, "fits": cost.memory_bytes <= budget,
+        "comm_bytes": dict(cost.comm_bytes), "comm_by_axis": dict(cost.comm_by_axis),
+        "devices": devices, "profile": profile.name, "unpriced": list(cost.unpriced),
+    }  # fmt: skip
+
+
+def prediction_lines(fields: dict[str, Any]) -> list[str]:
+    """The prediction as text, a few lines (what ``meshplan plan --profile`` prints).
+
+    Example:
+        >>> from meshplan._search.predict.cost import Cost
+        >>> from meshplan._search.predict.profiles import get_profile
+        >>> from meshplan._search.predict.report import prediction_fields, prediction_lines
+        >>> c = Cost(2.0, 1.5, 0.1, 0.4, 2e14, {}, {}, 4 << 30, 6 << 30, 10, 1 << 30, 0, 1.0)
+        >>> print("\\n".join(prediction_lines(prediction_fields(c, 1 << 20, 256, get_profile("tpu_v5e"), 16 << 30))))
+        predicted step 2.000 s on 256 tpu_v5e (compute 1.500 s, memory traffic 100.000 ms, exposed communication 400.000 ms of 1.000 s)
+        throughput 524,288 tokens/s · MFU 50.8% (traced matmul FLOPs, recomputation included)
+        memory/device 11.00 GiB of 16.00 GiB (fits): state 4.00 GiB, batch 0 B, activations 6.00 GiB, temporaries 1.00 GiB
+    """
+    f = fields
+    lines = [
+        f"predicted step {human_seconds(f['predicted_step_s'])} on {f['devices']} "
+        f"{f['profile']} (compute {human_seconds(f['compute_s'])}, memory traffic "
+        f"{human_seconds(f['memory_s'])}, exposed communication {human_seconds(f['comm_s'])} "
+        f"of {human_seconds(f['comm_total_s'])})"
+    ]
+    tps = "-" if f["tokens_per_s"] is None else f"{f['tokens_per_s']:,.0f}"
+    mfu = "-" if f["mfu"] is None else f"{f['mfu']:.1%}"
+    lines.append(
+        f"throughput {tps} {f.get('throughput_unit', 'tokens')}/s · MFU {mfu} (traced matmul FLOPs, recomputation included)"
+    )
+    lines.append(
+        f"memory/device {human_bytes(f['memory_bytes_per_device'])} of "
+        f"{human_bytes(f['budget_bytes'])} ({'fits' if f['fits'] else 'OVER the budget'}): "
+        f"state {human_bytes(f['state_bytes_per_device'])}, batch "
+        f"{human_bytes(f['batch_bytes_per_device'])}, activations "
+        f"{human_bytes(f['activation_bytes_per_device'])}, temporaries "
+        f"{human_bytes(f['temporary_bytes_per_device'])}"
+    )
+    if f.get("unpriced"):
+        lines.append(unpriced_line(f["unpriced"]))
+    return lines
+
+
+def unpriced_line(unpriced: list[str] | tuple[str, ...]) -> str:
+    """The primitives a prediction does not understand, as one line.
+
+    Example:
+        >>> from meshplan._search.predict.report import unpriced_line
+        >>> unpriced_line(["pallas_call at model.py:12:8 (attend) (4 runs)"])
+        'not understood, priced as replicated (an upper bound): pallas_call at model.py:12:8 (attend) (4 runs)'
+    """
+    return "not understood, priced as replicated (an upper bound): " + "; ".join(unpriced)

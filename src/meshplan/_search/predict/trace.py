@@ -1,0 +1,947 @@
+"""A step function's work, traced once: its matmuls and its memory traffic, by logical names.
+
+:func:`trace_workload` runs ``jax.make_jaxpr`` on the *global* (unsharded)
+step, once, with abstract inputs (no device, no compile), and walks the jaxpr
+carrying a logical name per array dimension: the state's names come from its
+boxes or NNX variables (the one leaf walk), each batch array's first dimension
+is ``'batch'``. Names flow through the ops: a ``dot_general``'s output takes
+its operands' batch and free dimensions' names, elementwise ops and
+broadcasts keep them, transposes permute them, a reshape keeps the names of
+the dimensions it leaves whole, reductions drop theirs; ``scan`` bodies are
+walked once and counted ``length`` times, calls (``pjit``, ``remat``, custom
+derivatives) are walked inline. Anything else gives unnamed (replicated)
+dimensions.
+
+The result, a :class:`Workload`, is what :mod:`meshplan._search.predict.cost` prices
+under any mesh and rules: every ``dot_general`` (operand names and shapes,
+FLOPs) and the bytes every other op writes, grouped by their names so a
+candidate is priced in a few hundred operations, whatever the model's depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import Literal
+
+from meshplan._search.predict import memory, op_names
+from meshplan._search.predict.memory import MemoryProgram
+from meshplan._spmd.leaves import array_leaves
+from meshplan._spmd.rules import LogicalRules
+
+__all__ = ["Dot", "ThroughputUnit", "Workload", "trace_workload"]
+
+ThroughputUnit: typing.TypeAlias = typing.Literal["tokens", "examples"]
+"""What a step's ``tokens`` count: token ids, or examples of a batch without them."""
+
+Names = tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Dot:
+    """One ``dot_general`` signature: operand names and shapes, its dimension numbers.
+
+    ``count``: how many times a step runs it (scan trips included); ``itemsize``:
+    bytes per element of its output; ``out_names``: the names of its output's buffer
+    where a logical constraint it flows into names it otherwise (``None`` where not):
+    XLA produces the output in that sharding (partial sums reduce-scattered into it).
+    A convolution is the matmul of its unfolded input (``[batch, *spatial, features x
+    window]`` by ``[features x window, out features]``: its FLOPs), ``lhs_size`` the
+    elements of the input as stored (read once, not once per window position).
+    """
+
+    lhs_names: Names
+    rhs_names: Names
+    lhs_shape: tuple[int, ...]
+    rhs_shape: tuple[int, ...]
+    contract: tuple[tuple[int, ...], tuple[int, ...]]
+    batch: tuple[tuple[int, ...], tuple[int, ...]]
+    itemsize: int
+    lhs_itemsize: int
+    rhs_itemsize: int
+    out_names: Names | None = None
+    lhs_size: int | None = None
+
+    @functools.cached_property
+    def flops(self) -> int:
+        """Global FLOPs of one run: 2 x every dimension's size (batch, free, contracting)."""
+        lhs = math.prod(self.lhs_shape)
+        rhs_free = math.prod(
+            s for i, s in enumerate(self.rhs_shape) if i not in self.contract[1] + self.batch[1]
+        )
+        return 2 * lhs * rhs_free
+
+
+@dataclasses.dataclass
+class Workload:
+    """What a step does, as :func:`trace_workload` found it.
+
+    ``dots``: ``{Dot: count}``; ``traffic``: ``{(names, shape, score): bytes}`` that
+    XLA's fusions read and write in memory per step (values a fusion keeps in
+    registers are not counted: :func:`materialized`); ``score`` marks attention
+    scores, which a fused attention kernel never writes; ``state``: ``[(names,
+    shape, itemsize)]`` of the state's arrays (``None`` names: unboxed); ``names``:
+    every logical name seen, in order of first appearance (state first);
+    ``memory``: the liveness program (:mod:`meshplan._search.predict.memory`) of the step, with
+    cheap residuals recomputed where used (as XLA does on TPU and GPU), ``memory_kept``
+    the same with every residual kept (XLA on CPU);
+    ``score_dots``: the dots that read or write attention scores; ``batch_state``: the
+    batch arrays (names, shape, itemsize); ``tokens``: tokens (or examples) per step,
+    ``tokens_unit`` says which (``'tokens'`` when the first batch array holds integer
+    token ids);
+    ``dot_trips``: ``{Dot: trips}``, the loop trips of one run (:meth:`trips`);
+    ``operand_arrays``: ``{(Dot, side): indices in arrays}``, the arrays each matmul's
+    operand reads (one array read by several matmuls is gathered once for them), and
+    ``arrays``: per array ``(trips, whether both passes read it)``: the loop trips it is
+    made in, and whether the forward and the backward pass (autodiff's transpose) both
+    read it, where an accelerator gathers it again rather than keep the gathered copy;
+    ``weight_reads``: ``(names, shape, itemsize, activation names, trips, both passes)``
+    per parameter array an op other than a matmul reads with an activation (a norm's
+    scale, a bias): the partitioner gathers it where the activation is not split as it is;
+    ``reshards``: ``{(names before, names after, shape, itemsize): count}`` of the
+    model's logical constraints that rename a value (the dispatch of a mixture of
+    experts: ``('batch', ..., 'embed')`` to ``('expert', 'expert_batch', ...)``), which
+    :mod:`meshplan._search.predict.reshard` prices as all-to-alls or gathers;
+    ``causal_masks``: ``(queries, keys)`` of the attention scores a mask that is no function
+    of the batch (one built from iotas: a causal mask) selects from, whose masked blocks a flash kernel skips
+    (:mod:`meshplan._search.predict.attention`);
+    ``unpriced``: ``{(primitive, where): runs}`` of the primitives the planner does not
+    understand (:data:`meshplan._search.predict.op_names.UNDERSTOOD`), priced conservatively:
+    outputs replicated, ``unpriced_flops`` (those they declare) on every device.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> w = meshplan.LogicallyPartitioned(jax.ShapeDtypeStruct((64, 32), jnp.float32), ("embed", "mlp"))
+        >>> work = meshplan.trace_workload(lambda s, x: (x @ s["w"].value).sum(), {"w": w},
+        ...                                jax.ShapeDtypeStruct((16, 64), jnp.float32))
+        >>> work.batch, work.param_names, work.tokens_unit
+        (16, ('embed', 'mlp'), 'examples')
+    """
+
+    dots: dict[Dot, int]
+    traffic: dict[tuple[Names, tuple[int, ...], bool], int]
+    state: list[tuple[Names | None, tuple[int, ...], int]]
+    names: tuple[str, ...]
+    batch: int | None = None
+    param_names: tuple[str, ...] = ()
+    memory: MemoryProgram | None = None
+    score_dots: frozenset[Dot] = frozenset()
+    batch_state: list[tuple[Names, tuple[int, ...], int]] = dataclasses.field(default_factory=list)
+    tokens: int | None = None
+    reshards: dict[tuple[Names, Names, tuple[int, ...], int], int] = dataclasses.field(
+        default_factory=dict
+    )
+    memory_kept: MemoryProgram | None = None
+    tokens_unit: ThroughputUnit = "examples"
+    dot_trips: dict[Dot, int] = dataclasses.field(default_factory=dict)
+    operand_arrays: dict[tuple[Dot, int], frozenset[int]] = dataclasses.field(default_factory=dict)
+    arrays: tuple[tuple[int, bool], ...] = ()
+    weight_reads: tuple[tuple[Names, tuple[int, ...], int, Names, int, bool], ...] = ()
+    causal_masks: frozenset[tuple[int, int]] = frozenset()
+    unpriced: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
+    unpriced_flops: int = 0
+
+    def trips(self, dot: Dot) -> int:
+        """How many times one run of ``dot`` repeats in sequence: the trips of the loops
+        around it (``dots[dot]`` divided by this is how often it appears in the unrolled
+        program, runs whose collectives XLA may combine). Its count where not traced.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> w = meshplan.LogicallyPartitioned(jax.ShapeDtypeStruct((8, 8), jnp.float32), ("embed", "mlp"))
+            >>> def step(s, x):
+            ...     body = lambda h, _: (h @ s["w"].value, None)
+            ...     return jax.lax.scan(body, x, None, length=3)[0].sum()
+            >>> work = meshplan.trace_workload(step, {"w": w}, jax.ShapeDtypeStruct((4, 8), jnp.float32))
+            >>> [(work.dots[d], work.trips(d)) for d in work.dots]
+            [(3, 3)]
+        """
+        return self.dot_trips.get(dot, self.dots.get(dot, 1))
+
+    @property
+    def flops(self) -> int:
+        """Global matmul FLOPs of one step.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, meshplan
+            >>> w = meshplan.LogicallyPartitioned(jax.ShapeDtypeStruct((64, 32), jnp.float32), ("embed", "mlp"))
+            >>> meshplan.trace_workload(lambda s, x: (x @ s["w"].value).sum(), {"w": w},
+            ...                         jax.ShapeDtypeStruct((16, 64), jnp.float32)).flops
+            65536
+        """
+        return sum(d.flops * n for d, n in self.dots.items())
+
+
+_READ_AS_LOGICAL = (("meshplan.search: names are logical", None),)
+
+
+def _itemsize(aval: Any) -> int:
+    try:
+        return int(np.dtype(aval.dtype).itemsize)
+    except TypeError:  # extended dtypes (PRNG keys)
+        return 4
+
+
+def _merge(a: Any, b: Any) -> Any:
+    return a if a is not None else b
+
+
+def _elementwise(out_shape: tuple[int, ...], ins: Sequence[tuple[Names, tuple[int, ...]]]) -> Names:
+    names: list[Any] = [None] * len(out_shape)
+    for n, shape in ins:
+        if len(shape) != len(out_shape):
+            continue
+        for i, (name, size) in enumerate(zip(n, shape, strict=True)):
+            if size == out_shape[i] and names[i] is None:
+                names[i] = name
+    return tuple(names)
+
+
+def _reshape(names: Names, old: tuple[int, ...], new: tuple[int, ...]) -> Names:
+    """Names of the dimensions a reshape leaves whole (same size, same prefix product)."""
+    out: list[Any] = [None] * len(new)
+    prefix_old = {math.prod(old[:i]): i for i in range(len(old))}
+    for j in range(len(new)):
+        i = prefix_old.get(math.prod(new[:j]))
+        if i is not None and old[i] == new[j]:
+            out[j] = names[i]
+    return tuple(out)
+
+
+_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+# Ops after which XLA writes a value to memory: what a loop fusion cannot hold in
+# registers (matmuls, control flow, calls, data movement, collectives). Elementwise
+# ops, broadcasts, reshapes and reductions fuse into their neighbours.
+_BOUNDARY = frozenset({
+    "dot_general", "scan", "while", "cond", "pjit", "jit", "closed_call", "core_call",
+    "remat", "remat2", "checkpoint", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
+    "gather", "scatter", "scatter-add", "scatter_add", "dynamic_slice",
+    "dynamic_update_slice", "sort", "cumsum", "cumprod", "cummax", "cumlogsumexp",
+    "all_gather", "psum", "all_to_all", "ppermute", "reduce_scatter", "conv_general_dilated",
+    "argsort", "top_k", "fft", "custom_call",
+})  # fmt: skip
+
+
+# Elementwise ops (lax's): every dimension of the result is an operand's (or a broadcast's).
+_ELEMENTWISE = frozenset({
+    "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh",
+    "cbrt", "ceil", "clz", "complex", "conj", "cos", "cosh", "digamma", "div", "eq", "erf",
+    "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "igamma", "igammac", "imag",
+    "integer_pow", "is_finite", "le", "lgamma", "log", "log1p", "logistic", "lt", "max", "min",
+    "mul", "mulhi", "ne", "neg", "nextafter", "not", "or", "polygamma", "population_count",
+    "pow", "real", "regularized_incomplete_beta", "rem", "round", "rsqrt", "shift_left",
+    "shift_right_arithmetic", "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square",
+    "sub", "tan", "tanh", "xor", "zeta", "bessel_i0e", "bessel_i1e", "random_gamma_grad",
+})  # fmt: skip
+
+# Elementwise ops whose operands XLA's sharding propagation gives their result's sharding.
+_SAME_LAYOUT = frozenset({"add", "add_any", "sub", "neg", "mul", "convert_element_type"})
+
+
+def dot_out_names(
+    lhs: Names,
+    rhs: Names,
+    contract: tuple[Sequence[int], Sequence[int]],
+    batch: tuple[Sequence[int], Sequence[int]],
+) -> Names:
+    """A matmul's output names: its batch dimensions (the left's name, else the right's),
+    the left's free dimensions, the right's, a repeated name dropped (:func:`dedupe`).
+
+    Example:
+        >>> from meshplan._search.predict.trace import dot_out_names
+        >>> dot_out_names(("batch", "embed"), ("embed", "mlp"), ((1,), (0,)), ((), ()))
+        ('batch', 'mlp')
+    """
+    (lc, rc), (lb, rb) = contract, batch
+    out = [_merge(lhs[i], rhs[j]) for i, j in zip(lb, rb, strict=True)]
+    out += [lhs[i] for i in range(len(lhs)) if i not in lc and i not in lb]
+    out += [rhs[i] for i in range(len(rhs)) if i not in rc and i not in rb]
+    return dedupe(tuple(out))
+
+
+def dedupe(names: Names) -> Names:
+    """``names`` with every repeat of a name dropped to ``None`` (the first one keeps it).
+
+    An array's dimensions take one mesh axis each: two dimensions with one name (q·kᵀ
+    gives ``('batch', 'heads', 'seq', 'seq')``) would be an invalid sharding.
+
+    Example:
+        >>> from meshplan._search.predict.trace import dedupe
+        >>> dedupe(("batch", "heads", "seq", "seq"))
+        ('batch', 'heads', 'seq', None)
+    """
+    seen: set[Any] = set()
+    out: list[Any] = []
+    for n in names:
+        if n is not None and n in seen:
+            out.append(None)
+        else:
+            seen.add(n)
+            out.append(n)
+    return tuple(out)
+
+
+class _Walker:
+    def __init__(self) -> None:
+        self.dots: dict[Dot, int] = {}
+        self.dot_trips: dict[Dot, int] = {}  # the loop trips of one run of a dot
+        self.traffic: dict[tuple[Names, tuple[int, ...], bool], int] = {}
+        self.seen: dict[str, None] = {}
+        self.var_names: dict[Any, Names] = {}
+        # The names of a value's buffer where a constraint gives it other names than its
+        # operations do: XLA produces the constrained value in the constraint's sharding
+        # (a matmul's partial sums reduce-scattered into it), so its buffer, and a
+        # residual saved from it for the backward pass, is that shard.
+        self.buffer_names: dict[Any, Names] = {}
+        self.scores: set[Any] = set()  # vars holding attention scores
+        self.score_dots: set[Dot] = set()
+        # (queries, keys) of score arrays a mask that is no function of the batch selects
+        # from (a causal mask built from iotas): a flash kernel skips the blocks it masks out
+        # (meshplan._search.predict.attention)
+        self.causal_masks: set[tuple[int, int]] = set()
+        self.score_sizes: set[int] = set()  # elements of the q·kᵀ products seen
+        self.consumers: dict[Any, list[str]] = {}
+        self.dot_by_eqn: dict[int, Dot] = {}
+        # (eqn id, output, dot, times, operands, in the backward pass)
+        self.dot_runs: list[tuple[int, Any, Dot, int, tuple[Any, ...], bool]] = []
+        self.backward = False  # walking the backward pass (autodiff's transpose)
+        self.alias: Mapping[Any, Any] = {}  # the walked jaxpr's aliases (memory.aliases)
+        # Each array a matmul reads, by operand: ``{(dot, side): {array index}}``, and per
+        # array ``(trips, read in the forward and the backward pass)``: which arrays are
+        # the same, so that one gathered for several matmuls is gathered once per pass.
+        self.operand_arrays: dict[tuple[Dot, int], frozenset[int]] = {}
+        self.arrays: list[tuple[int, bool]] = []
+        self.materialized: set[Any] = set()  # values XLA writes to memory (not fused away)
+        self.constlike: set[Any] = set()  # computed from no input (iotas, masks): recomputed
+        self.reshards: dict[tuple[Names, Names, tuple[int, ...], int], int] = {}
+        # Values computed from one parameter alone (its broadcast, its cast): ``{var: root}``,
+        # the root being the parameter's array (a scanned layer's slice of it); and the
+        # parameters other ops than matmuls read with an activation (a norm's scale):
+        # ``{root: [names, shape, itemsize, activation names, trips, forward, backward]}``.
+        self.weight_of: dict[Any, Any] = {}
+        self.weight_reads: dict[Any, list[Any]] = {}
+        self.unpriced: dict[tuple[str, str], int] = {}  # (primitive, where): runs
+        self.unpriced_flops = 0
+        self.site = "?"  # where the model runs the equation being walked (op_names.where)
+
+    def note(self, names: Names) -> None:
+        for n in names:
+            if isinstance(n, str):
+                self.seen.setdefault(n)
+
+    def walk(self, jaxpr: Any, in_names: Sequence[Names], times: int) -> list[Names]:
+        env: dict[Any, Names] = {}
+
+        def read(v: Any) -> Names:
+            if isinstance(v, Literal):
+                return (None,) * np.ndim(v.val)
+            return env.get(v, (None,) * len(getattr(v.aval, "shape", ())))
+
+        for v, n in zip(jaxpr.invars, in_names, strict=True):
+            env[v] = n
+            self.var_names[v] = n
+        alias = memory.aliases(jaxpr)  # a constraint's value is its input's buffer
+        for eqn in jaxpr.eqns:
+            if memory.is_alias(eqn):
+                continue
+            for v in eqn.invars:
+                if not isinstance(v, Literal):
+                    self.consumers.setdefault(alias.get(v, v), []).append(eqn.primitive.name)
+        for v in jaxpr.outvars:
+            if not isinstance(v, Literal):
+                self.consumers.setdefault(alias.get(v, v), []).append("return")
+        producer = {o: e for e in jaxpr.eqns for o in e.outvars}
+        backward = self.backward
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            self.alias = alias
+            self.backward = backward or "transpose(" in str(eqn.source_info.name_stack)
+            site, here = self.site, op_names.where(eqn)
+            self.site = here if here != "?" else site  # inside a library's jit: the caller's
+            outs = [dedupe(n) for n in self.eqn(eqn, ins, times)]
+            self.site = site
+            self._weights(eqn, ins, outs, times)
+            self.backward = backward
+            for v, n in zip(eqn.outvars, outs, strict=True):
+                env[v] = n
+                self.var_names[v] = n
+                self.note(n)
+            if eqn.primitive.name in _SAME_LAYOUT:
+                self._constrain_forward(eqn, env, alias, producer)
+        for out, root in alias.items():  # the first constraint of a value names its buffer
+            if out in env and env[out] != env.get(root):
+                self.buffer_names.setdefault(out, env[out])
+                self._constrain_back(root, env[out], producer)
+        return [read(v) for v in jaxpr.outvars]
+
+    def _into(self, outer: Sequence[Any], inner: Sequence[Any], sliced: int = -1) -> None:
+        """A call's (a loop's) inner inputs are the outer parameters' arrays; from index
+        ``sliced`` on, a scan's slices of them: arrays of their own."""
+        for i, (o, n) in enumerate(zip(outer, inner, strict=False)):
+            if not isinstance(o, Literal) and o in self.weight_of:
+                self.weight_of[n] = n if 0 <= sliced <= i else self.weight_of[o]
+
+    def _weights(self, eqn: Any, ins: list[Names], outs: list[Names], times: int) -> None:
+        """Follows values made from one parameter alone, and notes a parameter that an op
+        other than a matmul reads with an activation (``x * scale``): the partitioner
+        gathers it where its sharding is not the activation's (:mod:`.cost`)."""
+        prim = eqn.primitive.name
+        if (
+            prim == "dot_general"
+            or memory.call_body(eqn) is not None
+            or prim in ("scan", "while", "cond")
+        ):
+            return
+        roots, acts = set(), []
+        for v, n in zip(eqn.invars, ins, strict=True):
+            if isinstance(v, Literal) or v in self.constlike:
+                continue
+            if v in self.weight_of:
+                roots.add(self.weight_of[v])
+            else:
+                acts.append(n)
+        if len(roots) == 1 and not acts:
+            root = next(iter(roots))
+            for o in eqn.outvars:
+                self.weight_of[o] = root
+        elif roots and times and _elementwise_op(eqn) and any("batch" in n for n in acts):
+            for root in roots:
+                shape = tuple(getattr(root.aval, "shape", ()))
+                names = self.var_names.get(root, (None,) * len(shape))
+                r = self.weight_reads.setdefault(
+                    root, [names, shape, _itemsize(root.aval), outs[0], times, False, False]
+                )
+                r[4] = max(r[4], times)
+                r[6 if self.backward else 5] = True
+
+    def _constrain_forward(
+        self, eqn: Any, env: dict[Any, Names], alias: dict[Any, Any], producer: dict[Any, Any]
+    ) -> None:
+        """An elementwise op of a constrained value (a residual stream's sum): its result,
+        and its other operands of that shape (matmuls' partial sums, reduce-scattered into
+        it), take the constrained value's buffer names, as XLA's sharding propagation does."""
+        out = eqn.outvars[0]
+        shape = getattr(out.aval, "shape", None)
+        same = [u for u in eqn.invars if not isinstance(u, Literal) and u.aval.shape == shape]
+        held = next((u for u in same if u in self.buffer_names or u in alias), None)
+        if held is None or out in self.buffer_names:
+            return
+        names = self.buffer_names.get(held, env.get(held))
+        if names is None:
+            return
+        self.buffer_names[out] = names
+        for u in same:
+            if u is not held:
+                self._constrain_back(u, names, producer)
+
+    def _constrain_back(self, v: Any, names: Names, producer: dict[Any, Any]) -> None:
+        """``v``'s buffer takes ``names``, and so do the operands of the same shape of the
+        elementwise ops that made it (a sum of matmuls' partial results): XLA's sharding
+        propagation carries a constraint back through them."""
+        todo = [(v, producer)]
+        while todo:
+            x, made = todo.pop()
+            if x in self.buffer_names or isinstance(x, Literal):
+                continue
+            self.buffer_names[x] = names
+            eqn = made.get(x)
+            sub = None if eqn is None else memory.call_body(eqn)
+            if eqn is not None and sub is not None:  # into the call that returns it
+                inner = {o: e for e in sub.eqns for o in e.outvars}
+                todo.append((sub.outvars[eqn.outvars.index(x)], inner))
+            elif eqn is not None and eqn.primitive.name in _SAME_LAYOUT:
+                shape = x.aval.shape
+                todo += [(u, made) for u in eqn.invars
+                         if not isinstance(u, Literal) and u.aval.shape == shape]  # fmt: skip
+
+    def name_dot_outputs(self) -> None:
+        """Gives each dot whose output a constraint names otherwise (its buffer's names,
+        known once the walk is done) those names as ``out_names``."""
+        dots: dict[Dot, int] = {}
+        trips: dict[Dot, int] = {}
+        operands: dict[tuple[Dot, int], set[int]] = {}
+        arrays: dict[Any, list[Any]] = {}  # var -> [index, trips, forward, backward]
+        for key, out, dot, times, ins, backward in self.dot_runs:
+            names = self.buffer_names.get(out)
+            if names is not None and names != self.var_names.get(out):
+                named = dataclasses.replace(dot, out_names=names)
+                if dot in self.score_dots:
+                    self.score_dots.add(named)
+                dot = self.dot_by_eqn[key] = named
+            dots[dot] = dots.get(dot, 0) + times
+            trips[dot] = max(trips.get(dot, 0), times)
+            for side, v in enumerate(ins):
+                if v is None:
+                    continue
+                a = arrays.setdefault(v, [len(arrays), times, False, False])
+                a[1] = max(a[1], times)
+                a[3 if backward else 2] = True
+                operands.setdefault((dot, side), set()).add(a[0])
+        self.dots, self.dot_trips = dots, trips
+        self.operand_arrays = {k: frozenset(v) for k, v in operands.items()}
+        self.arrays = [(t, fwd and bwd) for _, t, fwd, bwd in arrays.values()]
+
+    def buffer(self, v: Any) -> Names | None:
+        """The names of ``v``'s buffer, where a constraint renamed it (else ``None``)."""
+        return None if isinstance(v, Literal) else self.buffer_names.get(v)
+
+    def _is_score_dot(self, eqn: Any, ins: list[Names]) -> bool:
+        """A product of two activations that is larger than both: q·kᵀ (or its gradient
+        dP = dO·vᵀ, also where the backward pass's transposes left dO without names: a
+        product larger than both operands, of the size of the scores already seen)."""
+        sizes = [math.prod(getattr(v.aval, "shape", ())) for v in eqn.invars]
+        out = math.prod(eqn.outvars[0].aval.shape)
+        if out <= max(sizes):
+            return False
+        if all("batch" in n for n in ins):
+            self.score_sizes.add(out)
+            return True
+        return out in self.score_sizes
+
+    def _masks_scores(self, eqn: Any, ins: list[Names]) -> bool:
+        """A ``select_n`` of scores by a predicate that is no function of the batch (a
+        causal mask built from iotas; a padding mask carries the batch's names)."""
+        if len(getattr(eqn.invars[0].aval, "shape", ())) < 2 or "batch" in ins[0]:
+            return False
+        return any(v in self.scores for v in eqn.invars[1:] if not isinstance(v, Literal))
+
+    def _score_input(self, eqn: Any) -> bool:
+        size = math.prod(getattr(eqn.outvars[0].aval, "shape", ())) if eqn.outvars else 0
+        return any(
+            v in self.scores and math.prod(v.aval.shape) == size
+            for v in eqn.invars
+            if not isinstance(v, Literal)
+        )
+
+    def eqn(self, eqn: Any, ins: list[Names], times: int) -> list[Names]:
+        prim, p = eqn.primitive.name, eqn.params
+        if prim in ("scan", "while", "cond"):  # a loop's outputs are buffers in memory
+            self.materialized.update(eqn.outvars)
+        shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
+        out_shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars]
+        if prim == "dot_general":
+            (lc, rc), (lb, rb) = p["dimension_numbers"]
+            lhs, rhs = ins
+            dot = Dot(lhs, rhs, shapes[0], shapes[1], (tuple(lc), tuple(rc)),
+                      (tuple(lb), tuple(rb)), _itemsize(eqn.outvars[0].aval),
+                      _itemsize(eqn.invars[0].aval), _itemsize(eqn.invars[1].aval))  # fmt: skip
+            self.dots[dot] = self.dots.get(dot, 0) + times
+            self.dot_trips[dot] = max(self.dot_trips.get(dot, 0), times)
+            self.dot_by_eqn[id(eqn)] = dot
+            operands = tuple(
+                None if isinstance(v, Literal) else self.alias.get(v, v) for v in eqn.invars
+            )
+            self.dot_runs.append((id(eqn), eqn.outvars[0], dot, times, operands, self.backward))
+            if self._is_score_dot(eqn, ins):
+                self.scores.add(eqn.outvars[0])
+                self.score_dots.add(dot)
+            elif any(v in self.scores for v in eqn.invars if not isinstance(v, Literal)):
+                self.score_dots.add(dot)
+            names = dot_out_names(lhs, rhs, (lc, rc), (lb, rb))
+            self._count(eqn.outvars[0], names, times, eqn.outvars[0] in self.scores, dot_out=True)
+            return [names]
+        if prim == "conv_general_dilated":
+            return [self._conv(eqn, ins, times)]
+        if prim == "scan":
+            body, length = p["jaxpr"], int(p["length"])
+            nc, ncarry = p["num_consts"], p["num_carry"]
+            body_in = [*ins[: nc + ncarry], *(n[1:] for n in ins[nc + ncarry :])]
+            body_in[nc : nc + ncarry] = _carry_fixpoint(body.jaxpr, body_in, nc, ncarry)
+            for outer, inner in zip(eqn.invars, body.jaxpr.invars, strict=True):
+                if not isinstance(outer, Literal) and outer in self.scores:
+                    self.scores.add(inner)
+            self._into(eqn.invars, body.jaxpr.invars, nc + ncarry)
+            body_out = self.walk(body.jaxpr, body_in, times * length)
+            for outer, inner in zip(eqn.outvars, body.jaxpr.outvars, strict=True):
+                if not isinstance(inner, Literal) and inner in self.scores:
+                    self.scores.add(outer)
+            lead = next((n[0] for n in ins[nc + ncarry :] if n and n[0] is not None), None)
+            same = memory.aliases(body.jaxpr)  # an output that is a value's own buffer
+            for j, (outer, inner) in enumerate(zip(eqn.outvars, body.jaxpr.outvars, strict=True)):
+                got = self.buffer(inner)  # a stacked output's buffer: each trip's, stacked
+                if got is None and not isinstance(inner, Literal) and inner in same:
+                    got = self.buffer(same[inner])
+                if got is None and j < ncarry:  # a carry: one buffer, as the body constrains it
+                    got = self.buffer(body.jaxpr.invars[nc + j])
+                    if got is not None:  # and so is what the body writes into it
+                        made = {o: e for e in body.jaxpr.eqns for o in e.outvars}
+                        self._constrain_back(inner, got, made)
+                if got is not None:
+                    self.buffer_names.setdefault(outer, got if j < ncarry else (lead, *got))
+            return [*body_out[:ncarry], *((lead, *n) for n in body_out[ncarry:])]
+        if prim == "while":
+            body = p["body_jaxpr"].jaxpr
+            nc = p["body_nconsts"]
+            carry = ins[p["cond_nconsts"] + nc :]
+            consts = ins[p["cond_nconsts"] : p["cond_nconsts"] + nc]
+            carry = _carry_fixpoint(body, [*consts, *carry], nc, len(carry))
+            self._into(eqn.invars[p["cond_nconsts"] : p["cond_nconsts"] + nc], body.invars)
+            return self.walk(body, [*consts, *carry], times)
+        if prim == "cond":
+            branch = p["branches"][-1].jaxpr
+            self._into(eqn.invars[1:], branch.invars)
+            return self.walk(branch, ins[1:], times)
+        for key in _CALL_PARAMS:
+            sub = p.get(key)
+            if sub is not None:
+                sub = getattr(sub, "jaxpr", sub)
+                if len(sub.invars) == len(ins):
+                    for outer, inner in zip(eqn.invars, sub.invars, strict=True):
+                        if isinstance(outer, Literal) or outer in self.constlike:
+                            self.constlike.add(inner)
+                        if not isinstance(outer, Literal) and outer in self.scores:
+                            self.scores.add(inner)
+                    self._into(eqn.invars, sub.invars)
+                    result = self.walk(sub, ins, times)
+                    alias = memory.aliases(sub)
+                    for outer, inner in zip(eqn.outvars, sub.outvars, strict=True):
+                        got = self.buffer(inner)
+                        if got is not None:
+                            self.buffer_names.setdefault(outer, got)
+                        inner = alias.get(inner, inner)
+                        if not isinstance(inner, Literal) and inner in self.scores:
+                            self.scores.add(outer)
+                        if isinstance(inner, Literal) or inner in self.constlike:
+                            self.constlike.add(outer)
+                        elif inner in self.materialized or inner in sub.invars:
+                            self.materialized.add(outer)
+                    return result
+        if prim not in _BOUNDARY and all(
+            isinstance(v, Literal) or v in self.constlike for v in eqn.invars
+        ):
+            self.constlike.update(eqn.outvars)
+        if memory.is_alias(eqn):
+            x, y = eqn.invars[0], eqn.outvars[0]
+            for group in (self.scores, self.constlike, self.materialized):
+                if x in group:
+                    group.add(y)
+            return [self._constraint(eqn, ins[0], shapes[0], times)]
+        if prim == "select_n" and self._masks_scores(eqn, ins):
+            self.causal_masks.add(shapes[0][-2:])
+        if prim not in op_names.UNDERSTOOD and prim not in _ELEMENTWISE:
+            return self._unpriced(eqn, times)
+        outs = [dedupe(n) for n in self.other(prim, p, ins, shapes, out_shapes)]
+        score = prim not in _BOUNDARY and self._score_input(eqn)
+        for n, v in zip(outs, eqn.outvars, strict=True):
+            if score:
+                self.scores.add(v)
+            self._count(v, n, times, score, boundary=prim in _BOUNDARY)
+        return outs
+
+    def _unpriced(self, eqn: Any, times: int) -> list[Names]:
+        """A primitive the planner does not understand (a Pallas kernel, a custom call):
+        priced conservatively, its outputs replicated and written to memory, its FLOPs
+        (where it declares them: a Pallas kernel's ``cost_estimate``) run whole on every
+        device; and named, with where the model runs it (``Workload.unpriced``)."""
+        key = (eqn.primitive.name, self.site)
+        if times:
+            self.unpriced[key] = self.unpriced.get(key, 0) + times
+            estimate = eqn.params.get("cost_estimate")
+            self.unpriced_flops += int(getattr(estimate, "flops", 0) or 0) * times
+        outs = [(None,) * len(getattr(v.aval, "shape", ())) for v in eqn.outvars]
+        for n, v in zip(outs, eqn.outvars, strict=True):
+            self._count(v, n, times, False, boundary=True)
+        return outs
+
+    def _conv(self, eqn: Any, ins: list[Names], times: int) -> Names:
+        """A convolution, counted as the matmul of its unfolded input (:class:`Dot`)."""
+        p = eqn.params
+        (lhs, rhs), (x, k), out = ins, eqn.invars, eqn.outvars[0]
+        ls, rs, os_ = op_names.conv_dims(p)
+        xs, ks, ys = tuple(x.aval.shape), tuple(k.aval.shape), tuple(out.aval.shape)
+        inner = ks[rs[1]] * math.prod(ks[d] for d in rs[2:])
+        dot = Dot(
+            (lhs[ls[0]], *(None,) * len(os_[2:]), lhs[ls[1]]), (rhs[rs[1]], rhs[rs[0]]),
+            (xs[ls[0]], *(ys[d] for d in os_[2:]), inner), (inner, ks[rs[0]]),
+            ((len(os_) - 1,), (0,)), ((), ()), _itemsize(out.aval), _itemsize(x.aval),
+            _itemsize(k.aval), lhs_size=math.prod(xs),
+        )  # fmt: skip
+        self.dots[dot] = self.dots.get(dot, 0) + times
+        self.dot_trips[dot] = max(self.dot_trips.get(dot, 0), times)
+        self.dot_by_eqn[id(eqn)] = dot
+        operands = tuple(None if isinstance(v, Literal) else self.alias.get(v, v) for v in (x, k))
+        self.dot_runs.append((id(eqn), out, dot, times, operands, self.backward))
+        names = op_names.conv_names(p, lhs, rhs, ys)
+        self._count(out, names, times, False, dot_out=True)
+        return names
+
+    def _constraint(self, eqn: Any, before: Names, shape: tuple[int, ...], times: int) -> Names:
+        """The names a logical constraint gives its value (read back from the name mesh
+        :func:`trace_workload` traces under: each name its own axis of size 1); a
+        dimension it leaves unnamed keeps its name. A renamed value is a reshard."""
+        spec = tuple(getattr(eqn.params.get("sharding"), "spec", ()))
+        spec += (None,) * (len(shape) - len(spec))
+        after = dedupe(tuple(
+            (e if isinstance(e, str) else (e[0] if e else None)) or b
+            for e, b in zip(spec[: len(shape)], before, strict=True)
+        ))  # fmt: skip
+        if after != before and times and eqn.invars[0] not in self.constlike:
+            key = (before, after, shape, _itemsize(eqn.invars[0].aval))
+            self.reshards[key] = self.reshards.get(key, 0) + times
+        return after
+
+    def _count(
+        self, v: Any, names: Any, times: int, score: bool, *, boundary: bool = False,
+        dot_out: bool = False,
+    ) -> None:  # fmt: skip
+        """The bytes XLA moves for ``v``: written once and read by each consumer that is not
+        fused with its producer, when it leaves a fusion (:data:`_BOUNDARY`); nothing else.
+        A matmul's operands and output are priced with the matmul (:mod:`.cost`)."""
+        if v in self.constlike:
+            return  # XLA computes it where it is used (constant sinking, fusion)
+        shape = tuple(getattr(v.aval, "shape", ()))
+        size = math.prod(shape) * _itemsize(v.aval)
+        consumers = self.consumers.get(v, [])
+        readers = sum(1 for c in consumers if c in _BOUNDARY and c != "dot_general")
+        if dot_out:
+            moved = size * readers
+            self.materialized.add(v)
+        elif boundary or any(c in _BOUNDARY or c == "return" for c in consumers):
+            moved = size * (1 + readers)
+            self.materialized.add(v)
+        else:
+            moved = 0
+        if moved and times:
+            cell = (names, shape, score)
+            self.traffic[cell] = self.traffic.get(cell, 0) + moved * times
+
+    @staticmethod
+    def other(
+        prim: str,
+        p: Any,
+        ins: list[Names],
+        shapes: list[tuple[int, ...]],
+        out_shapes: list[tuple[int, ...]],
+    ) -> list[Names]:
+        if prim == "transpose" and ins:
+            return [tuple(ins[0][i] for i in p["permutation"])]
+        if prim == "gather" and len(ins) == 2:
+            return [op_names.gather_names(p, ins[0], ins[1], shapes, out_shapes[0])]
+        if prim.startswith("scatter") and len(ins) == 3:
+            return [op_names.scatter_names(p, ins[0], ins[1], ins[2], shapes)]
+        if prim == "broadcast_in_dim" and ins:
+            out: list[Any] = [None] * len(out_shapes[0])
+            for i, d in enumerate(p["broadcast_dimensions"]):
+                if shapes[0][i] == out_shapes[0][d]:
+                    out[d] = ins[0][i]
+            return [tuple(out)]
+        if prim == "reshape" and ins:
+            return [_reshape(ins[0], shapes[0], out_shapes[0])]
+        if prim == "slice" and ins and len(ins[0]) == len(out_shapes[0]):
+            return [ins[0]]  # a slice keeps its dimensions (logits[:, :-1] is still 'length')
+        if prim == "squeeze" and ins:
+            dims = set(p["dimensions"])
+            return [tuple(n for i, n in enumerate(ins[0]) if i not in dims)]
+        if prim.startswith(("reduce_", "argmax", "argmin")) and "axes" in p and ins:
+            axes = set(p["axes"])
+            return [tuple(n for i, n in enumerate(ins[0]) if i not in axes)] * len(out_shapes)
+        pairs = list(zip(ins, shapes, strict=True))
+        return [_elementwise(shape, pairs) for shape in out_shapes]
+
+
+def _elementwise_op(eqn: Any) -> bool:
+    """An op of operands of its output's shape or broadcast to it (``mul``, ``add``,
+    ``select_n``; a ``[1, 1, embed]`` scale): not an indexing op (an embedding's lookup,
+    which the partitioner does where the table lies)."""
+    if len(eqn.outvars) != 1:
+        return False
+    shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
+    return all(
+        isinstance(v, Literal)
+        or (
+            len(v.aval.shape) == len(shape)
+            and all(a in (b, 1) for a, b in zip(v.aval.shape, shape, strict=True))
+        )
+        for v in eqn.invars
+    )
+
+
+def _carry_fixpoint(body: Any, body_in: list[Names], nc: int, ncarry: int) -> list[Names]:
+    """A loop carry's names, filled in from what the body gives it back.
+
+    A carry that enters a loop unnamed (a scanned layer's input, the first layer
+    fed by the batch) leaves it named by the body (the layer's output takes its
+    weight's ``embed``). XLA's sharding propagation gives the carry one sharding
+    for every trip, so the names the body returns are merged into those it
+    receives, until they settle (a dry walk each time, nothing counted).
+    """
+    carry = list(body_in[nc : nc + ncarry])
+    for _ in range(3):
+        out = _Walker().walk(body, [*body_in[:nc], *carry, *body_in[nc + ncarry :]], 0)
+        merged = [
+            tuple(_merge(a, b) for a, b in zip(c, o, strict=True)) if len(c) == len(o) else c
+            for c, o in zip(carry, out[:ncarry], strict=True)
+        ]
+        if merged == carry:
+            break
+        carry = merged
+    return carry
+
+
+def constraint_names(state_names: Sequence[Names | None]) -> tuple[str, ...]:
+    """The logical names a traced step's constraints are read for: the state's names,
+    MaxText's ``activation_`` form of each, the sequence and expert names of
+    :mod:`meshplan._search.predict.role_names`, and every name a built-in layout places.
+
+    Example:
+        >>> from meshplan._search.predict.trace import constraint_names
+        >>> names = constraint_names([("embed", "mlp")])
+        >>> names[:3], "length" in names, "expert_batch" in names
+        (('embed', 'mlp', 'activation_embed'), True, True)
+    """
+    from meshplan._search.predict.role_names import CONTEXT_NAMES, EXPERT_BATCH_NAMES, EXPERT_NAMES
+    from meshplan.layouts import ALL_LAYOUTS
+
+    own = [n for names in state_names if names for n in names if isinstance(n, str)]
+    out = [*own, *(f"activation_{n}" for n in own), "batch", *CONTEXT_NAMES, *EXPERT_NAMES]
+    out += [*EXPERT_BATCH_NAMES, *(n for r in ALL_LAYOUTS.values() for n, _ in r)]
+    return tuple(dict.fromkeys(n for n in out if isinstance(n, str)))
+
+
+def _make_jaxpr(
+    step_fn: Callable[..., Any], abstract_state: Any, example_batch: Any,
+    state: Sequence[tuple[Names | None, tuple[int, ...], int]], read_constraints: bool,
+) -> Any:  # fmt: skip
+    """``jax.make_jaxpr`` of the step; under the name mesh (``read_constraints``) when no
+    mesh is active."""
+    from meshplan._spmd.place import active_mesh
+    from meshplan._spmd.rules import logical_axis_rules
+
+    if read_constraints and active_mesh() is None:
+        names = constraint_names([n for n, _, _ in state])
+        auto = (jax.sharding.AxisType.Auto,) * len(names)
+        mesh = jax.make_mesh((1,) * len(names), names, axis_types=auto)
+        try:
+            with jax.set_mesh(mesh), logical_axis_rules(tuple((n, n) for n in names)):
+                return jax.make_jaxpr(step_fn)(abstract_state, example_batch)
+        except Exception:  # a step that names mesh axes itself: traced without
+            pass
+    return jax.make_jaxpr(step_fn)(abstract_state, example_batch)
+
+
+def _walk(jaxpr: Any, in_names: list[Names]) -> _Walker:
+    walker = _Walker()
+    for n in in_names:
+        walker.note(n)
+    if len(jaxpr.invars) != len(in_names):  # leaves JAX did not make inputs: names unknown
+        in_names = [(None,) * len(v.aval.shape) for v in jaxpr.invars]
+    for v, n in zip(jaxpr.invars, in_names, strict=True):
+        if "batch" not in n and any(isinstance(a, str) for a in n):
+            walker.weight_of[v] = v  # a named state array: a parameter (or its optimizer state)
+    walker.walk(jaxpr, in_names, 1)
+    walker.name_dot_outputs()
+    return walker
+
+
+def _is_tokens(leaf: Any) -> bool:
+    """Token ids: an integer ``[batch, length]`` array."""
+    shape = getattr(leaf, "shape", ())
+    return len(shape) == 2 and bool(np.issubdtype(np.dtype(leaf.dtype), np.integer))
+
+
+def _token_names(leaf: Any) -> Names:
+    return ("batch", "length") if _is_tokens(leaf) else _batch_names(leaf)
+
+
+def _batch_names(leaf: Any) -> Names:
+    ndim = len(getattr(leaf, "shape", ()))
+    return ("batch", *(None,) * (ndim - 1)) if ndim else ()
+
+
+def trace_workload(
+    step_fn: Callable[..., Any],
+    abstract_state: Any,
+    example_batch: Any,
+    rules: LogicalRules | None = None,
+    batch_names: Callable[[Any], Names] | None = None,
+    read_constraints: bool = False,
+) -> Workload:
+    """Traces ``step_fn(abstract_state, example_batch)`` once and reads its work by logical names.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> from meshplan._search.predict.trace import trace_workload
+        >>> w = meshplan.LogicallyPartitioned(jax.ShapeDtypeStruct((64, 32), jnp.float32), ("embed", "mlp"))
+        >>> work = trace_workload(lambda s, x: (x @ s["w"].value).sum(), {"w": w},
+        ...                       jax.ShapeDtypeStruct((16, 64), jnp.float32))
+        >>> [(d.lhs_names, d.rhs_names, n) for d, n in work.dots.items()], work.flops
+        ([(('batch', None), ('embed', 'mlp'), 1)], 65536)
+        >>> work.names
+        ('embed', 'mlp', 'batch')
+
+    Args:
+        step_fn: ``step_fn(state, batch)``, not jitted (a jitted one is walked through).
+        abstract_state: The state (boxes around ``ShapeDtypeStruct``s, NNX states, arrays).
+        example_batch: The batch (arrays or ``ShapeDtypeStruct``s, any tree).
+        rules: Rules for NNX variables whose names depend on them (else the active ones).
+        batch_names: The names of one batch array (default: ``('batch', None, ...)``).
+        read_constraints: Read the names of the model's logical constraints
+            (:func:`meshplan.with_logical_constraint`): the step is traced under a mesh
+            of one device with an axis of size 1 per logical name it may use
+            (:func:`constraint_names`) and rules mapping each name to its axis, so that
+            every constraint is left in the program with its names. Activations then
+            carry ``length`` (context parallelism) and a mixture of experts' dispatch its
+            ``expert``/``expert_batch``, which no parameter names (what
+            :func:`meshplan.search_rules` does, to offer the ``context`` and ``expert``
+            roles). Without a mesh or rules the constraints do nothing; a step that fails
+            under that mesh (one that names mesh axes itself) is traced without it.
+    """
+    # Flax NNX names are logical only when rules are in effect (else mesh axes, as in Flax): a
+    # search is looking for those rules, so it reads them as logical (a rule that names nothing).
+    leaves, _ = array_leaves(abstract_state, rules or _READ_AS_LOGICAL)
+    by_id = {id(leaf.value): leaf for leaf in leaves}
+    flat_state = jax.tree.leaves(abstract_state)
+    state_names: list[Names] = []
+    state: list[tuple[Names | None, tuple[int, ...], int]] = []
+    for x in flat_state:
+        leaf = by_id.get(id(x))
+        names = leaf.names if leaf is not None and leaf.kind == "logical" else None
+        shape = tuple(getattr(x, "shape", ()))
+        if names is not None and len(names) != len(shape):
+            names = None
+        state_names.append(tuple(names) if names is not None else (None,) * len(shape))
+        state.append((tuple(names) if names is not None else None, shape, _itemsize(x)))
+    flat_batch = jax.tree.leaves(example_batch)
+    name_of = batch_names or _batch_names
+    closed = _make_jaxpr(step_fn, abstract_state, example_batch, state, read_constraints)
+    in_names = [*state_names, *(tuple(name_of(b)) for b in flat_batch)]
+    jaxpr = closed.jaxpr
+    walker = _walk(jaxpr, in_names)
+    if batch_names is None and "length" in walker.seen and any(map(_is_tokens, flat_batch)):
+        # The model names its sequence 'length': so is the token ids' second dimension
+        # (the loss's targets, sliced from them, are never constrained by the model).
+        name_of = _token_names
+        in_names = [*state_names, *(tuple(name_of(b)) for b in flat_batch)]
+        walker = _walk(jaxpr, in_names)
+    batch = int(flat_batch[0].shape[0]) if flat_batch and flat_batch[0].shape else None
+    params = tuple(dict.fromkeys(n for names, _, _ in state if names for n in names if n))
+    var_names = {**walker.var_names, **walker.buffer_names}
+    programs = [
+        memory.build(jaxpr, var_names, walker.scores, lambda e: walker.dot_by_eqn[id(e)],
+                     walker.materialized, recompute)
+        for recompute in (True, False)
+    ]  # fmt: skip
+    batch_state = [
+        (tuple(name_of(b)), tuple(getattr(b, "shape", ())), _itemsize(b)) for b in flat_batch
+    ]
+    unit: ThroughputUnit
+    tokens, unit = batch, "examples"
+    if flat_batch and _is_tokens(flat_batch[0]):
+        tokens, unit = math.prod(flat_batch[0].shape), "tokens"  # sequences x positions
+    return Workload(
+        walker.dots, walker.traffic, state, tuple(walker.seen), batch, params, programs[0],
+        frozenset(walker.score_dots), batch_state, tokens, walker.reshards, programs[1], unit,
+        walker.dot_trips, walker.operand_arrays, tuple(walker.arrays),
+        tuple((n, s, i, act, t, fwd and bwd)
+              for n, s, i, act, t, fwd, bwd in walker.weight_reads.values()),
+        frozenset(walker.causal_masks),
+        walker.unpriced, walker.unpriced_flops,
+    )  # fmt: skip

@@ -1,0 +1,1 @@
+"""Layouts searched: candidates, rule records, ranking, role verdicts and results."""
