@@ -112,6 +112,35 @@ def test_steps_are_moved_only_once_the_run_will_run_and_every_move_is_said(gold,
     assert meshplan.restore(folder, step=3).metadata.step == 3
 
 
+# -- 4. a step without checksums: restored, sampled and resumed from with a word ------
+
+
+@pytest.mark.slow
+def test_a_step_without_checksums_is_resumed_and_sampled_with_a_note(gold, tmp_path, capsys):
+    folder = _copy(gold, tmp_path)
+    path = step_directory(folder, 3) / "meshplan" / "metadata"
+    data = json.loads(path.read_text())  # as an older meshplan wrote it: no digest, no sums
+    data.pop("digest")
+    for info in data["arrays"].values():
+        info.pop("checksum", None)
+    path.write_text(json.dumps(data))
+
+    sample = subprocess.run(
+        [*_CLI, "sample", "--ckpt-dir", str(folder), "--length", "4"], capture_output=True,
+        text=True, timeout=180, env=fresh_env(PYTHONPATH=SRC), stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert sample.returncode == 0, sample.stderr
+    assert "(step 3) was restored unverified" in " ".join(sample.stderr.split())
+    assert "Traceback" not in sample.stderr
+
+    args = ["--resume", "--steps", "4", "--eval-every", "0", "--ckpt-dir", str(folder)]
+    code, out, err = _main(args, capsys)
+    assert code == 0, err
+    assert "(step 3) was restored unverified" in err
+    assert f"resuming from step 3 of {folder}" in " ".join(out.split())
+    assert complete_steps(folder) == [1, 2, 3, 4]
+
+
 # -- 2. HANG: SIGINT while saving every step ------------------------------------------
 
 
