@@ -98,16 +98,24 @@ class _OrphanedOrbaxTasks(logging.Filter):
     The failure itself is reported once, as a CheckpointError from save, wait or close
     (Orbax's manager raises it there); these add nothing. Only tasks whose exception passed
     through Orbax's code are left out, and only in a process that opened a Checkpointer.
+
+    The tasks are often collected as the interpreter exits, once this module's globals
+    may already be ``None``: what the filter reads is kept on the filter itself.
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._starts = _NEVER_RETRIEVED
+        self._orbax_dir = _ORBAX_DIR
 
     def filter(self, record: logging.LogRecord) -> bool:
         try:
-            if not str(record.msg).startswith(_NEVER_RETRIEVED):
+            if not str(record.msg).startswith(self._starts):
                 return True
             exc = record.exc_info[1] if record.exc_info else None
             tb = exc.__traceback__ if exc is not None else None
             while tb is not None:
-                if _ORBAX_DIR in tb.tb_frame.f_code.co_filename:
+                if self._orbax_dir in tb.tb_frame.f_code.co_filename:
                     return False
                 tb = tb.tb_next
         except Exception:  # never let a log filter raise (this may run during shutdown)
