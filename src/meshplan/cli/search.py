@@ -309,8 +309,13 @@ def train_command(row: Any, rules_path: str = "rules.json") -> str:
         >>> from meshplan.cli.search import train_command
         >>> train_command(SearchRow({"data": 2, "tensor": 4}, (("mlp", "tensor"),)), "r.json")
         'meshplan train --mesh 2x4 --axes data,tensor --rules r.json'
+
+        A pipelined row's command carries its microbatches (``--microbatches``).
     """
-    return f"meshplan train --mesh {row.mesh_text} --axes {row.axes_text} --rules {rules_path}"
+    command = f"meshplan train --mesh {row.mesh_text} --axes {row.axes_text} --rules {rules_path}"
+    if row.pipeline is not None:  # the schedule the row was priced with
+        command += f" --microbatches {row.pipeline.schedule.microbatches}"
+    return command
 
 
 def _train_command(
@@ -357,7 +362,9 @@ def _table(result: Any, rows: int) -> Table:
     groups = _groups([r for r in result.ok if r.cost is not None])[:rows]
     ok = [g[0] for g in groups]
     measured_any = any(r.measured_s is not None for r in ok)
-    kinds = sorted({k for r in ok if r.cost for k, v in r.cost.comm_bytes.items() if v})
+    # A pipeline's sends between stages are listed under the table, with its schedule.
+    kinds = sorted({k for r in ok if r.cost and r.pipeline is None
+                    for k, v in r.cost.comm_bytes.items() if v})  # fmt: skip
     table = Table(box=None, header_style="bold", pad_edge=False)
     unit = f"{result.tokens_unit}/s"
     columns = [("#", "right"), ("mesh", "left"), ("axes", "left"), ("predicted", "right"),
@@ -397,6 +404,22 @@ def _table(result: Any, rows: int) -> Table:
             r.short_rules, r.layout if r.layout != "searched" else "",
         )  # fmt: skip
     return table
+
+
+def _schedule_lines(result: Any, rows: int) -> list[str]:
+    """The schedule of each pipelined row the table shows: stages, microbatches, bubble and
+    the sends between stages."""
+    shown = [g[0] for g in _groups([r for r in result.ok if r.cost is not None])[:rows]]
+    return [f"  #{r.rank} {r.mesh_text} {r.axes_text} {r.layout}: {r.schedule_text}"
+            for r in shown if r.pipeline is not None]  # fmt: skip
+
+
+def _verdict_lines(result: Any) -> list[str]:
+    """One line per role (``context``, ``expert``, ``pipeline``): proposed or not, and why."""
+    from meshplan._search.search.verdicts import search_verdicts
+
+    return [f"  {v.role}: {'proposed' if v.proposed else 'not proposed'} ({v.kind}): {v.reason}"
+            for v in search_verdicts(result)]  # fmt: skip
 
 
 def _counts_line(result: Any, top_k: int) -> str:
@@ -497,6 +520,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         data = {"model": what, **result.to_dict(), "rules_file": None if path is None else
                 str(path), "train_command": command}  # fmt: skip
+        from meshplan._search.search.verdicts import search_verdicts
+
+        data["verdicts"] = [v.to_dict() for v in search_verdicts(result)]
         if result.path_rules is not None:  # names inferred from the step
             data["path_rules"] = names_json(result)
         if advice is not None:
@@ -551,6 +577,11 @@ def _print(
     )  # fmt: skip
     if result.ok:
         out.print(_table(result, args.rows))
+        schedules = _schedule_lines(result, args.rows)
+        if schedules:
+            say(out, ("pipelines", "bold"), " (the layers cut into stages over 'pipeline'):")
+            for line in schedules:
+                say(out, line)
     rejected = sorted(  # the reasons that teach something first; symmetric ones last
         (r for r in result.rows if r.status == "pruned"),
         key=lambda r: r.pruned_by == "symmetric",
@@ -564,6 +595,10 @@ def _print(
         if len(rejected) > len(shown):
             say(out, f"  … and {len(rejected) - len(shown)} more (--json lists them all)")
     say(out, _counts_line(result, args.top_k))
+    if result.ok:
+        say(out, ("roles", "bold"), " (why the best uses them or not):")
+        for line in _verdict_lines(result):
+            say(out, line)
     best = result.best
     if best is None:
         say(out, ("best: none", "bold"), " (no candidate passes and fits the budget)")

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
 from meshplan._search.predict.collectives import collective_time, split_group
 from meshplan._search.predict.cost import Cost, predict
@@ -41,6 +41,7 @@ __all__ = [
     "PipelineCost",
     "block_fraction",
     "predict_pipeline",
+    "stage_base",
 ]
 
 Schedule = Literal["gpipe", "1f1b"]
@@ -71,6 +72,14 @@ class PipelineCost:
     send_bytes: int
     link: str
 
+    def to_dict(self) -> dict[str, Any]:
+        """The schedule and what it costs, as plain data (``--json``'s ``pipeline``)."""
+        s = self.schedule
+        return {"stages": s.stages, "microbatches": s.microbatches, "repeats": s.repeats,
+                "iterations": s.iterations, "bubble": s.bubble, "bubble_s": self.bubble_s,
+                "send_s": self.send_s, "send_bytes": self.send_bytes, "link": self.link,
+                "block_fraction": self.block_fraction}  # fmt: skip
+
 
 def _without(rules: LogicalRules, axes: tuple[str, ...]) -> tuple[tuple[str, MeshAxes], ...]:
     """``rules`` with ``axes`` taken out of every rule (a rule left with none: unsharded)."""
@@ -79,6 +88,16 @@ def _without(rules: LogicalRules, axes: tuple[str, ...]) -> tuple[tuple[str, Mes
         kept = tuple(a for a in mesh_axes_of(entry) if a not in axes)
         out.append((name, None if not kept else kept[0] if len(kept) == 1 else kept))
     return tuple(out)
+
+
+def stage_base(
+    workload: Workload, mesh: Mapping[str, int], rules: LogicalRules, profile: HardwareProfile
+) -> Cost:
+    """One stage's devices' price of the whole step: the mesh and the rules without the axes
+    ``rules`` give ``'stage'`` (what :func:`predict_pipeline` splits into stages)."""
+    axes, _ = stage_axes(rules, dict(mesh))
+    sub = {a: n for a, n in mesh.items() if a not in axes}
+    return predict(workload, sub, _without(rules, axes), profile)
 
 
 def block_fraction(workload: Workload) -> float:
@@ -146,6 +165,7 @@ def predict_pipeline(
     microbatches: int,
     repeats: int = 1,
     schedule: Schedule = "gpipe",
+    base: Cost | None = None,
 ) -> PipelineCost:
     """The predicted step of ``workload`` as a pipeline over the axes ``rules`` give ``'stage'``.
 
@@ -174,6 +194,8 @@ def predict_pipeline(
         microbatches: Microbatches per step.
         repeats: Layer groups per stage (the circular, or interleaved, schedule).
         schedule: ``'gpipe'`` (every microbatch's activations kept) or ``'1f1b'``.
+        base: One stage's devices' price of the whole step, when known (it depends on
+            the mesh and rules, not on the schedule: a search prices it once).
 
     Raises:
         ValueError: ``'stage'`` has no mesh axis of more than one device under ``rules``.
@@ -187,7 +209,7 @@ def predict_pipeline(
     plan = PipelineSchedule(p, microbatches, repeats)
     sub = {a: n for a, n in mesh.items() if a not in axes}
     sub_rules = _without(rules, axes)
-    base = predict(workload, sub, sub_rules, profile)
+    base = predict(workload, sub, sub_rules, profile) if base is None else base
     fb = block_fraction(workload)
     stretch = plan.iterations / (microbatches * repeats)
     share = fb / p * stretch + (1 - fb)  # of one stage's devices' whole-step time

@@ -45,6 +45,7 @@ from meshplan._search.search.candidates import (
     generate,
     layout_candidates,
 )
+from meshplan._search.search.pipeline_verdict import PIPELINE_LAYOUTS, pipeline_rows
 from meshplan._search.search.result import (
     PRUNE_REASONS,
     PruneKind,
@@ -499,7 +500,14 @@ def search_rules(
     have_devices = jax.device_count() >= devices
     prof = get_profile(profile, devices)
     budget = memory_budget_bytes if memory_budget_bytes is not None else prof.memory_bytes
-    given = {n: _own_rules(normalize_rules(r), workload) for n, r in _named(layouts).items()}
+    named = _named(layouts)
+    # Layouts with a stage (the pipelines) are priced as pipelines, on their own meshes.
+    piped_layouts = PIPELINE_LAYOUTS if layouts is None else {
+        n: normalize_rules(r) for n, r in named.items()
+        if any(k == "stage" for k, _ in normalize_rules(r))
+    }  # fmt: skip
+    given = {n: _own_rules(normalize_rules(r), workload) for n, r in named.items()
+             if n not in piped_layouts}  # fmt: skip
     search_names = [n for n in (names or workload.param_names) if n != "layer"]
     if names is None:  # activations' own names (MaxText's activation_embed) may split too
         search_names += [n for n in workload.names
@@ -575,19 +583,25 @@ def search_rules(
                 out.append(row)
             continue
         rows.append(row)
+    piped = pipeline_rows(workload, devices, prof, budget, microbatches=microbatches,
+                          layouts=piped_layouts)  # fmt: skip
+    rows += [r for r in piped.rows if r.status == "ok"]
+    out += [r for r in piped.rows if r.status != "ok"]
+    for kind, n in piped.pruned.items():
+        pruned[kind] += n
     scored = sum(1 for r in [*rows, *out] if r.cost is not None)
     compile_top = compile_top if have_devices else 0
     rows, compiled, measured = _finish(rows, "predicted", step_fn, abstract_state, example_batch,
                                        compile_top, measure, measure_top, measure_steps)  # fmt: skip
-    counts = SearchCounts(enumerated=len(candidates), pruned=pruned, scored=scored,
-                          compiled=compiled, measured=measured)  # fmt: skip
+    counts = SearchCounts(enumerated=len(candidates) + piped.enumerated, pruned=pruned,
+                          scored=scored, compiled=compiled, measured=measured)  # fmt: skip
     for row in rows:
         row.fits = True  # every ranked row fits: the others were pruned as "memory"
     return SearchResult(
         rows + out, devices, prof, budget, counts, time.perf_counter() - t0,
         None if batch is None else batch * microbatches,
         None if workload.tokens is None else workload.tokens * microbatches,
-        tokens_unit=workload.tokens_unit, path_rules=path_rules,
+        tokens_unit=workload.tokens_unit, path_rules=path_rules, pipeline_absent=piped.absent,
     )  # fmt: skip
 
 
@@ -690,7 +704,11 @@ def _finish(
     rows = _rank(rows, ranked_by)
     compiled = 0
     if compile_top and step_fn is not None:
+        # A pipelined row's step is not this step (the stages are the model's to run):
+        # priced, never compiled or run here.
         for row in rows[:compile_top]:
+            if row.pipeline is not None:
+                continue
             row.compiled = measure_step(step_fn, abstract_state, example_batch, row.mesh, row.rules)
             compiled += 1
             _refine(row)
@@ -699,7 +717,8 @@ def _finish(
     if measure and step_fn is not None:
         from meshplan._search.measure.timing import prepare_step
 
-        top = rows[:measure_top]
+        at = [i for i, r in enumerate(rows) if r.pipeline is None][:measure_top]
+        top = [rows[i] for i in at]
         prepared = [
             prepare_step(step_fn, abstract_state, example_batch, r.mesh, r.rules) for r in top
         ]
@@ -712,7 +731,8 @@ def _finish(
         for row, s in zip(top, samples, strict=True):
             row.measured_s = statistics.median(s)
         measured = len(top)
-        rows[:measure_top] = sorted(top, key=lambda r: r.measured_s or 0)
+        for i, row in zip(at, sorted(top, key=lambda r: r.measured_s or 0), strict=True):
+            rows[i] = row
     for i, row in enumerate(rows, 1):
         row.rank = i
     return rows, compiled, measured
