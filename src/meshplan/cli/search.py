@@ -33,7 +33,7 @@ from meshplan.cli.inferred import (
     names_lines,
     write_names,
 )
-from meshplan.cli.names_file import INFER, add_names_argument, read_names
+from meshplan.cli.names_file import INFER, add_names_argument, notes_text, read_names
 from meshplan.cli.output import print_error, say
 from meshplan.cli.plan import add_model_size_arguments, model_args_problem
 from meshplan.cli.sizes import parse_bytes
@@ -440,21 +440,22 @@ def _counts_line(result: Any, top_k: int) -> str:
     return line
 
 
-def _load(args: argparse.Namespace) -> tuple[str, Any, Any, Any, bool]:
-    """``(what, abstract_state, step_fn, example_batch, trainable)`` of ``--model``:
+def _load(args: argparse.Namespace) -> tuple[str, Any, Any, Any, bool, list[str]]:
+    """``(what, abstract_state, step_fn, example_batch, trainable, notes)`` of ``--model``:
     ``trainable`` when ``meshplan train`` trains it (the example Transformers, and a factory
-    of the four-value form)."""
+    of the four-value form); ``notes``: what naming by ``--names`` warned of (the arrays no
+    pattern matches, the patterns that match none), as ``meshplan plan`` says them."""
     if is_factory(args.model):
         names = None if args.names == INFER else read_names(args.names, args.model)
         loaded = load_factory(args.model, names)  # with no names: search_rules infers them
         return (
             loaded.what, loaded.abstract_state, loaded.step_fn, loaded.example_batch,
-            loaded.trainable is not None,
+            loaded.trainable is not None, list(loaded.notes),
         )  # fmt: skip
     if args.model == "llama":
         from meshplan.cli.llama_model import llama_step_of
 
-        return (*llama_step_of(args, args.batch), False)
+        return (*llama_step_of(args, args.batch), False, [])
     from meshplan.models.registry import EXAMPLE_MODELS
 
     built = example_of(args)
@@ -464,6 +465,7 @@ def _load(args: argparse.Namespace) -> tuple[str, Any, Any, Any, bool]:
         built.model.step,
         built.batch(args.batch, getattr(args, "seq", None) or 0),
         EXAMPLE_MODELS[args.model].sequence,  # meshplan train trains the sequence models
+        [],
     )
 
 
@@ -499,7 +501,9 @@ def run(args: argparse.Namespace) -> int:
         if args.layouts:
             names = [n.strip() for n in args.layouts.split(",") if n.strip()]
             layouts = {name: get_layout(name) for name in names}
-        what, state, step, batch, trainable = _load(args)
+        what, state, step, batch, trainable, notes = _load(args)
+        for line in notes_text(notes):  # said first, as meshplan plan says them
+            say(err, line)
         roles = tuple(args.axes) if args.axes else ROLES
         result = meshplan.search_rules(
             args.devices, state, step, batch,
