@@ -26,6 +26,7 @@ devices (the mesh without the stage axes, the rules without them) with the plann
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -40,6 +41,7 @@ from meshplan._spmd.rules import LogicalRules, MeshAxes, mesh_axes_of
 __all__ = [
     "PipelineCost",
     "block_fraction",
+    "example_stack",
     "predict_pipeline",
     "stage_base",
 ]
@@ -88,6 +90,36 @@ def _without(rules: LogicalRules, axes: tuple[str, ...]) -> tuple[tuple[str, Mes
         kept = tuple(a for a in mesh_axes_of(entry) if a not in axes)
         out.append((name, None if not kept else kept[0] if len(kept) == 1 else kept))
     return tuple(out)
+
+
+@functools.cache
+def example_stack() -> Workload:
+    """The traced gradient step of a scanned stack of 8 bfloat16 1024x1024 layers
+    (``('layer', 'embed', 'mlp')``) on a batch of 256 rows, traced once per process: the
+    examples of the pipeline's pricing share it.
+
+    Example:
+        >>> from meshplan._search.predict.pipeline import example_stack
+        >>> example_stack() is example_stack(), example_stack().batch
+        (True, 256)
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from meshplan._search.predict.trace import trace_workload
+    from meshplan._spmd.boxes import LogicallyPartitioned
+
+    w = jax.ShapeDtypeStruct((8, 1024, 1024), jnp.bfloat16)
+    state = {"w": LogicallyPartitioned(w, ("layer", "embed", "mlp"))}
+
+    def loss(w: jax.Array, x: jax.Array) -> jax.Array:
+        out: jax.Array = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, w)[0].sum()
+        return out
+
+    def step(s: dict[str, LogicallyPartitioned[jax.ShapeDtypeStruct]], x: jax.Array) -> Any:
+        return jax.grad(loss)(s["w"].value, x)
+
+    return trace_workload(step, state, jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16))
 
 
 def stage_base(
@@ -170,16 +202,9 @@ def predict_pipeline(
     """The predicted step of ``workload`` as a pipeline over the axes ``rules`` give ``'stage'``.
 
     Example:
-        >>> import jax, jax.numpy as jnp, meshplan
-        >>> from meshplan._search.predict.trace import trace_workload
-        >>> from meshplan._search.predict.pipeline import predict_pipeline
+        >>> from meshplan._search.predict.pipeline import example_stack, predict_pipeline
         >>> from meshplan._search.predict.profiles import get_profile
-        >>> w = meshplan.LogicallyPartitioned(
-        ...     jax.ShapeDtypeStruct((8, 1024, 1024), jnp.float32), ("layer", "embed", "mlp"))
-        >>> def loss(w, x):
-        ...     return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, w)[0].sum()
-        >>> work = trace_workload(lambda s, x: jax.grad(loss)(s["w"].value, x), {"w": w},
-        ...                       jax.ShapeDtypeStruct((256, 1024), jnp.float32))
+        >>> work = example_stack()  # 8 layers of 1024x1024, a batch of 256
         >>> rules = (("batch", "data"), ("stage", "pipeline"), ("layer", "pipeline"))
         >>> pp = predict_pipeline(work, {"pipeline": 4, "data": 2}, rules, get_profile("h100"),
         ...                       microbatches=8)

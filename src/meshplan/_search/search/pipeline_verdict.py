@@ -128,17 +128,10 @@ def pipeline_rows(
     pipeline is not priced with one).
 
     Example:
-        >>> import jax, jax.numpy as jnp, meshplan
-        >>> from meshplan._search.predict.trace import trace_workload
+        >>> from meshplan._search.predict.pipeline import example_stack
         >>> from meshplan._search.predict.profiles import get_profile
         >>> from meshplan._search.search.pipeline_verdict import pipeline_rows
-        >>> w = meshplan.LogicallyPartitioned(
-        ...     jax.ShapeDtypeStruct((8, 1024, 1024), jnp.bfloat16), ("layer", "embed", "mlp"))
-        >>> def loss(w, x):
-        ...     return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, w)[0].sum()
-        >>> work = trace_workload(lambda s, x: jax.grad(loss)(s["w"].value, x), {"w": w},
-        ...                       jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16))
-        >>> found = pipeline_rows(work, 8, get_profile("h100"), 80 * 2**30)
+        >>> found = pipeline_rows(example_stack(), 8, get_profile("h100"), 80 * 2**30)
         >>> row = next(r for r in found.rows if r.mesh == {"pipeline": 4, "data": 2})
         >>> row.layout, row.pipeline.schedule.microbatches, row.schedule_text.split(", ")[:2]
         ('pipeline', 4, ['4 stages', '4 microbatches'])
