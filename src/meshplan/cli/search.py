@@ -602,7 +602,7 @@ def _print(
     if result.ok:
         say(out, ("roles", "bold"), " (why the best uses them or not):")
         for line in _verdict_lines(result):
-            say(out, line)
+            say(out, line, soft_wrap=True)  # one line each, however long
     best = result.best
     if best is None:
         say(out, ("best: none", "bold"), " (no candidate passes and fits the budget)")
