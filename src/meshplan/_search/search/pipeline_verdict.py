@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from meshplan._search.predict.pipeline import PipelineCost, predict_pipeline, stage_base
+from meshplan._search.predict.pipeline import predict_pipeline, stage_base
 from meshplan._search.predict.profiles import HardwareProfile
 from meshplan._search.predict.trace import Workload
 from meshplan._search.search.result import PruneKind, SearchResult, SearchRow
@@ -26,8 +26,7 @@ from meshplan._spmd.validate import validate
 from meshplan._text import human_bytes
 from meshplan.layouts import pipeline, pp_fsdp, pp_tp
 
-__all__ = ["PipelineRows", "layer_count", "pipeline_candidates", "pipeline_rows",
-           "pipeline_verdict"]  # fmt: skip
+__all__ = ["PIPELINE_LAYOUTS", "PipelineRows", "layer_count", "pipeline_rows", "pipeline_verdict"]
 
 PIPELINE_LAYOUTS: dict[str, RulePairs] = {"pipeline": pipeline, "pp_fsdp": pp_fsdp, "pp_tp": pp_tp}
 """The built-in pipeline layouts a search tries (:mod:`meshplan.layouts`)."""
@@ -198,19 +197,6 @@ def _price(
     best = min(fits, key=lambda pp: pp.cost.step_s)
     row.cost, row.pipeline = best.cost, best
     found.rows.append(row)
-
-
-def pipeline_candidates(
-    workload: Workload, devices: int, profile: HardwareProfile, *, layers: int, batch: int
-) -> list[tuple[dict[str, int], Rules, PipelineCost]]:
-    """Every priced pipeline of :func:`pipeline_rows` on ``devices`` with a budget of the
-    profile's memory, as ``(mesh, rules, price)`` (``layers`` and ``batch``: the workload's,
-    checked)."""
-    if layer_count(workload) != layers or workload.batch != batch:
-        raise ValueError(f"layers={layers} and batch={batch} are not the workload's "
-                         f"({layer_count(workload)} and {workload.batch})")  # fmt: skip
-    found = pipeline_rows(workload, devices, profile, profile.memory_bytes)
-    return [(r.mesh, r.rules, r.pipeline) for r in found.rows if r.pipeline is not None]
 
 
 def _uses(row: SearchRow) -> bool:
