@@ -171,7 +171,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--layouts",
         default=None,
         help="comma-separated built-in layouts or rules files always tried on (data, model) "
-        "meshes (default: every built-in layout)",
+        "meshes, the pipeline layouts (pipeline, pp_fsdp, pp_tp) on pipeline x data meshes "
+        "(default: every built-in layout; the pipelines where the model has a layer stack)",
     )
     parser.add_argument(
         "--top-k",
