@@ -1,6 +1,6 @@
 """How far the settings of ``meshplan train`` travel: modules visited and back-steps, statically.
 
-Starts at ``meshplan/cli/train.py:run(args)`` and follows the settings through the
+Starts at ``meshplan.cli.train:run(args)`` (``cli/train/command.py``) and follows the settings through the
 code without running it:
 
 * a *carrier* of the settings is ``args``, a value read from a carrier
@@ -405,6 +405,8 @@ def _in_order(fn: ast.AST) -> list[ast.AST | _Branch]:
 def measure(src: Path, start: str = "meshplan.cli.train:run") -> dict[str, object]:
     """The stops, modules and back-steps of the settings from ``start``'s first parameter."""
     index = Index(src)
+    module, _, name = start.partition(":")
+    start = index.resolve_name(module, name) or start  # a package's front door re-exports it
     walk = Walk(index)
     first = index.functions[start].node.args.args[0].arg
     walk.enter(start, {first})

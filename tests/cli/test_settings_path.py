@@ -159,10 +159,10 @@ def test_arguments_run_before_the_call_and_a_str_method_is_not_the_package_s(tmp
 def test_the_settings_reach_the_checks_and_the_trainer():
     result = _load().measure(ROOT / "src")
     path = result["path"]
-    assert path[0] == "meshplan.cli.train:run"
+    assert path[0] == "meshplan.cli.train.command:run"
     for stop in (
-        "meshplan.cli.train_request:prepare_run",
-        "meshplan.cli.train_memory:memory_problem",
+        "meshplan.cli.train.request:prepare_run",
+        "meshplan.cli.train.memory_advice:memory_problem",
         "meshplan.train.trainer:Trainer.__init__",
         "meshplan.train.trainer:Trainer.run",
     ):
@@ -178,7 +178,7 @@ def test_the_settings_reach_the_checks_and_the_trainer():
     assert path.index("meshplan.layouts:get_layout") < path.index(
         "meshplan.train.build:build_parts"
     )
-    assert "meshplan.cli.train_memory:memory_problem" not in result["back"]
+    assert "meshplan.cli.train.memory_advice:memory_problem" not in result["back"]
     # 10 before this session's features; the header's pipeline, remat and resume lines and
     # the NaN diagnosis added 8 (benchmarks/settings_path.py --list shows each). Issue 31's
     # one prepare step is to bring this to 6; until then the count may not grow.

@@ -6,7 +6,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from meshplan.cli.train_memory import memory_problem
+from meshplan.cli.train.memory_advice import memory_problem
 from meshplan.layouts import get_layout
 from meshplan.models.registry import example
 from meshplan.models.transformer import config_from_name

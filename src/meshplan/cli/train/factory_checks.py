@@ -17,7 +17,7 @@ import numpy as np
 
 from meshplan._errors import ArgumentError
 from meshplan.cli.factory import IterableBatches, Trainable
-from meshplan.cli.train_checks import Problems
+from meshplan.cli.train.checks import Problems
 
 __all__ = ["factory_problems"]
 

@@ -27,7 +27,7 @@ def memory_problem(
     tokens) is what a device holds at a time; ``batch_shards`` devices share it.
 
     Example:
-        >>> from meshplan.cli.train_memory import memory_problem
+        >>> from meshplan.cli.train.memory_advice import memory_problem
         >>> from meshplan.train.memory import MemoryShortfall
         >>> from meshplan.train.settings import TrainSettings
         >>> short = MemoryShortfall(need=5 << 30, state=1 << 30, limit=2 << 30, source="a GPU")

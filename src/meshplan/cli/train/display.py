@@ -19,11 +19,11 @@ from rich.console import Console
 from rich.table import Table
 
 from meshplan.cli.output import say, text
-from meshplan.cli.train_flags import no_mfu_why
+from meshplan.cli.train.flags import no_mfu_why
 
 if TYPE_CHECKING:
     from meshplan.cli.devices import DeviceChoice
-    from meshplan.cli.train_request import PreparedRun
+    from meshplan.cli.train.request import PreparedRun
     from meshplan.train.flops import MeshPeak
     from meshplan.train.records import TrainResult
     from meshplan.train.trainer import Trainer
@@ -33,7 +33,7 @@ __all__ = ["MetricsLog", "flop_text", "header", "own_header", "peak_memory", "su
 
 def header(console: Console, prepared: PreparedRun, devices: Any, peak: MeshPeak) -> None:
     from meshplan._text import human_bytes
-    from meshplan.cli.train_request import MODELS
+    from meshplan.cli.trained_models import MODELS
 
     trainer, config, kind, corpus = (
         prepared.trainer,
@@ -161,7 +161,7 @@ def flop_text(flops: float) -> str:
     """``2.9e13`` -> ``'29.0 TFLOP'``.
 
     Example:
-        >>> from meshplan.cli.train_output import flop_text
+        >>> from meshplan.cli.train.display import flop_text
         >>> flop_text(2.897e13), flop_text(1.9e8), flop_text(12)
         ('29.0 TFLOP', '190.0 MFLOP', '12 FLOP')
     """

@@ -16,7 +16,7 @@ from meshplan._checkpoint.folder import latest_step, read_metadata
 from meshplan._checkpoint.integrity import check_step, intact_step
 from meshplan._checkpoint.metadata import CheckpointMetadata
 from meshplan._errors import CheckpointError, MeshplanError, Problem
-from meshplan.cli.train_checks import Problems
+from meshplan.cli.train.checks import Problems
 
 __all__ = ["CheckpointRequest", "DamagedStep", "Resume", "check_checkpoint_dir"]
 

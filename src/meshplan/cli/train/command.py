@@ -4,7 +4,7 @@
 transformer-nnx`` the same model in Flax NNX; their checkpoints are interchangeable.
 
 The recipe (model, loss, data) is wired into the model-agnostic
-:class:`meshplan.train.trainer.Trainer` by :mod:`meshplan.cli.train_request`.
+:class:`meshplan.train.trainer.Trainer` by :mod:`meshplan.cli.train.request`.
 
 It runs on the machine's accelerators when JAX finds any, else on ``--devices``
 emulated CPU devices (``--platform cpu`` asks for those); the header says which.
@@ -29,11 +29,11 @@ from rich.console import Console
 from meshplan.cli.devices import PLATFORMS, select_platform
 from meshplan.cli.names_file import add_names_argument, read_names
 from meshplan.cli.output import print_error, say
-from meshplan.cli.train_flags import MODEL_FLAGS, SETTINGS, SETTINGS_FLAGS, error_in_flags, in_flags
+from meshplan.cli.train.flags import MODEL_FLAGS, SETTINGS, SETTINGS_FLAGS, error_in_flags, in_flags
 
 if TYPE_CHECKING:
     from meshplan.cli.devices import DeviceChoice
-    from meshplan.cli.train_request import TrainRequest
+    from meshplan.cli.train.request import TrainRequest
     from meshplan.train.trainer import Trainer
 
 HELP = (
@@ -211,7 +211,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _request(args: argparse.Namespace, devices: DeviceChoice | None = None) -> TrainRequest:
-    from meshplan.cli.train_request import TrainRequest
+    from meshplan.cli.train.request import TrainRequest
 
     overrides = {field: getattr(args, dest) for dest, field in MODEL_FLAGS.items()}
     overrides["scan_layers"] = args.scan_layers
@@ -250,12 +250,12 @@ def run(args: argparse.Namespace) -> int:
     from meshplan._errors import MeshplanError
 
     if args.processes is not None:
-        from meshplan.cli.train_processes import launch_workers
+        from meshplan.cli.train.processes import launch_workers
 
         return launch_workers(args)
     try:
         select_platform(args.platform, args.devices)
-        from meshplan.cli.train_processes import join_if_asked
+        from meshplan.cli.train.processes import join_if_asked
 
         group = join_if_asked(args)
         from meshplan.cli.devices import found_devices
@@ -267,10 +267,10 @@ def run(args: argparse.Namespace) -> int:
     import jax
 
     from meshplan.cli.factory import is_factory
-    from meshplan.cli.train_factory import prepare_factory_run
-    from meshplan.cli.train_output import MetricsLog, header, own_header, summary
-    from meshplan.cli.train_processes import StopOnSigterm, Terminated
-    from meshplan.cli.train_request import DamagedStep, prepare_run
+    from meshplan.cli.train.display import MetricsLog, header, own_header, summary
+    from meshplan.cli.train.factory_source import prepare_factory_run
+    from meshplan.cli.train.processes import StopOnSigterm, Terminated
+    from meshplan.cli.train.request import DamagedStep, prepare_run
 
     console = _console(jax.process_index() == 0)
     request = _request(args, devices)

@@ -23,21 +23,21 @@ from meshplan._spmd.by_path import PathRules
 from meshplan._spmd.rules import LogicalRules, logical_to_mesh_axes
 from meshplan._spmd.tree_check import no_names_in_tree
 from meshplan.cli.factory import IterableBatches, Trainable, load_factory
-from meshplan.cli.factory_checks import factory_problems
 from meshplan.cli.names_file import no_names_text, notes_text, read_names
-from meshplan.cli.train_checks import Problems
-from meshplan.cli.train_flags import MODEL_FLAGS
-from meshplan.cli.train_flags import flag as model_flag
-from meshplan.cli.train_request import (
+from meshplan.cli.train.checks import Problems
+from meshplan.cli.train.factory_checks import factory_problems
+from meshplan.cli.train.flags import MODEL_FLAGS
+from meshplan.cli.train.flags import flag as model_flag
+from meshplan.cli.train.request import (
     PreparedRun,
     TrainRequest,
-    model_of,
     placement_problems,
     raise_if_any,
     read_flags,
     resolve_settings,
     uneven_problems,
 )
+from meshplan.cli.trained_models import model_of
 from meshplan.train.build import build_parts
 from meshplan.train.parts import Checkpoints, Measures, Placement
 from meshplan.train.trainer import Trainer
@@ -52,7 +52,7 @@ def place_batch(batch: Any, mesh: Mesh, rules: LogicalRules) -> Any:
 
     Example:
         >>> import jax, numpy as np
-        >>> from meshplan.cli.train_factory import place_batch
+        >>> from meshplan.cli.train.factory_source import place_batch
         >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
         >>> images, labels = place_batch((np.zeros((8, 3, 3)), np.zeros(8, np.int32)), mesh,
         ...                              (("batch", "data"),))
@@ -88,7 +88,7 @@ def prepare_factory_run(request: TrainRequest) -> PreparedRun:
     """Checks a ``--model pkg.module:factory`` request and returns its ``PreparedRun``.
 
     Every problem is reported together, before any array is created, as for the
-    built-in Transformer (:func:`meshplan.cli.train_request.prepare_run`).
+    built-in Transformer (:func:`meshplan.cli.train.request.prepare_run`).
 
     Raises:
         MeshplanError: one bullet per problem, then the fixes.

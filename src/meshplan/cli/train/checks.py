@@ -4,7 +4,7 @@ the batch against the mesh and rules, the corpus, the metrics file.
 They run before the library builds anything: on the flags and the settings decided.
 
 Each check takes the values it checks (and the flag text to name them by) and adds
-its problems, in flag terms, to a :class:`Problems`; :mod:`meshplan.cli.train_request`
+its problems, in flag terms, to a :class:`Problems`; :mod:`meshplan.cli.train.request`
 calls them in order and raises every problem at once.
 """
 
@@ -20,7 +20,7 @@ from meshplan._spmd.mesh_info import mesh_info
 from meshplan._spmd.rules import Rules
 from meshplan._spmd.validate import check_leaf
 from meshplan.cli.mesh_text import parse_mesh_shape
-from meshplan.cli.train_flags import CODE_ADVICE
+from meshplan.cli.train.flags import CODE_ADVICE
 from meshplan.models.data import BATCH_NAMES, ByteCorpus, DataError
 from meshplan.train.device_mesh import MESH_AXES
 from meshplan.train.settings import TrainSettings

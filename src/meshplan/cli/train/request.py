@@ -39,7 +39,7 @@ from meshplan.cli.devices import (
     mesh_flag_advice,
 )
 from meshplan.cli.factory import Trainable, is_factory
-from meshplan.cli.train_checks import (
+from meshplan.cli.train.checks import (
     Problems,
     check_batch,
     check_corpus,
@@ -48,12 +48,13 @@ from meshplan.cli.train_checks import (
     load_corpus,
     parse_train_mesh,
 )
-from meshplan.cli.train_flags import setting_fix, setting_flag
-from meshplan.cli.train_memory import memory_problem
-from meshplan.cli.train_resume import DamagedStep, Resume, check_checkpoint_dir
+from meshplan.cli.train.flags import setting_fix, setting_flag
+from meshplan.cli.train.memory_advice import memory_problem
+from meshplan.cli.train.resume import DamagedStep, Resume, check_checkpoint_dir
+from meshplan.cli.trained_models import DEFAULT_MODEL, MODELS, model_of
 from meshplan.layouts import CONTEXT_EXPERT_LAYOUTS, LAYOUT_AXES, get_layout
 from meshplan.models.data import ByteCorpus, shard_batch
-from meshplan.models.registry import EXAMPLE_MODELS, example
+from meshplan.models.registry import example
 from meshplan.models.transformer import (
     CONFIG_SETTINGS,
     TransformerConfig,
@@ -70,37 +71,16 @@ from meshplan.train.trainer import Trainer
 _Problems = Problems  # (its older name)
 
 __all__ = [
-    "MODELS",
     "ByteBatches",
     "DamagedStep",
     "FlagsRead",
     "PreparedRun",
     "TrainRequest",
-    "model_of",
     "placement_problems",
     "prepare",
     "prepare_run",
     "read_flags",
 ]
-
-MODELS = {name: m.api for name, m in EXAMPLE_MODELS.items() if m.sequence}
-"""The models ``meshplan train --model`` trains, and the Flax API each is written in."""
-
-DEFAULT_MODEL = "transformer"
-"""The model of a new run, and of a checkpoint that does not say (written before ``--model``)."""
-
-
-def model_of(metadata: CheckpointMetadata) -> str:
-    """The ``--model`` a checkpoint of ``meshplan train`` holds (``transformer`` if it does not say).
-
-    Example:
-        >>> from meshplan import CheckpointMetadata
-        >>> from meshplan.cli.train_request import model_of
-        >>> nnx = CheckpointMetadata(0, {}, extra={"train": {"model": "transformer-nnx"}})
-        >>> model_of(CheckpointMetadata(0, {}, extra={"train": {}})), model_of(nnx)
-        ('transformer', 'transformer-nnx')
-    """
-    return str((metadata.extra.get("train") or {}).get("model") or DEFAULT_MODEL)
 
 
 @dataclasses.dataclass
@@ -182,7 +162,7 @@ def prepare(request: TrainRequest) -> Trainer:
     """The :class:`Trainer` of :func:`prepare_run` (every problem raised first).
 
     Example:
-        >>> from meshplan.cli.train_request import TrainRequest, prepare
+        >>> from meshplan.cli.train.request import TrainRequest, prepare
         >>> trainer = prepare(TrainRequest(mesh="2x4", config="tiny", settings={"steps": 1}))
         >>> trainer.settings.steps, dict(trainer.mesh.shape)
         (1, {'data': 2, 'model': 4})
@@ -514,7 +494,7 @@ def prepare_run(request: TrainRequest) -> PreparedRun:
 
     Example:
         >>> import meshplan
-        >>> from meshplan.cli.train_request import TrainRequest, prepare_run
+        >>> from meshplan.cli.train.request import TrainRequest, prepare_run
         >>> try:
         ...     prepare_run(TrainRequest(rules="nope", mesh="3x3"))
         ... except meshplan.MeshplanError as e:
