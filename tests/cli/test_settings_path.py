@@ -161,7 +161,7 @@ def test_the_settings_reach_the_checks_and_the_trainer():
     path = result["path"]
     assert path[0] == "meshplan.cli.train.command:run"
     for stop in (
-        "meshplan.cli.train.request:prepare_run",
+        "meshplan.cli.train.prepare:prepare_run",
         "meshplan.cli.train.memory_advice:memory_problem",
         "meshplan.train.trainer:Trainer.__init__",
         "meshplan.train.trainer:Trainer.run",

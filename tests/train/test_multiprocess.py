@@ -23,8 +23,8 @@ import pytest
 
 import meshplan
 from meshplan.cli import main
+from meshplan.cli.train import TrainRequest, prepare
 from meshplan.cli.train.launch import free_port, worker_env
-from meshplan.cli.train.request import TrainRequest, prepare
 
 TINY = ["--layers", "1", "--embed", "32", "--mlp", "64", "--max-len", "64"]
 FAST = ["--batch", "8", "--seq", "16", "--eval-batches", "2", "--eval-every", "2"]

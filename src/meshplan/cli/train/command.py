@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from meshplan.cli.devices import PLATFORMS, select_platform
-from meshplan.cli.names_file import add_names_argument, read_names
+from meshplan.cli.names_file import add_names_argument, refuse_names
 from meshplan.cli.output import print_error, say
 from meshplan.cli.train.flags import MODEL_FLAGS, SETTINGS, SETTINGS_FLAGS, error_in_flags, in_flags
 
@@ -266,26 +266,21 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import jax
 
-    from meshplan.cli.factory import is_factory
-    from meshplan.cli.train.display import MetricsLog, header, own_header, summary
-    from meshplan.cli.train.factory_source import prepare_factory_run
+    from meshplan.cli.train.display import MetricsLog, summary
+    from meshplan.cli.train.prepare import prepare_run
     from meshplan.cli.train.processes import StopOnSigterm, Terminated
-    from meshplan.cli.train.request import DamagedStep, prepare_run
+    from meshplan.cli.train.request import DamagedStep
 
     console = _console(jax.process_index() == 0)
     request = _request(args, devices)
-    if request.names is not None and not (request.model and is_factory(request.model)):
-        try:
-            read_names(request.names, request.model)  # refused: a built-in model's own names
-        except MeshplanError as e:
-            print_error(e)
-            return 2
+    try:
+        refuse_names(request.names, request.model)  # a built-in model carries its own names
+    except MeshplanError as e:
+        print_error(e)
+        return 2
     while True:
         try:
-            if request.model is not None and is_factory(request.model):
-                prepared = prepare_factory_run(request)
-            else:
-                prepared = prepare_run(request)
+            prepared = prepare_run(request)  # every model source: one prepare step
             trainer = prepared.trainer
         except MeshplanError as e:
             print_error(e)  # every problem, then the fixes in flag terms
@@ -342,17 +337,9 @@ def run(args: argparse.Namespace) -> int:
         for note in trainer.notes:
             say(Console(stderr=True), ("note: ", "bold"), in_flags(note), soft_wrap=True)
     peak = prepared.peak
-    own = prepared.trainable is not None  # --model pkg.module:factory
-    if own:
-        from meshplan.train.flops import MeshPeak
-
-        peak = MeshPeak(None, None, "no FLOP count for a model of your own")
-        units = ("examples/s", "")
-        own_header(console, prepared, devices)
-    else:
-        assert peak is not None  # the request names the devices
-        units = ("tokens/s", " nats/byte")
-        header(console, prepared, devices, peak)
+    source = prepared.source
+    rate, per = source.units  # ("tokens/s", " nats/byte") for the built-in Transformer
+    source.header(console, trainer, devices, peak)
 
     from rich.progress import (
         BarColumn,
@@ -369,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("loss {task.fields[loss]}"),
-        TextColumn("{task.fields[tps]} " + ("examples/s" if own else "tok/s")),
+        TextColumn("{task.fields[tps]} " + rate.replace("tokens/s", "tok/s")),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         console=console,
@@ -397,7 +384,7 @@ def run(args: argparse.Namespace) -> int:
         stop.check(record.step)
 
     def on_eval(step: int, loss: float) -> None:
-        say(progress.console, f"step {step:>5}  valid loss {loss:.3f}{units[1]}")
+        say(progress.console, f"step {step:>5}  valid loss {loss:.3f}{per}")
         log({"step": step, "valid_loss": loss})
 
     started = time.perf_counter()  # the bar's clock: the summary's time is the same
@@ -438,7 +425,7 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         _close(trainer)  # any other error: let the save in progress reach the disk first
         raise
-    summary(console, trainer, result, devices, peak, time.perf_counter() - started, units)
+    summary(console, trainer, result, devices, peak, time.perf_counter() - started, (rate, per))
     if jax.process_index() != 0:
         say(
             Console(stderr=True),

@@ -23,7 +23,9 @@ from meshplan.cli.train.flags import no_mfu_why
 
 if TYPE_CHECKING:
     from meshplan.cli.devices import DeviceChoice
-    from meshplan.cli.train.request import PreparedRun
+    from meshplan.cli.factory import Trainable
+    from meshplan.models.data import ByteCorpus
+    from meshplan.models.transformer import TransformerConfig
     from meshplan.train.flops import MeshPeak
     from meshplan.train.records import TrainResult
     from meshplan.train.trainer import Trainer
@@ -31,20 +33,27 @@ if TYPE_CHECKING:
 __all__ = ["MetricsLog", "flop_text", "header", "own_header", "peak_memory", "summary"]
 
 
-def header(console: Console, prepared: PreparedRun, devices: Any, peak: MeshPeak) -> None:
+def header(
+    console: Console,
+    trainer: Trainer,
+    config: TransformerConfig,
+    kind: str,
+    corpus: ByteCorpus,
+    devices: DeviceChoice,
+    peak: MeshPeak,
+) -> None:
+    """The header of a run of the built-in Transformer (``kind``): the model, the mesh, the
+    data, the devices and the plan per device."""
     from meshplan._text import human_bytes
     from meshplan.cli.trained_models import MODELS
 
-    trainer, config, kind, corpus = (
-        prepared.trainer,
-        prepared.config,
-        prepared.model,
-        prepared.corpus,
-    )
-    assert config is not None and corpus is not None  # the built-in Transformer's run
     s = trainer.settings
+    # The command's own words first, then what the library sums up (no going back and forth).
+    mesh = "x".join(str(v) for v in trainer.mesh.shape.values())
+    remat, mfu = _remat_text(config), _mfu_line(peak)
+    resumed = _resume_line(trainer, mesh, trainer.layout_name)
+    pipeline = _pipeline_line(config, trainer)
     summary = trainer.plan_summary()
-    mesh = "x".join(str(v) for v in summary["mesh"].values())
     lines: list[list[Any]] = [
         [
             ("meshplan train", "bold"),
@@ -65,7 +74,7 @@ def header(console: Console, prepared: PreparedRun, devices: Any, peak: MeshPeak
             (str(summary["layout"]), "bold"),
             f"; batch {s.batch} x {s.seq_len} bytes"
             + (f" in {s.grad_accum} microbatches" if s.grad_accum > 1 else "")
-            + _remat_text(config)
+            + remat
             + f", lr {s.lr:g}, seed {s.seed}",
         ],
         [
@@ -76,13 +85,12 @@ def header(console: Console, prepared: PreparedRun, devices: Any, peak: MeshPeak
             devices.describe() + f"; compute dtype {config.dtype}, parameters and AdamW "
             f"state float32; {flop_text(trainer.flops_per_step or 0)} a step"
         ],
-        [f"MFU against: {peak.label}" if peak.flops else f"no MFU: {no_mfu_why(peak)}"],
+        [mfu],
     ]
-    pipeline = _pipeline_line(config, trainer)
     if pipeline:
         lines.insert(2, [pipeline])
-    if trainer.resume_from is not None:
-        lines.append([_resume_line(trainer, mesh, str(summary["layout"]))])
+    if resumed:
+        lines.append([resumed])
     for line in lines:
         say(console, *line, soft_wrap=True)
     table = Table(title=text(f"Plan per device ({summary['source']})"), title_justify="left")
@@ -102,10 +110,17 @@ def header(console: Console, prepared: PreparedRun, devices: Any, peak: MeshPeak
     console.print(table)
 
 
+def _mfu_line(peak: MeshPeak) -> str:
+    """``MFU against: ...``, or why there is none, in flags."""
+    return f"MFU against: {peak.label}" if peak.flops else f"no MFU: {no_mfu_why(peak)}"
+
+
 def _resume_line(trainer: Trainer, mesh: str, layout: str) -> str:
-    """``resuming from step N of DIR (saved on 2x4 with fsdp_tp) onto 4x2 with fsdp``."""
+    """``resuming from step N of DIR (saved on 2x4 with fsdp_tp) onto 4x2 with fsdp``, or ``''``
+    for a run that does not resume."""
     meta = trainer.resume_from
-    assert meta is not None
+    if meta is None:
+        return ""
     saved_mesh = "x".join(str(v) for v in meta.mesh_shape.values()) or "?"
     saved_by = int(meta.extra.get("processes") or 1)
     return (
@@ -126,10 +141,10 @@ def _remat_text(config: Any) -> str:
     return f", remat {str(policy).replace('_', '-')}"
 
 
-def own_header(console: Console, prepared: PreparedRun, devices: Any) -> None:
+def own_header(
+    console: Console, trainer: Trainer, own: Trainable, spec: str, devices: DeviceChoice
+) -> None:
     """The header of a ``--model pkg.module:factory`` run: the model, the mesh, the batches."""
-    trainer, own = prepared.trainer, prepared.trainable
-    assert own is not None
     s = trainer.settings
     summary = trainer.plan_summary()
     mesh = "x".join(str(v) for v in summary["mesh"].values())
@@ -139,8 +154,7 @@ def own_header(console: Console, prepared: PreparedRun, devices: Any) -> None:
     lines: list[list[Any]] = [
         [
             ("meshplan train", "bold"),
-            f": {own.name} ({own.api}) from --model {prepared.model} "
-            f"({summary['parameters']:,} parameters)",
+            f": {own.name} ({own.api}) from --model {spec} ({summary['parameters']:,} parameters)",
         ],
         [
             f"on a {mesh} mesh {tuple(trainer.mesh.axis_names)} with layout ",

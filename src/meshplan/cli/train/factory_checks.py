@@ -17,7 +17,7 @@ import numpy as np
 
 from meshplan._errors import ArgumentError
 from meshplan.cli.factory import IterableBatches, Trainable
-from meshplan.cli.train.checks import Problems
+from meshplan.cli.train.findings import Findings
 
 __all__ = ["factory_problems"]
 
@@ -26,7 +26,7 @@ def _leaf_name(path: Any) -> str:
     return "batch" + jax.tree_util.keystr(tuple(path))
 
 
-def _batch_problems(spec: str, what: str, batch: Any, example: Any, problems: Problems) -> None:
+def _batch_problems(spec: str, what: str, batch: Any, example: Any, problems: Findings) -> None:
     """What differs between ``batch`` (e.g. ``batches('train', 0)``) and the example batch."""
     got = jax.tree_util.tree_structure(batch)
     want = jax.tree_util.tree_structure(example)
@@ -97,7 +97,7 @@ def _batch_problems(spec: str, what: str, batch: Any, example: Any, problems: Pr
             )
 
 
-def _loss_problems(spec: str, trainable: Trainable, params: Any, problems: Problems) -> None:
+def _loss_problems(spec: str, trainable: Trainable, params: Any, problems: Findings) -> None:
     """The loss traced on the example batch: one floating scalar, or the error it raised."""
     train = trainable.model
     try:
@@ -127,7 +127,7 @@ def _loss_problems(spec: str, trainable: Trainable, params: Any, problems: Probl
 
 
 def factory_problems(
-    spec: str, trainable: Trainable, params: Any, eval_batches: int, problems: Problems
+    spec: str, trainable: Trainable, params: Any, eval_batches: int, problems: Findings
 ) -> None:
     """Adds to ``problems`` what is wrong with the factory's batches and loss (see the module).
 
