@@ -35,9 +35,7 @@ def _check(model, abstract, settings, mesh, rules):
         "Use --batch {largest} or less",
         "a shorter --seq, --remat",
     )
-    return (
-        None if shortfall is None else memory_problem(shortfall, settings, words, mesh.shape, rules)
-    )
+    return None if shortfall is None else memory_problem(shortfall, settings, 2, words)
 
 
 def test_a_step_that_fits_passes_and_one_that_does_not_names_a_batch_that_does(monkeypatch):

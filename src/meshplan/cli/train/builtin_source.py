@@ -23,7 +23,7 @@ from meshplan._checkpoint.metadata import CheckpointMetadata
 from meshplan._errors import CheckpointError, MeshplanError
 from meshplan._spmd.rules import LogicalRules
 from meshplan.cli.factory import is_factory
-from meshplan.cli.train.checks import check_batch, check_corpus, check_pipeline, load_corpus
+from meshplan.cli.train.checks import check_batch, check_pipeline, load_corpus
 from meshplan.cli.train.display import header
 from meshplan.cli.train.findings import Findings
 from meshplan.cli.train.memory_advice import BatchWords
@@ -143,7 +143,7 @@ class BuiltInSource:
         elif stored is not None:
             data = (stored.extra.get("train") or {}).get("data")
         self.data = data
-        self.corpus = load_corpus(data, found.data)
+        self.corpus = load_corpus(data, settings, found.data)  # and a window of each split
         try:
             config = _resolve_config(request, stored)
         except (ValueError, TypeError) as e:
@@ -172,8 +172,8 @@ class BuiltInSource:
     def check(
         self, request: TrainRequest, flags: FlagsRead, settings: TrainSettings, found: Found
     ) -> None:
-        """The batch of tokens against the mesh's sizes and the rules, the pipeline the rules
-        make, and a window of each split of the corpus."""
+        """The batch of tokens against the mesh's sizes and the rules, and the pipeline the
+        rules make."""
         settings_ok = not settings.problems()
         if flags.shape is not None and flags.rules is not None and settings_ok:
             shards = check_batch(
@@ -183,8 +183,6 @@ class BuiltInSource:
                 given = any(request.overrides.get(f) is not None for f in PIPELINE_FIELDS)
                 check_pipeline(str(request.rules), request.mesh, self.transformer, settings,
                                flags.shape, flags.rules, given, shards, found.batch)  # fmt: skip
-        if self.corpus is not None and settings_ok:
-            check_corpus(self.corpus, settings, found.data)
 
     def example_batch(self, settings: TrainSettings) -> PyTree | None:
         return None  # checked before the build, against the mesh's sizes (check_batch)

@@ -17,11 +17,11 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from meshplan._errors import MeshError, MeshplanError, error_for
 from meshplan._spmd.mesh_info import mesh_info
-from meshplan._spmd.rules import Rules
+from meshplan._spmd.rules import LogicalRules, Rules, logical_to_mesh_axes
 from meshplan._spmd.validate import check_leaf
 from meshplan.cli.devices import choose_devices, count_from_xla_flags, mesh_flag_advice
 from meshplan.cli.mesh_text import parse_mesh_shape
@@ -34,12 +34,13 @@ from meshplan.train.settings import TrainSettings
 
 if TYPE_CHECKING:
     from meshplan.cli.train.request import TrainRequest
+    from meshplan.models.transformer import TransformerConfig
     from meshplan.train.build import BuiltParts
 
 __all__ = [
     "FlagsRead",
+    "batch_shards",
     "check_batch",
-    "check_corpus",
     "check_metrics_file",
     "check_pipeline",
     "load_corpus",
@@ -49,17 +50,24 @@ __all__ = [
 ]
 
 
-def load_corpus(data: str | None, found: Findings) -> ByteCorpus | None:
+def load_corpus(data: str | None, settings: TrainSettings, found: Findings) -> ByteCorpus | None:
+    """The byte corpus of ``--data`` (``None``: the Python standard library), and, when the
+    settings are sane, both its splits checked to hold a window of ``seq_len + 1`` bytes."""
     try:
-        return ByteCorpus.from_stdlib() if data is None else ByteCorpus.from_path(data)
+        corpus = ByteCorpus.from_stdlib() if data is None else ByteCorpus.from_path(data)
     except MeshplanError as e:
         found.add_error(e)
+        return None
     except (ValueError, OSError) as e:  # the file system's words: the message is all there is
-        found.add(
-            DataError, f"cannot read --data {data!r}: {type(e).__name__}: {e}", "", "data-unreadable",
-            "--data",
-        )  # fmt: skip
-    return None
+        message = f"cannot read --data {data!r}: {type(e).__name__}: {e}"
+        found.add(DataError, message, "", "data-unreadable", "--data")
+        return None
+    for split in ("train", "valid") if not settings.problems() else ():
+        try:
+            corpus.check_window(split, settings.seq_len)
+        except DataError as e:
+            found.add_error(e)
+    return corpus
 
 
 def check_batch(
@@ -151,7 +159,7 @@ def check_batch(
 def check_pipeline(
     layout: str,
     mesh_text: str,
-    config: Any,
+    config: TransformerConfig,
     settings: TrainSettings,
     shape: Mapping[str, int],
     rules: Rules,
@@ -212,15 +220,6 @@ def check_pipeline(
             f"(--microbatches x {batch_shards} x --grad-accum), or fewer --microbatches.",
             "pipeline-batch",
         )
-
-
-def check_corpus(corpus: Any, settings: TrainSettings, found: Findings) -> None:
-    """Both splits hold at least one window of ``seq_len + 1`` bytes."""
-    for split in ("train", "valid"):
-        try:
-            corpus.check_window(split, settings.seq_len)
-        except DataError as e:
-            found.add_error(e)
 
 
 def parse_train_mesh(text: str, axes: str | None = None) -> dict[str, int]:
@@ -317,6 +316,8 @@ class FlagsRead:
         ckpt: The problems of ``--ckpt-dir`` and ``--resume``.
         metrics: The problems of ``--metrics``.
         layout: The problems of ``--rules``.
+        batch_shards: The devices the rules split ``'batch'`` over on the mesh (1 without
+            a mesh or rules).
     """
 
     shape: dict[str, int] | None
@@ -328,6 +329,7 @@ class FlagsRead:
     ckpt: Findings
     metrics: Findings
     layout: Findings
+    batch_shards: int = 1
 
 
 def read_flags(request: TrainRequest) -> FlagsRead:
@@ -361,7 +363,8 @@ def read_flags(request: TrainRequest) -> FlagsRead:
         rules = Rules.of(get_layout(request.rules))  # get_layout validates; Rules.of indexes
     except MeshplanError as e:
         layout.add_error(e, f"--rules {request.rules}")
-    return FlagsRead(shape, needed, ckpt_dir, resume, rules, mesh, ckpt, metrics, layout)
+    shards = 1 if shape is None or rules is None else batch_shards(shape, rules.pairs)
+    return FlagsRead(shape, needed, ckpt_dir, resume, rules, mesh, ckpt, metrics, layout, shards)
 
 
 def placement_problems(
@@ -373,3 +376,16 @@ def placement_problems(
         flags.mesh.add_error(mesh_flag_advice(parts.mesh_error, flags.needed))
     if parts.rules_error is not None:
         problems.add_error(parts.rules_error, f"--rules {layout}")
+
+
+def batch_shards(shape: Mapping[str, int], rules: LogicalRules) -> int:
+    """How many devices the rules split ``'batch'`` over, on a mesh of ``shape``.
+
+    Example:
+        >>> from meshplan.cli.train.checks import batch_shards
+        >>> batch_shards({"data": 2, "model": 4}, (("batch", ("data", "model")),))
+        8
+    """
+    axes = logical_to_mesh_axes(("batch",), rules)[0]
+    named = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return max(math.prod(int(shape.get(a, 1)) for a in named), 1)

@@ -22,7 +22,7 @@ import dataclasses
 import signal
 import time
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
@@ -270,6 +270,7 @@ def run(args: argparse.Namespace) -> int:
     from meshplan.cli.train.prepare import prepare_run
     from meshplan.cli.train.processes import StopOnSigterm, Terminated
     from meshplan.cli.train.request import DamagedStep
+    from meshplan.train.records import StepRecord
 
     console = _console(jax.process_index() == 0)
     request = _request(args, devices)
@@ -369,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
 
     timed = [0.0, 0.0]  # tokens and seconds of the timed steps: the summary's tokens/s too
 
-    def on_step(record: Any) -> None:  # a StepRecord, while the device runs the next step
+    def on_step(record: StepRecord) -> None:  # while the device runs the next step
         assert task is not None  # added before the run starts
         if record.step_time_s and record.tokens_per_s:
             timed[0] += record.tokens_per_s * record.step_time_s

@@ -13,7 +13,8 @@ import errno
 import json
 import os
 import stat
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TextIO
 
 from rich.console import Console
 from rich.table import Table
@@ -130,14 +131,12 @@ def _resume_line(trainer: Trainer, mesh: str, layout: str) -> str:
     )
 
 
-def _remat_text(config: Any) -> str:
+def _remat_text(config: TransformerConfig | Mapping[str, object] | None) -> str:
     """``', remat full'`` when the model rematerialises its blocks, else ``''``."""
-    remat = config.get("remat") if isinstance(config, dict) else getattr(config, "remat", False)
-    if not remat:
+    fields = config if isinstance(config, Mapping) else vars(config) if config else {}
+    if not fields.get("remat"):
         return ""
-    policy = (
-        config.get("remat_policy") if isinstance(config, dict) else config.remat_policy
-    ) or "full"
+    policy = fields.get("remat_policy") or "full"
     return f", remat {str(policy).replace('_', '-')}"
 
 
@@ -185,7 +184,7 @@ def flop_text(flops: float) -> str:
     return f"{flops:,.0f} FLOP"
 
 
-def peak_memory(devices: Any) -> int | None:
+def peak_memory(devices: DeviceChoice) -> int | None:
     """The most bytes any of ``devices`` held at once (``memory_stats()``), or ``None``."""
     peaks = []
     for device in devices.devices:
@@ -280,7 +279,7 @@ class MetricsLog(contextlib.AbstractContextManager["MetricsLog", None]):
 
     def __init__(self, path: str | None) -> None:
         self.path = path
-        self._file: Any = None
+        self._file: TextIO | None = None
 
     def __enter__(self) -> MetricsLog:
         path = self.path
@@ -353,7 +352,7 @@ class MetricsLog(contextlib.AbstractContextManager["MetricsLog", None]):
                 raise self._failed(e, "closing it") from e
 
 
-def _pipeline_line(config: Any, trainer: Any) -> str:
+def _pipeline_line(config: TransformerConfig, trainer: Trainer) -> str:
     """``pipeline: 4 stages x 1 layer group, 8 microbatches: bubble 27% of a step``, or ``''``."""
     from meshplan import PipelineSchedule
     from meshplan._spmd.pipeline import stage_axes

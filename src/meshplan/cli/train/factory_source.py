@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
+from numpy.typing import ArrayLike
 
 from meshplan._checkpoint.metadata import CheckpointMetadata
 from meshplan._errors import ArgumentError, CheckpointError, MeshplanError
@@ -73,7 +74,7 @@ def batch_placer(mesh: Mesh, rules: LogicalRules) -> Callable[[PyTree], PyTree]:
     """:func:`place_batch` for every step's batch: each rank's sharding is resolved once."""
     shardings: dict[int, NamedSharding] = {}
 
-    def put(x: Any) -> jax.Array:
+    def put(x: ArrayLike) -> jax.Array:
         x = np.asarray(x)
         if x.ndim not in shardings:
             spec = logical_to_mesh_axes(("batch",) + (None,) * (x.ndim - 1), rules)

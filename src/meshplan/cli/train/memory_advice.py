@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
 
 from meshplan._errors import Problem
-from meshplan._spmd.rules import LogicalRules, logical_to_mesh_axes
 from meshplan._text import human_bytes
 from meshplan.train.memory import MemoryShortfall
 from meshplan.train.settings import TrainSettings
 
-__all__ = ["BatchWords", "batch_shards", "memory_problem"]
+__all__ = ["BatchWords", "memory_problem"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,16 +40,12 @@ class BatchWords:
 
 
 def memory_problem(
-    shortfall: MemoryShortfall,
-    settings: TrainSettings,
-    words: BatchWords,
-    shape: Mapping[str, int],
-    rules: LogicalRules,
+    shortfall: MemoryShortfall, settings: TrainSettings, batch_shards: int, words: BatchWords
 ) -> Problem:
     """The step that does not fit (code ``'out-of-memory'``), with the largest batch that does.
 
     The step of one microbatch (``batch / grad_accum`` rows) is what a device holds at a
-    time; the devices the rules split ``'batch'`` over on a mesh of ``shape`` share it.
+    time; ``batch_shards`` devices share it (:attr:`~meshplan.cli.train.checks.FlagsRead.batch_shards`).
 
     Example:
         >>> from meshplan.cli.train.memory_advice import BatchWords, memory_problem
@@ -60,12 +54,11 @@ def memory_problem(
         >>> short = MemoryShortfall(need=5 << 30, state=1 << 30, limit=2 << 30, source="a GPU")
         >>> words = BatchWords("--batch 64", "sequences of 256 bytes", "Use --batch {largest} "
         ...                    "or less", "a shorter --seq")
-        >>> problem = memory_problem(short, TrainSettings(batch=64, seq_len=256), words,
-        ...                          {"data": 2, "model": 4}, (("batch", "data"),))
+        >>> problem = memory_problem(short, TrainSettings(batch=64, seq_len=256), 2, words)
         >>> problem.code, problem.fix.split(" (")[0]
         ('out-of-memory', 'Use --batch 16 or less')
     """
-    shards = batch_shards(shape, rules)
+    shards = batch_shards
     need, state, limit = shortfall.need, shortfall.state, shortfall.limit
     micro = max(settings.batch // settings.grad_accum, 1)
     rest = need - state  # activations, gradients, temporaries and the batch: they grow with it
@@ -105,16 +98,3 @@ def memory_problem(
         fix,
         shortfall.code,
     )
-
-
-def batch_shards(shape: Mapping[str, int], rules: LogicalRules) -> int:
-    """How many devices the rules split ``'batch'`` over, on a mesh of ``shape``.
-
-    Example:
-        >>> from meshplan.cli.train.memory_advice import batch_shards
-        >>> batch_shards({"data": 2, "model": 4}, (("batch", ("data", "model")),))
-        8
-    """
-    axes = logical_to_mesh_axes(("batch",), rules)[0]
-    named = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    return max(math.prod(int(shape[a]) for a in named), 1)

@@ -177,7 +177,7 @@ def prepare_run(request: TrainRequest) -> PreparedRun:
     problems = found.ordered(flags, mesh_made=mesh is not None)
     if not problems.items and parts.memory is not None and mesh is not None and rules is not None:
         words = source.memory_words(settings)
-        oom = memory_problem(parts.memory, settings, words, mesh.shape, rules)
+        oom = memory_problem(parts.memory, settings, flags.batch_shards, words)
         problems.items.append((MeshplanError, oom))  # the one problem: nothing else is wrong
     raise_if_any(problems, flags.ckpt_dir)
     assert mesh is not None and rules is not None and model is not None
