@@ -27,8 +27,9 @@ from meshplan.cli.train.checks import check_batch, check_pipeline, load_corpus
 from meshplan.cli.train.display import header
 from meshplan.cli.train.findings import Findings
 from meshplan.cli.train.memory_advice import BatchWords
-from meshplan.cli.train.source import Found, PyTree, uneven_problems
+from meshplan.cli.train.source import Found, uneven_problems
 from meshplan.cli.trained_models import DEFAULT_MODEL, MODELS, model_of
+from meshplan.cli.trees import PyTree
 from meshplan.models.data import ByteCorpus, shard_batch
 from meshplan.models.registry import example
 from meshplan.models.transformer import (

@@ -18,7 +18,7 @@ import numpy as np
 from meshplan._errors import ArgumentError
 from meshplan.cli.factory import IterableBatches, Trainable
 from meshplan.cli.train.findings import Findings
-from meshplan.cli.train.source import PyTree
+from meshplan.cli.trees import PyTree
 
 __all__ = ["factory_problems"]
 

@@ -34,8 +34,9 @@ from meshplan.cli.train.findings import Findings
 from meshplan.cli.train.flags import MODEL_FLAGS
 from meshplan.cli.train.flags import flag as model_flag
 from meshplan.cli.train.memory_advice import BatchWords
-from meshplan.cli.train.source import Found, PyTree, uneven_problems
+from meshplan.cli.train.source import Found, uneven_problems
 from meshplan.cli.trained_models import model_of
+from meshplan.cli.trees import PyTree
 from meshplan.train.flops import MeshPeak
 from meshplan.train.model import TrainModel
 from meshplan.train.settings import TrainSettings

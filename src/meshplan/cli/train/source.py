@@ -15,10 +15,11 @@ pkg.module:factory``). A third source is one more class with the methods of
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol
 
 from meshplan._errors import MeshError, Problem
 from meshplan.cli.train.findings import Findings
+from meshplan.cli.trees import PyTree
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -36,10 +37,7 @@ if TYPE_CHECKING:
     from meshplan.train.settings import TrainSettings
     from meshplan.train.trainer import Batches, Trainer
 
-__all__ = ["Found", "ModelSource", "PyTree", "uneven_problems"]
-
-PyTree: TypeAlias = Any
-"""A tree of arrays (a batch, a state): JAX's pytrees have no static type."""
+__all__ = ["Found", "ModelSource", "uneven_problems"]
 
 
 @dataclasses.dataclass
