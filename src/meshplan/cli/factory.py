@@ -49,8 +49,8 @@ from typing import TYPE_CHECKING
 
 from meshplan._errors import ArgumentError, LogicalNamesError
 from meshplan._spmd.by_path import PathRules
+from meshplan.cli.aliases import Batches, LossFn, PyTree, StepFn
 from meshplan.cli.factory_names import Namer, functional_model, is_functional
-from meshplan.cli.trees import Batches, LossFn, PyTree, StepFn
 from meshplan.models.registry import EXAMPLE_MODELS
 
 if TYPE_CHECKING:

@@ -22,14 +22,14 @@ from jax.sharding import Mesh
 from meshplan._checkpoint.metadata import CheckpointMetadata
 from meshplan._errors import CheckpointError, MeshplanError
 from meshplan._spmd.rules import LogicalRules
+from meshplan.cli.aliases import PyTree
 from meshplan.cli.factory import is_factory
-from meshplan.cli.train.checks import check_batch, check_pipeline, load_corpus
 from meshplan.cli.train.display import header
 from meshplan.cli.train.findings import Findings
 from meshplan.cli.train.memory_advice import BatchWords
+from meshplan.cli.train.preflight import check_batch, check_pipeline, load_corpus
 from meshplan.cli.train.source import Found, uneven_problems
 from meshplan.cli.trained_models import DEFAULT_MODEL, MODELS, model_of
-from meshplan.cli.trees import PyTree
 from meshplan.models.data import ByteCorpus, shard_batch
 from meshplan.models.registry import example
 from meshplan.models.transformer import (
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from meshplan.cli.devices import DeviceChoice
-    from meshplan.cli.train.checks import FlagsRead
+    from meshplan.cli.train.preflight import FlagsRead
     from meshplan.cli.train.request import TrainRequest
     from meshplan.train.build import BuiltParts
     from meshplan.train.trainer import Trainer

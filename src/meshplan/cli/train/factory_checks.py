@@ -16,9 +16,9 @@ import jax
 import numpy as np
 
 from meshplan._errors import ArgumentError
+from meshplan.cli.aliases import PyTree
 from meshplan.cli.factory import IterableBatches, Trainable
 from meshplan.cli.train.findings import Findings
-from meshplan.cli.trees import PyTree
 
 __all__ = ["factory_problems"]
 

@@ -26,6 +26,7 @@ from meshplan._errors import ArgumentError, CheckpointError, MeshplanError
 from meshplan._spmd.by_path import PathRules
 from meshplan._spmd.rules import LogicalRules, logical_to_mesh_axes
 from meshplan._spmd.tree_check import no_names_in_tree
+from meshplan.cli.aliases import PyTree
 from meshplan.cli.factory import IterableBatches, Trainable, load_factory
 from meshplan.cli.names_file import no_names_text, notes_text, read_names
 from meshplan.cli.train.display import own_header
@@ -36,7 +37,6 @@ from meshplan.cli.train.flags import flag as model_flag
 from meshplan.cli.train.memory_advice import BatchWords
 from meshplan.cli.train.source import Found, uneven_problems
 from meshplan.cli.trained_models import model_of
-from meshplan.cli.trees import PyTree
 from meshplan.train.flops import MeshPeak
 from meshplan.train.model import TrainModel
 from meshplan.train.settings import TrainSettings
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from meshplan.cli.devices import DeviceChoice
-    from meshplan.cli.train.checks import FlagsRead
+    from meshplan.cli.train.preflight import FlagsRead
     from meshplan.cli.train.request import TrainRequest
     from meshplan.train.build import BuiltParts
     from meshplan.train.trainer import Batches, Trainer

@@ -45,7 +45,7 @@ def memory_problem(
     """The step that does not fit (code ``'out-of-memory'``), with the largest batch that does.
 
     The step of one microbatch (``batch / grad_accum`` rows) is what a device holds at a
-    time; ``batch_shards`` devices share it (:attr:`~meshplan.cli.train.checks.FlagsRead.batch_shards`).
+    time; ``batch_shards`` devices share it (:attr:`~meshplan.cli.train.preflight.FlagsRead.batch_shards`).
 
     Example:
         >>> from meshplan.cli.train.memory_advice import BatchWords, memory_problem

@@ -20,11 +20,11 @@ from meshplan._checkpoint.metadata import CheckpointMetadata
 from meshplan._errors import MeshplanError
 from meshplan.cli.factory import Trainable, is_factory
 from meshplan.cli.train.builtin_source import BuiltInSource
-from meshplan.cli.train.checks import placement_problems, read_flags
 from meshplan.cli.train.factory_source import FactorySource
 from meshplan.cli.train.findings import Findings
 from meshplan.cli.train.flags import setting_fix, setting_flag
 from meshplan.cli.train.memory_advice import memory_problem
+from meshplan.cli.train.preflight import placement_problems, read_flags
 from meshplan.cli.train.request import TrainRequest
 from meshplan.cli.train.source import Found, ModelSource
 from meshplan.models.data import ByteCorpus

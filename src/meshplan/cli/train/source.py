@@ -18,8 +18,8 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Protocol
 
 from meshplan._errors import MeshError, Problem
+from meshplan.cli.aliases import PyTree
 from meshplan.cli.train.findings import Findings
-from meshplan.cli.trees import PyTree
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from meshplan._checkpoint.metadata import CheckpointMetadata
     from meshplan._spmd.rules import LogicalRules
     from meshplan.cli.devices import DeviceChoice
-    from meshplan.cli.train.checks import FlagsRead
     from meshplan.cli.train.memory_advice import BatchWords
+    from meshplan.cli.train.preflight import FlagsRead
     from meshplan.cli.train.request import TrainRequest
     from meshplan.train.build import BuiltParts
     from meshplan.train.flops import MeshPeak

@@ -382,7 +382,7 @@ def batch_shards(shape: Mapping[str, int], rules: LogicalRules) -> int:
     """How many devices the rules split ``'batch'`` over, on a mesh of ``shape``.
 
     Example:
-        >>> from meshplan.cli.train.checks import batch_shards
+        >>> from meshplan.cli.train.preflight import batch_shards
         >>> batch_shards({"data": 2, "model": 4}, (("batch", ("data", "model")),))
         8
     """
