@@ -12,8 +12,8 @@ optimizer (:func:`meshplan.train.settings.make_optimizer`:
   with ``jax.device_put`` each step, and the loss of the step before read
   (``float``) after the next one is dispatched;
 * ``trainer``: :class:`meshplan.train.trainer.Trainer` (``run``), built by the
-  command's own :func:`~meshplan.cli.train_request.prepare_run` (or
-  ``prepare_factory_run`` for ``--model pkg.module:factory``);
+  command's own :func:`~meshplan.cli.train.prepare.prepare_run` (the built-in
+  Transformer and ``--model pkg.module:factory`` alike);
 * ``cli`` (with ``--cli``): ``meshplan train`` end to end in a process of its
   own, against the bare loop in a process of its own, both alternating.
 
@@ -86,7 +86,7 @@ CASES: dict[str, list[str]] = {
 def _request(case: str, mesh: str, steps: int, devices: Any = None) -> Any:
     """The :class:`TrainRequest` of ``case`` (its flags read by the command's own parser)."""
     from meshplan.cli.app import build_parser
-    from meshplan.cli.train import _request as request_of
+    from meshplan.cli.train.command import _request as request_of
 
     argv = ["train", "--rules", "data_parallel", "--mesh", mesh, *CASES[case]]
     argv += ["--steps", str(steps), "--eval-every", "0", "--eval-batches", "1"]
@@ -94,14 +94,9 @@ def _request(case: str, mesh: str, steps: int, devices: Any = None) -> Any:
 
 
 def _prepared(case: str, mesh: str, steps: int) -> Any:
-    from meshplan.cli.factory import is_factory
-    from meshplan.cli.train_factory import prepare_factory_run
-    from meshplan.cli.train_request import prepare_run
+    from meshplan.cli.train import prepare_run
 
-    request = _request(case, mesh, steps)
-    if request.model is not None and is_factory(request.model):
-        return prepare_factory_run(request)
-    return prepare_run(request)
+    return prepare_run(_request(case, mesh, steps))  # every model source: one prepare step
 
 
 @dataclasses.dataclass

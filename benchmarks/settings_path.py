@@ -1,6 +1,6 @@
 """How far the settings of ``meshplan train`` travel: modules visited and back-steps, statically.
 
-Starts at ``meshplan/cli/train.py:run(args)`` and follows the settings through the
+Starts at ``meshplan.cli.train:run(args)`` (``cli/train/command.py``) and follows the settings through the
 code without running it:
 
 * a *carrier* of the settings is ``args``, a value read from a carrier
@@ -19,7 +19,10 @@ code without running it:
   class (its ``__init__``), ``self.method``, or ``obj.method`` when ``obj`` was
   built by a known class or by a function annotated to return one (or is a field
   annotated with one of a known class: ``prepared.trainer``), else (``obj``
-  a carrier) when exactly one class of the package defines that method. Calls that cannot be
+  a carrier) when exactly one class of the package defines that method. A method of a
+  ``typing.Protocol`` (``source.given(...)``, ``source`` a ``ModelSource``) is that method
+  of every class of the package that defines all of the protocol's methods, followed as
+  alternatives, as the branches of an ``if``: one run calls one of them. Calls that cannot be
   resolved (third-party code, callbacks, ``getattr``) are not followed.
 
 Each function is a *stop* the first time the walk reaches it (depth first, in
@@ -143,6 +146,31 @@ class Index:
                         f = Function(module, f"{node.name}.{item.name}", item, node.name)
                         self.functions[f.key] = f
                         self.methods.setdefault(item.name, []).append(f.key)
+
+    def implementations(self, key: str) -> list[str]:
+        """A ``typing.Protocol``'s method ``'module:Proto.name'``: that method of every class
+        of the package that defines every method of the protocol (a run calls one of them);
+        ``[]`` for any other function."""
+        module, _, qualname = key.partition(":")
+        owner, _, name = qualname.rpartition(".")
+        found = self.classes.get(f"{module}:{owner}") if owner else None
+        if found is None or not any(ast.unparse(b).endswith("Protocol") for b in found[1].bases):
+            return []
+        wanted = {
+            item.name
+            for item in found[1].body
+            if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
+        }
+        out = []
+        for cls_key, (cls_module, cls) in sorted(self.classes.items()):
+            defined = {
+                item.name
+                for item in cls.body
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
+            }
+            if cls_key != f"{module}:{owner}" and wanted <= defined:
+                out.append(f"{cls_module}:{cls.name}.{name}")
+        return out
 
     def resolve_name(self, module: str, name: str, seen: int = 0) -> str | None:
         """``'module:name'`` of a function or class named ``name`` in ``module``."""
@@ -317,6 +345,25 @@ class Walk:
         kw_tainted = {k.arg: _carries(k.value, tainted) for k in call.keywords}
         if not (on_tainted or any(args_tainted) or any(kw_tainted.values())):
             return
+        implementations = self.index.implementations(target)
+        if implementations:  # a Protocol's method: each class that implements it, as alternatives
+            before = self.stops[-1] if self.stops else None
+            for i, impl in enumerate(implementations):
+                if i:
+                    self._before_else = [before]
+                self._enter_call(f, impl, on_tainted, args_tainted, kw_tainted)
+                self._before_else = None
+            return
+        self._enter_call(f, target, on_tainted, args_tainted, kw_tainted)
+
+    def _enter_call(
+        self,
+        f: Function,
+        target: str,
+        on_tainted: bool,
+        args_tainted: list[bool],
+        kw_tainted: dict[str | None, bool],
+    ) -> None:
         if target in self.index.classes:
             init = f"{target}.__init__"
             if init not in self.index.functions:
@@ -405,6 +452,8 @@ def _in_order(fn: ast.AST) -> list[ast.AST | _Branch]:
 def measure(src: Path, start: str = "meshplan.cli.train:run") -> dict[str, object]:
     """The stops, modules and back-steps of the settings from ``start``'s first parameter."""
     index = Index(src)
+    module, _, name = start.partition(":")
+    start = index.resolve_name(module, name) or start  # a package's front door re-exports it
     walk = Walk(index)
     first = index.functions[start].node.args.args[0].arg
     walk.enter(start, {first})

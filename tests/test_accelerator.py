@@ -46,7 +46,7 @@ def test_device_selection_picks_the_accelerator():
 @_marks
 def test_a_bfloat16_step_keeps_float32_parameters_and_optimizer_state():
     from meshplan.cli.devices import found_devices
-    from meshplan.cli.train_request import TrainRequest, prepare
+    from meshplan.cli.train import TrainRequest, prepare
 
     with tempfile.TemporaryDirectory() as folder:
         trainer = prepare(

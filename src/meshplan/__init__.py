@@ -29,6 +29,7 @@ from meshplan._search.predict.prediction import Prediction, predict
 from meshplan._search.predict.profiles import HardwareProfile, get_profile, load_profile
 from meshplan._search.predict.trace import Workload, trace_workload
 from meshplan._search.search.layout_search import SearchResult, search_layouts
+from meshplan._search.search.options import SearchChecks, SearchHardware, SearchSpace
 from meshplan._search.search.rule_search import RuleSearchResult, search_rules
 from meshplan._spmd.boxes import (
     PARTITION_NAME,
@@ -87,7 +88,10 @@ __all__ = [
     "RuleSearchResult",
     "RulesError",
     "RulesFallback",
+    "SearchChecks",
+    "SearchHardware",
     "SearchResult",
+    "SearchSpace",
     "ShardingValidationError",
     "UnevenShardWarning",
     "UnmatchedLogicalAxisError",

@@ -8,7 +8,7 @@ import pytest
 from meshplan.cli.factory import BUILT_IN_MODELS, model_problem
 from meshplan.cli.plan import abstract_state, load_rules
 from meshplan.cli.steps import example_of
-from meshplan.cli.train_request import MODELS
+from meshplan.cli.trained_models import MODELS
 from meshplan.models.registry import EXAMPLE_MODELS, example
 
 

@@ -62,6 +62,19 @@ def test_names_no_pattern_matches_are_said_once(tmp_path, capsys):
     assert "params/b1, params/b2, params/w2; 1 pattern matched no array: 'params/typo'" in err
 
 
+def test_search_says_the_same_names_warnings_as_plan(tmp_path, capsys):
+    names = _names_file(tmp_path, [(r"params/w1", ("embed", "mlp")), (r"params/typo", None)])
+    argv = ["--model", MLP, "--names", names, "--devices", "4", "--profile", "h100"]
+    _, _, plan_err = _run(capsys, "plan", *argv[:4], "--mesh", "2x2")
+    code, _, err = _run(capsys, "search", *argv, "--rows", "1")
+    assert code == 0
+    said = "--names: 3 arrays that no pattern matches stay unnamed"
+    assert err.count(said) == plan_err.count(said) == 1
+    assert "1 pattern matched no array: 'params/typo'" in err
+    code, out, err = _run(capsys, "search", *argv, "--json")  # stdout stays JSON
+    assert code == 0 and json.loads(out)["best"] is not None and err.count(said) == 1
+
+
 def test_a_bad_names_file_is_one_error_naming_each_pair(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([["params/w1", "embed"], ["(", ["mlp"]]]))

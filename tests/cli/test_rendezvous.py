@@ -1,4 +1,4 @@
-"""Processes meeting at the coordinator before JAX starts (``meshplan.cli.rendezvous.meet``).
+"""Processes meeting at the coordinator before JAX starts (``meshplan.cli.train.rendezvous.meet``).
 
 Each process runs in a thread of this test over loopback: no JAX, so each case
 takes about its timeout. The same with real ``meshplan train`` processes, and
@@ -12,10 +12,11 @@ import time
 
 import pytest
 
-from meshplan.cli import rendezvous, train_processes
 from meshplan.cli.app import build_parser
-from meshplan.cli.launch import free_port
-from meshplan.cli.rendezvous import meet
+from meshplan.cli.train import processes as train_processes
+from meshplan.cli.train import rendezvous
+from meshplan.cli.train.launch import free_port
+from meshplan.cli.train.rendezvous import meet
 from meshplan.train import distributed
 from meshplan.train.distributed import DistributedError, ProcessGroup
 

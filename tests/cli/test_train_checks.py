@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import meshplan
-from meshplan.cli.train_request import TrainRequest, prepare
+from meshplan.cli.train import TrainRequest, prepare
 from meshplan.train.settings import TrainSettings
 
 TINY = {"num_layers": 1, "embed_dim": 32, "mlp_dim": 64, "max_len": 64}

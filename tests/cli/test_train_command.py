@@ -244,7 +244,7 @@ def test_sigkill_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_pat
     assert resumed.metadata.step == target
 
     # Nothing else was lost: the same as a run that was never interrupted.
-    from meshplan.cli.train_request import TrainRequest, prepare
+    from meshplan.cli.train import TrainRequest, prepare
 
     settings = {"steps": target, "batch": 8, "seq_len": 16, "eval_every": 0, "eval_batches": 2}
     overrides = {"num_layers": 1, "embed_dim": 32, "mlp_dim": 64, "max_len": 64}
@@ -364,7 +364,8 @@ def test_a_linen_checkpoint_continues_as_nnx_with_the_linen_losses(tmp_path, cap
 
 
 def test_a_checkpoint_from_before_model_was_recorded_holds_the_linen_model(trained, capsys):
-    from meshplan.cli.train_request import TrainRequest, model_of, prepare
+    from meshplan.cli.train import TrainRequest, prepare
+    from meshplan.cli.trained_models import model_of
 
     folder, args = trained
     if not folder.exists():

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from meshplan.cli import train
-from meshplan.cli.train_flags import SETTINGS, SETTINGS_FLAGS, setting_fix, setting_flag
+from meshplan.cli.train.flags import SETTINGS, SETTINGS_FLAGS, setting_fix, setting_flag
 from meshplan.train.settings import TrainSettings
 
 
@@ -64,14 +64,14 @@ def _notes():
 
 @pytest.mark.parametrize(("note", "expected"), _notes())
 def test_the_trainer_notes_are_worded_in_flags_from_their_code(note, expected):
-    from meshplan.cli.train_flags import in_flags
+    from meshplan.cli.train.flags import in_flags
 
     assert expected in in_flags(note)
     assert "--" not in str(note)  # the library's own words name no flag
 
 
 def test_a_peak_unknown_for_the_dtype_is_advised_in_flags():
-    from meshplan.cli.train_flags import no_mfu_why
+    from meshplan.cli.train.flags import no_mfu_why
     from meshplan.train.flops import mesh_peak
 
     peak = mesh_peak("tpu", "TPU v4", 4, "float32")

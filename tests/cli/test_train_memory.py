@@ -6,7 +6,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from meshplan.cli.train_memory import memory_problem
+from meshplan.cli.train.memory_advice import BatchWords, memory_problem
 from meshplan.layouts import get_layout
 from meshplan.models.registry import example
 from meshplan.models.transformer import config_from_name
@@ -29,7 +29,13 @@ def _check(model, abstract, settings, mesh, rules):
     """What meshplan train says of a step of ``settings.batch`` sequences split over 2 devices."""
     tokens = jax.ShapeDtypeStruct((settings.batch, settings.seq_len + 1), jnp.int32)
     shortfall = memory_shortfall(model, abstract, tokens, mesh, rules)
-    return None if shortfall is None else memory_problem(shortfall, settings, 2, False)
+    words = BatchWords(
+        f"--batch {settings.batch}",
+        f"sequences of {settings.seq_len} bytes",
+        "Use --batch {largest} or less",
+        "a shorter --seq, --remat",
+    )
+    return None if shortfall is None else memory_problem(shortfall, settings, 2, words)
 
 
 def test_a_step_that_fits_passes_and_one_that_does_not_names_a_batch_that_does(monkeypatch):

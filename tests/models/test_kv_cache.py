@@ -15,7 +15,7 @@ import meshplan
 from meshplan import layouts
 from meshplan.cli import main
 from meshplan.cli.sample import NnxModel, generate
-from meshplan.cli.train_request import TrainRequest, prepare
+from meshplan.cli.train import TrainRequest, prepare
 from meshplan.models.decode import CACHE_NAMES, greedy_cached, init_cache
 from meshplan.models.transformer import Transformer, config_from_name
 from meshplan.models.transformer_nnx import FunctionalTransformer

@@ -170,7 +170,7 @@ def test_meshplan_train_under_every_layout(layout):
     """Two steps of ``meshplan train --model transformer-nnx --rules LAYOUT`` on 2x4: the state
     is placed as meshplan.explain plans it, and the loss is finite, near log(256)."""
     from meshplan._checkpoint.tree import flatten_state
-    from meshplan.cli.train_request import TrainRequest, prepare
+    from meshplan.cli.train import TrainRequest, prepare
 
     request = TrainRequest(
         mesh="2x4",

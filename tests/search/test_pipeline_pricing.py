@@ -85,7 +85,8 @@ def test_a_published_pipelined_run_is_predicted_within_25_percent_and_fits(name)
     assert result["fits"], result
 
 
-def _stack(layers, width, rows):
+def _stack(layers, width, rows, budget=None, profile="h100"):
+    """A search of a scanned stack of ``layers`` square weights, and its pipeline verdict."""
     from meshplan._search.search.pipeline_verdict import pipeline_verdict
 
     w = meshplan.LogicallyPartitioned(
@@ -100,29 +101,61 @@ def _stack(layers, width, rows):
     x = jax.ShapeDtypeStruct((rows, width), jnp.bfloat16)
     work = trace_workload(lambda s, x: jax.grad(loss)(s["w"].value, x), {"w": w}, x)
 
-    def verdict(devices):
-        h100 = get_profile("h100")
-        result = meshplan.search_rules(devices, workload=work, profile=h100, compile_top=0)
-        return pipeline_verdict(result, work, h100, layers=layers, batch=rows)
+    def search(devices):
+        result = meshplan.search_rules(devices, workload=work, profile=profile, compile_top=0,
+                                       memory_budget_bytes=budget)  # fmt: skip
+        return result, pipeline_verdict(result)
 
-    return verdict
+    return search
 
 
 def test_a_pipeline_across_hosts_pays_where_the_search_best_reduces_over_infiniband():
-    verdict = _stack(16, 8192, 4096)(16)  # two 8-GPU hosts
+    result, verdict = _stack(16, 8192, 4096)(16)  # two 8-GPU hosts
     assert verdict.proposed and verdict.kind == "communication", verdict.reason
     assert verdict.terms["communication"] < 0
     assert "pipeline pays" in verdict.reason and "over the slow link" in verdict.reason
+    best = result.best  # the search's own top row is the pipeline, with its schedule
+    assert best is verdict.with_row and best.mesh == {"pipeline": 2, "data": 8}
+    assert best.pipeline.link == "slow" and best.pipeline.schedule.microbatches == 16
+    assert best.cost.step_s < verdict.without_row.cost.step_s
+    row = result.to_dict()["best"]
+    assert row["layout"] == "pipeline" and row["pipeline"]["stages"] == 2
+    assert row["pipeline"]["bubble"] == pytest.approx(1 / 17)
 
 
-def test_a_pipeline_inside_one_host_does_not_pay_for_a_small_model():
-    verdict = _stack(8, 1024, 256)(8)
+def test_a_pipeline_does_not_pay_where_compute_dominates_and_the_gradients_are_small():
+    result, verdict = _stack(8, 256, 65536)(8)  # one host: no slow link to spare
     assert not verdict.proposed, verdict.reason
-    assert verdict.kind in ("communication", "compute", "memory traffic")
-    assert "pipeline does not pay" in verdict.reason
+    assert verdict.kind in ("communication", "compute"), verdict.reason
+    assert verdict.terms["compute"] > 0  # the bubble
+    assert "pipeline does not pay" in verdict.reason and "bubble" in verdict.reason
+    assert verdict.with_row.status == "ok" and verdict.with_row.rank > result.best.rank
+
+
+def test_the_pipeline_is_the_only_layout_that_fits_when_no_weight_dimension_divides():
+    # 1001 = 7 x 11 x 13: no data, FSDP or tensor axis of 8 devices splits a weight; the
+    # 8 layers of 2 MB each split over stages.
+    result, verdict = _stack(8, 1001, 256, budget=12 * 2**20)(8)
+    assert verdict.proposed and verdict.kind == "memory", verdict.reason
+    assert verdict.without_row is None and verdict.min_memory_without > 12 * 2**20
+    assert "without a pipeline nothing fits" in verdict.reason
+    assert result.best.layout in ("pipeline", "pp_fsdp") and result.best.pipeline is not None
+    assert result.best.cost.memory_bytes <= 12 * 2**20
+    assert all(r.pipeline is not None for r in result.ok)
+
+
+def test_a_multi_slice_search_puts_the_pipeline_across_the_slices():
+    # 512 TPU v5e chips: two 256-chip slices joined by DCN.
+    result, verdict = _stack(32, 8192, 8192, profile="tpu_v5e")(512)
+    assert verdict.proposed, verdict.reason
+    best = result.best
+    assert best.mesh["pipeline"] == 2 and best.pipeline.link == "slow"
+    assert next(iter(best.mesh)) == "pipeline"  # the outer axis: the one across DCN
 
 
 def test_no_pipeline_splits_three_layers_over_eight_devices():
-    verdict = _stack(3, 1024, 256)(8)
+    result, verdict = _stack(3, 1024, 256)(8)
     assert (verdict.proposed, verdict.kind) == (False, "absent")
     assert "splits 3 layers" in verdict.reason
+    assert result.pipeline_absent is not None
+    assert not any(r.pipeline is not None for r in result.rows)

@@ -28,12 +28,18 @@ def test_predict_gives_every_searched_row_its_own_figures(llama):
     work = meshplan.trace_workload(step, state, batch, read_constraints=True)
     result = meshplan.search_rules(8, workload=work, profile="h100", compile_top=0)
     assert len(result.ok) > 50
-    splits_activations = 0
+    splits_activations = pipelines = 0
     for row in result.ok:
-        p = meshplan.predict(workload=work, mesh=row.mesh, rules=row.rules, profile="h100")
+        # a pipelined row: predicted with the schedule the search priced it with
+        m = None if row.pipeline is None else row.pipeline.schedule.microbatches
+        p = meshplan.predict(workload=work, mesh=row.mesh, rules=row.rules, profile="h100",
+                             pipeline_microbatches=m)  # fmt: skip
         assert p.cost == row.cost, f"{row.mesh_text} {row.short_rules}"
+        assert (p.pipeline is None) == (row.pipeline is None)
         splits_activations += "activation_embed=" in row.short_rules
+        pipelines += row.pipeline is not None
     assert splits_activations > 5  # the rows the cache priced wrong are among them
+    assert pipelines > 0  # the Llama's layer stack: pipelines among the rows
 
 
 def test_plan_prints_what_predict_returns(capsys):

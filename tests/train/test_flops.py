@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import pytest
 
-from meshplan.cli.train_request import TrainRequest, prepare
+from meshplan.cli.train import TrainRequest, prepare
 from meshplan.models.transformer import CONFIGS, parameter_count, train_flops
 from meshplan.train.flops import PEAKS, measure_cpu_peak, mesh_peak, peak_of
 
@@ -56,11 +56,16 @@ def test_base_config_has_100_to_150_million_parameters():
 
 
 def test_base_brings_a_batch_that_keeps_a_gpu_busy():
-    from meshplan.cli.train_request import _Problems, resolve_settings
+    from meshplan.cli.train.builtin_source import BuiltInSource
+    from meshplan.cli.train.findings import Findings
+    from meshplan.cli.train.prepare import resolve_settings
 
-    settings = resolve_settings(TrainRequest(config="base"), None, _Problems())
+    def settings_of(request):
+        return resolve_settings(request, None, Findings(), preset=BuiltInSource().preset(request))
+
+    settings = settings_of(TrainRequest(config="base"))
     assert (settings.batch, settings.seq_len) == (32, 1024)
-    given = resolve_settings(TrainRequest(config="base", settings={"batch": 8}), None, _Problems())
+    given = settings_of(TrainRequest(config="base", settings={"batch": 8}))
     assert given.batch == 8  # what the user gives wins
 
 

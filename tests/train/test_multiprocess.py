@@ -23,8 +23,8 @@ import pytest
 
 import meshplan
 from meshplan.cli import main
-from meshplan.cli.launch import free_port, worker_env
-from meshplan.cli.train_request import TrainRequest, prepare
+from meshplan.cli.train import TrainRequest, prepare
+from meshplan.cli.train.launch import free_port, worker_env
 
 TINY = ["--layers", "1", "--embed", "32", "--mlp", "64", "--max-len", "64"]
 FAST = ["--batch", "8", "--seq", "16", "--eval-batches", "2", "--eval-every", "2"]
@@ -317,7 +317,7 @@ def test_multiprocess_flags_that_do_not_fit(capsys, args, expected):
 
 def test_workers_get_every_flag_but_the_process_ones():
     from meshplan.cli import build_parser
-    from meshplan.cli.train_processes import worker_argv
+    from meshplan.cli.train.processes import worker_argv
 
     given = [
         "--mesh", "4x2", "--rules", "fsdp", "--data", "/d", "--ckpt-dir", "/c", "--resume",

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import meshplan
-from meshplan.cli.train_request import TrainRequest, prepare
+from meshplan.cli.train import TrainRequest, prepare
 from meshplan.train.device_mesh import make_mesh
 from meshplan.train.model import TrainModel
 from meshplan.train.parts import Placement

@@ -8,7 +8,7 @@ import pytest
 
 import meshplan
 from meshplan.cli.mesh_text import parse_mesh
-from meshplan.cli.train_request import TrainRequest, prepare
+from meshplan.cli.train import TrainRequest, prepare
 from meshplan.train.settings import TrainSettings
 
 # The tiniest model that still learns: one block of width 32.

@@ -43,13 +43,18 @@ import dataclasses
 import importlib
 import os
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from meshplan._errors import ArgumentError, LogicalNamesError
 from meshplan._spmd.by_path import PathRules
+from meshplan.cli.aliases import Batches, LossFn, PyTree, StepFn
 from meshplan.cli.factory_names import Namer, functional_model, is_functional
 from meshplan.models.registry import EXAMPLE_MODELS
+
+if TYPE_CHECKING:
+    from meshplan.train.model import TrainModel
 
 __all__ = [
     "BUILT_IN_MODELS",
@@ -79,9 +84,9 @@ class FactoryModel:
     """What a factory gave, as a step: ``what`` describes it (for headers)."""
 
     what: str
-    abstract_state: Any
-    step_fn: Callable[[Any, Any], Any]
-    example_batch: Any
+    abstract_state: PyTree
+    step_fn: StepFn
+    example_batch: PyTree
     kind: str  # 'step', 'linen', 'nnx' or 'jax'
     trainable: Trainable | None = None
     """The model as ``meshplan train`` trains it: given by the four-value form only."""
@@ -102,9 +107,9 @@ class Trainable:
         name: The model's class name.
     """
 
-    model: Any
-    batches: Callable[[str, int], Any]
-    example_batch: Any
+    model: TrainModel
+    batches: Batches
+    example_batch: PyTree
     api: str
     name: str
 
@@ -142,7 +147,7 @@ def model_problem(spec: str) -> str | None:
     )
 
 
-def _import(module_name: str, spec: str) -> Any:
+def _import(module_name: str, spec: str) -> ModuleType:
     here = os.getcwd()
     if here not in sys.path and "" not in sys.path:
         sys.path.insert(0, here)  # the current folder, as `python -m` has it
@@ -217,7 +222,7 @@ def load_factory(spec: str, names: PathRules | None = None) -> FactoryModel:
     return _read(spec, returned, None if names is None else Namer(names))
 
 
-def _read(spec: str, returned: Any, namer: Namer | None = None) -> FactoryModel:
+def _read(spec: str, returned: object, namer: Namer | None = None) -> FactoryModel:
     import flax.linen as nn
     import jax
 
@@ -268,7 +273,7 @@ def _read(spec: str, returned: Any, namer: Namer | None = None) -> FactoryModel:
     raise ArgumentError(f"--model {spec}: the factory returned {got}.\n{_PROTOCOL}")
 
 
-def _check_loss(spec: str, loss: Any) -> None:
+def _check_loss(spec: str, loss: object) -> None:
     if not callable(loss):
         raise ArgumentError(
             f"--model {spec}: the loss (third value) is a {type(loss).__name__}, not a "
@@ -276,7 +281,7 @@ def _check_loss(spec: str, loss: Any) -> None:
         )
 
 
-def _check_batch(spec: str, batch: Any) -> None:
+def _check_batch(spec: str, batch: PyTree) -> None:
     import jax
 
     leaves = jax.tree.leaves(batch)
@@ -288,13 +293,18 @@ def _check_batch(spec: str, batch: Any) -> None:
         )
 
 
-def _inputs(batch: Any) -> Any:
+def _inputs(batch: PyTree) -> PyTree:
     """What the model is called on: a tuple batch's first item, else the batch."""
     return batch[0] if isinstance(batch, tuple | list) else batch
 
 
 def _read_trainable(
-    spec: str, model: Any, batch: Any, loss: Any, batches: Any, namer: Namer | None = None
+    spec: str,
+    model: PyTree,  # a Linen module, an NNX make(rngs), or (init, apply)
+    batch: PyTree,
+    loss: LossFn,
+    batches: PyTree,  # batches(split, index), or an iterable of batches
+    namer: Namer | None = None,
 ) -> FactoryModel:
     """The four-value form ``(model, example_batch, loss, batches)``: every command's.
 
@@ -313,7 +323,7 @@ def _read_trainable(
     if isinstance(model, nn.Module):
         module = model
 
-        def linen_loss(params: Any, b: Any) -> Any:
+        def linen_loss(params: PyTree, b: PyTree) -> PyTree:
             return loss(module.apply({"params": params}, _inputs(b)), b)
 
         train = TrainModel(module, linen_loss, _inputs(example))
@@ -349,21 +359,21 @@ def _read_trainable(
     return FactoryModel(what, abstract, train.step, example, kind, trainable, notes)
 
 
-def _zeros(example: Any) -> Any:
+def _zeros(example: PyTree) -> PyTree:
     import jax
     import jax.numpy as jnp
 
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), example)
 
 
-def _nnx_model(spec: str, make: Any, loss: Any) -> tuple[Any, str]:
+def _nnx_model(spec: str, make: Callable[..., object], loss: LossFn) -> tuple[TrainModel, str]:
     """A Flax NNX ``make(rngs) -> nnx.Module`` as a functional model: ``init(key)``, a loss of its state."""
     import jax
     from flax import nnx
 
     from meshplan.train.model import TrainModel
 
-    def create(key: Any) -> Any:
+    def create(key: PyTree) -> PyTree:
         # The names are logical: meshplan's rules place the state (with out_shardings),
         # not Flax's eager sharding, which would read them as mesh axes.
         with nnx.use_eager_sharding(False):  # type: ignore[no-untyped-call]
@@ -398,10 +408,10 @@ def _nnx_model(spec: str, make: Any, loss: Any) -> tuple[Any, str]:
             f"keep other state (RNG streams, batch statistics) out of the module."
         )
 
-    def init_params(key: jax.Array) -> Any:
+    def init_params(key: jax.Array) -> PyTree:
         return nnx.state(create(key))
 
-    def nnx_loss(state: Any, b: Any) -> Any:
+    def nnx_loss(state: PyTree, b: PyTree) -> PyTree:
         return loss(nnx.merge(graphdef, state)(_inputs(b)), b)
 
     return TrainModel(init_params, nnx_loss), name
@@ -411,12 +421,12 @@ class IterableBatches:
     """``batches(split, index)`` over an iterable: its first ``eval_batches`` held out for
     validation, then one batch per step, in order (a resumed run skips the steps done)."""
 
-    def __init__(self, spec: str, iterable: Any) -> None:
+    def __init__(self, spec: str, iterable: Iterable[PyTree]) -> None:
         self.spec = spec
         self._it = iter(iterable)
-        self._valid: list[Any] | None = None
+        self._valid: list[PyTree] | None = None
         self._next = 0  # the train index the next batch drawn is
-        self._last: Any = None
+        self._last: PyTree = None
 
     def hold_out(self, count: int) -> None:
         """Draws validation batches up to ``count``, before any train batch is drawn."""
@@ -425,7 +435,7 @@ class IterableBatches:
         while len(self._valid) < count and self._next == 0:
             self._valid.append(self._draw("valid", len(self._valid)))
 
-    def _draw(self, split: str, index: int) -> Any:
+    def _draw(self, split: str, index: int) -> PyTree:
         try:
             return next(self._it)
         except StopIteration:
@@ -435,7 +445,7 @@ class IterableBatches:
                 f"batches(split, index)."
             ) from None
 
-    def __call__(self, split: str, index: int) -> Any:
+    def __call__(self, split: str, index: int) -> PyTree:
         if split == "valid":
             self.hold_out(index + 1)
             if not self._valid:
@@ -458,10 +468,10 @@ class IterableBatches:
         return self._last
 
 
-def _batch_source(spec: str, batches: Any) -> Callable[[str, int], Any]:
+def _batch_source(spec: str, batches: PyTree) -> Batches:
     """``batches(split, index)``: the factory's function, or one over its iterable."""
     if callable(batches):
-        source: Callable[[str, int], Any] = batches
+        source: Batches = batches
         return source
     try:
         iter(batches)

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from meshplan._spmd.boxes import unbox
 from meshplan._spmd.by_path import PathRules, UnnamedLeavesWarning, name_by_path
 from meshplan._spmd.explicit import explicit_mesh_error, is_sharding_type_error
+from meshplan.cli.aliases import InitFn, LossFn, PyTree, StepFn
 
 __all__ = ["Namer", "functional_model", "is_functional"]
 
@@ -50,7 +50,7 @@ class Namer:
         self.notes: list[str] = []
         self._warned = False
 
-    def tree(self, tree: Any) -> Any:
+    def tree(self, tree: PyTree) -> PyTree:
         """``tree`` named, its paths as they are."""
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", UnnamedLeavesWarning)
@@ -62,28 +62,28 @@ class Namer:
             )
         return named
 
-    def params(self, params: Any) -> Any:
+    def params(self, params: PyTree) -> PyTree:
         """A model's parameters named at the paths they have in its state: ``params/...``."""
         return self.tree({"params": params})["params"]
 
-    def init(self, init_params: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def init(self, init_params: InitFn) -> InitFn:
         """``init_params(key)`` whose parameters come out named."""
 
-        def named_init(key: Any) -> Any:
+        def named_init(key: PyTree) -> PyTree:
             return self.params(init_params(key))
 
         return named_init
 
-    def step(self, step_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    def step(self, step_fn: StepFn) -> StepFn:
         """``step_fn`` given the named state unboxed, as the factory wrote it for."""
 
-        def named_step(state: Any, batch: Any) -> Any:
+        def named_step(state: PyTree, batch: PyTree) -> PyTree:
             return step_fn(unbox(state), batch)
 
         return named_step
 
 
-def is_functional(model: Any) -> bool:
+def is_functional(model: object) -> bool:
     """Whether ``model`` is a pair of JAX functions ``(init, apply)``.
 
     Example:
@@ -100,11 +100,11 @@ def is_functional(model: Any) -> bool:
 
 
 def functional_model(
-    init: Callable[[Any], Any],
-    apply: Callable[[Any, Any], Any],
-    loss: Callable[[Any, Any], Any],
-    inputs: Callable[[Any], Any],
-) -> tuple[Callable[[Any], Any], Callable[[Any, Any], Any]]:
+    init: InitFn,
+    apply: Callable[[PyTree, PyTree], PyTree],
+    loss: LossFn,
+    inputs: Callable[[PyTree], PyTree],
+) -> tuple[InitFn, LossFn]:
     """``(init_params, loss(params, batch))`` of a model given as ``(init, apply)``.
 
     ``apply`` is given the parameters unboxed (its code knows no boxes), ``loss`` its
@@ -129,7 +129,7 @@ def functional_model(
     call = f"the model's apply ({getattr(apply, '__qualname__', type(apply).__name__)})"
     wrapped: list[str] = []  # the key a module's arrays are kept under, once init has run
 
-    def model_init(key: Any) -> Any:
+    def model_init(key: PyTree) -> PyTree:
         params = init(key)
         if isinstance(params, Mapping):
             return params
@@ -137,7 +137,7 @@ def functional_model(
         wrapped[:] = [type(params).__name__]
         return {wrapped[0]: params}
 
-    def model_loss(params: Any, batch: Any) -> Any:
+    def model_loss(params: PyTree, batch: PyTree) -> PyTree:
         raw = unbox(params)
         try:
             outputs = apply(raw[wrapped[0]] if wrapped else raw, inputs(batch))

@@ -24,6 +24,7 @@ __all__ = [
     "no_names_text",
     "notes_text",
     "read_names",
+    "refuse_names",
 ]
 
 NAMES_HELP = (
@@ -64,18 +65,32 @@ def read_names(names: str | None, model: str | None) -> PathRules | None:
     """
     if names is None:
         return None
-    if model is None or ":" not in model:
-        raise error_for(
-            ArgumentError, "names-built-in", "--names",
-            f"--names names the arrays of a --model pkg.module:factory; --model "
-            f"{model or 'transformer'} carries its own names",
-            "Leave out --names, or pass --model mymodels:make_model.",
-        )  # fmt: skip
+    refuse_names(names, model)
     if names == INFER:
+        assert model is not None  # refused above
         return inferred_names(model)
     from meshplan.layouts import get_names
 
     return get_names(names)
+
+
+def refuse_names(names: str | None, model: str | None) -> None:
+    """Refuses ``--names`` for a built-in model (code ``'names-built-in'``): its arrays carry
+    their own names.
+
+    Example:
+        >>> from meshplan.cli.names_file import refuse_names
+        >>> refuse_names("names.json", "mymodels:make_model")  # a factory's: nothing to refuse
+    """
+    if names is not None and (model is None or ":" not in model):
+        raise error_for(
+            ArgumentError,
+            "names-built-in",
+            "--names",
+            f"--names names the arrays of a --model pkg.module:factory; --model "
+            f"{model or 'transformer'} carries its own names",
+            "Leave out --names, or pass --model mymodels:make_model.",
+        )
 
 
 def inferred_names(model: str) -> PathRules:

@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--axes",
         default=None,
-        help="comma-separated mesh axis names (default data,model)",
+        help="comma-separated mesh axis names (default data,model; a built-in layout's own "
+        "axes for the pipeline, context and expert layouts, e.g. pipeline,data)",
     )
     parser.add_argument(
         "--rules",
@@ -88,6 +89,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--grad-accum", type=int, default=None, metavar="N", help="the step accumulates the "
         "gradients of N microbatches of the batch, with --profile: the weights gathered and "
         "gradients reduce-scattered per microbatch, one microbatch's activations (default 1)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--microbatches", type=int, default=None, metavar="M", help="a pipeline's microbatches "
+        "(--rules pipeline, pp_fsdp, pp_tp), with --profile: the schedule's bubble, the sends "
+        "between stages and each stage's memory priced (at least the stages)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pipeline-repeats", type=int, default=None, metavar="V", help="layer groups per "
+        "pipeline stage (the circular schedule), with --microbatches (default 1)",
     )  # fmt: skip
     parser.add_argument(
         "--experts",
@@ -159,7 +169,7 @@ def _prediction_problem(args: argparse.Namespace, shape: dict[str, int]) -> str 
             f"--devices {args.devices} but --mesh {args.mesh} has {devices} devices.\nPass a "
             f"mesh whose sizes multiply to {args.devices}, or --devices {devices}."
         )
-    keys = ("batch", "seq", "budget", "devices", "grad_accum")
+    keys = ("batch", "seq", "budget", "devices", "grad_accum", "microbatches", "pipeline_repeats")
     given = [f"--{k.replace('_', '-')}" for k in keys if getattr(args, k, None)]
     if args.profile is None and [g for g in given if g != "--devices"]:
         return (
@@ -171,7 +181,7 @@ def _prediction_problem(args: argparse.Namespace, shape: dict[str, int]) -> str 
             "--batch and --seq size the built-in models' step; your factory's example batch "
             "sets yours.\nLeave them out."
         )
-    for k in ("batch", "seq", "grad_accum"):
+    for k in ("batch", "seq", "grad_accum", "microbatches", "pipeline_repeats"):
         v = getattr(args, k, None)
         if v is not None and v < 1:
             flag = f"--{k.replace('_', '-')}"
@@ -196,6 +206,8 @@ def _predict(
     prediction = meshplan.predict(
         state, step, batch, mesh=shape, rules=rules, profile=args.profile,
         memory_budget_bytes=args.budget, microbatches=getattr(args, "grad_accum", None) or 1,
+        pipeline_microbatches=getattr(args, "microbatches", None),
+        pipeline_repeats=getattr(args, "pipeline_repeats", None) or 1,
     )  # fmt: skip
     return prediction.to_dict()
 
@@ -410,12 +422,23 @@ def png_problem(path: str | None) -> None:
         )  # fmt: skip
 
 
+def _axes(args: argparse.Namespace) -> str | None:
+    """``--axes``, or the axes a built-in layout is written for where it has its own
+    (``pipeline,data`` for ``--rules pipeline``, ``data,context`` for ``context_parallel``...),
+    as ``meshplan train`` reads them."""
+    from meshplan.layouts import CONTEXT_EXPERT_LAYOUTS, LAYOUT_AXES
+
+    if args.axes is None and args.rules in CONTEXT_EXPERT_LAYOUTS:
+        return ",".join(LAYOUT_AXES[args.rules])
+    return str(args.axes) if args.axes is not None else None
+
+
 def run(args: argparse.Namespace) -> int:
     # Piped output (a file, a pager, a test) gets a wide table rather than 80 columns.
     out = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 180)
     err = Console(file=sys.stderr, width=None if sys.stderr.isatty() else 180)
     try:
-        shape = parse_mesh_shape(args.mesh, args.axes)
+        shape = parse_mesh_shape(args.mesh, _axes(args))
         mesh_size_problem(args.mesh, shape)
         png_problem(args.png)
     except MeshplanError as e:

@@ -302,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
         devices = found_devices(platform)
         restored = meshplan.restore(args.ckpt_dir, mesh=None, step=args.step)
         state, metadata = restored
-        from meshplan.cli.train_request import MODELS, model_of
+        from meshplan.cli.trained_models import MODELS, model_of
         from meshplan.models.transformer import Transformer, TransformerConfig
 
         held = model_of(metadata)

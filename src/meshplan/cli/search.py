@@ -33,7 +33,7 @@ from meshplan.cli.inferred import (
     names_lines,
     write_names,
 )
-from meshplan.cli.names_file import INFER, add_names_argument, read_names
+from meshplan.cli.names_file import INFER, add_names_argument, notes_text, read_names
 from meshplan.cli.output import print_error, say
 from meshplan.cli.plan import add_model_size_arguments, model_args_problem
 from meshplan.cli.sizes import parse_bytes
@@ -171,7 +171,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--layouts",
         default=None,
         help="comma-separated built-in layouts or rules files always tried on (data, model) "
-        "meshes (default: every built-in layout)",
+        "meshes, the pipeline layouts (pipeline, pp_fsdp, pp_tp) on pipeline x data meshes "
+        "(default: every built-in layout; the pipelines where the model has a layer stack)",
     )
     parser.add_argument(
         "--top-k",
@@ -309,8 +310,13 @@ def train_command(row: Any, rules_path: str = "rules.json") -> str:
         >>> from meshplan.cli.search import train_command
         >>> train_command(SearchRow({"data": 2, "tensor": 4}, (("mlp", "tensor"),)), "r.json")
         'meshplan train --mesh 2x4 --axes data,tensor --rules r.json'
+
+        A pipelined row's command carries its microbatches (``--microbatches``).
     """
-    return f"meshplan train --mesh {row.mesh_text} --axes {row.axes_text} --rules {rules_path}"
+    command = f"meshplan train --mesh {row.mesh_text} --axes {row.axes_text} --rules {rules_path}"
+    if row.pipeline is not None:  # the schedule the row was priced with
+        command += f" --microbatches {row.pipeline.schedule.microbatches}"
+    return command
 
 
 def _train_command(
@@ -357,7 +363,9 @@ def _table(result: Any, rows: int) -> Table:
     groups = _groups([r for r in result.ok if r.cost is not None])[:rows]
     ok = [g[0] for g in groups]
     measured_any = any(r.measured_s is not None for r in ok)
-    kinds = sorted({k for r in ok if r.cost for k, v in r.cost.comm_bytes.items() if v})
+    # A pipeline's sends between stages are listed under the table, with its schedule.
+    kinds = sorted({k for r in ok if r.cost and r.pipeline is None
+                    for k, v in r.cost.comm_bytes.items() if v})  # fmt: skip
     table = Table(box=None, header_style="bold", pad_edge=False)
     unit = f"{result.tokens_unit}/s"
     columns = [("#", "right"), ("mesh", "left"), ("axes", "left"), ("predicted", "right"),
@@ -399,6 +407,22 @@ def _table(result: Any, rows: int) -> Table:
     return table
 
 
+def _schedule_lines(result: Any, rows: int) -> list[str]:
+    """The schedule of each pipelined row the table shows: stages, microbatches, bubble and
+    the sends between stages."""
+    shown = [g[0] for g in _groups([r for r in result.ok if r.cost is not None])[:rows]]
+    return [f"  #{r.rank} {r.mesh_text} {r.axes_text} {r.layout}: {r.schedule_text}"
+            for r in shown if r.pipeline is not None]  # fmt: skip
+
+
+def _verdict_lines(result: Any) -> list[str]:
+    """One line per role (``context``, ``expert``, ``pipeline``): proposed or not, and why."""
+    from meshplan._search.search.verdicts import search_verdicts
+
+    return [f"  {v.role}: {'proposed' if v.proposed else 'not proposed'} ({v.kind}): {v.reason}"
+            for v in search_verdicts(result)]  # fmt: skip
+
+
 def _counts_line(result: Any, top_k: int) -> str:
     counts = result.counts
     pruned = ", ".join(f"{k} {v}" for k, v in counts["pruned"].items() if v) or "none"
@@ -417,21 +441,22 @@ def _counts_line(result: Any, top_k: int) -> str:
     return line
 
 
-def _load(args: argparse.Namespace) -> tuple[str, Any, Any, Any, bool]:
-    """``(what, abstract_state, step_fn, example_batch, trainable)`` of ``--model``:
+def _load(args: argparse.Namespace) -> tuple[str, Any, Any, Any, bool, list[str]]:
+    """``(what, abstract_state, step_fn, example_batch, trainable, notes)`` of ``--model``:
     ``trainable`` when ``meshplan train`` trains it (the example Transformers, and a factory
-    of the four-value form)."""
+    of the four-value form); ``notes``: what naming by ``--names`` warned of (the arrays no
+    pattern matches, the patterns that match none), as ``meshplan plan`` says them."""
     if is_factory(args.model):
         names = None if args.names == INFER else read_names(args.names, args.model)
         loaded = load_factory(args.model, names)  # with no names: search_rules infers them
         return (
             loaded.what, loaded.abstract_state, loaded.step_fn, loaded.example_batch,
-            loaded.trainable is not None,
+            loaded.trainable is not None, list(loaded.notes),
         )  # fmt: skip
     if args.model == "llama":
         from meshplan.cli.llama_model import llama_step_of
 
-        return (*llama_step_of(args, args.batch), False)
+        return (*llama_step_of(args, args.batch), False, [])
     from meshplan.models.registry import EXAMPLE_MODELS
 
     built = example_of(args)
@@ -441,6 +466,7 @@ def _load(args: argparse.Namespace) -> tuple[str, Any, Any, Any, bool]:
         built.model.step,
         built.batch(args.batch, getattr(args, "seq", None) or 0),
         EXAMPLE_MODELS[args.model].sequence,  # meshplan train trains the sequence models
+        [],
     )
 
 
@@ -476,7 +502,9 @@ def run(args: argparse.Namespace) -> int:
         if args.layouts:
             names = [n.strip() for n in args.layouts.split(",") if n.strip()]
             layouts = {name: get_layout(name) for name in names}
-        what, state, step, batch, trainable = _load(args)
+        what, state, step, batch, trainable, notes = _load(args)
+        for line in notes_text(notes):  # said first, as meshplan plan says them
+            say(err, line)
         roles = tuple(args.axes) if args.axes else ROLES
         result = meshplan.search_rules(
             args.devices, state, step, batch,
@@ -497,6 +525,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         data = {"model": what, **result.to_dict(), "rules_file": None if path is None else
                 str(path), "train_command": command}  # fmt: skip
+        from meshplan._search.search.verdicts import search_verdicts
+
+        data["verdicts"] = [v.to_dict() for v in search_verdicts(result)]
         if result.path_rules is not None:  # names inferred from the step
             data["path_rules"] = names_json(result)
         if advice is not None:
@@ -551,6 +582,11 @@ def _print(
     )  # fmt: skip
     if result.ok:
         out.print(_table(result, args.rows))
+        schedules = _schedule_lines(result, args.rows)
+        if schedules:
+            say(out, ("pipelines", "bold"), " (the layers cut into stages over 'pipeline'):")
+            for line in schedules:
+                say(out, line)
     rejected = sorted(  # the reasons that teach something first; symmetric ones last
         (r for r in result.rows if r.status == "pruned"),
         key=lambda r: r.pruned_by == "symmetric",
@@ -564,6 +600,10 @@ def _print(
         if len(rejected) > len(shown):
             say(out, f"  … and {len(rejected) - len(shown)} more (--json lists them all)")
     say(out, _counts_line(result, args.top_k))
+    if result.ok:
+        say(out, ("roles", "bold"), " (why the best uses them or not):")
+        for line in _verdict_lines(result):
+            say(out, line, soft_wrap=True)  # one line each, however long
     best = result.best
     if best is None:
         say(out, ("best: none", "bold"), " (no candidate passes and fits the budget)")

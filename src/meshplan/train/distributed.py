@@ -11,7 +11,7 @@ On CPUs the processes talk through Gloo over TCP, so several processes on one
 machine talk over the loopback interface exactly as hosts do over the network.
 
 What a process does around this is its launcher's: ``meshplan train`` first has
-the processes meet at the coordinator (:mod:`meshplan.cli.rendezvous`, which says
+the processes meet at the coordinator (:mod:`meshplan.cli.train.rendezvous`, which says
 who is missing while it waits), keeps native output off its progress bar, and
 ends a process whose JAX start hangs (``on_stuck``).
 """

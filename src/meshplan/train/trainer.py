@@ -3,7 +3,7 @@
 :class:`Trainer` takes everything specific to a model as arguments: the Flax
 model, its loss, where batches come from, and the settings. It knows no
 model, data set or command-line flag; ``meshplan train`` wires in its
-byte-level Transformer recipe (:mod:`meshplan.cli.train_request`).
+byte-level Transformer recipe (:mod:`meshplan.cli.train.request`).
 
 The recipe is the guide's:
 
@@ -117,7 +117,7 @@ class Trainer:
     """A training run: a model, its loss and batches, on a mesh under a layout.
 
     Build it (``meshplan train`` builds it with
-    :func:`meshplan.cli.train_request.prepare`, which checks the request
+    :func:`meshplan.cli.train.request.prepare`, which checks the request
     first), then :meth:`run` (or :meth:`start` and :meth:`train_step`).
 
     Args:

@@ -26,9 +26,10 @@ devices (the mesh without the stage axes, the rules without them) with the plann
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
 from meshplan._search.predict.collectives import collective_time, split_group
 from meshplan._search.predict.cost import Cost, predict
@@ -40,7 +41,9 @@ from meshplan._spmd.rules import LogicalRules, MeshAxes, mesh_axes_of
 __all__ = [
     "PipelineCost",
     "block_fraction",
+    "example_stack",
     "predict_pipeline",
+    "stage_base",
 ]
 
 Schedule = Literal["gpipe", "1f1b"]
@@ -71,6 +74,14 @@ class PipelineCost:
     send_bytes: int
     link: str
 
+    def to_dict(self) -> dict[str, Any]:
+        """The schedule and what it costs, as plain data (``--json``'s ``pipeline``)."""
+        s = self.schedule
+        return {"stages": s.stages, "microbatches": s.microbatches, "repeats": s.repeats,
+                "iterations": s.iterations, "bubble": s.bubble, "bubble_s": self.bubble_s,
+                "send_s": self.send_s, "send_bytes": self.send_bytes, "link": self.link,
+                "block_fraction": self.block_fraction}  # fmt: skip
+
 
 def _without(rules: LogicalRules, axes: tuple[str, ...]) -> tuple[tuple[str, MeshAxes], ...]:
     """``rules`` with ``axes`` taken out of every rule (a rule left with none: unsharded)."""
@@ -79,6 +90,46 @@ def _without(rules: LogicalRules, axes: tuple[str, ...]) -> tuple[tuple[str, Mes
         kept = tuple(a for a in mesh_axes_of(entry) if a not in axes)
         out.append((name, None if not kept else kept[0] if len(kept) == 1 else kept))
     return tuple(out)
+
+
+@functools.cache
+def example_stack() -> Workload:
+    """The traced gradient step of a scanned stack of 8 bfloat16 1024x1024 layers
+    (``('layer', 'embed', 'mlp')``) on a batch of 256 rows, traced once per process: the
+    examples of the pipeline's pricing share it.
+
+    Example:
+        >>> from meshplan._search.predict.pipeline import example_stack
+        >>> example_stack() is example_stack(), example_stack().batch
+        (True, 256)
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from meshplan._search.predict.trace import trace_workload
+    from meshplan._spmd.boxes import LogicallyPartitioned
+
+    w = jax.ShapeDtypeStruct((8, 1024, 1024), jnp.bfloat16)
+    state = {"w": LogicallyPartitioned(w, ("layer", "embed", "mlp"))}
+
+    def loss(w: jax.Array, x: jax.Array) -> jax.Array:
+        out: jax.Array = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, w)[0].sum()
+        return out
+
+    def step(s: dict[str, LogicallyPartitioned[jax.ShapeDtypeStruct]], x: jax.Array) -> Any:
+        return jax.grad(loss)(s["w"].value, x)
+
+    return trace_workload(step, state, jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16))
+
+
+def stage_base(
+    workload: Workload, mesh: Mapping[str, int], rules: LogicalRules, profile: HardwareProfile
+) -> Cost:
+    """One stage's devices' price of the whole step: the mesh and the rules without the axes
+    ``rules`` give ``'stage'`` (what :func:`predict_pipeline` splits into stages)."""
+    axes, _ = stage_axes(rules, dict(mesh))
+    sub = {a: n for a, n in mesh.items() if a not in axes}
+    return predict(workload, sub, _without(rules, axes), profile)
 
 
 def block_fraction(workload: Workload) -> float:
@@ -146,20 +197,14 @@ def predict_pipeline(
     microbatches: int,
     repeats: int = 1,
     schedule: Schedule = "gpipe",
+    base: Cost | None = None,
 ) -> PipelineCost:
     """The predicted step of ``workload`` as a pipeline over the axes ``rules`` give ``'stage'``.
 
     Example:
-        >>> import jax, jax.numpy as jnp, meshplan
-        >>> from meshplan._search.predict.trace import trace_workload
-        >>> from meshplan._search.predict.pipeline import predict_pipeline
+        >>> from meshplan._search.predict.pipeline import example_stack, predict_pipeline
         >>> from meshplan._search.predict.profiles import get_profile
-        >>> w = meshplan.LogicallyPartitioned(
-        ...     jax.ShapeDtypeStruct((8, 1024, 1024), jnp.float32), ("layer", "embed", "mlp"))
-        >>> def loss(w, x):
-        ...     return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, w)[0].sum()
-        >>> work = trace_workload(lambda s, x: jax.grad(loss)(s["w"].value, x), {"w": w},
-        ...                       jax.ShapeDtypeStruct((256, 1024), jnp.float32))
+        >>> work = example_stack()  # 8 layers of 1024x1024, a batch of 256
         >>> rules = (("batch", "data"), ("stage", "pipeline"), ("layer", "pipeline"))
         >>> pp = predict_pipeline(work, {"pipeline": 4, "data": 2}, rules, get_profile("h100"),
         ...                       microbatches=8)
@@ -174,6 +219,8 @@ def predict_pipeline(
         microbatches: Microbatches per step.
         repeats: Layer groups per stage (the circular, or interleaved, schedule).
         schedule: ``'gpipe'`` (every microbatch's activations kept) or ``'1f1b'``.
+        base: One stage's devices' price of the whole step, when known (it depends on
+            the mesh and rules, not on the schedule: a search prices it once).
 
     Raises:
         ValueError: ``'stage'`` has no mesh axis of more than one device under ``rules``.
@@ -187,7 +234,7 @@ def predict_pipeline(
     plan = PipelineSchedule(p, microbatches, repeats)
     sub = {a: n for a, n in mesh.items() if a not in axes}
     sub_rules = _without(rules, axes)
-    base = predict(workload, sub, sub_rules, profile)
+    base = predict(workload, sub, sub_rules, profile) if base is None else base
     fb = block_fraction(workload)
     stretch = plan.iterations / (microbatches * repeats)
     share = fb / p * stretch + (1 - fb)  # of one stage's devices' whole-step time

@@ -17,17 +17,19 @@ from typing import TYPE_CHECKING, Any
 from meshplan._errors import ArgumentError, Problem, error_from_problems
 from meshplan._search.predict.cost import Cost, _Specs, predict_specs
 from meshplan._search.predict.inputs import check_search_args, whole_number
+from meshplan._search.predict.pipeline import PipelineCost, predict_pipeline
 from meshplan._search.predict.profiles import HardwareProfile, get_profile
 from meshplan._search.predict.report import prediction_fields, prediction_lines
 from meshplan._search.predict.trace import ThroughputUnit, Workload, trace_workload
 from meshplan._spmd.mesh_info import MeshLike
+from meshplan._spmd.pipeline import PipelineSchedule, stage_axes
 from meshplan._spmd.rules import LogicalRules
 
 if TYPE_CHECKING:
     import flax.linen as nn
     import optax
 
-__all__ = ["Prediction", "example_prediction", "predict"]
+__all__ = ["Prediction", "check_pipeline", "example_prediction", "predict"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +43,9 @@ class Prediction:
         profile: The hardware.
         budget_bytes: Bytes one device may hold (default: the profile's memory).
         tokens: What one step processes, in ``tokens_unit`` (``'tokens'`` or ``'examples'``).
+        pipeline: Where the rules give ``'stage'`` a mesh axis: the schedule, its bubble,
+            the sends between stages (``cost`` is then the pipelined step's, its bytes one
+            stage's device's).
 
     Example:
         >>> from meshplan._search.predict.prediction import example_prediction
@@ -55,6 +60,7 @@ class Prediction:
     budget_bytes: int
     tokens: int | None
     tokens_unit: ThroughputUnit = "tokens"
+    pipeline: PipelineCost | None = None
 
     @property
     def step_s(self) -> float:
@@ -99,9 +105,11 @@ class Prediction:
             (8, {'all-reduce': 33554432}, True)
         """
         devices = math.prod(self.mesh.values())
-        return prediction_fields(
+        fields = prediction_fields(
             self.cost, self.tokens, devices, self.profile, self.budget_bytes, self.tokens_unit
         )
+        fields["pipeline"] = None if self.pipeline is None else self.pipeline.to_dict()
+        return fields
 
     def lines(self) -> list[str]:
         """The figures as the lines ``meshplan plan --profile`` prints.
@@ -177,6 +185,8 @@ def predict(
     optimizer: optax.GradientTransformation | None = None,
     workload: Workload | None = None,
     microbatches: int = 1,
+    pipeline_microbatches: int | None = None,
+    pipeline_repeats: int = 1,
 ) -> Prediction:
     """Predicts one layout's training step on a hardware profile, without its devices.
 
@@ -217,9 +227,35 @@ def predict(
             ``read_constraints=True``), in place of the step: of one microbatch.
         microbatches: Microbatches whose gradients one step accumulates (``--grad-accum``):
             the step is traced on one microbatch of ``example_batch``.
+        pipeline_microbatches: Where ``rules`` give ``'stage'`` a mesh axis (the layouts
+            ``pipeline``, ``pp_fsdp``, ``pp_tp``): the pipeline's microbatches
+            (``--microbatches``, at least the stages). The step is the model's without
+            a pipeline; it is priced as the stages run it
+            (:func:`meshplan._search.predict.pipeline.predict_pipeline`: the bubble, the
+            sends between stages, each stage's share of the layers and activations).
+        pipeline_repeats: Layer groups per stage (the circular schedule).
+
+        A pipeline on 8 H100s, 4 stages of 2 layers and 8 microbatches:
+
+        >>> stack = meshplan.LogicallyPartitioned(
+        ...     jax.ShapeDtypeStruct((8, 1024, 1024), jnp.bfloat16), ("layer", "embed", "mlp"))
+        >>> def loss(w, x):
+        ...     return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, w)[0].sum()
+        >>> def layers_step(state, x):
+        ...     return jax.grad(loss)(state["w"].value, x)
+        >>> pp = meshplan.predict({"w": stack}, layers_step,
+        ...                       jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16),
+        ...                       mesh={"pipeline": 4, "data": 2}, rules="pipeline",
+        ...                       profile="h100", pipeline_microbatches=8)
+        >>> pp.pipeline.schedule.bubble == 3 / 11, pp.pipeline.link
+        (True, 'fast')
+        >>> print(pp.lines()[-1])  # doctest: +ELLIPSIS
+        pipeline 4 stages x 8 microbatches (GPipe, 11 iterations): bubble 27% (...), sends ... over the fast link (...); each stage holds 1/4 of the layers
 
     Raises:
-        ArgumentError: a bad mesh, budget or profile; no step.
+        ArgumentError: a bad mesh, budget or profile; no step; a pipeline without
+            ``pipeline_microbatches`` or whose schedule does not split the layers and the
+            batch, or with ``microbatches`` (gradient accumulation) too.
     """
     from meshplan._search.predict.step import check_microbatches, linen_step, split_batch
     from meshplan.layouts import get_layout
@@ -247,9 +283,64 @@ def predict(
             ])  # fmt: skip
         one = split_batch(example_batch, microbatches)
         workload = trace_workload(step_fn, abstract_state, one, read_constraints=True)
-    cost = predict_specs(workload, _Specs(sizes, rules), prof, microbatches=microbatches)
     budget = whole_number(memory_budget_bytes) if memory_budget_bytes is not None else None
-    return Prediction(
-        cost, sizes, prof, budget if budget is not None else prof.memory_bytes,
-        None if workload.tokens is None else workload.tokens * microbatches, workload.tokens_unit,
-    )  # fmt: skip
+    budget = budget if budget is not None else prof.memory_bytes
+    tokens = None if workload.tokens is None else workload.tokens * microbatches
+    _, stages = stage_axes(rules, sizes)
+    if stages > 1:
+        check_pipeline(workload, stages, pipeline_microbatches, pipeline_repeats, microbatches)
+        assert pipeline_microbatches is not None
+        pp = predict_pipeline(workload, sizes, rules, prof, microbatches=pipeline_microbatches,
+                              repeats=pipeline_repeats)  # fmt: skip
+        return Prediction(pp.cost, sizes, prof, budget, tokens, workload.tokens_unit, pp)
+    cost = predict_specs(workload, _Specs(sizes, rules), prof, microbatches=microbatches)
+    return Prediction(cost, sizes, prof, budget, tokens, workload.tokens_unit)
+
+
+def check_pipeline(
+    workload: Workload, stages: int, microbatches: int | None, repeats: int, accumulate: int
+) -> None:
+    """Raises one :class:`~meshplan.ArgumentError` for every reason a pipeline of ``stages``
+    cannot run ``workload`` (:meth:`meshplan.PipelineSchedule.problems`): no microbatches
+    given, too few, layers or a batch they do not split, gradient accumulation besides.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> from meshplan._search.predict.prediction import check_pipeline, example_prediction
+        >>> w = meshplan.LogicallyPartitioned(jax.ShapeDtypeStruct((6, 8, 8), jnp.float32),
+        ...                                   ("layer", "embed", "mlp"))
+        >>> work = meshplan.trace_workload(lambda s, x: x @ s["w"].value[0], {"w": w},
+        ...                                jax.ShapeDtypeStruct((16, 8), jnp.float32))
+        >>> check_pipeline(work, 4, 8, 1, 1)
+        Traceback (most recent call last):
+        ...
+        meshplan.ArgumentError: predict cannot price this pipeline:
+          * layers: 6 layers do not split into 4 stages x 1 repeats (4 groups of equal size)
+        Use a number of layers that is a multiple of 4 (e.g. 8), or stages x repeats that divide 6.
+    """
+    problems: list[Problem] = []
+    if microbatches is None:
+        problems.append(Problem(
+            "error", "pipeline_microbatches", f"the rules give 'stage' {stages} devices (a "
+            "pipeline) and no pipeline microbatches were given",
+            f"Pass pipeline_microbatches=, at least {stages}: e.g. "
+            f"{4 * stages} (bubble {(stages - 1) / (4 * stages * repeats + stages - 1):.0%}).",
+            "pipeline-microbatches"))  # fmt: skip
+    if accumulate > 1:
+        problems.append(Problem(
+            "error", "microbatches", f"gradient accumulation ({accumulate} microbatches) with a "
+            "pipeline: the pipeline's own microbatches cut the batch", "Leave microbatches= "
+            "out and give pipeline_microbatches=.",
+            "pipeline-grad-accum"))  # fmt: skip
+    sizes = {s[n.index("layer")] for n, s, _ in workload.state if n is not None and "layer" in n}
+    if len(sizes) != 1:
+        problems.append(Problem(
+            "error", "rules", f"the rules give 'stage' {stages} devices, and the state has "
+            f"{'no' if not sizes else 'more than one'} 'layer' stack to cut into stages "
+            f"({sorted(sizes)})", "Pipeline a model whose scanned blocks carry a leading "
+            "'layer' name, or use rules without 'stage'.", "pipeline-scan"))  # fmt: skip
+    elif microbatches is not None:
+        plan = PipelineSchedule(stages, microbatches, repeats)
+        problems += plan.problems(sizes.pop(), workload.batch)
+    if problems:
+        raise error_from_problems(ArgumentError, "predict cannot price this pipeline:", problems)

@@ -14,7 +14,7 @@ from meshplan._search.predict.cost import Cost
 from meshplan._search.predict.profiles import HardwareProfile
 from meshplan._text import human_bytes, human_seconds
 
-__all__ = ["prediction_fields", "prediction_lines", "unpriced_line"]
+__all__ = ["pipeline_line", "prediction_fields", "prediction_lines", "unpriced_line"]
 
 
 def prediction_fields(
@@ -94,7 +94,30 @@ def prediction_lines(fields: dict[str, Any]) -> list[str]:
     )
     if f.get("unpriced"):
         lines.append(unpriced_line(f["unpriced"]))
+    if f.get("pipeline"):
+        lines.append(pipeline_line(f["pipeline"]))
     return lines
+
+
+def pipeline_line(pp: dict[str, Any]) -> str:
+    """A pipelined prediction's schedule, bubble and sends, as one line.
+
+    Example:
+        >>> from meshplan._search.predict.report import pipeline_line
+        >>> pipeline_line({"stages": 4, "microbatches": 8, "repeats": 1, "iterations": 11,
+        ...                "bubble": 3 / 11, "bubble_s": 0.003, "send_bytes": 2 << 20,
+        ...                "send_s": 0.0001, "link": "slow"})
+        'pipeline 4 stages x 8 microbatches (GPipe, 11 iterations): bubble 27% (3.000 ms), sends 2.00 MiB over the slow link (0.100 ms); each stage holds 1/4 of the layers'
+    """
+    kind = "GPipe" if pp["repeats"] == 1 else f"circular, {pp['repeats']} repeats"
+    return (
+        f"pipeline {pp['stages']} stages x {pp['microbatches']} microbatches ({kind}, "
+        f"{pp['iterations']} iterations): bubble {pp['bubble']:.0%} "
+        f"({human_seconds(pp['bubble_s'])}), sends {human_bytes(pp['send_bytes'])} over the "
+        f"{pp['link']} link ({human_seconds(pp['send_s'])}); each stage holds "
+        f"1/{pp['stages']} of the layers"
+        + (f" (in {pp['repeats']} groups)" if pp["repeats"] > 1 else "")
+    )
 
 
 def unpriced_line(unpriced: list[str] | tuple[str, ...]) -> str:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypedDict
 from meshplan._errors import MeshError, error_for
 from meshplan._plan.render.table import to_text
 from meshplan._search.predict.cost import Cost
+from meshplan._search.predict.pipeline import PipelineCost
 from meshplan._search.predict.profiles import HardwareProfile
 from meshplan._search.predict.report import unpriced_line
 from meshplan._search.predict.trace import ThroughputUnit
@@ -109,7 +110,9 @@ class SearchRow:
     what the compiled step showed (:func:`meshplan._search.measure.hlo.measure_step`). The
     predicted ranking fills ``cost`` (and ``measured_s``, the median step time when
     run); the static one fills ``bytes_per_device``, ``params_bytes_per_device``,
-    ``comm``, ``idle_axes`` and ``fits``.
+    ``comm``, ``idle_axes`` and ``fits``. ``pipeline``: a pipelined row's price (its
+    schedule, bubble and sends: :func:`~meshplan._search.predict.pipeline.predict_pipeline`);
+    ``None`` for every other row.
     """
 
     mesh: dict[str, int]
@@ -127,6 +130,20 @@ class SearchRow:
     comm: CommEstimate | None = None
     idle_axes: tuple[str, ...] = ()
     pruned_by: PruneKind | None = None
+    pipeline: PipelineCost | None = None
+
+    @property
+    def schedule_text(self) -> str:
+        """A pipelined row's schedule: ``4 stages, 16 microbatches, bubble 16%`` (else ``''``)."""
+        pp = self.pipeline
+        if pp is None:
+            return ""
+        s = pp.schedule
+        repeats = f" x {s.repeats} repeats" if s.repeats > 1 else ""
+        return (
+            f"{s.stages} stages{repeats}, {s.microbatches} microbatches, bubble {s.bubble:.0%}, "
+            f"sends {human_bytes(pp.send_bytes)} over the {pp.link} link"
+        )
 
     @property
     def mesh_text(self) -> str:
@@ -214,6 +231,7 @@ class SearchRow:
             "comm_s": None if cost is None else cost.comm_s,
             "compiled": self.compiled, "measured": self.compiled,
             "measured_step_s": self.measured_s,
+            "pipeline": None if self.pipeline is None else self.pipeline.to_dict(),
         }  # fmt: skip
         if cost is not None and result is not None and result.profile is not None:
             from meshplan._search.predict.report import prediction_fields
@@ -246,7 +264,9 @@ class SearchResult:
     kind), ``scored``, ``compiled``, ``measured``; ``seconds``: the search's wall time;
     ``path_rules``: the names :func:`meshplan.infer_names` gave a model that had none, as
     the ``(pattern, names)`` pairs :func:`meshplan.name_by_path` takes (``None`` for a
-    named model; :meth:`write_names` writes them). Prints as a table (the static ranking's is a ``rich`` one), then ``best: ...``.
+    named model; :meth:`write_names` writes them); ``pipeline_absent``: why the search
+    priced no pipeline (no ``'layer'`` stack, no stage count that splits it...), or
+    ``None`` where it did. Prints as a table (the static ranking's is a ``rich`` one), then ``best: ...``.
 
     Example:
         >>> import jax, jax.numpy as jnp, meshplan, meshplan.layouts
@@ -277,6 +297,7 @@ class SearchResult:
     ranked_by: RankedBy = "predicted"
     tokens_unit: ThroughputUnit = "tokens"
     path_rules: Sequence[tuple[str, Sequence[str | None] | None]] | None = None
+    pipeline_absent: str | None = None
 
     def write_names(self, path: str) -> None:
         """Writes :attr:`path_rules` to ``path`` as JSON ``[pattern, names]`` pairs (what
@@ -388,6 +409,7 @@ class SearchResult:
             mesh = f"{r.mesh_text} {r.axes_text}"
             measured = "-" if r.measured_s is None else f"{r.measured_s * 1e3:.2f}ms"
             name = f" ({r.layout})" if r.layout != "searched" else ""
+            name += f" [{r.schedule_text}]" if r.pipeline is not None else ""
             lines.append(
                 f"{r.rank:>3}  {mesh:<14} {c.step_s * 1e3:>8.3f}ms {measured:>9} "
                 f"{human_bytes(c.memory_bytes):>11} "

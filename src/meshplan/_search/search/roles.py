@@ -63,8 +63,9 @@ class RoleVerdict:
         def row(r: SearchRow | None) -> dict[str, Any] | None:
             if r is None or r.cost is None:
                 return None
-            return {"mesh": dict(r.mesh), "rules": r.short_rules, "step_s": r.cost.step_s,
-                    "memory_bytes": r.cost.memory_bytes}  # fmt: skip
+            return {"mesh": dict(r.mesh), "layout": r.layout, "rules": r.short_rules,
+                    "step_s": r.cost.step_s, "memory_bytes": r.cost.memory_bytes,
+                    "schedule": r.schedule_text or None}  # fmt: skip
 
         return {"role": self.role, "proposed": self.proposed, "kind": self.kind,
                 "reason": self.reason, "with": row(self.with_row),

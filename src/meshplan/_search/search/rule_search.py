@@ -19,7 +19,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence, Set
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, Unpack
 
 import jax
 
@@ -35,7 +35,7 @@ from meshplan._search.predict.cost import (
 )
 from meshplan._search.predict.infer import name_unnamed
 from meshplan._search.predict.inputs import check_search_args, whole_number
-from meshplan._search.predict.profiles import HardwareProfile, get_profile
+from meshplan._search.predict.profiles import get_profile
 from meshplan._search.predict.step import check_microbatches, linen_step, split_batch
 from meshplan._search.predict.trace import Names, Workload, trace_workload
 from meshplan._search.search.candidates import (
@@ -45,6 +45,14 @@ from meshplan._search.search.candidates import (
     generate,
     layout_candidates,
 )
+from meshplan._search.search.options import (
+    SearchChecks,
+    SearchHardware,
+    SearchKeywords,
+    SearchSpace,
+    search_options,
+)
+from meshplan._search.search.pipeline_verdict import PIPELINE_LAYOUTS, pipeline_rows
 from meshplan._search.search.result import (
     PRUNE_REASONS,
     PruneKind,
@@ -356,21 +364,14 @@ def search_rules(
     model: nn.Module | None = None,
     loss: Callable[[Any, Any], Any] | None = None,
     optimizer: optax.GradientTransformation | None = None,
-    profile: str | HardwareProfile = "cpu",
-    memory_budget_bytes: int | None = None,
-    layouts: Mapping[str, LogicalRules] | Sequence[str] | None = None,
-    names: Sequence[str] | None = None,
-    roles: Sequence[str] = ALL_ROLES,
-    max_axes: int = 3,
-    compile_top: int = 3,
-    measure: bool = False,
-    measure_top: int = 3,
-    measure_steps: int = 5,
     workload: Workload | None = None,
+    space: SearchSpace | None = None,
+    hardware: SearchHardware | None = None,
+    checks: SearchChecks | None = None,
     ranked_by: RankedBy | None = None,
-    axis_names: tuple[str, ...] = ("data", "model"),
     batch: int | None = None,
     microbatches: int = 1,
+    **keywords: Unpack[SearchKeywords],
 ) -> SearchResult:
     """Searches meshes of ``devices`` and logical rules for the fastest predicted step.
 
@@ -409,6 +410,17 @@ def search_rules(
         >>> static.ranked_by, static.best.mesh_text, static.best.layout, static.profile
         ('static', '1x8', 'fsdp', None)
 
+        What is searched, what it is priced on and what is compiled are three records
+        (:class:`meshplan.SearchSpace`, :class:`meshplan.SearchHardware`,
+        :class:`meshplan.SearchChecks`); their fields are also taken as keywords, as
+        before the records (``profile="h100"`` is ``hardware=SearchHardware("h100")``):
+
+        >>> again = meshplan.search_rules(8, state, step, jax.ShapeDtypeStruct((64, 4096), jnp.float32),
+        ...                               hardware=meshplan.SearchHardware("h100"),
+        ...                               checks=meshplan.SearchChecks(compile_top=0))
+        >>> again.best.mesh_text == result.best.mesh_text
+        True
+
     Args:
         devices: The device count (any: nothing runs unless compiling or measuring).
         abstract_state: The state (``jax.eval_shape`` of init), boxed or NNX.
@@ -417,25 +429,27 @@ def search_rules(
         model: A Flax Linen module, in place of the three above (with ``example_batch``).
         loss: ``loss(outputs, batch)`` for ``model``.
         optimizer: An Optax optimizer for ``model`` (default Adam).
-        profile: ``'cpu'`` (measured here), ``'h100'``, ``'h200'``, ``'tpu_v5e'`` or a
-            :class:`meshplan.HardwareProfile`.
-        memory_budget_bytes: Bytes one device may hold (default: the profile's memory).
-        layouts: Built-in layout names or ``{name: rules}`` always tried (default: all
-            built-in layouts; their mesh axes are ``('data', 'model')``).
-        names: Parameter names the search may split (default: every name the state
-            carries but ``layer``).
-        roles: Mesh axis roles to use (``data``, ``fsdp``, ``tensor``, and ``context``,
-            ``expert`` where the model has a sequence or expert name).
-        max_axes: At most this many mesh axes of generated candidates (0: the ``layouts`` only).
-        compile_top: Compile the first this many (needs ``devices`` JAX devices; else 0).
-        measure: Run the first ``measure_top`` and rank them by measured time.
-        measure_top: How many to run.
-        measure_steps: Steps timed per candidate (the median counts).
         workload: A traced workload (skips tracing).
+        space: What is tried (:class:`meshplan.SearchSpace`: ``layouts``, default all
+            built-in layouts on ``('data', 'model')`` and the pipeline layouts where the
+            model has a ``layer`` stack; ``names``, default every name but ``layer``;
+            ``roles``, ``data``, ``fsdp``, ``tensor``, and ``context``, ``expert`` where
+            the model has such names; ``max_axes``, 0 for the layouts only;
+            ``axis_names``, the layouts' mesh axes).
+        hardware: What the step is priced on (:class:`meshplan.SearchHardware`:
+            ``profile``, ``'cpu'`` measured here, ``'h100'``, ``'tpu_v5e'``... or a
+            :class:`meshplan.HardwareProfile`; ``memory_budget_bytes``, default the
+            profile's memory).
+        checks: What is compiled and run (:class:`meshplan.SearchChecks`:
+            ``compile_top``, needing ``devices`` JAX devices, else none; ``measure``,
+            ``measure_top``, ``measure_steps``: the first rows run and ranked by the
+            median measured time).
+        **keywords: Any field of the three records, as before them
+            (:class:`~meshplan._search.search.options.SearchKeywords`); not with the
+            record it belongs to.
         ranked_by: ``'predicted'`` (by predicted step time: needs a step) or ``'static'``
             (by memory per device: no step is traced); default: ``'predicted'`` with a
             step, ``'static'`` without one.
-        axis_names: The mesh axis names of the ``layouts``' rules.
         batch: The global batch size the static ranking checks (default: the
             ``example_batch``'s, else unchecked); with a step, the example batch's.
         microbatches: The step accumulates gradients over this many microbatches of the
@@ -450,6 +464,12 @@ def search_rules(
             ``'too-few-devices'``, as :func:`meshplan.search_layouts` raises).
     """
     t0 = time.perf_counter()
+    space, hardware, checks = search_options(space, hardware, checks, keywords)
+    profile, memory_budget_bytes = hardware.profile, hardware.memory_budget_bytes
+    layouts, names, roles = space.layouts, space.names, space.roles
+    max_axes, axis_names = space.max_axes, space.axis_names
+    compile_top, measure = checks.compile_top, checks.measure
+    measure_top, measure_steps = checks.measure_top, checks.measure_steps
     check_microbatches(microbatches)
     check_search_args(
         devices=devices, budget=memory_budget_bytes, roles=roles, all_roles=ALL_ROLES,
@@ -499,7 +519,14 @@ def search_rules(
     have_devices = jax.device_count() >= devices
     prof = get_profile(profile, devices)
     budget = memory_budget_bytes if memory_budget_bytes is not None else prof.memory_bytes
-    given = {n: _own_rules(normalize_rules(r), workload) for n, r in _named(layouts).items()}
+    named = _named(layouts)
+    # Layouts with a stage (the pipelines) are priced as pipelines, on their own meshes.
+    piped_layouts = PIPELINE_LAYOUTS if layouts is None else {
+        n: normalize_rules(r) for n, r in named.items()
+        if any(k == "stage" for k, _ in normalize_rules(r))
+    }  # fmt: skip
+    given = {n: _own_rules(normalize_rules(r), workload) for n, r in named.items()
+             if n not in piped_layouts}  # fmt: skip
     search_names = [n for n in (names or workload.param_names) if n != "layer"]
     if names is None:  # activations' own names (MaxText's activation_embed) may split too
         search_names += [n for n in workload.names
@@ -517,7 +544,7 @@ def search_rules(
     seen: set[Any] = set()
     rows: list[SearchRow] = []
     out: list[SearchRow] = []
-    checks = _Checks()
+    validity = _Checks()
     dot_cache: DotCache = {}  # matmul costs, shared by the candidates with the same splits
     resolved: Resolved = {}  # arrays' resolutions, shared by the candidates with the same rules
     # What depends on a generated candidate's rules alone (where every axis they name
@@ -530,7 +557,7 @@ def search_rules(
         searched = c.layout == "searched"
         record = records.get(c.rules) if searched else None
         if searched and record is None:
-            clean = checks.rules_clean(c.rules) and all(checks.leaf_clean(*a) for a in leaves)
+            clean = validity.rules_clean(c.rules) and all(validity.leaf_clean(*a) for a in leaves)
             record = records[c.rules] = RuleRecord(
                 c.rules, resolved, leaves, sig_arrays, batch_names, acts, clean, places
             )
@@ -551,7 +578,7 @@ def search_rules(
         if searched and sig in seen:
             why: Pruned | None = _SYMMETRIC
         else:
-            why = _prune(c, batch, batch_names, leaves, acts, specs, checks, record)
+            why = _prune(c, batch, batch_names, leaves, acts, specs, validity, record)
             if why is None and sig in seen:
                 why = _SYMMETRIC
             if searched or why is None:
@@ -575,19 +602,25 @@ def search_rules(
                 out.append(row)
             continue
         rows.append(row)
+    piped = pipeline_rows(workload, devices, prof, budget, microbatches=microbatches,
+                          layouts=piped_layouts)  # fmt: skip
+    rows += [r for r in piped.rows if r.status == "ok"]
+    out += [r for r in piped.rows if r.status != "ok"]
+    for kind, n in piped.pruned.items():
+        pruned[kind] += n
     scored = sum(1 for r in [*rows, *out] if r.cost is not None)
     compile_top = compile_top if have_devices else 0
     rows, compiled, measured = _finish(rows, "predicted", step_fn, abstract_state, example_batch,
                                        compile_top, measure, measure_top, measure_steps)  # fmt: skip
-    counts = SearchCounts(enumerated=len(candidates), pruned=pruned, scored=scored,
-                          compiled=compiled, measured=measured)  # fmt: skip
+    counts = SearchCounts(enumerated=len(candidates) + piped.enumerated, pruned=pruned,
+                          scored=scored, compiled=compiled, measured=measured)  # fmt: skip
     for row in rows:
         row.fits = True  # every ranked row fits: the others were pruned as "memory"
     return SearchResult(
         rows + out, devices, prof, budget, counts, time.perf_counter() - t0,
         None if batch is None else batch * microbatches,
         None if workload.tokens is None else workload.tokens * microbatches,
-        tokens_unit=workload.tokens_unit, path_rules=path_rules,
+        tokens_unit=workload.tokens_unit, path_rules=path_rules, pipeline_absent=piped.absent,
     )  # fmt: skip
 
 
@@ -690,7 +723,11 @@ def _finish(
     rows = _rank(rows, ranked_by)
     compiled = 0
     if compile_top and step_fn is not None:
+        # A pipelined row's step is not this step (the stages are the model's to run):
+        # priced, never compiled or run here.
         for row in rows[:compile_top]:
+            if row.pipeline is not None:
+                continue
             row.compiled = measure_step(step_fn, abstract_state, example_batch, row.mesh, row.rules)
             compiled += 1
             _refine(row)
@@ -699,7 +736,8 @@ def _finish(
     if measure and step_fn is not None:
         from meshplan._search.measure.timing import prepare_step
 
-        top = rows[:measure_top]
+        at = [i for i, r in enumerate(rows) if r.pipeline is None][:measure_top]
+        top = [rows[i] for i in at]
         prepared = [
             prepare_step(step_fn, abstract_state, example_batch, r.mesh, r.rules) for r in top
         ]
@@ -712,7 +750,8 @@ def _finish(
         for row, s in zip(top, samples, strict=True):
             row.measured_s = statistics.median(s)
         measured = len(top)
-        rows[:measure_top] = sorted(top, key=lambda r: r.measured_s or 0)
+        for i, row in zip(at, sorted(top, key=lambda r: r.measured_s or 0), strict=True):
+            rows[i] = row
     for i, row in enumerate(rows, 1):
         row.rank = i
     return rows, compiled, measured

@@ -2,7 +2,7 @@
 
 ``--processes N`` starts N workers of the same command on this machine, each
 with ``--devices / N`` emulated CPU devices, joined through a coordinator on a
-free loopback port (:mod:`meshplan.cli.launch`). On several hosts, the user runs
+free loopback port (:mod:`meshplan.cli.train.launch`). On several hosts, the user runs
 the same command on each with ``--coordinator HOST:PORT --num-processes N
 --process-id I``, which is also what each launched worker is given.
 """
@@ -21,10 +21,10 @@ from typing import Any, NoReturn
 from rich.console import Console
 
 from meshplan._errors import MeshplanError, error_for, problem_message
-from meshplan.cli.launch import free_port, launch
 from meshplan.cli.output import print_error, say
-from meshplan.cli.rendezvous import meet, process_group, quiet_native_stdout
-from meshplan.cli.train_flags import MODEL_FLAGS, SETTINGS_FLAGS, flag
+from meshplan.cli.train.flags import MODEL_FLAGS, SETTINGS_FLAGS, flag
+from meshplan.cli.train.launch import free_port, launch
+from meshplan.cli.train.rendezvous import meet, process_group, quiet_native_stdout
 from meshplan.train.distributed import (
     DEFAULT_INIT_TIMEOUT,
     DistributedError,
@@ -41,7 +41,7 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
 
     Example:
         >>> from meshplan.cli import build_parser
-        >>> from meshplan.cli.train_processes import worker_argv
+        >>> from meshplan.cli.train.processes import worker_argv
         >>> args = build_parser().parse_args(["train", "--processes", "2", "--steps", "5",
         ...                                   "--no-scan", "--ckpt-dir", "/tmp/run",
         ...                                   "--model", "transformer-nnx"])
@@ -170,7 +170,7 @@ def _stuck_after_meeting(group: ProcessGroup) -> Callable[[MeshplanError], None]
 def join_if_asked(args: argparse.Namespace) -> ProcessGroup | None:
     """Joins the multi-process run the flags describe (before JAX starts); ``None`` if none.
 
-    The processes first meet at the coordinator (:func:`~meshplan.cli.rendezvous.meet`):
+    The processes first meet at the coordinator (:func:`~meshplan.cli.train.rendezvous.meet`):
     while some are missing, says who every few seconds on standard error; gives up
     after ``--init-timeout`` seconds (default
     :data:`~meshplan.train.distributed.DEFAULT_INIT_TIMEOUT`, as JAX). What native

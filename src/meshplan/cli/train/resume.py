@@ -16,7 +16,7 @@ from meshplan._checkpoint.folder import latest_step, read_metadata
 from meshplan._checkpoint.integrity import check_step, intact_step
 from meshplan._checkpoint.metadata import CheckpointMetadata
 from meshplan._errors import CheckpointError, MeshplanError, Problem
-from meshplan.cli.train_checks import Problems
+from meshplan.cli.train.findings import Findings
 
 __all__ = ["CheckpointRequest", "DamagedStep", "Resume", "check_checkpoint_dir"]
 
@@ -53,7 +53,7 @@ class Resume:
 
 
 def check_checkpoint_dir(
-    request: CheckpointRequest, problems: Problems
+    request: CheckpointRequest, problems: Findings
 ) -> tuple[Path | None, Resume]:
     """The checkpoint folder, and the step to resume from when resuming.
 
@@ -92,6 +92,8 @@ def check_checkpoint_dir(
             f"{'--resume-step' if request.resume_step is not None else '--resume'} needs the "
             f"checkpoint folder to resume from",
             "Pass --ckpt-dir DIR with --resume.",
+            "resume-without-ckpt-dir",
+            "--resume",
         )
     elif resume and ckpt_dir is not None:  # (not None: the case above)
         try:
@@ -132,5 +134,7 @@ def check_checkpoint_dir(
             CheckpointError,
             f"--ckpt-dir {str(ckpt_dir)!r} already holds checkpoints (latest step {last})",
             "Pass --resume to continue that run, or a new --ckpt-dir to start another.",
+            "ckpt-not-empty",
+            "--ckpt-dir",
         )
     return ckpt_dir, found

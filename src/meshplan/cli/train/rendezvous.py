@@ -36,7 +36,7 @@ def parse_coordinator(text: str) -> tuple[str, int]:
     """``"10.0.0.1:1234"`` -> ``("10.0.0.1", 1234)``.
 
     Example:
-        >>> from meshplan.cli.rendezvous import parse_coordinator
+        >>> from meshplan.cli.train.rendezvous import parse_coordinator
         >>> parse_coordinator("127.0.0.1:4321"), parse_coordinator("[::1]:80")
         (('127.0.0.1', 4321), ('[::1]', 80))
 
@@ -58,7 +58,7 @@ def process_group(
     """The :class:`ProcessGroup` the three flags describe; ``None`` when none is given.
 
     Example:
-        >>> from meshplan.cli.rendezvous import process_group
+        >>> from meshplan.cli.train.rendezvous import process_group
         >>> process_group("127.0.0.1:4321", 2, 1)
         ProcessGroup(coordinator='127.0.0.1:4321', num_processes=2, process_id=1)
         >>> process_group(None, None, None) is None
@@ -557,7 +557,7 @@ def meet(group: ProcessGroup, timeout_seconds: float, report: Report | None = No
             ``'coordinator-port-busy'`` (process 0 cannot listen).
 
     Example:
-        >>> from meshplan.cli.rendezvous import meet
+        >>> from meshplan.cli.train.rendezvous import meet
         >>> from meshplan.train.distributed import ProcessGroup
         >>> meet(ProcessGroup("127.0.0.1:9876", 1, 0), timeout_seconds=5)  # no one to wait for
     """

@@ -4,8 +4,8 @@ Each training setting is one :class:`Setting`: its ``argparse`` destination, the
 :class:`~meshplan.train.settings.TrainSettings` field it sets, its type, help and
 the flag-level fix when the setting is refused. The parser
 (:mod:`meshplan.cli.train`) is built from :data:`SETTINGS`, the checks
-(:mod:`meshplan.cli.train_request`) read their fixes from it, and the launcher
-(:mod:`meshplan.cli.train_processes`) passes the same flags on to each worker.
+(:mod:`meshplan.cli.train.request`) read their fixes from it, and the launcher
+(:mod:`meshplan.cli.train.processes`) passes the same flags on to each worker.
 :data:`CODE_ADVICE` is the flag-level advice for the library's problem codes.
 """
 
@@ -116,7 +116,7 @@ def flag(dest: str) -> str:
     """The command-line flag of an ``argparse`` destination.
 
     Example:
-        >>> from meshplan.cli.train_flags import flag
+        >>> from meshplan.cli.train.flags import flag
         >>> flag("eval_every"), flag("config")
         ('--eval-every', '--size')
     """
@@ -129,7 +129,7 @@ def setting_flag(field: str) -> str:
     """The flag of a :class:`~meshplan.train.settings.TrainSettings` field.
 
     Example:
-        >>> from meshplan.cli.train_flags import setting_flag
+        >>> from meshplan.cli.train.flags import setting_flag
         >>> setting_flag("seq_len"), setting_flag("grad_accum")
         ('--seq', '--grad-accum')
     """
@@ -141,7 +141,7 @@ def setting_fix(field: str) -> str:
     """The flag-level fix of a refused :class:`~meshplan.train.settings.TrainSettings` field.
 
     Example:
-        >>> from meshplan.cli.train_flags import setting_fix
+        >>> from meshplan.cli.train.flags import setting_fix
         >>> setting_fix("seq_len")
         'Pass --seq 1 or more.'
     """
@@ -192,7 +192,7 @@ def no_mfu_why(peak: MeshPeak) -> str | None:
     """Why a run has no MFU (``peak.why``), with its fix in flags.
 
     Example:
-        >>> from meshplan.cli.train_flags import no_mfu_why
+        >>> from meshplan.cli.train.flags import no_mfu_why
         >>> from meshplan.train.flops import mesh_peak
         >>> no_mfu_why(mesh_peak("tpu", "TPU v4", 4, "float32")).split("; ")[-1]
         'train with --dtype bfloat16 for MFU'
@@ -206,7 +206,7 @@ def in_flags(note: str) -> str:
     """One of the trainer's notes, in flags where it names a setting or resuming.
 
     Example:
-        >>> from meshplan.cli.train_flags import in_flags
+        >>> from meshplan.cli.train.flags import in_flags
         >>> from meshplan.train.records import Note
         >>> note = Note("Changed: {changed}.", "valid-setting-changed",
         ...             {"step": 4, "changes": {"seq_len": (16, 32)}}, {"changed": "seq_len 32"})
@@ -232,7 +232,7 @@ def again_command(argv: list[str] | None, drop: dict[str, bool], add: list[str])
     """``meshplan train`` with the user's own flags, less ``drop`` (flag: takes a value), plus ``add``.
 
     Example:
-        >>> from meshplan.cli.train_flags import again_command
+        >>> from meshplan.cli.train.flags import again_command
         >>> again_command(["train", "--resume", "--lr", "1e6", "--steps", "35", "--ckpt-dir", "r"],
         ...               {"--resume": False, "--lr": True}, ["--resume-step", "20", "--lr", "1e5"])
         'meshplan train --steps 35 --ckpt-dir r --resume-step 20 --lr 1e5'

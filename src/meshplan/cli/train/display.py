@@ -13,17 +13,20 @@ import errno
 import json
 import os
 import stat
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TextIO
 
 from rich.console import Console
 from rich.table import Table
 
 from meshplan.cli.output import say, text
-from meshplan.cli.train_flags import no_mfu_why
+from meshplan.cli.train.flags import no_mfu_why
 
 if TYPE_CHECKING:
     from meshplan.cli.devices import DeviceChoice
-    from meshplan.cli.train_request import PreparedRun
+    from meshplan.cli.factory import Trainable
+    from meshplan.models.data import ByteCorpus
+    from meshplan.models.transformer import TransformerConfig
     from meshplan.train.flops import MeshPeak
     from meshplan.train.records import TrainResult
     from meshplan.train.trainer import Trainer
@@ -31,20 +34,27 @@ if TYPE_CHECKING:
 __all__ = ["MetricsLog", "flop_text", "header", "own_header", "peak_memory", "summary"]
 
 
-def header(console: Console, prepared: PreparedRun, devices: Any, peak: MeshPeak) -> None:
+def header(
+    console: Console,
+    trainer: Trainer,
+    config: TransformerConfig,
+    kind: str,
+    corpus: ByteCorpus,
+    devices: DeviceChoice,
+    peak: MeshPeak,
+) -> None:
+    """The header of a run of the built-in Transformer (``kind``): the model, the mesh, the
+    data, the devices and the plan per device."""
     from meshplan._text import human_bytes
-    from meshplan.cli.train_request import MODELS
+    from meshplan.cli.trained_models import MODELS
 
-    trainer, config, kind, corpus = (
-        prepared.trainer,
-        prepared.config,
-        prepared.model,
-        prepared.corpus,
-    )
-    assert config is not None and corpus is not None  # the built-in Transformer's run
     s = trainer.settings
+    # The command's own words first, then what the library sums up (no going back and forth).
+    mesh = "x".join(str(v) for v in trainer.mesh.shape.values())
+    remat, mfu = _remat_text(config), _mfu_line(peak)
+    resumed = _resume_line(trainer, mesh, trainer.layout_name)
+    pipeline = _pipeline_line(config, trainer)
     summary = trainer.plan_summary()
-    mesh = "x".join(str(v) for v in summary["mesh"].values())
     lines: list[list[Any]] = [
         [
             ("meshplan train", "bold"),
@@ -65,7 +75,7 @@ def header(console: Console, prepared: PreparedRun, devices: Any, peak: MeshPeak
             (str(summary["layout"]), "bold"),
             f"; batch {s.batch} x {s.seq_len} bytes"
             + (f" in {s.grad_accum} microbatches" if s.grad_accum > 1 else "")
-            + _remat_text(config)
+            + remat
             + f", lr {s.lr:g}, seed {s.seed}",
         ],
         [
@@ -76,13 +86,12 @@ def header(console: Console, prepared: PreparedRun, devices: Any, peak: MeshPeak
             devices.describe() + f"; compute dtype {config.dtype}, parameters and AdamW "
             f"state float32; {flop_text(trainer.flops_per_step or 0)} a step"
         ],
-        [f"MFU against: {peak.label}" if peak.flops else f"no MFU: {no_mfu_why(peak)}"],
+        [mfu],
     ]
-    pipeline = _pipeline_line(config, trainer)
     if pipeline:
         lines.insert(2, [pipeline])
-    if trainer.resume_from is not None:
-        lines.append([_resume_line(trainer, mesh, str(summary["layout"]))])
+    if resumed:
+        lines.append([resumed])
     for line in lines:
         say(console, *line, soft_wrap=True)
     table = Table(title=text(f"Plan per device ({summary['source']})"), title_justify="left")
@@ -102,10 +111,17 @@ def header(console: Console, prepared: PreparedRun, devices: Any, peak: MeshPeak
     console.print(table)
 
 
+def _mfu_line(peak: MeshPeak) -> str:
+    """``MFU against: ...``, or why there is none, in flags."""
+    return f"MFU against: {peak.label}" if peak.flops else f"no MFU: {no_mfu_why(peak)}"
+
+
 def _resume_line(trainer: Trainer, mesh: str, layout: str) -> str:
-    """``resuming from step N of DIR (saved on 2x4 with fsdp_tp) onto 4x2 with fsdp``."""
+    """``resuming from step N of DIR (saved on 2x4 with fsdp_tp) onto 4x2 with fsdp``, or ``''``
+    for a run that does not resume."""
     meta = trainer.resume_from
-    assert meta is not None
+    if meta is None:
+        return ""
     saved_mesh = "x".join(str(v) for v in meta.mesh_shape.values()) or "?"
     saved_by = int(meta.extra.get("processes") or 1)
     return (
@@ -115,21 +131,19 @@ def _resume_line(trainer: Trainer, mesh: str, layout: str) -> str:
     )
 
 
-def _remat_text(config: Any) -> str:
+def _remat_text(config: TransformerConfig | Mapping[str, object] | None) -> str:
     """``', remat full'`` when the model rematerialises its blocks, else ``''``."""
-    remat = config.get("remat") if isinstance(config, dict) else getattr(config, "remat", False)
-    if not remat:
+    fields = config if isinstance(config, Mapping) else vars(config) if config else {}
+    if not fields.get("remat"):
         return ""
-    policy = (
-        config.get("remat_policy") if isinstance(config, dict) else config.remat_policy
-    ) or "full"
+    policy = fields.get("remat_policy") or "full"
     return f", remat {str(policy).replace('_', '-')}"
 
 
-def own_header(console: Console, prepared: PreparedRun, devices: Any) -> None:
+def own_header(
+    console: Console, trainer: Trainer, own: Trainable, spec: str, devices: DeviceChoice
+) -> None:
     """The header of a ``--model pkg.module:factory`` run: the model, the mesh, the batches."""
-    trainer, own = prepared.trainer, prepared.trainable
-    assert own is not None
     s = trainer.settings
     summary = trainer.plan_summary()
     mesh = "x".join(str(v) for v in summary["mesh"].values())
@@ -139,8 +153,7 @@ def own_header(console: Console, prepared: PreparedRun, devices: Any) -> None:
     lines: list[list[Any]] = [
         [
             ("meshplan train", "bold"),
-            f": {own.name} ({own.api}) from --model {prepared.model} "
-            f"({summary['parameters']:,} parameters)",
+            f": {own.name} ({own.api}) from --model {spec} ({summary['parameters']:,} parameters)",
         ],
         [
             f"on a {mesh} mesh {tuple(trainer.mesh.axis_names)} with layout ",
@@ -161,7 +174,7 @@ def flop_text(flops: float) -> str:
     """``2.9e13`` -> ``'29.0 TFLOP'``.
 
     Example:
-        >>> from meshplan.cli.train_output import flop_text
+        >>> from meshplan.cli.train.display import flop_text
         >>> flop_text(2.897e13), flop_text(1.9e8), flop_text(12)
         ('29.0 TFLOP', '190.0 MFLOP', '12 FLOP')
     """
@@ -171,7 +184,7 @@ def flop_text(flops: float) -> str:
     return f"{flops:,.0f} FLOP"
 
 
-def peak_memory(devices: Any) -> int | None:
+def peak_memory(devices: DeviceChoice) -> int | None:
     """The most bytes any of ``devices`` held at once (``memory_stats()``), or ``None``."""
     peaks = []
     for device in devices.devices:
@@ -266,7 +279,7 @@ class MetricsLog(contextlib.AbstractContextManager["MetricsLog", None]):
 
     def __init__(self, path: str | None) -> None:
         self.path = path
-        self._file: Any = None
+        self._file: TextIO | None = None
 
     def __enter__(self) -> MetricsLog:
         path = self.path
@@ -339,7 +352,7 @@ class MetricsLog(contextlib.AbstractContextManager["MetricsLog", None]):
                 raise self._failed(e, "closing it") from e
 
 
-def _pipeline_line(config: Any, trainer: Any) -> str:
+def _pipeline_line(config: TransformerConfig, trainer: Trainer) -> str:
     """``pipeline: 4 stages x 1 layer group, 8 microbatches: bubble 27% of a step``, or ``''``."""
     from meshplan import PipelineSchedule
     from meshplan._spmd.pipeline import stage_axes

@@ -10,23 +10,26 @@ Each problem names the value, the form expected and the fix.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 
 from meshplan._errors import ArgumentError
+from meshplan.cli.aliases import PyTree
 from meshplan.cli.factory import IterableBatches, Trainable
-from meshplan.cli.train_checks import Problems
+from meshplan.cli.train.findings import Findings
 
 __all__ = ["factory_problems"]
 
 
-def _leaf_name(path: Any) -> str:
+def _leaf_name(path: Sequence[object]) -> str:
     return "batch" + jax.tree_util.keystr(tuple(path))
 
 
-def _batch_problems(spec: str, what: str, batch: Any, example: Any, problems: Problems) -> None:
+def _batch_problems(
+    spec: str, what: str, batch: PyTree, example: PyTree, problems: Findings
+) -> None:
     """What differs between ``batch`` (e.g. ``batches('train', 0)``) and the example batch."""
     got = jax.tree_util.tree_structure(batch)
     want = jax.tree_util.tree_structure(example)
@@ -97,7 +100,7 @@ def _batch_problems(spec: str, what: str, batch: Any, example: Any, problems: Pr
             )
 
 
-def _loss_problems(spec: str, trainable: Trainable, params: Any, problems: Problems) -> None:
+def _loss_problems(spec: str, trainable: Trainable, params: PyTree, problems: Findings) -> None:
     """The loss traced on the example batch: one floating scalar, or the error it raised."""
     train = trainable.model
     try:
@@ -127,14 +130,14 @@ def _loss_problems(spec: str, trainable: Trainable, params: Any, problems: Probl
 
 
 def factory_problems(
-    spec: str, trainable: Trainable, params: Any, eval_batches: int, problems: Problems
+    spec: str, trainable: Trainable, params: PyTree, eval_batches: int, problems: Findings
 ) -> None:
     """Adds to ``problems`` what is wrong with the factory's batches and loss (see the module).
 
     ``params``: the abstract parameters (``jax.eval_shape``), as the loss takes them.
     """
     source = trainable.batches
-    drawn: list[tuple[str, Any]] = []
+    drawn: list[tuple[str, PyTree]] = []
     try:
         if isinstance(source, IterableBatches):
             source.hold_out(eval_batches)  # as the run does: validation first

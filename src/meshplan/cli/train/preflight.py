@@ -1,89 +1,73 @@
-"""The checks of ``meshplan train`` that need no model: problems collected, the mesh text,
-the batch against the mesh and rules, the corpus, the metrics file.
+"""The checks of ``meshplan train`` that need no model: the flags read (:func:`read_flags`:
+the mesh text against the devices, the checkpoint folder, the rules, the metrics file),
+the batch against the mesh and rules, the corpus.
 
 They run before the library builds anything: on the flags and the settings decided.
 
 Each check takes the values it checks (and the flag text to name them by) and adds
-its problems, in flag terms, to a :class:`Problems`; :mod:`meshplan.cli.train_request`
-calls them in order and raises every problem at once.
+its problems, in flag terms, to a :class:`Findings`;
+:func:`meshplan.cli.train.prepare.prepare_run` calls them in order and raises every
+problem at once.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from meshplan._errors import MeshError, MeshplanError, Problem, error_for, problem_message
+from meshplan._errors import MeshError, MeshplanError, error_for
 from meshplan._spmd.mesh_info import mesh_info
-from meshplan._spmd.rules import Rules
+from meshplan._spmd.rules import LogicalRules, Rules, logical_to_mesh_axes
 from meshplan._spmd.validate import check_leaf
+from meshplan.cli.devices import choose_devices, count_from_xla_flags, mesh_flag_advice
 from meshplan.cli.mesh_text import parse_mesh_shape
-from meshplan.cli.train_flags import CODE_ADVICE
+from meshplan.cli.train.findings import Findings
+from meshplan.cli.train.resume import Resume, check_checkpoint_dir
+from meshplan.layouts import CONTEXT_EXPERT_LAYOUTS, LAYOUT_AXES, get_layout
 from meshplan.models.data import BATCH_NAMES, ByteCorpus, DataError
 from meshplan.train.device_mesh import MESH_AXES
 from meshplan.train.settings import TrainSettings
 
+if TYPE_CHECKING:
+    from meshplan.cli.train.request import TrainRequest
+    from meshplan.models.transformer import TransformerConfig
+    from meshplan.train.build import BuiltParts
+
 __all__ = [
-    "Problems",
+    "FlagsRead",
+    "batch_shards",
     "check_batch",
-    "check_corpus",
     "check_metrics_file",
     "check_pipeline",
     "load_corpus",
     "parse_train_mesh",
+    "placement_problems",
+    "read_flags",
 ]
 
 
-class Problems:
-    """Collects (error class, problem) pairs and raises them together."""
-
-    def __init__(self) -> None:
-        self.items: list[tuple[type[MeshplanError], Problem]] = []
-
-    @classmethod
-    def joined(cls, *parts: Problems) -> Problems:
-        """The problems of ``parts``, in that order."""
-        out = cls()
-        for part in parts:
-            out.items.extend(part.items)
-        return out
-
-    def add(self, cls: type[MeshplanError], problem: str, fix: str, code: str = "train") -> None:
-        self.items.append((cls, Problem("error", "", problem, fix, code)))
-
-    def add_error(self, error: MeshplanError, where: str = "") -> None:
-        """The error's problems, with flag-level advice for the codes the command line knows.
-
-        ``where``: the flag the problems come from (``--rules r.json``), put before each.
-        """
-        found = error.problems or [Problem("error", "", str(error), "", "error")]
-        for p in found:
-            message = f"{p.path}: {p.message}" if p.path and p.path not in p.message else p.message
-            if where and not message.startswith(where):
-                message = f"{where}: {message}"
-            fix = CODE_ADVICE.get(p.code, p.fix)
-            self.items.append((type(error), Problem("error", "", message, fix, p.code)))
-
-    def raise_if_any(self, header: str) -> None:
-        if not self.items:
-            return
-        found = [p for _, p in self.items]
-        fixes = list(dict.fromkeys(p.fix for p in found if p.fix))
-        raise self.items[0][0](
-            problem_message(header, [p.message for p in found], "\n".join(fixes)), found
-        )
-
-
-def load_corpus(data: str | None, problems: Problems) -> ByteCorpus | None:
+def load_corpus(data: str | None, settings: TrainSettings, found: Findings) -> ByteCorpus | None:
+    """The byte corpus of ``--data`` (``None``: the Python standard library), and, when the
+    settings are sane, both its splits checked to hold a window of ``seq_len + 1`` bytes."""
     try:
-        return ByteCorpus.from_stdlib() if data is None else ByteCorpus.from_path(data)
+        corpus = ByteCorpus.from_stdlib() if data is None else ByteCorpus.from_path(data)
     except MeshplanError as e:
-        problems.add_error(e)
+        found.add_error(e)
+        return None
     except (ValueError, OSError) as e:  # the file system's words: the message is all there is
-        problems.add(DataError, f"cannot read --data {data!r}: {type(e).__name__}: {e}", "")
-    return None
+        message = f"cannot read --data {data!r}: {type(e).__name__}: {e}"
+        found.add(DataError, message, "", "data-unreadable", "--data")
+        return None
+    for split in ("train", "valid") if not settings.problems() else ():
+        try:
+            corpus.check_window(split, settings.seq_len)
+        except DataError as e:
+            found.add_error(e)
+    return corpus
 
 
 def check_batch(
@@ -92,7 +76,7 @@ def check_batch(
     settings: TrainSettings,
     shape: Mapping[str, int],
     rules: Rules,
-    problems: Problems,
+    found: Findings,
 ) -> int:
     """A batch of tokens, ``[batch, seq_len + 1]``, splits over the mesh axes the rules give.
 
@@ -114,7 +98,7 @@ def check_batch(
     )  # fmt: skip
     context = int(activations.dims[1].shards)
     if context > 1 and settings.seq_len % (2 * context):
-        problems.add(
+        found.add(
             MeshplanError,
             f"--seq {settings.seq_len} cannot be striped over the {context} context shards that "
             f"--rules {layout} split 'length' into (load balancing cuts a sequence into "
@@ -127,7 +111,7 @@ def check_batch(
         if d.index == 0 and not d.missing_axes:
             shards = max(int(d.shards), 1)
         if d.missing_axes:
-            problems.add(
+            found.add(
                 MeshError,
                 f"--rules {layout} shard {d.name!r} over mesh axis "
                 f"{', '.join(map(repr, d.missing_axes))}, which the {mesh_text} mesh "
@@ -142,7 +126,7 @@ def check_batch(
                 f"axes {d.mesh_axes} of the {mesh_text} mesh)"
             )
             if d.index == 0:
-                problems.add(
+                found.add(
                     MeshplanError,
                     f"--batch {settings.batch} does not split over {where}",
                     f"Use a --batch that is a multiple of {d.shards} (e.g. {d.padded_size}), or "
@@ -150,7 +134,7 @@ def check_batch(
                     "indivisible",
                 )
             else:
-                problems.add(
+                found.add(
                     MeshplanError,
                     f"--seq {settings.seq_len} gives token windows of {d.size} (the model reads "
                     f"{settings.seq_len} bytes and predicts the next), which do not split over "
@@ -160,7 +144,7 @@ def check_batch(
                 )
     accum = settings.grad_accum
     if accum > 1 and not settings.batch % accum and (settings.batch // accum) % shards:
-        problems.add(
+        found.add(
             MeshplanError,
             f"--grad-accum {accum} cuts --batch {settings.batch} into microbatches of "
             f"{settings.batch // accum}, which do not split over the {shards} devices that "
@@ -175,13 +159,13 @@ def check_batch(
 def check_pipeline(
     layout: str,
     mesh_text: str,
-    config: Any,
+    config: TransformerConfig,
     settings: TrainSettings,
     shape: Mapping[str, int],
     rules: Rules,
     given: bool,
     batch_shards: int,
-    problems: Problems,
+    found: Findings,
 ) -> None:
     """The pipeline the rules make (``'stage'`` on mesh axes) runs the model, its
     ``--microbatches`` and ``--pipeline-repeats`` on each step's batch, each microbatch
@@ -194,7 +178,7 @@ def check_pipeline(
     where = f"the {stages} stages of --rules {layout} ('stage' on {', '.join(axes)} of --mesh {mesh_text})"
     if stages <= 1:
         if given:
-            problems.add(
+            found.add(
                 MeshplanError,
                 f"--microbatches/--pipeline-repeats set a pipeline, but --rules {layout} on "
                 f"--mesh {mesh_text} gives 'stage' no mesh axis of more than one device",
@@ -223,12 +207,12 @@ def check_pipeline(
             f"--grad-accum), or --microbatches that divide {micro}.",
         ),
     }
-    found = pipeline_problems(config, stages, micro)
-    for p in found:
+    wrong = pipeline_problems(config, stages, micro)
+    for p in wrong:
         message, fix = flags.get(p.code, (p.message, p.fix))
-        problems.add(MeshplanError, message, fix, p.code)
-    if not found and (micro // m) % batch_shards:
-        problems.add(
+        found.add(MeshplanError, message, fix, p.code)
+    if not wrong and (micro // m) % batch_shards:
+        found.add(
             MeshplanError,
             f"--microbatches {m} cut {micro} rows into microbatches of {micro // m}, which do not "
             f"split over the {batch_shards} devices that --rules {layout} shard 'batch' over",
@@ -236,15 +220,6 @@ def check_pipeline(
             f"(--microbatches x {batch_shards} x --grad-accum), or fewer --microbatches.",
             "pipeline-batch",
         )
-
-
-def check_corpus(corpus: Any, settings: TrainSettings, problems: Problems) -> None:
-    """Both splits hold at least one window of ``seq_len + 1`` bytes."""
-    for split in ("train", "valid"):
-        try:
-            corpus.check_window(split, settings.seq_len)
-        except DataError as e:
-            problems.add_error(e)
 
 
 def parse_train_mesh(text: str, axes: str | None = None) -> dict[str, int]:
@@ -282,7 +257,7 @@ def parse_train_mesh(text: str, axes: str | None = None) -> dict[str, int]:
         ) from e  # fmt: skip
 
 
-def check_metrics_file(path: str | None, problems: Problems) -> None:
+def check_metrics_file(path: str | None, found: Findings) -> None:
     """``--metrics`` names a file that can be appended to (its folder exists), checked without
     creating it."""
     if path is None:
@@ -290,26 +265,127 @@ def check_metrics_file(path: str | None, problems: Problems) -> None:
     p = Path(path)
     fix = "Pass --metrics a file path whose folder exists, e.g. --metrics run/metrics.jsonl."
     if p.is_dir():
-        problems.add(MeshplanError, f"--metrics {path!r} is a folder, not a file", fix)
+        found.add(
+            MeshplanError, f"--metrics {path!r} is a folder, not a file", fix, "metrics-folder",
+            "--metrics",
+        )  # fmt: skip
     elif p.exists() and not p.is_file() and not p.is_char_device():
         kind = "a FIFO (named pipe)" if p.is_fifo() else "a socket or special file"
-        problems.add(
+        found.add(
             MeshplanError,
             f"--metrics {path!r} is {kind}, not a regular file: writing to it blocks until "
             f"something reads it, so the run would stop without a word",
             fix,
+            "metrics-not-a-file",
+            "--metrics",
         )
     elif p.exists():
         if not os.access(p, os.W_OK):
-            problems.add(MeshplanError, f"--metrics {path!r} cannot be written by this user", fix)
+            found.add(
+                MeshplanError, f"--metrics {path!r} cannot be written by this user", fix,
+                "metrics-not-writable", "--metrics",
+            )  # fmt: skip
     elif not p.absolute().parent.is_dir():
-        problems.add(
+        found.add(
             MeshplanError, f"--metrics {path!r}: its folder {str(p.absolute().parent)!r} does not "
-            "exist", fix,
+            "exist", fix, "metrics-no-folder", "--metrics",
         )  # fmt: skip
     elif not os.access(p.absolute().parent, os.W_OK):
-        problems.add(
+        found.add(
             MeshplanError,
             f"--metrics {path!r}: its folder {str(p.absolute().parent)!r} cannot be written",
             fix,
+            "metrics-not-writable",
+            "--metrics",
         )
+
+
+@dataclasses.dataclass
+class FlagsRead:
+    """What the flags and the checkpoint say, read before the library builds anything.
+
+    Attributes:
+        shape: ``--mesh`` (and ``--axes``) as ``{axis: size}``, ``None`` when unreadable
+            or larger than the devices.
+        needed: The devices the mesh asks for, once read.
+        ckpt_dir: The checkpoint folder (``None``: none).
+        resume: The step to resume from, read from the checkpoint folder.
+        rules: The rules of ``--rules`` (a built-in layout or a rules file), validated,
+            with their positions; ``None`` when they cannot be had.
+        mesh: The problems of ``--mesh``, ``--axes`` and ``--devices``.
+        ckpt: The problems of ``--ckpt-dir`` and ``--resume``.
+        metrics: The problems of ``--metrics``.
+        layout: The problems of ``--rules``.
+        batch_shards: The devices the rules split ``'batch'`` over on the mesh (1 without
+            a mesh or rules).
+    """
+
+    shape: dict[str, int] | None
+    needed: int | None
+    ckpt_dir: Path | None
+    resume: Resume
+    rules: Rules | None
+    mesh: Findings
+    ckpt: Findings
+    metrics: Findings
+    layout: Findings
+    batch_shards: int = 1
+
+
+def read_flags(request: TrainRequest) -> FlagsRead:
+    """The flags that need nothing built: ``--metrics``; ``--mesh`` and ``--axes``
+    against the devices; ``--ckpt-dir`` and the checkpoint's step to resume from; then
+    ``--rules``, the layout's rules (a rules file is read here)."""
+    metrics, mesh, ckpt, layout = Findings(), Findings(), Findings(), Findings()
+    check_metrics_file(request.metrics, metrics)
+    shape = needed = None
+    try:
+        axes = request.axes
+        if axes is None and request.rules in CONTEXT_EXPERT_LAYOUTS:
+            axes = ",".join(LAYOUT_AXES[request.rules])  # ('data', 'context'), ('data', 'expert')
+        shape = parse_train_mesh(request.mesh, axes)
+        needed = math.prod(shape.values())
+        choice = request.devices
+        if choice is not None:  # refused with the numbers and the fix in flag terms
+            choose_devices(
+                [] if choice.emulated else choice.devices,
+                choice.devices if choice.emulated else [],
+                needed=needed,
+                mesh=request.mesh,
+                xla_flags_count=count_from_xla_flags(),
+            )
+    except MeshplanError as e:
+        shape = None
+        mesh.add_error(mesh_flag_advice(e, needed))
+    ckpt_dir, resume = check_checkpoint_dir(request, ckpt)
+    rules = None
+    try:
+        rules = Rules.of(get_layout(request.rules))  # get_layout validates; Rules.of indexes
+    except MeshplanError as e:
+        layout.add_error(e, f"--rules {request.rules}")
+    shards = 1 if shape is None or rules is None else batch_shards(shape, rules.pairs)
+    return FlagsRead(shape, needed, ckpt_dir, resume, rules, mesh, ckpt, metrics, layout, shards)
+
+
+def placement_problems(
+    layout: str, flags: FlagsRead, parts: BuiltParts, problems: Findings
+) -> None:
+    """Why the mesh (of ``flags.shape``) or the rules (``layout``) could not be had, in
+    flags: the mesh's problem added to ``flags.mesh``, the rules' to ``problems``."""
+    if parts.mesh_error is not None:
+        flags.mesh.add_error(mesh_flag_advice(parts.mesh_error, flags.needed))
+    if parts.rules_error is not None:
+        problems.add_error(parts.rules_error, f"--rules {layout}")
+
+
+def batch_shards(shape: Mapping[str, int], rules: LogicalRules) -> int:
+    """How many devices the rules split ``'batch'`` over, on a mesh of ``shape``.
+
+    Example:
+        >>> from meshplan.cli.train.preflight import batch_shards
+        >>> batch_shards({"data": 2, "model": 4}, (("batch", ("data", "model")),))
+        8
+    """
+    axes = logical_to_mesh_axes(("batch",), rules)[0]
+    named = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return max(math.prod(int(shape.get(a, 1)) for a in named), 1)

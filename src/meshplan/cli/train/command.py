@@ -4,7 +4,7 @@
 transformer-nnx`` the same model in Flax NNX; their checkpoints are interchangeable.
 
 The recipe (model, loss, data) is wired into the model-agnostic
-:class:`meshplan.train.trainer.Trainer` by :mod:`meshplan.cli.train_request`.
+:class:`meshplan.train.trainer.Trainer` by :mod:`meshplan.cli.train.request`.
 
 It runs on the machine's accelerators when JAX finds any, else on ``--devices``
 emulated CPU devices (``--platform cpu`` asks for those); the header says which.
@@ -22,18 +22,18 @@ import dataclasses
 import signal
 import time
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from meshplan.cli.devices import PLATFORMS, select_platform
-from meshplan.cli.names_file import add_names_argument, read_names
+from meshplan.cli.names_file import add_names_argument, refuse_names
 from meshplan.cli.output import print_error, say
-from meshplan.cli.train_flags import MODEL_FLAGS, SETTINGS, SETTINGS_FLAGS, error_in_flags, in_flags
+from meshplan.cli.train.flags import MODEL_FLAGS, SETTINGS, SETTINGS_FLAGS, error_in_flags, in_flags
 
 if TYPE_CHECKING:
     from meshplan.cli.devices import DeviceChoice
-    from meshplan.cli.train_request import TrainRequest
+    from meshplan.cli.train.request import TrainRequest
     from meshplan.train.trainer import Trainer
 
 HELP = (
@@ -211,7 +211,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _request(args: argparse.Namespace, devices: DeviceChoice | None = None) -> TrainRequest:
-    from meshplan.cli.train_request import TrainRequest
+    from meshplan.cli.train.request import TrainRequest
 
     overrides = {field: getattr(args, dest) for dest, field in MODEL_FLAGS.items()}
     overrides["scan_layers"] = args.scan_layers
@@ -250,12 +250,12 @@ def run(args: argparse.Namespace) -> int:
     from meshplan._errors import MeshplanError
 
     if args.processes is not None:
-        from meshplan.cli.train_processes import launch_workers
+        from meshplan.cli.train.processes import launch_workers
 
         return launch_workers(args)
     try:
         select_platform(args.platform, args.devices)
-        from meshplan.cli.train_processes import join_if_asked
+        from meshplan.cli.train.processes import join_if_asked
 
         group = join_if_asked(args)
         from meshplan.cli.devices import found_devices
@@ -266,26 +266,22 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import jax
 
-    from meshplan.cli.factory import is_factory
-    from meshplan.cli.train_factory import prepare_factory_run
-    from meshplan.cli.train_output import MetricsLog, header, own_header, summary
-    from meshplan.cli.train_processes import StopOnSigterm, Terminated
-    from meshplan.cli.train_request import DamagedStep, prepare_run
+    from meshplan.cli.train.display import MetricsLog, summary
+    from meshplan.cli.train.prepare import prepare_run
+    from meshplan.cli.train.processes import StopOnSigterm, Terminated
+    from meshplan.cli.train.request import DamagedStep
+    from meshplan.train.records import StepRecord
 
     console = _console(jax.process_index() == 0)
     request = _request(args, devices)
-    if request.names is not None and not (request.model and is_factory(request.model)):
-        try:
-            read_names(request.names, request.model)  # refused: a built-in model's own names
-        except MeshplanError as e:
-            print_error(e)
-            return 2
+    try:
+        refuse_names(request.names, request.model)  # a built-in model carries its own names
+    except MeshplanError as e:
+        print_error(e)
+        return 2
     while True:
         try:
-            if request.model is not None and is_factory(request.model):
-                prepared = prepare_factory_run(request)
-            else:
-                prepared = prepare_run(request)
+            prepared = prepare_run(request)  # every model source: one prepare step
             trainer = prepared.trainer
         except MeshplanError as e:
             print_error(e)  # every problem, then the fixes in flag terms
@@ -342,17 +338,9 @@ def run(args: argparse.Namespace) -> int:
         for note in trainer.notes:
             say(Console(stderr=True), ("note: ", "bold"), in_flags(note), soft_wrap=True)
     peak = prepared.peak
-    own = prepared.trainable is not None  # --model pkg.module:factory
-    if own:
-        from meshplan.train.flops import MeshPeak
-
-        peak = MeshPeak(None, None, "no FLOP count for a model of your own")
-        units = ("examples/s", "")
-        own_header(console, prepared, devices)
-    else:
-        assert peak is not None  # the request names the devices
-        units = ("tokens/s", " nats/byte")
-        header(console, prepared, devices, peak)
+    source = prepared.source
+    rate, per = source.units  # ("tokens/s", " nats/byte") for the built-in Transformer
+    source.header(console, trainer, devices, peak)
 
     from rich.progress import (
         BarColumn,
@@ -369,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("loss {task.fields[loss]}"),
-        TextColumn("{task.fields[tps]} " + ("examples/s" if own else "tok/s")),
+        TextColumn("{task.fields[tps]} " + rate.replace("tokens/s", "tok/s")),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         console=console,
@@ -382,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
 
     timed = [0.0, 0.0]  # tokens and seconds of the timed steps: the summary's tokens/s too
 
-    def on_step(record: Any) -> None:  # a StepRecord, while the device runs the next step
+    def on_step(record: StepRecord) -> None:  # while the device runs the next step
         assert task is not None  # added before the run starts
         if record.step_time_s and record.tokens_per_s:
             timed[0] += record.tokens_per_s * record.step_time_s
@@ -397,7 +385,7 @@ def run(args: argparse.Namespace) -> int:
         stop.check(record.step)
 
     def on_eval(step: int, loss: float) -> None:
-        say(progress.console, f"step {step:>5}  valid loss {loss:.3f}{units[1]}")
+        say(progress.console, f"step {step:>5}  valid loss {loss:.3f}{per}")
         log({"step": step, "valid_loss": loss})
 
     started = time.perf_counter()  # the bar's clock: the summary's time is the same
@@ -438,7 +426,7 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         _close(trainer)  # any other error: let the save in progress reach the disk first
         raise
-    summary(console, trainer, result, devices, peak, time.perf_counter() - started, units)
+    summary(console, trainer, result, devices, peak, time.perf_counter() - started, (rate, per))
     if jax.process_index() != 0:
         say(
             Console(stderr=True),

@@ -67,7 +67,7 @@ def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on (as of this call).
 
     Example:
-        >>> from meshplan.cli.launch import free_port
+        >>> from meshplan.cli.train.launch import free_port
         >>> 1024 <= free_port() < 65536
         True
     """
@@ -82,7 +82,7 @@ def worker_env(local_devices: int, base: dict[str, str] | None = None) -> dict[s
     Any device count already in ``XLA_FLAGS`` is replaced: each worker has its share.
 
     Example:
-        >>> from meshplan.cli.launch import worker_env
+        >>> from meshplan.cli.train.launch import worker_env
         >>> env = worker_env(4, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --x=1"})
         >>> env["XLA_FLAGS"]
         '--x=1 --xla_force_host_platform_device_count=4'
