@@ -3,6 +3,8 @@ step behind still stops a diverging run within one step of its first NaN."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,11 +25,9 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per XLA comp
 TINY = {"num_layers": 1, "embed_dim": 32, "mlp_dim": 64, "num_heads": 4, "max_len": 64}
 
 
-def test_nothing_compiles_after_the_first_step_evaluations_included():
-    settings = {"steps": 9, "batch": 8, "seq_len": 32, "eval_every": 3, "eval_batches": 2}
-    trainer = prepare(
-        TrainRequest(mesh="8", rules="data_parallel", overrides=TINY, settings=settings)
-    )
+def _run_counting_compiles(trainer: Trainer) -> tuple[Any, list[str], dict[int, int]]:
+    """Runs (and closes) ``trainer``: its result, every XLA compilation's name, and how
+    many had happened when each step was reported."""
     compiles: list[str] = []
     by_step: dict[int, int] = {}
 
@@ -38,8 +38,18 @@ def test_nothing_compiles_after_the_first_step_evaluations_included():
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
         result = trainer.run(on_step=lambda r: by_step.__setitem__(r.step, len(compiles)))
+        trainer.close()  # the last save (if any) reaches the disk
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
+    return result, compiles, by_step
+
+
+def test_nothing_compiles_after_the_first_step_evaluations_included():
+    settings = {"steps": 9, "batch": 8, "seq_len": 32, "eval_every": 3, "eval_batches": 2}
+    trainer = prepare(
+        TrainRequest(mesh="8", rules="data_parallel", overrides=TINY, settings=settings)
+    )
+    result, compiles, by_step = _run_counting_compiles(trainer)
     assert sorted(result.evals) == [0, 3, 6, 9]
     # The evaluation at step 0 and the first step compiled (one batch shape: [8, 33])...
     assert by_step[1] >= 2, compiles
@@ -48,7 +58,6 @@ def test_nothing_compiles_after_the_first_step_evaluations_included():
     assert by_step[9] == by_step[1]
 
 
-@pytest.mark.slow
 def test_saving_every_step_compiles_once_and_never_slices(tmp_path):
     """Orbax's replica-parallel save sliced each replicated array eagerly: 64 ``jit(slice)``
     programs at the first save of this data-parallel run (issue 33). Now the first save
@@ -57,20 +66,7 @@ def test_saving_every_step_compiles_once_and_never_slices(tmp_path):
     request = TrainRequest(
         mesh="8", rules="data_parallel", overrides=TINY, settings=settings, ckpt_dir=str(tmp_path)
     )
-    trainer = prepare(request)
-    compiles: list[str] = []
-    by_step: dict[int, int] = {}
-
-    def listen(event: str, duration: float, **kwargs: object) -> None:
-        if event == COMPILE_EVENT:
-            compiles.append(str(kwargs.get("fun_name", "?")))
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        trainer.run(on_step=lambda r: by_step.__setitem__(r.step, len(compiles)))
-        trainer.close()  # the last save reaches the disk
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
+    _, compiles, by_step = _run_counting_compiles(prepare(request))
     assert not [c for c in compiles if "slice" in c], compiles
     first_save = compiles[by_step[1] : by_step[2]]  # the checks of step 1's save, once each
     assert len(first_save) == len(set(first_save)) <= 3, first_save
