@@ -27,12 +27,17 @@ __all__ = [
 ]
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-"""The collective kinds counted, in the order :func:`collective_bytes` returns them."""
+"""The collective kinds: those counted in HLO, in the order :func:`collective_bytes` returns
+them, and those the planner prices
+(:func:`meshplan._search.predict.collectives.collective_time`)."""
 
 DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-}  # fmt: skip
+    **dict.fromkeys(("pred", "s8", "u8"), 1),
+    **dict.fromkeys(("s16", "u16", "f16", "bf16"), 2),
+    **dict.fromkeys(("s32", "u32", "f32"), 4),
+    **dict.fromkeys(("s64", "u64", "f64", "c64"), 8),
+    "c128": 16,
+}
 """Bytes per element of HLO element types."""
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%([^\s(]+)\s*\(.*\{\s*$")

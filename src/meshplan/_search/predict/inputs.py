@@ -148,10 +148,11 @@ def check_profile(profile: Any) -> None:
     whole-number float of an ``int`` field (``memory_bytes=94e9``) becomes that int.
 
     Example:
-        >>> import meshplan
-        >>> meshplan.HardwareProfile("x", 1e12, 94e9, 1e12, 1e11, 1e10, 8, 1e-5).memory_bytes
+        >>> import dataclasses, meshplan
+        >>> h100 = meshplan.get_profile("h100")
+        >>> dataclasses.replace(h100, name="x", memory_bytes=94e9).memory_bytes
         94000000000
-        >>> meshplan.HardwareProfile("x", 1e12, 8e9, 1e12, 1e11, 1e10, 8, 1e-5, overlap=5)
+        >>> dataclasses.replace(h100, name="x", overlap=5)
         Traceback (most recent call last):
         ...
         meshplan.ArgumentError: The hardware profile 'x' is not valid:
