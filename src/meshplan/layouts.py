@@ -646,7 +646,8 @@ def get_names(path: str | os.PathLike[str]) -> tuple[tuple[str, tuple[Any, ...] 
         checked = check_path_rules(pairs)  # type: ignore[arg-type]
     except LogicalNamesError as e:
         raise error_from_problems(
-            LogicalNamesError, f"Cannot read names from {text!r} (path_rules[i] is pair i, from 0):",
+            LogicalNamesError,
+            f"Cannot read names from {text!r} (path_rules[i] is pair i, from 0):",
             e.problems,
-        ) from None  # fmt: skip
+        ) from None
     return tuple((r.pattern.pattern, r.names) for r in checked)

@@ -26,6 +26,7 @@ from meshplan._spmd.leaves import array_leaves
 from meshplan._spmd.mesh_info import MeshInfo, MeshLike, mesh_info
 from meshplan._spmd.rules import LogicalRules, get_logical_axis_rules, rules_problems
 from meshplan._text import path_text
+from meshplan._types import PyTree
 
 __all__ = ["explain"]
 
@@ -50,7 +51,7 @@ def _key_str(key: Any) -> str:
 _GROUP_OF_PART = {"opt_state": "optimizer", "params": "params"}
 
 
-def explain(tree: Any, mesh: MeshLike, rules: LogicalRules | None = None) -> Plan:
+def explain(tree: PyTree, mesh: MeshLike, rules: LogicalRules | None = None) -> Plan:
     """Explains where every array leaf of ``tree`` goes on ``mesh``, why, and what it costs.
 
     ``tree`` is anything :func:`meshplan.get_partition_spec` accepts: boxed
@@ -100,8 +101,12 @@ def explain(tree: Any, mesh: MeshLike, rules: LogicalRules | None = None) -> Pla
     leaves: list[LeafPlan] = []
     for leaf in flat:
         kind, names, shape, dtype, own_rules = (
-            leaf.kind, leaf.names, leaf.shape, leaf.dtype, leaf.own_rules
-        )  # fmt: skip
+            leaf.kind,
+            leaf.names,
+            leaf.shape,
+            leaf.dtype,
+            leaf.own_rules,
+        )
         keypath = leaf.keypath
         key: tuple[Any, ...] | None = (kind, names, shape, dtype, own_rules)
         try:

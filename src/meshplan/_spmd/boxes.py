@@ -35,6 +35,7 @@ from meshplan._spmd.rules import (
 )
 from meshplan._spmd.validate import rank_problem
 from meshplan._text import path_text
+from meshplan._types import PyTree
 
 __all__ = [
     "PARTITION_NAME",
@@ -58,10 +59,12 @@ def _check_names(names: Any, cls_name: str) -> AxisNames:
         return names  # fast path: the common case, already normal
     if names is None:
         raise error_for(
-            LogicalNamesError, "names-none", "names",
+            LogicalNamesError,
+            "names-none",
+            "names",
             f"{cls_name} needs one axis name (or None) per dimension, got names=None",
             "For a replicated value give (None,) * value.ndim, or leave the value unboxed.",
-        )  # fmt: skip
+        )
     return normalize_names(names, what=f"{cls_name} names")
 
 
@@ -151,12 +154,14 @@ class Partitioned(AxisMetadata[A], Generic[A]):
     def _partition_name(self, params: dict[Any, Any]) -> Any:
         if PARTITION_NAME not in params:
             raise error_for(
-                PartitioningUnspecifiedError, "partition-name-missing", "metadata_params",
+                PartitioningUnspecifiedError,
+                "partition-name-missing",
+                "metadata_params",
                 f"nn.scan/nn.vmap is adding an axis to {self._what()}, but its metadata_params "
                 f"do not name that axis (got metadata_params={params!r})",
                 "Pass metadata_params={meshplan.PARTITION_NAME: 'layer'} (or None for an "
                 "unsharded axis) to the transform.",
-            )  # fmt: skip
+            )
         return params[PARTITION_NAME]
 
     def add_axis(self, index: int, params: dict[Any, Any]) -> Partitioned[A]:
@@ -188,11 +193,13 @@ class Partitioned(AxisMetadata[A], Generic[A]):
         names = list(self.names)
         if index >= len(names) or names[index] != name:
             raise error_for(
-                LogicalNamesError, "remove-axis-mismatch", "names",
+                LogicalNamesError,
+                "remove-axis-mismatch",
+                "names",
                 f"Cannot remove axis {index} named {name!r} from {self._what()}: "
                 f"that position holds {names[index] if index < len(names) else 'nothing'!r}",
                 "remove_axis must undo the add_axis of the same transform.",
-            )  # fmt: skip
+            )
         del names[index]
         return dataclasses.replace(self, names=tuple(names))
 
@@ -222,7 +229,7 @@ class Partitioned(AxisMetadata[A], Generic[A]):
         """
         return NamedSharding(mesh, self._checked_spec())
 
-    def replace(self, **updates: Any) -> Partitioned[A]:
+    def replace(self, **updates: PyTree) -> Partitioned[A]:
         """A copy with some fields replaced, as Flax's ``struct`` dataclasses offer.
 
         Example:
@@ -482,7 +489,7 @@ _IS_BOX: dict[type, bool] = {}
 """``isinstance(x, AxisMetadata)`` by type: the ABC check is slow, and every leaf of a state asks."""
 
 
-def is_box(x: Any) -> bool:
+def is_box(x: object) -> bool:
     """Whether ``x`` is a metadata box (any Flax ``AxisMetadata``, meshplan's included).
 
     Example:
@@ -502,18 +509,22 @@ def _check_initializer_args(fn: Any, names: Any, who: str) -> AxisNames:
     """``names`` normalised, after checking that ``fn`` is callable and ``names`` are names."""
     if not callable(fn) and callable(names):
         raise error_for(
-            ArgumentError, "swapped-arguments", "fn",
+            ArgumentError,
+            "swapped-arguments",
+            "fn",
             f"{who}(fn, names) got the arguments swapped: fn={fn!r} is not callable and "
             f"names={names!r} is",
             f"Call {who}(initializer, names), e.g. "
             f"{who}(nn.initializers.lecun_normal(), (None, 'model')).",
-        )  # fmt: skip
+        )
     if not callable(fn):
         raise error_for(
-            ArgumentError, "not-an-initializer", "fn",
+            ArgumentError,
+            "not-an-initializer",
+            "fn",
             f"{who} needs an initializer function as its first argument, got {fn!r}",
             f"Pass an initializer, e.g. {who}(nn.initializers.lecun_normal(), names).",
-        )  # fmt: skip
+        )
     return _check_names(names, who)
 
 
@@ -581,7 +592,7 @@ def with_logical_partitioning(
     return wrapper
 
 
-def unbox(tree: Any) -> Any:
+def unbox(tree: PyTree) -> Any:
     """Strips every metadata box from ``tree`` (recursively), leaving the raw values.
 
     Example:
@@ -598,7 +609,7 @@ def unbox(tree: Any) -> Any:
     )
 
 
-def replace_boxed(tree: Any, updates: Any) -> Any:
+def replace_boxed(tree: PyTree, updates: PyTree) -> Any:
     """Puts the values of ``updates`` into the boxes of ``tree``, keeping their metadata.
 
     ``updates`` has the structure of ``unbox(tree)``; leaves of ``tree`` that are
@@ -615,28 +626,37 @@ def replace_boxed(tree: Any, updates: Any) -> Any:
     problems: list[Problem] = []
     fix = "Updates must have the structure and ranks of meshplan.unbox(tree)."
 
-    def update(path: Any, box: Any, new: Any) -> Any:
+    def update(path: Any, box: Any, new: PyTree) -> Any:
         if not isinstance(box, AxisMetadata):
             return new
         inner = box.value if isinstance(box, Partitioned) else box.unbox()
         if isinstance(new, AxisMetadata):
-            problems.append(Problem(
-                "error", path_text(path),
-                f"the update is itself a box ({type(new).__name__}); pass raw values "
-                f"(meshplan.unbox(updates))", fix, "update-is-a-box",
-            ))  # fmt: skip
+            problems.append(
+                Problem(
+                    "error",
+                    path_text(path),
+                    f"the update is itself a box ({type(new).__name__}); pass raw values "
+                    f"(meshplan.unbox(updates))",
+                    fix,
+                    "update-is-a-box",
+                )
+            )
             return box
         if isinstance(inner, AxisMetadata):
             new = replace_boxed(inner, new)
         elif isinstance(box, Partitioned):
             new_shape = getattr(new, "shape", None)
             if new_shape is not None and len(new_shape) != len(box.names):
-                problems.append(Problem(
-                    "error", path_text(path),
-                    f"a value of shape {tuple(new_shape)} (rank {len(new_shape)}) cannot go "
-                    f"into a box named {box.names!r} (rank {len(box.names)})", fix,
-                    "update-rank",
-                ))  # fmt: skip
+                problems.append(
+                    Problem(
+                        "error",
+                        path_text(path),
+                        f"a value of shape {tuple(new_shape)} (rank {len(new_shape)}) cannot go "
+                        f"into a box named {box.names!r} (rank {len(box.names)})",
+                        fix,
+                        "update-rank",
+                    )
+                )
                 return box
         return box.replace_boxed(new)
 

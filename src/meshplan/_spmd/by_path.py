@@ -191,7 +191,7 @@ def name_by_path(tree: T, path_rules: PathRules) -> T:
         Give one name (or None) per dimension (2 names), or add an earlier pattern ...
 
     Args:
-        tree: Any pytree of arrays: Linen variables, a Flax NNX state, a Hugging Face
+        tree: PyTree pytree of arrays: Linen variables, a Flax NNX state, a Hugging Face
             model's ``params``, a plain dict, an abstract tree of ``jax.ShapeDtypeStruct``.
         path_rules: ``(pattern, names)`` pairs, first match wins.
 

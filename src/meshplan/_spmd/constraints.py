@@ -50,11 +50,11 @@ class RulesFallback(enum.Enum):
     """Leave the value unconstrained."""
 
 
-def _is_axis_entry(x: Any) -> bool:
+def _is_axis_entry(x: object) -> bool:
     return isinstance(x, str) or x is PartitionSpec.UNCONSTRAINED or x is None
 
 
-def _is_logical_spec(x: Any) -> bool:
+def _is_logical_spec(x: object) -> bool:
     return (
         x is None
         or isinstance(x, PartitionSpec)
@@ -72,12 +72,14 @@ def _constrain_one(
     if unmatched:
         if fallback is RulesFallback.RAISE_ERROR:
             raise error_for(
-                UnmatchedLogicalAxisError, "unmatched-name", str(unmatched[0]),
+                UnmatchedLogicalAxisError,
+                "unmatched-name",
+                str(unmatched[0]),
                 f"Axis names {tuple(spec)!r} did not match a rule: {tuple(unmatched)!r} "
                 f"has no rule in {tuple(rules)!r}",
                 f"Add a rule for it (e.g. ({unmatched[0]!r}, None) to keep it unsharded), or "
                 f"use fallback=RulesFallback.AXIS_IS_UNSHARDED.",
-            )  # fmt: skip
+            )
         if fallback is RulesFallback.NO_CONSTRAINT:
             return x
     mesh_spec = PartitionSpec(*(None if r is UNASSIGNED else r for r in resolved))

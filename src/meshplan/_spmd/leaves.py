@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from meshplan._spmd.boxes import LogicallyPartitioned, Partitioned, is_box
 from meshplan._spmd.nnx import is_variable, variable_names, variable_spec
 from meshplan._spmd.rules import LogicalRules, NamesKind, logical_to_mesh_axes
+from meshplan._types import PyTree, StepFn
 
 __all__ = [
     "ArrayLeaf",
@@ -87,9 +88,9 @@ class LeafKind:
     read: Callable[[Any, Any], LeafNames]
     spec: Callable[[Any, dict[Any, Any]], Any]
     sharding: Callable[[Any, Any, Named, dict[Any, Any]], Any]
-    with_value: Callable[[Any, Any], Any]
+    with_value: StepFn
     resolve: Callable[[Any, Any], PartitionSpec | None] | None = None
-    put: Callable[[Any, Any], Any] | None = None
+    put: StepFn | None = None
     logical: Callable[[Any, Any], tuple[PartitionSpec, Any, Any] | None] | None = None
 
 
@@ -139,7 +140,7 @@ def unwrap(box: Any) -> tuple[NamesKind, Any, Any, Any]:
     return ("logical" if logical else "mesh"), names, value, getattr(box, "rules", None)
 
 
-def array_leaves(tree: Any, rules: LogicalRules | None = None) -> tuple[list[ArrayLeaf], int]:
+def array_leaves(tree: PyTree, rules: LogicalRules | None = None) -> tuple[list[ArrayLeaf], int]:
     """Every array leaf of ``tree`` in tree order, and how many leaves were not arrays.
 
     A leaf is an array when it (or the value in its box or variable) has a
@@ -285,12 +286,12 @@ def leaf_kind(x: Any) -> LeafKind | None:
     return found
 
 
-def is_leaf(x: Any) -> bool:
+def is_leaf(x: object) -> bool:
     """Where the walks stop: a value of some :class:`LeafKind` (a box, a Flax NNX variable)."""
     return leaf_kind(x) is not None
 
 
-def is_spec_leaf(x: Any) -> bool:
+def is_spec_leaf(x: object) -> bool:
     """Where a walk of a *logical spec* tree stops: a spec, or a kind that may sit there."""
     if isinstance(x, PartitionSpec):
         return True

@@ -165,9 +165,11 @@ def apply_spec(value: T, spec: PartitionSpec, mesh: Any = None, *, what: str = "
         )
         return cast(T, jax.sharding.reshard(value, NamedSharding(target, spec) if named else spec))
     raise error_for(
-        MeshError, "mixed-axis-types", what,
+        MeshError,
+        "mixed-axis-types",
+        what,
         f"Cannot constrain {what} to {spec} on a mesh with mixed axis types "
         f"{dict(zip(target.axis_names, _axis_types(target), strict=True))}",
         "Use a mesh whose axes are all Auto or all Explicit "
         "(jax.make_mesh(..., axis_types=(AxisType.Explicit,) * n)).",
-    )  # fmt: skip
+    )

@@ -338,10 +338,13 @@ def check_rules(rules: object) -> tuple[Rules, list[Problem]]:
         if isinstance(rule, str) or not isinstance(rule, Sequence) or len(rule) != 2:
             problems.append(
                 Problem(
-                    "error", f"rules[{i}]", f"{rule!r} is not a (name, mesh_axes) pair",
-                    _RULE_FIX, "bad-rule",
+                    "error",
+                    f"rules[{i}]",
+                    f"{rule!r} is not a (name, mesh_axes) pair",
+                    _RULE_FIX,
+                    "bad-rule",
                 )
-            )  # fmt: skip
+            )
             continue
         name, axes = rule
         bad = []
@@ -370,9 +373,14 @@ def check_rules(rules: object) -> tuple[Rules, list[Problem]]:
             continue
         if bad:
             problems.append(
-                Problem("error", f"rules[{i}]", f"{tuple(rule)!r}: {'; '.join(bad)}", _RULE_FIX,
-                        "bad-rule")
-            )  # fmt: skip
+                Problem(
+                    "error",
+                    f"rules[{i}]",
+                    f"{tuple(rule)!r}: {'; '.join(bad)}",
+                    _RULE_FIX,
+                    "bad-rule",
+                )
+            )
             continue
         valid.append((name, tuple(axes) if isinstance(axes, list) else axes))
         index.append(i)
@@ -441,25 +449,35 @@ def names_problem(names: Any, *, what: str = "array_dim_names") -> Problem | Non
     """
     if isinstance(names, str):
         return Problem(
-            "error", "", f"{what} must be a tuple with one axis name per dimension, got the bare "
-            f"string {names!r}", f"Write ({names!r},) for a 1-D array.", "names",
-        )  # fmt: skip
+            "error",
+            "",
+            f"{what} must be a tuple with one axis name per dimension, got the bare "
+            f"string {names!r}",
+            f"Write ({names!r},) for a 1-D array.",
+            "names",
+        )
     if isinstance(names, PartitionSpec):
         names = tuple(names)
     elif not isinstance(names, tuple | list):
         return Problem(
-            "error", "", f"{what} must be a tuple with one axis name (or None) per dimension, "
+            "error",
+            "",
+            f"{what} must be a tuple with one axis name (or None) per dimension, "
             f"got {type(names).__name__}: {names!r}",
-            "Give a tuple such as ('embed', None).", "names",
-        )  # fmt: skip
+            "Give a tuple such as ('embed', None).",
+            "names",
+        )
     names = tuple(tuple(n) if isinstance(n, list) else n for n in names)
     bad = [n for n in names if not _is_dim_entry(n)]
     if bad:
         return Problem(
-            "error", "", f"{what} {names!r} holds entries that are not axis names: {bad!r}",
+            "error",
+            "",
+            f"{what} {names!r} holds entries that are not axis names: {bad!r}",
             "Each entry must be a name (str), a tuple of names, None or "
-            "PartitionSpec.UNCONSTRAINED.", "names",
-        )  # fmt: skip
+            "PartitionSpec.UNCONSTRAINED.",
+            "names",
+        )
     seen: set[str] = set()
     dups: list[str] = []  # every repeat, in the order the repeats occur
     for n in names:
@@ -469,11 +487,14 @@ def names_problem(names: Any, *, what: str = "array_dim_names") -> Problem | Non
             seen.add(n)
     if dups:
         return Problem(
-            "error", "", f"Unsupported: Dimensions {tuple(dict.fromkeys(dups))} occur more than "
+            "error",
+            "",
+            f"Unsupported: Dimensions {tuple(dict.fromkeys(dups))} occur more than "
             f"once in array names {names!r}",
             "Each logical name may name one dimension of an array; give the other dimension "
-            "its own name (e.g. 'embed' and 'embed_out').", "names",
-        )  # fmt: skip
+            "its own name (e.g. 'embed' and 'embed_out').",
+            "names",
+        )
     return None
 
 

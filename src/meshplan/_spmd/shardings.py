@@ -23,6 +23,7 @@ from meshplan._spmd.place import active_mesh, check_spec
 from meshplan._spmd.rules import LogicalRules, logical_to_mesh_axes, normalize_rules
 from meshplan._spmd.tree_check import raise_for_errors, spec_errors, tree_errors
 from meshplan._text import path_text
+from meshplan._types import PyTree
 
 __all__ = [
     "get_partition_spec",
@@ -46,7 +47,7 @@ def _leaf_problems(path: str, error: MeshplanError) -> list[Problem]:
     return [Problem("error", path, str(error), "", "error")]
 
 
-def _map_collecting(fn: Callable[[Any], Any], tree: Any, is_leaf: Callable[[Any], bool]) -> Any:
+def _map_collecting(fn: Callable[[Any], Any], tree: PyTree, is_leaf: Callable[[Any], bool]) -> Any:
     """``tree_map`` that, when leaves fail, walks again by path and raises once for all."""
     try:
         return jax.tree_util.tree_map(fn, tree, is_leaf=is_leaf)
@@ -104,13 +105,16 @@ def _mesh_or_active(mesh: Any, caller: str) -> Any:
     if active is not None:
         return active
     raise error_for(
-        MeshError, "no-mesh", "mesh", f"{caller} got mesh=None and no mesh is active",
+        MeshError,
+        "no-mesh",
+        "mesh",
+        f"{caller} got mesh=None and no mesh is active",
         "Pass a mesh (jax.make_mesh((2, 4), ('data', 'model'))), or call it inside "
         "`with jax.set_mesh(mesh):`.",
-    )  # fmt: skip
+    )
 
 
-def get_partition_spec(tree: Any) -> Any:
+def get_partition_spec(tree: PyTree) -> Any:
     """Tree of ``PartitionSpec``s for a tree of boxed, array or abstract leaves.
 
     A box gives its own spec (logical names for logical boxes); an unboxed leaf
@@ -146,7 +150,7 @@ def get_partition_spec(tree: Any) -> Any:
     return _map_collecting(leaf, tree, is_leaf)
 
 
-def get_sharding(tree: Any, mesh: jax.sharding.Mesh | None, *, strict: bool = False) -> Any:
+def get_sharding(tree: PyTree, mesh: jax.sharding.Mesh | None, *, strict: bool = False) -> Any:
     """Tree of ``NamedSharding``s on ``mesh``, by the same walk as :func:`get_partition_spec`.
 
     Non-array leaves (such as a ``TrainState``'s ``apply_fn``) give ``None``.
@@ -189,7 +193,7 @@ def get_sharding(tree: Any, mesh: jax.sharding.Mesh | None, *, strict: bool = Fa
     return _map_collecting(leaf, tree, is_leaf)
 
 
-def logical_to_mesh(tree: Any, rules: LogicalRules | None = None) -> Any:
+def logical_to_mesh(tree: PyTree, rules: LogicalRules | None = None) -> Any:
     """:func:`logical_to_mesh_axes` over a tree of logical ``PartitionSpec``s.
 
     Example:
@@ -212,7 +216,7 @@ def logical_to_mesh(tree: Any, rules: LogicalRules | None = None) -> Any:
 
 
 def logical_to_mesh_sharding(
-    tree: Any,
+    tree: PyTree,
     mesh: jax.sharding.Mesh | None,
     rules: LogicalRules | None = None,
     *,

@@ -26,6 +26,7 @@ from meshplan._spmd.mesh_info import MeshInfo, axis_names_fix, mesh_info
 from meshplan._spmd.rules import LogicalRules, get_logical_axis_rules, mesh_axes_of, rules_problems
 from meshplan._spmd.validate import LeafCheck, check_leaf
 from meshplan._text import axes_text, count_text, human_bytes, path_text, paths_text, rule_text
+from meshplan._types import PyTree
 
 __all__ = [
     "no_names_in_tree",
@@ -68,7 +69,7 @@ def no_names_problem(paths: Sequence[str], nbytes: int) -> Problem:
     )
 
 
-def no_names_in_tree(tree: Any, rules: LogicalRules | None) -> Problem | None:
+def no_names_in_tree(tree: PyTree, rules: LogicalRules | None) -> Problem | None:
     """The ``'no-names'`` problem of ``tree`` under ``rules`` (the active ones if ``None``), or
     ``None`` when some array carries names, or no rules are in effect.
 
@@ -145,7 +146,7 @@ def only_unmatched(dims: Sequence[Any]) -> bool:
     )
 
 
-def tree_errors(tree: Any, mesh: Any, rules: LogicalRules | None = None) -> list[Problem]:
+def tree_errors(tree: PyTree, mesh: Any, rules: LogicalRules | None = None) -> list[Problem]:
     """Every error in how ``tree`` would be laid out on ``mesh``, as :func:`meshplan.check` finds.
 
     Example:
@@ -189,7 +190,7 @@ def tree_errors(tree: Any, mesh: Any, rules: LogicalRules | None = None) -> list
     return errors
 
 
-def spec_errors(tree: Any, mesh: Any, rules: LogicalRules | None = None) -> list[Problem]:
+def spec_errors(tree: PyTree, mesh: Any, rules: LogicalRules | None = None) -> list[Problem]:
     """:func:`tree_errors` for a tree of *logical* ``PartitionSpec``s (no shapes, so no sizes).
 
     Example:

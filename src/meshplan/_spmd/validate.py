@@ -330,10 +330,21 @@ def check_leaf(
         shards = math.prod(sizes[a] for a in axes if a in sizes and a not in dup)
         dims.append(
             DimCheck(
-                i, size, name, entry, axes, shards, status, rule_index, rule, skipped, missing,
-                dup, tuple(sizes.get(a, 0) for a in axes),
+                i,
+                size,
+                name,
+                entry,
+                axes,
+                shards,
+                status,
+                rule_index,
+                rule,
+                skipped,
+                missing,
+                dup,
+                tuple(sizes.get(a, 0) for a in axes),
             )
-        )  # fmt: skip
+        )
 
     for d in dims:
         if not d.divides:

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from meshplan._types import PyTree
 from meshplan.examples.own_model import CLASSES, HIDDEN, SIDE, cross_entropy, make_batch
 
 __all__ = [
@@ -140,7 +141,7 @@ def equinox_mlp() -> Factory:
     def init(key: jax.Array) -> Any:
         return eqx.filter(make(key), eqx.is_array)
 
-    def apply(params: Any, images: jax.Array) -> jax.Array:
+    def apply(params: PyTree, images: jax.Array) -> jax.Array:
         model = eqx.combine(params, static)
         return jnp.asarray(jax.vmap(model)(_flat(images)))
 
@@ -179,7 +180,7 @@ def _hf_factory(model: Any) -> Factory:
     def init(key: jax.Array) -> Any:
         return model.init_weights(key, (1, SEQ))
 
-    def apply(params: Any, ids: jax.Array) -> jax.Array:
+    def apply(params: PyTree, ids: jax.Array) -> jax.Array:
         return jnp.asarray(model(ids, params=params).logits)
 
     init.__qualname__ = f"{type(model).__name__}.init_weights"

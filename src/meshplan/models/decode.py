@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import meshplan
+from meshplan._types import PyTree
 from meshplan.models.transformer import TransformerConfig, _rotary, moe_forward
 
 __all__ = ["CACHE_NAMES", "decode_window", "forward_cached", "greedy_cached", "init_cache"]
@@ -192,12 +193,12 @@ def greedy_cached(
     tokens = list(prompt) or [ord("\n")]
 
     @jax.jit
-    def prefill(params: Any, tokens: Array, cache: Any) -> Any:
+    def prefill(params: PyTree, tokens: Array, cache: Any) -> Any:
         logits, cache = forward_cached(params, config, tokens, cache, 0)
         return logits[0, -1], cache
 
     @jax.jit
-    def step(params: Any, token: Array, cache: Any, start: Array) -> Any:
+    def step(params: PyTree, token: Array, cache: Any, start: Array) -> Any:
         logits, cache = forward_cached(params, config, token, cache, start)
         return logits[0, -1], cache
 

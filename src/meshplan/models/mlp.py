@@ -19,6 +19,7 @@ from flax.training import train_state
 from jax.sharding import NamedSharding, PartitionSpec
 
 import meshplan
+from meshplan._types import PyTree
 
 __all__ = [
     "LOGICAL_RULES",
@@ -166,7 +167,7 @@ def init_fn(
     return state
 
 
-def _apply(model: nn.Module, params: Any, x: jax.Array) -> jax.Array:
+def _apply(model: nn.Module, params: PyTree, x: jax.Array) -> jax.Array:
     """``model.apply({"params": params}, x)``: the models of this module return one array."""
     # flax types apply's result as "output, or (output, variables) when mutable": not mutable here.
     return cast(jax.Array, model.apply({"params": params}, x))
@@ -181,7 +182,7 @@ def make_train_step(
         jax.jit, in_shardings=(state_sharding, x_sharding), out_shardings=state_sharding
     )
     def train_step(state: train_state.TrainState, x: jax.Array) -> train_state.TrainState:
-        def loss(params: Any) -> jax.Array:
+        def loss(params: PyTree) -> jax.Array:
             return _apply(model, params, x).sum()
 
         new_state: train_state.TrainState = state.apply_gradients(
@@ -200,7 +201,7 @@ def make_infer_step(
     @functools.partial(
         jax.jit, in_shardings=(params_sharding, x_sharding), out_shardings=out_sharding
     )
-    def infer_step(params: Any, x: jax.Array) -> jax.Array:
+    def infer_step(params: PyTree, x: jax.Array) -> jax.Array:
         return _apply(model, params, x)
 
     return infer_step

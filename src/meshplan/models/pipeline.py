@@ -58,18 +58,27 @@ def pipeline_problems(
     schedule = PipelineSchedule(stages, cfg.microbatches, cfg.pipeline_repeats)
     found = schedule.problems(cfg.num_layers, batch)
     if not cfg.scan_layers:
-        found.append(Problem(
-            "error", "scan_layers", "a pipeline splits the scanned 'layer' stack, and "
-            "scan_layers=False makes a Python loop of separate layers",
-            "Use scan_layers=True, or rules that give 'stage' no mesh axis.", "pipeline-scan",
-        ))  # fmt: skip
+        found.append(
+            Problem(
+                "error",
+                "scan_layers",
+                "a pipeline splits the scanned 'layer' stack, and "
+                "scan_layers=False makes a Python loop of separate layers",
+                "Use scan_layers=True, or rules that give 'stage' no mesh axis.",
+                "pipeline-scan",
+            )
+        )
     if cfg.num_experts:
-        found.append(Problem(
-            "error", "num_experts", f"a mixture of experts ({cfg.num_experts} experts) does not "
-            "run in a pipeline yet (its routing statistics are not carried between stages)",
-            "Use a dense model (num_experts=0), or rules that give 'stage' no mesh axis.",
-            "pipeline-moe",
-        ))  # fmt: skip
+        found.append(
+            Problem(
+                "error",
+                "num_experts",
+                f"a mixture of experts ({cfg.num_experts} experts) does not "
+                "run in a pipeline yet (its routing statistics are not carried between stages)",
+                "Use a dense model (num_experts=0), or rules that give 'stage' no mesh axis.",
+                "pipeline-moe",
+            )
+        )
     return found
 
 

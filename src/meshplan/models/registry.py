@@ -17,6 +17,8 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from meshplan._types import PyTree
+
 if TYPE_CHECKING:
     import jax
 
@@ -116,8 +118,8 @@ def _mlp(config: MLPConfig, size: str) -> Example:
 
     module = LogicalMLP(config.num_layers, config.depth, config.scan)
 
-    def loss(params: Any, x: Any) -> Any:
-        out: Any = module.apply({"params": params}, x)  # one array (not mutable)
+    def loss(params: PyTree, x: Any) -> Any:
+        out: PyTree = module.apply({"params": params}, x)  # one array (not mutable)
         return out.sum()
 
     def batch_of(batch: int, seq: int) -> jax.ShapeDtypeStruct:

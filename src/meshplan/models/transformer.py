@@ -69,6 +69,7 @@ from jax.sharding import PartitionSpec
 
 import meshplan
 from meshplan._spmd.place import apply_spec  # not public: constrain on Auto, reshard on Explicit
+from meshplan._types import PyTree
 from meshplan.models.context import context_shards, load_balanced_order
 from meshplan.models.moe import expert_capacity, route
 from meshplan.models.pipeline import pipeline_schedule, pipelined_blocks
@@ -611,7 +612,7 @@ class Block(nn.Module):
         return _constrain(x + y, names), stats
 
 
-def _apply_block(cfg: TransformerConfig, params: Any, x: Array, positions: Any) -> Array:
+def _apply_block(cfg: TransformerConfig, params: PyTree, x: Array, positions: Any) -> Array:
     """One dense :class:`Block` with ``params`` (one layer's), as a pure function."""
     out: tuple[Array, Any] = Block(cfg, parent=None).apply({"params": params}, x, positions)
     return out[0]
@@ -624,7 +625,7 @@ def pipeline_layer(
 ) -> Callable[[Any, Array], Array]:
     """``layer(params, x) -> x``: one block for the pipeline, rematerialised as ``cfg`` says."""
 
-    def layer(params: Any, x: Array) -> Array:
+    def layer(params: PyTree, x: Array) -> Array:
         return apply_block(cfg, params, x, positions)
 
     return jax.checkpoint(layer, policy=remat_policy(cfg)) if cfg.remat else layer
@@ -768,7 +769,9 @@ class Transformer(nn.Module):
         return (logits, _layer_stats(stats)) if return_stats else logits
 
 
-def loss_and_stats(params: Any, batch_tokens: Array, model: Any) -> tuple[Array, dict[str, Array]]:
+def loss_and_stats(
+    params: PyTree, batch_tokens: Array, model: Any
+) -> tuple[Array, dict[str, Array]]:
     """:func:`loss_fn` and what it measured: ``{"ce"}``, and for MoE ``aux_loss``, ``dropped``, ``routed``.
 
     The sequence goes in load-balanced order (:func:`meshplan.models.context.load_balanced_order`)
@@ -792,7 +795,7 @@ def loss_and_stats(params: Any, batch_tokens: Array, model: Any) -> tuple[Array,
     return loss, {"ce": ce, **stats}
 
 
-def loss_fn(params: Any, batch_tokens: Array, model: Transformer) -> Array:
+def loss_fn(params: PyTree, batch_tokens: Array, model: Transformer) -> Array:
     """Mean cross-entropy of next-byte prediction, in nats per byte (plus, for MoE, the aux loss).
 
     ``batch_tokens`` is ``int32[batch, length + 1]``: the model reads

@@ -115,9 +115,12 @@ def sharded_linear(mesh: Mesh, seed: int = 0) -> tuple[nnx.Linear, jax.Array]:
     def init_sharded_linear(key: jax.Array) -> nnx.Linear:
         init_fn = nnx.nn.linear.default_kernel_init
         return nnx.Linear(
-            4, 8, use_bias=False, rngs=nnx.Rngs(key),
+            4,
+            8,
+            use_bias=False,
+            rngs=nnx.Rngs(key),
             kernel_init=nnx.with_partitioning(init_fn, (None, "model")),
-        )  # fmt: skip
+        )
 
     rngs = nnx.Rngs(seed)
     with jax.set_mesh(mesh):
@@ -136,11 +139,12 @@ class DotReluDot(nnx.Module):
     def __init__(self, depth: int, rngs: nnx.Rngs) -> None:
         init_fn = nnx.initializers.lecun_normal()
         self.dot1 = nnx.Linear(
-            depth, depth,
+            depth,
+            depth,
             kernel_init=nnx.with_partitioning(init_fn, (None, "model")),
             use_bias=False,
             rngs=rngs,
-        )  # fmt: skip
+        )
         self.w2 = nnx.Param(init_fn(rngs.params(), (depth, depth)), out_sharding=("model", None))
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -175,11 +179,12 @@ class LogicalDotReluDot(nnx.Module):
     def __init__(self, depth: int, rngs: nnx.Rngs) -> None:
         init_fn = nnx.initializers.lecun_normal()
         self.dot1 = nnx.Linear(
-            depth, depth,
+            depth,
+            depth,
             kernel_init=meshplan.with_nnx_partitioning(init_fn, ("embed", "hidden")),
             use_bias=False,
             rngs=rngs,
-        )  # fmt: skip
+        )
         self.w2 = nnx.Param(
             init_fn(rngs.params(), (depth, depth)), **meshplan.nnx_sharding(("hidden", "embed"))
         )
@@ -214,11 +219,12 @@ class ExplicitDotReluDot(nnx.Module):
     def __init__(self, depth: int, rngs: nnx.Rngs) -> None:
         init_fn = nnx.initializers.lecun_normal()
         self.dot1 = nnx.Linear(
-            depth, depth,
+            depth,
+            depth,
             kernel_init=functools.partial(init_fn, out_sharding=P(None, "model")),
             use_bias=False,
             rngs=rngs,
-        )  # fmt: skip
+        )
         self.w2 = nnx.Param(init_fn(rngs.params(), (depth, depth), out_sharding=P("model", None)))
         self.b2 = nnx.Param(jnp.zeros((depth,), out_sharding=P(None)))
 

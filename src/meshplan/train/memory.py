@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
 
 import jax
 from jax.sharding import Mesh
@@ -23,6 +22,7 @@ from meshplan._search.predict.profiles import get_profile
 from meshplan._search.predict.trace import trace_workload
 from meshplan._spmd.rules import LogicalRules
 from meshplan._text import human_bytes
+from meshplan._types import PyTree
 from meshplan.train.model import TrainModel
 
 __all__ = ["MemoryShortfall", "device_memory", "memory_shortfall", "step_memory"]
@@ -88,7 +88,7 @@ def device_memory(mesh: Mesh) -> tuple[int, str] | None:
 
 
 def step_memory(
-    model: TrainModel, abstract: Any, batch: Any, mesh: Mesh, rules: LogicalRules
+    model: TrainModel, abstract: PyTree, batch: PyTree, mesh: Mesh, rules: LogicalRules
 ) -> Cost:
     """The planner's prediction of one train step of ``batch`` on ``mesh`` under ``rules``.
 
@@ -105,7 +105,7 @@ def step_memory(
 
 
 def memory_shortfall(
-    model: TrainModel, abstract: Any, batch: Any, mesh: Mesh, rules: LogicalRules
+    model: TrainModel, abstract: PyTree, batch: PyTree, mesh: Mesh, rules: LogicalRules
 ) -> MemoryShortfall | None:
     """How a step of ``batch`` does not fit in a device, or ``None`` (it fits, or a
     device's memory is not known).

@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 
 from meshplan._spmd.rules import LogicalRules
 from meshplan._spmd.shardings import get_partition_spec, logical_to_mesh_sharding
+from meshplan._types import PyTree
 from meshplan.train.settings import TrainSettings
 
 __all__ = [
@@ -122,12 +123,12 @@ def abstract_train_state(
     return abstract
 
 
-def state_shardings(abstract: Any, mesh: Mesh, rules: LogicalRules) -> Any:
+def state_shardings(abstract: PyTree, mesh: Mesh, rules: LogicalRules) -> Any:
     """The ``NamedSharding`` of every array of ``abstract`` under ``rules`` on ``mesh``."""
     return logical_to_mesh_sharding(get_partition_spec(abstract), mesh, rules)
 
 
-def per_device_bytes(abstract: Any, shardings: Any) -> int:
+def per_device_bytes(abstract: PyTree, shardings: PyTree) -> int:
     """The largest number of bytes any one device holds of ``abstract`` with ``shardings``."""
     totals: dict[Any, int] = {}
     for value, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings), strict=True):
@@ -137,7 +138,7 @@ def per_device_bytes(abstract: Any, shardings: Any) -> int:
     return max(totals.values(), default=0)
 
 
-def _total_bytes(tree: Any) -> int:
+def _total_bytes(tree: PyTree) -> int:
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
@@ -155,7 +156,7 @@ class PlanSummary(TypedDict):
 
 
 def plan_summary(
-    abstract: Any, shardings: Any, mesh: Mesh, rules: LogicalRules, layout: str = ""
+    abstract: PyTree, shardings: PyTree, mesh: Mesh, rules: LogicalRules, layout: str = ""
 ) -> PlanSummary:
     """Parameter count and per-device bytes of the parameters and of the whole state.
 

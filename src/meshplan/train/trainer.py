@@ -68,6 +68,7 @@ from meshplan._checkpoint.restore import restore
 from meshplan._errors import CheckpointError
 from meshplan._spmd.explicit import explicit_mesh_error, is_sharding_type_error
 from meshplan._spmd.rules import logical_axis_rules
+from meshplan._types import PyTree
 from meshplan.train.diagnosis import NanCause, nan_cause
 from meshplan.train.model import TrainModel
 from meshplan.train.parts import Checkpoints, Measures, Placement, group_parts
@@ -173,7 +174,7 @@ class Trainer:
         measures: Measures | None = None,
         *,
         tx: optax.GradientTransformation | None = None,
-        abstract: Any = None,
+        abstract: PyTree = None,
         notes: Sequence[str] = (),
         **separate: Any,
     ) -> None:
@@ -360,17 +361,17 @@ class Trainer:
                 )
             self.step = 0
 
-    def _compile(self, batch: Any) -> None:
+    def _compile(self, batch: PyTree) -> None:
         """Jits the steps for batches placed like ``batch``."""
         batch_shardings = jax.tree.map(lambda x: x.sharding, batch)
         value_and_grad = jax.value_and_grad(self._loss_and_metrics, has_aux=True)
         accum = self.settings.grad_accum
 
-        def gradients(params: Any, batch: Any) -> Any:
+        def gradients(params: PyTree, batch: PyTree) -> Any:
             (value, metrics), grads = value_and_grad(params, batch)
             return value, metrics, grads
 
-        def train_step(state: Any, batch: Any) -> tuple[Any, jax.Array, Any]:
+        def train_step(state: PyTree, batch: PyTree) -> tuple[Any, jax.Array, Any]:
             if accum == 1:
                 value, metrics, grads = gradients(state.params, batch)
                 return state.apply_gradients(grads=grads), value, metrics
@@ -399,7 +400,7 @@ class Trainer:
         flat_shardings = jax.tree.leaves(self.shardings)  # (boxes hold one array each)
         assert len(flat_shardings) == treedef.num_leaves, (len(flat_shardings), treedef)
 
-        def flat_step(leaves: list[jax.Array], batch: Any) -> tuple[list[jax.Array], Any, Any]:
+        def flat_step(leaves: list[jax.Array], batch: PyTree) -> tuple[list[jax.Array], Any, Any]:
             state, value, metrics = train_step(jax.tree.unflatten(treedef, leaves), batch)
             return treedef.flatten_up_to(state), value, metrics
 
@@ -414,7 +415,7 @@ class Trainer:
             out_shardings=replicated,
         )
 
-    def _loss_and_metrics(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
+    def _loss_and_metrics(self, params: PyTree, batch: PyTree) -> tuple[jax.Array, Any]:
         try:  # traced once per compile: no cost per step
             out = self.loss(params, batch)
         except Exception as e:  # code written for Auto meshes, on Explicit axes
@@ -423,7 +424,7 @@ class Trainer:
             raise
         return (out[0], out[1]) if self.has_aux else (out, {})
 
-    def train_step(self, batch: Any = None) -> jax.Array:
+    def train_step(self, batch: PyTree = None) -> jax.Array:
         """Runs one step on the batch of the current step; returns its loss (not synced).
 
         ``batch`` is that batch when the caller has fetched it already (prefetched).
@@ -447,7 +448,7 @@ class Trainer:
         out: jax.Array = loss
         return out
 
-    def _executable(self, leaves: list[jax.Array], batch: Any) -> Any:
+    def _executable(self, leaves: list[jax.Array], batch: PyTree) -> Any:
         """The compiled step for batches shaped and placed like ``batch``.
 
         Compiled ahead of time, once per distinct batch (shapes, dtypes and
@@ -497,9 +498,16 @@ class Trainer:
             best = self._checkpointer.best(self.valid_setting)
             resume_at, why = sane_step(saved, self.losses_seen, best, self._start_step)
         raise Diverged(
-            self.step if step is None else step, what, path, last_good, best, self.ckpt_dir,
-            resume_at, why, *(() if cause is None else cause),
-        )  # fmt: skip
+            self.step if step is None else step,
+            what,
+            path,
+            last_good,
+            best,
+            self.ckpt_dir,
+            resume_at,
+            why,
+            *(() if cause is None else cause),
+        )
 
     def _nan_cause(self, step: int, path: str) -> NanCause | None:
         """Why the loss at ``step`` is not finite (its batches looked at again); ``None``

@@ -221,6 +221,10 @@ def _stages(plan: PlanData) -> Any:
     for name in ("stage", "parameters", "params, fullest device", "all, fullest device"):
         table.add_column(name, justify="right", no_wrap=True)
     for s in plan.stages:
-        table.add_row(str(s.stage), f"{s.parameters:,}", human_bytes(s.param_bytes),
-                      human_bytes(s.device_bytes))  # fmt: skip
+        table.add_row(
+            str(s.stage),
+            f"{s.parameters:,}",
+            human_bytes(s.param_bytes),
+            human_bytes(s.device_bytes),
+        )
     return table

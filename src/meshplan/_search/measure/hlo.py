@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from meshplan._errors import MeshplanError, error_for
 from meshplan._spmd.rules import LogicalRules
+from meshplan._types import PyTree, StepFn
 
 __all__ = [
     "COLLECTIVES",
@@ -161,7 +162,7 @@ def collective_counts(hlo_text: str) -> dict[str, int]:
 
 
 def candidate_shardings(
-    mesh_shape: Mapping[str, int], state: Any, example_batch: Any, rules: LogicalRules
+    mesh_shape: Mapping[str, int], state: PyTree, example_batch: PyTree, rules: LogicalRules
 ) -> tuple[Any, Any, Any]:
     """A candidate's mesh on the first devices (Auto axes), its state's and batch's shardings.
 
@@ -187,9 +188,9 @@ def candidate_shardings(
 
 
 def compile_candidate(
-    step_fn: Callable[[Any, Any], Any],
-    state: Any,
-    example_batch: Any,
+    step_fn: StepFn,
+    state: PyTree,
+    example_batch: PyTree,
     mesh_shape: Mapping[str, int],
     rules: LogicalRules,
     donate: bool = False,
@@ -212,7 +213,7 @@ def compile_candidate(
     with jax.set_mesh(mesh), logical_axis_rules(rules):
         # A new function each time: JAX's trace cache does not know the active rules,
         # so reusing step_fn would reuse constraints traced under another layout.
-        def step(state: Any, batch: Any) -> Any:
+        def step(state: PyTree, batch: PyTree) -> Any:
             return step_fn(state, batch)
 
         donated = (0,) if donate else ()
@@ -222,9 +223,9 @@ def compile_candidate(
 
 
 def measure_step(
-    step_fn: Callable[[Any, Any], Any],
-    state: Any,
-    example_batch: Any,
+    step_fn: StepFn,
+    state: PyTree,
+    example_batch: PyTree,
     mesh_shape: Mapping[str, int],
     rules: LogicalRules,
     donate: bool = False,
@@ -254,11 +255,13 @@ def measure_step(
     hlo_text = compiled.as_text()
     if hlo_text is None:  # JAX: "None if unavailable, e.g. based on backend"
         raise error_for(
-            MeshplanError, "no-hlo-text", "step",
+            MeshplanError,
+            "no-hlo-text",
+            "step",
             f"XLA gave no HLO text for the step compiled on the mesh {dict(mesh_shape)}, so "
             f"its collectives cannot be counted",
             "Search without measure=True: the static estimate still ranks the layouts.",
-        )  # fmt: skip
+        )
     kinds = collective_bytes(hlo_text)
     memory = compiled.memory_analysis()
     return {
