@@ -592,7 +592,7 @@ def with_logical_partitioning(
     return wrapper
 
 
-def unbox(tree: PyTree) -> Any:
+def unbox(tree: PyTree) -> PyTree:
     """Strips every metadata box from ``tree`` (recursively), leaving the raw values.
 
     Example:
@@ -609,7 +609,7 @@ def unbox(tree: PyTree) -> Any:
     )
 
 
-def replace_boxed(tree: PyTree, updates: PyTree) -> Any:
+def replace_boxed(tree: PyTree, updates: PyTree) -> PyTree:
     """Puts the values of ``updates`` into the boxes of ``tree``, keeping their metadata.
 
     ``updates`` has the structure of ``unbox(tree)``; leaves of ``tree`` that are
@@ -626,7 +626,7 @@ def replace_boxed(tree: PyTree, updates: PyTree) -> Any:
     problems: list[Problem] = []
     fix = "Updates must have the structure and ranks of meshplan.unbox(tree)."
 
-    def update(path: Any, box: Any, new: PyTree) -> Any:
+    def update(path: Any, box: Any, new: PyTree) -> PyTree:
         if not isinstance(box, AxisMetadata):
             return new
         inner = box.value if isinstance(box, Partitioned) else box.unbox()

@@ -229,7 +229,7 @@ def _unmicrobatched(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def _by_stage(params: PyTree, schedule: PipelineSchedule, axes: tuple[str, ...]) -> Any:
+def _by_stage(params: PyTree, schedule: PipelineSchedule, axes: tuple[str, ...]) -> PyTree:
     """``[L, ...]`` leaves as ``[p, v, L / (v p), ...]``: stage ``s``, repeat ``r`` holds layers
     ``(r p + s) L / (v p)`` onwards; the stage dimension on ``axes``."""
     p, v = schedule.stages, schedule.repeats

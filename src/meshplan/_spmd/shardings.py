@@ -47,7 +47,9 @@ def _leaf_problems(path: str, error: MeshplanError) -> list[Problem]:
     return [Problem("error", path, str(error), "", "error")]
 
 
-def _map_collecting(fn: Callable[[Any], Any], tree: PyTree, is_leaf: Callable[[Any], bool]) -> Any:
+def _map_collecting(
+    fn: Callable[[Any], Any], tree: PyTree, is_leaf: Callable[[Any], bool]
+) -> PyTree:
     """``tree_map`` that, when leaves fail, walks again by path and raises once for all."""
     try:
         return jax.tree_util.tree_map(fn, tree, is_leaf=is_leaf)
@@ -114,7 +116,7 @@ def _mesh_or_active(mesh: Any, caller: str) -> Any:
     )
 
 
-def get_partition_spec(tree: PyTree) -> Any:
+def get_partition_spec(tree: PyTree) -> PyTree:
     """Tree of ``PartitionSpec``s for a tree of boxed, array or abstract leaves.
 
     A box gives its own spec (logical names for logical boxes); an unboxed leaf
@@ -143,14 +145,14 @@ def get_partition_spec(tree: PyTree) -> Any:
     """
     cache: dict[Any, Any] = {}
 
-    def leaf(x: Any) -> Any:
+    def leaf(x: PyTree) -> PyTree:
         kind = leaf_kind(x)
         return _plain_spec(x) if kind is None else kind.spec(x, cache)
 
     return _map_collecting(leaf, tree, is_leaf)
 
 
-def get_sharding(tree: PyTree, mesh: jax.sharding.Mesh | None, *, strict: bool = False) -> Any:
+def get_sharding(tree: PyTree, mesh: jax.sharding.Mesh | None, *, strict: bool = False) -> PyTree:
     """Tree of ``NamedSharding``s on ``mesh``, by the same walk as :func:`get_partition_spec`.
 
     Non-array leaves (such as a ``TrainState``'s ``apply_fn``) give ``None``.
@@ -183,7 +185,7 @@ def get_sharding(tree: PyTree, mesh: jax.sharding.Mesh | None, *, strict: bool =
         sharding: NamedSharding = _named(mesh, spec, cache)
         return sharding
 
-    def leaf(x: Any) -> Any:
+    def leaf(x: PyTree) -> PyTree:
         kind = leaf_kind(x)
         if kind is not None:
             return kind.sharding(x, mesh, named, kinds_cache)
@@ -193,7 +195,7 @@ def get_sharding(tree: PyTree, mesh: jax.sharding.Mesh | None, *, strict: bool =
     return _map_collecting(leaf, tree, is_leaf)
 
 
-def logical_to_mesh(tree: PyTree, rules: LogicalRules | None = None) -> Any:
+def logical_to_mesh(tree: PyTree, rules: LogicalRules | None = None) -> PyTree:
     """:func:`logical_to_mesh_axes` over a tree of logical ``PartitionSpec``s.
 
     Example:
@@ -206,7 +208,7 @@ def logical_to_mesh(tree: PyTree, rules: LogicalRules | None = None) -> Any:
     if rules is not None:
         rules = normalize_rules(rules)
 
-    def leaf(x: Any) -> Any:
+    def leaf(x: PyTree) -> PyTree:
         kind = leaf_kind(x)
         if kind is not None and kind.resolve is not None and kind.put is not None:
             return kind.put(x, kind.resolve(x, rules))
@@ -221,7 +223,7 @@ def logical_to_mesh_sharding(
     rules: LogicalRules | None = None,
     *,
     strict: bool = False,
-) -> Any:
+) -> PyTree:
     """Tree of logical ``PartitionSpec``s to a tree of ``NamedSharding``s on ``mesh``.
 
     With ``strict=True`` the specs and rules are first checked as
@@ -246,7 +248,7 @@ def logical_to_mesh_sharding(
         rules = normalize_rules(rules)  # once, not per leaf: lists from YAML/JSON become tuples
     cache: dict[PartitionSpec, NamedSharding] = {}
 
-    def leaf(x: Any) -> Any:  # None is an empty subtree: it stays None
+    def leaf(x: PyTree) -> PyTree:  # None is an empty subtree: it stays None
         kind = leaf_kind(x)
         if kind is not None and kind.resolve is not None and kind.put is not None:
             spec = kind.resolve(x, rules)

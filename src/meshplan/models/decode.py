@@ -193,12 +193,12 @@ def greedy_cached(
     tokens = list(prompt) or [ord("\n")]
 
     @jax.jit
-    def prefill(params: PyTree, tokens: Array, cache: Any) -> Any:
+    def prefill(params: PyTree, tokens: Array, cache: Any) -> PyTree:
         logits, cache = forward_cached(params, config, tokens, cache, 0)
         return logits[0, -1], cache
 
     @jax.jit
-    def step(params: PyTree, token: Array, cache: Any, start: Array) -> Any:
+    def step(params: PyTree, token: Array, cache: Any, start: Array) -> PyTree:
         logits, cache = forward_cached(params, config, token, cache, start)
         return logits[0, -1], cache
 

@@ -118,7 +118,7 @@ def _mlp(config: MLPConfig, size: str) -> Example:
 
     module = LogicalMLP(config.num_layers, config.depth, config.scan)
 
-    def loss(params: PyTree, x: Any) -> Any:
+    def loss(params: PyTree, x: Any) -> PyTree:
         out: PyTree = module.apply({"params": params}, x)  # one array (not mutable)
         return out.sum()
 

@@ -183,7 +183,7 @@ def save_state(state: PyTree, directory: Path) -> Path:
     return path
 
 
-def restore_on_mesh(path: Path, abstract_state: PyTree, target_sharding: Any) -> Any:
+def restore_on_mesh(path: Path, abstract_state: PyTree, target_sharding: Any) -> PyTree:
     """Restores arrays saved by :func:`save_state` with the shardings of ``target_sharding``.
 
     ``target_sharding`` is a sharding tree for ``abstract_state`` on any mesh;
@@ -191,7 +191,7 @@ def restore_on_mesh(path: Path, abstract_state: PyTree, target_sharding: Any) ->
     """
     import orbax.checkpoint as ocp
 
-    def target(abstract: PyTree, sharding: Any) -> Any:
+    def target(abstract: PyTree, sharding: Any) -> PyTree:
         return jax.ShapeDtypeStruct(abstract.shape, abstract.dtype, sharding=sharding)
 
     abstract_arrays = state_arrays(abstract_state)

@@ -68,7 +68,7 @@ class TrainModel:
         state: train_state.TrainState = jax.eval_shape(self.init(tx), jax.random.key(seed))
         return state
 
-    def objective(self, params: PyTree, batch: PyTree) -> Any:
+    def objective(self, params: PyTree, batch: PyTree) -> PyTree:
         """The scalar loss (the first value of ``loss`` when it has metrics)."""
         out = self.loss(params, batch)
         return out[0] if self.has_aux else out

@@ -123,7 +123,7 @@ def abstract_train_state(
     return abstract
 
 
-def state_shardings(abstract: PyTree, mesh: Mesh, rules: LogicalRules) -> Any:
+def state_shardings(abstract: PyTree, mesh: Mesh, rules: LogicalRules) -> PyTree:
     """The ``NamedSharding`` of every array of ``abstract`` under ``rules`` on ``mesh``."""
     return logical_to_mesh_sharding(get_partition_spec(abstract), mesh, rules)
 

@@ -367,7 +367,7 @@ class Trainer:
         value_and_grad = jax.value_and_grad(self._loss_and_metrics, has_aux=True)
         accum = self.settings.grad_accum
 
-        def gradients(params: PyTree, batch: PyTree) -> Any:
+        def gradients(params: PyTree, batch: PyTree) -> PyTree:
             (value, metrics), grads = value_and_grad(params, batch)
             return value, metrics, grads
 
@@ -448,7 +448,7 @@ class Trainer:
         out: jax.Array = loss
         return out
 
-    def _executable(self, leaves: list[jax.Array], batch: PyTree) -> Any:
+    def _executable(self, leaves: list[jax.Array], batch: PyTree) -> PyTree:
         """The compiled step for batches shaped and placed like ``batch``.
 
         Compiled ahead of time, once per distinct batch (shapes, dtypes and

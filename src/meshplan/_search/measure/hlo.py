@@ -213,7 +213,7 @@ def compile_candidate(
     with jax.set_mesh(mesh), logical_axis_rules(rules):
         # A new function each time: JAX's trace cache does not know the active rules,
         # so reusing step_fn would reuse constraints traced under another layout.
-        def step(state: PyTree, batch: PyTree) -> Any:
+        def step(state: PyTree, batch: PyTree) -> PyTree:
             return step_fn(state, batch)
 
         donated = (0,) if donate else ()

@@ -62,7 +62,7 @@ def prepare_step(
         step_fn, abstract_state, example_batch, mesh_shape, rules
     )
 
-    def zeros(tree: PyTree) -> Any:
+    def zeros(tree: PyTree) -> PyTree:
         return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree)
 
     state = jax.jit(lambda: zeros(abstract_state), out_shardings=shardings)()

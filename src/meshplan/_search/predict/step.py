@@ -39,17 +39,17 @@ def linen_step(
     tx = optimizer if optimizer is not None else optax.adam(1e-3)
     loss_fn = loss if loss is not None else (lambda y, _: jnp.mean(jnp.square(y)))
 
-    def inputs(batch: PyTree) -> Any:
+    def inputs(batch: PyTree) -> PyTree:
         return batch[0] if isinstance(batch, tuple | list) else batch
 
-    def init(key: Any, batch: PyTree) -> Any:
+    def init(key: Any, batch: PyTree) -> PyTree:
         params = model.init(key, inputs(batch))["params"]
         return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
     abstract = jax.eval_shape(init, jax.random.key(0), example_inputs)
 
-    def step(state: PyTree, batch: PyTree) -> Any:
-        def objective(params: PyTree) -> Any:
+    def step(state: PyTree, batch: PyTree) -> PyTree:
+        def objective(params: PyTree) -> PyTree:
             return loss_fn(state.apply_fn({"params": params}, inputs(batch)), batch)
 
         return state.apply_gradients(grads=jax.grad(objective)(state.params))
@@ -67,7 +67,7 @@ def check_microbatches(microbatches: object) -> None:
         )  # fmt: skip
 
 
-def split_batch(example_batch: PyTree, microbatches: int) -> Any:
+def split_batch(example_batch: PyTree, microbatches: int) -> PyTree:
     """One microbatch of ``example_batch``: every array's first dimension divided by
     ``microbatches`` (as abstract values: nothing is computed).
 
