@@ -14,7 +14,7 @@ import numpy.typing as npt
 from jax.sharding import PartitionSpec
 
 from meshplan._errors import Problem
-from meshplan._spmd.rules import UNCONSTRAINED, NamesKind
+from meshplan._spmd.rules import UNCONSTRAINED, AxisNames, NamesKind
 from meshplan._spmd.validate import DimCheck
 from meshplan._text import axes_text, rule_text
 
@@ -157,7 +157,7 @@ class LeafLayout:
     """Everything about a leaf that depends only on (kind, names, shape, dtype, rules)."""
 
     kind: NamesKind
-    names: tuple[Any, ...] | None
+    names: AxisNames | None
     shape: tuple[int, ...] | None
     dtype: str
     itemsize: int

@@ -552,7 +552,7 @@ def with_partitioning(
     axis_names = _check_initializer_args(fn, names, "with_partitioning")
 
     @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Partitioned[Any]:
+    def wrapper(*args: object, **kwargs: object) -> Partitioned[Any]:
         return Partitioned(fn(*args, **kwargs), axis_names, mesh=mesh)
 
     return wrapper
@@ -586,7 +586,7 @@ def with_logical_partitioning(
         rules = normalize_rules(rules)
 
     @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> LogicallyPartitioned[Any]:
+    def wrapper(*args: object, **kwargs: object) -> LogicallyPartitioned[Any]:
         return LogicallyPartitioned(fn(*args, **kwargs), axis_names, mesh=mesh, rules=rules)
 
     return wrapper

@@ -24,7 +24,7 @@ from meshplan._errors import LogicalNamesError, Problem, error_from_problems
 from meshplan._spmd.boxes import LogicallyPartitioned, is_box
 from meshplan._spmd.leaves import is_leaf, leaf_kind, unwrap
 from meshplan._spmd.nnx import is_variable
-from meshplan._spmd.rules import names_problem
+from meshplan._spmd.rules import AxisNames, names_problem
 from meshplan._text import count_text, path_text, paths_text, shape_text
 
 __all__ = [
@@ -68,7 +68,7 @@ class PathRule:
 
     index: int
     pattern: re.Pattern[str]
-    names: tuple[Any, ...] | None
+    names: AxisNames | None
 
     def where(self) -> str:
         """``"path_rules[2] ('.*/kernel')"``."""
@@ -128,7 +128,7 @@ def check_path_rules(path_rules: PathRules) -> tuple[PathRule, ...]:
     return tuple(c for c in checked if isinstance(c, PathRule))
 
 
-def _rank_problem(path: str, rule: PathRule, names: tuple[Any, ...], shape: Any) -> Problem:
+def _rank_problem(path: str, rule: PathRule, names: AxisNames, shape: Any) -> Problem:
     ndim = len(shape)
     return Problem(
         "error",
@@ -141,7 +141,7 @@ def _rank_problem(path: str, rule: PathRule, names: tuple[Any, ...], shape: Any)
     )
 
 
-def _named(leaf: Any, names: tuple[Any, ...]) -> Any:
+def _named(leaf: Any, names: AxisNames) -> Any:
     """``leaf`` carrying ``names``: a variable's ``out_sharding``, else a new logical box."""
     if is_variable(leaf):
         return leaf.replace(out_sharding=names)

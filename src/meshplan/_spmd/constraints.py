@@ -10,6 +10,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from meshplan._errors import UnmatchedLogicalAxisError, error_for
+from meshplan._spmd.mesh_info import JaxMesh
 from meshplan._spmd.place import active_mesh, apply_spec
 from meshplan._spmd.rules import (
     UNASSIGNED,
@@ -63,7 +64,7 @@ def _is_logical_spec(x: object) -> bool:
 
 
 def _constrain_one(
-    spec: Any, x: Any, *, rules: LogicalRules, mesh: Any, fallback: RulesFallback
+    spec: Any, x: Any, *, rules: LogicalRules, mesh: JaxMesh | None, fallback: RulesFallback
 ) -> Any:
     if spec is None:
         return x

@@ -23,8 +23,9 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshplan._spmd.boxes import LogicallyPartitioned, Partitioned, is_box
+from meshplan._spmd.mesh_info import JaxMesh
 from meshplan._spmd.nnx import is_variable, variable_names, variable_spec
-from meshplan._spmd.rules import LogicalRules, NamesKind, logical_to_mesh_axes
+from meshplan._spmd.rules import AxisNames, LogicalRules, NamesKind, logical_to_mesh_axes
 from meshplan._types import PyTree, StepFn
 
 __all__ = [
@@ -55,7 +56,7 @@ class LeafNames:
     """
 
     kind: NamesKind
-    names: tuple[Any, ...] | None
+    names: AxisNames | None
     value: Any
     own_rules: Any
 
@@ -110,7 +111,7 @@ class ArrayLeaf:
 
     keypath: tuple[Any, ...]
     kind: NamesKind
-    names: tuple[Any, ...] | None
+    names: AxisNames | None
     shape: tuple[int, ...]
     dtype: Any
     own_rules: Any
@@ -194,7 +195,7 @@ def _box_spec(box: Any, cache: dict[Any, Any]) -> PartitionSpec:
     return out
 
 
-def _box_sharding(box: Any, mesh: Any, named: Named, cache: dict[Any, Any]) -> Any:
+def _box_sharding(box: Any, mesh: JaxMesh, named: Named, cache: dict[Any, Any]) -> Any:
     if type(box) is Partitioned:  # checked already for these names: skip the spec
         shape = getattr(box.value, "shape", None)
         if shape is None or len(shape) == len(box.names):
@@ -223,7 +224,7 @@ def _variable_read(var: Any, rules: LogicalRules) -> LeafNames:
     return LeafNames(info.kind, info.names, var.get_value(), info.rules)
 
 
-def _variable_sharding(var: Any, mesh: Any, named: Named, cache: dict[Any, Any]) -> Any:
+def _variable_sharding(var: Any, mesh: JaxMesh, named: Named, cache: dict[Any, Any]) -> Any:
     spec = variable_spec(var)
     return var.replace(None if spec is None else named(spec))
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec
 
 from meshplan._errors import MeshError, Problem, error_for
 from meshplan._spmd.constraints import with_logical_constraint
+from meshplan._spmd.mesh_info import MeshLike
 from meshplan._spmd.place import active_mesh, apply_spec
 from meshplan._spmd.rules import LogicalRules, get_logical_axis_rules, mesh_axes_of, resolve
 from meshplan._types import PyTree
@@ -173,7 +174,9 @@ def _problem(code: str, path: str, message: str, fix: str) -> Problem:
     return Problem("error", path, message, fix, code)
 
 
-def stage_axes(rules: LogicalRules | None = None, mesh: Any = None) -> tuple[tuple[str, ...], int]:
+def stage_axes(
+    rules: LogicalRules | None = None, mesh: MeshLike | None = None
+) -> tuple[tuple[str, ...], int]:
     """The mesh axes the ``'stage'`` name maps to under ``rules``, and the stages they make.
 
     ``mesh`` (or the active mesh; a dict of axis sizes will do) gives the sizes;
@@ -191,7 +194,7 @@ def stage_axes(rules: LogicalRules | None = None, mesh: Any = None) -> tuple[tup
     if not rules or mesh is None:
         return (), 1
     axes = mesh_axes_of(resolve((STAGE,), rules)[0])
-    sizes = dict(mesh) if isinstance(mesh, dict) else dict(mesh.shape)
+    sizes = dict(mesh) if isinstance(mesh, Mapping) else dict(mesh.shape)
     axes = tuple(a for a in axes if a in sizes)
     return axes, math.prod(sizes[a] for a in axes)
 

@@ -595,7 +595,7 @@ class _DimTrace(TypedDict):
 
 
 def _resolve(
-    names: tuple[Any, ...],
+    names: AxisNames,
     rules: tuple[tuple[str, MeshAxes], ...],
     trace: list[_DimTrace] | None,
 ) -> tuple[Any, ...]:
@@ -629,9 +629,7 @@ def _resolve(
 
 
 @functools.lru_cache(maxsize=8192)
-def _resolve_cached(
-    names: tuple[Any, ...], rules: tuple[tuple[str, MeshAxes], ...]
-) -> tuple[Any, ...]:
+def _resolve_cached(names: AxisNames, rules: tuple[tuple[str, MeshAxes], ...]) -> tuple[Any, ...]:
     return _resolve(normalize_names(names), normalize_rules(rules), None)
 
 
@@ -678,7 +676,7 @@ def to_partition_spec(resolved: Sequence[Any]) -> PartitionSpec:
 
 
 @functools.lru_cache(maxsize=8192)
-def _mesh_axes_cached(names: tuple[Any, ...], rules: tuple[Any, ...]) -> PartitionSpec:
+def _mesh_axes_cached(names: AxisNames, rules: tuple[Any, ...]) -> PartitionSpec:
     # Not through _resolve_cached: a miss here would miss there too, and fill it for nothing.
     return to_partition_spec(_resolve(normalize_names(names), normalize_rules(rules), None))
 

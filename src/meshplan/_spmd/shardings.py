@@ -19,6 +19,7 @@ from meshplan._errors import (
     error_from_problems,
 )
 from meshplan._spmd.leaves import is_leaf, is_spec_leaf, leaf_kind
+from meshplan._spmd.mesh_info import JaxMesh
 from meshplan._spmd.place import active_mesh, check_spec
 from meshplan._spmd.rules import LogicalRules, logical_to_mesh_axes, normalize_rules
 from meshplan._spmd.tree_check import raise_for_errors, spec_errors, tree_errors
@@ -85,7 +86,7 @@ def _logical_spec(x: Any) -> PartitionSpec:
     raise LogicalNamesError(f"{problem.message}.\n{problem.fix}", [problem])
 
 
-def _named(mesh: Any, spec: PartitionSpec, cache: dict[PartitionSpec, NamedSharding]) -> Any:
+def _named(mesh: JaxMesh, spec: PartitionSpec, cache: dict[PartitionSpec, NamedSharding]) -> Any:
     sharding = cache.get(spec)
     if sharding is None:
         check_spec(spec, mesh, "an array")
@@ -93,7 +94,7 @@ def _named(mesh: Any, spec: PartitionSpec, cache: dict[PartitionSpec, NamedShard
     return sharding
 
 
-def _mesh_or_active(mesh: Any, caller: str) -> Any:
+def _mesh_or_active(mesh: JaxMesh | None, caller: str) -> Any:
     """``mesh``, else the mesh of ``jax.set_mesh`` (or a legacy ``with mesh:``), else an error."""
     if mesh is not None:
         return mesh

@@ -19,10 +19,11 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec
+from jax.typing import DTypeLike
 
 from meshplan._errors import Problem, ShardingValidationError, problem_message
 from meshplan._spmd.leaves import array_leaves, is_spec_leaf, leaf_kind
-from meshplan._spmd.mesh_info import MeshInfo, axis_names_fix, mesh_info
+from meshplan._spmd.mesh_info import JaxMesh, MeshInfo, MeshLike, axis_names_fix, mesh_info
 from meshplan._spmd.rules import LogicalRules, get_logical_axis_rules, mesh_axes_of, rules_problems
 from meshplan._spmd.validate import LeafCheck, check_leaf
 from meshplan._text import axes_text, count_text, human_bytes, path_text, paths_text, rule_text
@@ -90,7 +91,7 @@ def no_names_in_tree(tree: PyTree, rules: LogicalRules | None) -> Problem | None
     return no_names_problem([path_text(leaf.keypath) for leaf in leaves], nbytes)
 
 
-def _itemsize(dtype: Any) -> int:
+def _itemsize(dtype: DTypeLike) -> int:
     try:
         return int(np.dtype(dtype).itemsize)
     except TypeError:
@@ -146,7 +147,7 @@ def only_unmatched(dims: Sequence[Any]) -> bool:
     )
 
 
-def tree_errors(tree: PyTree, mesh: Any, rules: LogicalRules | None = None) -> list[Problem]:
+def tree_errors(tree: PyTree, mesh: JaxMesh, rules: LogicalRules | None = None) -> list[Problem]:
     """Every error in how ``tree`` would be laid out on ``mesh``, as :func:`meshplan.check` finds.
 
     Example:
@@ -190,7 +191,7 @@ def tree_errors(tree: PyTree, mesh: Any, rules: LogicalRules | None = None) -> l
     return errors
 
 
-def spec_errors(tree: PyTree, mesh: Any, rules: LogicalRules | None = None) -> list[Problem]:
+def spec_errors(tree: PyTree, mesh: JaxMesh, rules: LogicalRules | None = None) -> list[Problem]:
     """:func:`tree_errors` for a tree of *logical* ``PartitionSpec``s (no shapes, so no sizes).
 
     Example:
@@ -226,7 +227,7 @@ def spec_errors(tree: PyTree, mesh: Any, rules: LogicalRules | None = None) -> l
     return errors
 
 
-def raise_for_errors(problems: Sequence[Problem], mesh: Any) -> None:
+def raise_for_errors(problems: Sequence[Problem], mesh: MeshLike | MeshInfo) -> None:
     """Raises one :class:`ShardingValidationError` listing every error, if there are any.
 
     The error's ``problems`` are all of ``problems`` (warnings included).

@@ -28,6 +28,7 @@ from meshplan._spmd.mesh_info import MeshInfo, MeshLike, axis_names_fix, mesh_in
 from meshplan._spmd.rules import (
     UNASSIGNED,
     UNCONSTRAINED,
+    AxisNames,
     DimStatus,
     LogicalNames,
     LogicalRules,
@@ -130,7 +131,7 @@ def _axes_with_sizes(d: DimCheck) -> str:
     )
 
 
-def rank_problem(names: tuple[Any, ...], shape: tuple[int, ...]) -> Problem:
+def rank_problem(names: AxisNames, shape: tuple[int, ...]) -> Problem:
     """The problem with ``len(names) != len(shape)``: an error for more names, information for fewer.
 
     Fewer names leave the trailing dimensions unsharded, as a shorter ``PartitionSpec`` does

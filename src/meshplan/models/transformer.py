@@ -66,6 +66,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
+from jax.typing import DTypeLike
 
 import meshplan
 from meshplan._spmd.place import apply_spec  # not public: constrain on Auto, reshard on Explicit
@@ -404,7 +405,7 @@ def causal_mask(positions: Any) -> Any:
     return xp.asarray(positions)[:, None] >= xp.asarray(positions)[None, :]
 
 
-def attend(q: Array, k: Array, v: Array, positions: Any, dtype: Any) -> Array:
+def attend(q: Array, k: Array, v: Array, positions: Any, dtype: DTypeLike) -> Array:
     """Exact causal attention of ``q[batch, length, heads, kv]`` over all of ``k`` and ``v``.
 
     Queries keep their piece of the sequence; keys and values are constrained
