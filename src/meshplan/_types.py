@@ -21,10 +21,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
-__all__ = ["Batch", "LossFn", "PyTree", "StepFn"]
+__all__ = ["Batch", "Leaf", "LossFn", "PyTree", "StepFn"]
 
 PyTree: TypeAlias = Any
 """A JAX pytree: nested containers with arrays (or abstract arrays, or boxes) at the leaves."""
+
+Leaf: TypeAlias = Any
+"""One leaf of a tree as meshplan meets it: an array, a ``jax.ShapeDtypeStruct``, a box
+(:class:`meshplan.Partitioned`) or a Flax NNX variable."""
 
 Batch: TypeAlias = PyTree
 """One batch of a step: an array, or a tree of them (inputs and targets)."""

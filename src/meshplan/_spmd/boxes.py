@@ -35,7 +35,7 @@ from meshplan._spmd.rules import (
 )
 from meshplan._spmd.validate import rank_problem
 from meshplan._text import path_text
-from meshplan._types import PyTree
+from meshplan._types import Leaf, PyTree
 
 __all__ = [
     "PARTITION_NAME",
@@ -68,7 +68,7 @@ def _check_names(names: Any, cls_name: str) -> AxisNames:
     return normalize_names(names, what=f"{cls_name} names")
 
 
-def _values_equal(a: Any, b: Any) -> bool:
+def _values_equal(a: Any, b: Leaf) -> bool:
     if a is b:
         return True
     if isinstance(a, jax.ShapeDtypeStruct) or isinstance(b, jax.ShapeDtypeStruct):
@@ -626,7 +626,7 @@ def replace_boxed(tree: PyTree, updates: PyTree) -> PyTree:
     problems: list[Problem] = []
     fix = "Updates must have the structure and ranks of meshplan.unbox(tree)."
 
-    def update(path: Any, box: Any, new: PyTree) -> PyTree:
+    def update(path: Any, box: Leaf, new: PyTree) -> PyTree:
         if not isinstance(box, AxisMetadata):
             return new
         inner = box.value if isinstance(box, Partitioned) else box.unbox()

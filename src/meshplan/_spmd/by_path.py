@@ -26,6 +26,7 @@ from meshplan._spmd.leaves import is_leaf, leaf_kind, unwrap
 from meshplan._spmd.nnx import is_variable
 from meshplan._spmd.rules import AxisNames, names_problem
 from meshplan._text import count_text, path_text, paths_text, shape_text
+from meshplan._types import Leaf
 
 __all__ = [
     "PathRule",
@@ -141,7 +142,7 @@ def _rank_problem(path: str, rule: PathRule, names: AxisNames, shape: Any) -> Pr
     )
 
 
-def _named(leaf: Any, names: AxisNames) -> Any:
+def _named(leaf: Leaf, names: AxisNames) -> Leaf:
     """``leaf`` carrying ``names``: a variable's ``out_sharding``, else a new logical box."""
     if is_variable(leaf):
         return leaf.replace(out_sharding=names)
@@ -150,7 +151,7 @@ def _named(leaf: Any, names: AxisNames) -> Any:
     return LogicallyPartitioned(leaf, names)
 
 
-def _shape(leaf: Any) -> Any:
+def _shape(leaf: Leaf) -> Leaf:
     if is_variable(leaf):
         return getattr(leaf.get_value(), "shape", None)
     if is_box(leaf):
@@ -212,7 +213,7 @@ def name_by_path(tree: T, path_rules: PathRules) -> T:
     unmatched: list[str] = []
     used: set[int] = set()
 
-    def name(keypath: Any, leaf: Any) -> Any:
+    def name(keypath: Any, leaf: Leaf) -> Leaf:
         shape = _shape(leaf)
         if shape is None:
             return leaf

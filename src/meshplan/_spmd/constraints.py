@@ -20,6 +20,7 @@ from meshplan._spmd.rules import (
     get_logical_axis_rules,
     resolve,
 )
+from meshplan._types import Leaf
 
 __all__ = ["RulesFallback", "logical_dot_general", "with_logical_constraint"]
 
@@ -64,8 +65,8 @@ def _is_logical_spec(x: object) -> bool:
 
 
 def _constrain_one(
-    spec: Any, x: Any, *, rules: LogicalRules, mesh: JaxMesh | None, fallback: RulesFallback
-) -> Any:
+    spec: Any, x: Leaf, *, rules: LogicalRules, mesh: JaxMesh | None, fallback: RulesFallback
+) -> Leaf:
     if spec is None:
         return x
     resolved = resolve(spec, rules)

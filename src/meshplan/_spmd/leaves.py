@@ -26,7 +26,7 @@ from meshplan._spmd.boxes import LogicallyPartitioned, Partitioned, is_box
 from meshplan._spmd.mesh_info import JaxMesh
 from meshplan._spmd.nnx import is_variable, variable_names, variable_spec
 from meshplan._spmd.rules import AxisNames, LogicalRules, NamesKind, logical_to_mesh_axes
-from meshplan._types import PyTree, StepFn
+from meshplan._types import Leaf, PyTree, StepFn
 
 __all__ = [
     "ArrayLeaf",
@@ -85,7 +85,7 @@ class LeafKind:
     """
 
     name: str
-    matches: Callable[[Any], bool]
+    matches: Callable[[Leaf], bool]
     read: Callable[[Any, Any], LeafNames]
     spec: Callable[[Any, dict[Any, Any]], Any]
     sharding: Callable[[Any, Any, Named, dict[Any, Any]], Any]
@@ -118,7 +118,7 @@ class ArrayLeaf:
     value: Any = None
 
 
-def unwrap(box: Any) -> tuple[NamesKind, Any, Any, Any]:
+def unwrap(box: Leaf) -> tuple[NamesKind, Any, Any, Any]:
     """``(kind, names, value, own_rules)`` of a box, however nested.
 
     Example:
@@ -185,7 +185,7 @@ def array_leaves(tree: PyTree, rules: LogicalRules | None = None) -> tuple[list[
 _OWN_BOXES = (Partitioned, LogicallyPartitioned)  # exact types: spec is PartitionSpec(*names)
 
 
-def _box_spec(box: Any, cache: dict[Any, Any]) -> PartitionSpec:
+def _box_spec(box: Leaf, cache: dict[Any, Any]) -> PartitionSpec:
     if type(box) in _OWN_BOXES:  # boxes with equal names share one spec
         spec = cache.get(("spec", box.names))
         if spec is None:
@@ -195,7 +195,7 @@ def _box_spec(box: Any, cache: dict[Any, Any]) -> PartitionSpec:
     return out
 
 
-def _box_sharding(box: Any, mesh: JaxMesh, named: Named, cache: dict[Any, Any]) -> Any:
+def _box_sharding(box: Leaf, mesh: JaxMesh, named: Named, cache: dict[Any, Any]) -> Leaf:
     if type(box) is Partitioned:  # checked already for these names: skip the spec
         shape = getattr(box.value, "shape", None)
         if shape is None or len(shape) == len(box.names):
@@ -219,17 +219,17 @@ LINEN_BOX = LeafKind(
 ``AxisMetadata``. In a tree of specs or shardings a box becomes its spec or sharding."""
 
 
-def _variable_read(var: Any, rules: LogicalRules) -> LeafNames:
+def _variable_read(var: Leaf, rules: LogicalRules) -> LeafNames:
     info = variable_names(var, rules)
     return LeafNames(info.kind, info.names, var.get_value(), info.rules)
 
 
-def _variable_sharding(var: Any, mesh: JaxMesh, named: Named, cache: dict[Any, Any]) -> Any:
+def _variable_sharding(var: Leaf, mesh: JaxMesh, named: Named, cache: dict[Any, Any]) -> Leaf:
     spec = variable_spec(var)
     return var.replace(None if spec is None else named(spec))
 
 
-def _variable_resolve(var: Any, rules: LogicalRules) -> PartitionSpec | None:
+def _variable_resolve(var: Leaf, rules: LogicalRules) -> PartitionSpec | None:
     """A variable's logical spec through ``rules``: its value when that is a spec (the result
     of ``nnx.get_partition_spec``), else its ``out_sharding`` names read as logical names."""
     value = var.get_value()
@@ -238,7 +238,7 @@ def _variable_resolve(var: Any, rules: LogicalRules) -> PartitionSpec | None:
     return variable_spec(var, rules, logical=True)
 
 
-def _variable_logical(var: Any, rules: LogicalRules) -> tuple[PartitionSpec, Any, Any] | None:
+def _variable_logical(var: Leaf, rules: LogicalRules) -> tuple[PartitionSpec, Any, Any] | None:
     """Its spec value, or its names read as logical; with its shape and own rules."""
     names = variable_names(var, rules)
     value = var.get_value()
@@ -271,7 +271,7 @@ _BY_TYPE: dict[type, LeafKind | None] = {}
 """The kind of each type seen: every leaf of a state asks, so ``matches`` runs once a type."""
 
 
-def leaf_kind(x: Any) -> LeafKind | None:
+def leaf_kind(x: Leaf) -> LeafKind | None:
     """The :class:`LeafKind` of ``x``, or ``None`` for a plain leaf (an array, a number).
 
     Example:

@@ -24,7 +24,7 @@ from meshplan._spmd.place import active_mesh, check_spec
 from meshplan._spmd.rules import LogicalRules, logical_to_mesh_axes, normalize_rules
 from meshplan._spmd.tree_check import raise_for_errors, spec_errors, tree_errors
 from meshplan._text import path_text
-from meshplan._types import PyTree
+from meshplan._types import Leaf, PyTree
 
 __all__ = [
     "get_partition_spec",
@@ -36,7 +36,7 @@ __all__ = [
 _REPLICATED = PartitionSpec()
 
 
-def _plain_spec(x: Any) -> PartitionSpec | None:
+def _plain_spec(x: Leaf) -> PartitionSpec | None:
     """The spec of a leaf of no kind: replicated when it is an array, else ``None``."""
     return _REPLICATED if hasattr(x, "shape") else None
 
@@ -49,7 +49,7 @@ def _leaf_problems(path: str, error: MeshplanError) -> list[Problem]:
 
 
 def _map_collecting(
-    fn: Callable[[Any], Any], tree: PyTree, is_leaf: Callable[[Any], bool]
+    fn: Callable[[Any], Any], tree: PyTree, is_leaf: Callable[[Leaf], bool]
 ) -> PyTree:
     """``tree_map`` that, when leaves fail, walks again by path and raises once for all."""
     try:
@@ -71,7 +71,7 @@ def _map_collecting(
     raise error_from_problems(type(first), header, problems)
 
 
-def _logical_spec(x: Any) -> PartitionSpec:
+def _logical_spec(x: Leaf) -> PartitionSpec:
     """``x`` if it is a ``PartitionSpec``; otherwise an error saying what to pass instead."""
     if isinstance(x, PartitionSpec):
         return x

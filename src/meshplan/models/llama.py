@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 import meshplan
+from meshplan._types import Leaf
 
 __all__ = ["LLAMA_SIZES", "Llama", "LlamaConfig", "llama_size", "llama_step", "maxtext_config"]
 
@@ -167,13 +168,13 @@ def _param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple[st
     return module.param(name, init, shape, unbox=True)
 
 
-def _c(x: Any, names: tuple[str | None, ...]) -> Any:
+def _c(x: Leaf, names: tuple[str | None, ...]) -> Leaf:
     return meshplan.with_logical_constraint(x, names)
 
 
 class _Norm(nn.Module):
     @nn.compact
-    def __call__(self, x: Any) -> Any:
+    def __call__(self, x: Leaf) -> Leaf:
         scale = self.param(
             "scale",
             meshplan.with_logical_partitioning(nn.initializers.ones, ("embed",)),
@@ -189,7 +190,7 @@ class _Block(nn.Module):
     cfg: LlamaConfig
 
     @nn.compact
-    def __call__(self, x: Any, _: Any = None) -> tuple[Any, None]:
+    def __call__(self, x: Leaf, _: Any = None) -> tuple[Any, None]:
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         e, q, k, d = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim
         act = ("batch", "length", "activation_embed")

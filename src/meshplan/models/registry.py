@@ -17,7 +17,7 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from meshplan._types import PyTree
+from meshplan._types import Leaf, PyTree
 
 if TYPE_CHECKING:
     import jax
@@ -118,7 +118,7 @@ def _mlp(config: MLPConfig, size: str) -> Example:
 
     module = LogicalMLP(config.num_layers, config.depth, config.scan)
 
-    def loss(params: PyTree, x: Any) -> PyTree:
+    def loss(params: PyTree, x: Leaf) -> PyTree:
         out: PyTree = module.apply({"params": params}, x)  # one array (not mutable)
         return out.sum()
 

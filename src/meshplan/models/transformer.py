@@ -599,7 +599,7 @@ class Block(nn.Module):
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x: Array, positions: Any = None) -> tuple[Array, Any]:
+    def __call__(self, x: Array, positions: Any = None) -> tuple[Array, PyTree]:
         names = ("batch", "length", "embed")
         attention = Attention(self.config, name="attention")
         x = x + attention(LayerNorm(name="attention_norm")(x), positions)
@@ -615,15 +615,15 @@ class Block(nn.Module):
 
 def _apply_block(cfg: TransformerConfig, params: PyTree, x: Array, positions: Any) -> Array:
     """One dense :class:`Block` with ``params`` (one layer's), as a pure function."""
-    out: tuple[Array, Any] = Block(cfg, parent=None).apply({"params": params}, x, positions)
+    out: tuple[Array, PyTree] = Block(cfg, parent=None).apply({"params": params}, x, positions)
     return out[0]
 
 
 def pipeline_layer(
     cfg: TransformerConfig,
-    apply_block: Callable[[TransformerConfig, Any, Array, Any], Array],
+    apply_block: Callable[[TransformerConfig, PyTree, Array, Any], Array],
     positions: Any,
-) -> Callable[[Any, Array], Array]:
+) -> Callable[[PyTree, Array], Array]:
     """``layer(params, x) -> x``: one block for the pipeline, rematerialised as ``cfg`` says."""
 
     def layer(params: PyTree, x: Array) -> Array:
@@ -637,7 +637,7 @@ def remat_policy(cfg: TransformerConfig) -> Any:
     return jax.checkpoint_policies.dots_saveable if cfg.remat_policy == "dots_saveable" else None
 
 
-def _layer_stats(stats: Any) -> dict[str, Array] | None:
+def _layer_stats(stats: PyTree) -> dict[str, Array] | None:
     """Per-layer MoE statistics (stacked by scan, or a list) -> aux loss mean, counts summed."""
     if stats is None or (isinstance(stats, list) and not stats):
         return None
@@ -683,7 +683,7 @@ class Transformer(nn.Module):
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, tokens: Array, positions: Any = None, return_stats: bool = False) -> Any:
+    def __call__(self, tokens: Array, positions: Any = None, return_stats: bool = False) -> PyTree:
         """``logits``, or ``(logits, stats)`` with ``return_stats`` (``None`` for a dense model).
 
         ``positions`` (``int[length]``, default ``arange(length)``): the position
@@ -728,7 +728,7 @@ class Transformer(nn.Module):
         block: Any = Block
         if cfg.remat:
             block = nn.remat(Block, prevent_cse=not cfg.scan_layers, policy=remat_policy(cfg))
-        stats: Any = None
+        stats: PyTree = None
         schedule = None if self.is_initializing() else pipeline_schedule(cfg, tokens.shape[0])
         if schedule is not None:
             layers = meshplan.unbox(self.variables["params"]["layers"])

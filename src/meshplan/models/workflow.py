@@ -20,7 +20,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import meshplan
-from meshplan._types import PyTree
+from meshplan._types import Leaf, PyTree
 from meshplan.models.mlp import (
     LOGICAL_RULES,
     MLP,
@@ -205,7 +205,7 @@ def restore_on_mesh(path: Path, abstract_state: PyTree, target_sharding: Any) ->
         return checkpointer.restore(Path(path), targets)
 
 
-def trees_equal(a: Any, b: Any) -> bool:
+def trees_equal(a: Any, b: Leaf) -> bool:
     """Whether two trees of arrays hold bit-identical values.
 
     Example:

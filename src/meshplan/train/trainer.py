@@ -68,7 +68,7 @@ from meshplan._checkpoint.restore import restore
 from meshplan._errors import CheckpointError
 from meshplan._spmd.explicit import explicit_mesh_error, is_sharding_type_error
 from meshplan._spmd.rules import logical_axis_rules
-from meshplan._types import PyTree
+from meshplan._types import Batch, PyTree
 from meshplan.train.diagnosis import NanCause, nan_cause
 from meshplan.train.model import TrainModel
 from meshplan.train.parts import Checkpoints, Measures, Placement, group_parts
@@ -95,11 +95,11 @@ from meshplan.train.state import (
 
 __all__ = ["Batches", "Loss", "Trainer"]
 
-Loss = Callable[[Any, Any], jax.Array]
+Loss = Callable[[PyTree, Batch], jax.Array]
 """``loss(params, batch) -> scalar``: the loss to minimise (``params``: the model's
 ``params`` collection, boxed, or its ``nnx.State``; ``batch``: what :data:`Batches` gives)."""
 
-Batches = Callable[[str, int], Any]
+Batches = Callable[[str, int], Batch]
 """``batches(split, index) -> batch``: batch number ``index`` of ``split``
 (``"train"``: the batch of step ``index``; ``"valid"``: the ``index``-th fixed
 validation batch), as ``jax.Array``\\ s already placed on the mesh."""
@@ -166,7 +166,7 @@ class Trainer:
 
     def __init__(
         self,
-        model: TrainModel | nn.Module | Callable[[jax.Array], Any] | None = None,
+        model: TrainModel | nn.Module | Callable[[jax.Array], PyTree] | None = None,
         batches: Batches | None = None,
         settings: TrainSettings | None = None,
         placement: Placement | None = None,
@@ -240,28 +240,28 @@ class Trainer:
         self.shardings = state_shardings(self.abstract, self.mesh, self.rules)
         # The state between steps: its arrays as a flat list (the steps take and give
         # that list, so a step unflattens nothing in Python), the tree built on access.
-        self._state: Any = None
+        self._state: PyTree = None
         self._leaves: list[jax.Array] | None = None
         self._treedef: Any = None
         self.step = 0
         self._checkpointer: Checkpointer | None = None
-        self._train_step: Callable[[Any, Any], tuple[Any, jax.Array, Any]] | None = None
-        self._eval_step: Callable[[Any, Any], jax.Array] | None = None
+        self._train_step: Callable[[PyTree, Batch], tuple[PyTree, jax.Array, PyTree]] | None = None
+        self._eval_step: Callable[[PyTree, Batch], jax.Array] | None = None
         # The step over flat leaves, jitted, and its executables by batch signature.
         self._flat_step: Any = None
         self._executables: dict[Any, Any] = {}
-        self._valid_batches: list[Any] | None = None
-        self._step_metrics: dict[int, Any] = {}
+        self._valid_batches: list[Batch] | None = None
+        self._step_metrics: dict[int, PyTree] = {}
 
     @property
-    def state(self) -> Any:
+    def state(self) -> PyTree:
         """The sharded ``TrainState`` (``None`` before :meth:`start`)."""
         if self._state is None and self._leaves is not None:
             self._state = jax.tree.unflatten(self._treedef, self._leaves)
         return self._state
 
     @state.setter
-    def state(self, value: Any) -> None:
+    def state(self, value: PyTree) -> None:
         self._state, self._leaves = value, None
 
     # -- context ---------------------------------------------------------------
@@ -371,7 +371,7 @@ class Trainer:
             (value, metrics), grads = value_and_grad(params, batch)
             return value, metrics, grads
 
-        def train_step(state: PyTree, batch: PyTree) -> tuple[Any, jax.Array, Any]:
+        def train_step(state: PyTree, batch: PyTree) -> tuple[PyTree, jax.Array, PyTree]:
             if accum == 1:
                 value, metrics, grads = gradients(state.params, batch)
                 return state.apply_gradients(grads=grads), value, metrics
@@ -380,7 +380,7 @@ class Trainer:
             shapes = jax.eval_shape(gradients, state.params, first)
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
-            def add(total: Any, microbatch: Any) -> tuple[Any, None]:
+            def add(total: PyTree, microbatch: Batch) -> tuple[PyTree, None]:
                 part = gradients(state.params, microbatch)
                 return jax.tree.map(jnp.add, total, part), None
 
@@ -400,7 +400,9 @@ class Trainer:
         flat_shardings = jax.tree.leaves(self.shardings)  # (boxes hold one array each)
         assert len(flat_shardings) == treedef.num_leaves, (len(flat_shardings), treedef)
 
-        def flat_step(leaves: list[jax.Array], batch: PyTree) -> tuple[list[jax.Array], Any, Any]:
+        def flat_step(
+            leaves: list[jax.Array], batch: PyTree
+        ) -> tuple[list[jax.Array], jax.Array, PyTree]:
             state, value, metrics = train_step(jax.tree.unflatten(treedef, leaves), batch)
             return treedef.flatten_up_to(state), value, metrics
 
@@ -415,7 +417,7 @@ class Trainer:
             out_shardings=replicated,
         )
 
-    def _loss_and_metrics(self, params: PyTree, batch: PyTree) -> tuple[jax.Array, Any]:
+    def _loss_and_metrics(self, params: PyTree, batch: PyTree) -> tuple[jax.Array, PyTree]:
         try:  # traced once per compile: no cost per step
             out = self.loss(params, batch)
         except Exception as e:  # code written for Auto meshes, on Explicit axes

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from meshplan._text import count_text, human_bytes, shape_text
+from meshplan._types import Leaf
 
 if TYPE_CHECKING:
     from rich.console import Console, ConsoleOptions, RenderResult
@@ -62,7 +63,7 @@ def _dim_notes(leaf: LeafPlan) -> list[tuple[str, str]]:
     return notes
 
 
-def _why_text(leaf: LeafPlan) -> Any:
+def _why_text(leaf: LeafPlan) -> Leaf:
     """The notes cell, literal text (a name or reason with brackets is not rich markup)."""
     from rich.text import Text
 
