@@ -462,7 +462,7 @@ def _file_error(
     return error_for(error, f"{what}-file", path, message, fix)
 
 
-def _axes_from_json(entry: Any) -> Any:
+def _axes_from_json(entry: object) -> Any:
     if entry is None or isinstance(entry, str):
         return entry
     if isinstance(entry, list) and all(isinstance(a, str) for a in entry):

@@ -84,7 +84,7 @@ def _dumps(snap: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _one_line(value: Any) -> str:
+def _one_line(value: object) -> str:
     return json.dumps(value, separators=(", ", ": "))
 
 
@@ -102,7 +102,7 @@ def _spec(entries: Any) -> str:
     if entries is None:
         return "None"
 
-    def entry(e: Any) -> str:
+    def entry(e: object) -> str:
         if isinstance(e, list):
             return "(" + ", ".join(repr(a) for a in e) + ("," if len(e) == 1 else "") + ")"
         return repr(e)

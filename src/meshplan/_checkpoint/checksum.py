@@ -110,7 +110,7 @@ def dtype_has_checksum(dtype: Any) -> bool:
     return dt == np.bool_ or (dt.kind != "c" and dt.itemsize in (1, 2, 4, 8))
 
 
-def _kept(value: Any) -> bool:
+def _kept(value: object) -> bool:
     dtype = getattr(value, "dtype", None)
     if dtype is None:
         return False

@@ -123,7 +123,7 @@ class ArrayInfo:
         )
 
 
-def _name_from_json(name: Any) -> Any:
+def _name_from_json(name: object) -> Any:
     return tuple(name) if isinstance(name, list) else name
 
 
@@ -216,7 +216,7 @@ class CheckpointMetadata:
     def describe(
         cls,
         step: int,
-        state: Any,
+        state: object,
         *,
         rules: LogicalRules | None = None,
         mesh: Mesh | None = None,

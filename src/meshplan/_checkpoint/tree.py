@@ -20,7 +20,7 @@ from meshplan._text import path_text
 __all__ = ["SavedNames", "flatten_state", "nest", "path_of", "unnest"]
 
 
-def _key_name(key: Any) -> str:
+def _key_name(key: object) -> str:
     for attr in ("key", "name", "idx"):
         if hasattr(key, attr):
             name = str(getattr(key, attr))
@@ -63,7 +63,7 @@ class SavedNames:
 
 
 def flatten_state(
-    tree: Any, rules: LogicalRules | None = None
+    tree: object, rules: LogicalRules | None = None
 ) -> dict[str, tuple[Any, SavedNames | None]]:
     """Every array of ``tree`` by its path: ``{"params/w": (value, SavedNames or None)}``.
 

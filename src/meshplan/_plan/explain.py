@@ -43,7 +43,7 @@ def _mesh_and_rules(
     return info, valid, index_map, problems
 
 
-def _key_str(key: Any) -> str:
+def _key_str(key: object) -> str:
     """One key's part of the path (``path_text`` of the whole path joins these with '/')."""
     return path_text((key,))
 

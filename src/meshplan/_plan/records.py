@@ -27,7 +27,7 @@ _SKIP_TEXT = {
 }
 
 
-def json_entry(entry: Any) -> Any:
+def json_entry(entry: object) -> Any:
     """A name or spec entry as JSON: ``'UNCONSTRAINED'``, a list for a tuple, else itself.
 
     Example:

@@ -54,7 +54,7 @@ PARTITION_NAME = "partition_name"
 """Key of ``metadata_params`` in ``nn.scan``/``nn.vmap`` naming the axis they add."""
 
 
-def _check_names(names: Any, cls_name: str) -> AxisNames:
+def _check_names(names: object, cls_name: str) -> AxisNames:
     if type(names) is tuple and all(n is None or type(n) is str for n in names):
         return names  # fast path: the common case, already normal
     if names is None:
@@ -68,7 +68,7 @@ def _check_names(names: Any, cls_name: str) -> AxisNames:
     return normalize_names(names, what=f"{cls_name} names")
 
 
-def _values_equal(a: Any, b: Leaf) -> bool:
+def _values_equal(a: object, b: Leaf) -> bool:
     if a is b:
         return True
     if isinstance(a, jax.ShapeDtypeStruct) or isinstance(b, jax.ShapeDtypeStruct):
@@ -505,7 +505,7 @@ def is_box(x: object) -> bool:
     return found
 
 
-def _check_initializer_args(fn: Any, names: Any, who: str) -> AxisNames:
+def _check_initializer_args(fn: object, names: object, who: str) -> AxisNames:
     """``names`` normalised, after checking that ``fn`` is callable and ``names`` are names."""
     if not callable(fn) and callable(names):
         raise error_for(
@@ -626,7 +626,7 @@ def replace_boxed(tree: PyTree, updates: PyTree) -> PyTree:
     problems: list[Problem] = []
     fix = "Updates must have the structure and ranks of meshplan.unbox(tree)."
 
-    def update(path: Any, box: Leaf, new: PyTree) -> PyTree:
+    def update(path: object, box: Leaf, new: PyTree) -> PyTree:
         if not isinstance(box, AxisMetadata):
             return new
         inner = box.value if isinstance(box, Partitioned) else box.unbox()

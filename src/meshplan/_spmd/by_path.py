@@ -80,7 +80,7 @@ def _rule_problem(index: int, message: str) -> Problem:
     return Problem("error", f"path_rules[{index}]", message, _FIX, "path-rule")
 
 
-def _check_rule(index: int, pair: Any) -> PathRule | Problem:
+def _check_rule(index: int, pair: object) -> PathRule | Problem:
     if isinstance(pair, str | bytes) or not isinstance(pair, Sequence) or len(pair) != 2:
         return _rule_problem(index, f"{pair!r} is not a (pattern, names) pair")
     pattern, names = pair
@@ -213,7 +213,7 @@ def name_by_path(tree: T, path_rules: PathRules) -> T:
     unmatched: list[str] = []
     used: set[int] = set()
 
-    def name(keypath: Any, leaf: Leaf) -> Leaf:
+    def name(keypath: object, leaf: Leaf) -> Leaf:
         shape = _shape(leaf)
         if shape is None:
             return leaf

@@ -130,7 +130,7 @@ def with_logical_constraint(
     if mesh is None and active_mesh() is None:
         return x
 
-    def one(spec: Any, value: Any) -> Any:
+    def one(spec: object, value: object) -> Any:
         return _constrain_one(spec, value, rules=rules, mesh=mesh, fallback=fallback)
 
     # tree_map is typed as returning Any: the result is x's tree, each leaf constrained.
@@ -201,7 +201,7 @@ def logical_dot_general(
         dimension_numbers: Any,
         precision: Any = None,
         preferred_element_type: Any = None,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> Any:
         kwargs.setdefault("out_sharding", explicit_out_sharding(out_names, rules))
         return jax.lax.dot_general(

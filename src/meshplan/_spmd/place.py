@@ -45,7 +45,7 @@ def _axis_types(mesh: JaxMesh) -> tuple[Any, ...]:
     return tuple(getattr(mesh, "axis_types", ()) or ())
 
 
-def _fill_unconstrained(value: Any, spec: PartitionSpec) -> PartitionSpec:
+def _fill_unconstrained(value: object, spec: PartitionSpec) -> PartitionSpec:
     """Explicit meshes have no 'unconstrained': keep the value's current sharding there."""
     if not any(e is PartitionSpec.UNCONSTRAINED for e in spec):
         return spec

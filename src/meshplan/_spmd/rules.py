@@ -246,7 +246,7 @@ _last_normal_rules: list[Any] = [None]
 """The last rule tuple found normal: the same object again needs no second check."""
 
 
-def _is_mesh_axis_entry(axes: Any) -> bool:
+def _is_mesh_axis_entry(axes: object) -> bool:
     if axes is None or axes is UNCONSTRAINED or isinstance(axes, str):
         return True
     return isinstance(axes, tuple | list) and all(isinstance(a, str) for a in axes)
@@ -256,7 +256,7 @@ _RULES_FIX = "Give rules as a sequence of pairs, e.g. (('batch', 'data'), ('hidd
 _RULE_FIX = _RULES_FIX
 
 
-def _repeated_axes(axes: Any) -> list[str]:
+def _repeated_axes(axes: object) -> list[str]:
     """The mesh axes named more than once in one rule's tuple (or list) of axes."""
     if not isinstance(axes, tuple | list):
         return []
@@ -420,7 +420,7 @@ def normalize_rules(rules: object) -> RulePairs:
     return valid.pairs
 
 
-def _is_dim_entry(name: Any) -> bool:
+def _is_dim_entry(name: object) -> bool:
     return _is_mesh_axis_entry(name)
 
 
@@ -435,7 +435,7 @@ def bad_entries(names: Sequence[Any]) -> list[Any]:
     return [n for n in names if not _is_dim_entry(tuple(n) if isinstance(n, list) else n)]
 
 
-def names_problem(names: Any, *, what: str = "array_dim_names") -> Problem | None:
+def names_problem(names: object, *, what: str = "array_dim_names") -> Problem | None:
     """The problem with one array's axis names, or None when they are valid.
 
     The problem has the code ``'names'`` and no path (the caller knows it).
@@ -530,7 +530,7 @@ def normalize_names(names: Any, *, what: str = "array_dim_names") -> tuple[Any, 
 # --------------------------------------------------------------------------
 
 
-def mesh_axes_of(entry: Any) -> tuple[str, ...]:
+def mesh_axes_of(entry: object) -> tuple[str, ...]:
     """The mesh axes of one ``PartitionSpec`` entry, as a tuple (empty when unsharded).
 
     Example:
@@ -633,7 +633,7 @@ def _resolve_cached(names: AxisNames, rules: tuple[tuple[str, MeshAxes], ...]) -
     return _resolve(normalize_names(names), normalize_rules(rules), None)
 
 
-def resolve(names: Any, rules: LogicalRules) -> tuple[Any, ...]:
+def resolve(names: object, rules: LogicalRules) -> tuple[Any, ...]:
     """Mesh axes per dimension, with ``UNASSIGNED`` where no rule matched a logical name."""
     try:
         return _resolve_cached(names, rules)
@@ -641,7 +641,7 @@ def resolve(names: Any, rules: LogicalRules) -> tuple[Any, ...]:
         return _resolve(normalize_names(names), normalize_rules(rules), None)
 
 
-def resolve_with_trace(names: Any, rules: LogicalRules) -> tuple[DimResolution, ...]:
+def resolve_with_trace(names: object, rules: LogicalRules) -> tuple[DimResolution, ...]:
     """Like :func:`resolve`, recording for each dimension which rule placed it and which
     rules named it but were skipped."""
     names = normalize_names(names)

@@ -61,7 +61,7 @@ class LlamaConfig:
         return self.layers * (attn + mlp + 2 * e) + 2 * self.vocab * e + e
 
 
-def maxtext_config(scale: int, **overrides: Any) -> LlamaConfig:
+def maxtext_config(scale: int, **overrides: object) -> LlamaConfig:
     """MaxText's ``global_parameter_scale`` model (its ``base.yml`` scaled as its ``pyconfig``).
 
     Example:
@@ -190,7 +190,7 @@ class _Block(nn.Module):
     cfg: LlamaConfig
 
     @nn.compact
-    def __call__(self, x: Leaf, _: Any = None) -> tuple[Any, None]:
+    def __call__(self, x: Leaf, _: object = None) -> tuple[Any, None]:
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         e, q, k, d = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim
         act = ("batch", "length", "activation_embed")

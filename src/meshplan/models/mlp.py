@@ -174,7 +174,7 @@ def _apply(model: nn.Module, params: PyTree, x: jax.Array) -> jax.Array:
 
 
 def make_train_step(
-    model: nn.Module, state_sharding: Any, x_sharding: NamedSharding
+    model: nn.Module, state_sharding: object, x_sharding: NamedSharding
 ) -> Callable[[train_state.TrainState, jax.Array], train_state.TrainState]:
     """The guide's jitted train step: ``loss = model.apply(...).sum()``, then Adam."""
 
@@ -194,7 +194,10 @@ def make_train_step(
 
 
 def make_infer_step(
-    model: nn.Module, params_sharding: Any, x_sharding: NamedSharding, out_sharding: NamedSharding
+    model: nn.Module,
+    params_sharding: object,
+    x_sharding: NamedSharding,
+    out_sharding: NamedSharding,
 ) -> Callable[[Any, jax.Array], jax.Array]:
     """The guide's jitted inference step."""
 

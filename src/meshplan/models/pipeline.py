@@ -100,7 +100,7 @@ def pipeline_schedule(cfg: TransformerConfig, batch: int) -> PipelineSchedule | 
 def pipelined_blocks(
     schedule: PipelineSchedule,
     layer: Callable[[Any, jax.Array], jax.Array],
-    layers: Any,
+    layers: object,
     x: jax.Array,
 ) -> jax.Array:
     """``x[batch, length, embed]`` through the stacked blocks ``layers``, as ``schedule`` says.

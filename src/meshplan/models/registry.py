@@ -138,7 +138,7 @@ EXAMPLE_MODELS: dict[str, ExampleModel] = {
 """Every example model the commands know by name (``--model NAME``)."""
 
 
-def example(name: str, config: Any, size: str = "") -> Example:
+def example(name: str, config: object, size: str = "") -> Example:
     """The example model ``name`` of :data:`EXAMPLE_MODELS`, built from ``config``.
 
     Example:

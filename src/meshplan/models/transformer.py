@@ -271,7 +271,7 @@ def config_from_name(name: str, **overrides: Any) -> TransformerConfig:
 # ---------------------------------------------------------------------------
 
 
-def _axes(entry: Any) -> tuple[str, ...]:
+def _axes(entry: object) -> tuple[str, ...]:
     if isinstance(entry, str):
         return (entry,)
     if isinstance(entry, tuple):
@@ -388,7 +388,7 @@ _HOST_MASK_LIMIT = 1 << 26
 """The largest causal mask (elements) built on the host with NumPy: 64 MiB of bools."""
 
 
-def causal_mask(positions: Any) -> Any:
+def causal_mask(positions: object) -> Any:
     """``mask[q, k]``: query ``q`` may attend to key ``k`` (position ``k <= q``), in any order.
 
     Example:
@@ -405,7 +405,7 @@ def causal_mask(positions: Any) -> Any:
     return xp.asarray(positions)[:, None] >= xp.asarray(positions)[None, :]
 
 
-def attend(q: Array, k: Array, v: Array, positions: Any, dtype: DTypeLike) -> Array:
+def attend(q: Array, k: Array, v: Array, positions: object, dtype: DTypeLike) -> Array:
     """Exact causal attention of ``q[batch, length, heads, kv]`` over all of ``k`` and ``v``.
 
     Queries keep their piece of the sequence; keys and values are constrained
@@ -599,7 +599,7 @@ class Block(nn.Module):
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x: Array, positions: Any = None) -> tuple[Array, PyTree]:
+    def __call__(self, x: Array, positions: object = None) -> tuple[Array, PyTree]:
         names = ("batch", "length", "embed")
         attention = Attention(self.config, name="attention")
         x = x + attention(LayerNorm(name="attention_norm")(x), positions)
@@ -613,7 +613,7 @@ class Block(nn.Module):
         return _constrain(x + y, names), stats
 
 
-def _apply_block(cfg: TransformerConfig, params: PyTree, x: Array, positions: Any) -> Array:
+def _apply_block(cfg: TransformerConfig, params: PyTree, x: Array, positions: object) -> Array:
     """One dense :class:`Block` with ``params`` (one layer's), as a pure function."""
     out: tuple[Array, PyTree] = Block(cfg, parent=None).apply({"params": params}, x, positions)
     return out[0]
@@ -622,7 +622,7 @@ def _apply_block(cfg: TransformerConfig, params: PyTree, x: Array, positions: An
 def pipeline_layer(
     cfg: TransformerConfig,
     apply_block: Callable[[TransformerConfig, PyTree, Array, Any], Array],
-    positions: Any,
+    positions: object,
 ) -> Callable[[PyTree, Array], Array]:
     """``layer(params, x) -> x``: one block for the pipeline, rematerialised as ``cfg`` says."""
 

@@ -204,7 +204,7 @@ class Block(nnx.Module):
         self.mlp_norm = LayerNorm(config.embed_dim, rngs)
         self.mlp: Mlp | MoeMlp = MoeMlp(config, rngs) if config.num_experts else Mlp(config, rngs)
 
-    def __call__(self, x: Array, positions: Any = None) -> tuple[Array, PyTree]:
+    def __call__(self, x: Array, positions: object = None) -> tuple[Array, PyTree]:
         names = ("batch", "length", "embed")
         x = _constrain(x + self.attention(self.attention_norm(x), positions), names)
         out = self.mlp(self.mlp_norm(x))
@@ -312,7 +312,7 @@ class Transformer(nnx.Module):
         return (logits, _layer_stats(stats)) if return_stats else logits
 
 
-def _apply_block(cfg: TransformerConfig, block: Block, x: Array, positions: Any) -> Array:
+def _apply_block(cfg: TransformerConfig, block: Block, x: Array, positions: object) -> Array:
     """One dense :class:`Block` (its variables one layer's), for the pipeline."""
     out: tuple[Array, PyTree] = block(x, positions)
     return out[0]

@@ -191,7 +191,7 @@ def restore_on_mesh(path: Path, abstract_state: PyTree, target_sharding: Any) ->
     """
     import orbax.checkpoint as ocp
 
-    def target(abstract: PyTree, sharding: Any) -> PyTree:
+    def target(abstract: PyTree, sharding: object) -> PyTree:
         return jax.ShapeDtypeStruct(abstract.shape, abstract.dtype, sharding=sharding)
 
     abstract_arrays = state_arrays(abstract_state)
@@ -205,7 +205,7 @@ def restore_on_mesh(path: Path, abstract_state: PyTree, target_sharding: Any) ->
         return checkpointer.restore(Path(path), targets)
 
 
-def trees_equal(a: Any, b: Leaf) -> bool:
+def trees_equal(a: object, b: Leaf) -> bool:
     """Whether two trees of arrays hold bit-identical values.
 
     Example:

@@ -89,7 +89,7 @@ _MEASURE_FIELDS = tuple(f.name for f in dataclasses.fields(Measures))
 
 
 def group_parts(
-    model: Any,
+    model: object,
     placement: Placement | None,
     checkpoints: Checkpoints | None,
     measures: Measures | None,
@@ -102,7 +102,7 @@ def group_parts(
     if unknown:
         raise TypeError(f"Trainer() got unexpected keyword arguments: {', '.join(unknown)}")
 
-    def pick(names: tuple[str, ...], group: Any, kind: str) -> dict[str, Any]:
+    def pick(names: tuple[str, ...], group: object, kind: str) -> dict[str, Any]:
         given = {n: separate[n] for n in names if n in separate}
         if given and group is not None:
             raise TypeError(f"Trainer(): pass {kind}=... or {', '.join(given)}, not both")

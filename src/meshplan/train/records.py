@@ -70,7 +70,7 @@ class Note(str):
         return note
 
 
-def valid_setting(settings: Mapping[str, Any], data: Any) -> str:
+def valid_setting(settings: Mapping[str, Any], data: object) -> str:
     """What a validation loss was measured on, as text: losses of two settings do not compare.
 
     Example:
@@ -83,7 +83,7 @@ def valid_setting(settings: Mapping[str, Any], data: Any) -> str:
 
 
 def valid_changes(
-    before: Mapping[str, Any], now: Mapping[str, Any], data: Any
+    before: Mapping[str, Any], now: Mapping[str, Any], data: object
 ) -> dict[str, tuple[Any, Any]]:
     """The settings of validation that differ, ``name: (before, now)``; ``data`` last.
 

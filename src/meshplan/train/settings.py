@@ -129,7 +129,7 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _show(value: Any) -> str:
+def _show(value: object) -> str:
     return f"{value:g}" if _is_number(value) else repr(value)
 
 

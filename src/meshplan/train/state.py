@@ -54,7 +54,7 @@ def sequence_input(settings: TrainSettings) -> jax.ShapeDtypeStruct:
 
 
 def init_fn(
-    model: Any, tx: optax.GradientTransformation, example_input: Any
+    model: object, tx: optax.GradientTransformation, example_input: object
 ) -> Callable[[jax.Array], train_state.TrainState]:
     """``init(key) -> TrainState`` of ``model`` with optimizer ``tx`` (to trace or jit).
 
@@ -105,10 +105,10 @@ def init_fn(
 
 
 def abstract_train_state(
-    model: Any,
+    model: object,
     tx: optax.GradientTransformation,
     settings: TrainSettings,
-    example_input: Any = None,
+    example_input: object = None,
 ) -> train_state.TrainState:
     """The ``TrainState`` as ``jax.eval_shape`` sees it: boxes of ``ShapeDtypeStruct``\\ s.
 

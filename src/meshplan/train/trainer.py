@@ -176,7 +176,7 @@ class Trainer:
         tx: optax.GradientTransformation | None = None,
         abstract: PyTree = None,
         notes: Sequence[str] = (),
-        **separate: Any,
+        **separate: object,
     ) -> None:
         model, placement, checkpoints, measures = group_parts(
             model, placement, checkpoints, measures, separate

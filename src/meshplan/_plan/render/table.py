@@ -22,7 +22,7 @@ _GROUP_STYLE = {"params": "", "optimizer": "dim", "other": "dim italic"}
 _MAX_PROBLEMS_SHOWN = 8
 
 
-def _spec_text(spec: Any) -> str:
+def _spec_text(spec: object) -> str:
     return str(spec)
 
 
@@ -198,7 +198,7 @@ def _parts(
     return parts
 
 
-def to_text(renderable: Any, width: int = 180) -> str:
+def to_text(renderable: object, width: int = 180) -> str:
     """Renders ``renderable`` to plain text (no colour codes).
 
     Example:

@@ -100,7 +100,7 @@ def _kinds(cls: type) -> dict[str, tuple[type, bool]]:
     return out
 
 
-def whole_number(value: Any) -> int | None:
+def whole_number(value: object) -> int | None:
     """``value`` as an int when it is one (``94e9`` too; never a bool), else ``None``.
 
     Example:
@@ -254,7 +254,7 @@ def profile_fields(data: Any, path: str, cls: type) -> dict[str, Any]:
     return out
 
 
-def check_profile_arg(profile: Any, devices: Any, known: Sequence[str], cls: type) -> None:
+def check_profile_arg(profile: object, devices: object, known: Sequence[str], cls: type) -> None:
     """:func:`meshplan.get_profile`'s arguments: a name, a ``.json`` path or a ``cls`` (a profile);
     ``devices`` ``None`` or a whole number of at least 1.
 
@@ -313,7 +313,7 @@ def _count_problems(
     return problems
 
 
-def _bytes_problem(name: str, v: Any) -> Problem | None:
+def _bytes_problem(name: str, v: object) -> Problem | None:
     """A byte count: ``None`` or a positive whole number (an int, or a float such as 16e9)."""
     if v is None or (whole_number(v) or 0) > 0:
         return None
@@ -328,13 +328,13 @@ def _bytes_problem(name: str, v: Any) -> Problem | None:
 
 def check_search_args(
     *,
-    devices: Any = 1,
-    budget: Any = None,
-    roles: Any = None,
+    devices: object = 1,
+    budget: object = None,
+    roles: object = None,
     all_roles: Sequence[str] = (),
-    max_axes: Any = 3,
+    max_axes: object = 3,
     counts: Mapping[str, Any] | None = None,
-    names: Any = None,
+    names: object = None,
     batch: PyTree = None,
     where: str = "search_rules",
 ) -> None:

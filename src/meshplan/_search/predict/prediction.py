@@ -136,7 +136,7 @@ def example_prediction() -> Prediction:
     w = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
     state = {"w": LogicallyPartitioned(w, ("embed", "mlp"))}
 
-    def step(state: PyTree, x: Any) -> PyTree:
+    def step(state: PyTree, x: object) -> PyTree:
         return jax.grad(lambda w: ((x @ w) ** 2).mean())(state["w"].value)
 
     x = jax.ShapeDtypeStruct((64, 4096), jnp.bfloat16)

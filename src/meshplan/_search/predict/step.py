@@ -18,7 +18,7 @@ __all__ = ["check_microbatches", "linen_step", "split_batch"]
 
 def linen_step(
     model: nn.Module,
-    example_inputs: Any,
+    example_inputs: object,
     loss: LossFn | None = None,
     optimizer: optax.GradientTransformation | None = None,
 ) -> tuple[Any, StepFn, Any]:
