@@ -88,7 +88,7 @@ def _one_line(value: object) -> str:
     return json.dumps(value, separators=(", ", ": "))
 
 
-def _members(mapping: dict[str, Any]) -> list[str]:
+def _members(mapping: dict[str, object]) -> list[str]:
     return [f"{_one_line(key)}: {_one_line(value)}" for key, value in mapping.items()]
 
 

@@ -120,7 +120,7 @@ def _kept(value: object) -> bool:
     return dtype == np.bool_ or (dtype.kind != "c" and dtype.itemsize in (1, 2, 4, 8))
 
 
-def array_checksums(flat: Mapping[str, Any]) -> dict[str, str]:
+def array_checksums(flat: Mapping[str, object]) -> dict[str, str]:
     """The checksum of every array of ``flat`` whose dtype has one, by path.
 
     ``flat`` maps paths to arrays, or to ``(array, names)`` pairs as
@@ -155,7 +155,9 @@ def array_checksums(flat: Mapping[str, Any]) -> dict[str, str]:
     return {key: out[key] for key in flat if key in out}
 
 
-def checksum_mismatches(stored: Mapping[str, str | None], arrays: Mapping[str, Any]) -> list[str]:
+def checksum_mismatches(
+    stored: Mapping[str, str | None], arrays: Mapping[str, object]
+) -> list[str]:
     """Paths of ``arrays`` whose checksum differs from the ``stored`` one (``None``: not kept).
 
     Example:

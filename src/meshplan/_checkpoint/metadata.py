@@ -57,7 +57,7 @@ class UnverifiedWarning(UserWarning):
 _DIGEST_KEY = "digest"
 
 
-def metadata_digest(data: Mapping[str, Any]) -> str:
+def metadata_digest(data: Mapping[str, object]) -> str:
     """The digest of a metadata JSON dict: SHA-256 of everything but its ``"digest"``.
 
     Example:
@@ -100,7 +100,7 @@ class ArrayInfo:
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict."""
-        out: dict[str, Any] = {
+        out: dict[str, object] = {
             "shape": list(self.shape),
             "dtype": self.dtype,
             "names": None if self.names is None else list(self.names),
@@ -134,7 +134,7 @@ def _rules_from_json(rules: Sequence[Any]) -> RulePairs:
     )
 
 
-def _mesh_of(flat: Mapping[str, tuple[Any, Any]]) -> Any:
+def _mesh_of(flat: Mapping[str, tuple[object, object]]) -> Any:
     for value, _ in flat.values():
         sharding = getattr(value, "sharding", None)
         if isinstance(sharding, NamedSharding):
@@ -220,8 +220,8 @@ class CheckpointMetadata:
         *,
         rules: LogicalRules | None = None,
         mesh: Mesh | None = None,
-        config: Mapping[str, Any] | None = None,
-        extra: Mapping[str, Any] | None = None,
+        config: Mapping[str, object] | None = None,
+        extra: Mapping[str, object] | None = None,
     ) -> CheckpointMetadata:
         """The metadata of saving ``state`` (boxed or raw arrays) as ``step``.
 
@@ -248,8 +248,8 @@ class CheckpointMetadata:
         *,
         rules: LogicalRules | None = None,
         mesh: Mesh | None = None,
-        config: Mapping[str, Any] | None = None,
-        extra: Mapping[str, Any] | None = None,
+        config: Mapping[str, object] | None = None,
+        extra: Mapping[str, object] | None = None,
         checksums: Mapping[str, str] | None = None,
     ) -> CheckpointMetadata:
         """:meth:`describe` for a state already flattened by ``flatten_state``.

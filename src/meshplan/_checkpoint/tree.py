@@ -80,7 +80,7 @@ def flatten_state(
         >>> {k: (v.shape, n and n.names) for k, (v, n) in flatten_state(tree).items()}
         {'params/w': ((2, 4), ('embed', 'mlp')), 'step': ((), None)}
     """
-    out: dict[str, tuple[Any, SavedNames | None]] = {}
+    out: dict[str, tuple[object, SavedNames | None]] = {}
     for leaf in array_leaves(tree, rules)[0]:
         names = None
         if leaf.kind != "unboxed" and leaf.names is not None:
@@ -89,7 +89,7 @@ def flatten_state(
     return out
 
 
-def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+def nest(flat: Mapping[str, object]) -> dict[str, Any]:
     """``{"a/b": x}`` -> ``{"a": {"b": x}}``.
 
     Example:
@@ -107,7 +107,7 @@ def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def unnest(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+def unnest(tree: Mapping[str, object], prefix: str = "") -> Iterator[tuple[str, Any]]:
     """The inverse of :func:`nest`: ``(path, leaf)`` pairs of nested dicts.
 
     Example:

@@ -96,8 +96,8 @@ def explain(tree: PyTree, mesh: MeshLike, rules: LogicalRules | None = None) -> 
     info, rules, index_map, rule_problems = _mesh_and_rules(mesh, rules)
     flat, skipped = array_leaves(tree, rules)
 
-    cache: dict[Any, LeafLayout] = {}
-    key_text: dict[Any, str] = {}
+    cache: dict[object, LeafLayout] = {}
+    key_text: dict[object, str] = {}
     leaves: list[LeafPlan] = []
     for leaf in flat:
         kind, names, shape, dtype, own_rules = (
@@ -108,7 +108,7 @@ def explain(tree: PyTree, mesh: MeshLike, rules: LogicalRules | None = None) -> 
             leaf.own_rules,
         )
         keypath = leaf.keypath
-        key: tuple[Any, ...] | None = (kind, names, shape, dtype, own_rules)
+        key: tuple[object, ...] | None = (kind, names, shape, dtype, own_rules)
         try:
             layout = cache.get(key)
         except TypeError:  # unhashable names

@@ -151,7 +151,7 @@ class Partitioned(AxisMetadata[A], Generic[A]):
         """
         return dataclasses.replace(self, value=val)
 
-    def _partition_name(self, params: dict[Any, Any]) -> Any:
+    def _partition_name(self, params: dict[object, object]) -> Any:
         if PARTITION_NAME not in params:
             raise error_for(
                 PartitioningUnspecifiedError,
@@ -164,7 +164,7 @@ class Partitioned(AxisMetadata[A], Generic[A]):
             )
         return params[PARTITION_NAME]
 
-    def add_axis(self, index: int, params: dict[Any, Any]) -> Partitioned[A]:
+    def add_axis(self, index: int, params: dict[object, object]) -> Partitioned[A]:
         """Inserts the transform's partition name at ``index`` (``nn.scan``/``nn.vmap``).
 
         Example:
@@ -180,7 +180,7 @@ class Partitioned(AxisMetadata[A], Generic[A]):
         names.insert(index, name)
         return dataclasses.replace(self, names=tuple(names))
 
-    def remove_axis(self, index: int, params: dict[Any, Any]) -> Partitioned[A]:
+    def remove_axis(self, index: int, params: dict[object, object]) -> Partitioned[A]:
         """Removes the axis :meth:`add_axis` inserted; its exact inverse.
 
         Example:
@@ -401,7 +401,7 @@ class LogicallyPartitioned(Partitioned[A]):
         return NamedSharding(mesh, logical_to_mesh_axes(tuple(spec), rules))
 
 
-def _stored_param_path(box: Partitioned[Any]) -> str | None:
+def _stored_param_path(box: Partitioned[object]) -> str | None:
     """``box``'s path if the Flax module being run holds it as a variable.
 
     ``""`` when a module is running but holds no such box, ``None`` outside any module.
@@ -529,7 +529,7 @@ def _check_initializer_args(fn: object, names: object, who: str) -> AxisNames:
 
 
 def with_partitioning(
-    fn: Callable[..., Any],
+    fn: Callable[..., object],
     names: LogicalNames,
     mesh: jax.sharding.Mesh | None = None,
 ) -> Callable[..., Partitioned[Any]]:
@@ -559,7 +559,7 @@ def with_partitioning(
 
 
 def with_logical_partitioning(
-    fn: Callable[..., Any],
+    fn: Callable[..., object],
     names: LogicalNames,
     mesh: jax.sharding.Mesh | None = None,
     rules: LogicalRules | None = None,

@@ -195,7 +195,7 @@ def _box_spec(box: Leaf, cache: dict[Any, Any]) -> PartitionSpec:
     return out
 
 
-def _box_sharding(box: Leaf, mesh: JaxMesh, named: Named, cache: dict[Any, Any]) -> Leaf:
+def _box_sharding(box: Leaf, mesh: JaxMesh, named: Named, cache: dict[object, object]) -> Leaf:
     if type(box) is Partitioned:  # checked already for these names: skip the spec
         shape = getattr(box.value, "shape", None)
         if shape is None or len(shape) == len(box.names):
@@ -224,7 +224,7 @@ def _variable_read(var: Leaf, rules: LogicalRules) -> LeafNames:
     return LeafNames(info.kind, info.names, var.get_value(), info.rules)
 
 
-def _variable_sharding(var: Leaf, mesh: JaxMesh, named: Named, cache: dict[Any, Any]) -> Leaf:
+def _variable_sharding(var: Leaf, mesh: JaxMesh, named: Named, cache: dict[object, object]) -> Leaf:
     spec = variable_spec(var)
     return var.replace(None if spec is None else named(spec))
 

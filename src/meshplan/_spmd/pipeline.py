@@ -250,7 +250,7 @@ def _by_stage(params: PyTree, schedule: PipelineSchedule, axes: tuple[str, ...])
 
 
 def pipeline_layers(
-    layer_fn: Callable[[Any, jax.Array], jax.Array],
+    layer_fn: Callable[[object, jax.Array], jax.Array],
     params: PyTree,
     x: jax.Array,
     schedule: PipelineSchedule,

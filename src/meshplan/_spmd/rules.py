@@ -424,7 +424,7 @@ def _is_dim_entry(name: object) -> bool:
     return _is_mesh_axis_entry(name)
 
 
-def bad_entries(names: Sequence[Any]) -> list[Any]:
+def bad_entries(names: Sequence[object]) -> list[Any]:
     """The entries of ``names`` that are not a name, a tuple of names, None or UNCONSTRAINED.
 
     Example:
@@ -599,7 +599,7 @@ def _resolve(
     rules: tuple[tuple[str, MeshAxes], ...],
     trace: list[_DimTrace] | None,
 ) -> tuple[Any, ...]:
-    result: list[Any] = [UNASSIGNED if isinstance(n, str) else n for n in names]
+    result: list[object] = [UNASSIGNED if isinstance(n, str) else n for n in names]
     used = {a for r in result for a in mesh_axes_of(r)}  # mesh axes held by some dimension
     for rule_index, (rule_name, rule_axes) in enumerate(rules):
         if rule_name not in names:
@@ -670,13 +670,13 @@ def split_axes(
     return tuple(tuple(a for a in mesh_axes_of(e) if sizes.get(a, 1) > 1) for e in spec)
 
 
-def to_partition_spec(resolved: Sequence[Any]) -> PartitionSpec:
+def to_partition_spec(resolved: Sequence[object]) -> PartitionSpec:
     """``PartitionSpec`` from resolved axes, unassigned dimensions unsharded."""
     return PartitionSpec(*(None if r is UNASSIGNED else r for r in resolved))
 
 
 @functools.lru_cache(maxsize=8192)
-def _mesh_axes_cached(names: AxisNames, rules: tuple[Any, ...]) -> PartitionSpec:
+def _mesh_axes_cached(names: AxisNames, rules: tuple[object, ...]) -> PartitionSpec:
     # Not through _resolve_cached: a miss here would miss there too, and fill it for nothing.
     return to_partition_spec(_resolve(normalize_names(names), normalize_rules(rules), None))
 

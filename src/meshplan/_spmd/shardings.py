@@ -49,7 +49,7 @@ def _leaf_problems(path: str, error: MeshplanError) -> list[Problem]:
 
 
 def _map_collecting(
-    fn: Callable[[Any], Any], tree: PyTree, is_leaf: Callable[[Leaf], bool]
+    fn: Callable[[object], object], tree: PyTree, is_leaf: Callable[[Leaf], bool]
 ) -> PyTree:
     """``tree_map`` that, when leaves fail, walks again by path and raises once for all."""
     try:
@@ -144,7 +144,7 @@ def get_partition_spec(tree: PyTree) -> PyTree:
         >>> specs["w"].get_value()
         P('data', 'model')
     """
-    cache: dict[Any, Any] = {}
+    cache: dict[object, object] = {}
 
     def leaf(x: PyTree) -> PyTree:
         kind = leaf_kind(x)
@@ -180,7 +180,7 @@ def get_sharding(tree: PyTree, mesh: jax.sharding.Mesh | None, *, strict: bool =
     if strict:
         raise_for_errors(tree_errors(tree, mesh), mesh)
     cache: dict[PartitionSpec, NamedSharding] = {}
-    kinds_cache: dict[Any, Any] = {}
+    kinds_cache: dict[object, object] = {}
 
     def named(spec: PartitionSpec) -> NamedSharding:
         sharding: NamedSharding = _named(mesh, spec, cache)

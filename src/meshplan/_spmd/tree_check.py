@@ -111,7 +111,7 @@ def no_rules_problem(paths: Sequence[str]) -> Problem:
 
 
 def rule_axis_problems(
-    rules: Sequence[tuple[str, Any]],
+    rules: Sequence[tuple[str, object]],
     index_map: Sequence[int],
     mesh: MeshInfo,
     users: Mapping[int, Sequence[str]],
@@ -160,12 +160,12 @@ def tree_errors(tree: PyTree, mesh: JaxMesh, rules: LogicalRules | None = None) 
     """
     info = mesh_info(mesh)
     valid, index_map, errors = rules_problems(get_logical_axis_rules() if rules is None else rules)
-    cache: dict[Any, LeafCheck] = {}
+    cache: dict[object, LeafCheck] = {}
     users: dict[int, list[str]] = {}
     without_rules: list[str] = []
     leaves, _ = array_leaves(tree, rules)
     for leaf in leaves:
-        key: tuple[Any, ...] | None = (leaf.kind, leaf.names, leaf.shape, leaf.own_rules)
+        key: tuple[object, ...] | None = (leaf.kind, leaf.names, leaf.shape, leaf.own_rules)
         try:
             checked = cache.get(key)
         except TypeError:  # unhashable names

@@ -245,7 +245,7 @@ def check_leaf(
             problems.extend(bad_shape)
             shape = None  # the names are still checked; no size, so no bytes
     ndim = len(shape) if shape is not None else len(names or ())
-    work: tuple[Any, ...] = (None,) * ndim if names is None else tuple(names)
+    work: tuple[object, ...] = (None,) * ndim if names is None else tuple(names)
     if shape is not None and names is not None and len(names) != ndim:
         problems.append(rank_problem(names, shape))
         work = (work + (None,) * ndim)[:ndim]
@@ -272,12 +272,12 @@ def check_leaf(
             work = tuple(None if n in bad_mesh else n for n in work)
 
     dims: list[DimCheck] = []
-    entries: list[Any] = []
+    entries: list[object] = []
     used: dict[str, int] = {}
     for i, name in enumerate(work):
         size = None if shape is None else int(shape[i])
         rule_index: int | None = None
-        rule: tuple[str, Any] | None = None
+        rule: tuple[str, object] | None = None
         skipped: tuple[SkippedRule, ...] = ()
         status: DimStatus
         if kind == "unboxed":

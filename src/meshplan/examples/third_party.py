@@ -164,7 +164,7 @@ def _text_batches(split: str, index: int) -> tuple[np.ndarray, np.ndarray]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _next_token_loss(logits: jax.Array, batch: tuple[Any, Any]) -> jax.Array:
+def _next_token_loss(logits: jax.Array, batch: tuple[object, object]) -> jax.Array:
     _, targets = batch
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets))
 

@@ -88,7 +88,7 @@ def _layer_norm(x: Array, p: dict[str, Array], epsilon: float = 1e-6) -> Array:
 
 
 def _layer(params: dict[str, Any], config: TransformerConfig, i: int) -> dict[str, Any]:
-    layer: dict[str, Any]
+    layer: dict[str, object]
     if config.scan_layers:
         layer = jax.tree.map(lambda x: x[i], params["layers"])
     else:
@@ -169,7 +169,7 @@ def decode_window(config: TransformerConfig, window: int | None = None) -> int:
 
 def greedy_cached(
     config: TransformerConfig,
-    params: dict[str, Any],
+    params: dict[str, object],
     prompt: bytes,
     length: int,
     window: int | None = None,

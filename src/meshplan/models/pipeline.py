@@ -14,7 +14,7 @@ whole batch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import jax
 
@@ -99,7 +99,7 @@ def pipeline_schedule(cfg: TransformerConfig, batch: int) -> PipelineSchedule | 
 
 def pipelined_blocks(
     schedule: PipelineSchedule,
-    layer: Callable[[Any, jax.Array], jax.Array],
+    layer: Callable[[object, jax.Array], jax.Array],
     layers: object,
     x: jax.Array,
 ) -> jax.Array:

@@ -621,7 +621,7 @@ def _apply_block(cfg: TransformerConfig, params: PyTree, x: Array, positions: ob
 
 def pipeline_layer(
     cfg: TransformerConfig,
-    apply_block: Callable[[TransformerConfig, PyTree, Array, Any], Array],
+    apply_block: Callable[[TransformerConfig, PyTree, Array, object], Array],
     positions: object,
 ) -> Callable[[PyTree, Array], Array]:
     """``layer(params, x) -> x``: one block for the pipeline, rematerialised as ``cfg`` says."""

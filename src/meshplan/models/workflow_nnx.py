@@ -254,7 +254,7 @@ class ExplicitMultiDotReluDot(nnx.Module):
 
 @jax.jit
 def train_step(
-    model: nnx.Module, optimizer: nnx.Optimizer[Any], x: jax.Array, y: jax.Array
+    model: nnx.Module, optimizer: nnx.Optimizer[object], x: jax.Array, y: jax.Array
 ) -> tuple[nnx.Module, nnx.Optimizer[Any], jax.Array]:
     """The guide's jitted step (mean squared error, ``optimizer.update``), returning the optimizer too."""
 
@@ -329,7 +329,7 @@ def abstract_model(
     return graphdef, state
 
 
-def save_state(state: nnx.State[Any, Any], directory: Path) -> Path:
+def save_state(state: nnx.State[object, object], directory: Path) -> Path:
     """Saves an ``nnx.State`` with Orbax's ``StandardCheckpointer``, as the guide does."""
     import orbax.checkpoint as ocp
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import jax
 import optax
@@ -82,7 +81,7 @@ class BuiltParts:
 def build_parts(
     settings: TrainSettings,
     shape: Mapping[str, int] | None,
-    devices: Sequence[Any] | None,
+    devices: Sequence[object] | None,
     layout: str | LogicalRules | None,
     model: TrainModel | None,
     stored: CheckpointMetadata | None = None,

@@ -93,7 +93,7 @@ def group_parts(
     placement: Placement | None,
     checkpoints: Checkpoints | None,
     measures: Measures | None,
-    separate: dict[str, Any],
+    separate: dict[str, object],
 ) -> tuple[TrainModel, Placement, Checkpoints, Measures]:
     """The typed groups, from themselves or from their fields given one by one (the older
     keywords: ``Trainer(model=module, loss=..., mesh=..., rules=..., ckpt_dir=...)``)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, TypedDict
+from typing import TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -130,7 +130,7 @@ def state_shardings(abstract: PyTree, mesh: Mesh, rules: LogicalRules) -> PyTree
 
 def per_device_bytes(abstract: PyTree, shardings: PyTree) -> int:
     """The largest number of bytes any one device holds of ``abstract`` with ``shardings``."""
-    totals: dict[Any, int] = {}
+    totals: dict[object, int] = {}
     for value, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings), strict=True):
         nbytes = math.prod(sharding.shard_shape(value.shape)) * np.dtype(value.dtype).itemsize
         for device in sharding.device_set:

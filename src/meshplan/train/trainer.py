@@ -249,7 +249,7 @@ class Trainer:
         self._eval_step: Callable[[PyTree, Batch], jax.Array] | None = None
         # The step over flat leaves, jitted, and its executables by batch signature.
         self._flat_step: Any = None
-        self._executables: dict[Any, Any] = {}
+        self._executables: dict[object, object] = {}
         self._valid_batches: list[Batch] | None = None
         self._step_metrics: dict[int, PyTree] = {}
 

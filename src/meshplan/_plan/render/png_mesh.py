@@ -29,7 +29,7 @@ def grid_shape(plan: PlanData) -> tuple[int, int, str, str]:
     return sizes[0], math.prod(sizes[1:]), names[0], " × ".join(names[1:])
 
 
-def draw_mesh(ax: Any, plan: PlanData, colors: list[Any]) -> None:
+def draw_mesh(ax: Any, plan: PlanData, colors: list[object]) -> None:
     """The devices as a grid, each with its id, its bytes and a bar of them by group."""
     rows, cols, row_name, col_name = grid_shape(plan)
     totals = plan.totals
@@ -146,7 +146,7 @@ def _draw_mesh_image(ax: Any, plan: PlanData, rows: int, cols: int, full: int) -
     )
 
 
-def draw_memory_bars(ax: Any, plan: PlanData, colors: list[Any]) -> None:
+def draw_memory_bars(ax: Any, plan: PlanData, colors: list[object]) -> None:
     """Bytes per device, stacked by group, against the ideal (an even split)."""
     totals = plan.totals
     n = plan.mesh.size

@@ -63,7 +63,7 @@ def _view_dims(leaf: LeafPlan) -> tuple[list[int], list[int]]:
 _STRIPE = 0.045
 
 
-def _fill_tile(ax: Any, x: float, y: float, w: float, h: float, colors: list[Any]) -> None:
+def _fill_tile(ax: Any, x: float, y: float, w: float, h: float, colors: list[object]) -> None:
     """A solid tile for one holder; diagonal stripes of each holder's colour for several."""
     from matplotlib.collections import PolyCollection
     from matplotlib.patches import Rectangle
@@ -90,7 +90,7 @@ def _fill_tile(ax: Any, x: float, y: float, w: float, h: float, colors: list[Any
 def _draw_pieces_image(
     ax: Any,
     holders: dict[tuple[int, ...], list[int]],
-    color_of: dict[int, Any],
+    color_of: dict[int, object],
     ndim: int,
     row_dims: list[int],
     col_dims: list[int],
@@ -138,7 +138,7 @@ def _label_fit(ax: Any, text: str, tw: float, th: float) -> tuple[float, int] | 
     return None
 
 
-def draw_tiles(ax: Any, leaf: LeafPlan, count: int, plan: PlanData, colors: list[Any]) -> None:
+def draw_tiles(ax: Any, leaf: LeafPlan, count: int, plan: PlanData, colors: list[object]) -> None:
     """``leaf`` cut into its pieces, each coloured by the devices holding it."""
     from matplotlib.patches import Rectangle
 

@@ -172,7 +172,7 @@ def _parts(
             f"{t.efficiency:.0%}",
         )
 
-    parts: list[Any] = [title, table, totals]
+    parts: list[object] = [title, table, totals]
     if plan.stages:
         parts.append(_stages(plan))
     if problems and problems[0].code == "no-names":  # said first: the table shows nothing named

@@ -181,7 +181,7 @@ def check_profile(profile: Any) -> None:
         Write overlap at least 0 and at most 1, e.g. 0.9.
     """
     problems = []
-    cls: Any = type(profile)
+    cls: object = type(profile)
     for name, (kind, optional) in _kinds(cls).items():
         value = getattr(profile, name)
         problem = _field_problem(name, value, kind, optional, "profile")
@@ -239,7 +239,7 @@ def profile_fields(data: Any, path: str, cls: type) -> dict[str, Any]:
                     "profile-field",
                 )
             )
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for n, v in data.items():
         if n not in fields:
             continue
@@ -285,7 +285,7 @@ def check_profile_arg(profile: object, devices: object, known: Sequence[str], cl
 
 
 def _count_problems(
-    values: Mapping[str, Any], least: Mapping[str, int], optional: bool = False
+    values: Mapping[str, object], least: Mapping[str, int], optional: bool = False
 ) -> list[Problem]:
     """Each of ``values`` that is not a whole number of at least ``least[name]``."""
     problems = []
@@ -333,7 +333,7 @@ def check_search_args(
     roles: object = None,
     all_roles: Sequence[str] = (),
     max_axes: object = 3,
-    counts: Mapping[str, Any] | None = None,
+    counts: Mapping[str, object] | None = None,
     names: object = None,
     batch: PyTree = None,
     where: str = "search_rules",
