@@ -139,7 +139,7 @@ class Partitioned(AxisMetadata[A], Generic[A]):
             return _gathered_for_use(self, value, self.get_partition_spec(), None)
         return self.value
 
-    def replace_boxed(self, val: Any) -> Partitioned[Any]:
+    def replace_boxed(self, val: Leaf) -> Partitioned[Leaf]:
         """The same box around a new value.
 
         Example:
@@ -425,7 +425,7 @@ def _stored_param_path(box: Partitioned[object]) -> str | None:
     return ""
 
 
-def _defer_rank(box: Partitioned[Any]) -> bool:
+def _defer_rank(box: Partitioned[Leaf]) -> bool:
     """Whether ``box`` has more names than its value has dimensions *for now*.
 
     Inside a Flax module, a box the module does not hold yet is an initializer's
@@ -447,7 +447,7 @@ def _defer_rank(box: Partitioned[Any]) -> bool:
 
 
 def _gathered_for_use(
-    box: Partitioned[Any], value: A, spec: PartitionSpec, rules: LogicalRules | None
+    box: Partitioned[Leaf], value: A, spec: PartitionSpec, rules: LogicalRules | None
 ) -> A:
     """On an Explicit mesh, a parameter a Flax module reads is gathered over the batch's axes.
 
@@ -532,7 +532,7 @@ def with_partitioning(
     fn: Callable[..., object],
     names: LogicalNames,
     mesh: jax.sharding.Mesh | None = None,
-) -> Callable[..., Partitioned[Any]]:
+) -> Callable[..., Partitioned[Leaf]]:
     """Wraps an initializer so that its result comes back as a :class:`Partitioned` box.
 
     Example:
@@ -552,7 +552,7 @@ def with_partitioning(
     axis_names = _check_initializer_args(fn, names, "with_partitioning")
 
     @functools.wraps(fn)
-    def wrapper(*args: object, **kwargs: object) -> Partitioned[Any]:
+    def wrapper(*args: object, **kwargs: object) -> Partitioned[Leaf]:
         return Partitioned(fn(*args, **kwargs), axis_names, mesh=mesh)
 
     return wrapper
@@ -563,7 +563,7 @@ def with_logical_partitioning(
     names: LogicalNames,
     mesh: jax.sharding.Mesh | None = None,
     rules: LogicalRules | None = None,
-) -> Callable[..., LogicallyPartitioned[Any]]:
+) -> Callable[..., LogicallyPartitioned[Leaf]]:
     """Wraps an initializer so that its result is a :class:`LogicallyPartitioned` box.
 
     Example:
@@ -586,7 +586,7 @@ def with_logical_partitioning(
         rules = normalize_rules(rules)
 
     @functools.wraps(fn)
-    def wrapper(*args: object, **kwargs: object) -> LogicallyPartitioned[Any]:
+    def wrapper(*args: object, **kwargs: object) -> LogicallyPartitioned[Leaf]:
         return LogicallyPartitioned(fn(*args, **kwargs), axis_names, mesh=mesh, rules=rules)
 
     return wrapper

@@ -130,7 +130,7 @@ def with_logical_constraint(
     if mesh is None and active_mesh() is None:
         return x
 
-    def one(spec: object, value: object) -> Any:
+    def one(spec: object, value: object) -> Leaf:
         return _constrain_one(spec, value, rules=rules, mesh=mesh, fallback=fallback)
 
     # tree_map is typed as returning Any: the result is x's tree, each leaf constrained.

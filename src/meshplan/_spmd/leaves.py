@@ -57,7 +57,7 @@ class LeafNames:
 
     kind: NamesKind
     names: AxisNames | None
-    value: Any
+    value: Leaf
     own_rules: Any
 
 
@@ -86,13 +86,15 @@ class LeafKind:
 
     name: str
     matches: Callable[[Leaf], bool]
-    read: Callable[[Any, Any], LeafNames]
-    spec: Callable[[Any, dict[Any, Any]], Any]
-    sharding: Callable[[Any, Any, Named, dict[Any, Any]], Any]
+    read: Callable[[Leaf, LogicalRules | None], LeafNames]
+    spec: Callable[[Leaf, dict[Any, Any]], PartitionSpec]
+    sharding: Callable[[Leaf, JaxMesh, Named, dict[Any, Any]], Leaf]
     with_value: StepFn
-    resolve: Callable[[Any, Any], PartitionSpec | None] | None = None
+    resolve: Callable[[Leaf, LogicalRules | None], PartitionSpec | None] | None = None
     put: StepFn | None = None
-    logical: Callable[[Any, Any], tuple[PartitionSpec, Any, Any] | None] | None = None
+    logical: (
+        Callable[[Leaf, LogicalRules | None], tuple[PartitionSpec, Leaf, Leaf] | None] | None
+    ) = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -115,10 +117,10 @@ class ArrayLeaf:
     shape: tuple[int, ...]
     dtype: Any
     own_rules: Any
-    value: Any = None
+    value: Leaf = None
 
 
-def unwrap(box: Leaf) -> tuple[NamesKind, Any, Any, Any]:
+def unwrap(box: Leaf) -> tuple[NamesKind, Any, Any, Leaf]:
     """``(kind, names, value, own_rules)`` of a box, however nested.
 
     Example:
@@ -219,7 +221,7 @@ LINEN_BOX = LeafKind(
 ``AxisMetadata``. In a tree of specs or shardings a box becomes its spec or sharding."""
 
 
-def _variable_read(var: Leaf, rules: LogicalRules) -> LeafNames:
+def _variable_read(var: Leaf, rules: LogicalRules | None) -> LeafNames:
     info = variable_names(var, rules)
     return LeafNames(info.kind, info.names, var.get_value(), info.rules)
 
@@ -229,7 +231,7 @@ def _variable_sharding(var: Leaf, mesh: JaxMesh, named: Named, cache: dict[objec
     return var.replace(None if spec is None else named(spec))
 
 
-def _variable_resolve(var: Leaf, rules: LogicalRules) -> PartitionSpec | None:
+def _variable_resolve(var: Leaf, rules: LogicalRules | None) -> PartitionSpec | None:
     """A variable's logical spec through ``rules``: its value when that is a spec (the result
     of ``nnx.get_partition_spec``), else its ``out_sharding`` names read as logical names."""
     value = var.get_value()
@@ -238,7 +240,9 @@ def _variable_resolve(var: Leaf, rules: LogicalRules) -> PartitionSpec | None:
     return variable_spec(var, rules, logical=True)
 
 
-def _variable_logical(var: Leaf, rules: LogicalRules) -> tuple[PartitionSpec, Any, Any] | None:
+def _variable_logical(
+    var: Leaf, rules: LogicalRules | None
+) -> tuple[PartitionSpec, Leaf, Leaf] | None:
     """Its spec value, or its names read as logical; with its shape and own rules."""
     names = variable_names(var, rules)
     value = var.get_value()

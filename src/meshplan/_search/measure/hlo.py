@@ -12,11 +12,14 @@ import math
 import re
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshplan._errors import MeshplanError, error_for
 from meshplan._spmd.rules import LogicalRules
 from meshplan._types import PyTree, StepFn
+
+if TYPE_CHECKING:
+    import jax
 
 __all__ = [
     "COLLECTIVES",
@@ -163,7 +166,7 @@ def collective_counts(hlo_text: str) -> dict[str, int]:
 
 def candidate_shardings(
     mesh_shape: Mapping[str, int], state: PyTree, example_batch: PyTree, rules: LogicalRules
-) -> tuple[Any, Any, Any]:
+) -> tuple[jax.sharding.Mesh, PyTree, PyTree]:
     """A candidate's mesh on the first devices (Auto axes), its state's and batch's shardings.
 
     The batch's first dimension is ``'batch'``.
@@ -195,7 +198,7 @@ def compile_candidate(
     rules: LogicalRules,
     donate: bool = False,
     compiler_options: Mapping[str, str | bool] | None = None,
-) -> tuple[Any, Any, Any]:
+) -> tuple[jax.stages.Compiled, PyTree, PyTree]:
     """``step_fn`` compiled as the candidate runs it; its state's and batch's shardings.
 
     Traced and compiled under the candidate's mesh and rules, the executable is the

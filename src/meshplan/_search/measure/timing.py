@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from meshplan._spmd.rules import LogicalRules
 from meshplan._types import PyTree, StepFn
+
+if TYPE_CHECKING:
+    import jax
 
 __all__ = ["Prepared", "prepare_step"]
 
@@ -30,7 +33,7 @@ class Prepared:
     and ``as_text()`` describe the very program timed).
     """
 
-    def __init__(self, compiled: Any, state: PyTree, batch: PyTree) -> None:
+    def __init__(self, compiled: jax.stages.Compiled, state: PyTree, batch: PyTree) -> None:
         self.compiled, self.state, self.batch = compiled, state, batch
 
     def run(self, n: int = 1) -> list[float]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jax
 
@@ -21,7 +21,7 @@ def linen_step(
     example_inputs: object,
     loss: LossFn | None = None,
     optimizer: optax.GradientTransformation | None = None,
-) -> tuple[Any, StepFn, Any]:
+) -> tuple[PyTree, StepFn, PyTree]:
     """``(abstract_state, step_fn, example_batch)`` of a Flax Linen model's train step.
 
     The state is a ``flax.training.train_state.TrainState`` (``optimizer``, default
@@ -42,7 +42,7 @@ def linen_step(
     def inputs(batch: PyTree) -> PyTree:
         return batch[0] if isinstance(batch, tuple | list) else batch
 
-    def init(key: Any, batch: PyTree) -> PyTree:
+    def init(key: jax.Array, batch: PyTree) -> PyTree:
         params = model.init(key, inputs(batch))["params"]
         return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
