@@ -33,7 +33,6 @@ Example:
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +50,7 @@ CACHE_NAMES = ("layer", "batch", "length", "heads", "kv")
 Array = jax.Array
 
 
-def choose_byte(logits: Any, temperature: float, key: Any) -> tuple[int, Any]:
+def choose_byte(logits: jax.Array, temperature: float, key: jax.Array) -> tuple[int, jax.Array]:
     """The next byte from ``logits``: the most likely at temperature 0, else sampled; the next key.
 
     The cached and cache-free decoders (``meshplan sample``) choose alike.
@@ -87,7 +86,7 @@ def _layer_norm(x: Array, p: dict[str, Array], epsilon: float = 1e-6) -> Array:
     return y.astype(x.dtype)
 
 
-def _layer(params: dict[str, Any], config: TransformerConfig, i: int) -> dict[str, Any]:
+def _layer(params: PyTree, config: TransformerConfig, i: int) -> PyTree:
     layer: dict[str, object]
     if config.scan_layers:
         layer = jax.tree.map(lambda x: x[i], params["layers"])
@@ -97,7 +96,7 @@ def _layer(params: dict[str, Any], config: TransformerConfig, i: int) -> dict[st
 
 
 def forward_cached(
-    params: dict[str, Any],
+    params: PyTree,
     config: TransformerConfig,
     tokens: Array,
     cache: dict[str, Array],
@@ -193,12 +192,12 @@ def greedy_cached(
     tokens = list(prompt) or [ord("\n")]
 
     @jax.jit
-    def prefill(params: PyTree, tokens: Array, cache: Any) -> PyTree:
+    def prefill(params: PyTree, tokens: Array, cache: PyTree) -> PyTree:
         logits, cache = forward_cached(params, config, tokens, cache, 0)
         return logits[0, -1], cache
 
     @jax.jit
-    def step(params: PyTree, token: Array, cache: Any, start: Array) -> PyTree:
+    def step(params: PyTree, token: Array, cache: PyTree, start: Array) -> PyTree:
         logits, cache = forward_cached(params, config, token, cache, start)
         return logits[0, -1], cache
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 import meshplan
-from meshplan._types import Leaf
+from meshplan._types import Leaf, PyTree, StepFn
 
 __all__ = ["LLAMA_SIZES", "Llama", "LlamaConfig", "llama_size", "llama_step", "maxtext_config"]
 
@@ -190,7 +190,7 @@ class _Block(nn.Module):
     cfg: LlamaConfig
 
     @nn.compact
-    def __call__(self, x: Leaf, _: object = None) -> tuple[Any, None]:
+    def __call__(self, x: jax.Array, _: object = None) -> tuple[jax.Array, None]:
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         e, q, k, d = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim
         act = ("batch", "length", "activation_embed")
@@ -234,7 +234,7 @@ class Llama(nn.Module):
     cfg: LlamaConfig
 
     @nn.compact
-    def __call__(self, tokens: Any) -> Any:
+    def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         table = _param(self, "embed", (cfg.vocab, cfg.embed), ("vocab", "embed"))
         x = _c(jnp.take(table.astype(dt), tokens, axis=0), ("batch", "length", "activation_embed"))
@@ -256,16 +256,17 @@ class Llama(nn.Module):
         x = _Norm(name="final_norm")(x)
         head = _param(self, "head", (cfg.embed, cfg.vocab), ("embed", "vocab")).astype(dt)
         logits = jnp.einsum("ble,ev->blv", x, head, preferred_element_type=jnp.float32)
-        return _c(logits, ("batch", "length", "vocab"))
+        out: jax.Array = _c(logits, ("batch", "length", "vocab"))
+        return out
 
 
-def _loss(logits: Any, tokens: Any) -> Any:
+def _loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
     target = jax.nn.one_hot(tokens[:, 1:], logits.shape[-1], dtype=logp.dtype)
     return -jnp.mean(jnp.sum(logp * target, axis=-1))
 
 
-def llama_step(cfg: LlamaConfig, batch: int, seq: int) -> tuple[Any, Any, Any]:
+def llama_step(cfg: LlamaConfig, batch: int, seq: int) -> tuple[PyTree, StepFn, PyTree]:
     """``(abstract_state, step_fn, example_batch)`` of a training step (AdamW, float32 state).
 
     Example:

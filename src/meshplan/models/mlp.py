@@ -198,7 +198,7 @@ def make_infer_step(
     params_sharding: object,
     x_sharding: NamedSharding,
     out_sharding: NamedSharding,
-) -> Callable[[Any, jax.Array], jax.Array]:
+) -> Callable[[PyTree, jax.Array], jax.Array]:
     """The guide's jitted inference step."""
 
     @functools.partial(

@@ -87,9 +87,9 @@ class VariantResult:
 
     variant: Variant
     abstract_state: PyTree
-    state_sharding: Any
+    state_sharding: PyTree
     state: PyTree
-    trained: Any
+    trained: PyTree
     step_ms: list[float]
     output: jax.Array
 
@@ -183,7 +183,7 @@ def save_state(state: PyTree, directory: Path) -> Path:
     return path
 
 
-def restore_on_mesh(path: Path, abstract_state: PyTree, target_sharding: Any) -> PyTree:
+def restore_on_mesh(path: Path, abstract_state: PyTree, target_sharding: PyTree) -> PyTree:
     """Restores arrays saved by :func:`save_state` with the shardings of ``target_sharding``.
 
     ``target_sharding`` is a sharding tree for ``abstract_state`` on any mesh;

@@ -53,10 +53,10 @@ class TrainModel:
 
     model: Any
     loss: LossFn
-    example_input: Any = None
+    example_input: PyTree = None
     has_aux: bool = False
 
-    def init(self, tx: optax.GradientTransformation) -> Callable[[jax.Array], Any]:
+    def init(self, tx: optax.GradientTransformation) -> Callable[[jax.Array], PyTree]:
         """``init(key) -> TrainState`` with optimizer ``tx`` (:func:`~meshplan.train.state.init_fn`)."""
         return init_fn(self.model, tx, self.example_input)
 
