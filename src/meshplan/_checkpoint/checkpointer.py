@@ -91,6 +91,7 @@ from meshplan._checkpoint.tree import flatten_state, nest
 from meshplan._errors import ArgumentError, CheckpointError, error_for
 from meshplan._spmd.rules import LogicalRules
 from meshplan._text import paths_text
+from meshplan._types import PyTree
 
 __all__ = ["WHY_NAME", "Checkpointer"]
 
@@ -158,7 +159,7 @@ def _metric_key(name: str, mode: str) -> Any:
     """Orbax's ``get_metric_fn``: the metric, with a missing or non-finite one ranked worst."""
     worst = math.inf if mode == "min" else -math.inf
 
-    def key(metrics: Any) -> float:
+    def key(metrics: PyTree) -> float:
         raw = metrics.get(name) if isinstance(metrics, Mapping) else None
         try:
             value = float(raw)  # type: ignore[arg-type]
@@ -461,7 +462,7 @@ class Checkpointer:
     def save(
         self,
         step: int,
-        state: Any,
+        state: PyTree,
         *,
         rules: LogicalRules | None = None,
         mesh: Mesh | None = None,
@@ -479,7 +480,7 @@ class Checkpointer:
 
         Args:
             step: The step number (the folder name): a whole number of 0 or more.
-            state: Any pytree of arrays; boxes record their axis names.
+            state: PyTree pytree of arrays; boxes record their axis names.
             rules: The rules of the run (default: the active ones).
             mesh: The run's mesh (default: the mesh of the first sharded array).
             config: The model config as a JSON-serialisable dict.
@@ -528,7 +529,7 @@ class Checkpointer:
     def _save(
         self,
         step: int,
-        state: Any,
+        state: PyTree,
         rules: LogicalRules | None,
         mesh: Mesh | None,
         config: Mapping[str, Any] | None,
