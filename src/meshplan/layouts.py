@@ -470,7 +470,7 @@ def _axes_from_json(entry: object) -> Any:
     raise TypeError(entry)
 
 
-def _json_list(path: str, fix: str, what: str, error: type[MeshplanError]) -> list[Any]:
+def _json_list(path: str, fix: str, what: str, error: type[MeshplanError]) -> list[object]:
     """The top-level JSON list of ``path``; the error names the line and column of bad JSON."""
     try:
         with open(path, encoding="utf-8") as f:
@@ -614,7 +614,7 @@ _NAMES_FIX = (
 )
 
 
-def get_names(path: str | os.PathLike[str]) -> tuple[tuple[str, tuple[Any, ...] | None], ...]:
+def get_names(path: str | os.PathLike[str]) -> tuple[tuple[str, tuple[object, ...] | None], ...]:
     """Path rules for :func:`meshplan.name_by_path` from a ``.json`` or ``.py`` file.
 
     A ``.json`` file holds a list of ``[pattern, names]`` pairs (``names`` a list of

@@ -44,7 +44,7 @@ _LEAF_FIELDS = (
 _MAX_LINES = 40
 
 
-def snapshot(plan: Plan) -> dict[str, Any]:
+def snapshot(plan: Plan) -> dict[str, object]:
     """The snapshot of ``plan``: plain JSON-able data.
 
     Example:

@@ -46,7 +46,7 @@ SCHEME = "ws2"
 _W1, _W2 = 0x9E3779B1, 0x85EBCA77
 
 
-def _words(x: Any, xp: Any) -> Any:
+def _words(x: Any, xp: Any) -> object:
     """``x``'s bits as uint32 words (8-byte elements: two words), or ``None`` when not kept."""
     dtype = np.dtype(x.dtype)
     if dtype == np.bool_:

@@ -71,7 +71,7 @@ def _alive(pid: int, pid_start: int | None) -> bool:
     return True
 
 
-def read_lock(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
+def read_lock(directory: str | os.PathLike[str]) -> dict[str, object] | None:
     """Who holds ``directory``'s lock (the JSON of its lock file), or ``None`` if unlocked.
 
     Example:

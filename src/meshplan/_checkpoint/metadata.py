@@ -98,7 +98,7 @@ class ArrayInfo:
     logical: bool = True
     checksum: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         """A JSON-serialisable dict."""
         out: dict[str, object] = {
             "shape": list(self.shape),
@@ -171,7 +171,7 @@ class CheckpointMetadata:
     arrays: dict[str, ArrayInfo]
     rules: RulePairs = ()
     mesh_shape: dict[str, int] = dataclasses.field(default_factory=dict)
-    config: dict[str, Any] | None = None
+    config: dict[str, object] | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     meshplan_version: str = ""
     sealed: bool = dataclasses.field(default=True, compare=False)
@@ -288,7 +288,7 @@ class CheckpointMetadata:
             meshplan_version=__version__,
         )
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         """A JSON-serialisable dict, marked with :data:`FORMAT`.
 
         Example:

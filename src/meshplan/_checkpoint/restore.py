@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -124,7 +124,7 @@ class Restored(NamedTuple):
         (('embed', 'mlp'), 3, 3)
     """
 
-    state: dict[str, Any]
+    state: dict[str, object]
     metadata: CheckpointMetadata
 
     def arrays(self) -> dict[str, jax.Array]:

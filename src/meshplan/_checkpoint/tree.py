@@ -89,7 +89,7 @@ def flatten_state(
     return out
 
 
-def nest(flat: Mapping[str, object]) -> dict[str, Any]:
+def nest(flat: Mapping[str, object]) -> dict[str, object]:
     """``{"a/b": x}`` -> ``{"a": {"b": x}}``.
 
     Example:

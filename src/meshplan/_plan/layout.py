@@ -7,7 +7,6 @@ so :func:`meshplan.explain` builds it once for all the leaves that share those.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 from jax.typing import DTypeLike
@@ -36,7 +35,7 @@ def build_layout(
     names: AxisNames | None,
     shape: tuple[int, ...] | None,
     dtype: DTypeLike,
-    rules: tuple[tuple[str, Any], ...],
+    rules: tuple[tuple[str, object], ...],
     index_map: tuple[int, ...],
     mesh: MeshInfo,
 ) -> LeafLayout:

@@ -241,7 +241,7 @@ class Partitioned(AxisMetadata[A], Generic[A]):
         """
         return dataclasses.replace(self, **updates)
 
-    def to_nnx_metadata(self) -> dict[str, Any]:
+    def to_nnx_metadata(self) -> dict[str, object]:
         """The box's fields as ``flax.nnx.Variable`` metadata (``names`` -> ``out_sharding``).
 
         Example:

@@ -170,7 +170,7 @@ def explicit_out_sharding(
 
 def logical_dot_general(
     out_names: LogicalNames | PartitionSpec, rules: LogicalRules | None = None
-) -> Callable[..., Any]:
+) -> Callable[..., object]:
     """A ``dot_general`` for Flax layers whose output is sharded by logical names.
 
     On an Explicit mesh, a contraction over a dimension split in both operands (a
@@ -202,7 +202,7 @@ def logical_dot_general(
         precision: Any = None,
         preferred_element_type: Any = None,
         **kwargs: object,
-    ) -> Any:
+    ) -> object:
         kwargs.setdefault("out_sharding", explicit_out_sharding(out_names, rules))
         return jax.lax.dot_general(
             lhs,

@@ -58,7 +58,7 @@ class LeafNames:
     kind: NamesKind
     names: AxisNames | None
     value: Leaf
-    own_rules: Any
+    own_rules: object
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +87,8 @@ class LeafKind:
     name: str
     matches: Callable[[Leaf], bool]
     read: Callable[[Leaf, LogicalRules | None], LeafNames]
-    spec: Callable[[Leaf, dict[Any, Any]], PartitionSpec]
-    sharding: Callable[[Leaf, JaxMesh, Named, dict[Any, Any]], Leaf]
+    spec: Callable[[Leaf, dict[object, object]], PartitionSpec]
+    sharding: Callable[[Leaf, JaxMesh, Named, dict[object, object]], Leaf]
     with_value: StepFn
     resolve: Callable[[Leaf, LogicalRules | None], PartitionSpec | None] | None = None
     put: StepFn | None = None
@@ -111,16 +111,16 @@ class ArrayLeaf:
         value: The array (or abstract value) itself, out of its box or variable.
     """
 
-    keypath: tuple[Any, ...]
+    keypath: tuple[object, ...]
     kind: NamesKind
     names: AxisNames | None
     shape: tuple[int, ...]
     dtype: Any
-    own_rules: Any
+    own_rules: object
     value: Leaf = None
 
 
-def unwrap(box: Leaf) -> tuple[NamesKind, Any, Any, Leaf]:
+def unwrap(box: Leaf) -> tuple[NamesKind, Any, object, Leaf]:
     """``(kind, names, value, own_rules)`` of a box, however nested.
 
     Example:
@@ -187,7 +187,7 @@ def array_leaves(tree: PyTree, rules: LogicalRules | None = None) -> tuple[list[
 _OWN_BOXES = (Partitioned, LogicallyPartitioned)  # exact types: spec is PartitionSpec(*names)
 
 
-def _box_spec(box: Leaf, cache: dict[Any, Any]) -> PartitionSpec:
+def _box_spec(box: Leaf, cache: dict[object, Any]) -> PartitionSpec:
     if type(box) in _OWN_BOXES:  # boxes with equal names share one spec
         spec = cache.get(("spec", box.names))
         if spec is None:

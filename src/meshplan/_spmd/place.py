@@ -41,7 +41,7 @@ def active_mesh() -> JaxMesh | None:
     return _legacy_mesh()
 
 
-def _axis_types(mesh: JaxMesh) -> tuple[Any, ...]:
+def _axis_types(mesh: JaxMesh) -> tuple[object, ...]:
     return tuple(getattr(mesh, "axis_types", ()) or ())
 
 

@@ -110,7 +110,7 @@ class Rules(Sequence[tuple[str, MeshAxes]]):
     def __iter__(self) -> Iterator[tuple[str, MeshAxes]]:
         return iter(self.pairs)
 
-    def to_json(self) -> list[list[Any]]:
+    def to_json(self) -> list[list[object]]:
         """The pairs as JSON-ready ``[name, axes]`` lists (axes a name, a list or ``None``).
 
         Example:
@@ -121,7 +121,7 @@ class Rules(Sequence[tuple[str, MeshAxes]]):
         return rules_to_json(self.pairs)
 
 
-def rules_to_json(rules: Sequence[tuple[str, MeshAxes]]) -> list[list[Any]]:
+def rules_to_json(rules: Sequence[tuple[str, MeshAxes]]) -> list[list[object]]:
     """Rules as JSON-ready ``[name, axes]`` lists: a tuple of axes becomes a list."""
     return [[n, list(a) if isinstance(a, tuple) else a] for n, a in rules]
 
@@ -424,7 +424,7 @@ def _is_dim_entry(name: object) -> bool:
     return _is_mesh_axis_entry(name)
 
 
-def bad_entries(names: Sequence[object]) -> list[Any]:
+def bad_entries(names: Sequence[object]) -> list[object]:
     """The entries of ``names`` that are not a name, a tuple of names, None or UNCONSTRAINED.
 
     Example:
@@ -581,8 +581,8 @@ class SkippedRule:
 class DimResolution:
     """How one dimension of one array got its mesh axes."""
 
-    name: Any
-    mesh_axes: Any  # UNASSIGNED when no rule placed a logical name
+    name: object
+    mesh_axes: object  # UNASSIGNED when no rule placed a logical name
     rule_index: int | None  # the rule that placed it, if any
     skipped: tuple[SkippedRule, ...] = ()
 
@@ -598,7 +598,7 @@ def _resolve(
     names: AxisNames,
     rules: tuple[tuple[str, MeshAxes], ...],
     trace: list[_DimTrace] | None,
-) -> tuple[Any, ...]:
+) -> tuple[object, ...]:
     result: list[object] = [UNASSIGNED if isinstance(n, str) else n for n in names]
     used = {a for r in result for a in mesh_axes_of(r)}  # mesh axes held by some dimension
     for rule_index, (rule_name, rule_axes) in enumerate(rules):
@@ -629,11 +629,13 @@ def _resolve(
 
 
 @functools.lru_cache(maxsize=8192)
-def _resolve_cached(names: AxisNames, rules: tuple[tuple[str, MeshAxes], ...]) -> tuple[Any, ...]:
+def _resolve_cached(
+    names: AxisNames, rules: tuple[tuple[str, MeshAxes], ...]
+) -> tuple[object, ...]:
     return _resolve(normalize_names(names), normalize_rules(rules), None)
 
 
-def resolve(names: object, rules: LogicalRules) -> tuple[Any, ...]:
+def resolve(names: object, rules: LogicalRules) -> tuple[object, ...]:
     """Mesh axes per dimension, with ``UNASSIGNED`` where no rule matched a logical name."""
     try:
         return _resolve_cached(names, rules)

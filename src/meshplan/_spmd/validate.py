@@ -72,12 +72,12 @@ class DimCheck:
     index: int
     size: int | None
     name: Any
-    entry: Any
+    entry: object
     mesh_axes: tuple[str, ...]
     shards: int
     status: DimStatus
     rule_index: int | None
-    rule: tuple[str, Any] | None
+    rule: tuple[str, object] | None
     skipped: tuple[SkippedRule, ...]
     missing_axes: tuple[str, ...]
     duplicate_axes: tuple[str, ...]

@@ -133,12 +133,12 @@ def equinox_mlp() -> Factory:
     """An Equinox ``eqx.nn.MLP`` classifier, split by ``eqx.partition`` into arrays and the rest."""
     import equinox as eqx
 
-    def make(key: jax.Array) -> Any:
+    def make(key: jax.Array) -> object:
         return eqx.nn.MLP(SIDE * SIDE, CLASSES, HIDDEN, depth=1, key=key)
 
     _, static = eqx.partition(eqx.filter_eval_shape(make, jax.random.key(0)), eqx.is_array)
 
-    def init(key: jax.Array) -> Any:
+    def init(key: jax.Array) -> object:
         return eqx.filter(make(key), eqx.is_array)
 
     def apply(params: PyTree, images: jax.Array) -> jax.Array:
@@ -177,7 +177,7 @@ def _example_text() -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
 def _hf_factory(model: Any) -> Factory:
     """``(init, apply)`` of a Hugging Face Flax model built with ``_do_init=False``."""
 
-    def init(key: jax.Array) -> Any:
+    def init(key: jax.Array) -> object:
         return model.init_weights(key, (1, SEQ))
 
     def apply(params: PyTree, ids: jax.Array) -> jax.Array:

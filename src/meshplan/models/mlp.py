@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 import flax.linen as nn
 import jax
@@ -49,7 +49,7 @@ class DotReluDot(nn.Module):
     """``relu(x @ W1) @ W2`` with ``W1`` split by columns and ``W2`` by rows over ``model``."""
 
     depth: int
-    dense_init: Callable[..., Any] = nn.initializers.xavier_normal()
+    dense_init: Callable[..., object] = nn.initializers.xavier_normal()
 
     @nn.compact
     def __call__(self, x: jax.Array) -> tuple[jax.Array, None]:
@@ -100,7 +100,7 @@ class LogicalDotReluDot(nn.Module):
     """``DotReluDot`` with logical names: ``('embed', 'hidden')`` and ``('hidden', 'embed')``."""
 
     depth: int
-    dense_init: Callable[..., Any] = nn.initializers.xavier_normal()
+    dense_init: Callable[..., object] = nn.initializers.xavier_normal()
 
     @nn.compact
     def __call__(self, x: jax.Array) -> tuple[jax.Array, None]:

@@ -203,7 +203,7 @@ class TransformerConfig:
         """:attr:`dtype` as a NumPy dtype."""
         return jnp.dtype(self.dtype)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The config as a JSON-able dict (for checkpoints).
 
         Example:
@@ -240,7 +240,7 @@ CONFIGS: dict[str, TransformerConfig] = {
 }
 """Preset configs by name."""
 
-CONFIG_SETTINGS: dict[str, dict[str, Any]] = {
+CONFIG_SETTINGS: dict[str, dict[str, object]] = {
     "base": {"batch": 32, "seq_len": 1024, "lr": 6e-4, "warmup": 100},
 }
 """Training settings a preset brings along (``meshplan train --size base``), unless given."""

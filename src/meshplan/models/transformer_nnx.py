@@ -333,7 +333,7 @@ class _LinenApply:
     def config(self) -> TransformerConfig:
         return self.model.config
 
-    def apply(self, variables: dict[str, Any], tokens: Array, **kwargs: Any) -> Any:
+    def apply(self, variables: dict[str, Any], tokens: Array, **kwargs: Any) -> object:
         return self.model.module(variables["params"])(tokens, **kwargs)
 
 

@@ -152,7 +152,7 @@ def median_ms(result: VariantResult) -> float:
     return statistics.median(result.step_ms)
 
 
-def state_arrays(state: PyTree) -> dict[str, Any]:
+def state_arrays(state: PyTree) -> dict[str, object]:
     """The raw arrays of a ``TrainState``: what a checkpoint stores.
 
     Example:

@@ -255,7 +255,7 @@ class ExplicitMultiDotReluDot(nnx.Module):
 @jax.jit
 def train_step(
     model: nnx.Module, optimizer: nnx.Optimizer[object], x: jax.Array, y: jax.Array
-) -> tuple[nnx.Module, nnx.Optimizer[Any], jax.Array]:
+) -> tuple[nnx.Module, nnx.Optimizer[object], jax.Array]:
     """The guide's jitted step (mean squared error, ``optimizer.update``), returning the optimizer too."""
 
     def loss_fn(model: nnx.Module) -> jax.Array:
@@ -271,7 +271,7 @@ def train_step(
 class TrainRun:
     """What :func:`train` made: the trained model, its optimizer and the loss of each step."""
 
-    model: Any
+    model: object
     optimizer: nnx.Optimizer[Any]
     losses: list[float]
     x: jax.Array
@@ -317,7 +317,7 @@ def train(
 
 def abstract_model(
     make_model: Callable[[], nnx.Module],
-) -> tuple[nnx.GraphDef[Any], nnx.State[Any, Any]]:
+) -> tuple[nnx.GraphDef[Any], nnx.State[object, object]]:
     """``nnx.split`` of ``nnx.eval_shape(make_model)``: shapes and names, no arrays, no mesh.
 
     Flax's eager sharding is off while tracing, so no mesh and no rules are

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import optax
@@ -51,7 +50,7 @@ class TrainModel:
         ((4, 3), (4, 3))
     """
 
-    model: Any
+    model: object
     loss: LossFn
     example_input: PyTree = None
     has_aux: bool = False

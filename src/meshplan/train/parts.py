@@ -61,8 +61,8 @@ class Checkpoints:
     discard_steps: tuple[int, ...] = ()
     discard_why: Mapping[int, str] = dataclasses.field(default_factory=dict)
     max_to_keep: int | None = None
-    config: Mapping[str, Any] | None = None
-    record: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    config: Mapping[str, object] | None = None
+    record: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

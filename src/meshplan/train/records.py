@@ -84,7 +84,7 @@ def valid_setting(settings: Mapping[str, object], data: object) -> str:
 
 def valid_changes(
     before: Mapping[str, object], now: Mapping[str, object], data: object
-) -> dict[str, tuple[Any, Any]]:
+) -> dict[str, tuple[object, object]]:
     """The settings of validation that differ, ``name: (before, now)``; ``data`` last.
 
     Example:
@@ -300,7 +300,7 @@ class StepRecord:
     mfu: float | None = None
     metrics: dict[str, float] | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """A JSON-able dict (``--metrics`` writes one per step); ``metrics`` only when measured."""
         out = dataclasses.asdict(self)
         if out["metrics"] is None:

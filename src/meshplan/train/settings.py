@@ -91,7 +91,7 @@ class TrainSettings:
             )
         return found
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """A JSON-able dict."""
         return dataclasses.asdict(self)
 

@@ -21,7 +21,7 @@ def largest_layouts(plan: PlanData, top: int) -> list[tuple[LeafPlan, int]]:
     pool = [leaf for leaf in plan.leaves if leaf.group == "params" and leaf.shape] or [
         leaf for leaf in plan.leaves if leaf.shape
     ]
-    seen: dict[tuple[Any, ...], list[Any]] = {}
+    seen: dict[tuple[object, ...], list[Any]] = {}
     for leaf in pool:
         key = (leaf.shape, leaf.dtype, leaf.spec)
         if key in seen:

@@ -213,7 +213,7 @@ def to_text(renderable: object, width: int = 180) -> str:
     return out.getvalue().rstrip() + "\n"
 
 
-def _stages(plan: PlanData) -> Any:
+def _stages(plan: PlanData) -> object:
     """One row per pipeline stage: its parameters and its fullest device's bytes."""
     from rich import box
     from rich.table import Table

@@ -12,7 +12,7 @@ import math
 import re
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from meshplan._errors import MeshplanError, error_for
 from meshplan._spmd.rules import LogicalRules
@@ -233,7 +233,7 @@ def measure_step(
     rules: LogicalRules,
     donate: bool = False,
     compiler_options: Mapping[str, str | bool] | None = None,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Compiles ``step_fn(state, batch)`` under ``rules`` and reports what XLA says of it.
 
     The mesh has ``mesh_shape``'s axes (Auto, on the first devices); the state

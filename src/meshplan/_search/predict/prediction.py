@@ -90,7 +90,7 @@ class Prediction:
         """
         return self.memory_bytes <= self.budget_bytes
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The figures as plain data (``meshplan plan --json``'s ``prediction``).
 
         Example:

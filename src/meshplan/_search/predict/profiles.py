@@ -19,7 +19,7 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TypedDict
 
 from meshplan._errors import ArgumentError, error_for
 from meshplan._search.measure.cpu import cpu_devices, measure_cpu
@@ -143,7 +143,7 @@ class HardwareProfile:
         span = stride * mesh[axis]
         return self.fast_bandwidth if span <= self.domain_devices else self.slow_bandwidth
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The figures as plain data (what :func:`load_profile` reads back).
 
         Example:
