@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import optax
@@ -50,7 +51,7 @@ class TrainModel:
         ((4, 3), (4, 3))
     """
 
-    model: object
+    model: Any  # a Flax Linen module or an init function: meshplan.train.state.init_fn
     loss: LossFn
     example_input: PyTree = None
     has_aux: bool = False
