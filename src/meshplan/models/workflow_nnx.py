@@ -355,7 +355,7 @@ def restore_onto(
     with meshplan.logical_axis_rules(rules):
         shardings = meshplan.get_sharding(abstract, mesh, strict=True)
 
-    def target(value: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+    def target(value: jax.ShapeDtypeStruct, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
 
     targets = jax.tree.map(target, abstract, shardings)
@@ -371,7 +371,7 @@ def restore_with_meshplan(
     mesh: Mesh,
     rules: LogicalRules,
     *,
-    saved_rules: Any = GUIDE_RULES,
+    saved_rules: LogicalRules = GUIDE_RULES,
 ) -> Any:
     """``model`` saved by :class:`meshplan.Checkpointer`, restored onto ``mesh`` under ``rules``.
 
@@ -391,7 +391,12 @@ def restore_with_meshplan(
 
 
 def run_logical(
-    mesh: Mesh, depth: int, *, num_layers: int = 2, batch: int = 8, rules: Any = GUIDE_RULES
+    mesh: Mesh,
+    depth: int,
+    *,
+    num_layers: int = 2,
+    batch: int = 8,
+    rules: LogicalRules = GUIDE_RULES,
 ) -> tuple[LogicalMultiDotReluDot, jax.Array]:
     """The guide's logical-axis section: create the model under ``rules`` and run it once.
 
