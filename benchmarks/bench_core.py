@@ -39,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshplan
+from meshplan._search.measure.hlo import COLLECTIVES
 from meshplan.models import mlp
 
 RULES = (
@@ -276,15 +277,6 @@ def normalise_hlo(text: str) -> str:
         return comps.setdefault(match.group(0), f"c{len(comps)}")
 
     return re.sub(r"\b[A-Za-z_][\w\-]*\.\d+(?:\.clone)?\b", rename_comp, text)
-
-
-COLLECTIVES = (
-    "all-reduce",
-    "all-gather",
-    "reduce-scatter",
-    "collective-permute",
-    "all-to-all",
-)
 
 
 def collectives(text: str) -> Counter[str]:

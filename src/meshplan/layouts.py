@@ -462,7 +462,7 @@ def _file_error(
     return error_for(error, f"{what}-file", path, message, fix)
 
 
-def _axes_from_json(entry: Any) -> Any:
+def _axes_from_json(entry: object) -> Any:
     if entry is None or isinstance(entry, str):
         return entry
     if isinstance(entry, list) and all(isinstance(a, str) for a in entry):
@@ -470,7 +470,7 @@ def _axes_from_json(entry: Any) -> Any:
     raise TypeError(entry)
 
 
-def _json_list(path: str, fix: str, what: str, error: type[MeshplanError]) -> list[Any]:
+def _json_list(path: str, fix: str, what: str, error: type[MeshplanError]) -> list[object]:
     """The top-level JSON list of ``path``; the error names the line and column of bad JSON."""
     try:
         with open(path, encoding="utf-8") as f:
@@ -614,7 +614,7 @@ _NAMES_FIX = (
 )
 
 
-def get_names(path: str | os.PathLike[str]) -> tuple[tuple[str, tuple[Any, ...] | None], ...]:
+def get_names(path: str | os.PathLike[str]) -> tuple[tuple[str, tuple[object, ...] | None], ...]:
     """Path rules for :func:`meshplan.name_by_path` from a ``.json`` or ``.py`` file.
 
     A ``.json`` file holds a list of ``[pattern, names]`` pairs (``names`` a list of
@@ -646,7 +646,8 @@ def get_names(path: str | os.PathLike[str]) -> tuple[tuple[str, tuple[Any, ...] 
         checked = check_path_rules(pairs)  # type: ignore[arg-type]
     except LogicalNamesError as e:
         raise error_from_problems(
-            LogicalNamesError, f"Cannot read names from {text!r} (path_rules[i] is pair i, from 0):",
+            LogicalNamesError,
+            f"Cannot read names from {text!r} (path_rules[i] is pair i, from 0):",
             e.problems,
-        ) from None  # fmt: skip
+        ) from None
     return tuple((r.pattern.pattern, r.names) for r in checked)

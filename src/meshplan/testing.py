@@ -44,7 +44,7 @@ _LEAF_FIELDS = (
 _MAX_LINES = 40
 
 
-def snapshot(plan: Plan) -> dict[str, Any]:
+def snapshot(plan: Plan) -> dict[str, object]:
     """The snapshot of ``plan``: plain JSON-able data.
 
     Example:
@@ -84,11 +84,11 @@ def _dumps(snap: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _one_line(value: Any) -> str:
+def _one_line(value: object) -> str:
     return json.dumps(value, separators=(", ", ": "))
 
 
-def _members(mapping: dict[str, Any]) -> list[str]:
+def _members(mapping: dict[str, object]) -> list[str]:
     return [f"{_one_line(key)}: {_one_line(value)}" for key, value in mapping.items()]
 
 
@@ -102,7 +102,7 @@ def _spec(entries: Any) -> str:
     if entries is None:
         return "None"
 
-    def entry(e: Any) -> str:
+    def entry(e: object) -> str:
         if isinstance(e, list):
             return "(" + ", ".join(repr(a) for a in e) + ("," if len(e) == 1 else "") + ")"
         return repr(e)

@@ -78,3 +78,32 @@ def test_per_device_throughput_falls_from_128_to_512_gpus_under_fsdp():
         per_device[n] = 4 * 2048 / cost.step_s  # tokens per second per device
     fall = 1 - per_device[512] / per_device[128]
     assert 0.02 < fall < 0.12, per_device
+
+
+def test_every_kind_xla_compiles_is_one_the_planner_prices():
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from meshplan._search.measure.hlo import COLLECTIVES, collective_bytes
+
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    x = jax.device_put(jnp.ones((8, 64), jnp.float32), NamedSharding(mesh, PartitionSpec("d")))
+
+    def step(x):
+        total = jax.lax.psum(x, "d")  # all-reduce
+        gathered = jax.lax.all_gather(x, "d", tiled=True)  # all-gather
+        summed = jax.lax.psum_scatter(gathered, "d", tiled=True)  # reduce-scatter
+        shifted = jax.lax.ppermute(x, "d", [(i, (i + 1) % 8) for i in range(8)])
+        swapped = jax.lax.all_to_all(x.reshape(8, 8), "d", 0, 0, tiled=True).reshape(1, 64)
+        return total + summed + shifted + swapped
+
+    spec = PartitionSpec("d")
+    mapped = jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec)
+    hlo = jax.jit(mapped).lower(x).compile().as_text()
+    found = collective_bytes(hlo)
+    assert tuple(found) == COLLECTIVES and all(found.values()), found
+    h100 = get_profile("h100")
+    assert all(collective_time(h100, k, {"d": 8}, ("d",), found[k]) > 0 for k in COLLECTIVES)
+    with pytest.raises(
+        ValueError, match="unknown collective kind 'all-scatter'; one of all-reduce"
+    ):
+        collective_time(h100, "all-scatter", {"d": 8}, ("d",), 1.0)

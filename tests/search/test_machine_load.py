@@ -15,7 +15,7 @@ def _cached(tmp_path, monkeypatch, then, now):
     data = {**meshplan.get_profile("h100").to_dict(), "name": "cpu"}
     if then != "absent":
         data["load_per_core"] = then
-    (tmp_path / "cpu-profile-8.json").write_text(json.dumps(data))
+    profiles._cache_path(8).write_text(json.dumps(data))
     return profiles._cached_cpu(8)
 
 
@@ -34,4 +34,4 @@ def test_the_saved_calibration_keeps_its_load(tmp_path, monkeypatch):
     monkeypatch.setenv("MESHPLAN_CACHE", str(tmp_path))
     monkeypatch.setattr(profiles, "load_per_core", lambda: 1.25)
     profiles._save_cpu(8, meshplan.get_profile("h100"))
-    assert json.loads((tmp_path / "cpu-profile-8.json").read_text())["load_per_core"] == 1.25
+    assert json.loads(profiles._cache_path(8).read_text())["load_per_core"] == 1.25

@@ -91,6 +91,7 @@ from meshplan._checkpoint.writer import item_handlers, state_save_args
 from meshplan._errors import ArgumentError, CheckpointError, error_for
 from meshplan._spmd.rules import LogicalRules
 from meshplan._text import paths_text
+from meshplan._types import PyTree
 
 __all__ = ["WHY_NAME", "Checkpointer"]
 
@@ -138,7 +139,7 @@ def _write_fix(code: int | None) -> str:
     return "Check the disk and the folder, or save into another folder."
 
 
-def _save_step(step: Any) -> int:
+def _save_step(step: object) -> int:
     """``step`` as the number of a step to save: a whole number of 0 or more."""
     try:
         number = step_number(step)
@@ -154,11 +155,11 @@ def _save_step(step: Any) -> int:
     return number
 
 
-def _metric_key(name: str, mode: str) -> Any:
+def _metric_key(name: str, mode: str) -> object:
     """Orbax's ``get_metric_fn``: the metric, with a missing or non-finite one ranked worst."""
     worst = math.inf if mode == "min" else -math.inf
 
-    def key(metrics: Any) -> float:
+    def key(metrics: PyTree) -> float:
         raw = metrics.get(name) if isinstance(metrics, Mapping) else None
         try:
             value = float(raw)  # type: ignore[arg-type]
@@ -184,8 +185,8 @@ class _BestPerGroup:
     get_metric_fn: Any
     mode: str
 
-    def should_preserve(self, checkpoints: Any, *, context: Any) -> list[bool]:
-        best: dict[Any, tuple[float, int]] = {}
+    def should_preserve(self, checkpoints: Any, *, context: object) -> list[bool]:
+        best: dict[object, tuple[float, int]] = {}
         for i, checkpoint in enumerate(checkpoints):
             metrics = checkpoint.metrics
             if not isinstance(metrics, Mapping):
@@ -388,7 +389,7 @@ class Checkpointer:
             raise Checkpointer._not_writable_error(p, e) from e
 
     @staticmethod
-    def _not_writable_error(p: Any, e: BaseException) -> CheckpointError:
+    def _not_writable_error(p: object, e: BaseException) -> CheckpointError:
         return error_for(  # type: ignore[return-value]
             CheckpointError, "ckpt-not-writable", str(p),
             f"Cannot write checkpoints into {str(p)!r}: {_cause_text(e)}",
@@ -461,12 +462,12 @@ class Checkpointer:
     def save(
         self,
         step: int,
-        state: Any,
+        state: PyTree,
         *,
         rules: LogicalRules | None = None,
         mesh: Mesh | None = None,
-        config: Mapping[str, Any] | None = None,
-        extra: Mapping[str, Any] | None = None,
+        config: Mapping[str, object] | None = None,
+        extra: Mapping[str, object] | None = None,
         metrics: Mapping[str, float] | None = None,
         check_finite: bool = True,
         best_group: str | None = None,
@@ -479,7 +480,7 @@ class Checkpointer:
 
         Args:
             step: The step number (the folder name): a whole number of 0 or more.
-            state: Any pytree of arrays; boxes record their axis names.
+            state: PyTree pytree of arrays; boxes record their axis names.
             rules: The rules of the run (default: the active ones).
             mesh: The run's mesh (default: the mesh of the first sharded array).
             config: The model config as a JSON-serialisable dict.
@@ -528,11 +529,11 @@ class Checkpointer:
     def _save(
         self,
         step: int,
-        state: Any,
+        state: PyTree,
         rules: LogicalRules | None,
         mesh: Mesh | None,
-        config: Mapping[str, Any] | None,
-        extra: Mapping[str, Any] | None,
+        config: Mapping[str, object] | None,
+        extra: Mapping[str, object] | None,
         metrics: Mapping[str, float] | None,
         check_finite: bool,
         best_group: str | None = None,

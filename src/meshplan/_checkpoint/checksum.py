@@ -46,7 +46,7 @@ SCHEME = "ws2"
 _W1, _W2 = 0x9E3779B1, 0x85EBCA77
 
 
-def _words(x: Any, xp: Any) -> Any:
+def _words(x: Any, xp: Any) -> object:
     """``x``'s bits as uint32 words (8-byte elements: two words), or ``None`` when not kept."""
     dtype = np.dtype(x.dtype)
     if dtype == np.bool_:
@@ -110,7 +110,7 @@ def dtype_has_checksum(dtype: Any) -> bool:
     return dt == np.bool_ or (dt.kind != "c" and dt.itemsize in (1, 2, 4, 8))
 
 
-def _kept(value: Any) -> bool:
+def _kept(value: object) -> bool:
     dtype = getattr(value, "dtype", None)
     if dtype is None:
         return False
@@ -120,7 +120,7 @@ def _kept(value: Any) -> bool:
     return dtype == np.bool_ or (dtype.kind != "c" and dtype.itemsize in (1, 2, 4, 8))
 
 
-def array_checksums(flat: Mapping[str, Any]) -> dict[str, str]:
+def array_checksums(flat: Mapping[str, object]) -> dict[str, str]:
     """The checksum of every array of ``flat`` whose dtype has one, by path.
 
     ``flat`` maps paths to arrays, or to ``(array, names)`` pairs as
@@ -155,7 +155,9 @@ def array_checksums(flat: Mapping[str, Any]) -> dict[str, str]:
     return {key: out[key] for key in flat if key in out}
 
 
-def checksum_mismatches(stored: Mapping[str, str | None], arrays: Mapping[str, Any]) -> list[str]:
+def checksum_mismatches(
+    stored: Mapping[str, str | None], arrays: Mapping[str, object]
+) -> list[str]:
     """Paths of ``arrays`` whose checksum differs from the ``stored`` one (``None``: not kept).
 
     Example:

@@ -14,7 +14,6 @@ Host arrays (NumPy) are checked with NumPy.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +28,7 @@ def _flags(arrays: Sequence[jax.Array]) -> jax.Array:
     return jnp.stack([jnp.all(jnp.isfinite(x)) for x in arrays])
 
 
-def nonfinite_paths(flat: Mapping[str, tuple[Any, Any]]) -> list[str]:
+def nonfinite_paths(flat: Mapping[str, tuple[object, object]]) -> list[str]:
     """Paths of the floating arrays of ``flat`` (from ``flatten_state``) that hold NaN or inf.
 
     Every process of a multi-process run must call it together (like saving).

@@ -226,7 +226,7 @@ def step_number(step: Any) -> int | None:
     )  # fmt: skip
 
 
-def _step_to_read(path: epath.Path, steps: list[int], step: Any) -> int:
+def _step_to_read(path: epath.Path, steps: list[int], step: object) -> int:
     step = step_number(step)
     if step is None:
         return steps[-1]

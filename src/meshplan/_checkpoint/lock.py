@@ -71,7 +71,7 @@ def _alive(pid: int, pid_start: int | None) -> bool:
     return True
 
 
-def read_lock(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
+def read_lock(directory: str | os.PathLike[str]) -> dict[str, object] | None:
     """Who holds ``directory``'s lock (the JSON of its lock file), or ``None`` if unlocked.
 
     Example:
@@ -98,7 +98,7 @@ def read_lock(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else {}
 
 
-def _holder_text(data: dict[str, Any]) -> str:
+def _holder_text(data: dict[str, object]) -> str:
     if not data:
         return "an unknown process (the lock file is empty or damaged)"
     return (
@@ -115,7 +115,7 @@ class FolderLock:
         note: ``None``, or a sentence saying a stale lock was taken over (whose, and why).
     """
 
-    def __init__(self, path: str, data: dict[str, Any], note: str | None) -> None:
+    def __init__(self, path: str, data: dict[str, object], note: str | None) -> None:
         self.path = path
         self.data = data
         self.note = note

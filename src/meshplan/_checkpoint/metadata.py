@@ -57,7 +57,7 @@ class UnverifiedWarning(UserWarning):
 _DIGEST_KEY = "digest"
 
 
-def metadata_digest(data: Mapping[str, Any]) -> str:
+def metadata_digest(data: Mapping[str, object]) -> str:
     """The digest of a metadata JSON dict: SHA-256 of everything but its ``"digest"``.
 
     Example:
@@ -98,9 +98,9 @@ class ArrayInfo:
     logical: bool = True
     checksum: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         """A JSON-serialisable dict."""
-        out: dict[str, Any] = {
+        out: dict[str, object] = {
             "shape": list(self.shape),
             "dtype": self.dtype,
             "names": None if self.names is None else list(self.names),
@@ -123,7 +123,7 @@ class ArrayInfo:
         )
 
 
-def _name_from_json(name: Any) -> Any:
+def _name_from_json(name: object) -> Any:
     return tuple(name) if isinstance(name, list) else name
 
 
@@ -134,7 +134,7 @@ def _rules_from_json(rules: Sequence[Any]) -> RulePairs:
     )
 
 
-def _mesh_of(flat: Mapping[str, tuple[Any, Any]]) -> Any:
+def _mesh_of(flat: Mapping[str, tuple[object, object]]) -> Any:
     for value, _ in flat.values():
         sharding = getattr(value, "sharding", None)
         if isinstance(sharding, NamedSharding):
@@ -171,7 +171,7 @@ class CheckpointMetadata:
     arrays: dict[str, ArrayInfo]
     rules: RulePairs = ()
     mesh_shape: dict[str, int] = dataclasses.field(default_factory=dict)
-    config: dict[str, Any] | None = None
+    config: dict[str, object] | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     meshplan_version: str = ""
     sealed: bool = dataclasses.field(default=True, compare=False)
@@ -216,12 +216,12 @@ class CheckpointMetadata:
     def describe(
         cls,
         step: int,
-        state: Any,
+        state: object,
         *,
         rules: LogicalRules | None = None,
         mesh: Mesh | None = None,
-        config: Mapping[str, Any] | None = None,
-        extra: Mapping[str, Any] | None = None,
+        config: Mapping[str, object] | None = None,
+        extra: Mapping[str, object] | None = None,
     ) -> CheckpointMetadata:
         """The metadata of saving ``state`` (boxed or raw arrays) as ``step``.
 
@@ -248,8 +248,8 @@ class CheckpointMetadata:
         *,
         rules: LogicalRules | None = None,
         mesh: Mesh | None = None,
-        config: Mapping[str, Any] | None = None,
-        extra: Mapping[str, Any] | None = None,
+        config: Mapping[str, object] | None = None,
+        extra: Mapping[str, object] | None = None,
         checksums: Mapping[str, str] | None = None,
     ) -> CheckpointMetadata:
         """:meth:`describe` for a state already flattened by ``flatten_state``.
@@ -288,7 +288,7 @@ class CheckpointMetadata:
             meshplan_version=__version__,
         )
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         """A JSON-serialisable dict, marked with :data:`FORMAT`.
 
         Example:

@@ -33,7 +33,7 @@ def _jitted(rows: Rows, mesh: Any) -> Any:
     return jax.jit(rows, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
-def _group_key(value: jax.Array) -> Any:
+def _group_key(value: jax.Array) -> object:
     sharding = value.sharding
     if isinstance(sharding, NamedSharding):
         return ("mesh", sharding.mesh)

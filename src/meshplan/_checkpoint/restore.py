@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -45,6 +45,7 @@ from meshplan._spmd.boxes import LogicallyPartitioned, Partitioned, is_box
 from meshplan._spmd.leaves import is_leaf, leaf_kind
 from meshplan._spmd.rules import LogicalRules, NamesKind, logical_to_mesh_axes, normalize_rules
 from meshplan._spmd.validate import validate
+from meshplan._types import PyTree
 
 __all__ = ["Restored", "mismatch_problems", "restore", "target_shardings"]
 
@@ -123,7 +124,7 @@ class Restored(NamedTuple):
         (('embed', 'mlp'), 3, 3)
     """
 
-    state: dict[str, Any]
+    state: dict[str, object]
     metadata: CheckpointMetadata
 
     def arrays(self) -> dict[str, jax.Array]:
@@ -139,7 +140,7 @@ class Restored(NamedTuple):
         """
         return {k: (v.value if is_box(v) else v) for k, v in unnest(self.state)}
 
-    def into(self, template: Any) -> Any:
+    def into(self, template: PyTree) -> PyTree:
         """``template`` (e.g. an abstract ``TrainState``) with the restored arrays in it.
 
         Boxes of ``template`` keep their own metadata and get the restored value.
@@ -183,7 +184,7 @@ class Restored(NamedTuple):
 _MISMATCH_FIX = "Use the model config the checkpoint was saved with, or a new checkpoint folder."
 
 
-def mismatch_problems(metadata: CheckpointMetadata, template: Any) -> list[Problem]:
+def mismatch_problems(metadata: CheckpointMetadata, template: PyTree) -> list[Problem]:
     """One :class:`Problem` per array whose shape/dtype differs between ``template`` and the
     checkpoint (code ``'checkpoint-mismatch'``, its path the array's key).
 

@@ -20,7 +20,7 @@ from meshplan._text import path_text
 __all__ = ["SavedNames", "flatten_state", "nest", "path_of", "unnest"]
 
 
-def _key_name(key: Any) -> str:
+def _key_name(key: object) -> str:
     for attr in ("key", "name", "idx"):
         if hasattr(key, attr):
             name = str(getattr(key, attr))
@@ -63,7 +63,7 @@ class SavedNames:
 
 
 def flatten_state(
-    tree: Any, rules: LogicalRules | None = None
+    tree: object, rules: LogicalRules | None = None
 ) -> dict[str, tuple[Any, SavedNames | None]]:
     """Every array of ``tree`` by its path: ``{"params/w": (value, SavedNames or None)}``.
 
@@ -80,7 +80,7 @@ def flatten_state(
         >>> {k: (v.shape, n and n.names) for k, (v, n) in flatten_state(tree).items()}
         {'params/w': ((2, 4), ('embed', 'mlp')), 'step': ((), None)}
     """
-    out: dict[str, tuple[Any, SavedNames | None]] = {}
+    out: dict[str, tuple[object, SavedNames | None]] = {}
     for leaf in array_leaves(tree, rules)[0]:
         names = None
         if leaf.kind != "unboxed" and leaf.names is not None:
@@ -89,7 +89,7 @@ def flatten_state(
     return out
 
 
-def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+def nest(flat: Mapping[str, object]) -> dict[str, object]:
     """``{"a/b": x}`` -> ``{"a": {"b": x}}``.
 
     Example:
@@ -107,7 +107,7 @@ def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def unnest(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+def unnest(tree: Mapping[str, object], prefix: str = "") -> Iterator[tuple[str, Any]]:
     """The inverse of :func:`nest`: ``(path, leaf)`` pairs of nested dicts.
 
     Example:

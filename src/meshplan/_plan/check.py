@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from jax.sharding import AbstractMesh
 
 from meshplan._errors import Problem
@@ -13,12 +11,13 @@ from meshplan._spmd.mesh_info import MeshLike
 from meshplan._spmd.nnx_check import nnx_problems
 from meshplan._spmd.rules import LogicalRules
 from meshplan._spmd.tree_check import raise_for_errors
+from meshplan._types import PyTree
 
 __all__ = ["check"]
 
 
 def check(
-    tree: Any,
+    tree: PyTree,
     mesh: MeshLike,
     rules: LogicalRules | None = None,
     *,

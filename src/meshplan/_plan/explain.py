@@ -26,6 +26,7 @@ from meshplan._spmd.leaves import array_leaves
 from meshplan._spmd.mesh_info import MeshInfo, MeshLike, mesh_info
 from meshplan._spmd.rules import LogicalRules, get_logical_axis_rules, rules_problems
 from meshplan._text import path_text
+from meshplan._types import PyTree
 
 __all__ = ["explain"]
 
@@ -42,7 +43,7 @@ def _mesh_and_rules(
     return info, valid, index_map, problems
 
 
-def _key_str(key: Any) -> str:
+def _key_str(key: object) -> str:
     """One key's part of the path (``path_text`` of the whole path joins these with '/')."""
     return path_text((key,))
 
@@ -50,7 +51,7 @@ def _key_str(key: Any) -> str:
 _GROUP_OF_PART = {"opt_state": "optimizer", "params": "params"}
 
 
-def explain(tree: Any, mesh: MeshLike, rules: LogicalRules | None = None) -> Plan:
+def explain(tree: PyTree, mesh: MeshLike, rules: LogicalRules | None = None) -> Plan:
     """Explains where every array leaf of ``tree`` goes on ``mesh``, why, and what it costs.
 
     ``tree`` is anything :func:`meshplan.get_partition_spec` accepts: boxed
@@ -95,15 +96,19 @@ def explain(tree: Any, mesh: MeshLike, rules: LogicalRules | None = None) -> Pla
     info, rules, index_map, rule_problems = _mesh_and_rules(mesh, rules)
     flat, skipped = array_leaves(tree, rules)
 
-    cache: dict[Any, LeafLayout] = {}
-    key_text: dict[Any, str] = {}
+    cache: dict[object, LeafLayout] = {}
+    key_text: dict[object, str] = {}
     leaves: list[LeafPlan] = []
     for leaf in flat:
         kind, names, shape, dtype, own_rules = (
-            leaf.kind, leaf.names, leaf.shape, leaf.dtype, leaf.own_rules
-        )  # fmt: skip
+            leaf.kind,
+            leaf.names,
+            leaf.shape,
+            leaf.dtype,
+            leaf.own_rules,
+        )
         keypath = leaf.keypath
-        key: tuple[Any, ...] | None = (kind, names, shape, dtype, own_rules)
+        key: tuple[object, ...] | None = (kind, names, shape, dtype, own_rules)
         try:
             layout = cache.get(key)
         except TypeError:  # unhashable names

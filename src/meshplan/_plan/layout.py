@@ -7,20 +7,20 @@ so :func:`meshplan.explain` builds it once for all the leaves that share those.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
+from jax.typing import DTypeLike
 
 from meshplan._plan.records import DimPlan, LeafLayout
 from meshplan._plan.shards import uneven_device_bytes
 from meshplan._spmd.mesh_info import MeshInfo
-from meshplan._spmd.rules import NamesKind
+from meshplan._spmd.rules import AxisNames, NamesKind
 from meshplan._spmd.validate import check_leaf
 
 __all__ = ["build_layout"]
 
 
-def _itemsize(dtype: Any) -> int:
+def _itemsize(dtype: DTypeLike) -> int:
     size = getattr(dtype, "itemsize", None)
     if size is None:
         try:
@@ -32,10 +32,10 @@ def _itemsize(dtype: Any) -> int:
 
 def build_layout(
     kind: NamesKind,
-    names: tuple[Any, ...] | None,
+    names: AxisNames | None,
     shape: tuple[int, ...] | None,
-    dtype: Any,
-    rules: tuple[tuple[str, Any], ...],
+    dtype: DTypeLike,
+    rules: tuple[tuple[str, object], ...],
     index_map: tuple[int, ...],
     mesh: MeshInfo,
 ) -> LeafLayout:

@@ -120,9 +120,14 @@ def find_problems(
     any_logical = any(layout.kind == "logical" for layout, _ in groups.values())
     for name, paths in unmatched.items():
         skips = sorted(
-            {f"rule {s.rule_index}" for layout, ps in groups.values() for d in layout.dims
-             if d.name == name for s in d.skipped}
-        )  # fmt: skip
+            {
+                f"rule {s.rule_index}"
+                for layout, ps in groups.values()
+                for d in layout.dims
+                if d.name == name
+                for s in d.skipped
+            }
+        )
         why = f" ({', '.join(skips)} named it but {'was' if len(skips) == 1 else 'were'} skipped)"
         warnings.append(
             Problem(

@@ -7,14 +7,13 @@ Leaves with the same kind, names, shape, dtype and rules share one
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 from jax.sharding import PartitionSpec
 
 from meshplan._errors import Problem
-from meshplan._spmd.rules import UNCONSTRAINED, NamesKind
+from meshplan._spmd.rules import UNCONSTRAINED, AxisNames, NamesKind
 from meshplan._spmd.validate import DimCheck
 from meshplan._text import axes_text, rule_text
 
@@ -27,7 +26,7 @@ _SKIP_TEXT = {
 }
 
 
-def json_entry(entry: Any) -> Any:
+def json_entry(entry: object) -> object:
     """A name or spec entry as JSON: ``'UNCONSTRAINED'``, a list for a tuple, else itself.
 
     Example:
@@ -132,7 +131,7 @@ class DimPlan(DimCheck):
             return f"mesh axis {axes_text(tuple(ones))} has size 1, so not split"
         return f"split {self.shards} ways"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The ``leaves[i].dims[j]`` entry of the JSON schema (``docs/plan.md``)."""
         return {
             "name": json_entry(self.name),
@@ -157,7 +156,7 @@ class LeafLayout:
     """Everything about a leaf that depends only on (kind, names, shape, dtype, rules)."""
 
     kind: NamesKind
-    names: tuple[Any, ...] | None
+    names: AxisNames | None
     shape: tuple[int, ...] | None
     dtype: str
     itemsize: int
@@ -223,7 +222,7 @@ class LeafPlan:
                 lines.append(f"dim {d.index}{label}: {text}")
         return "\n".join(lines)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The ``leaves[i]`` entry of the JSON schema (``docs/plan.md``)."""
         return {
             "path": self.path,

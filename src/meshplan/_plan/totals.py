@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -42,7 +42,7 @@ class Totals:
         """``ideal_bytes / max_device_bytes``: 1.0 when nothing is replicated or uneven."""
         return 1.0 if self.max_device_bytes == 0 else self.ideal_bytes / self.max_device_bytes
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The ``totals[group]`` entry of the JSON schema (``docs/plan.md``)."""
         return {
             "leaves": self.leaves,

@@ -35,6 +35,7 @@ from meshplan._spmd.rules import (
 )
 from meshplan._spmd.validate import rank_problem
 from meshplan._text import path_text
+from meshplan._types import Leaf, PyTree
 
 __all__ = [
     "PARTITION_NAME",
@@ -53,19 +54,21 @@ PARTITION_NAME = "partition_name"
 """Key of ``metadata_params`` in ``nn.scan``/``nn.vmap`` naming the axis they add."""
 
 
-def _check_names(names: Any, cls_name: str) -> AxisNames:
+def _check_names(names: object, cls_name: str) -> AxisNames:
     if type(names) is tuple and all(n is None or type(n) is str for n in names):
         return names  # fast path: the common case, already normal
     if names is None:
         raise error_for(
-            LogicalNamesError, "names-none", "names",
+            LogicalNamesError,
+            "names-none",
+            "names",
             f"{cls_name} needs one axis name (or None) per dimension, got names=None",
             "For a replicated value give (None,) * value.ndim, or leave the value unboxed.",
-        )  # fmt: skip
+        )
     return normalize_names(names, what=f"{cls_name} names")
 
 
-def _values_equal(a: Any, b: Any) -> bool:
+def _values_equal(a: object, b: Leaf) -> bool:
     if a is b:
         return True
     if isinstance(a, jax.ShapeDtypeStruct) or isinstance(b, jax.ShapeDtypeStruct):
@@ -136,7 +139,7 @@ class Partitioned(AxisMetadata[A], Generic[A]):
             return _gathered_for_use(self, value, self.get_partition_spec(), None)
         return self.value
 
-    def replace_boxed(self, val: Any) -> Partitioned[Any]:
+    def replace_boxed(self, val: Leaf) -> Partitioned[Leaf]:
         """The same box around a new value.
 
         Example:
@@ -148,18 +151,20 @@ class Partitioned(AxisMetadata[A], Generic[A]):
         """
         return dataclasses.replace(self, value=val)
 
-    def _partition_name(self, params: dict[Any, Any]) -> Any:
+    def _partition_name(self, params: dict[object, object]) -> Any:
         if PARTITION_NAME not in params:
             raise error_for(
-                PartitioningUnspecifiedError, "partition-name-missing", "metadata_params",
+                PartitioningUnspecifiedError,
+                "partition-name-missing",
+                "metadata_params",
                 f"nn.scan/nn.vmap is adding an axis to {self._what()}, but its metadata_params "
                 f"do not name that axis (got metadata_params={params!r})",
                 "Pass metadata_params={meshplan.PARTITION_NAME: 'layer'} (or None for an "
                 "unsharded axis) to the transform.",
-            )  # fmt: skip
+            )
         return params[PARTITION_NAME]
 
-    def add_axis(self, index: int, params: dict[Any, Any]) -> Partitioned[A]:
+    def add_axis(self, index: int, params: dict[object, object]) -> Partitioned[A]:
         """Inserts the transform's partition name at ``index`` (``nn.scan``/``nn.vmap``).
 
         Example:
@@ -175,7 +180,7 @@ class Partitioned(AxisMetadata[A], Generic[A]):
         names.insert(index, name)
         return dataclasses.replace(self, names=tuple(names))
 
-    def remove_axis(self, index: int, params: dict[Any, Any]) -> Partitioned[A]:
+    def remove_axis(self, index: int, params: dict[object, object]) -> Partitioned[A]:
         """Removes the axis :meth:`add_axis` inserted; its exact inverse.
 
         Example:
@@ -188,11 +193,13 @@ class Partitioned(AxisMetadata[A], Generic[A]):
         names = list(self.names)
         if index >= len(names) or names[index] != name:
             raise error_for(
-                LogicalNamesError, "remove-axis-mismatch", "names",
+                LogicalNamesError,
+                "remove-axis-mismatch",
+                "names",
                 f"Cannot remove axis {index} named {name!r} from {self._what()}: "
                 f"that position holds {names[index] if index < len(names) else 'nothing'!r}",
                 "remove_axis must undo the add_axis of the same transform.",
-            )  # fmt: skip
+            )
         del names[index]
         return dataclasses.replace(self, names=tuple(names))
 
@@ -222,7 +229,7 @@ class Partitioned(AxisMetadata[A], Generic[A]):
         """
         return NamedSharding(mesh, self._checked_spec())
 
-    def replace(self, **updates: Any) -> Partitioned[A]:
+    def replace(self, **updates: PyTree) -> Partitioned[A]:
         """A copy with some fields replaced, as Flax's ``struct`` dataclasses offer.
 
         Example:
@@ -234,7 +241,7 @@ class Partitioned(AxisMetadata[A], Generic[A]):
         """
         return dataclasses.replace(self, **updates)
 
-    def to_nnx_metadata(self) -> dict[str, Any]:
+    def to_nnx_metadata(self) -> dict[str, object]:
         """The box's fields as ``flax.nnx.Variable`` metadata (``names`` -> ``out_sharding``).
 
         Example:
@@ -394,7 +401,7 @@ class LogicallyPartitioned(Partitioned[A]):
         return NamedSharding(mesh, logical_to_mesh_axes(tuple(spec), rules))
 
 
-def _stored_param_path(box: Partitioned[Any]) -> str | None:
+def _stored_param_path(box: Partitioned[object]) -> str | None:
     """``box``'s path if the Flax module being run holds it as a variable.
 
     ``""`` when a module is running but holds no such box, ``None`` outside any module.
@@ -418,7 +425,7 @@ def _stored_param_path(box: Partitioned[Any]) -> str | None:
     return ""
 
 
-def _defer_rank(box: Partitioned[Any]) -> bool:
+def _defer_rank(box: Partitioned[Leaf]) -> bool:
     """Whether ``box`` has more names than its value has dimensions *for now*.
 
     Inside a Flax module, a box the module does not hold yet is an initializer's
@@ -440,7 +447,7 @@ def _defer_rank(box: Partitioned[Any]) -> bool:
 
 
 def _gathered_for_use(
-    box: Partitioned[Any], value: A, spec: PartitionSpec, rules: LogicalRules | None
+    box: Partitioned[Leaf], value: A, spec: PartitionSpec, rules: LogicalRules | None
 ) -> A:
     """On an Explicit mesh, a parameter a Flax module reads is gathered over the batch's axes.
 
@@ -482,7 +489,7 @@ _IS_BOX: dict[type, bool] = {}
 """``isinstance(x, AxisMetadata)`` by type: the ABC check is slow, and every leaf of a state asks."""
 
 
-def is_box(x: Any) -> bool:
+def is_box(x: object) -> bool:
     """Whether ``x`` is a metadata box (any Flax ``AxisMetadata``, meshplan's included).
 
     Example:
@@ -498,30 +505,34 @@ def is_box(x: Any) -> bool:
     return found
 
 
-def _check_initializer_args(fn: Any, names: Any, who: str) -> AxisNames:
+def _check_initializer_args(fn: object, names: object, who: str) -> AxisNames:
     """``names`` normalised, after checking that ``fn`` is callable and ``names`` are names."""
     if not callable(fn) and callable(names):
         raise error_for(
-            ArgumentError, "swapped-arguments", "fn",
+            ArgumentError,
+            "swapped-arguments",
+            "fn",
             f"{who}(fn, names) got the arguments swapped: fn={fn!r} is not callable and "
             f"names={names!r} is",
             f"Call {who}(initializer, names), e.g. "
             f"{who}(nn.initializers.lecun_normal(), (None, 'model')).",
-        )  # fmt: skip
+        )
     if not callable(fn):
         raise error_for(
-            ArgumentError, "not-an-initializer", "fn",
+            ArgumentError,
+            "not-an-initializer",
+            "fn",
             f"{who} needs an initializer function as its first argument, got {fn!r}",
             f"Pass an initializer, e.g. {who}(nn.initializers.lecun_normal(), names).",
-        )  # fmt: skip
+        )
     return _check_names(names, who)
 
 
 def with_partitioning(
-    fn: Callable[..., Any],
+    fn: Callable[..., object],
     names: LogicalNames,
     mesh: jax.sharding.Mesh | None = None,
-) -> Callable[..., Partitioned[Any]]:
+) -> Callable[..., Partitioned[Leaf]]:
     """Wraps an initializer so that its result comes back as a :class:`Partitioned` box.
 
     Example:
@@ -541,18 +552,18 @@ def with_partitioning(
     axis_names = _check_initializer_args(fn, names, "with_partitioning")
 
     @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Partitioned[Any]:
+    def wrapper(*args: object, **kwargs: object) -> Partitioned[Leaf]:
         return Partitioned(fn(*args, **kwargs), axis_names, mesh=mesh)
 
     return wrapper
 
 
 def with_logical_partitioning(
-    fn: Callable[..., Any],
+    fn: Callable[..., object],
     names: LogicalNames,
     mesh: jax.sharding.Mesh | None = None,
     rules: LogicalRules | None = None,
-) -> Callable[..., LogicallyPartitioned[Any]]:
+) -> Callable[..., LogicallyPartitioned[Leaf]]:
     """Wraps an initializer so that its result is a :class:`LogicallyPartitioned` box.
 
     Example:
@@ -575,13 +586,13 @@ def with_logical_partitioning(
         rules = normalize_rules(rules)
 
     @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> LogicallyPartitioned[Any]:
+    def wrapper(*args: object, **kwargs: object) -> LogicallyPartitioned[Leaf]:
         return LogicallyPartitioned(fn(*args, **kwargs), axis_names, mesh=mesh, rules=rules)
 
     return wrapper
 
 
-def unbox(tree: Any) -> Any:
+def unbox(tree: PyTree) -> PyTree:
     """Strips every metadata box from ``tree`` (recursively), leaving the raw values.
 
     Example:
@@ -598,7 +609,7 @@ def unbox(tree: Any) -> Any:
     )
 
 
-def replace_boxed(tree: Any, updates: Any) -> Any:
+def replace_boxed(tree: PyTree, updates: PyTree) -> PyTree:
     """Puts the values of ``updates`` into the boxes of ``tree``, keeping their metadata.
 
     ``updates`` has the structure of ``unbox(tree)``; leaves of ``tree`` that are
@@ -615,28 +626,37 @@ def replace_boxed(tree: Any, updates: Any) -> Any:
     problems: list[Problem] = []
     fix = "Updates must have the structure and ranks of meshplan.unbox(tree)."
 
-    def update(path: Any, box: Any, new: Any) -> Any:
+    def update(path: object, box: Leaf, new: PyTree) -> PyTree:
         if not isinstance(box, AxisMetadata):
             return new
         inner = box.value if isinstance(box, Partitioned) else box.unbox()
         if isinstance(new, AxisMetadata):
-            problems.append(Problem(
-                "error", path_text(path),
-                f"the update is itself a box ({type(new).__name__}); pass raw values "
-                f"(meshplan.unbox(updates))", fix, "update-is-a-box",
-            ))  # fmt: skip
+            problems.append(
+                Problem(
+                    "error",
+                    path_text(path),
+                    f"the update is itself a box ({type(new).__name__}); pass raw values "
+                    f"(meshplan.unbox(updates))",
+                    fix,
+                    "update-is-a-box",
+                )
+            )
             return box
         if isinstance(inner, AxisMetadata):
             new = replace_boxed(inner, new)
         elif isinstance(box, Partitioned):
             new_shape = getattr(new, "shape", None)
             if new_shape is not None and len(new_shape) != len(box.names):
-                problems.append(Problem(
-                    "error", path_text(path),
-                    f"a value of shape {tuple(new_shape)} (rank {len(new_shape)}) cannot go "
-                    f"into a box named {box.names!r} (rank {len(box.names)})", fix,
-                    "update-rank",
-                ))  # fmt: skip
+                problems.append(
+                    Problem(
+                        "error",
+                        path_text(path),
+                        f"a value of shape {tuple(new_shape)} (rank {len(new_shape)}) cannot go "
+                        f"into a box named {box.names!r} (rank {len(box.names)})",
+                        fix,
+                        "update-rank",
+                    )
+                )
                 return box
         return box.replace_boxed(new)
 

@@ -24,8 +24,9 @@ from meshplan._errors import LogicalNamesError, Problem, error_from_problems
 from meshplan._spmd.boxes import LogicallyPartitioned, is_box
 from meshplan._spmd.leaves import is_leaf, leaf_kind, unwrap
 from meshplan._spmd.nnx import is_variable
-from meshplan._spmd.rules import names_problem
+from meshplan._spmd.rules import AxisNames, names_problem
 from meshplan._text import count_text, path_text, paths_text, shape_text
+from meshplan._types import Leaf
 
 __all__ = [
     "PathRule",
@@ -68,7 +69,7 @@ class PathRule:
 
     index: int
     pattern: re.Pattern[str]
-    names: tuple[Any, ...] | None
+    names: AxisNames | None
 
     def where(self) -> str:
         """``"path_rules[2] ('.*/kernel')"``."""
@@ -79,7 +80,7 @@ def _rule_problem(index: int, message: str) -> Problem:
     return Problem("error", f"path_rules[{index}]", message, _FIX, "path-rule")
 
 
-def _check_rule(index: int, pair: Any) -> PathRule | Problem:
+def _check_rule(index: int, pair: object) -> PathRule | Problem:
     if isinstance(pair, str | bytes) or not isinstance(pair, Sequence) or len(pair) != 2:
         return _rule_problem(index, f"{pair!r} is not a (pattern, names) pair")
     pattern, names = pair
@@ -128,7 +129,7 @@ def check_path_rules(path_rules: PathRules) -> tuple[PathRule, ...]:
     return tuple(c for c in checked if isinstance(c, PathRule))
 
 
-def _rank_problem(path: str, rule: PathRule, names: tuple[Any, ...], shape: Any) -> Problem:
+def _rank_problem(path: str, rule: PathRule, names: AxisNames, shape: Any) -> Problem:
     ndim = len(shape)
     return Problem(
         "error",
@@ -141,7 +142,7 @@ def _rank_problem(path: str, rule: PathRule, names: tuple[Any, ...], shape: Any)
     )
 
 
-def _named(leaf: Any, names: tuple[Any, ...]) -> Any:
+def _named(leaf: Leaf, names: AxisNames) -> Leaf:
     """``leaf`` carrying ``names``: a variable's ``out_sharding``, else a new logical box."""
     if is_variable(leaf):
         return leaf.replace(out_sharding=names)
@@ -150,7 +151,7 @@ def _named(leaf: Any, names: tuple[Any, ...]) -> Any:
     return LogicallyPartitioned(leaf, names)
 
 
-def _shape(leaf: Any) -> Any:
+def _shape(leaf: Leaf) -> Leaf:
     if is_variable(leaf):
         return getattr(leaf.get_value(), "shape", None)
     if is_box(leaf):
@@ -191,7 +192,7 @@ def name_by_path(tree: T, path_rules: PathRules) -> T:
         Give one name (or None) per dimension (2 names), or add an earlier pattern ...
 
     Args:
-        tree: Any pytree of arrays: Linen variables, a Flax NNX state, a Hugging Face
+        tree: PyTree pytree of arrays: Linen variables, a Flax NNX state, a Hugging Face
             model's ``params``, a plain dict, an abstract tree of ``jax.ShapeDtypeStruct``.
         path_rules: ``(pattern, names)`` pairs, first match wins.
 
@@ -212,7 +213,7 @@ def name_by_path(tree: T, path_rules: PathRules) -> T:
     unmatched: list[str] = []
     used: set[int] = set()
 
-    def name(keypath: Any, leaf: Any) -> Any:
+    def name(keypath: object, leaf: Leaf) -> Leaf:
         shape = _shape(leaf)
         if shape is None:
             return leaf

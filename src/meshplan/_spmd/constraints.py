@@ -10,6 +10,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from meshplan._errors import UnmatchedLogicalAxisError, error_for
+from meshplan._spmd.mesh_info import JaxMesh
 from meshplan._spmd.place import active_mesh, apply_spec
 from meshplan._spmd.rules import (
     UNASSIGNED,
@@ -19,6 +20,7 @@ from meshplan._spmd.rules import (
     get_logical_axis_rules,
     resolve,
 )
+from meshplan._types import Leaf
 
 __all__ = ["RulesFallback", "logical_dot_general", "with_logical_constraint"]
 
@@ -50,11 +52,11 @@ class RulesFallback(enum.Enum):
     """Leave the value unconstrained."""
 
 
-def _is_axis_entry(x: Any) -> bool:
+def _is_axis_entry(x: object) -> bool:
     return isinstance(x, str) or x is PartitionSpec.UNCONSTRAINED or x is None
 
 
-def _is_logical_spec(x: Any) -> bool:
+def _is_logical_spec(x: object) -> bool:
     return (
         x is None
         or isinstance(x, PartitionSpec)
@@ -63,8 +65,8 @@ def _is_logical_spec(x: Any) -> bool:
 
 
 def _constrain_one(
-    spec: Any, x: Any, *, rules: LogicalRules, mesh: Any, fallback: RulesFallback
-) -> Any:
+    spec: Any, x: Leaf, *, rules: LogicalRules, mesh: JaxMesh | None, fallback: RulesFallback
+) -> Leaf:
     if spec is None:
         return x
     resolved = resolve(spec, rules)
@@ -72,12 +74,14 @@ def _constrain_one(
     if unmatched:
         if fallback is RulesFallback.RAISE_ERROR:
             raise error_for(
-                UnmatchedLogicalAxisError, "unmatched-name", str(unmatched[0]),
+                UnmatchedLogicalAxisError,
+                "unmatched-name",
+                str(unmatched[0]),
                 f"Axis names {tuple(spec)!r} did not match a rule: {tuple(unmatched)!r} "
                 f"has no rule in {tuple(rules)!r}",
                 f"Add a rule for it (e.g. ({unmatched[0]!r}, None) to keep it unsharded), or "
                 f"use fallback=RulesFallback.AXIS_IS_UNSHARDED.",
-            )  # fmt: skip
+            )
         if fallback is RulesFallback.NO_CONSTRAINT:
             return x
     mesh_spec = PartitionSpec(*(None if r is UNASSIGNED else r for r in resolved))
@@ -126,7 +130,7 @@ def with_logical_constraint(
     if mesh is None and active_mesh() is None:
         return x
 
-    def one(spec: Any, value: Any) -> Any:
+    def one(spec: object, value: object) -> Leaf:
         return _constrain_one(spec, value, rules=rules, mesh=mesh, fallback=fallback)
 
     # tree_map is typed as returning Any: the result is x's tree, each leaf constrained.
@@ -166,7 +170,7 @@ def explicit_out_sharding(
 
 def logical_dot_general(
     out_names: LogicalNames | PartitionSpec, rules: LogicalRules | None = None
-) -> Callable[..., Any]:
+) -> Callable[..., object]:
     """A ``dot_general`` for Flax layers whose output is sharded by logical names.
 
     On an Explicit mesh, a contraction over a dimension split in both operands (a
@@ -197,8 +201,8 @@ def logical_dot_general(
         dimension_numbers: Any,
         precision: Any = None,
         preferred_element_type: Any = None,
-        **kwargs: Any,
-    ) -> Any:
+        **kwargs: object,
+    ) -> object:
         kwargs.setdefault("out_sharding", explicit_out_sharding(out_names, rules))
         return jax.lax.dot_general(
             lhs,

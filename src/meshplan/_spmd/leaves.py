@@ -23,8 +23,10 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshplan._spmd.boxes import LogicallyPartitioned, Partitioned, is_box
+from meshplan._spmd.mesh_info import JaxMesh
 from meshplan._spmd.nnx import is_variable, variable_names, variable_spec
-from meshplan._spmd.rules import LogicalRules, NamesKind, logical_to_mesh_axes
+from meshplan._spmd.rules import AxisNames, LogicalRules, NamesKind, logical_to_mesh_axes
+from meshplan._types import Leaf, PyTree, StepFn
 
 __all__ = [
     "ArrayLeaf",
@@ -54,9 +56,9 @@ class LeafNames:
     """
 
     kind: NamesKind
-    names: tuple[Any, ...] | None
-    value: Any
-    own_rules: Any
+    names: AxisNames | None
+    value: Leaf
+    own_rules: object
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,14 +85,16 @@ class LeafKind:
     """
 
     name: str
-    matches: Callable[[Any], bool]
-    read: Callable[[Any, Any], LeafNames]
-    spec: Callable[[Any, dict[Any, Any]], Any]
-    sharding: Callable[[Any, Any, Named, dict[Any, Any]], Any]
-    with_value: Callable[[Any, Any], Any]
-    resolve: Callable[[Any, Any], PartitionSpec | None] | None = None
-    put: Callable[[Any, Any], Any] | None = None
-    logical: Callable[[Any, Any], tuple[PartitionSpec, Any, Any] | None] | None = None
+    matches: Callable[[Leaf], bool]
+    read: Callable[[Leaf, LogicalRules | None], LeafNames]
+    spec: Callable[[Leaf, dict[object, object]], PartitionSpec]
+    sharding: Callable[[Leaf, JaxMesh, Named, dict[object, object]], Leaf]
+    with_value: StepFn
+    resolve: Callable[[Leaf, LogicalRules | None], PartitionSpec | None] | None = None
+    put: StepFn | None = None
+    logical: (
+        Callable[[Leaf, LogicalRules | None], tuple[PartitionSpec, Leaf, Leaf] | None] | None
+    ) = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -107,16 +111,16 @@ class ArrayLeaf:
         value: The array (or abstract value) itself, out of its box or variable.
     """
 
-    keypath: tuple[Any, ...]
+    keypath: tuple[object, ...]
     kind: NamesKind
-    names: tuple[Any, ...] | None
+    names: AxisNames | None
     shape: tuple[int, ...]
     dtype: Any
-    own_rules: Any
-    value: Any = None
+    own_rules: object
+    value: Leaf = None
 
 
-def unwrap(box: Any) -> tuple[NamesKind, Any, Any, Any]:
+def unwrap(box: Leaf) -> tuple[NamesKind, Any, object, Leaf]:
     """``(kind, names, value, own_rules)`` of a box, however nested.
 
     Example:
@@ -139,7 +143,7 @@ def unwrap(box: Any) -> tuple[NamesKind, Any, Any, Any]:
     return ("logical" if logical else "mesh"), names, value, getattr(box, "rules", None)
 
 
-def array_leaves(tree: Any, rules: LogicalRules | None = None) -> tuple[list[ArrayLeaf], int]:
+def array_leaves(tree: PyTree, rules: LogicalRules | None = None) -> tuple[list[ArrayLeaf], int]:
     """Every array leaf of ``tree`` in tree order, and how many leaves were not arrays.
 
     A leaf is an array when it (or the value in its box or variable) has a
@@ -183,7 +187,7 @@ def array_leaves(tree: Any, rules: LogicalRules | None = None) -> tuple[list[Arr
 _OWN_BOXES = (Partitioned, LogicallyPartitioned)  # exact types: spec is PartitionSpec(*names)
 
 
-def _box_spec(box: Any, cache: dict[Any, Any]) -> PartitionSpec:
+def _box_spec(box: Leaf, cache: dict[object, Any]) -> PartitionSpec:
     if type(box) in _OWN_BOXES:  # boxes with equal names share one spec
         spec = cache.get(("spec", box.names))
         if spec is None:
@@ -193,7 +197,7 @@ def _box_spec(box: Any, cache: dict[Any, Any]) -> PartitionSpec:
     return out
 
 
-def _box_sharding(box: Any, mesh: Any, named: Named, cache: dict[Any, Any]) -> Any:
+def _box_sharding(box: Leaf, mesh: JaxMesh, named: Named, cache: dict[object, object]) -> Leaf:
     if type(box) is Partitioned:  # checked already for these names: skip the spec
         shape = getattr(box.value, "shape", None)
         if shape is None or len(shape) == len(box.names):
@@ -217,17 +221,17 @@ LINEN_BOX = LeafKind(
 ``AxisMetadata``. In a tree of specs or shardings a box becomes its spec or sharding."""
 
 
-def _variable_read(var: Any, rules: LogicalRules) -> LeafNames:
+def _variable_read(var: Leaf, rules: LogicalRules | None) -> LeafNames:
     info = variable_names(var, rules)
     return LeafNames(info.kind, info.names, var.get_value(), info.rules)
 
 
-def _variable_sharding(var: Any, mesh: Any, named: Named, cache: dict[Any, Any]) -> Any:
+def _variable_sharding(var: Leaf, mesh: JaxMesh, named: Named, cache: dict[object, object]) -> Leaf:
     spec = variable_spec(var)
     return var.replace(None if spec is None else named(spec))
 
 
-def _variable_resolve(var: Any, rules: LogicalRules) -> PartitionSpec | None:
+def _variable_resolve(var: Leaf, rules: LogicalRules | None) -> PartitionSpec | None:
     """A variable's logical spec through ``rules``: its value when that is a spec (the result
     of ``nnx.get_partition_spec``), else its ``out_sharding`` names read as logical names."""
     value = var.get_value()
@@ -236,7 +240,9 @@ def _variable_resolve(var: Any, rules: LogicalRules) -> PartitionSpec | None:
     return variable_spec(var, rules, logical=True)
 
 
-def _variable_logical(var: Any, rules: LogicalRules) -> tuple[PartitionSpec, Any, Any] | None:
+def _variable_logical(
+    var: Leaf, rules: LogicalRules | None
+) -> tuple[PartitionSpec, Leaf, Leaf] | None:
     """Its spec value, or its names read as logical; with its shape and own rules."""
     names = variable_names(var, rules)
     value = var.get_value()
@@ -269,7 +275,7 @@ _BY_TYPE: dict[type, LeafKind | None] = {}
 """The kind of each type seen: every leaf of a state asks, so ``matches`` runs once a type."""
 
 
-def leaf_kind(x: Any) -> LeafKind | None:
+def leaf_kind(x: Leaf) -> LeafKind | None:
     """The :class:`LeafKind` of ``x``, or ``None`` for a plain leaf (an array, a number).
 
     Example:
@@ -285,12 +291,12 @@ def leaf_kind(x: Any) -> LeafKind | None:
     return found
 
 
-def is_leaf(x: Any) -> bool:
+def is_leaf(x: object) -> bool:
     """Where the walks stop: a value of some :class:`LeafKind` (a box, a Flax NNX variable)."""
     return leaf_kind(x) is not None
 
 
-def is_spec_leaf(x: Any) -> bool:
+def is_spec_leaf(x: object) -> bool:
     """Where a walk of a *logical spec* tree stops: a spec, or a kind that may sit there."""
     if isinstance(x, PartitionSpec):
         return True

@@ -6,7 +6,7 @@ import dataclasses
 import difflib
 import math
 from collections.abc import Mapping
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh
@@ -77,11 +77,13 @@ def mesh_info(mesh: MeshLike | MeshInfo) -> MeshInfo:
             ids = None
     else:
         raise error_for(
-            MeshError, "not-a-mesh", "mesh",
+            MeshError,
+            "not-a-mesh",
+            "mesh",
             f"A plan needs a mesh (jax.sharding.Mesh, AbstractMesh, or a mapping of axis "
             f"sizes such as {{'data': 2, 'model': 4}}), got {type(mesh).__name__}: {mesh!r}",
             "Build one with jax.make_mesh((2, 4), ('data', 'model')).",
-        )  # fmt: skip
+        )
     bad = [
         (n, s)
         for n, s in zip(names, sizes, strict=True)
@@ -89,18 +91,20 @@ def mesh_info(mesh: MeshLike | MeshInfo) -> MeshInfo:
     ]
     if bad or len(set(names)) != len(names):
         raise error_for(
-            MeshError, "bad-mesh-axes", "mesh",
+            MeshError,
+            "bad-mesh-axes",
+            "mesh",
             f"A mesh needs distinct string axis names with positive integer sizes, got "
             f"{dict(zip(names, sizes, strict=True))!r}",
             "Name each axis once, e.g. {'data': 2, 'model': 4}.",
-        )  # fmt: skip
+        )
     sizes = tuple(int(s) for s in sizes)
     if ids is None or len(ids) != math.prod(sizes):
         ids = tuple(range(math.prod(sizes)))
     return MeshInfo(names, sizes, ids)
 
 
-def _is_pos(s: Any) -> bool:
+def _is_pos(s: object) -> bool:
     return isinstance(s, int | np.integer) and not isinstance(s, bool) and bool(s > 0)
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -36,8 +36,10 @@ from jax.sharding import PartitionSpec
 
 from meshplan._errors import MeshError, Problem, error_for
 from meshplan._spmd.constraints import with_logical_constraint
+from meshplan._spmd.mesh_info import MeshLike
 from meshplan._spmd.place import active_mesh, apply_spec
 from meshplan._spmd.rules import LogicalRules, get_logical_axis_rules, mesh_axes_of, resolve
+from meshplan._types import PyTree
 
 __all__ = ["PipelineSchedule", "pipeline_layers", "stage_axes"]
 
@@ -122,34 +124,49 @@ class PipelineSchedule:
         found = []
         for name, value in (("stages", p), ("microbatches", m), ("repeats", v)):
             if value < 1:
-                found.append(_problem("pipeline-count", name, f"{name} must be 1 or more, got {value}",
-                                      f"Pass {name} of 1 or more."))  # fmt: skip
+                found.append(
+                    _problem(
+                        "pipeline-count",
+                        name,
+                        f"{name} must be 1 or more, got {value}",
+                        f"Pass {name} of 1 or more.",
+                    )
+                )
         if found:
             return found
         if layers % (p * v):
             near = max(p * v, round(layers / (p * v)) * p * v)
-            found.append(_problem(
-                "pipeline-layers", "layers",
-                f"{layers} layers do not split into {p} stages x {v} repeats "
-                f"({p * v} groups of equal size)",
-                f"Use a number of layers that is a multiple of {p * v} (e.g. {near}), or "
-                f"stages x repeats that divide {layers}.",
-            ))  # fmt: skip
+            found.append(
+                _problem(
+                    "pipeline-layers",
+                    "layers",
+                    f"{layers} layers do not split into {p} stages x {v} repeats "
+                    f"({p * v} groups of equal size)",
+                    f"Use a number of layers that is a multiple of {p * v} (e.g. {near}), or "
+                    f"stages x repeats that divide {layers}.",
+                )
+            )
         if p > 1 and m < p:
-            found.append(_problem(
-                "pipeline-microbatches", "microbatches",
-                f"{m} microbatches are fewer than the {p} stages: stages would wait for work "
-                f"that never comes (bubble {(p - 1) / self.iterations:.0%})",
-                f"Use {p} microbatches or more (a multiple of {p}, e.g. {2 * p}: bubble "
-                f"{(p - 1) / (2 * p * v + p - 1):.0%}).",
-            ))  # fmt: skip
+            found.append(
+                _problem(
+                    "pipeline-microbatches",
+                    "microbatches",
+                    f"{m} microbatches are fewer than the {p} stages: stages would wait for work "
+                    f"that never comes (bubble {(p - 1) / self.iterations:.0%})",
+                    f"Use {p} microbatches or more (a multiple of {p}, e.g. {2 * p}: bubble "
+                    f"{(p - 1) / (2 * p * v + p - 1):.0%}).",
+                )
+            )
         if batch is not None and batch % m:
-            found.append(_problem(
-                "pipeline-batch", "batch",
-                f"a batch of {batch} does not split into {m} microbatches",
-                f"Use a batch that is a multiple of {m} (e.g. {max(m, round(batch / m) * m)}), "
-                f"or a number of microbatches that divides {batch}.",
-            ))  # fmt: skip
+            found.append(
+                _problem(
+                    "pipeline-batch",
+                    "batch",
+                    f"a batch of {batch} does not split into {m} microbatches",
+                    f"Use a batch that is a multiple of {m} (e.g. {max(m, round(batch / m) * m)}), "
+                    f"or a number of microbatches that divides {batch}.",
+                )
+            )
         return found
 
 
@@ -157,7 +174,9 @@ def _problem(code: str, path: str, message: str, fix: str) -> Problem:
     return Problem("error", path, message, fix, code)
 
 
-def stage_axes(rules: LogicalRules | None = None, mesh: Any = None) -> tuple[tuple[str, ...], int]:
+def stage_axes(
+    rules: LogicalRules | None = None, mesh: MeshLike | None = None
+) -> tuple[tuple[str, ...], int]:
     """The mesh axes the ``'stage'`` name maps to under ``rules``, and the stages they make.
 
     ``mesh`` (or the active mesh; a dict of axis sizes will do) gives the sizes;
@@ -175,7 +194,7 @@ def stage_axes(rules: LogicalRules | None = None, mesh: Any = None) -> tuple[tup
     if not rules or mesh is None:
         return (), 1
     axes = mesh_axes_of(resolve((STAGE,), rules)[0])
-    sizes = dict(mesh) if isinstance(mesh, dict) else dict(mesh.shape)
+    sizes = dict(mesh) if isinstance(mesh, Mapping) else dict(mesh.shape)
     axes = tuple(a for a in axes if a in sizes)
     return axes, math.prod(sizes[a] for a in axes)
 
@@ -184,17 +203,20 @@ def _check_auto(axes: tuple[str, ...]) -> None:
     """The stage axes are ``Auto``: the shift of the stage dimension (``jnp.roll``) is
     XLA's to lower; JAX's ``Explicit`` sharding types cannot slice a sharded dimension."""
     mesh = active_mesh()
-    types = dict(zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ()) or (),
-                     strict=False))  # fmt: skip
+    types = dict(
+        zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ()) or (), strict=False)
+    )
     explicit = [a for a in axes if types.get(a) == jax.sharding.AxisType.Explicit]
     if explicit:
         raise error_for(
-            MeshError, "pipeline-explicit", "stage",
+            MeshError,
+            "pipeline-explicit",
+            "stage",
             f"A pipeline's stage axes must be Auto, but {', '.join(map(repr, explicit))} "
             f"is Explicit (JAX cannot shift activations along an Explicit sharded dimension)",
             "Build the mesh with jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,) * n) "
             "(meshplan train builds Auto meshes).",
-        )  # fmt: skip
+        )
 
 
 def _microbatched(x: jax.Array, m: int) -> jax.Array:
@@ -210,7 +232,7 @@ def _unmicrobatched(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def _by_stage(params: Any, schedule: PipelineSchedule, axes: tuple[str, ...]) -> Any:
+def _by_stage(params: PyTree, schedule: PipelineSchedule, axes: tuple[str, ...]) -> PyTree:
     """``[L, ...]`` leaves as ``[p, v, L / (v p), ...]``: stage ``s``, repeat ``r`` holds layers
     ``(r p + s) L / (v p)`` onwards; the stage dimension on ``axes``."""
     p, v = schedule.stages, schedule.repeats
@@ -228,8 +250,8 @@ def _by_stage(params: Any, schedule: PipelineSchedule, axes: tuple[str, ...]) ->
 
 
 def pipeline_layers(
-    layer_fn: Callable[[Any, jax.Array], jax.Array],
-    params: Any,
+    layer_fn: Callable[[object, jax.Array], jax.Array],
+    params: PyTree,
     x: jax.Array,
     schedule: PipelineSchedule,
     names: Sequence[str | None],
@@ -281,13 +303,13 @@ def pipeline_layers(
     state_names = (STAGE, *names)
     buffer_names = (None, *names)
 
-    def stage_fn(stage_params: Any, h: jax.Array, held: jax.Array) -> jax.Array:
+    def stage_fn(stage_params: PyTree, h: jax.Array, held: jax.Array) -> jax.Array:
         repeat = jnp.clip(held // m, 0, v - 1)
         group = jax.tree.map(
             lambda a: jax.lax.dynamic_index_in_dim(a, repeat, 0, False), stage_params
         )
 
-        def one(h: jax.Array, layer: Any) -> tuple[jax.Array, None]:
+        def one(h: jax.Array, layer: PyTree) -> tuple[jax.Array, None]:
             return layer_fn(layer, h), None
 
         return jax.lax.scan(one, h, group)[0]
@@ -295,7 +317,7 @@ def pipeline_layers(
     run = jax.vmap(stage_fn, spmd_axis_name=spmd)
     first = jnp.arange(p) == 0
 
-    def iteration(carry: Any, t: jax.Array) -> tuple[Any, jax.Array]:
+    def iteration(carry: PyTree, t: jax.Array) -> tuple[Any, jax.Array]:
         out, held, done = carry
         nxt = jnp.where(t < m, inputs[jnp.minimum(t, m - 1)], done[t % m])
         shifted = jnp.roll(out, 1, axis=0)

@@ -41,11 +41,11 @@ def active_mesh() -> JaxMesh | None:
     return _legacy_mesh()
 
 
-def _axis_types(mesh: Any) -> tuple[Any, ...]:
+def _axis_types(mesh: JaxMesh) -> tuple[object, ...]:
     return tuple(getattr(mesh, "axis_types", ()) or ())
 
 
-def _fill_unconstrained(value: Any, spec: PartitionSpec) -> PartitionSpec:
+def _fill_unconstrained(value: object, spec: PartitionSpec) -> PartitionSpec:
     """Explicit meshes have no 'unconstrained': keep the value's current sharding there."""
     if not any(e is PartitionSpec.UNCONSTRAINED for e in spec):
         return spec
@@ -60,7 +60,7 @@ class UnevenShardWarning(UserWarning):
     """A dimension an Explicit mesh cannot split evenly was left unsharded (:func:`apply_spec`)."""
 
 
-def _divisible(spec: PartitionSpec, mesh: Any, what: str, shape: Any) -> PartitionSpec:
+def _divisible(spec: PartitionSpec, mesh: JaxMesh, what: str, shape: Any) -> PartitionSpec:
     """``spec`` without the axes of any dimension they do not divide, with a warning.
 
     An ``Auto`` mesh pads such a dimension; ``jax.sharding.reshard`` on an ``Explicit``
@@ -96,7 +96,7 @@ def _divisible(spec: PartitionSpec, mesh: Any, what: str, shape: Any) -> Partiti
     return PartitionSpec(*entries)
 
 
-def check_spec(spec: PartitionSpec, mesh: Any, what: str, shape: Any = None) -> None:
+def check_spec(spec: PartitionSpec, mesh: JaxMesh, what: str, shape: Any = None) -> None:
     """Raises for what the validator finds wrong with a mesh ``spec`` for one array on ``mesh``.
 
     More names than the array has dimensions is a :class:`LogicalNamesError`; a
@@ -128,7 +128,9 @@ def check_spec(spec: PartitionSpec, mesh: Any, what: str, shape: Any = None) -> 
         )
 
 
-def apply_spec(value: T, spec: PartitionSpec, mesh: Any = None, *, what: str = "value") -> T:
+def apply_spec(
+    value: T, spec: PartitionSpec, mesh: JaxMesh | None = None, *, what: str = "value"
+) -> T:
     """Constrains ``value`` to ``spec`` on ``mesh`` (or the active mesh).
 
     On a mesh whose axes are ``Auto`` this is ``jax.lax.with_sharding_constraint``;
@@ -136,6 +138,7 @@ def apply_spec(value: T, spec: PartitionSpec, mesh: Any = None, *, what: str = "
     given and none active, the value is returned unchanged.
     """
     abstract = jax.sharding.get_abstract_mesh()
+    target: JaxMesh | None
     if mesh is not None:
         target, named = mesh, isinstance(mesh, Mesh)
     elif not abstract.empty:
@@ -165,9 +168,11 @@ def apply_spec(value: T, spec: PartitionSpec, mesh: Any = None, *, what: str = "
         )
         return cast(T, jax.sharding.reshard(value, NamedSharding(target, spec) if named else spec))
     raise error_for(
-        MeshError, "mixed-axis-types", what,
+        MeshError,
+        "mixed-axis-types",
+        what,
         f"Cannot constrain {what} to {spec} on a mesh with mixed axis types "
         f"{dict(zip(target.axis_names, _axis_types(target), strict=True))}",
         "Use a mesh whose axes are all Auto or all Explicit "
         "(jax.make_mesh(..., axis_types=(AxisType.Explicit,) * n)).",
-    )  # fmt: skip
+    )

@@ -110,7 +110,7 @@ class Rules(Sequence[tuple[str, MeshAxes]]):
     def __iter__(self) -> Iterator[tuple[str, MeshAxes]]:
         return iter(self.pairs)
 
-    def to_json(self) -> list[list[Any]]:
+    def to_json(self) -> list[list[object]]:
         """The pairs as JSON-ready ``[name, axes]`` lists (axes a name, a list or ``None``).
 
         Example:
@@ -121,7 +121,7 @@ class Rules(Sequence[tuple[str, MeshAxes]]):
         return rules_to_json(self.pairs)
 
 
-def rules_to_json(rules: Sequence[tuple[str, MeshAxes]]) -> list[list[Any]]:
+def rules_to_json(rules: Sequence[tuple[str, MeshAxes]]) -> list[list[object]]:
     """Rules as JSON-ready ``[name, axes]`` lists: a tuple of axes becomes a list."""
     return [[n, list(a) if isinstance(a, tuple) else a] for n, a in rules]
 
@@ -246,7 +246,7 @@ _last_normal_rules: list[Any] = [None]
 """The last rule tuple found normal: the same object again needs no second check."""
 
 
-def _is_mesh_axis_entry(axes: Any) -> bool:
+def _is_mesh_axis_entry(axes: object) -> bool:
     if axes is None or axes is UNCONSTRAINED or isinstance(axes, str):
         return True
     return isinstance(axes, tuple | list) and all(isinstance(a, str) for a in axes)
@@ -256,7 +256,7 @@ _RULES_FIX = "Give rules as a sequence of pairs, e.g. (('batch', 'data'), ('hidd
 _RULE_FIX = _RULES_FIX
 
 
-def _repeated_axes(axes: Any) -> list[str]:
+def _repeated_axes(axes: object) -> list[str]:
     """The mesh axes named more than once in one rule's tuple (or list) of axes."""
     if not isinstance(axes, tuple | list):
         return []
@@ -338,10 +338,13 @@ def check_rules(rules: object) -> tuple[Rules, list[Problem]]:
         if isinstance(rule, str) or not isinstance(rule, Sequence) or len(rule) != 2:
             problems.append(
                 Problem(
-                    "error", f"rules[{i}]", f"{rule!r} is not a (name, mesh_axes) pair",
-                    _RULE_FIX, "bad-rule",
+                    "error",
+                    f"rules[{i}]",
+                    f"{rule!r} is not a (name, mesh_axes) pair",
+                    _RULE_FIX,
+                    "bad-rule",
                 )
-            )  # fmt: skip
+            )
             continue
         name, axes = rule
         bad = []
@@ -370,9 +373,14 @@ def check_rules(rules: object) -> tuple[Rules, list[Problem]]:
             continue
         if bad:
             problems.append(
-                Problem("error", f"rules[{i}]", f"{tuple(rule)!r}: {'; '.join(bad)}", _RULE_FIX,
-                        "bad-rule")
-            )  # fmt: skip
+                Problem(
+                    "error",
+                    f"rules[{i}]",
+                    f"{tuple(rule)!r}: {'; '.join(bad)}",
+                    _RULE_FIX,
+                    "bad-rule",
+                )
+            )
             continue
         valid.append((name, tuple(axes) if isinstance(axes, list) else axes))
         index.append(i)
@@ -412,11 +420,11 @@ def normalize_rules(rules: object) -> RulePairs:
     return valid.pairs
 
 
-def _is_dim_entry(name: Any) -> bool:
+def _is_dim_entry(name: object) -> bool:
     return _is_mesh_axis_entry(name)
 
 
-def bad_entries(names: Sequence[Any]) -> list[Any]:
+def bad_entries(names: Sequence[object]) -> list[object]:
     """The entries of ``names`` that are not a name, a tuple of names, None or UNCONSTRAINED.
 
     Example:
@@ -427,7 +435,7 @@ def bad_entries(names: Sequence[Any]) -> list[Any]:
     return [n for n in names if not _is_dim_entry(tuple(n) if isinstance(n, list) else n)]
 
 
-def names_problem(names: Any, *, what: str = "array_dim_names") -> Problem | None:
+def names_problem(names: object, *, what: str = "array_dim_names") -> Problem | None:
     """The problem with one array's axis names, or None when they are valid.
 
     The problem has the code ``'names'`` and no path (the caller knows it).
@@ -441,25 +449,35 @@ def names_problem(names: Any, *, what: str = "array_dim_names") -> Problem | Non
     """
     if isinstance(names, str):
         return Problem(
-            "error", "", f"{what} must be a tuple with one axis name per dimension, got the bare "
-            f"string {names!r}", f"Write ({names!r},) for a 1-D array.", "names",
-        )  # fmt: skip
+            "error",
+            "",
+            f"{what} must be a tuple with one axis name per dimension, got the bare "
+            f"string {names!r}",
+            f"Write ({names!r},) for a 1-D array.",
+            "names",
+        )
     if isinstance(names, PartitionSpec):
         names = tuple(names)
     elif not isinstance(names, tuple | list):
         return Problem(
-            "error", "", f"{what} must be a tuple with one axis name (or None) per dimension, "
+            "error",
+            "",
+            f"{what} must be a tuple with one axis name (or None) per dimension, "
             f"got {type(names).__name__}: {names!r}",
-            "Give a tuple such as ('embed', None).", "names",
-        )  # fmt: skip
+            "Give a tuple such as ('embed', None).",
+            "names",
+        )
     names = tuple(tuple(n) if isinstance(n, list) else n for n in names)
     bad = [n for n in names if not _is_dim_entry(n)]
     if bad:
         return Problem(
-            "error", "", f"{what} {names!r} holds entries that are not axis names: {bad!r}",
+            "error",
+            "",
+            f"{what} {names!r} holds entries that are not axis names: {bad!r}",
             "Each entry must be a name (str), a tuple of names, None or "
-            "PartitionSpec.UNCONSTRAINED.", "names",
-        )  # fmt: skip
+            "PartitionSpec.UNCONSTRAINED.",
+            "names",
+        )
     seen: set[str] = set()
     dups: list[str] = []  # every repeat, in the order the repeats occur
     for n in names:
@@ -469,11 +487,14 @@ def names_problem(names: Any, *, what: str = "array_dim_names") -> Problem | Non
             seen.add(n)
     if dups:
         return Problem(
-            "error", "", f"Unsupported: Dimensions {tuple(dict.fromkeys(dups))} occur more than "
+            "error",
+            "",
+            f"Unsupported: Dimensions {tuple(dict.fromkeys(dups))} occur more than "
             f"once in array names {names!r}",
             "Each logical name may name one dimension of an array; give the other dimension "
-            "its own name (e.g. 'embed' and 'embed_out').", "names",
-        )  # fmt: skip
+            "its own name (e.g. 'embed' and 'embed_out').",
+            "names",
+        )
     return None
 
 
@@ -509,7 +530,7 @@ def normalize_names(names: Any, *, what: str = "array_dim_names") -> tuple[Any, 
 # --------------------------------------------------------------------------
 
 
-def mesh_axes_of(entry: Any) -> tuple[str, ...]:
+def mesh_axes_of(entry: object) -> tuple[str, ...]:
     """The mesh axes of one ``PartitionSpec`` entry, as a tuple (empty when unsharded).
 
     Example:
@@ -560,8 +581,8 @@ class SkippedRule:
 class DimResolution:
     """How one dimension of one array got its mesh axes."""
 
-    name: Any
-    mesh_axes: Any  # UNASSIGNED when no rule placed a logical name
+    name: object
+    mesh_axes: object  # UNASSIGNED when no rule placed a logical name
     rule_index: int | None  # the rule that placed it, if any
     skipped: tuple[SkippedRule, ...] = ()
 
@@ -574,11 +595,11 @@ class _DimTrace(TypedDict):
 
 
 def _resolve(
-    names: tuple[Any, ...],
+    names: AxisNames,
     rules: tuple[tuple[str, MeshAxes], ...],
     trace: list[_DimTrace] | None,
-) -> tuple[Any, ...]:
-    result: list[Any] = [UNASSIGNED if isinstance(n, str) else n for n in names]
+) -> tuple[object, ...]:
+    result: list[object] = [UNASSIGNED if isinstance(n, str) else n for n in names]
     used = {a for r in result for a in mesh_axes_of(r)}  # mesh axes held by some dimension
     for rule_index, (rule_name, rule_axes) in enumerate(rules):
         if rule_name not in names:
@@ -609,12 +630,12 @@ def _resolve(
 
 @functools.lru_cache(maxsize=8192)
 def _resolve_cached(
-    names: tuple[Any, ...], rules: tuple[tuple[str, MeshAxes], ...]
-) -> tuple[Any, ...]:
+    names: AxisNames, rules: tuple[tuple[str, MeshAxes], ...]
+) -> tuple[object, ...]:
     return _resolve(normalize_names(names), normalize_rules(rules), None)
 
 
-def resolve(names: Any, rules: LogicalRules) -> tuple[Any, ...]:
+def resolve(names: object, rules: LogicalRules) -> tuple[object, ...]:
     """Mesh axes per dimension, with ``UNASSIGNED`` where no rule matched a logical name."""
     try:
         return _resolve_cached(names, rules)
@@ -622,7 +643,7 @@ def resolve(names: Any, rules: LogicalRules) -> tuple[Any, ...]:
         return _resolve(normalize_names(names), normalize_rules(rules), None)
 
 
-def resolve_with_trace(names: Any, rules: LogicalRules) -> tuple[DimResolution, ...]:
+def resolve_with_trace(names: object, rules: LogicalRules) -> tuple[DimResolution, ...]:
     """Like :func:`resolve`, recording for each dimension which rule placed it and which
     rules named it but were skipped."""
     names = normalize_names(names)
@@ -651,13 +672,13 @@ def split_axes(
     return tuple(tuple(a for a in mesh_axes_of(e) if sizes.get(a, 1) > 1) for e in spec)
 
 
-def to_partition_spec(resolved: Sequence[Any]) -> PartitionSpec:
+def to_partition_spec(resolved: Sequence[object]) -> PartitionSpec:
     """``PartitionSpec`` from resolved axes, unassigned dimensions unsharded."""
     return PartitionSpec(*(None if r is UNASSIGNED else r for r in resolved))
 
 
 @functools.lru_cache(maxsize=8192)
-def _mesh_axes_cached(names: tuple[Any, ...], rules: tuple[Any, ...]) -> PartitionSpec:
+def _mesh_axes_cached(names: AxisNames, rules: tuple[object, ...]) -> PartitionSpec:
     # Not through _resolve_cached: a miss here would miss there too, and fill it for nothing.
     return to_partition_spec(_resolve(normalize_names(names), normalize_rules(rules), None))
 

@@ -19,10 +19,12 @@ from meshplan._errors import (
     error_from_problems,
 )
 from meshplan._spmd.leaves import is_leaf, is_spec_leaf, leaf_kind
+from meshplan._spmd.mesh_info import JaxMesh
 from meshplan._spmd.place import active_mesh, check_spec
 from meshplan._spmd.rules import LogicalRules, logical_to_mesh_axes, normalize_rules
 from meshplan._spmd.tree_check import raise_for_errors, spec_errors, tree_errors
 from meshplan._text import path_text
+from meshplan._types import Leaf, PyTree
 
 __all__ = [
     "get_partition_spec",
@@ -34,7 +36,7 @@ __all__ = [
 _REPLICATED = PartitionSpec()
 
 
-def _plain_spec(x: Any) -> PartitionSpec | None:
+def _plain_spec(x: Leaf) -> PartitionSpec | None:
     """The spec of a leaf of no kind: replicated when it is an array, else ``None``."""
     return _REPLICATED if hasattr(x, "shape") else None
 
@@ -46,7 +48,9 @@ def _leaf_problems(path: str, error: MeshplanError) -> list[Problem]:
     return [Problem("error", path, str(error), "", "error")]
 
 
-def _map_collecting(fn: Callable[[Any], Any], tree: Any, is_leaf: Callable[[Any], bool]) -> Any:
+def _map_collecting(
+    fn: Callable[[object], object], tree: PyTree, is_leaf: Callable[[Leaf], bool]
+) -> PyTree:
     """``tree_map`` that, when leaves fail, walks again by path and raises once for all."""
     try:
         return jax.tree_util.tree_map(fn, tree, is_leaf=is_leaf)
@@ -67,7 +71,7 @@ def _map_collecting(fn: Callable[[Any], Any], tree: Any, is_leaf: Callable[[Any]
     raise error_from_problems(type(first), header, problems)
 
 
-def _logical_spec(x: Any) -> PartitionSpec:
+def _logical_spec(x: Leaf) -> PartitionSpec:
     """``x`` if it is a ``PartitionSpec``; otherwise an error saying what to pass instead."""
     if isinstance(x, PartitionSpec):
         return x
@@ -82,7 +86,7 @@ def _logical_spec(x: Any) -> PartitionSpec:
     raise LogicalNamesError(f"{problem.message}.\n{problem.fix}", [problem])
 
 
-def _named(mesh: Any, spec: PartitionSpec, cache: dict[PartitionSpec, NamedSharding]) -> Any:
+def _named(mesh: JaxMesh, spec: PartitionSpec, cache: dict[PartitionSpec, NamedSharding]) -> Any:
     sharding = cache.get(spec)
     if sharding is None:
         check_spec(spec, mesh, "an array")
@@ -90,7 +94,7 @@ def _named(mesh: Any, spec: PartitionSpec, cache: dict[PartitionSpec, NamedShard
     return sharding
 
 
-def _mesh_or_active(mesh: Any, caller: str) -> Any:
+def _mesh_or_active(mesh: JaxMesh | None, caller: str) -> Any:
     """``mesh``, else the mesh of ``jax.set_mesh`` (or a legacy ``with mesh:``), else an error."""
     if mesh is not None:
         return mesh
@@ -104,13 +108,16 @@ def _mesh_or_active(mesh: Any, caller: str) -> Any:
     if active is not None:
         return active
     raise error_for(
-        MeshError, "no-mesh", "mesh", f"{caller} got mesh=None and no mesh is active",
+        MeshError,
+        "no-mesh",
+        "mesh",
+        f"{caller} got mesh=None and no mesh is active",
         "Pass a mesh (jax.make_mesh((2, 4), ('data', 'model'))), or call it inside "
         "`with jax.set_mesh(mesh):`.",
-    )  # fmt: skip
+    )
 
 
-def get_partition_spec(tree: Any) -> Any:
+def get_partition_spec(tree: PyTree) -> PyTree:
     """Tree of ``PartitionSpec``s for a tree of boxed, array or abstract leaves.
 
     A box gives its own spec (logical names for logical boxes); an unboxed leaf
@@ -137,16 +144,16 @@ def get_partition_spec(tree: Any) -> Any:
         >>> specs["w"].get_value()
         P('data', 'model')
     """
-    cache: dict[Any, Any] = {}
+    cache: dict[object, object] = {}
 
-    def leaf(x: Any) -> Any:
+    def leaf(x: PyTree) -> PyTree:
         kind = leaf_kind(x)
         return _plain_spec(x) if kind is None else kind.spec(x, cache)
 
     return _map_collecting(leaf, tree, is_leaf)
 
 
-def get_sharding(tree: Any, mesh: jax.sharding.Mesh | None, *, strict: bool = False) -> Any:
+def get_sharding(tree: PyTree, mesh: jax.sharding.Mesh | None, *, strict: bool = False) -> PyTree:
     """Tree of ``NamedSharding``s on ``mesh``, by the same walk as :func:`get_partition_spec`.
 
     Non-array leaves (such as a ``TrainState``'s ``apply_fn``) give ``None``.
@@ -173,13 +180,13 @@ def get_sharding(tree: Any, mesh: jax.sharding.Mesh | None, *, strict: bool = Fa
     if strict:
         raise_for_errors(tree_errors(tree, mesh), mesh)
     cache: dict[PartitionSpec, NamedSharding] = {}
-    kinds_cache: dict[Any, Any] = {}
+    kinds_cache: dict[object, object] = {}
 
     def named(spec: PartitionSpec) -> NamedSharding:
         sharding: NamedSharding = _named(mesh, spec, cache)
         return sharding
 
-    def leaf(x: Any) -> Any:
+    def leaf(x: PyTree) -> PyTree:
         kind = leaf_kind(x)
         if kind is not None:
             return kind.sharding(x, mesh, named, kinds_cache)
@@ -189,7 +196,7 @@ def get_sharding(tree: Any, mesh: jax.sharding.Mesh | None, *, strict: bool = Fa
     return _map_collecting(leaf, tree, is_leaf)
 
 
-def logical_to_mesh(tree: Any, rules: LogicalRules | None = None) -> Any:
+def logical_to_mesh(tree: PyTree, rules: LogicalRules | None = None) -> PyTree:
     """:func:`logical_to_mesh_axes` over a tree of logical ``PartitionSpec``s.
 
     Example:
@@ -202,7 +209,7 @@ def logical_to_mesh(tree: Any, rules: LogicalRules | None = None) -> Any:
     if rules is not None:
         rules = normalize_rules(rules)
 
-    def leaf(x: Any) -> Any:
+    def leaf(x: PyTree) -> PyTree:
         kind = leaf_kind(x)
         if kind is not None and kind.resolve is not None and kind.put is not None:
             return kind.put(x, kind.resolve(x, rules))
@@ -212,12 +219,12 @@ def logical_to_mesh(tree: Any, rules: LogicalRules | None = None) -> Any:
 
 
 def logical_to_mesh_sharding(
-    tree: Any,
+    tree: PyTree,
     mesh: jax.sharding.Mesh | None,
     rules: LogicalRules | None = None,
     *,
     strict: bool = False,
-) -> Any:
+) -> PyTree:
     """Tree of logical ``PartitionSpec``s to a tree of ``NamedSharding``s on ``mesh``.
 
     With ``strict=True`` the specs and rules are first checked as
@@ -242,7 +249,7 @@ def logical_to_mesh_sharding(
         rules = normalize_rules(rules)  # once, not per leaf: lists from YAML/JSON become tuples
     cache: dict[PartitionSpec, NamedSharding] = {}
 
-    def leaf(x: Any) -> Any:  # None is an empty subtree: it stays None
+    def leaf(x: PyTree) -> PyTree:  # None is an empty subtree: it stays None
         kind = leaf_kind(x)
         if kind is not None and kind.resolve is not None and kind.put is not None:
             spec = kind.resolve(x, rules)

@@ -19,13 +19,15 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec
+from jax.typing import DTypeLike
 
 from meshplan._errors import Problem, ShardingValidationError, problem_message
 from meshplan._spmd.leaves import array_leaves, is_spec_leaf, leaf_kind
-from meshplan._spmd.mesh_info import MeshInfo, axis_names_fix, mesh_info
+from meshplan._spmd.mesh_info import JaxMesh, MeshInfo, MeshLike, axis_names_fix, mesh_info
 from meshplan._spmd.rules import LogicalRules, get_logical_axis_rules, mesh_axes_of, rules_problems
 from meshplan._spmd.validate import LeafCheck, check_leaf
 from meshplan._text import axes_text, count_text, human_bytes, path_text, paths_text, rule_text
+from meshplan._types import PyTree
 
 __all__ = [
     "no_names_in_tree",
@@ -68,7 +70,7 @@ def no_names_problem(paths: Sequence[str], nbytes: int) -> Problem:
     )
 
 
-def no_names_in_tree(tree: Any, rules: LogicalRules | None) -> Problem | None:
+def no_names_in_tree(tree: PyTree, rules: LogicalRules | None) -> Problem | None:
     """The ``'no-names'`` problem of ``tree`` under ``rules`` (the active ones if ``None``), or
     ``None`` when some array carries names, or no rules are in effect.
 
@@ -89,7 +91,7 @@ def no_names_in_tree(tree: Any, rules: LogicalRules | None) -> Problem | None:
     return no_names_problem([path_text(leaf.keypath) for leaf in leaves], nbytes)
 
 
-def _itemsize(dtype: Any) -> int:
+def _itemsize(dtype: DTypeLike) -> int:
     try:
         return int(np.dtype(dtype).itemsize)
     except TypeError:
@@ -109,7 +111,7 @@ def no_rules_problem(paths: Sequence[str]) -> Problem:
 
 
 def rule_axis_problems(
-    rules: Sequence[tuple[str, Any]],
+    rules: Sequence[tuple[str, object]],
     index_map: Sequence[int],
     mesh: MeshInfo,
     users: Mapping[int, Sequence[str]],
@@ -145,7 +147,7 @@ def only_unmatched(dims: Sequence[Any]) -> bool:
     )
 
 
-def tree_errors(tree: Any, mesh: Any, rules: LogicalRules | None = None) -> list[Problem]:
+def tree_errors(tree: PyTree, mesh: JaxMesh, rules: LogicalRules | None = None) -> list[Problem]:
     """Every error in how ``tree`` would be laid out on ``mesh``, as :func:`meshplan.check` finds.
 
     Example:
@@ -158,12 +160,12 @@ def tree_errors(tree: Any, mesh: Any, rules: LogicalRules | None = None) -> list
     """
     info = mesh_info(mesh)
     valid, index_map, errors = rules_problems(get_logical_axis_rules() if rules is None else rules)
-    cache: dict[Any, LeafCheck] = {}
+    cache: dict[object, LeafCheck] = {}
     users: dict[int, list[str]] = {}
     without_rules: list[str] = []
     leaves, _ = array_leaves(tree, rules)
     for leaf in leaves:
-        key: tuple[Any, ...] | None = (leaf.kind, leaf.names, leaf.shape, leaf.own_rules)
+        key: tuple[object, ...] | None = (leaf.kind, leaf.names, leaf.shape, leaf.own_rules)
         try:
             checked = cache.get(key)
         except TypeError:  # unhashable names
@@ -189,7 +191,7 @@ def tree_errors(tree: Any, mesh: Any, rules: LogicalRules | None = None) -> list
     return errors
 
 
-def spec_errors(tree: Any, mesh: Any, rules: LogicalRules | None = None) -> list[Problem]:
+def spec_errors(tree: PyTree, mesh: JaxMesh, rules: LogicalRules | None = None) -> list[Problem]:
     """:func:`tree_errors` for a tree of *logical* ``PartitionSpec``s (no shapes, so no sizes).
 
     Example:
@@ -225,7 +227,7 @@ def spec_errors(tree: Any, mesh: Any, rules: LogicalRules | None = None) -> list
     return errors
 
 
-def raise_for_errors(problems: Sequence[Problem], mesh: Any) -> None:
+def raise_for_errors(problems: Sequence[Problem], mesh: MeshLike | MeshInfo) -> None:
     """Raises one :class:`ShardingValidationError` listing every error, if there are any.
 
     The error's ``problems`` are all of ``problems`` (warnings included).

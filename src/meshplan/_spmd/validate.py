@@ -28,6 +28,7 @@ from meshplan._spmd.mesh_info import MeshInfo, MeshLike, axis_names_fix, mesh_in
 from meshplan._spmd.rules import (
     UNASSIGNED,
     UNCONSTRAINED,
+    AxisNames,
     DimStatus,
     LogicalNames,
     LogicalRules,
@@ -71,12 +72,12 @@ class DimCheck:
     index: int
     size: int | None
     name: Any
-    entry: Any
+    entry: object
     mesh_axes: tuple[str, ...]
     shards: int
     status: DimStatus
     rule_index: int | None
-    rule: tuple[str, Any] | None
+    rule: tuple[str, object] | None
     skipped: tuple[SkippedRule, ...]
     missing_axes: tuple[str, ...]
     duplicate_axes: tuple[str, ...]
@@ -130,7 +131,7 @@ def _axes_with_sizes(d: DimCheck) -> str:
     )
 
 
-def rank_problem(names: tuple[Any, ...], shape: tuple[int, ...]) -> Problem:
+def rank_problem(names: AxisNames, shape: tuple[int, ...]) -> Problem:
     """The problem with ``len(names) != len(shape)``: an error for more names, information for fewer.
 
     Fewer names leave the trailing dimensions unsharded, as a shorter ``PartitionSpec`` does
@@ -244,7 +245,7 @@ def check_leaf(
             problems.extend(bad_shape)
             shape = None  # the names are still checked; no size, so no bytes
     ndim = len(shape) if shape is not None else len(names or ())
-    work: tuple[Any, ...] = (None,) * ndim if names is None else tuple(names)
+    work: tuple[object, ...] = (None,) * ndim if names is None else tuple(names)
     if shape is not None and names is not None and len(names) != ndim:
         problems.append(rank_problem(names, shape))
         work = (work + (None,) * ndim)[:ndim]
@@ -271,12 +272,12 @@ def check_leaf(
             work = tuple(None if n in bad_mesh else n for n in work)
 
     dims: list[DimCheck] = []
-    entries: list[Any] = []
+    entries: list[object] = []
     used: dict[str, int] = {}
     for i, name in enumerate(work):
         size = None if shape is None else int(shape[i])
         rule_index: int | None = None
-        rule: tuple[str, Any] | None = None
+        rule: tuple[str, object] | None = None
         skipped: tuple[SkippedRule, ...] = ()
         status: DimStatus
         if kind == "unboxed":
@@ -330,10 +331,21 @@ def check_leaf(
         shards = math.prod(sizes[a] for a in axes if a in sizes and a not in dup)
         dims.append(
             DimCheck(
-                i, size, name, entry, axes, shards, status, rule_index, rule, skipped, missing,
-                dup, tuple(sizes.get(a, 0) for a in axes),
+                i,
+                size,
+                name,
+                entry,
+                axes,
+                shards,
+                status,
+                rule_index,
+                rule,
+                skipped,
+                missing,
+                dup,
+                tuple(sizes.get(a, 0) for a in axes),
             )
-        )  # fmt: skip
+        )
 
     for d in dims:
         if not d.divides:

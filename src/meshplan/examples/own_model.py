@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import flax.linen as nn
 import jax
@@ -81,7 +80,9 @@ class Classifier(nn.Module):
         return jnp.asarray(nn.relu(x @ w1) @ w2)
 
 
-def linen_classifier() -> tuple[nn.Module, Batch, Callable[..., Any], Callable[[str, int], Batch]]:
+def linen_classifier() -> tuple[
+    nn.Module, Batch, Callable[..., object], Callable[[str, int], Batch]
+]:
     """The Linen classifier, an example batch, its loss and ``batches(split, index)``."""
 
     def batches(split: str, index: int) -> Batch:
@@ -116,7 +117,7 @@ class NNXClassifier(nnx.Module):
 
 
 def nnx_classifier() -> tuple[
-    Callable[[nnx.Rngs], nnx.Module], Batch, Callable[..., Any], Iterator[Batch]
+    Callable[[nnx.Rngs], nnx.Module], Batch, Callable[..., object], Iterator[Batch]
 ]:
     """``make(rngs)`` of the NNX classifier, an example batch, its loss, and an endless
     iterable of batches (``meshplan train`` holds its first ``--eval-batches`` out for

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from meshplan._types import PyTree
 from meshplan.examples.own_model import CLASSES, HIDDEN, SIDE, cross_entropy, make_batch
 
 __all__ = [
@@ -132,15 +133,15 @@ def equinox_mlp() -> Factory:
     """An Equinox ``eqx.nn.MLP`` classifier, split by ``eqx.partition`` into arrays and the rest."""
     import equinox as eqx
 
-    def make(key: jax.Array) -> Any:
+    def make(key: jax.Array) -> object:
         return eqx.nn.MLP(SIDE * SIDE, CLASSES, HIDDEN, depth=1, key=key)
 
     _, static = eqx.partition(eqx.filter_eval_shape(make, jax.random.key(0)), eqx.is_array)
 
-    def init(key: jax.Array) -> Any:
+    def init(key: jax.Array) -> object:
         return eqx.filter(make(key), eqx.is_array)
 
-    def apply(params: Any, images: jax.Array) -> jax.Array:
+    def apply(params: PyTree, images: jax.Array) -> jax.Array:
         model = eqx.combine(params, static)
         return jnp.asarray(jax.vmap(model)(_flat(images)))
 
@@ -163,7 +164,7 @@ def _text_batches(split: str, index: int) -> tuple[np.ndarray, np.ndarray]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _next_token_loss(logits: jax.Array, batch: tuple[Any, Any]) -> jax.Array:
+def _next_token_loss(logits: jax.Array, batch: tuple[object, object]) -> jax.Array:
     _, targets = batch
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets))
 
@@ -176,10 +177,10 @@ def _example_text() -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
 def _hf_factory(model: Any) -> Factory:
     """``(init, apply)`` of a Hugging Face Flax model built with ``_do_init=False``."""
 
-    def init(key: jax.Array) -> Any:
+    def init(key: jax.Array) -> object:
         return model.init_weights(key, (1, SEQ))
 
-    def apply(params: Any, ids: jax.Array) -> jax.Array:
+    def apply(params: PyTree, ids: jax.Array) -> jax.Array:
         return jnp.asarray(model(ids, params=params).logits)
 
     init.__qualname__ = f"{type(model).__name__}.init_weights"

@@ -167,11 +167,13 @@ class ByteCorpus:
         root = Path(path)
         if not root.exists():
             raise error_for(
-                DataError, "data-missing", os.fspath(path),
+                DataError,
+                "data-missing",
+                os.fspath(path),
                 f"Data path {os.fspath(path)!r} does not exist",
                 "Give a folder of text files or a text file (or ByteCorpus.from_stdlib() for the "
                 "Python standard library).",
-            )  # fmt: skip
+            )
         if not root.is_file() and not root.is_dir():
             raise DataError(
                 f"Data path {os.fspath(path)!r} is neither a folder nor a regular file (a FIFO, "
@@ -281,11 +283,13 @@ class ByteCorpus:
         window = seq_len + 1
         if len(data) < window:
             raise error_for(
-                DataError, "data-too-short", split,
+                DataError,
+                "data-too-short",
+                split,
                 f"The {split} split of {self.source!r} has {len(data)} bytes, fewer than one "
                 f"window of seq_len + 1 = {window}",
                 "Use a shorter sequence length (seq_len) or more text.",
-            )  # fmt: skip
+            )
         return data
 
     def batch_at(self, split: str, step: int, seed: int, batch: int, seq_len: int) -> np.ndarray:

@@ -33,13 +33,13 @@ Example:
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import meshplan
+from meshplan._types import PyTree
 from meshplan.models.transformer import TransformerConfig, _rotary, moe_forward
 
 __all__ = ["CACHE_NAMES", "decode_window", "forward_cached", "greedy_cached", "init_cache"]
@@ -50,7 +50,7 @@ CACHE_NAMES = ("layer", "batch", "length", "heads", "kv")
 Array = jax.Array
 
 
-def choose_byte(logits: Any, temperature: float, key: Any) -> tuple[int, Any]:
+def choose_byte(logits: jax.Array, temperature: float, key: jax.Array) -> tuple[int, jax.Array]:
     """The next byte from ``logits``: the most likely at temperature 0, else sampled; the next key.
 
     The cached and cache-free decoders (``meshplan sample``) choose alike.
@@ -86,8 +86,8 @@ def _layer_norm(x: Array, p: dict[str, Array], epsilon: float = 1e-6) -> Array:
     return y.astype(x.dtype)
 
 
-def _layer(params: dict[str, Any], config: TransformerConfig, i: int) -> dict[str, Any]:
-    layer: dict[str, Any]
+def _layer(params: PyTree, config: TransformerConfig, i: int) -> PyTree:
+    layer: dict[str, object]
     if config.scan_layers:
         layer = jax.tree.map(lambda x: x[i], params["layers"])
     else:
@@ -96,7 +96,7 @@ def _layer(params: dict[str, Any], config: TransformerConfig, i: int) -> dict[st
 
 
 def forward_cached(
-    params: dict[str, Any],
+    params: PyTree,
     config: TransformerConfig,
     tokens: Array,
     cache: dict[str, Array],
@@ -168,7 +168,7 @@ def decode_window(config: TransformerConfig, window: int | None = None) -> int:
 
 def greedy_cached(
     config: TransformerConfig,
-    params: dict[str, Any],
+    params: dict[str, object],
     prompt: bytes,
     length: int,
     window: int | None = None,
@@ -192,12 +192,12 @@ def greedy_cached(
     tokens = list(prompt) or [ord("\n")]
 
     @jax.jit
-    def prefill(params: Any, tokens: Array, cache: Any) -> Any:
+    def prefill(params: PyTree, tokens: Array, cache: PyTree) -> PyTree:
         logits, cache = forward_cached(params, config, tokens, cache, 0)
         return logits[0, -1], cache
 
     @jax.jit
-    def step(params: Any, token: Array, cache: Any, start: Array) -> Any:
+    def step(params: PyTree, token: Array, cache: PyTree, start: Array) -> PyTree:
         logits, cache = forward_cached(params, config, token, cache, start)
         return logits[0, -1], cache
 

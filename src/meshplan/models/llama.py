@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 import meshplan
+from meshplan._types import Leaf, PyTree, StepFn
 
 __all__ = ["LLAMA_SIZES", "Llama", "LlamaConfig", "llama_size", "llama_step", "maxtext_config"]
 
@@ -60,7 +61,7 @@ class LlamaConfig:
         return self.layers * (attn + mlp + 2 * e) + 2 * self.vocab * e + e
 
 
-def maxtext_config(scale: int, **overrides: Any) -> LlamaConfig:
+def maxtext_config(scale: int, **overrides: object) -> LlamaConfig:
     """MaxText's ``global_parameter_scale`` model (its ``base.yml`` scaled as its ``pyconfig``).
 
     Example:
@@ -74,9 +75,14 @@ def maxtext_config(scale: int, **overrides: Any) -> LlamaConfig:
     heads_scale = base + int(rem > 0)
     emb_scale = base + int(rem > 1)
     fields: dict[str, Any] = dict(
-        embed=2048 * 2**emb_scale, heads=16 * 2**heads_scale, kv_heads=16 * 2**heads_scale,
-        head_dim=128, mlp=7168 * 2**heads_scale, layers=16 * 2**base, vocab=32000,
-    )  # fmt: skip
+        embed=2048 * 2**emb_scale,
+        heads=16 * 2**heads_scale,
+        kv_heads=16 * 2**heads_scale,
+        head_dim=128,
+        mlp=7168 * 2**heads_scale,
+        layers=16 * 2**base,
+        vocab=32000,
+    )
     fields.update(overrides)
     return LlamaConfig(**fields)
 
@@ -87,23 +93,55 @@ LLAMA_SIZES: dict[str, tuple[str, dict[str, int]]] = {
     # MaxText's configs/models/<name>.yml (base_emb_dim, base_num_query_heads,
     # base_num_kv_heads, base_mlp_dim, base_num_decoder_layers, head_dim, vocab_size), the
     # same as Meta's published Llama 2 and Llama 3 configurations.
-    "llama2-1b": ("MaxText llama2-1b", dict(embed=2048, heads=16, kv_heads=16, mlp=6144, layers=16, **_L2)),
-    "llama2-7b": ("Llama 2 7B", dict(embed=4096, heads=32, kv_heads=32, mlp=11008, layers=32, **_L2)),
-    "llama2-13b": ("Llama 2 13B", dict(embed=5120, heads=40, kv_heads=40, mlp=13824, layers=40, **_L2)),
-    "llama2-70b": ("Llama 2 70B", dict(embed=8192, heads=64, kv_heads=8, mlp=28672, layers=80, **_L2)),
-    "llama3-8b": ("Llama 3 8B", dict(embed=4096, heads=32, kv_heads=8, mlp=14336, layers=32, **_L3)),
-    "llama3-70b": ("Llama 3 70B", dict(embed=8192, heads=64, kv_heads=8, mlp=28672, layers=80, **_L3)),
-    "llama3.1-405b": ("Llama 3.1 405B", dict(embed=16384, heads=128, kv_heads=8, mlp=53248, layers=126, **_L3)),
+    "llama2-1b": (
+        "MaxText llama2-1b",
+        dict(embed=2048, heads=16, kv_heads=16, mlp=6144, layers=16, **_L2),
+    ),
+    "llama2-7b": (
+        "Llama 2 7B",
+        dict(embed=4096, heads=32, kv_heads=32, mlp=11008, layers=32, **_L2),
+    ),
+    "llama2-13b": (
+        "Llama 2 13B",
+        dict(embed=5120, heads=40, kv_heads=40, mlp=13824, layers=40, **_L2),
+    ),
+    "llama2-70b": (
+        "Llama 2 70B",
+        dict(embed=8192, heads=64, kv_heads=8, mlp=28672, layers=80, **_L2),
+    ),
+    "llama3-8b": (
+        "Llama 3 8B",
+        dict(embed=4096, heads=32, kv_heads=8, mlp=14336, layers=32, **_L3),
+    ),
+    "llama3-70b": (
+        "Llama 3 70B",
+        dict(embed=8192, heads=64, kv_heads=8, mlp=28672, layers=80, **_L3),
+    ),
+    "llama3.1-405b": (
+        "Llama 3.1 405B",
+        dict(embed=16384, heads=128, kv_heads=8, mlp=53248, layers=126, **_L3),
+    ),
     # MaxText's global_parameter_scale models (base.yml scaled: maxtext_config).
-    **{f"maxtext-{n}b": (f"MaxText {n}B (global_parameter_scale={n})",
-                         dataclasses.asdict(maxtext_config(n))) for n in (16, 32, 64, 128)},
-}  # fmt: skip
+    **{
+        f"maxtext-{n}b": (
+            f"MaxText {n}B (global_parameter_scale={n})",
+            dataclasses.asdict(maxtext_config(n)),
+        )
+        for n in (16, 32, 64, 128)
+    },
+}
 """Published decoder configurations by name: ``(description, LlamaConfig fields)``;
 ``1b``, ``7b``, ``8b``, ``13b``, ``70b``, ``405b`` are short for the Llama ones
 (:func:`llama_size`)."""
 
-_SHORT = {"1b": "llama2-1b", "7b": "llama2-7b", "8b": "llama3-8b", "13b": "llama2-13b",
-          "70b": "llama2-70b", "405b": "llama3.1-405b"}  # fmt: skip
+_SHORT = {
+    "1b": "llama2-1b",
+    "7b": "llama2-7b",
+    "8b": "llama3-8b",
+    "13b": "llama2-13b",
+    "70b": "llama2-70b",
+    "405b": "llama3.1-405b",
+}
 
 
 def llama_size(name: str, **overrides: Any) -> tuple[str, LlamaConfig]:
@@ -130,17 +168,19 @@ def _param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple[st
     return module.param(name, init, shape, unbox=True)
 
 
-def _c(x: Any, names: tuple[str | None, ...]) -> Any:
+def _c(x: Leaf, names: tuple[str | None, ...]) -> Leaf:
     return meshplan.with_logical_constraint(x, names)
 
 
 class _Norm(nn.Module):
     @nn.compact
-    def __call__(self, x: Any) -> Any:
+    def __call__(self, x: Leaf) -> Leaf:
         scale = self.param(
-            "scale", meshplan.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-            (x.shape[-1],), unbox=True,
-        )  # fmt: skip
+            "scale",
+            meshplan.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+            (x.shape[-1],),
+            unbox=True,
+        )
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
         return (y * scale).astype(x.dtype)
@@ -150,7 +190,7 @@ class _Block(nn.Module):
     cfg: LlamaConfig
 
     @nn.compact
-    def __call__(self, x: Any, _: Any = None) -> tuple[Any, None]:
+    def __call__(self, x: jax.Array, _: object = None) -> tuple[jax.Array, None]:
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         e, q, k, d = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim
         act = ("batch", "length", "activation_embed")
@@ -194,7 +234,7 @@ class Llama(nn.Module):
     cfg: LlamaConfig
 
     @nn.compact
-    def __call__(self, tokens: Any) -> Any:
+    def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         table = _param(self, "embed", (cfg.vocab, cfg.embed), ("vocab", "embed"))
         x = _c(jnp.take(table.astype(dt), tokens, axis=0), ("batch", "length", "activation_embed"))
@@ -204,25 +244,29 @@ class Llama(nn.Module):
             block = nn.remat(_Block, prevent_cse=not cfg.scan, policy=policy)
         if cfg.scan:
             x, _ = nn.scan(
-                block, variable_axes={"params": 0}, split_rngs={"params": True},
-                length=cfg.layers, metadata_params={meshplan.PARTITION_NAME: "layer"},
-            )(cfg, name="layers")(x, None)  # fmt: skip
+                block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=cfg.layers,
+                metadata_params={meshplan.PARTITION_NAME: "layer"},
+            )(cfg, name="layers")(x, None)
         else:
             for i in range(cfg.layers):
                 x, _ = block(cfg, name=f"layers_{i}")(x, None)
         x = _Norm(name="final_norm")(x)
         head = _param(self, "head", (cfg.embed, cfg.vocab), ("embed", "vocab")).astype(dt)
         logits = jnp.einsum("ble,ev->blv", x, head, preferred_element_type=jnp.float32)
-        return _c(logits, ("batch", "length", "vocab"))
+        out: jax.Array = _c(logits, ("batch", "length", "vocab"))
+        return out
 
 
-def _loss(logits: Any, tokens: Any) -> Any:
+def _loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
     target = jax.nn.one_hot(tokens[:, 1:], logits.shape[-1], dtype=logp.dtype)
     return -jnp.mean(jnp.sum(logp * target, axis=-1))
 
 
-def llama_step(cfg: LlamaConfig, batch: int, seq: int) -> tuple[Any, Any, Any]:
+def llama_step(cfg: LlamaConfig, batch: int, seq: int) -> tuple[PyTree, StepFn, PyTree]:
     """``(abstract_state, step_fn, example_batch)`` of a training step (AdamW, float32 state).
 
     Example:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 import flax.linen as nn
 import jax
@@ -19,6 +19,7 @@ from flax.training import train_state
 from jax.sharding import NamedSharding, PartitionSpec
 
 import meshplan
+from meshplan._types import PyTree
 
 __all__ = [
     "LOGICAL_RULES",
@@ -48,7 +49,7 @@ class DotReluDot(nn.Module):
     """``relu(x @ W1) @ W2`` with ``W1`` split by columns and ``W2`` by rows over ``model``."""
 
     depth: int
-    dense_init: Callable[..., Any] = nn.initializers.xavier_normal()
+    dense_init: Callable[..., object] = nn.initializers.xavier_normal()
 
     @nn.compact
     def __call__(self, x: jax.Array) -> tuple[jax.Array, None]:
@@ -99,7 +100,7 @@ class LogicalDotReluDot(nn.Module):
     """``DotReluDot`` with logical names: ``('embed', 'hidden')`` and ``('hidden', 'embed')``."""
 
     depth: int
-    dense_init: Callable[..., Any] = nn.initializers.xavier_normal()
+    dense_init: Callable[..., object] = nn.initializers.xavier_normal()
 
     @nn.compact
     def __call__(self, x: jax.Array) -> tuple[jax.Array, None]:
@@ -166,14 +167,14 @@ def init_fn(
     return state
 
 
-def _apply(model: nn.Module, params: Any, x: jax.Array) -> jax.Array:
+def _apply(model: nn.Module, params: PyTree, x: jax.Array) -> jax.Array:
     """``model.apply({"params": params}, x)``: the models of this module return one array."""
     # flax types apply's result as "output, or (output, variables) when mutable": not mutable here.
     return cast(jax.Array, model.apply({"params": params}, x))
 
 
 def make_train_step(
-    model: nn.Module, state_sharding: Any, x_sharding: NamedSharding
+    model: nn.Module, state_sharding: object, x_sharding: NamedSharding
 ) -> Callable[[train_state.TrainState, jax.Array], train_state.TrainState]:
     """The guide's jitted train step: ``loss = model.apply(...).sum()``, then Adam."""
 
@@ -181,7 +182,7 @@ def make_train_step(
         jax.jit, in_shardings=(state_sharding, x_sharding), out_shardings=state_sharding
     )
     def train_step(state: train_state.TrainState, x: jax.Array) -> train_state.TrainState:
-        def loss(params: Any) -> jax.Array:
+        def loss(params: PyTree) -> jax.Array:
             return _apply(model, params, x).sum()
 
         new_state: train_state.TrainState = state.apply_gradients(
@@ -193,14 +194,17 @@ def make_train_step(
 
 
 def make_infer_step(
-    model: nn.Module, params_sharding: Any, x_sharding: NamedSharding, out_sharding: NamedSharding
-) -> Callable[[Any, jax.Array], jax.Array]:
+    model: nn.Module,
+    params_sharding: object,
+    x_sharding: NamedSharding,
+    out_sharding: NamedSharding,
+) -> Callable[[PyTree, jax.Array], jax.Array]:
     """The guide's jitted inference step."""
 
     @functools.partial(
         jax.jit, in_shardings=(params_sharding, x_sharding), out_shardings=out_sharding
     )
-    def infer_step(params: Any, x: jax.Array) -> jax.Array:
+    def infer_step(params: PyTree, x: jax.Array) -> jax.Array:
         return _apply(model, params, x)
 
     return infer_step

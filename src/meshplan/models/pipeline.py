@@ -14,7 +14,7 @@ whole batch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import jax
 
@@ -58,18 +58,27 @@ def pipeline_problems(
     schedule = PipelineSchedule(stages, cfg.microbatches, cfg.pipeline_repeats)
     found = schedule.problems(cfg.num_layers, batch)
     if not cfg.scan_layers:
-        found.append(Problem(
-            "error", "scan_layers", "a pipeline splits the scanned 'layer' stack, and "
-            "scan_layers=False makes a Python loop of separate layers",
-            "Use scan_layers=True, or rules that give 'stage' no mesh axis.", "pipeline-scan",
-        ))  # fmt: skip
+        found.append(
+            Problem(
+                "error",
+                "scan_layers",
+                "a pipeline splits the scanned 'layer' stack, and "
+                "scan_layers=False makes a Python loop of separate layers",
+                "Use scan_layers=True, or rules that give 'stage' no mesh axis.",
+                "pipeline-scan",
+            )
+        )
     if cfg.num_experts:
-        found.append(Problem(
-            "error", "num_experts", f"a mixture of experts ({cfg.num_experts} experts) does not "
-            "run in a pipeline yet (its routing statistics are not carried between stages)",
-            "Use a dense model (num_experts=0), or rules that give 'stage' no mesh axis.",
-            "pipeline-moe",
-        ))  # fmt: skip
+        found.append(
+            Problem(
+                "error",
+                "num_experts",
+                f"a mixture of experts ({cfg.num_experts} experts) does not "
+                "run in a pipeline yet (its routing statistics are not carried between stages)",
+                "Use a dense model (num_experts=0), or rules that give 'stage' no mesh axis.",
+                "pipeline-moe",
+            )
+        )
     return found
 
 
@@ -90,8 +99,8 @@ def pipeline_schedule(cfg: TransformerConfig, batch: int) -> PipelineSchedule | 
 
 def pipelined_blocks(
     schedule: PipelineSchedule,
-    layer: Callable[[Any, jax.Array], jax.Array],
-    layers: Any,
+    layer: Callable[[object, jax.Array], jax.Array],
+    layers: object,
     x: jax.Array,
 ) -> jax.Array:
     """``x[batch, length, embed]`` through the stacked blocks ``layers``, as ``schedule`` says.

@@ -17,6 +17,8 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from meshplan._types import Leaf, PyTree
+
 if TYPE_CHECKING:
     import jax
 
@@ -116,8 +118,8 @@ def _mlp(config: MLPConfig, size: str) -> Example:
 
     module = LogicalMLP(config.num_layers, config.depth, config.scan)
 
-    def loss(params: Any, x: Any) -> Any:
-        out: Any = module.apply({"params": params}, x)  # one array (not mutable)
+    def loss(params: PyTree, x: Leaf) -> PyTree:
+        out: PyTree = module.apply({"params": params}, x)  # one array (not mutable)
         return out.sum()
 
     def batch_of(batch: int, seq: int) -> jax.ShapeDtypeStruct:
@@ -136,7 +138,7 @@ EXAMPLE_MODELS: dict[str, ExampleModel] = {
 """Every example model the commands know by name (``--model NAME``)."""
 
 
-def example(name: str, config: Any, size: str = "") -> Example:
+def example(name: str, config: object, size: str = "") -> Example:
     """The example model ``name`` of :data:`EXAMPLE_MODELS`, built from ``config``.
 
     Example:

@@ -66,9 +66,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
+from jax.typing import DTypeLike
 
 import meshplan
 from meshplan._spmd.place import apply_spec  # not public: constrain on Auto, reshard on Explicit
+from meshplan._types import PyTree
 from meshplan.models.context import context_shards, load_balanced_order
 from meshplan.models.moe import expert_capacity, route
 from meshplan.models.pipeline import pipeline_schedule, pipelined_blocks
@@ -201,7 +203,7 @@ class TransformerConfig:
         """:attr:`dtype` as a NumPy dtype."""
         return jnp.dtype(self.dtype)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The config as a JSON-able dict (for checkpoints).
 
         Example:
@@ -238,7 +240,7 @@ CONFIGS: dict[str, TransformerConfig] = {
 }
 """Preset configs by name."""
 
-CONFIG_SETTINGS: dict[str, dict[str, Any]] = {
+CONFIG_SETTINGS: dict[str, dict[str, object]] = {
     "base": {"batch": 32, "seq_len": 1024, "lr": 6e-4, "warmup": 100},
 }
 """Training settings a preset brings along (``meshplan train --size base``), unless given."""
@@ -269,7 +271,7 @@ def config_from_name(name: str, **overrides: Any) -> TransformerConfig:
 # ---------------------------------------------------------------------------
 
 
-def _axes(entry: Any) -> tuple[str, ...]:
+def _axes(entry: object) -> tuple[str, ...]:
     if isinstance(entry, str):
         return (entry,)
     if isinstance(entry, tuple):
@@ -386,7 +388,7 @@ _HOST_MASK_LIMIT = 1 << 26
 """The largest causal mask (elements) built on the host with NumPy: 64 MiB of bools."""
 
 
-def causal_mask(positions: Any) -> Any:
+def causal_mask(positions: object) -> Any:
     """``mask[q, k]``: query ``q`` may attend to key ``k`` (position ``k <= q``), in any order.
 
     Example:
@@ -403,7 +405,7 @@ def causal_mask(positions: Any) -> Any:
     return xp.asarray(positions)[:, None] >= xp.asarray(positions)[None, :]
 
 
-def attend(q: Array, k: Array, v: Array, positions: Any, dtype: Any) -> Array:
+def attend(q: Array, k: Array, v: Array, positions: object, dtype: DTypeLike) -> Array:
     """Exact causal attention of ``q[batch, length, heads, kv]`` over all of ``k`` and ``v``.
 
     Queries keep their piece of the sequence; keys and values are constrained
@@ -597,7 +599,7 @@ class Block(nn.Module):
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x: Array, positions: Any = None) -> tuple[Array, Any]:
+    def __call__(self, x: Array, positions: object = None) -> tuple[Array, PyTree]:
         names = ("batch", "length", "embed")
         attention = Attention(self.config, name="attention")
         x = x + attention(LayerNorm(name="attention_norm")(x), positions)
@@ -611,20 +613,20 @@ class Block(nn.Module):
         return _constrain(x + y, names), stats
 
 
-def _apply_block(cfg: TransformerConfig, params: Any, x: Array, positions: Any) -> Array:
+def _apply_block(cfg: TransformerConfig, params: PyTree, x: Array, positions: object) -> Array:
     """One dense :class:`Block` with ``params`` (one layer's), as a pure function."""
-    out: tuple[Array, Any] = Block(cfg, parent=None).apply({"params": params}, x, positions)
+    out: tuple[Array, PyTree] = Block(cfg, parent=None).apply({"params": params}, x, positions)
     return out[0]
 
 
 def pipeline_layer(
     cfg: TransformerConfig,
-    apply_block: Callable[[TransformerConfig, Any, Array, Any], Array],
-    positions: Any,
-) -> Callable[[Any, Array], Array]:
+    apply_block: Callable[[TransformerConfig, PyTree, Array, object], Array],
+    positions: object,
+) -> Callable[[PyTree, Array], Array]:
     """``layer(params, x) -> x``: one block for the pipeline, rematerialised as ``cfg`` says."""
 
-    def layer(params: Any, x: Array) -> Array:
+    def layer(params: PyTree, x: Array) -> Array:
         return apply_block(cfg, params, x, positions)
 
     return jax.checkpoint(layer, policy=remat_policy(cfg)) if cfg.remat else layer
@@ -635,7 +637,7 @@ def remat_policy(cfg: TransformerConfig) -> Any:
     return jax.checkpoint_policies.dots_saveable if cfg.remat_policy == "dots_saveable" else None
 
 
-def _layer_stats(stats: Any) -> dict[str, Array] | None:
+def _layer_stats(stats: PyTree) -> dict[str, Array] | None:
     """Per-layer MoE statistics (stacked by scan, or a list) -> aux loss mean, counts summed."""
     if stats is None or (isinstance(stats, list) and not stats):
         return None
@@ -681,7 +683,7 @@ class Transformer(nn.Module):
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, tokens: Array, positions: Any = None, return_stats: bool = False) -> Any:
+    def __call__(self, tokens: Array, positions: Any = None, return_stats: bool = False) -> PyTree:
         """``logits``, or ``(logits, stats)`` with ``return_stats`` (``None`` for a dense model).
 
         ``positions`` (``int[length]``, default ``arange(length)``): the position
@@ -726,7 +728,7 @@ class Transformer(nn.Module):
         block: Any = Block
         if cfg.remat:
             block = nn.remat(Block, prevent_cse=not cfg.scan_layers, policy=remat_policy(cfg))
-        stats: Any = None
+        stats: PyTree = None
         schedule = None if self.is_initializing() else pipeline_schedule(cfg, tokens.shape[0])
         if schedule is not None:
             layers = meshplan.unbox(self.variables["params"]["layers"])
@@ -768,7 +770,9 @@ class Transformer(nn.Module):
         return (logits, _layer_stats(stats)) if return_stats else logits
 
 
-def loss_and_stats(params: Any, batch_tokens: Array, model: Any) -> tuple[Array, dict[str, Array]]:
+def loss_and_stats(
+    params: PyTree, batch_tokens: Array, model: Any
+) -> tuple[Array, dict[str, Array]]:
     """:func:`loss_fn` and what it measured: ``{"ce"}``, and for MoE ``aux_loss``, ``dropped``, ``routed``.
 
     The sequence goes in load-balanced order (:func:`meshplan.models.context.load_balanced_order`)
@@ -792,7 +796,7 @@ def loss_and_stats(params: Any, batch_tokens: Array, model: Any) -> tuple[Array,
     return loss, {"ce": ce, **stats}
 
 
-def loss_fn(params: Any, batch_tokens: Array, model: Transformer) -> Array:
+def loss_fn(params: PyTree, batch_tokens: Array, model: Transformer) -> Array:
     """Mean cross-entropy of next-byte prediction, in nats per byte (plus, for MoE, the aux loss).
 
     ``batch_tokens`` is ``int32[batch, length + 1]``: the model reads

@@ -37,7 +37,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,7 @@ import numpy as np
 from flax import nnx
 
 import meshplan
+from meshplan._types import PyTree
 from meshplan.models.pipeline import pipeline_schedule, pipelined_blocks
 from meshplan.models.transformer import (
     EXPERT_WI_NAMES,
@@ -62,6 +63,9 @@ from meshplan.models.transformer import (
     pipeline_layer,
     remat_policy,
 )
+
+State: TypeAlias = nnx.State[Any, Any]
+"""The model's NNX state: its variables by path."""
 
 __all__ = [
     "Attention",
@@ -200,7 +204,7 @@ class Block(nnx.Module):
         self.mlp_norm = LayerNorm(config.embed_dim, rngs)
         self.mlp: Mlp | MoeMlp = MoeMlp(config, rngs) if config.num_experts else Mlp(config, rngs)
 
-    def __call__(self, x: Array, positions: Any = None) -> tuple[Array, Any]:
+    def __call__(self, x: Array, positions: object = None) -> tuple[Array, PyTree]:
         names = ("batch", "length", "embed")
         x = _constrain(x + self.attention(self.attention_norm(x), positions), names)
         out = self.mlp(self.mlp_norm(x))
@@ -254,7 +258,7 @@ class Transformer(nnx.Module):
             ("embed", "vocab"),
         )
 
-    def __call__(self, tokens: Array, positions: Any = None, return_stats: bool = False) -> Any:
+    def __call__(self, tokens: Array, positions: Any = None, return_stats: bool = False) -> PyTree:
         """``logits``, or ``(logits, stats)`` with ``return_stats``, as the Linen model's."""
         cfg = self.config
         dtype = cfg.compute_dtype
@@ -272,15 +276,15 @@ class Transformer(nnx.Module):
         x = _constrain(x, embed_names)
         order = np.arange(length) if positions is None else positions
 
-        def run_block(x: Array, block: Block) -> tuple[Array, Any]:
+        def run_block(x: Array, block: Block) -> tuple[Array, PyTree]:
             return block(x, order)
 
-        run: Callable[[Array, Block], tuple[Array, Any]] = run_block
+        run: Callable[[Array, Block], tuple[Array, PyTree]] = run_block
         if cfg.remat:
             run = jax.checkpoint(
                 run_block, prevent_cse=not cfg.scan_layers, policy=remat_policy(cfg)
             )
-        stats: Any = None
+        stats: PyTree = None
         schedule = pipeline_schedule(cfg, tokens.shape[0])
         if schedule is not None:  # the rules give 'stage' a mesh axis
             layer = pipeline_layer(cfg, _apply_block, order)
@@ -308,9 +312,9 @@ class Transformer(nnx.Module):
         return (logits, _layer_stats(stats)) if return_stats else logits
 
 
-def _apply_block(cfg: TransformerConfig, block: Block, x: Array, positions: Any) -> Array:
+def _apply_block(cfg: TransformerConfig, block: Block, x: Array, positions: object) -> Array:
     """One dense :class:`Block` (its variables one layer's), for the pipeline."""
-    out: tuple[Array, Any] = block(x, positions)
+    out: tuple[Array, PyTree] = block(x, positions)
     return out[0]
 
 
@@ -329,7 +333,7 @@ class _LinenApply:
     def config(self) -> TransformerConfig:
         return self.model.config
 
-    def apply(self, variables: dict[str, Any], tokens: Array, **kwargs: Any) -> Any:
+    def apply(self, variables: dict[str, Any], tokens: Array, **kwargs: Any) -> object:
         return self.model.module(variables["params"])(tokens, **kwargs)
 
 
@@ -366,35 +370,33 @@ class FunctionalTransformer:
         graphdef, _ = nnx.split(nnx.eval_shape(lambda: _create(config, jax.random.key(0))))
         self.graphdef = graphdef
 
-    def init(self, key: jax.Array) -> nnx.State[Any, Any]:
+    def init(self, key: jax.Array) -> State:
         """The parameters of a new model from ``key`` (jit it with ``out_shardings`` to place them)."""
         return nnx.state(_create(self.config, key))
 
-    def abstract_state(self, key: jax.Array | None = None) -> nnx.State[Any, Any]:
+    def abstract_state(self, key: jax.Array | None = None) -> State:
         """``jax.eval_shape`` of :meth:`init`: shapes, dtypes and names, no arrays."""
         key = jax.random.key(0) if key is None else key
-        abstract: nnx.State[Any, Any] = jax.eval_shape(self.init, key)
+        abstract: State = jax.eval_shape(self.init, key)
         return abstract
 
-    def module(self, state: nnx.State[Any, Any]) -> Transformer:
+    def module(self, state: State) -> Transformer:
         """The :class:`Transformer` holding ``state``."""
         model: Transformer = nnx.merge(self.graphdef, state)
         return model
 
-    def apply(self, state: nnx.State[Any, Any], tokens: Array) -> Array:
+    def apply(self, state: State, tokens: Array) -> Array:
         """``logits[batch, length, vocab]`` (float32) of ``tokens[batch, length]``."""
         logits: Array = self.module(state)(tokens)
         return logits
 
-    def loss(self, state: nnx.State[Any, Any], batch: Array) -> Array:
+    def loss(self, state: State, batch: Array) -> Array:
         """Mean next-byte cross-entropy of ``batch`` (``int32[batch, length + 1]``), in nats.
 
         The Linen model's :func:`~meshplan.models.transformer.loss_fn`, run on this model.
         """
         return self.loss_and_stats(state, batch)[0]
 
-    def loss_and_stats(
-        self, state: nnx.State[Any, Any], batch: Array
-    ) -> tuple[Array, dict[str, Array]]:
+    def loss_and_stats(self, state: State, batch: Array) -> tuple[Array, dict[str, Array]]:
         """:meth:`loss` and what it measured (:func:`~meshplan.models.transformer.loss_and_stats`)."""
         return loss_and_stats(state, batch, _LinenApply(self))

@@ -20,6 +20,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import meshplan
+from meshplan._types import Leaf, PyTree
 from meshplan.models.mlp import (
     LOGICAL_RULES,
     MLP,
@@ -85,10 +86,10 @@ class VariantResult:
     """What one variant of the workflow produced."""
 
     variant: Variant
-    abstract_state: Any
-    state_sharding: Any
-    state: Any
-    trained: Any
+    abstract_state: PyTree
+    state_sharding: PyTree
+    state: PyTree
+    trained: PyTree
     step_ms: list[float]
     output: jax.Array
 
@@ -151,7 +152,7 @@ def median_ms(result: VariantResult) -> float:
     return statistics.median(result.step_ms)
 
 
-def state_arrays(state: Any) -> dict[str, Any]:
+def state_arrays(state: PyTree) -> dict[str, object]:
     """The raw arrays of a ``TrainState``: what a checkpoint stores.
 
     Example:
@@ -171,7 +172,7 @@ def state_arrays(state: Any) -> dict[str, Any]:
     }
 
 
-def save_state(state: Any, directory: Path) -> Path:
+def save_state(state: PyTree, directory: Path) -> Path:
     """Saves the unboxed arrays of ``state`` with Orbax; returns the checkpoint path."""
     import orbax.checkpoint as ocp
 
@@ -182,7 +183,7 @@ def save_state(state: Any, directory: Path) -> Path:
     return path
 
 
-def restore_on_mesh(path: Path, abstract_state: Any, target_sharding: Any) -> Any:
+def restore_on_mesh(path: Path, abstract_state: PyTree, target_sharding: PyTree) -> PyTree:
     """Restores arrays saved by :func:`save_state` with the shardings of ``target_sharding``.
 
     ``target_sharding`` is a sharding tree for ``abstract_state`` on any mesh;
@@ -190,7 +191,7 @@ def restore_on_mesh(path: Path, abstract_state: Any, target_sharding: Any) -> An
     """
     import orbax.checkpoint as ocp
 
-    def target(abstract: Any, sharding: Any) -> Any:
+    def target(abstract: PyTree, sharding: object) -> PyTree:
         return jax.ShapeDtypeStruct(abstract.shape, abstract.dtype, sharding=sharding)
 
     abstract_arrays = state_arrays(abstract_state)
@@ -204,7 +205,7 @@ def restore_on_mesh(path: Path, abstract_state: Any, target_sharding: Any) -> An
         return checkpointer.restore(Path(path), targets)
 
 
-def trees_equal(a: Any, b: Any) -> bool:
+def trees_equal(a: object, b: Leaf) -> bool:
     """Whether two trees of arrays hold bit-identical values.
 
     Example:

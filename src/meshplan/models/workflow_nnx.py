@@ -115,9 +115,12 @@ def sharded_linear(mesh: Mesh, seed: int = 0) -> tuple[nnx.Linear, jax.Array]:
     def init_sharded_linear(key: jax.Array) -> nnx.Linear:
         init_fn = nnx.nn.linear.default_kernel_init
         return nnx.Linear(
-            4, 8, use_bias=False, rngs=nnx.Rngs(key),
+            4,
+            8,
+            use_bias=False,
+            rngs=nnx.Rngs(key),
             kernel_init=nnx.with_partitioning(init_fn, (None, "model")),
-        )  # fmt: skip
+        )
 
     rngs = nnx.Rngs(seed)
     with jax.set_mesh(mesh):
@@ -136,11 +139,12 @@ class DotReluDot(nnx.Module):
     def __init__(self, depth: int, rngs: nnx.Rngs) -> None:
         init_fn = nnx.initializers.lecun_normal()
         self.dot1 = nnx.Linear(
-            depth, depth,
+            depth,
+            depth,
             kernel_init=nnx.with_partitioning(init_fn, (None, "model")),
             use_bias=False,
             rngs=rngs,
-        )  # fmt: skip
+        )
         self.w2 = nnx.Param(init_fn(rngs.params(), (depth, depth)), out_sharding=("model", None))
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -175,11 +179,12 @@ class LogicalDotReluDot(nnx.Module):
     def __init__(self, depth: int, rngs: nnx.Rngs) -> None:
         init_fn = nnx.initializers.lecun_normal()
         self.dot1 = nnx.Linear(
-            depth, depth,
+            depth,
+            depth,
             kernel_init=meshplan.with_nnx_partitioning(init_fn, ("embed", "hidden")),
             use_bias=False,
             rngs=rngs,
-        )  # fmt: skip
+        )
         self.w2 = nnx.Param(
             init_fn(rngs.params(), (depth, depth)), **meshplan.nnx_sharding(("hidden", "embed"))
         )
@@ -214,11 +219,12 @@ class ExplicitDotReluDot(nnx.Module):
     def __init__(self, depth: int, rngs: nnx.Rngs) -> None:
         init_fn = nnx.initializers.lecun_normal()
         self.dot1 = nnx.Linear(
-            depth, depth,
+            depth,
+            depth,
             kernel_init=functools.partial(init_fn, out_sharding=P(None, "model")),
             use_bias=False,
             rngs=rngs,
-        )  # fmt: skip
+        )
         self.w2 = nnx.Param(init_fn(rngs.params(), (depth, depth), out_sharding=P("model", None)))
         self.b2 = nnx.Param(jnp.zeros((depth,), out_sharding=P(None)))
 
@@ -248,8 +254,8 @@ class ExplicitMultiDotReluDot(nnx.Module):
 
 @jax.jit
 def train_step(
-    model: nnx.Module, optimizer: nnx.Optimizer[Any], x: jax.Array, y: jax.Array
-) -> tuple[nnx.Module, nnx.Optimizer[Any], jax.Array]:
+    model: nnx.Module, optimizer: nnx.Optimizer[object], x: jax.Array, y: jax.Array
+) -> tuple[nnx.Module, nnx.Optimizer[object], jax.Array]:
     """The guide's jitted step (mean squared error, ``optimizer.update``), returning the optimizer too."""
 
     def loss_fn(model: nnx.Module) -> jax.Array:
@@ -265,7 +271,7 @@ def train_step(
 class TrainRun:
     """What :func:`train` made: the trained model, its optimizer and the loss of each step."""
 
-    model: Any
+    model: object
     optimizer: nnx.Optimizer[Any]
     losses: list[float]
     x: jax.Array
@@ -311,7 +317,7 @@ def train(
 
 def abstract_model(
     make_model: Callable[[], nnx.Module],
-) -> tuple[nnx.GraphDef[Any], nnx.State[Any, Any]]:
+) -> tuple[nnx.GraphDef[Any], nnx.State[object, object]]:
     """``nnx.split`` of ``nnx.eval_shape(make_model)``: shapes and names, no arrays, no mesh.
 
     Flax's eager sharding is off while tracing, so no mesh and no rules are
@@ -323,7 +329,7 @@ def abstract_model(
     return graphdef, state
 
 
-def save_state(state: nnx.State[Any, Any], directory: Path) -> Path:
+def save_state(state: nnx.State[object, object], directory: Path) -> Path:
     """Saves an ``nnx.State`` with Orbax's ``StandardCheckpointer``, as the guide does."""
     import orbax.checkpoint as ocp
 
@@ -349,7 +355,7 @@ def restore_onto(
     with meshplan.logical_axis_rules(rules):
         shardings = meshplan.get_sharding(abstract, mesh, strict=True)
 
-    def target(value: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+    def target(value: jax.ShapeDtypeStruct, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
 
     targets = jax.tree.map(target, abstract, shardings)
@@ -365,7 +371,7 @@ def restore_with_meshplan(
     mesh: Mesh,
     rules: LogicalRules,
     *,
-    saved_rules: Any = GUIDE_RULES,
+    saved_rules: LogicalRules = GUIDE_RULES,
 ) -> Any:
     """``model`` saved by :class:`meshplan.Checkpointer`, restored onto ``mesh`` under ``rules``.
 
@@ -385,7 +391,12 @@ def restore_with_meshplan(
 
 
 def run_logical(
-    mesh: Mesh, depth: int, *, num_layers: int = 2, batch: int = 8, rules: Any = GUIDE_RULES
+    mesh: Mesh,
+    depth: int,
+    *,
+    num_layers: int = 2,
+    batch: int = 8,
+    rules: LogicalRules = GUIDE_RULES,
 ) -> tuple[LogicalMultiDotReluDot, jax.Array]:
     """The guide's logical-axis section: create the model under ``rules`` and run it once.
 

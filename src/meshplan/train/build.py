@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import jax
 import optax
@@ -27,6 +26,7 @@ from meshplan._checkpoint.tree import flatten_state
 from meshplan._errors import MeshplanError, Problem
 from meshplan._spmd.rules import LogicalRules
 from meshplan._spmd.validate import validate
+from meshplan._types import PyTree
 from meshplan.layouts import get_layout
 from meshplan.train.device_mesh import make_mesh
 from meshplan.train.memory import MemoryShortfall, memory_shortfall
@@ -68,7 +68,7 @@ class BuiltParts:
     mesh: Mesh | None = None
     rules: LogicalRules | None = None
     tx: optax.GradientTransformation | None = None
-    abstract: Any = None
+    abstract: PyTree = None
     mesh_error: MeshplanError | None = None
     rules_error: MeshplanError | None = None
     state_error: Exception | None = None
@@ -81,12 +81,12 @@ class BuiltParts:
 def build_parts(
     settings: TrainSettings,
     shape: Mapping[str, int] | None,
-    devices: Sequence[Any] | None,
+    devices: Sequence[object] | None,
     layout: str | LogicalRules | None,
     model: TrainModel | None,
     stored: CheckpointMetadata | None = None,
-    example_batch: Any = None,
-    memory_batch: Any = None,
+    example_batch: PyTree = None,
+    memory_batch: PyTree = None,
 ) -> BuiltParts:
     """The mesh, rules, optimizer and abstract state of a run, checked, every problem kept.
 

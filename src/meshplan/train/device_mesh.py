@@ -62,32 +62,38 @@ def make_mesh(
     text = "x".join(str(s) for s in sizes)
     if len(names) != len(sizes) or len(set(names)) != len(names):
         raise error_for(
-            MeshError, "mesh-axis-names", text,
+            MeshError,
+            "mesh-axis-names",
+            text,
             f"The mesh {text} has {len(sizes)} axes, but the axis names {names} are not one "
             f"distinct name per axis",
             f"Give one distinct name per axis (e.g. axes="
             f"{('data', 'fsdp', 'tensor', 'model')[: len(sizes)]}).",
-        )  # fmt: skip
+        )
     devices = list(jax.devices() if devices is None else devices)
     size = math.prod(sizes)
     if size > len(devices):
         raise error_for(
-            MeshError, "mesh-too-few-devices", text,
+            MeshError,
+            "mesh-too-few-devices",
+            text,
             f"The mesh {text} needs {size} devices, but there are only {len(devices)} "
             f"({devices[0].platform})",
             f"Use a smaller mesh, or more devices (on the CPU, XLA_FLAGS="
             f"--xla_force_host_platform_device_count={size} emulates them).",
-        )  # fmt: skip
+        )
     if jax.process_count() > 1 and size < len(devices):
         processes, local = jax.process_count(), jax.local_device_count()
         raise error_for(
-            MeshError, "mesh-not-every-device", text,
+            MeshError,
+            "mesh-not-every-device",
+            text,
             f"The mesh {text} uses {size} of the {len(devices)} devices, but with {processes} "
             f"processes it must use all of them ({local} per process), so that every process "
             f"holds part of it",
             f"Use a mesh of {len(devices)} devices (e.g. shape ({processes}, {local})), or "
             f"fewer processes.",
-        )  # fmt: skip
+        )
     return jax.make_mesh(
         sizes, names, axis_types=(AxisType.Auto,) * len(sizes), devices=devices[:size]
     )

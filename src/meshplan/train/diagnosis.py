@@ -11,11 +11,13 @@ the learning rate's:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from meshplan._types import PyTree
 
 __all__ = ["NanCause", "nan_cause", "nonfinite_leaves"]
 
@@ -27,7 +29,7 @@ class NanCause(NamedTuple):
     detail: str
 
 
-def nonfinite_leaves(batch: Any) -> list[tuple[str, int, int]]:
+def nonfinite_leaves(batch: PyTree) -> list[tuple[str, int, int]]:
     """``(path, non-finite count, size)`` of every floating array of ``batch`` that holds NaN or inf.
 
     Example:
@@ -47,7 +49,7 @@ def nonfinite_leaves(batch: Any) -> list[tuple[str, int, int]]:
     return out
 
 
-def nan_cause(step: int, start: int, batch: Any = None) -> NanCause:
+def nan_cause(step: int, start: int, batch: PyTree = None) -> NanCause:
     """Why the loss of ``step`` is not finite; ``batch``: that step's batch (``None``: unknown).
 
     ``start``: the step the run started from (its first step is ``start + 1``).

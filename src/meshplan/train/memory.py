@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
 
 import jax
 from jax.sharding import Mesh
 
 from meshplan._search.predict.cost import Cost, predict
-from meshplan._search.predict.profiles import get_profile
+from meshplan._search.predict.profiles import BACKENDS, get_profile
 from meshplan._search.predict.trace import trace_workload
 from meshplan._spmd.rules import LogicalRules
 from meshplan._text import human_bytes
+from meshplan._types import PyTree
 from meshplan.train.model import TrainModel
 
 __all__ = ["MemoryShortfall", "device_memory", "memory_shortfall", "step_memory"]
@@ -88,7 +88,7 @@ def device_memory(mesh: Mesh) -> tuple[int, str] | None:
 
 
 def step_memory(
-    model: TrainModel, abstract: Any, batch: Any, mesh: Mesh, rules: LogicalRules
+    model: TrainModel, abstract: PyTree, batch: PyTree, mesh: Mesh, rules: LogicalRules
 ) -> Cost:
     """The planner's prediction of one train step of ``batch`` on ``mesh`` under ``rules``.
 
@@ -96,16 +96,16 @@ def step_memory(
     Attention scores count as held on the CPU, and as fused away on accelerators, so an
     accelerator run is refused only when even the fused step cannot fit.
     """
-    platform = mesh.devices.flat[0].platform
-    profile = dataclasses.replace(
-        get_profile("cpu", mesh.devices.size), fused_attention=platform != "cpu"
-    )
+    # What the backend does (its fused attention) from the planner's one table of backends.
+    backend = BACKENDS.get(mesh.devices.flat[0].platform, BACKENDS["gpu"])
+    fused = backend.get("fused_attention", False)
+    profile = dataclasses.replace(get_profile("cpu", mesh.devices.size), fused_attention=fused)
     work = trace_workload(model.step, abstract, batch, rules)
     return predict(work, dict(mesh.shape), rules, profile)
 
 
 def memory_shortfall(
-    model: TrainModel, abstract: Any, batch: Any, mesh: Mesh, rules: LogicalRules
+    model: TrainModel, abstract: PyTree, batch: PyTree, mesh: Mesh, rules: LogicalRules
 ) -> MemoryShortfall | None:
     """How a step of ``batch`` does not fit in a device, or ``None`` (it fits, or a
     device's memory is not known).

@@ -18,6 +18,7 @@ import jax
 import optax
 from flax.training import train_state
 
+from meshplan._types import LossFn, PyTree
 from meshplan.train.state import init_fn
 
 __all__ = ["TrainModel"]
@@ -50,12 +51,12 @@ class TrainModel:
         ((4, 3), (4, 3))
     """
 
-    model: Any
-    loss: Callable[[Any, Any], Any]
-    example_input: Any = None
+    model: Any  # a Flax Linen module or an init function: meshplan.train.state.init_fn
+    loss: LossFn
+    example_input: PyTree = None
     has_aux: bool = False
 
-    def init(self, tx: optax.GradientTransformation) -> Callable[[jax.Array], Any]:
+    def init(self, tx: optax.GradientTransformation) -> Callable[[jax.Array], PyTree]:
         """``init(key) -> TrainState`` with optimizer ``tx`` (:func:`~meshplan.train.state.init_fn`)."""
         return init_fn(self.model, tx, self.example_input)
 
@@ -67,12 +68,12 @@ class TrainModel:
         state: train_state.TrainState = jax.eval_shape(self.init(tx), jax.random.key(seed))
         return state
 
-    def objective(self, params: Any, batch: Any) -> Any:
+    def objective(self, params: PyTree, batch: PyTree) -> PyTree:
         """The scalar loss (the first value of ``loss`` when it has metrics)."""
         out = self.loss(params, batch)
         return out[0] if self.has_aux else out
 
-    def step(self, state: train_state.TrainState, batch: Any) -> train_state.TrainState:
+    def step(self, state: train_state.TrainState, batch: PyTree) -> train_state.TrainState:
         """One plain train step (not jitted): the gradient of :meth:`objective`, applied."""
         grads = jax.grad(self.objective)(state.params, batch)
         new: train_state.TrainState = state.apply_gradients(grads=grads)

@@ -61,8 +61,8 @@ class Checkpoints:
     discard_steps: tuple[int, ...] = ()
     discard_why: Mapping[int, str] = dataclasses.field(default_factory=dict)
     max_to_keep: int | None = None
-    config: Mapping[str, Any] | None = None
-    record: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    config: Mapping[str, object] | None = None
+    record: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,11 +89,11 @@ _MEASURE_FIELDS = tuple(f.name for f in dataclasses.fields(Measures))
 
 
 def group_parts(
-    model: Any,
+    model: object,
     placement: Placement | None,
     checkpoints: Checkpoints | None,
     measures: Measures | None,
-    separate: dict[str, Any],
+    separate: dict[str, object],
 ) -> tuple[TrainModel, Placement, Checkpoints, Measures]:
     """The typed groups, from themselves or from their fields given one by one (the older
     keywords: ``Trainer(model=module, loss=..., mesh=..., rules=..., ckpt_dir=...)``)."""
@@ -102,7 +102,7 @@ def group_parts(
     if unknown:
         raise TypeError(f"Trainer() got unexpected keyword arguments: {', '.join(unknown)}")
 
-    def pick(names: tuple[str, ...], group: Any, kind: str) -> dict[str, Any]:
+    def pick(names: tuple[str, ...], group: object, kind: str) -> dict[str, Any]:
         given = {n: separate[n] for n in names if n in separate}
         if given and group is not None:
             raise TypeError(f"Trainer(): pass {kind}=... or {', '.join(given)}, not both")

@@ -59,7 +59,7 @@ class Note(str):
         cls,
         template: str,
         code: str,
-        fields: Mapping[str, Any] | None = None,
+        fields: Mapping[str, object] | None = None,
         words: Mapping[str, str] | None = None,
     ) -> Note:
         text = template
@@ -70,7 +70,7 @@ class Note(str):
         return note
 
 
-def valid_setting(settings: Mapping[str, Any], data: Any) -> str:
+def valid_setting(settings: Mapping[str, object], data: object) -> str:
     """What a validation loss was measured on, as text: losses of two settings do not compare.
 
     Example:
@@ -83,8 +83,8 @@ def valid_setting(settings: Mapping[str, Any], data: Any) -> str:
 
 
 def valid_changes(
-    before: Mapping[str, Any], now: Mapping[str, Any], data: Any
-) -> dict[str, tuple[Any, Any]]:
+    before: Mapping[str, object], now: Mapping[str, object], data: object
+) -> dict[str, tuple[object, object]]:
     """The settings of validation that differ, ``name: (before, now)``; ``data`` last.
 
     Example:
@@ -102,7 +102,7 @@ def valid_changes(
     return out
 
 
-def valid_changed_note(step: int, changes: dict[str, tuple[Any, Any]]) -> Note:
+def valid_changed_note(step: int, changes: dict[str, tuple[object, object]]) -> Note:
     """The note of a run that validates otherwise than the checkpoint's ``step``."""
     changed = "; ".join(f"{name} {now} instead of {was}" for name, (was, now) in changes.items())
     template = (
@@ -300,7 +300,7 @@ class StepRecord:
     mfu: float | None = None
     metrics: dict[str, float] | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """A JSON-able dict (``--metrics`` writes one per step); ``metrics`` only when measured."""
         out = dataclasses.asdict(self)
         if out["metrics"] is None:

@@ -91,7 +91,7 @@ class TrainSettings:
             )
         return found
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """A JSON-able dict."""
         return dataclasses.asdict(self)
 
@@ -121,15 +121,15 @@ _LIMITS = {
 (finite, >= 0)."""
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _show(value: Any) -> str:
+def _show(value: object) -> str:
     return f"{value:g}" if _is_number(value) else repr(value)
 
 

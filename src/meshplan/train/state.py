@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, TypedDict
+from typing import TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 
 from meshplan._spmd.rules import LogicalRules
 from meshplan._spmd.shardings import get_partition_spec, logical_to_mesh_sharding
+from meshplan._types import PyTree
 from meshplan.train.settings import TrainSettings
 
 __all__ = [
@@ -53,7 +54,7 @@ def sequence_input(settings: TrainSettings) -> jax.ShapeDtypeStruct:
 
 
 def init_fn(
-    model: Any, tx: optax.GradientTransformation, example_input: Any
+    model: object, tx: optax.GradientTransformation, example_input: object
 ) -> Callable[[jax.Array], train_state.TrainState]:
     """``init(key) -> TrainState`` of ``model`` with optimizer ``tx`` (to trace or jit).
 
@@ -104,10 +105,10 @@ def init_fn(
 
 
 def abstract_train_state(
-    model: Any,
+    model: object,
     tx: optax.GradientTransformation,
     settings: TrainSettings,
-    example_input: Any = None,
+    example_input: object = None,
 ) -> train_state.TrainState:
     """The ``TrainState`` as ``jax.eval_shape`` sees it: boxes of ``ShapeDtypeStruct``\\ s.
 
@@ -122,14 +123,14 @@ def abstract_train_state(
     return abstract
 
 
-def state_shardings(abstract: Any, mesh: Mesh, rules: LogicalRules) -> Any:
+def state_shardings(abstract: PyTree, mesh: Mesh, rules: LogicalRules) -> PyTree:
     """The ``NamedSharding`` of every array of ``abstract`` under ``rules`` on ``mesh``."""
     return logical_to_mesh_sharding(get_partition_spec(abstract), mesh, rules)
 
 
-def per_device_bytes(abstract: Any, shardings: Any) -> int:
+def per_device_bytes(abstract: PyTree, shardings: PyTree) -> int:
     """The largest number of bytes any one device holds of ``abstract`` with ``shardings``."""
-    totals: dict[Any, int] = {}
+    totals: dict[object, int] = {}
     for value, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings), strict=True):
         nbytes = math.prod(sharding.shard_shape(value.shape)) * np.dtype(value.dtype).itemsize
         for device in sharding.device_set:
@@ -137,7 +138,7 @@ def per_device_bytes(abstract: Any, shardings: Any) -> int:
     return max(totals.values(), default=0)
 
 
-def _total_bytes(tree: Any) -> int:
+def _total_bytes(tree: PyTree) -> int:
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
@@ -155,7 +156,7 @@ class PlanSummary(TypedDict):
 
 
 def plan_summary(
-    abstract: Any, shardings: Any, mesh: Mesh, rules: LogicalRules, layout: str = ""
+    abstract: PyTree, shardings: PyTree, mesh: Mesh, rules: LogicalRules, layout: str = ""
 ) -> PlanSummary:
     """Parameter count and per-device bytes of the parameters and of the whole state.
 

@@ -68,6 +68,7 @@ from meshplan._checkpoint.restore import restore
 from meshplan._errors import CheckpointError
 from meshplan._spmd.explicit import explicit_mesh_error, is_sharding_type_error
 from meshplan._spmd.rules import logical_axis_rules
+from meshplan._types import Batch, PyTree
 from meshplan.train.diagnosis import NanCause, nan_cause
 from meshplan.train.model import TrainModel
 from meshplan.train.parts import Checkpoints, Measures, Placement, group_parts
@@ -94,11 +95,11 @@ from meshplan.train.state import (
 
 __all__ = ["Batches", "Loss", "Trainer"]
 
-Loss = Callable[[Any, Any], jax.Array]
+Loss = Callable[[PyTree, Batch], jax.Array]
 """``loss(params, batch) -> scalar``: the loss to minimise (``params``: the model's
 ``params`` collection, boxed, or its ``nnx.State``; ``batch``: what :data:`Batches` gives)."""
 
-Batches = Callable[[str, int], Any]
+Batches = Callable[[str, int], Batch]
 """``batches(split, index) -> batch``: batch number ``index`` of ``split``
 (``"train"``: the batch of step ``index``; ``"valid"``: the ``index``-th fixed
 validation batch), as ``jax.Array``\\ s already placed on the mesh."""
@@ -165,7 +166,7 @@ class Trainer:
 
     def __init__(
         self,
-        model: TrainModel | nn.Module | Callable[[jax.Array], Any] | None = None,
+        model: TrainModel | nn.Module | Callable[[jax.Array], PyTree] | None = None,
         batches: Batches | None = None,
         settings: TrainSettings | None = None,
         placement: Placement | None = None,
@@ -173,9 +174,9 @@ class Trainer:
         measures: Measures | None = None,
         *,
         tx: optax.GradientTransformation | None = None,
-        abstract: Any = None,
+        abstract: PyTree = None,
         notes: Sequence[str] = (),
-        **separate: Any,
+        **separate: object,
     ) -> None:
         model, placement, checkpoints, measures = group_parts(
             model, placement, checkpoints, measures, separate
@@ -239,28 +240,28 @@ class Trainer:
         self.shardings = state_shardings(self.abstract, self.mesh, self.rules)
         # The state between steps: its arrays as a flat list (the steps take and give
         # that list, so a step unflattens nothing in Python), the tree built on access.
-        self._state: Any = None
+        self._state: PyTree = None
         self._leaves: list[jax.Array] | None = None
         self._treedef: Any = None
         self.step = 0
         self._checkpointer: Checkpointer | None = None
-        self._train_step: Callable[[Any, Any], tuple[Any, jax.Array, Any]] | None = None
-        self._eval_step: Callable[[Any, Any], jax.Array] | None = None
+        self._train_step: Callable[[PyTree, Batch], tuple[PyTree, jax.Array, PyTree]] | None = None
+        self._eval_step: Callable[[PyTree, Batch], jax.Array] | None = None
         # The step over flat leaves, jitted, and its executables by batch signature.
         self._flat_step: Any = None
-        self._executables: dict[Any, Any] = {}
-        self._valid_batches: list[Any] | None = None
-        self._step_metrics: dict[int, Any] = {}
+        self._executables: dict[object, object] = {}
+        self._valid_batches: list[Batch] | None = None
+        self._step_metrics: dict[int, PyTree] = {}
 
     @property
-    def state(self) -> Any:
+    def state(self) -> PyTree:
         """The sharded ``TrainState`` (``None`` before :meth:`start`)."""
         if self._state is None and self._leaves is not None:
             self._state = jax.tree.unflatten(self._treedef, self._leaves)
         return self._state
 
     @state.setter
-    def state(self, value: Any) -> None:
+    def state(self, value: PyTree) -> None:
         self._state, self._leaves = value, None
 
     # -- context ---------------------------------------------------------------
@@ -360,17 +361,17 @@ class Trainer:
                 )
             self.step = 0
 
-    def _compile(self, batch: Any) -> None:
+    def _compile(self, batch: PyTree) -> None:
         """Jits the steps for batches placed like ``batch``."""
         batch_shardings = jax.tree.map(lambda x: x.sharding, batch)
         value_and_grad = jax.value_and_grad(self._loss_and_metrics, has_aux=True)
         accum = self.settings.grad_accum
 
-        def gradients(params: Any, batch: Any) -> Any:
+        def gradients(params: PyTree, batch: PyTree) -> PyTree:
             (value, metrics), grads = value_and_grad(params, batch)
             return value, metrics, grads
 
-        def train_step(state: Any, batch: Any) -> tuple[Any, jax.Array, Any]:
+        def train_step(state: PyTree, batch: PyTree) -> tuple[PyTree, jax.Array, PyTree]:
             if accum == 1:
                 value, metrics, grads = gradients(state.params, batch)
                 return state.apply_gradients(grads=grads), value, metrics
@@ -379,7 +380,7 @@ class Trainer:
             shapes = jax.eval_shape(gradients, state.params, first)
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
-            def add(total: Any, microbatch: Any) -> tuple[Any, None]:
+            def add(total: PyTree, microbatch: Batch) -> tuple[PyTree, None]:
                 part = gradients(state.params, microbatch)
                 return jax.tree.map(jnp.add, total, part), None
 
@@ -399,7 +400,9 @@ class Trainer:
         flat_shardings = jax.tree.leaves(self.shardings)  # (boxes hold one array each)
         assert len(flat_shardings) == treedef.num_leaves, (len(flat_shardings), treedef)
 
-        def flat_step(leaves: list[jax.Array], batch: Any) -> tuple[list[jax.Array], Any, Any]:
+        def flat_step(
+            leaves: list[jax.Array], batch: PyTree
+        ) -> tuple[list[jax.Array], jax.Array, PyTree]:
             state, value, metrics = train_step(jax.tree.unflatten(treedef, leaves), batch)
             return treedef.flatten_up_to(state), value, metrics
 
@@ -414,7 +417,7 @@ class Trainer:
             out_shardings=replicated,
         )
 
-    def _loss_and_metrics(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
+    def _loss_and_metrics(self, params: PyTree, batch: PyTree) -> tuple[jax.Array, PyTree]:
         try:  # traced once per compile: no cost per step
             out = self.loss(params, batch)
         except Exception as e:  # code written for Auto meshes, on Explicit axes
@@ -423,7 +426,7 @@ class Trainer:
             raise
         return (out[0], out[1]) if self.has_aux else (out, {})
 
-    def train_step(self, batch: Any = None) -> jax.Array:
+    def train_step(self, batch: PyTree = None) -> jax.Array:
         """Runs one step on the batch of the current step; returns its loss (not synced).
 
         ``batch`` is that batch when the caller has fetched it already (prefetched).
@@ -447,7 +450,7 @@ class Trainer:
         out: jax.Array = loss
         return out
 
-    def _executable(self, leaves: list[jax.Array], batch: Any) -> Any:
+    def _executable(self, leaves: list[jax.Array], batch: PyTree) -> PyTree:
         """The compiled step for batches shaped and placed like ``batch``.
 
         Compiled ahead of time, once per distinct batch (shapes, dtypes and
@@ -497,9 +500,16 @@ class Trainer:
             best = self._checkpointer.best(self.valid_setting)
             resume_at, why = sane_step(saved, self.losses_seen, best, self._start_step)
         raise Diverged(
-            self.step if step is None else step, what, path, last_good, best, self.ckpt_dir,
-            resume_at, why, *(() if cause is None else cause),
-        )  # fmt: skip
+            self.step if step is None else step,
+            what,
+            path,
+            last_good,
+            best,
+            self.ckpt_dir,
+            resume_at,
+            why,
+            *(() if cause is None else cause),
+        )
 
     def _nan_cause(self, step: int, path: str) -> NanCause | None:
         """Why the loss at ``step`` is not finite (its batches looked at again); ``None``

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 __all__ = ["ERROR", "GROUP_COLORS", "INK", "MUTED", "device_colors"]
 
 GROUP_COLORS = {"params": "#4C72B0", "optimizer": "#DD8452", "other": "#8C8C8C"}
@@ -12,7 +10,7 @@ MUTED = "#6b6b6b"
 ERROR = "#c0392b"
 
 
-def device_colors(n: int) -> list[Any]:
+def device_colors(n: int) -> list[object]:
     """``n`` distinct colours, one per device in mesh order."""
     from matplotlib import colormaps
 

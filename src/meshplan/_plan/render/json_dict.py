@@ -7,7 +7,7 @@ dimension and total builds its own entry (``LeafPlan.to_dict``,
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from meshplan._plan.records import json_entry
 
@@ -20,7 +20,7 @@ SCHEMA = "meshplan.plan/1"
 """Identifies the layout of :func:`plan_to_dict`; bumped on any incompatible change."""
 
 
-def plan_to_dict(plan: PlanData) -> dict[str, Any]:
+def plan_to_dict(plan: PlanData) -> dict[str, object]:
     """The whole document: schema, mesh, rules, leaves, skipped leaves, totals.
 
     Example:

@@ -77,9 +77,15 @@ def write_png(
     FigureCanvasAgg(fig)
     heights = [mesh_h] + [3.2] * tile_rows
     gs = fig.add_gridspec(
-        1 + tile_rows, 1, height_ratios=heights, top=1 - head / fig_h, bottom=0.03,
-        left=0.05, right=0.97, hspace=0.45,
-    )  # fmt: skip
+        1 + tile_rows,
+        1,
+        height_ratios=heights,
+        top=1 - head / fig_h,
+        bottom=0.03,
+        left=0.05,
+        right=0.97,
+        hspace=0.45,
+    )
     top_gs = gs[0].subgridspec(1, 2, width_ratios=[min(max(cols, 2), 8) * 1.0, 4.0], wspace=0.18)
     draw_mesh(fig.add_subplot(top_gs[0]), plan, colors)
     draw_memory_bars(fig.add_subplot(top_gs[1]), plan, colors)
@@ -94,24 +100,35 @@ def write_png(
 
     t = plan.totals["all"]
     heading = f"{title or 'Sharding plan'} · mesh {plan.mesh.describe()}"
-    fig.text(0.05, 1 - 0.32 / fig_h, _fitted(heading, 0.9 * fig_w, 14.0),
-             fontsize=_fit_size(heading, 0.9 * fig_w, 14.0), weight="bold", color=INK)  # fmt: skip
+    fig.text(
+        0.05,
+        1 - 0.32 / fig_h,
+        _fitted(heading, 0.9 * fig_w, 14.0),
+        fontsize=_fit_size(heading, 0.9 * fig_w, 14.0),
+        weight="bold",
+        color=INK,
+    )
     n_err = sum(p.severity == "error" for p in problems)
     status = f" · {count_text(n_err, 'error')}" if n_err else ""
     fig.text(
-        0.05, 1 - 0.6 / fig_h,
+        0.05,
+        1 - 0.6 / fig_h,
         f"{t.leaves} arrays, {human_bytes(t.bytes)} in all · fullest device "
         f"{human_bytes(t.max_device_bytes)} · ideal {human_bytes(t.ideal_bytes)} "
         f"({t.efficiency:.0%} spread){status}",
-        fontsize=10, color=INK,
-    )  # fmt: skip
+        fontsize=10,
+        color=INK,
+    )
     if n_tiles:
         fig.text(
-            0.05, 1 - 0.82 / fig_h,
+            0.05,
+            1 - 0.82 / fig_h,
             "Below: the largest parameters, cut into the pieces the devices hold; each piece "
             "is coloured by its device (striped when several devices hold the same piece).",
-            fontsize=8.5, color=MUTED, style="italic",
-        )  # fmt: skip
+            fontsize=8.5,
+            color=MUTED,
+            style="italic",
+        )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", facecolor="white")

@@ -29,7 +29,7 @@ def grid_shape(plan: PlanData) -> tuple[int, int, str, str]:
     return sizes[0], math.prod(sizes[1:]), names[0], " × ".join(names[1:])
 
 
-def draw_mesh(ax: Any, plan: PlanData, colors: list[Any]) -> None:
+def draw_mesh(ax: Any, plan: PlanData, colors: list[object]) -> None:
     """The devices as a grid, each with its id, its bytes and a bar of them by group."""
     rows, cols, row_name, col_name = grid_shape(plan)
     totals = plan.totals
@@ -44,17 +44,29 @@ def draw_mesh(ax: Any, plan: PlanData, colors: list[Any]) -> None:
         _draw_mesh_cells(ax, plan, colors, cols, full)
     if col_name:
         ax.annotate(
-            "", xy=(cols - 0.05, -0.12), xytext=(0.06, -0.12),
+            "",
+            xy=(cols - 0.05, -0.12),
+            xytext=(0.06, -0.12),
             arrowprops={"arrowstyle": "->", "color": MUTED, "lw": 1},
-        )  # fmt: skip
+        )
         ax.text(cols / 2, -0.2, f"{col_name} ({cols})", ha="center", fontsize=9, color=MUTED)
     if row_name:
         ax.annotate(
-            "", xy=(-0.06, rows - 0.05), xytext=(-0.06, 0.06),
+            "",
+            xy=(-0.06, rows - 0.05),
+            xytext=(-0.06, 0.06),
             arrowprops={"arrowstyle": "->", "color": MUTED, "lw": 1},
-        )  # fmt: skip
-        ax.text(-0.1, rows / 2, f"{row_name} ({rows})", rotation=90, va="center", ha="right",
-                fontsize=9, color=MUTED)  # fmt: skip
+        )
+        ax.text(
+            -0.1,
+            rows / 2,
+            f"{row_name} ({rows})",
+            rotation=90,
+            va="center",
+            ha="right",
+            fontsize=9,
+            color=MUTED,
+        )
 
 
 def _draw_mesh_cells(ax: Any, plan: PlanData, colors: list[Any], cols: int, full: int) -> None:
@@ -68,17 +80,30 @@ def _draw_mesh_cells(ax: Any, plan: PlanData, colors: list[Any], cols: int, full
         w, h = 0.88, 0.88
         ax.add_patch(
             FancyBboxPatch(
-                (x, y), w, h, boxstyle="round,pad=0,rounding_size=0.06",
-                facecolor=(*colors[k][:3], 0.13), edgecolor=colors[k], linewidth=2.2,
+                (x, y),
+                w,
+                h,
+                boxstyle="round,pad=0,rounding_size=0.06",
+                facecolor=(*colors[k][:3], 0.13),
+                edgecolor=colors[k],
+                linewidth=2.2,
             )
-        )  # fmt: skip
+        )
         nbytes = totals["all"].device_bytes[k]
         if cols <= 8:
             ax.text(x + 0.07, y + 0.2, f"device {dev}", fontsize=9, weight="bold", color=INK)
             ax.text(x + 0.07, y + 0.43, human_bytes(nbytes), fontsize=9, color=INK)
         else:  # small cells: the id only (the bar chart has the bytes)
-            ax.text(x + w / 2, y + 0.35, str(dev), fontsize=max(5.0, 9 * 8 / cols),
-                    weight="bold", color=INK, ha="center", va="center")  # fmt: skip
+            ax.text(
+                x + w / 2,
+                y + 0.35,
+                str(dev),
+                fontsize=max(5.0, 9 * 8 / cols),
+                weight="bold",
+                color=INK,
+                ha="center",
+                va="center",
+            )
         # memory bar: stacked by group, full width = the fullest device
         bx, by, bw, bh = x + 0.07, y + 0.6, w - 0.14, 0.14
         ax.add_patch(Rectangle((bx, by), bw, bh, facecolor="white", edgecolor="#bbbbbb", lw=0.6))
@@ -100,18 +125,28 @@ def _draw_mesh_image(ax: Any, plan: PlanData, rows: int, cols: int, full: int) -
 
     grid = np.asarray(plan.totals["all"].device_bytes, dtype=float).reshape(rows, cols) / full
     ax.imshow(
-        grid, cmap="Blues", vmin=0.0, vmax=1.0, extent=(0, cols, rows, 0),
-        interpolation="nearest", aspect="auto",
-    )  # fmt: skip
+        grid,
+        cmap="Blues",
+        vmin=0.0,
+        vmax=1.0,
+        extent=(0, cols, rows, 0),
+        interpolation="nearest",
+        aspect="auto",
+    )
     low, high = grid.min() * full, grid.max() * full
     ax.text(
-        cols / 2, rows + 0.02 * rows, f"{plan.mesh.size} devices: {human_bytes(low)} to "
-        f"{human_bytes(high)} each (darker: fuller)", ha="center", va="top", fontsize=9,
+        cols / 2,
+        rows + 0.02 * rows,
+        f"{plan.mesh.size} devices: {human_bytes(low)} to "
+        f"{human_bytes(high)} each (darker: fuller)",
+        ha="center",
+        va="top",
+        fontsize=9,
         color=MUTED,
-    )  # fmt: skip
+    )
 
 
-def draw_memory_bars(ax: Any, plan: PlanData, colors: list[Any]) -> None:
+def draw_memory_bars(ax: Any, plan: PlanData, colors: list[object]) -> None:
     """Bytes per device, stacked by group, against the ideal (an even split)."""
     totals = plan.totals
     n = plan.mesh.size
@@ -124,11 +159,13 @@ def draw_memory_bars(ax: Any, plan: PlanData, colors: list[Any]) -> None:
         if any(values):
             if many:
                 top = [a + b for a, b in zip(bottom, values, strict=True)]
-                ax.fill_between(xs, bottom, top, step="mid", color=GROUP_COLORS[group], lw=0,
-                                label=group)  # fmt: skip
+                ax.fill_between(
+                    xs, bottom, top, step="mid", color=GROUP_COLORS[group], lw=0, label=group
+                )
             else:
-                ax.bar(xs, values, bottom=bottom, color=GROUP_COLORS[group], width=0.72,
-                       label=group)  # fmt: skip
+                ax.bar(
+                    xs, values, bottom=bottom, color=GROUP_COLORS[group], width=0.72, label=group
+                )
             bottom = [a + b for a, b in zip(bottom, values, strict=True)]
     ideal = totals["all"].ideal_bytes / scale
     ax.axhline(ideal, color=INK, lw=1, ls="--")

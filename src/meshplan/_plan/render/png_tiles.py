@@ -21,7 +21,7 @@ def largest_layouts(plan: PlanData, top: int) -> list[tuple[LeafPlan, int]]:
     pool = [leaf for leaf in plan.leaves if leaf.group == "params" and leaf.shape] or [
         leaf for leaf in plan.leaves if leaf.shape
     ]
-    seen: dict[tuple[Any, ...], list[Any]] = {}
+    seen: dict[tuple[object, ...], list[Any]] = {}
     for leaf in pool:
         key = (leaf.shape, leaf.dtype, leaf.spec)
         if key in seen:
@@ -63,7 +63,7 @@ def _view_dims(leaf: LeafPlan) -> tuple[list[int], list[int]]:
 _STRIPE = 0.045
 
 
-def _fill_tile(ax: Any, x: float, y: float, w: float, h: float, colors: list[Any]) -> None:
+def _fill_tile(ax: Any, x: float, y: float, w: float, h: float, colors: list[object]) -> None:
     """A solid tile for one holder; diagonal stripes of each holder's colour for several."""
     from matplotlib.collections import PolyCollection
     from matplotlib.patches import Rectangle
@@ -90,7 +90,7 @@ def _fill_tile(ax: Any, x: float, y: float, w: float, h: float, colors: list[Any
 def _draw_pieces_image(
     ax: Any,
     holders: dict[tuple[int, ...], list[int]],
-    color_of: dict[int, Any],
+    color_of: dict[int, object],
     ndim: int,
     row_dims: list[int],
     col_dims: list[int],
@@ -113,8 +113,9 @@ def _draw_pieces_image(
             if devs:
                 image[i, j] = color_of[devs[0]]
     x0, y0, width, height = box
-    ax.imshow(image, extent=(x0, x0 + width, y0 + height, y0), interpolation="nearest",
-              aspect="auto")  # fmt: skip
+    ax.imshow(
+        image, extent=(x0, x0 + width, y0 + height, y0), interpolation="nearest", aspect="auto"
+    )
 
 
 def _label_fit(ax: Any, text: str, tw: float, th: float) -> tuple[float, int] | None:
@@ -137,7 +138,7 @@ def _label_fit(ax: Any, text: str, tw: float, th: float) -> tuple[float, int] | 
     return None
 
 
-def draw_tiles(ax: Any, leaf: LeafPlan, count: int, plan: PlanData, colors: list[Any]) -> None:
+def draw_tiles(ax: Any, leaf: LeafPlan, count: int, plan: PlanData, colors: list[object]) -> None:
     """``leaf`` cut into its pieces, each coloured by the devices holding it."""
     from matplotlib.patches import Rectangle
 
@@ -159,8 +160,17 @@ def draw_tiles(ax: Any, leaf: LeafPlan, count: int, plan: PlanData, colors: list
     if (
         n_rows * n_cols > DETAILED_DEVICES
     ):  # one image: a pixel per piece, its first holder's colour
-        _draw_pieces_image(ax, holders, color_of, len(dims), row_dims, col_dims, n_rows, n_cols,
-                           (x0, y0, width, height))  # fmt: skip
+        _draw_pieces_image(
+            ax,
+            holders,
+            color_of,
+            len(dims),
+            row_dims,
+            col_dims,
+            n_rows,
+            n_cols,
+            (x0, y0, width, height),
+        )
     for i in range(n_rows if n_rows * n_cols <= DETAILED_DEVICES else 0):
         for j in range(n_cols):
             key = [0] * len(dims)
@@ -181,10 +191,17 @@ def draw_tiles(ax: Any, leaf: LeafPlan, count: int, plan: PlanData, colors: list
                     continue
                 size, rotation = fit
                 ax.text(
-                    x + tw / 2, y + th / 2, text, ha="center", va="center", fontsize=size,
-                    rotation=rotation, color=INK, weight="bold",
+                    x + tw / 2,
+                    y + th / 2,
+                    text,
+                    ha="center",
+                    va="center",
+                    fontsize=size,
+                    rotation=rotation,
+                    color=INK,
+                    weight="bold",
                     bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.85},
-                )  # fmt: skip
+                )
     ax.add_patch(Rectangle((x0, y0), width, height, fill=False, edgecolor=INK, lw=1))
     ax.set_xlim(-0.02, 1.02)
     ax.set_ylim(1.02, -0.02)
@@ -202,11 +219,26 @@ def draw_tiles(ax: Any, leaf: LeafPlan, count: int, plan: PlanData, colors: list
         return ERROR if not dims[k].divides else MUTED
 
     if col_dims:
-        ax.text(0.5, y0 + height + 0.03, dim_label(col_dims[0]), ha="center", va="top",
-                fontsize=8, color=dim_color(col_dims[0]))  # fmt: skip
+        ax.text(
+            0.5,
+            y0 + height + 0.03,
+            dim_label(col_dims[0]),
+            ha="center",
+            va="top",
+            fontsize=8,
+            color=dim_color(col_dims[0]),
+        )
     if row_dims:
-        ax.text(x0 - 0.03, 0.5, dim_label(row_dims[0]), ha="right", va="center", rotation=90,
-                fontsize=8, color=dim_color(row_dims[0]))  # fmt: skip
+        ax.text(
+            x0 - 0.03,
+            0.5,
+            dim_label(row_dims[0]),
+            ha="right",
+            va="center",
+            rotation=90,
+            fontsize=8,
+            color=dim_color(row_dims[0]),
+        )
     alike = f"  (+{count - 1} alike)" if count > 1 else ""
     lead = [k for k in range(len(dims)) if k not in row_dims + col_dims and dims[k].shards > 1]
     sliced = ""
@@ -220,5 +252,7 @@ def draw_tiles(ax: Any, leaf: LeafPlan, count: int, plan: PlanData, colors: list
     ax.set_title(
         f"{_short_path(leaf.path)}{alike}\n{shape_text(leaf.shape)} {leaf.dtype}\n{leaf.spec}"
         f"\n{human_bytes(leaf.bytes_per_device)} per device · each piece on {copies}{sliced}",
-        fontsize=8, color=INK, loc="center",
-    )  # fmt: skip
+        fontsize=8,
+        color=INK,
+        loc="center",
+    )

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from meshplan._text import count_text, human_bytes, shape_text
+from meshplan._types import Leaf
 
 if TYPE_CHECKING:
     from rich.console import Console, ConsoleOptions, RenderResult
@@ -21,7 +22,7 @@ _GROUP_STYLE = {"params": "", "optimizer": "dim", "other": "dim italic"}
 _MAX_PROBLEMS_SHOWN = 8
 
 
-def _spec_text(spec: Any) -> str:
+def _spec_text(spec: object) -> str:
     return str(spec)
 
 
@@ -62,7 +63,7 @@ def _dim_notes(leaf: LeafPlan) -> list[tuple[str, str]]:
     return notes
 
 
-def _why_text(leaf: LeafPlan) -> Any:
+def _why_text(leaf: LeafPlan) -> Leaf:
     """The notes cell, literal text (a name or reason with brackets is not rich markup)."""
     from rich.text import Text
 
@@ -171,7 +172,7 @@ def _parts(
             f"{t.efficiency:.0%}",
         )
 
-    parts: list[Any] = [title, table, totals]
+    parts: list[object] = [title, table, totals]
     if plan.stages:
         parts.append(_stages(plan))
     if problems and problems[0].code == "no-names":  # said first: the table shows nothing named
@@ -197,7 +198,7 @@ def _parts(
     return parts
 
 
-def to_text(renderable: Any, width: int = 180) -> str:
+def to_text(renderable: object, width: int = 180) -> str:
     """Renders ``renderable`` to plain text (no colour codes).
 
     Example:
@@ -212,7 +213,7 @@ def to_text(renderable: Any, width: int = 180) -> str:
     return out.getvalue().rstrip() + "\n"
 
 
-def _stages(plan: PlanData) -> Any:
+def _stages(plan: PlanData) -> object:
     """One row per pipeline stage: its parameters and its fullest device's bytes."""
     from rich import box
     from rich.table import Table
@@ -221,6 +222,10 @@ def _stages(plan: PlanData) -> Any:
     for name in ("stage", "parameters", "params, fullest device", "all, fullest device"):
         table.add_column(name, justify="right", no_wrap=True)
     for s in plan.stages:
-        table.add_row(str(s.stage), f"{s.parameters:,}", human_bytes(s.param_bytes),
-                      human_bytes(s.device_bytes))  # fmt: skip
+        table.add_row(
+            str(s.stage),
+            f"{s.parameters:,}",
+            human_bytes(s.param_bytes),
+            human_bytes(s.device_bytes),
+        )
     return table

@@ -11,11 +11,15 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from meshplan._errors import MeshplanError, error_for
 from meshplan._spmd.rules import LogicalRules
+from meshplan._types import PyTree, StepFn
+
+if TYPE_CHECKING:
+    import jax
 
 __all__ = [
     "COLLECTIVES",
@@ -27,12 +31,17 @@ __all__ = [
 ]
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-"""The collective kinds counted, in the order :func:`collective_bytes` returns them."""
+"""The collective kinds: those counted in HLO, in the order :func:`collective_bytes` returns
+them, and those the planner prices
+(:func:`meshplan._search.predict.collectives.collective_time`)."""
 
 DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-}  # fmt: skip
+    **dict.fromkeys(("pred", "s8", "u8"), 1),
+    **dict.fromkeys(("s16", "u16", "f16", "bf16"), 2),
+    **dict.fromkeys(("s32", "u32", "f32"), 4),
+    **dict.fromkeys(("s64", "u64", "f64", "c64"), 8),
+    "c128": 16,
+}
 """Bytes per element of HLO element types."""
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%([^\s(]+)\s*\(.*\{\s*$")
@@ -156,8 +165,8 @@ def collective_counts(hlo_text: str) -> dict[str, int]:
 
 
 def candidate_shardings(
-    mesh_shape: Mapping[str, int], state: Any, example_batch: Any, rules: LogicalRules
-) -> tuple[Any, Any, Any]:
+    mesh_shape: Mapping[str, int], state: PyTree, example_batch: PyTree, rules: LogicalRules
+) -> tuple[jax.sharding.Mesh, PyTree, PyTree]:
     """A candidate's mesh on the first devices (Auto axes), its state's and batch's shardings.
 
     The batch's first dimension is ``'batch'``.
@@ -182,14 +191,14 @@ def candidate_shardings(
 
 
 def compile_candidate(
-    step_fn: Callable[[Any, Any], Any],
-    state: Any,
-    example_batch: Any,
+    step_fn: StepFn,
+    state: PyTree,
+    example_batch: PyTree,
     mesh_shape: Mapping[str, int],
     rules: LogicalRules,
     donate: bool = False,
     compiler_options: Mapping[str, str | bool] | None = None,
-) -> tuple[Any, Any, Any]:
+) -> tuple[jax.stages.Compiled, PyTree, PyTree]:
     """``step_fn`` compiled as the candidate runs it; its state's and batch's shardings.
 
     Traced and compiled under the candidate's mesh and rules, the executable is the
@@ -207,7 +216,7 @@ def compile_candidate(
     with jax.set_mesh(mesh), logical_axis_rules(rules):
         # A new function each time: JAX's trace cache does not know the active rules,
         # so reusing step_fn would reuse constraints traced under another layout.
-        def step(state: Any, batch: Any) -> Any:
+        def step(state: PyTree, batch: PyTree) -> PyTree:
             return step_fn(state, batch)
 
         donated = (0,) if donate else ()
@@ -217,14 +226,14 @@ def compile_candidate(
 
 
 def measure_step(
-    step_fn: Callable[[Any, Any], Any],
-    state: Any,
-    example_batch: Any,
+    step_fn: StepFn,
+    state: PyTree,
+    example_batch: PyTree,
     mesh_shape: Mapping[str, int],
     rules: LogicalRules,
     donate: bool = False,
     compiler_options: Mapping[str, str | bool] | None = None,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Compiles ``step_fn(state, batch)`` under ``rules`` and reports what XLA says of it.
 
     The mesh has ``mesh_shape``'s axes (Auto, on the first devices); the state
@@ -249,11 +258,13 @@ def measure_step(
     hlo_text = compiled.as_text()
     if hlo_text is None:  # JAX: "None if unavailable, e.g. based on backend"
         raise error_for(
-            MeshplanError, "no-hlo-text", "step",
+            MeshplanError,
+            "no-hlo-text",
+            "step",
             f"XLA gave no HLO text for the step compiled on the mesh {dict(mesh_shape)}, so "
             f"its collectives cannot be counted",
             "Search without measure=True: the static estimate still ranks the layouts.",
-        )  # fmt: skip
+        )
     kinds = collective_bytes(hlo_text)
     memory = compiled.memory_analysis()
     return {

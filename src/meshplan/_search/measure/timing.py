@@ -14,10 +14,14 @@ candidate's, and it can be ten times slower.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from meshplan._spmd.rules import LogicalRules
+from meshplan._types import PyTree, StepFn
+
+if TYPE_CHECKING:
+    import jax
 
 __all__ = ["Prepared", "prepare_step"]
 
@@ -29,7 +33,7 @@ class Prepared:
     and ``as_text()`` describe the very program timed).
     """
 
-    def __init__(self, compiled: Any, state: Any, batch: Any) -> None:
+    def __init__(self, compiled: jax.stages.Compiled, state: PyTree, batch: PyTree) -> None:
         self.compiled, self.state, self.batch = compiled, state, batch
 
     def run(self, n: int = 1) -> list[float]:
@@ -45,9 +49,9 @@ class Prepared:
 
 
 def prepare_step(
-    step_fn: Callable[[Any, Any], Any],
-    abstract_state: Any,
-    example_batch: Any,
+    step_fn: StepFn,
+    abstract_state: PyTree,
+    example_batch: PyTree,
     mesh_shape: Mapping[str, int],
     rules: LogicalRules,
 ) -> Prepared:
@@ -61,7 +65,7 @@ def prepare_step(
         step_fn, abstract_state, example_batch, mesh_shape, rules
     )
 
-    def zeros(tree: Any) -> Any:
+    def zeros(tree: PyTree) -> PyTree:
         return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree)
 
     state = jax.jit(lambda: zeros(abstract_state), out_shardings=shardings)()

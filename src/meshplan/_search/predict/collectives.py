@@ -32,11 +32,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from meshplan._search.measure.hlo import COLLECTIVES
 from meshplan._search.predict.profiles import HardwareProfile
 
-__all__ = ["KINDS", "collective_time", "split_group"]
-
-KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+__all__ = ["collective_time", "split_group"]
 
 
 def split_group(mesh: Mapping[str, int], axes: Sequence[str], domain: int) -> tuple[int, int]:
@@ -63,9 +62,12 @@ def split_group(mesh: Mapping[str, int], axes: Sequence[str], domain: int) -> tu
 
 
 def collective_time(
-    profile: HardwareProfile, kind: str, mesh: Mapping[str, int], axes: Sequence[str],
+    profile: HardwareProfile,
+    kind: str,
+    mesh: Mapping[str, int],
+    axes: Sequence[str],
     nbytes: float,
-) -> float:  # fmt: skip
+) -> float:
     """Seconds one ``kind`` collective of ``nbytes`` per device takes over ``axes`` of ``mesh``.
 
     Example:
@@ -96,5 +98,5 @@ def collective_time(
     elif kind == "collective-permute":
         t = b / (slow if m > 1 else fast)
     else:
-        raise ValueError(f"unknown collective kind {kind!r}; one of {', '.join(KINDS)}")
+        raise ValueError(f"unknown collective kind {kind!r}; one of {', '.join(COLLECTIVES)}")
     return t + lat

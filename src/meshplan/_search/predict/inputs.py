@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshplan._errors import ArgumentError, Problem, error_from_problems
+from meshplan._types import PyTree
 
 __all__ = [
     "check_profile",
@@ -99,7 +100,7 @@ def _kinds(cls: type) -> dict[str, tuple[type, bool]]:
     return out
 
 
-def whole_number(value: Any) -> int | None:
+def whole_number(value: object) -> int | None:
     """``value`` as an int when it is one (``94e9`` too; never a bool), else ``None``.
 
     Example:
@@ -125,20 +126,40 @@ def _field_problem(name: str, value: Any, kind: type, optional: bool, where: str
         if isinstance(value, kind) and (kind is bool or value or name != "name"):
             return None
         form = "true or false" if kind is bool else "a non-empty text"
-        return Problem("error", path, f"{name} is {value!r}: expected {form}",
-                       f"Write {name} as {form}.", "profile-field")  # fmt: skip
+        return Problem(
+            "error",
+            path,
+            f"{name} is {value!r}: expected {form}",
+            f"Write {name} as {form}.",
+            "profile-field",
+        )
     rng = _range(name)
     number = isinstance(value, int | float) and not isinstance(value, bool)
     if not number or not math.isfinite(value):
         why = "not a finite number" if number else f"a {type(value).__name__}, not a number"
-        return Problem("error", path, f"{name} is {value!r}: {why} ({rng.what}, {rng.text()})",
-                       f"Write {name} as a number, e.g. {rng.example}.", "profile-field")  # fmt: skip
+        return Problem(
+            "error",
+            path,
+            f"{name} is {value!r}: {why} ({rng.what}, {rng.text()})",
+            f"Write {name} as a number, e.g. {rng.example}.",
+            "profile-field",
+        )
     if kind is int and whole_number(value) is None:
-        return Problem("error", path, f"{name} is {value!r}: not a whole number ({rng.what})",
-                       f"Write {name} as a whole number, e.g. {rng.example}.", "profile-field")  # fmt: skip
+        return Problem(
+            "error",
+            path,
+            f"{name} is {value!r}: not a whole number ({rng.what})",
+            f"Write {name} as a whole number, e.g. {rng.example}.",
+            "profile-field",
+        )
     if not rng.holds(value):
-        return Problem("error", path, f"{name} is {value!r}: out of range ({rng.what}, {rng.text()})",
-                       f"Write {name} {rng.text()}, e.g. {rng.example}.", "profile-field")  # fmt: skip
+        return Problem(
+            "error",
+            path,
+            f"{name} is {value!r}: out of range ({rng.what}, {rng.text()})",
+            f"Write {name} {rng.text()}, e.g. {rng.example}.",
+            "profile-field",
+        )
     return None
 
 
@@ -148,10 +169,11 @@ def check_profile(profile: Any) -> None:
     whole-number float of an ``int`` field (``memory_bytes=94e9``) becomes that int.
 
     Example:
-        >>> import meshplan
-        >>> meshplan.HardwareProfile("x", 1e12, 94e9, 1e12, 1e11, 1e10, 8, 1e-5).memory_bytes
+        >>> import dataclasses, meshplan
+        >>> h100 = meshplan.get_profile("h100")
+        >>> dataclasses.replace(h100, name="x", memory_bytes=94e9).memory_bytes
         94000000000
-        >>> meshplan.HardwareProfile("x", 1e12, 8e9, 1e12, 1e11, 1e10, 8, 1e-5, overlap=5)
+        >>> dataclasses.replace(h100, name="x", overlap=5)
         Traceback (most recent call last):
         ...
         meshplan.ArgumentError: The hardware profile 'x' is not valid:
@@ -159,7 +181,7 @@ def check_profile(profile: Any) -> None:
         Write overlap at least 0 and at most 1, e.g. 0.9.
     """
     problems = []
-    cls: Any = type(profile)
+    cls: object = type(profile)
     for name, (kind, optional) in _kinds(cls).items():
         value = getattr(profile, name)
         problem = _field_problem(name, value, kind, optional, "profile")
@@ -193,20 +215,31 @@ def profile_fields(data: Any, path: str, cls: type) -> dict[str, Any]:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     required = [n for n, f in fields.items() if f.default is dataclasses.MISSING]
     problems = [
-        Problem("error", f"{path}.{n}", f"missing field {n!r}",
-                f"Add {n!r}; required: {', '.join(required)}.", "profile-field")
-        for n in required if n not in data
-    ]  # fmt: skip
+        Problem(
+            "error",
+            f"{path}.{n}",
+            f"missing field {n!r}",
+            f"Add {n!r}; required: {', '.join(required)}.",
+            "profile-field",
+        )
+        for n in required
+        if n not in data
+    ]
     for n in data:
         if n not in fields:
             near = difflib.get_close_matches(str(n), list(fields), n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             fix = f"Rename it {near[0]!r}, or remove it" if near else "Remove it"
-            problems.append(Problem(
-                "error", f"{path}.{n}", f"unknown field {n!r}{hint}",
-                f"{fix} (the fields are meshplan.HardwareProfile's).", "profile-field",
-            ))  # fmt: skip
-    out: dict[str, Any] = {}
+            problems.append(
+                Problem(
+                    "error",
+                    f"{path}.{n}",
+                    f"unknown field {n!r}{hint}",
+                    f"{fix} (the fields are meshplan.HardwareProfile's).",
+                    "profile-field",
+                )
+            )
+    out: dict[str, object] = {}
     for n, v in data.items():
         if n not in fields:
             continue
@@ -221,7 +254,7 @@ def profile_fields(data: Any, path: str, cls: type) -> dict[str, Any]:
     return out
 
 
-def check_profile_arg(profile: Any, devices: Any, known: Sequence[str], cls: type) -> None:
+def check_profile_arg(profile: object, devices: object, known: Sequence[str], cls: type) -> None:
     """:func:`meshplan.get_profile`'s arguments: a name, a ``.json`` path or a ``cls`` (a profile);
     ``devices`` ``None`` or a whole number of at least 1.
 
@@ -236,19 +269,23 @@ def check_profile_arg(profile: Any, devices: Any, known: Sequence[str], cls: typ
     """
     problems = []
     if not isinstance(profile, str | cls):
-        problems.append(Problem(
-            "error", "profile",
-            f"profile is {profile!r} ({type(profile).__name__}): expected a profile's name, a "
-            f".json file of HardwareProfile fields, or a meshplan.HardwareProfile",
-            f"Pass e.g. profile='h100'; the names: {', '.join(known)}.", "bad-argument",
-        ))  # fmt: skip
+        problems.append(
+            Problem(
+                "error",
+                "profile",
+                f"profile is {profile!r} ({type(profile).__name__}): expected a profile's name, a "
+                f".json file of HardwareProfile fields, or a meshplan.HardwareProfile",
+                f"Pass e.g. profile='h100'; the names: {', '.join(known)}.",
+                "bad-argument",
+            )
+        )
     problems += _count_problems({"devices": devices}, {"devices": 1}, optional=True)
     if problems:
         raise error_from_problems(ArgumentError, "Cannot choose a hardware profile:", problems)
 
 
 def _count_problems(
-    values: Mapping[str, Any], least: Mapping[str, int], optional: bool = False
+    values: Mapping[str, object], least: Mapping[str, int], optional: bool = False
 ) -> list[Problem]:
     """Each of ``values`` that is not a whole number of at least ``least[name]``."""
     problems = []
@@ -259,38 +296,46 @@ def _count_problems(
         if n is not None and n >= least[name]:
             continue
         why = (
-            f"{v!r} is less than {least[name]}" if n is not None
+            f"{v!r} is less than {least[name]}"
+            if n is not None
             else f"{v!r} ({type(v).__name__}) is not a whole number"
-        )  # fmt: skip
+        )
         example = max(least[name], 8 if name == "devices" else least[name])
-        problems.append(Problem(
-            "error", name, f"{name}={why}: expected a whole number of at least {least[name]}",
-            f"Pass {name}={example} or more (an int).", "bad-argument",
-        ))  # fmt: skip
+        problems.append(
+            Problem(
+                "error",
+                name,
+                f"{name}={why}: expected a whole number of at least {least[name]}",
+                f"Pass {name}={example} or more (an int).",
+                "bad-argument",
+            )
+        )
     return problems
 
 
-def _bytes_problem(name: str, v: Any) -> Problem | None:
+def _bytes_problem(name: str, v: object) -> Problem | None:
     """A byte count: ``None`` or a positive whole number (an int, or a float such as 16e9)."""
     if v is None or (whole_number(v) or 0) > 0:
         return None
     return Problem(
-        "error", name,
+        "error",
+        name,
         f"{name}={v!r}: expected a whole number of bytes above 0 (or None: the profile's memory)",
-        f"Pass e.g. {name}=16 * 2**30 (16 GiB), or leave it out.", "bad-argument",
-    )  # fmt: skip
+        f"Pass e.g. {name}=16 * 2**30 (16 GiB), or leave it out.",
+        "bad-argument",
+    )
 
 
 def check_search_args(
     *,
-    devices: Any = 1,
-    budget: Any = None,
-    roles: Any = None,
+    devices: object = 1,
+    budget: object = None,
+    roles: object = None,
     all_roles: Sequence[str] = (),
-    max_axes: Any = 3,
-    counts: Mapping[str, Any] | None = None,
-    names: Any = None,
-    batch: Any = None,
+    max_axes: object = 3,
+    counts: Mapping[str, object] | None = None,
+    names: object = None,
+    batch: PyTree = None,
     where: str = "search_rules",
 ) -> None:
     """Raises one :class:`meshplan.ArgumentError` for every bad argument of a search (or of
@@ -324,21 +369,29 @@ def check_search_args(
             if isinstance(roles, str) or not isinstance(roles, Sequence)
             else [f"{r!r} is not a role" for r in roles if r not in all_roles]
             or (["no role"] if not roles else [])
-        )  # fmt: skip
+        )
         if bad:
-            problems.append(Problem(
-                "error", "roles", f"roles={roles!r}: {'; '.join(bad)}; the roles: "
-                f"{', '.join(all_roles)}",
-                "Pass roles as a list of those, e.g. roles=['data', 'fsdp', 'tensor'].",
-                "bad-argument",
-            ))  # fmt: skip
+            problems.append(
+                Problem(
+                    "error",
+                    "roles",
+                    f"roles={roles!r}: {'; '.join(bad)}; the roles: {', '.join(all_roles)}",
+                    "Pass roles as a list of those, e.g. roles=['data', 'fsdp', 'tensor'].",
+                    "bad-argument",
+                )
+            )
     n = whole_number(max_axes) if not isinstance(max_axes, float) else None
     if n is None or not 0 <= n <= len(all_roles or (0,) * 5):
-        problems.append(Problem(
-            "error", "max_axes", f"max_axes={max_axes!r}: expected a whole number from 0 (the "
-            f"layouts only) to {len(all_roles) or 5} (one mesh axis per role)",
-            "Pass max_axes=3 (the default) or fewer.", "bad-argument",
-        ))  # fmt: skip
+        problems.append(
+            Problem(
+                "error",
+                "max_axes",
+                f"max_axes={max_axes!r}: expected a whole number from 0 (the "
+                f"layouts only) to {len(all_roles) or 5} (one mesh axis per role)",
+                "Pass max_axes=3 (the default) or fewer.",
+                "bad-argument",
+            )
+        )
     counts = dict(counts or {})
     problems += _count_problems(counts, {k: 1 if k == "measure_steps" else 0 for k in counts})
     if names is not None and (
@@ -346,10 +399,14 @@ def check_search_args(
         or not isinstance(names, Sequence)
         or not all(isinstance(x, str) for x in names)
     ):
-        problems.append(Problem(
-            "error", "names", f"names={names!r}: expected a list of logical names (strings)",
-            "Pass e.g. names=['embed', 'mlp'], or leave it out (every name the state carries).",
-            "bad-argument",
-        ))  # fmt: skip
+        problems.append(
+            Problem(
+                "error",
+                "names",
+                f"names={names!r}: expected a list of logical names (strings)",
+                "Pass e.g. names=['embed', 'mlp'], or leave it out (every name the state carries).",
+                "bad-argument",
+            )
+        )
     if problems:
         raise error_from_problems(ArgumentError, f"{where} got arguments it cannot use:", problems)

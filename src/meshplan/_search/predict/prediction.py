@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from meshplan._errors import ArgumentError, Problem, error_from_problems
@@ -24,6 +24,7 @@ from meshplan._search.predict.trace import ThroughputUnit, Workload, trace_workl
 from meshplan._spmd.mesh_info import MeshLike
 from meshplan._spmd.pipeline import PipelineSchedule, stage_axes
 from meshplan._spmd.rules import LogicalRules
+from meshplan._types import LossFn, PyTree, StepFn
 
 if TYPE_CHECKING:
     import flax.linen as nn
@@ -95,7 +96,7 @@ class Prediction:
         """
         return self.memory_bytes <= self.budget_bytes
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The figures as plain data (``meshplan plan --json``'s ``prediction``).
 
         Example:
@@ -143,7 +144,7 @@ def example_prediction() -> Prediction:
     w = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
     state = {"w": LogicallyPartitioned(w, ("embed", "mlp"))}
 
-    def step(state: Any, x: Any) -> Any:
+    def step(state: PyTree, x: object) -> PyTree:
         return jax.grad(lambda w: ((x @ w) ** 2).mean())(state["w"].value)
 
     x = jax.ShapeDtypeStruct((64, 4096), jnp.bfloat16)
@@ -172,16 +173,16 @@ def _mesh_sizes(mesh: Any) -> dict[str, int]:
 
 
 def predict(
-    abstract_state: Any = None,
-    step_fn: Callable[[Any, Any], Any] | None = None,
-    example_batch: Any = None,
+    abstract_state: PyTree = None,
+    step_fn: StepFn | None = None,
+    example_batch: PyTree = None,
     *,
     mesh: MeshLike,
     rules: LogicalRules | str,
     profile: str | HardwareProfile = "cpu",
     memory_budget_bytes: int | None = None,
     model: nn.Module | None = None,
-    loss: Callable[[Any, Any], Any] | None = None,
+    loss: LossFn | None = None,
     optimizer: optax.GradientTransformation | None = None,
     workload: Workload | None = None,
     microbatches: int = 1,

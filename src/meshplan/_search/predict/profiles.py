@@ -17,18 +17,20 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import time
 from collections.abc import Mapping
-from typing import Any
+from pathlib import Path
+from typing import TypedDict
 
 from meshplan._errors import ArgumentError, error_for
+from meshplan._search.measure.cpu import cpu_devices, measure_cpu
 from meshplan._search.measure.machine_load import load_per_core, same_load
+from meshplan._search.predict.chips import CHIPS, GiB
 from meshplan._search.predict.inputs import check_profile, check_profile_arg, profile_fields
 
 __all__ = ["PROFILES", "HardwareProfile", "calibrate_cpu", "get_profile", "load_profile"]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class HardwareProfile:
     """One device's figures (per second, per direction), and how its links are arranged.
 
@@ -88,7 +90,10 @@ class HardwareProfile:
 
     Example:
         >>> import meshplan
-        >>> mine = meshplan.HardwareProfile("mine", 100e12, 32 * 2**30, 1e12, 200e9, 25e9, 4, 1e-5)
+        >>> mine = meshplan.HardwareProfile(
+        ...     name="mine", peak_flops=100e12, memory_bytes=32 * 2**30, memory_bandwidth=1e12,
+        ...     fast_bandwidth=200e9, slow_bandwidth=25e9, domain_devices=4, latency_s=1e-5,
+        ... )
         >>> mine.axis_bandwidth({"data": 8, "tensor": 4}, "data")   # crosses the 4-device hosts
         25000000000.0
     """
@@ -138,234 +143,291 @@ class HardwareProfile:
         span = stride * mesh[axis]
         return self.fast_bandwidth if span <= self.domain_devices else self.slow_bandwidth
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The figures as plain data (what :func:`load_profile` reads back).
 
         Example:
             >>> import meshplan
-            >>> meshplan.HardwareProfile("x", 1.0, 2, 3.0, 4.0, 5.0, 6, 0.0).to_dict()["domain_devices"]
-            6
+            >>> meshplan.get_profile("h100").to_dict()["domain_devices"]
+            8
         """
         return dataclasses.asdict(self)
 
 
-GiB = 1 << 30
+class Backend(TypedDict, total=False):
+    """What a backend's compiler and collectives library do: :class:`HardwareProfile`'s
+    behaviour fields (documented there), as :data:`BACKENDS` gives them."""
+
+    fused_attention: bool
+    reduce_scatter: bool
+    overlap: float
+    combine_bytes: int
+    combines_gathers: bool
+    regather: bool
+    rematerialize: bool
+    combines_remat_collectives: bool
+    causal_block: int
+    hop_latency_s: float
+    slow_hop_latency_s: float
+    overlap_cost: float
+
 
 # Physical parameters shared by a backend's profiles (never fitted per model or run):
 # XLA on TPU and on GPU runs collectives asynchronously, overlapping weight gathers and
 # gradient reductions with the layers around them, combines small ones (the combiner
 # passes' thresholds are tens of MiB), reduce-scatters FSDP gradients, and has fused
-# (flash) attention kernels (Pallas on TPU, cuDNN on GPU). The matmul efficiency is the
-# fraction of the datasheet peak large bf16 matmuls reach; the collective latencies are
-# a hop's start-up on the fast links and on the data-centre network.
-# MaxText's TPU attention is Pallas' splash kernel, whose tiles (sa_block_q, sa_block_kv) are
-# 512 wide: it skips those a causal mask hides.
-_TPU: dict[str, Any] = dict(
-    matmul_efficiency=0.86, fused_attention=True, overlap=0.9, combine_bytes=32 << 20,
-    regather=True, rematerialize=True, causal_block=512,
-)  # fmt: skip
-# NCCL's collectives take steps: its tuning model (src/graph/tuning.cc, ``hwLat``, per ring
-# step) gives 0.4 us over NVLink with its LL protocol, the one it picks for the small
-# messages whose latency matters within a host, and 6.6 us over the network with its
-# Simple protocol, the one it picks for the large chunks a sharded weight's ring moves.
-# Its kernels run on the GPU's streaming multiprocessors (a channel each: 16 to 32 of an
-# H100's 132) and share its memory bandwidth with the compute they overlap, which loses
-# a fifth of the time they run (overlap_cost 0.2: fitted with the matmul efficiencies on
-# the calibration rows, within that share). Flash kernels skip the tiles a causal mask
-# hides (128 keys a tile: FlashAttention 2 and 3, cuDNN).
-_GPU: dict[str, Any] = dict(
-    fused_attention=True, overlap=0.9, combine_bytes=32 << 20, regather=True, rematerialize=True,
-    hop_latency_s=0.4e-6, slow_hop_latency_s=6.6e-6, overlap_cost=0.2, causal_block=128,
-)  # fmt: skip
-# GPU matmul efficiencies, fitted on the calibration rows of benchmarks/bench_published.py
-# (llm-foundry's PyTorch FSDP runs, MaxText's A3 runs at 2 and 16 hosts, Megatron-LM's;
-# the held-out rows check them): A100 0.62 of 312 TFLOP/s, H100-class 0.48 of 989 (Hopper's
-# bf16 peak is rarely approached by those kernels). Attention efficiencies from the kernels'
-# papers: FlashAttention-2 reaches 50-73% of an A100's peak (Dao 2023, arXiv:2307.08691,
-# abstract; the low end under causal masks and short sequences): 0.55; and 35% of an
-# H100's (Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, abstract): 0.35.
-_A100_EFF, _HOPPER_EFF = 0.62, 0.48
-_A100_ATTN, _HOPPER_ATTN = 0.55, 0.35
-_V6E_EFF = 0.60  # TPU v6e: see its profile
+# (flash) attention kernels (Pallas on TPU, cuDNN on GPU).
+BACKENDS: dict[str, Backend] = {
+    # MaxText's TPU attention is Pallas' splash kernel, whose tiles (sa_block_q, sa_block_kv)
+    # are 512 wide: it skips those a causal mask hides.
+    "tpu": Backend(
+        fused_attention=True,
+        overlap=0.9,
+        combine_bytes=32 << 20,
+        regather=True,
+        rematerialize=True,
+        causal_block=512,
+    ),
+    # NCCL's collectives take steps: its tuning model (src/graph/tuning.cc, ``hwLat``, per ring
+    # step) gives 0.4 us over NVLink with its LL protocol, the one it picks for the small
+    # messages whose latency matters within a host, and 6.6 us over the network with its
+    # Simple protocol, the one it picks for the large chunks a sharded weight's ring moves.
+    # Its kernels run on the GPU's streaming multiprocessors (a channel each: 16 to 32 of an
+    # H100's 132) and share its memory bandwidth with the compute they overlap, which loses
+    # a fifth of the time they run (overlap_cost 0.2: fitted with the matmul efficiencies on
+    # the calibration rows, within that share). Flash kernels skip the tiles a causal mask
+    # hides (128 keys a tile: FlashAttention 2 and 3, cuDNN).
+    "gpu": Backend(
+        fused_attention=True,
+        overlap=0.9,
+        combine_bytes=32 << 20,
+        regather=True,
+        rematerialize=True,
+        hop_latency_s=0.4e-6,
+        slow_hop_latency_s=6.6e-6,
+        overlap_cost=0.2,
+        causal_block=128,
+    ),
+    # What XLA on CPU does, not measured (so a profile cached before a field was added has
+    # it): its all-reduce combiner (cpu-all-reduce-combiner) merges an unrolled layer's
+    # rematerialised partial-sum all-reduce with the forward pass's own, running that
+    # recomputation in the forward; it combines no all-gathers or reduce-scatters (its
+    # only combiner is that one), and has no fused attention.
+    "cpu": Backend(combines_remat_collectives=True, combines_gathers=False),
+}
+"""What each backend does, by JAX platform name; a profile takes its backend's entry."""
 
-# NVIDIA H100 SXM5 datasheet (nvidia.com/en-us/data-center/h100): 989 TFLOP/s dense bf16
-# (1,979 with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s per GPU (both
-# directions: 450 GB/s each way). Between hosts: DGX H100, 8x 400 Gb/s ConnectX-7
-# InfiniBand per 8 GPUs = 50 GB/s per GPU each way. Collective latency ~10 us (NCCL).
-_H100 = HardwareProfile(
-    "h100", 989e12, 80 * 10**9, 3.35e12, 450e9, 50e9, 8, 10e-6,
-    "NVIDIA H100 SXM5 datasheet; DGX H100 (8x ConnectX-7 400 Gb/s)",
-    slow_latency_s=20e-6, matmul_efficiency=_HOPPER_EFF,
-    attention_efficiency=_HOPPER_ATTN, **_GPU,
-)  # fmt: skip
+
+class _Chip(TypedDict):
+    peak_flops: float
+    memory_bytes: int
+    memory_bandwidth: float
+    fast_bandwidth: float
+
+
+def _chip(name: str) -> _Chip:
+    """A profile's figures of one device: the bf16 peak, memory and fast links of
+    :data:`~meshplan._search.predict.chips.CHIPS`."""
+    chip = CHIPS[name]
+    return _Chip(
+        peak_flops=chip.bfloat16,
+        memory_bytes=chip.memory_bytes,
+        memory_bandwidth=chip.memory_bandwidth,
+        fast_bandwidth=chip.link_bandwidth,
+    )
+
+
+class _Latency(TypedDict):
+    latency_s: float
+    slow_latency_s: float
+
+
+class _Efficiency(TypedDict, total=False):
+    matmul_efficiency: float
+    attention_efficiency: float
+
+
+# A collective's latency on DGX-style GPU hosts, ~10 us within a host (NCCL), 20 across;
+# on Google Cloud TPU pods, 5 us within a pod (ICI), 50 across (DCN).
+_DGX = _Latency(latency_s=10e-6, slow_latency_s=20e-6)
+_POD = _Latency(latency_s=5e-6, slow_latency_s=50e-6)
+
+# GPU matmul efficiencies (the fraction of the datasheet peak large bf16 matmuls reach),
+# fitted on the calibration rows of benchmarks/bench_published.py (llm-foundry's PyTorch
+# FSDP runs, MaxText's A3 runs at 2 and 16 hosts, Megatron-LM's; the held-out rows check
+# them): A100 0.62 of 312 TFLOP/s, H100-class 0.48 of 989 (Hopper's bf16 peak is rarely
+# approached by those kernels). Attention efficiencies from the kernels' papers:
+# FlashAttention-2 reaches 50-73% of an A100's peak (Dao 2023, arXiv:2307.08691, abstract;
+# the low end under causal masks and short sequences): 0.55; and 35% of an H100's (Shah et
+# al. 2024, FlashAttention-3, arXiv:2407.08608, abstract): 0.35.
+_A100 = _Efficiency(matmul_efficiency=0.62, attention_efficiency=0.55)
+_HOPPER = _Efficiency(matmul_efficiency=0.48, attention_efficiency=0.35)
+_TPU_EFF = _Efficiency(matmul_efficiency=0.86)
 
 PROFILES: dict[str, HardwareProfile] = {
-    # NVIDIA A100 SXM4 80GB datasheet (nvidia.com/en-us/data-center/a100): 312 TFLOP/s dense
-    # bf16, 80 GB HBM2e at 2,039 GB/s, NVLink 3 600 GB/s per GPU (300 GB/s each way). DGX A100:
-    # 8x 200 Gb/s HDR InfiniBand per 8 GPUs = 25 GB/s per GPU each way.
     "a100": HardwareProfile(
-        "a100", 312e12, 80 * 10**9, 2.039e12, 300e9, 25e9, 8, 10e-6,
-        "NVIDIA A100 SXM4 80GB datasheet; DGX A100 (8x HDR 200 Gb/s InfiniBand)",
-        slow_latency_s=20e-6, matmul_efficiency=_A100_EFF, attention_efficiency=_A100_ATTN,
-        **_GPU,
+        name="a100",
+        **_chip("a100"),
+        slow_bandwidth=25e9,  # DGX A100: 8x 200 Gb/s HDR InfiniBand per 8 GPUs
+        domain_devices=8,
+        **_DGX,
+        **_A100,
+        **BACKENDS["gpu"],
+        source="NVIDIA A100 SXM4 80GB datasheet; DGX A100 (8x HDR 200 Gb/s InfiniBand)",
     ),
-    "h100": _H100,
+    "h100": HardwareProfile(
+        name="h100",
+        **_chip("h100"),
+        slow_bandwidth=50e9,  # DGX H100: 8x 400 Gb/s ConnectX-7 InfiniBand per 8 GPUs
+        domain_devices=8,
+        **_DGX,
+        **_HOPPER,
+        **BACKENDS["gpu"],
+        source="NVIDIA H100 SXM5 datasheet; DGX H100 (8x ConnectX-7 400 Gb/s)",
+    ),
     # Google Cloud A3 VMs (a3-highgpu-8g, cloud.google.com/compute/docs/gpus, "A3 High"): 8
-    # H100 SXM on NVLink 4 as above; between VMs GPUDirect-TCPX over 4 NICs of 200 Gb/s for
-    # the GPUs: 800 Gb/s per 8 GPUs, 12.5 GB/s per GPU each way. MaxText's A3 results ran here.
-    "h100_a3": dataclasses.replace(
-        _H100, name="h100_a3", slow_bandwidth=12.5e9,
+    # H100 SXM on NVLink 4; between VMs GPUDirect-TCPX over 4 NICs of 200 Gb/s for the GPUs:
+    # 800 Gb/s per 8 GPUs, 12.5 GB/s per GPU each way. MaxText's A3 results ran here.
+    "h100_a3": HardwareProfile(
+        name="h100_a3",
+        **_chip("h100"),
+        slow_bandwidth=12.5e9,
+        domain_devices=8,
+        **_DGX,
+        **_HOPPER,
+        **BACKENDS["gpu"],
         source="NVIDIA H100 SXM5 datasheet; Google Cloud A3 High (4x 200 Gb/s GPUDirect-TCPX "
         "per VM)",
     ),
-    # NVIDIA H200 SXM datasheet (nvidia.com/en-us/data-center/h200): 989 TFLOP/s dense bf16,
-    # 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s (450 GB/s each way); hosts as DGX H100.
     "h200": HardwareProfile(
-        "h200", 989e12, 141 * 10**9, 4.8e12, 450e9, 50e9, 8, 10e-6,
-        "NVIDIA H200 SXM datasheet; DGX-style hosts (8x 400 Gb/s InfiniBand)",
-        slow_latency_s=20e-6, matmul_efficiency=_HOPPER_EFF,
-        attention_efficiency=_HOPPER_ATTN, **_GPU,
+        name="h200",
+        **_chip("h200"),
+        slow_bandwidth=50e9,  # as DGX H100
+        domain_devices=8,
+        **_DGX,
+        **_HOPPER,
+        **BACKENDS["gpu"],
+        source="NVIDIA H200 SXM datasheet; DGX-style hosts (8x 400 Gb/s InfiniBand)",
     ),
-    # NVIDIA DGX B200 datasheet (nvidia.com/en-us/data-center/dgx-b200): 72 PFLOP/s FP8
-    # training per 8 GPUs, i.e. 2.25 PFLOP/s dense bf16 per GPU; 1,440 GB HBM3e per 8 GPUs
-    # (180 GB each) at 8 TB/s; NVLink 5 1.8 TB/s per GPU (900 GB/s each way); 8x 400 Gb/s
-    # ConnectX-7 per 8 GPUs (50 GB/s per GPU each way).
     "b200": HardwareProfile(
-        "b200", 2.25e15, 180 * 10**9, 8e12, 900e9, 50e9, 8, 10e-6,
-        "NVIDIA DGX B200 datasheet (per GPU: 1/8 of the system)",
-        slow_latency_s=20e-6, matmul_efficiency=_HOPPER_EFF,
-        attention_efficiency=_HOPPER_ATTN, **_GPU,
+        name="b200",
+        **_chip("b200"),
+        slow_bandwidth=50e9,  # DGX B200: 8x 400 Gb/s ConnectX-7 per 8 GPUs
+        domain_devices=8,
+        **_DGX,
+        **_HOPPER,
+        **BACKENDS["gpu"],
+        source="NVIDIA DGX B200 datasheet (per GPU: 1/8 of the system)",
     ),
-    # Google Cloud TPU v4 (cloud.google.com/tpu/docs/v4): 275 TFLOP/s bf16, 32 GiB HBM2 at
-    # 1,200 GB/s, 3D torus of 6 ICI ports of 50 GB/s each way (Jouppi et al., ISCA 2023); a
-    # ring along one axis uses 2 of them: 100 GB/s each way; a pod (ICI domain) is 4,096
-    # chips. DCN between pods: 100 Gb/s per host of 4 chips = 3.1 GB/s per chip.
+    # A pod (ICI domain) is 4,096 chips. DCN between pods: 100 Gb/s per host of 4 chips =
+    # 3.1 GB/s per chip.
     "tpu_v4": HardwareProfile(
-        "tpu_v4", 275e12, 32 * GiB, 1.2e12, 100e9, 3.1e9, 4096, 5e-6,
-        "Google Cloud TPU v4 documentation (system architecture); Jouppi et al., ISCA 2023",
-        slow_latency_s=50e-6, **_TPU,
+        name="tpu_v4",
+        **_chip("tpu_v4"),
+        slow_bandwidth=3.1e9,
+        domain_devices=4096,
+        **_POD,
+        **_TPU_EFF,
+        **BACKENDS["tpu"],
+        source="Google Cloud TPU v4 documentation (system architecture); Jouppi et al., ISCA 2023",
     ),
-    # Google Cloud TPU v5e (cloud.google.com/tpu/docs/v5e): 197 TFLOP/s bf16, 16 GiB HBM2
-    # at 819 GB/s, bidirectional ICI 400 GB/s per chip over 4 ports (a ring along one torus
-    # axis: 2 ports, 100 GB/s each way); a pod (one ICI domain) is 256 chips. DCN: 2x 100 Gb/s
-    # NIC per host of 8 chips (6.4 Tb/s per pod) = 3.1 GB/s per chip.
+    # A pod is 256 chips. DCN: 2x 100 Gb/s NIC per host of 8 chips (6.4 Tb/s per pod) =
+    # 3.1 GB/s per chip.
     "tpu_v5e": HardwareProfile(
-        "tpu_v5e", 197e12, 16 * GiB, 819e9, 100e9, 3.125e9, 256, 5e-6,
-        "Google Cloud TPU v5e documentation (system architecture)",
-        slow_latency_s=50e-6, **_TPU,
+        name="tpu_v5e",
+        **_chip("tpu_v5e"),
+        slow_bandwidth=3.125e9,
+        domain_devices=256,
+        **_POD,
+        **_TPU_EFF,
+        **BACKENDS["tpu"],
+        source="Google Cloud TPU v5e documentation (system architecture)",
     ),
-    # Google Cloud TPU v5p (cloud.google.com/tpu/docs/v5p): 459 TFLOP/s bf16, 95 GB HBM2e at
-    # 2,765 GB/s, ICI 4,800 Gb/s per chip (600 GB/s) over 6 ports of a 3D torus (a ring:
-    # 2 ports, 200 GB/s each way); a pod is 8,960 chips. DCN assumed as v5e per chip. The
-    # TPU pages' "GB" of HBM are GiB (v5p's English page gives "HBM capacity per chip (GiB) 95";
-    # JAX reports 33,550,237,696 usable bytes, 31.25 GiB, on a "32 GB" v6e chip:
-    # vllm-project/vllm#16211).
+    # A pod is 8,960 chips. DCN assumed as v5e per chip. The TPU pages' "GB" of HBM are GiB
+    # (v5p's English page gives "HBM capacity per chip (GiB) 95"; JAX reports 33,550,237,696
+    # usable bytes, 31.25 GiB, on a "32 GB" v6e chip: vllm-project/vllm#16211).
     "tpu_v5p": HardwareProfile(
-        "tpu_v5p", 459e12, 95 * GiB, 2.765e12, 200e9, 3.125e9, 8960, 5e-6,
-        "Google Cloud TPU v5p documentation (system architecture)",
-        slow_latency_s=50e-6, **_TPU,
+        name="tpu_v5p",
+        **_chip("tpu_v5p"),
+        slow_bandwidth=3.125e9,
+        domain_devices=8960,
+        **_POD,
+        **_TPU_EFF,
+        **BACKENDS["tpu"],
+        source="Google Cloud TPU v5p documentation (system architecture)",
     ),
-    # Google Cloud TPU v6e Trillium (cloud.google.com/tpu/docs/v6e): 918 TFLOP/s bf16, 32 GB
-    # HBM at 1,640 GB/s, ICI 3,584 Gb/s per chip (448 GB/s) over 4 ports of a 2D torus (a ring:
-    # 2 ports, 112 GB/s each way); a pod is 256 chips. DCN: 4x 200 Gb/s per host of 8 chips.
-    # Matmul efficiency: v6e's two 256x256 MXUs reach less of their peak than v5e's 128x128
-    # ones; MaxText's published v6e runs are at 43.8-50.3% MFU (docs/reference/models/
-    # tiering.md) against 56-67% on v5e. The figure is fitted on the one published v6e run
-    # with a layout the planner models exactly (Llama2-70B, full remat, FSDP 256, a
-    # calibration row of benchmarks/bench_published.py); no held-out v6e row checks it.
+    # A pod is 256 chips. DCN: 4x 200 Gb/s per host of 8 chips. Matmul efficiency: v6e's two
+    # 256x256 MXUs reach less of their peak than v5e's 128x128 ones; MaxText's published v6e
+    # runs are at 43.8-50.3% MFU (docs/reference/models/tiering.md) against 56-67% on v5e.
+    # The figure is fitted on the one published v6e run with a layout the planner models
+    # exactly (Llama2-70B, full remat, FSDP 256, a calibration row of
+    # benchmarks/bench_published.py); no held-out v6e row checks it.
     "tpu_v6e": HardwareProfile(
-        "tpu_v6e", 918e12, 32 * GiB, 1.64e12, 112e9, 12.5e9, 256, 5e-6,
-        "Google Cloud TPU v6e documentation (system architecture); matmul efficiency fitted "
-        "on MaxText's published Llama2-70B v6e-256 run",
-        slow_latency_s=50e-6, **{**_TPU, "matmul_efficiency": _V6E_EFF},
+        name="tpu_v6e",
+        **_chip("tpu_v6e"),
+        slow_bandwidth=12.5e9,
+        domain_devices=256,
+        **_POD,
+        matmul_efficiency=0.60,
+        **BACKENDS["tpu"],
+        source="Google Cloud TPU v6e documentation (system architecture); matmul efficiency "
+        "fitted on MaxText's published Llama2-70B v6e-256 run",
     ),
-}  # fmt: skip
-"""Published profiles by name; ``cpu`` is measured (:func:`get_profile`)."""
+}
+"""Published profiles by name, each a chip of
+:data:`~meshplan._search.predict.chips.CHIPS` in its system; ``cpu`` is measured
+(:func:`get_profile`)."""
 
 _CPU: dict[int, HardwareProfile] = {}
-# What XLA on CPU does, not measured (so a profile cached before a field was added has it):
-# its all-reduce combiner (cpu-all-reduce-combiner) merges an unrolled layer's rematerialised
-# partial-sum all-reduce with the forward pass's own, running that recomputation in the forward.
-_CPU_BEHAVIOUR: dict[str, Any] = dict(combines_remat_collectives=True, combines_gathers=False)
-
-
-def _median_seconds(fn: Any, *args: Any, repeat: int = 7) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+_CACHE_VERSION = "v2"  # v2: the one measurement of meshplan._search.measure.cpu
 
 
 def calibrate_cpu(devices: int | None = None) -> HardwareProfile:
-    """Measures this machine's emulated JAX devices, all busy at once (cached per count, in
-    this process and in ``~/.cache/meshplan/cpu-profile-N.json`` with the machine's load, and
-    measured again under another load (:mod:`meshplan._search.measure.machine_load`) or with
-    ``MESHPLAN_RECALIBRATE=1``).
+    """This machine's emulated JAX devices, measured all busy at once
+    (:func:`meshplan._search.measure.cpu.measure_cpu`: matmul FLOP/s and memory bandwidth
+    per device, a ``psum``'s latency and bandwidth), as the ``cpu`` profile.
 
-    Matmul FLOP/s per device (a 384^3 float32 matmul on each device at once), memory
-    bandwidth per device (an elementwise op on 4 MiB each), and a ``psum`` over all
-    of them: its latency (4 bytes) and bandwidth (1 MiB each, as a ring would move it).
+    Cached per device count, in this process and in ``~/.cache/meshplan/cpu-profile-v2-N.json``
+    with the machine's load, and measured again under another load
+    (:mod:`meshplan._search.measure.machine_load`) or with ``MESHPLAN_RECALIBRATE=1``.
+
+    Example:
+        >>> from meshplan._search.predict.profiles import calibrate_cpu
+        >>> cpu = calibrate_cpu(2)
+        >>> cpu.name, cpu.domain_devices, cpu.peak_flops > 1e8
+        ('cpu', 2, True)
     """
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    n = min(devices or jax.device_count(), jax.device_count())
+    n = len(cpu_devices(devices))
     if n in _CPU:
         return _CPU[n]
     cached = _cached_cpu(n)
     if cached is not None:
         _CPU[n] = cached
         return cached
-    mesh = jax.make_mesh((n,), ("d",), devices=jax.devices()[:n])
-    split = NamedSharding(mesh, PartitionSpec("d"))
-    m = 384
-    a = jax.device_put(np.ones((n, m, m), np.float32), split)
-    matmul = jax.jit(lambda a: jnp.einsum("nij,njk->nik", a, a), out_shardings=split)
-    flops = 2 * m**3 / _median_seconds(matmul, a)
-    big = jax.device_put(np.ones((n, 1 << 20), np.float32), split)
-    scale = jax.jit(lambda x: x * 1.5 + 1.0, out_shardings=split)
-    memory_bw = 2 * 4 * (1 << 20) / _median_seconds(scale, big)
-
-    def total(y: Any) -> Any:
-        return jax.lax.psum(y, "d")  # type: ignore[no-untyped-call]
-
-    def allreduce(x: Any) -> Any:
-        specs = PartitionSpec("d")
-        return jax.shard_map(total, mesh=mesh, in_specs=specs, out_specs=specs)(x)
-
-    tiny = jax.device_put(np.ones((n, 1), np.float32), split)
-    reduce = jax.jit(allreduce)
-    latency = _median_seconds(reduce, tiny)
-    chunk = 1 << 18  # floats: 1 MiB per device
-    data = jax.device_put(np.ones((n, chunk), np.float32), split)
-    t = max(_median_seconds(reduce, data) - latency, 1e-7)
-    ring = 2 * (n - 1) / n if n > 1 else 1.0
-    link = ring * 4 * chunk / t
+    figures = measure_cpu(n)
     profile = HardwareProfile(
-        "cpu", flops, 8 * GiB, memory_bw, link, link, n, latency,
-        f"measured on this machine: {n} emulated devices ({jax.devices()[0].platform})",
-        **_CPU_BEHAVIOUR,
-    )  # fmt: skip
+        name="cpu",
+        peak_flops=figures.matmul_flops,
+        memory_bytes=8 * GiB,
+        memory_bandwidth=figures.memory_bandwidth,
+        fast_bandwidth=figures.link_bandwidth,
+        slow_bandwidth=figures.link_bandwidth,
+        domain_devices=n,
+        latency_s=figures.latency_s,
+        source=f"measured on this machine: {n} emulated devices (cpu)",
+        **BACKENDS["cpu"],
+    )
     _CPU[n] = profile
     _save_cpu(n, profile)
     return profile
 
 
-def _cache_path(n: int) -> Any:
-    import os
-    from pathlib import Path
+def _cache_path(n: int) -> Path:
 
     root = os.environ.get("MESHPLAN_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "meshplan"
     )
-    return Path(root) / f"cpu-profile-{n}.json"
+    return Path(root) / f"cpu-profile-{_CACHE_VERSION}-{n}.json"
 
 
 def _cached_cpu(n: int) -> HardwareProfile | None:
@@ -380,7 +442,7 @@ def _cached_cpu(n: int) -> HardwareProfile | None:
         data = json.loads(_cache_path(n).read_text())
         if not same_load(data.pop("load_per_core", None), load_per_core()):
             return None  # measured under another load: machine_load says why
-        return HardwareProfile(**{**data, **_CPU_BEHAVIOUR})
+        return HardwareProfile(**{**data, **BACKENDS["cpu"]})
     except (OSError, ValueError, TypeError, AttributeError):
         return None
 
@@ -418,34 +480,43 @@ def load_profile(path: str | os.PathLike[str]) -> HardwareProfile:
 
     if not isinstance(path, str | os.PathLike):
         raise error_for(
-            ArgumentError, "bad-argument", "path",
+            ArgumentError,
+            "bad-argument",
+            "path",
             f"load_profile reads a JSON file, and got a {type(path).__name__}: {path!r}",
             "Pass the file's path; build a profile from its fields with "
             "meshplan.HardwareProfile(**fields).",
-        )  # fmt: skip
+        )
     path = os.fspath(path)
     try:
         with open(path) as f:
             data = json.load(f)
     except OSError as e:
         raise error_for(
-            ArgumentError, "profile-unreadable", path,
+            ArgumentError,
+            "profile-unreadable",
+            path,
             f"Cannot read the profile {path!r}: {e.strerror}",
             f"Pass a JSON file of HardwareProfile fields, or a profile name: cpu, "
             f"{', '.join(PROFILES)}.",
-        ) from None  # fmt: skip
+        ) from None
     except ValueError as e:
         raise error_for(
-            ArgumentError, "profile-not-json", path, f"The profile {path!r} is not JSON: {e}",
+            ArgumentError,
+            "profile-not-json",
+            path,
+            f"The profile {path!r} is not JSON: {e}",
             "Write an object of HardwareProfile fields, e.g. "
             "meshplan.get_profile('h100').to_dict() saved with json.dump.",
-        ) from None  # fmt: skip
+        ) from None
     if not isinstance(data, dict):
         raise error_for(
-            ArgumentError, "profile-not-object", path,
+            ArgumentError,
+            "profile-not-object",
+            path,
             f"The profile {path!r} holds a {type(data).__name__}, not an object of fields",
             'Write an object like {"name": "mine", "peak_flops": 1e14, ...}.',
-        )  # fmt: skip
+        )
     return HardwareProfile(**profile_fields(data, path, HardwareProfile))
 
 
@@ -472,9 +543,11 @@ def get_profile(profile: str | HardwareProfile, devices: int | None = None) -> H
         return load_profile(profile)
     if profile not in PROFILES:
         raise error_for(
-            ArgumentError, "unknown-profile", "profile",
+            ArgumentError,
+            "unknown-profile",
+            "profile",
             f"Unknown hardware profile {profile!r}. Known: cpu, {', '.join(PROFILES)}",
             "Pass one of those, a JSON file of HardwareProfile fields, or a meshplan "
             "HardwareProfile.",
-        )  # fmt: skip
+        )
     return PROFILES[profile]

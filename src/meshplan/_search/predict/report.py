@@ -24,7 +24,7 @@ def prediction_fields(
     profile: HardwareProfile,
     budget: int,
     unit: str = "tokens",
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """The prediction as plain data (the ``--json`` fields).
 
     ``tokens``: what one step processes, in ``unit`` (``'tokens'``, or ``'examples'`` for

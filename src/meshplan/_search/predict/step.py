@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jax
 
 from meshplan._errors import ArgumentError, error_for
+from meshplan._types import LossFn, PyTree, StepFn
 
 if TYPE_CHECKING:
     import flax.linen as nn
@@ -18,10 +18,10 @@ __all__ = ["check_microbatches", "linen_step", "split_batch"]
 
 def linen_step(
     model: nn.Module,
-    example_inputs: Any,
-    loss: Callable[[Any, Any], Any] | None = None,
+    example_inputs: object,
+    loss: LossFn | None = None,
     optimizer: optax.GradientTransformation | None = None,
-) -> tuple[Any, Callable[[Any, Any], Any], Any]:
+) -> tuple[PyTree, StepFn, PyTree]:
     """``(abstract_state, step_fn, example_batch)`` of a Flax Linen model's train step.
 
     The state is a ``flax.training.train_state.TrainState`` (``optimizer``, default
@@ -39,17 +39,17 @@ def linen_step(
     tx = optimizer if optimizer is not None else optax.adam(1e-3)
     loss_fn = loss if loss is not None else (lambda y, _: jnp.mean(jnp.square(y)))
 
-    def inputs(batch: Any) -> Any:
+    def inputs(batch: PyTree) -> PyTree:
         return batch[0] if isinstance(batch, tuple | list) else batch
 
-    def init(key: Any, batch: Any) -> Any:
+    def init(key: jax.Array, batch: PyTree) -> PyTree:
         params = model.init(key, inputs(batch))["params"]
         return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
     abstract = jax.eval_shape(init, jax.random.key(0), example_inputs)
 
-    def step(state: Any, batch: Any) -> Any:
-        def objective(params: Any) -> Any:
+    def step(state: PyTree, batch: PyTree) -> PyTree:
+        def objective(params: PyTree) -> PyTree:
             return loss_fn(state.apply_fn({"params": params}, inputs(batch)), batch)
 
         return state.apply_gradients(grads=jax.grad(objective)(state.params))
@@ -67,7 +67,7 @@ def check_microbatches(microbatches: object) -> None:
         )  # fmt: skip
 
 
-def split_batch(example_batch: Any, microbatches: int) -> Any:
+def split_batch(example_batch: PyTree, microbatches: int) -> PyTree:
     """One microbatch of ``example_batch``: every array's first dimension divided by
     ``microbatches`` (as abstract values: nothing is computed).
 
