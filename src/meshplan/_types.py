@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
-__all__ = ["Batch", "Leaf", "LossFn", "PyTree", "StepFn"]
+__all__ = ["Batch", "Batches", "InitFn", "Leaf", "LossFn", "PyTree", "StepFn"]
 
 PyTree: TypeAlias = Any
 """A JAX pytree: nested containers with arrays (or abstract arrays, or boxes) at the leaves."""
@@ -38,3 +38,9 @@ StepFn: TypeAlias = Callable[[PyTree, Batch], PyTree]
 
 LossFn: TypeAlias = Callable[[PyTree, Batch], Any]
 """A loss: ``loss(params, batch)`` gives a scalar (or a scalar and auxiliary outputs)."""
+
+InitFn: TypeAlias = Callable[[PyTree], PyTree]
+"""An initializer: ``init(key)`` gives the parameters (or the state)."""
+
+Batches: TypeAlias = Callable[[str, int], Batch]
+"""A model's batches: ``batches(split, index)`` gives one batch of ``split`` (``'train'`` or ``'eval'``)."""

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 
 from meshplan._errors import ArgumentError, LogicalNamesError
 from meshplan._spmd.by_path import PathRules
-from meshplan.cli.aliases import Batches, LossFn, PyTree, StepFn
+from meshplan._types import Batches, LossFn, PyTree, StepFn
 from meshplan.cli.factory_names import Namer, functional_model, is_functional
 from meshplan.models.registry import EXAMPLE_MODELS
 

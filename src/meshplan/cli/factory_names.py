@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from meshplan._spmd.boxes import unbox
 from meshplan._spmd.by_path import PathRules, UnnamedLeavesWarning, name_by_path
 from meshplan._spmd.explicit import explicit_mesh_error, is_sharding_type_error
-from meshplan.cli.aliases import InitFn, LossFn, PyTree, StepFn
+from meshplan._types import InitFn, LossFn, PyTree, StepFn
 
 __all__ = ["Namer", "functional_model", "is_functional"]
 

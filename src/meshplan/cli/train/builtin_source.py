@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from meshplan._checkpoint.metadata import CheckpointMetadata
 from meshplan._errors import CheckpointError, MeshplanError
 from meshplan._spmd.rules import LogicalRules
-from meshplan.cli.aliases import PyTree
+from meshplan._types import PyTree
 from meshplan.cli.factory import is_factory
 from meshplan.cli.train.display import header
 from meshplan.cli.train.findings import Findings

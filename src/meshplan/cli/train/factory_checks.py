@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from meshplan._errors import ArgumentError
-from meshplan.cli.aliases import PyTree
+from meshplan._types import PyTree
 from meshplan.cli.factory import IterableBatches, Trainable
 from meshplan.cli.train.findings import Findings
 

@@ -26,7 +26,7 @@ from meshplan._errors import ArgumentError, CheckpointError, MeshplanError
 from meshplan._spmd.by_path import PathRules
 from meshplan._spmd.rules import LogicalRules, logical_to_mesh_axes
 from meshplan._spmd.tree_check import no_names_in_tree
-from meshplan.cli.aliases import PyTree
+from meshplan._types import PyTree
 from meshplan.cli.factory import IterableBatches, Trainable, load_factory
 from meshplan.cli.names_file import no_names_text, notes_text, read_names
 from meshplan.cli.train.display import own_header

@@ -18,7 +18,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Protocol
 
 from meshplan._errors import MeshError, Problem
-from meshplan.cli.aliases import PyTree
+from meshplan._types import PyTree
 from meshplan.cli.train.findings import Findings
 
 if TYPE_CHECKING:
