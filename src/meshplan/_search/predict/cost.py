@@ -713,6 +713,19 @@ def _peak(
         [d in partial_sums for d in program.dots] if profile.combines_remat_collectives else []
     )
     copies = [(results or {}).get(d, 0) for d in program.dots]
+    held = _held_gradients(program, specs, copies)
     return memory_model.peak(
-        program, bytes_of, extra, partial, profile.combine_bytes, hoisted, copies
+        program, bytes_of, extra, partial, profile.combine_bytes, hoisted, copies, held
     )
+
+
+def _held_gradients(
+    program: memory_model.MemoryProgram, specs: _Specs, copies: list[int]
+) -> list[float]:
+    """Per matmul, the bytes of its output where it is a weight gradient whole on every device
+    (data parallel) whose all-reduce has a result of its own (XLA on CPU, combined into one
+    all-reduce after the backward pass): XLA holds it until that runs (0: not held)."""
+    return [
+        float(copy) if copy and specs.shard_bytes(*_out_array(dot)) >= copy else 0.0
+        for dot, copy in zip(program.dots, copies, strict=True)
+    ]

@@ -115,11 +115,11 @@ def scatter_names(
     for u, d in window:
         if out[d] is None:
             out[d] = updates[u]
-    for u, d, k in batching:
+    for b, d, k in batching:
         if out[d] is None and k < len(indices):
             out[d] = indices[k]
-        if out[d] is None and u is not None:
-            out[d] = updates[u]
+        if out[d] is None and b is not None:
+            out[d] = updates[b]
     return tuple(out)
 
 
@@ -167,9 +167,9 @@ def scatter_update_names(p: Any, out: Names, shapes: Sequence[tuple[int, ...]]) 
     window, batching = _scatter_dims(p, shapes)
     for u, d in window:
         names[u] = out[d]
-    for u, d, _ in batching:
-        if u is not None:
-            names[u] = out[d]
+    for b, d, _ in batching:
+        if b is not None:
+            names[b] = out[d]
     return tuple(names)
 
 
