@@ -12,6 +12,10 @@ disturbed by other load on a shared machine); printed: top-1 / best built-in (ta
 
     .venv/bin/python benchmarks/bench_xla_suite.py                   # every model
     .venv/bin/python benchmarks/bench_xla_suite.py --models cnn vit --rounds 3
+    .venv/bin/python benchmarks/bench_xla_suite.py --memory   # the test's figures, printed
+
+``--memory`` prints what ``tests/search/test_xla_suite.py`` checks, per model and layout at
+the test's sizes: the planner's temporaries over XLA's, and the collective kinds of each.
 """
 
 from __future__ import annotations
@@ -28,8 +32,11 @@ import time
 from typing import Any
 
 import meshplan
+from meshplan._search.measure.hlo import measure_step
 from meshplan._search.measure.timing import prepare_step
-from xla_suite import SUITE, suite_step
+from meshplan._search.predict.cost import predict
+from meshplan._search.predict.trace import trace_workload
+from xla_suite import AS_ON_ACCELERATORS, CPU_LIKE, LAYOUTS, SUITE, suite_step
 
 SCALES = {"vit": 1, "cnn": 2, "encdec": 1, "moe": 1, "decoder": 1, "scanned": 1, "gelu_mlp": 2}
 """Each model's ``scale`` (``xla_suite.suite_step``): steps of 40-90 ms on 8 CPU devices."""
@@ -81,13 +88,33 @@ def bench(name: str, scale: int, rounds: int, turn: int) -> dict[str, Any]:
     return {"model": name, "ratio": ratio, "ratio_fast": ratio_fast, "top1_ms": 1e3 * medians[0]}
 
 
+def memory(names: list[str]) -> None:
+    """The planner's temporaries over XLA's and the collective kinds, as the test checks them."""
+    print("model      layout  predicted/XLA temporaries  kinds predicted | compiled")
+    for name in names:
+        state, step, batch = suite_step(name)
+        work = trace_workload(step, state, batch)
+        for layout in SUITE[name].layouts:
+            mesh, rules = LAYOUTS[layout]
+            cost = predict(work, mesh, rules, CPU_LIKE)
+            xla = measure_step(step, state, batch, mesh, rules, True, AS_ON_ACCELERATORS)
+            ratio = (cost.activation_bytes + cost.temporary_bytes) / xla["xla_temp_bytes"]
+            kinds = sorted(k for k, v in cost.comm_bytes.items() if v)
+            print(f"{name:10} {layout:6}  {ratio:5.2f}  {'within 20%' if abs(ratio - 1) <= 0.2 else '':10}"
+                  f"         {','.join(kinds)} | {','.join(sorted(xla['collectives']))}", flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=list(SUITE), choices=list(SUITE))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--turn", type=int, default=6, help="steps per turn (the first dropped)")
     parser.add_argument("--scale", type=int, help="one scale for every model (default SCALES)")
+    parser.add_argument("--memory", action="store_true", help="the test's memory and kinds")
     args = parser.parse_args()
+    if args.memory:
+        memory(args.models)
+        return
     out = [bench(m, args.scale or SCALES[m], args.rounds, args.turn) for m in args.models]
     worst = max(out, key=lambda r: r["ratio"])
     print("model       top-1 ms   top-1 / best built-in (medians)   (fastest steps)")
