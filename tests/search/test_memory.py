@@ -9,7 +9,6 @@ model is known to miss by more, the case is listed as such (``xfail`` with why).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import pytest
@@ -19,23 +18,10 @@ from meshplan._search.predict.cost import predict
 from meshplan._search.predict.profiles import get_profile
 from meshplan._search.predict.trace import trace_workload
 from meshplan.models.llama import LlamaConfig, llama_step
+from xla_suite import AS_ON_ACCELERATORS, CPU_LIKE, LAYOUTS
 
-LAYOUTS = {
-    "dp": ({"data": 8}, (("batch", "data"),)),
-    "fsdp": ({"fsdp": 8}, (("batch", "fsdp"), ("embed", "fsdp"))),
-    "tp": (
-        {"data": 2, "tensor": 4},
-        (("batch", "data"), ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"),
-         ("vocab", "tensor")),
-    ),
-}  # fmt: skip
-
-# The step is compiled as accelerators run it: its state donated (as meshplan's trainer runs
-# it: the new state takes the old one's buffers, so no intermediate sits in an output buffer
-# that memory_analysis() would not count), and scheduled for memory, as XLA schedules for a
-# device's memory limit on TPU and GPU (on CPU its default scheduler favours concurrency and
-# keeps every unrolled layer's buffers alive at once).
-AS_ON_ACCELERATORS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+# The layouts, the compile options and the CPU-like profile are the suite's (xla_suite.py),
+# shared with tests/search/test_xla_suite.py.
 
 # Where the planner misses by more than 20%: none. (Full remat under FSDP was 1.7x until the
 # model held the layers' unreduced weight gradients until their combined reduction, as
@@ -62,18 +48,6 @@ DEEP = [
     pytest.param(layers, layout, id=f"full-loop-{layers}-layers-{layout}")
     for layers in (8, 16) for layout in ("dp", "fsdp")
 ]  # fmt: skip
-
-# XLA on CPU has no fused attention kernel (the scores are materialised), and no memory
-# limit to rematerialise cheap values against (every residual autodiff saves is kept); its
-# all-reduce combiner merges an unrolled layer's rematerialised partial-sum all-reduce with
-# the forward's own, so that recomputation runs in the forward; it does not reduce-scatter
-# (an FSDP gradient's partial sums are all-reduced whole, then sliced), and it combines
-# every gradient's all-reduce into one (one all-reduce in the compiled 16-layer step, 66 MiB):
-# all of them held unreduced until it runs, its result a buffer beside them.
-CPU_LIKE = dataclasses.replace(
-    get_profile("h100"), fused_attention=False, rematerialize=False,
-    combines_remat_collectives=True, reduce_scatter=False, combine_bytes=1 << 30,
-)  # fmt: skip
 
 
 @functools.cache

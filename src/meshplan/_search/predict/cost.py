@@ -296,10 +296,26 @@ def _dot_cost(
         axes = tuple(a for s, a in gather if s == side)
         if not axes:
             continue
+        if moved := _batch_moved(dot, side, (ls, rs)[side], axes, out_axes):
+            colls.append(("all-to-all", moved, out_bytes, None))
         shape = dot.lhs_shape if side == 0 else dot.rhs_shape
         names = dot.lhs_names if side == 0 else dot.rhs_names
         colls.append(("all-gather", axes, shard[side], (names, shape, axes)))
     return flops, colls, out_bytes
+
+
+def _batch_moved(
+    dot: Dot, side: int, spec: Spec, axes: tuple[str, ...], out_axes: list[str]
+) -> tuple[str, ...]:
+    """The axes an activation's matmul output is moved back to its batch over: where the
+    operand holding ``'batch'`` (a free dimension) is gathered over axes the other operand's
+    free dimension keeps (a small gradient times a large weight split over the batch's
+    axes: the head's backward under FSDP), the output is made split as the weight is, and
+    XLA all-to-alls it to the batch's sharding that its consumers use."""
+    names = dot.lhs_names if side == 0 else dot.rhs_names
+    contract = dot.contract[side]
+    held = {a for i, n in enumerate(names) if n == "batch" and i not in contract for a in spec[i]}
+    return tuple(a for a in axes if a in held and a in out_axes)
 
 
 StateCounts = dict[tuple[Names | None, tuple[int, ...], int], int]
@@ -550,6 +566,11 @@ def _predict_one(
         src = [taken[order.index(i)] for i in range(len(shape))]
         for kind, axes in reshard_collectives(src, specs(after, len(shape))):
             dependent.append((kind, axes, nbytes, count))
+    for (made, used, shape, item), count in workload.moves.items():
+        nbytes = specs.shard_bytes(made, shape, item)  # rows moved between shardings
+        for kind, axes in reshard_collectives(specs(made, len(shape)), specs(used, len(shape))):
+            if kind == "all-to-all":
+                dependent.append((kind, axes, nbytes, count))
     for key, (kind, axes, nbytes, count, ndots, trips) in gathers.items():
         passes = min(2, ndots) if profile.regather else 1  # forward, again for the backward
         if "batch" in (key[0] or ()):
@@ -692,6 +713,19 @@ def _peak(
         [d in partial_sums for d in program.dots] if profile.combines_remat_collectives else []
     )
     copies = [(results or {}).get(d, 0) for d in program.dots]
+    held = _held_gradients(program, specs, copies)
     return memory_model.peak(
-        program, bytes_of, extra, partial, profile.combine_bytes, hoisted, copies
+        program, bytes_of, extra, partial, profile.combine_bytes, hoisted, copies, held
     )
+
+
+def _held_gradients(
+    program: memory_model.MemoryProgram, specs: _Specs, copies: list[int]
+) -> list[float]:
+    """Per matmul, the bytes of its output where it is a weight gradient whole on every device
+    (data parallel) whose all-reduce has a result of its own (XLA on CPU, combined into one
+    all-reduce after the backward pass): XLA holds it until that runs (0: not held)."""
+    return [
+        float(copy) if copy and specs.shard_bytes(*_out_array(dot)) >= copy else 0.0
+        for dot, copy in zip(program.dots, copies, strict=True)
+    ]

@@ -609,6 +609,16 @@ def _activation(key: Any) -> bool:
     return isinstance(key, tuple) and bool(key) and "batch" in (key[0] or ())
 
 
+def _released(program: MemoryProgram, size: np.ndarray, held: Sequence[float]) -> np.ndarray:
+    """Per point, the bytes of the held matmul outputs that have run beyond the values without
+    a ``'batch'`` dimension the program keeps alive there (gradients, as made or transposed)."""
+    assert program.ran is not None
+    need = program.ran @ np.asarray(held, float)
+    params = np.array([0.0 if "batch" in (c[0] or ()) else 1.0 for c in program.cells])
+    alive = (np.asarray(program.long) + np.asarray(program.short)) @ (size * params)
+    return np.asarray(np.maximum(0.0, need - alive))
+
+
 def peak(
     program: MemoryProgram,
     bytes_of: Callable[[Cell], int],
@@ -617,6 +627,7 @@ def peak(
     combine_bytes: int = 0,
     partial_sums: Sequence[bool] = (),
     results: Sequence[float] = (),
+    held: Sequence[float] = (),
 ) -> Peak:
     """The largest point of ``program`` with cells sized by ``bytes_of``.
 
@@ -644,6 +655,11 @@ def peak(
     combined collective runs, after the last matmul whose reduction it combines (up to
     ``combine_bytes``): at the points of its loop iteration (or the step) where the most
     of them have run.
+
+    ``held``: per matmul, the bytes of its output where that output (a data parallel weight
+    gradient, whole on every device) is held until the combined all-reduce runs (0: not
+    held): at those same points, what of them the program no longer keeps alive (it lets
+    a gradient go into the update as it is made) is counted alive.
     """
     size = program.sizes(bytes_of)
     lo, sh = program.long @ size, program.short @ size
@@ -680,6 +696,8 @@ def peak(
             inside = scope == s
             last |= inside & (copies == copies[inside].max())
         extra += np.where(last, np.minimum(copies, combine_bytes), 0.0)
+        if any(held):
+            extra += np.where(last, _released(program, size, held), 0.0)
     if any(partial_sums):
         for h in program.hoists:
             first = next((t for t in h.triggers if partial_sums[t[0]]), None)

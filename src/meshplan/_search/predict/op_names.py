@@ -22,7 +22,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["UNDERSTOOD", "conv_dims", "conv_names", "gather_names", "scatter_names", "where"]
+__all__ = [
+    "UNDERSTOOD",
+    "conv_dims",
+    "conv_names",
+    "gather_names",
+    "scatter_names",
+    "scatter_update_names",
+    "where",
+]
 
 Names = tuple[Any, ...]
 
@@ -102,23 +110,67 @@ def scatter_names(
         ...               ("batch", None, "embed"), shapes)
         (None, 'embed')
     """
+    out = list(operand)
+    window, batching = _scatter_dims(p, shapes)
+    for u, d in window:
+        if out[d] is None:
+            out[d] = updates[u]
+    for b, d, k in batching:
+        if out[d] is None and k < len(indices):
+            out[d] = indices[k]
+        if out[d] is None and b is not None:
+            out[d] = updates[b]
+    return tuple(out)
+
+
+def _scatter_dims(
+    p: Any, shapes: Sequence[tuple[int, ...]]
+) -> tuple[list[tuple[int, int]], list[tuple[int | None, int, int]]]:
+    """A ``scatter``'s dimension pairs: ``(update dim, operand dim)`` of each whole window
+    dimension, and ``(update dim or None, operand dim, index dim)`` of each batching one."""
     dn = p["dimension_numbers"]
     op_shape, upd_shape = shapes[0], shapes[-1]
-    out = list(operand)
     op_batching = tuple(getattr(dn, "operand_batching_dims", ()))
     idx_batching = tuple(getattr(dn, "scatter_indices_batching_dims", ()))
     skipped = set(dn.inserted_window_dims) | set(op_batching)
     kept = [d for d in range(len(op_shape)) if d not in skipped]
-    for u, d in zip(dn.update_window_dims, kept, strict=False):
-        if out[d] is None and upd_shape[u] == op_shape[d]:
-            out[d] = updates[u]
+    window = [
+        (u, d)
+        for u, d in zip(dn.update_window_dims, kept, strict=False)
+        if upd_shape[u] == op_shape[d]
+    ]
     scatter_dims = [u for u in range(len(upd_shape)) if u not in set(dn.update_window_dims)]
-    for d, k in zip(op_batching, idx_batching, strict=True):
-        if out[d] is None and k < len(indices):
-            out[d] = indices[k]
-        if out[d] is None and k < len(scatter_dims):
-            out[d] = updates[scatter_dims[k]]
-    return tuple(out)
+    batching = [
+        (scatter_dims[k] if k < len(scatter_dims) else None, d, k)
+        for d, k in zip(op_batching, idx_batching, strict=True)
+    ]
+    return window, batching
+
+
+def scatter_update_names(p: Any, out: Names, shapes: Sequence[tuple[int, ...]]) -> Names:
+    """The names a ``scatter``'s updates take where its result is ``out``: each window
+    dimension its result's dimension's, each dimension of a batching dimension its result's
+    too, the other scatter dimensions none (the sharding XLA moves the updates to before
+    scattering them locally: an embedding gradient's rows, split as the table is).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from meshplan._search.predict.op_names import scatter_update_names
+        >>> j = jax.make_jaxpr(jax.grad(lambda t, i: jnp.take(t, i, axis=0).sum()))(
+        ...     jnp.ones((10, 4)), jnp.ones((2, 3), jnp.int32))
+        >>> eqn = [e for e in j.jaxpr.eqns if e.primitive.name == "jit"][-1]
+        >>> eqn = eqn.params["jaxpr"].jaxpr.eqns[-1]
+        >>> scatter_update_names(eqn.params, ("vocab", "embed"), [v.aval.shape for v in eqn.invars])
+        (None, None, 'embed')
+    """
+    names: list[Any] = [None] * len(shapes[-1])
+    window, batching = _scatter_dims(p, shapes)
+    for u, d in window:
+        names[u] = out[d]
+    for b, d, _ in batching:
+        if b is not None:
+            names[b] = out[d]
+    return tuple(names)
 
 
 def conv_dims(p: Any) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:

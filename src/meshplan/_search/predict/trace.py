@@ -112,6 +112,12 @@ class Workload:
     ``causal_masks``: ``(queries, keys)`` of the attention scores a mask that is no function
     of the batch (one built from iotas: a causal mask) selects from, whose masked blocks a flash kernel skips
     (:mod:`meshplan._search.predict.attention`);
+    ``moves``: ``{(names as made, names as used, shape, itemsize): count}`` of values XLA's
+    partitioner makes in one sharding and moves to another, keyed as ``reshards``: an
+    embedding lookup's rows made where the table is split (its ``embed``) and used split by
+    batch, its transpose's updates moved to where the table's gradient is split; priced as
+    the all-to-alls of the axes that change dimension (an axis the value as used does not
+    hold stays: partial sums reduced with the gradient, not gathered);
     ``unpriced``: ``{(primitive, where): runs}`` of the primitives the planner does not
     understand (:data:`meshplan._search.predict.op_names.UNDERSTOOD`), priced conservatively:
     outputs replicated, ``unpriced_flops`` (those they declare) on every device.
@@ -147,6 +153,9 @@ class Workload:
     causal_masks: frozenset[tuple[int, int]] = frozenset()
     unpriced: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
     unpriced_flops: int = 0
+    moves: dict[tuple[Names, Names, tuple[int, ...], int], int] = dataclasses.field(
+        default_factory=dict
+    )
 
     def trips(self, dot: Dot) -> int:
         """How many times one run of ``dot`` repeats in sequence: the trips of the loops
@@ -322,6 +331,7 @@ class _Walker:
         self.materialized: set[Any] = set()  # values XLA writes to memory (not fused away)
         self.constlike: set[Any] = set()  # computed from no input (iotas, masks): recomputed
         self.reshards: dict[tuple[Names, Names, tuple[int, ...], int], int] = {}
+        self.moves: dict[tuple[Names, Names, tuple[int, ...], int], int] = {}
         # Values computed from one parameter alone (its broadcast, its cast): ``{var: root}``,
         # the root being the parameter's array (a scanned layer's slice of it); and the
         # parameters other ops than matmuls read with an activation (a norm's scale):
@@ -629,12 +639,44 @@ class _Walker:
         if prim not in op_names.UNDERSTOOD and prim not in _ELEMENTWISE:
             return self._unpriced(eqn, times)
         outs = [dedupe(n) for n in self.other(prim, p, ins, shapes, out_shapes)]
+        if times:
+            self._moved(eqn, ins, outs, shapes, times)
         score = prim not in _BOUNDARY and self._score_input(eqn)
         for n, v in zip(outs, eqn.outvars, strict=True):
             if score:
                 self.scores.add(v)
             self._count(v, n, times, score, boundary=prim in _BOUNDARY)
         return outs
+
+    def _moved(
+        self, eqn: Any, ins: list[Names], outs: list[Names], shapes: list[tuple[int, ...]],
+        times: int,
+    ) -> None:  # fmt: skip
+        """Notes the values the partitioner moves between shardings around an indexing op:
+        a ``gather``'s rows are made in the table's sharding of its offset dimensions and
+        used in the indices' (``moves``), a ``scatter``'s updates are moved to its result's
+        sharding; ``top_k`` (and ``sort``) run on the whole of their operand, gathered
+        (``reshards``; XLA's partitioner leaves them unpartitioned: the router's
+        probabilities of the whole batch on every device)."""
+        prim, p = eqn.primitive.name, eqn.params
+        item = _itemsize(eqn.outvars[0].aval)
+        if prim == "gather" and len(ins) == 2:
+            blank = (None,) * len(ins[1])
+            made = dedupe(
+                op_names.gather_names(p, ins[0], blank, shapes, eqn.outvars[0].aval.shape)
+            )
+            key = (made, outs[0], tuple(eqn.outvars[0].aval.shape), item)
+        elif prim.startswith("scatter") and len(ins) == 3:
+            target = dedupe(op_names.scatter_update_names(p, outs[0], shapes))
+            key = (ins[2], target, shapes[2], _itemsize(eqn.invars[2].aval))
+        elif prim in ("top_k", "sort") and ins and any(n is not None for n in ins[0]):
+            key = (ins[0], (None,) * len(ins[0]), shapes[0], _itemsize(eqn.invars[0].aval))
+            self.reshards[key] = self.reshards.get(key, 0) + times
+            return
+        else:
+            return
+        if key[0] != key[1]:
+            self.moves[key] = self.moves.get(key, 0) + times
 
     def _unpriced(self, eqn: Any, times: int) -> list[Names]:
         """A primitive the planner does not understand (a Pallas kernel, a custom call):
@@ -723,6 +765,8 @@ class _Walker:
     ) -> list[Names]:
         if prim == "transpose" and ins:
             return [tuple(ins[0][i] for i in p["permutation"])]
+        if prim in ("top_k", "sort"):  # on the whole operand (gathered: Workload.reshards)
+            return [(None,) * len(shape) for shape in out_shapes]
         if prim == "gather" and len(ins) == 2:
             return [op_names.gather_names(p, ins[0], ins[1], shapes, out_shapes[0])]
         if prim.startswith("scatter") and len(ins) == 3:
@@ -943,5 +987,5 @@ def trace_workload(
         tuple((n, s, i, act, t, fwd and bwd)
               for n, s, i, act, t, fwd, bwd in walker.weight_reads.values()),
         frozenset(walker.causal_masks),
-        walker.unpriced, walker.unpriced_flops,
+        walker.unpriced, walker.unpriced_flops, walker.moves,
     )  # fmt: skip

@@ -1,0 +1,103 @@
+"""The planner against XLA on models written for the check, not tuned against (:mod:`xla_suite`).
+
+Each model of the suite, under two layouts on 8 CPU devices, compiled as accelerators run
+it (:data:`xla_suite.AS_ON_ACCELERATORS`) and priced on the CPU-like profile
+(:data:`xla_suite.CPU_LIKE`), as ``test_memory.py`` compares the Llama decoder: the
+arguments (state and batch) exactly, the temporaries within 20% of
+``compiled.memory_analysis()``, and the kinds of collective the planner predicts equal to
+those the compiled HLO runs.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+
+from meshplan._search.measure.hlo import measure_step
+from meshplan._search.predict.cost import Cost, predict
+from meshplan._search.predict.trace import Workload, trace_workload
+from xla_suite import AS_ON_ACCELERATORS, CPU_LIKE, LAYOUTS, MISSES, SUITE, suite_step
+
+# Where the planner still misses (predicted / XLA's temporaries, measured on the planner of
+# this commit), listed with the ratio and what XLA does that it does not model. The state and
+# batch are exact in every case; it is the temporaries.
+_TABLE = ("XLA's sharding propagation carries the embedding table's embed split (FSDP) into "
+          "the activations: the indices are all-gathered and the layers run on the whole "
+          "batch split by embed (all-reduces of [16, 32, 4, 16] partial sums in the HLO), "
+          "where the planner keeps them split by batch")  # fmt: skip
+_KEPT = ("values XLA:CPU keeps that the planner does not: elementwise intermediates and norms' "
+         "values, as issue 34 read them (not traced here buffer by buffer; not yet modelled)")  # fmt: skip
+MEMORY_MISSES: dict[tuple[str, str], str] = {
+    ("vit", "dp"): f"0.50: {_KEPT}",
+    ("vit", "fsdp"): f"0.48: {_KEPT}",
+    ("cnn", "dp"): f"0.68: {_KEPT} (GroupNorm's reshaped and normalised values)",
+    ("cnn", "fsdp"): f"0.38: {_KEPT} (GroupNorm's reshaped and normalised values)",
+    ("encdec", "fsdp"): f"0.13: {_TABLE}",
+    ("encdec", "tp"): f"0.57: {_KEPT}",
+    ("moe", "dp"): f"0.65: {_KEPT}",
+    ("moe", "fsdp"): f"0.21: {_TABLE}",
+    ("decoder", "fsdp"): f"0.30: {_TABLE}",
+    ("decoder", "tp"): f"0.56: {_KEPT}",
+    ("scanned", "fsdp"): f"0.23: {_TABLE}",
+}
+KIND_MISSES: dict[tuple[str, str], str] = {
+    ("encdec", "fsdp"): f"an all-to-all predicted where XLA runs none: {_TABLE}",
+}
+
+CASES = [(name, layout) for name, case in SUITE.items() for layout in case.layouts]
+
+
+def _params(misses: dict[tuple[str, str], str]) -> list[Any]:
+    return [
+        pytest.param(
+            name, layout, id=f"{name}-{layout}",
+            marks=[pytest.mark.xfail(reason=misses[(name, layout)], strict=True)]
+            if (name, layout) in misses else [],
+        )
+        for name, layout in CASES
+    ]  # fmt: skip
+
+
+@functools.cache
+def _workload(name: str) -> Workload:
+    state, step, batch = suite_step(name)
+    return trace_workload(step, state, batch)
+
+
+@functools.cache
+def _compare(name: str, layout: str) -> tuple[Cost, dict[str, Any]]:
+    state, step, batch = suite_step(name)
+    mesh, rules = LAYOUTS[layout]
+    cost = predict(_workload(name), mesh, rules, CPU_LIKE)
+    return cost, measure_step(step, state, batch, mesh, rules, True, AS_ON_ACCELERATORS)
+
+
+def test_every_kind_of_miss_is_covered_by_a_case():
+    covered = {miss for case in SUITE.values() for miss in case.misses}
+    assert covered == set(MISSES)
+    assert all(layout in LAYOUTS for case in SUITE.values() for layout in case.layouts)
+
+
+@pytest.mark.parametrize("name", list(SUITE))
+def test_every_primitive_of_the_suite_is_understood(name):
+    assert _workload(name).unpriced == {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "layout"), _params(MEMORY_MISSES))
+def test_memory_per_device_matches_xla_memory_analysis(name, layout):
+    cost, xla = _compare(name, layout)
+    assert cost.state_bytes + cost.batch_bytes == xla["xla_argument_bytes"]
+    predicted = cost.activation_bytes + cost.temporary_bytes
+    assert abs(predicted - xla["xla_temp_bytes"]) <= 0.2 * xla["xla_temp_bytes"], (
+        f"predicted {predicted / xla['xla_temp_bytes']:.2f} of XLA's"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "layout"), _params(KIND_MISSES))
+def test_collective_kinds_match_the_compiled_hlo(name, layout):
+    cost, xla = _compare(name, layout)
+    assert {k for k, v in cost.comm_bytes.items() if v} == set(xla["collectives"])
