@@ -242,11 +242,10 @@ class BuiltInSource:
     def record(self) -> dict[str, Any]:
         return {"data": self.data, "model": self.kind}
 
-    def notes(
-        self, request: TrainRequest, rules: LogicalRules, abstract: PyTree, resumed: list[str]
-    ) -> list[str]:
+    def notes(self, request: TrainRequest, parts: BuiltParts, resumed: list[str]) -> list[str]:
         """The resume's notes, the other API's checkpoint, and a dense model on an expert layout."""
-        assert self.transformer is not None  # else refused
+        assert self.transformer is not None and parts.rules is not None  # else refused
+        rules = parts.rules
         note = [] if self.model_note is None else [self.model_note]
         return [*resumed, *note, *_dense_expert_note(request, self.transformer, rules)]
 

@@ -25,7 +25,6 @@ from meshplan._checkpoint.metadata import CheckpointMetadata
 from meshplan._errors import ArgumentError, CheckpointError, MeshplanError
 from meshplan._spmd.by_path import PathRules
 from meshplan._spmd.rules import LogicalRules, logical_to_mesh_axes
-from meshplan._spmd.tree_check import no_names_in_tree
 from meshplan.cli.aliases import PyTree
 from meshplan.cli.factory import IterableBatches, Trainable, load_factory
 from meshplan.cli.names_file import no_names_text, notes_text, read_names
@@ -291,14 +290,11 @@ class FactorySource:
         pairs = [[p, None if n is None else list(n)] for p, n in self.names]
         return {"model": self.spec, "names": pairs}
 
-    def notes(
-        self, request: TrainRequest, rules: LogicalRules, abstract: PyTree, resumed: list[str]
-    ) -> list[str]:
+    def notes(self, request: TrainRequest, parts: BuiltParts, resumed: list[str]) -> list[str]:
         """An unnamed model first (it trains every array replicated), then the naming's notes."""
         notes = list(self.loaded_notes)
-        unnamed = no_names_in_tree(abstract, rules)
-        if unnamed is not None:
-            notes.insert(0, no_names_text([unnamed], self.spec, str(request.rules)) or "")
+        if parts.unnamed is not None:  # the library's finding, in flags
+            notes.insert(0, no_names_text([parts.unnamed], self.spec, str(request.rules)) or "")
         return [*notes, *resumed]
 
     def header(

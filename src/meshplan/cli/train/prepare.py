@@ -198,7 +198,7 @@ def prepare_run(request: TrainRequest) -> PreparedRun:
         Measures(source.flops(settings), peak.flops, request.sync_every_step),
         tx=parts.tx,
         abstract=abstract,
-        notes=source.notes(request, rules, abstract, resume.notes),
+        notes=source.notes(request, parts, resume.notes),
     )
     return PreparedRun(trainer, source, peak)
 

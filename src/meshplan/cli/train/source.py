@@ -97,7 +97,7 @@ class ModelSource(Protocol):
             def flops(self, settings): return None
             def config(self): return None
             def record(self): return {"model": self.spec}
-            def notes(self, request, rules, abstract): return []
+            def notes(self, request, parts, resumed): return []
             def header(self, console, trainer, devices): ...
 
     Attributes:
@@ -179,10 +179,9 @@ class ModelSource(Protocol):
         """What the checkpoints record of the model (``{"model": spec, ...}``)."""
         ...
 
-    def notes(
-        self, request: TrainRequest, rules: LogicalRules, abstract: PyTree, resumed: list[str]
-    ) -> list[str]:
-        """What to say before the run, with the resume's notes (``resumed``) in place."""
+    def notes(self, request: TrainRequest, parts: BuiltParts, resumed: list[str]) -> list[str]:
+        """What to say before the run, from what the library built and found (``parts``),
+        with the resume's notes (``resumed``) in place."""
         ...
 
     def header(
