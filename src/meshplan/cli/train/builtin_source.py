@@ -183,7 +183,7 @@ class BuiltInSource:
             if self.transformer is not None:
                 given = any(request.overrides.get(f) is not None for f in PIPELINE_FIELDS)
                 check_pipeline(str(request.rules), request.mesh, self.transformer, settings,
-                               flags.shape, flags.rules, given, shards, found.batch)  # fmt: skip
+                               flags.stage_axes, given, shards, found.batch)  # fmt: skip
 
     def example_batch(self, settings: TrainSettings) -> PyTree | None:
         return None  # checked before the build, against the mesh's sizes (check_batch)
