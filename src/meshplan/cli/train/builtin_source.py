@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from meshplan.cli.train.preflight import FlagsRead
     from meshplan.cli.train.request import TrainRequest
     from meshplan.train.build import BuiltParts
+    from meshplan.train.state import PlanSummary
     from meshplan.train.trainer import Trainer
 
 __all__ = ["PIPELINE_FIELDS", "BuiltInSource", "ByteBatches"]
@@ -250,10 +251,15 @@ class BuiltInSource:
         return [*resumed, *note, *_dense_expert_note(request, self.transformer, rules)]
 
     def header(
-        self, console: Console, trainer: Trainer, devices: DeviceChoice, peak: MeshPeak
+        self,
+        console: Console,
+        trainer: Trainer,
+        plan: PlanSummary,
+        devices: DeviceChoice,
+        peak: MeshPeak,
     ) -> None:
         assert self.transformer is not None and self.corpus is not None  # else refused
-        header(console, trainer, self.transformer, self.spec, self.corpus, devices, peak)
+        header(console, trainer, plan, self.transformer, self.spec, self.corpus, devices, peak)
 
 
 def _resolve_config(request: TrainRequest, stored: CheckpointMetadata | None) -> TransformerConfig:

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from meshplan.cli.train.preflight import FlagsRead
     from meshplan.cli.train.request import TrainRequest
     from meshplan.train.build import BuiltParts
+    from meshplan.train.state import PlanSummary
     from meshplan.train.trainer import Batches, Trainer
 
 __all__ = ["FactorySource", "batch_placer", "place_batch"]
@@ -100,10 +101,14 @@ class FactorySource:
         trainable: What the factory gave (``None`` until :meth:`given`, or when it cannot
             train: said in the problems).
         names: The path rules that name its arrays (``--names``, else the checkpoint's).
+        names_file: ``--names FILE`` as read with the other flags
+            (:attr:`~meshplan.cli.train.preflight.FlagsRead.names`): its rules, or why it
+            cannot be read (``None``: no file, or ``--names infer``).
         loaded_notes: What naming it by path warned of.
     """
 
     spec: str
+    names_file: PathRules | MeshplanError | None = None
     units: tuple[str, str] = ("examples/s", "")
     trainable: Trainable | None = None
     names: PathRules | None = None
@@ -155,7 +160,11 @@ class FactorySource:
         spec = self.spec
         stored_names = None if stored is None else (stored.extra.get("train") or {}).get("names")
         try:
-            if request.names is not None:
+            if isinstance(self.names_file, MeshplanError):
+                raise self.names_file  # the file of --names, read with the flags
+            if self.names_file is not None:
+                self.names = self.names_file
+            elif request.names is not None:  # --names infer: from the factory's step
                 self.names = read_names(request.names, spec)
             elif stored_names:  # trained with --names: the checkpoint keeps the rules
                 self.names = tuple((p, None if n is None else tuple(n)) for p, n in stored_names)
@@ -298,10 +307,15 @@ class FactorySource:
         return [*notes, *resumed]
 
     def header(
-        self, console: Console, trainer: Trainer, devices: DeviceChoice, peak: MeshPeak
+        self,
+        console: Console,
+        trainer: Trainer,
+        plan: PlanSummary,
+        devices: DeviceChoice,
+        peak: MeshPeak,
     ) -> None:
         assert self.trainable is not None  # else refused
-        own_header(console, trainer, self.trainable, self.spec, devices)
+        own_header(console, trainer, plan, self.trainable, self.spec, devices)
 
 
 def _refuse_transformer_flags(request: TrainRequest, spec: str, found: Findings) -> None:

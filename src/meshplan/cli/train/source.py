@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from meshplan.train.flops import MeshPeak
     from meshplan.train.model import TrainModel
     from meshplan.train.settings import TrainSettings
+    from meshplan.train.state import PlanSummary
     from meshplan.train.trainer import Batches, Trainer
 
 __all__ = ["Found", "ModelSource", "uneven_problems"]
@@ -98,7 +99,7 @@ class ModelSource(Protocol):
             def config(self): return None
             def record(self): return {"model": self.spec}
             def notes(self, request, parts, resumed): return []
-            def header(self, console, trainer, devices): ...
+            def header(self, console, trainer, plan, devices, peak): ...
 
     Attributes:
         spec: ``--model`` as the checkpoints record it.
@@ -185,9 +186,15 @@ class ModelSource(Protocol):
         ...
 
     def header(
-        self, console: Console, trainer: Trainer, devices: DeviceChoice, peak: MeshPeak
+        self,
+        console: Console,
+        trainer: Trainer,
+        plan: PlanSummary,
+        devices: DeviceChoice,
+        peak: MeshPeak,
     ) -> None:
-        """What is trained on which mesh, said before the first step."""
+        """What is trained on which mesh, with the library's ``plan`` per device, said
+        before the first step."""
         ...
 
 
