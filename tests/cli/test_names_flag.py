@@ -174,3 +174,19 @@ def test_names_on_the_linen_and_step_forms_of_plan_and_search(tmp_path, monkeypa
     assert stepped.abstract_state["w"].names == ("embed", "mlp")
     after = jax.eval_shape(stepped.step_fn, stepped.abstract_state, stepped.example_batch)
     assert after["w"].shape == (4, 8)  # the step was given the state unboxed
+
+
+def test_train_reads_a_names_file_with_the_flags_and_refuses_a_missing_one_with_them(tmp_path):
+    from meshplan.cli.train import TrainRequest, prepare_run
+    from meshplan.cli.train.preflight import read_flags
+
+    names = _names_file(tmp_path, EQUINOX_NAMES)
+    flags = read_flags(TrainRequest(model=EQX, names=names, mesh="2x4", rules="fsdp"))
+    assert flags.names == meshplan.layouts.get_names(names)  # read with --rules, once
+    assert read_flags(TrainRequest(model=EQX, names="infer")).names is None  # from its step
+    missing = str(tmp_path / "missing.json")
+    with pytest.raises(meshplan.MeshplanError, match="meshplan train cannot start") as e:
+        prepare_run(TrainRequest(model=EQX, names=missing, mesh="2x4", rules="nope"))
+    codes = {p.code for p in e.value.problems}
+    assert "unknown-layout" in codes  # every problem together: the layout's and the file's
+    assert any(missing in p.message for p in e.value.problems)

@@ -149,3 +149,25 @@ def test_bad_requests_give_problems_with_codes_and_flags():
     assert codes["resume-without-ckpt-dir"] == "--resume"
     assert "model-config" in codes
     assert all(p.code not in ("train", "") for p in problems)
+
+
+def test_the_library_finds_a_state_with_no_names_and_the_factory_source_only_words_it():
+    from meshplan.train.build import build_parts
+
+    unnamed = "meshplan.examples.third_party:jax_mlp"  # plain JAX: its arrays carry no names
+    parts = {
+        spec: build_parts(
+            TrainSettings(),
+            {"data": 2, "model": 4},
+            None,
+            "fsdp",
+            load_factory(spec, None).trainable.model,
+        )
+        for spec in (unnamed, LINEN)
+    }
+    assert parts[unnamed].unnamed.code == "no-names" and parts[LINEN].unnamed is None
+    source, request = FactorySource(unnamed), TrainRequest(model=unnamed, rules="fsdp")
+    said = source.notes(request, parts[unnamed], ["resumed"])
+    assert said[0].startswith(f"No array of --model {unnamed} carries a logical name")
+    assert said[-1] == "resumed"
+    assert source.notes(request, parts[LINEN], ["resumed"]) == ["resumed"]  # nothing to say

@@ -25,6 +25,7 @@ from meshplan._checkpoint.restore import mismatch_problems
 from meshplan._checkpoint.tree import flatten_state
 from meshplan._errors import MeshplanError, Problem
 from meshplan._spmd.rules import LogicalRules
+from meshplan._spmd.tree_check import no_names_in_tree
 from meshplan._spmd.validate import validate
 from meshplan._types import PyTree
 from meshplan.layouts import get_layout
@@ -59,6 +60,9 @@ class BuiltParts:
             validator's problems of code ``'indivisible'``, by path (``params/...``).
         batch: The arrays of the example batch whose first dimension, ``'batch'``, the
             layout cannot split: the validator's errors, by path (``batch[0]``).
+        unnamed: The ``'no-names'`` problem when no array of the state carries a logical
+            name under the rules (every array would be replicated), else ``None``
+            (:func:`~meshplan._spmd.tree_check.no_names_in_tree`).
         memory: How a step of the memory batch does not fit in a device
             (:func:`~meshplan.train.memory.memory_shortfall`), or ``None``: it fits, was
             not asked for, or something else is wrong (then it is not traced).
@@ -75,6 +79,7 @@ class BuiltParts:
     mismatch: list[Problem] = dataclasses.field(default_factory=list)
     uneven: list[Problem] = dataclasses.field(default_factory=list)
     batch: list[Problem] = dataclasses.field(default_factory=list)
+    unnamed: Problem | None = None
     memory: MemoryShortfall | None = None
 
 
@@ -147,6 +152,7 @@ def build_parts(
             for p in validate(f"params/{key}", tuple(value.shape), box.names, mesh, rules)
             if p.code == "indivisible"
         ]
+        parts.unnamed = no_names_in_tree(parts.abstract, rules)
     if example_batch is not None:
         for path, leaf in jax.tree_util.tree_leaves_with_path(example_batch):
             where = f"batch{jax.tree_util.keystr(path)}"

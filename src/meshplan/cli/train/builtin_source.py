@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from meshplan.cli.train.preflight import FlagsRead
     from meshplan.cli.train.request import TrainRequest
     from meshplan.train.build import BuiltParts
+    from meshplan.train.state import PlanSummary
     from meshplan.train.trainer import Trainer
 
 __all__ = ["PIPELINE_FIELDS", "BuiltInSource", "ByteBatches"]
@@ -183,7 +184,7 @@ class BuiltInSource:
             if self.transformer is not None:
                 given = any(request.overrides.get(f) is not None for f in PIPELINE_FIELDS)
                 check_pipeline(str(request.rules), request.mesh, self.transformer, settings,
-                               flags.shape, flags.rules, given, shards, found.batch)  # fmt: skip
+                               flags.stage_axes, given, shards, found.batch)  # fmt: skip
 
     def example_batch(self, settings: TrainSettings) -> PyTree | None:
         return None  # checked before the build, against the mesh's sizes (check_batch)
@@ -242,19 +243,23 @@ class BuiltInSource:
     def record(self) -> dict[str, Any]:
         return {"data": self.data, "model": self.kind}
 
-    def notes(
-        self, request: TrainRequest, rules: LogicalRules, abstract: PyTree, resumed: list[str]
-    ) -> list[str]:
+    def notes(self, request: TrainRequest, parts: BuiltParts, resumed: list[str]) -> list[str]:
         """The resume's notes, the other API's checkpoint, and a dense model on an expert layout."""
-        assert self.transformer is not None  # else refused
+        assert self.transformer is not None and parts.rules is not None  # else refused
+        rules = parts.rules
         note = [] if self.model_note is None else [self.model_note]
         return [*resumed, *note, *_dense_expert_note(request, self.transformer, rules)]
 
     def header(
-        self, console: Console, trainer: Trainer, devices: DeviceChoice, peak: MeshPeak
+        self,
+        console: Console,
+        trainer: Trainer,
+        plan: PlanSummary,
+        devices: DeviceChoice,
+        peak: MeshPeak,
     ) -> None:
         assert self.transformer is not None and self.corpus is not None  # else refused
-        header(console, trainer, self.transformer, self.spec, self.corpus, devices, peak)
+        header(console, trainer, plan, self.transformer, self.spec, self.corpus, devices, peak)
 
 
 def _resolve_config(request: TrainRequest, stored: CheckpointMetadata | None) -> TransformerConfig:

@@ -283,6 +283,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             prepared = prepare_run(request)  # every model source: one prepare step
             trainer = prepared.trainer
+            # What the library sums up of the layout (the header's plan per device): data,
+            # taken once the trainer is built and before its folder is opened.
+            plan = trainer.plan_summary()
         except MeshplanError as e:
             print_error(e)  # every problem, then the fixes in flag terms
             return 2
@@ -340,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
     peak = prepared.peak
     source = prepared.source
     rate, per = source.units  # ("tokens/s", " nats/byte") for the built-in Transformer
-    source.header(console, trainer, devices, peak)
+    source.header(console, trainer, plan, devices, peak)
 
     from rich.progress import (
         BarColumn,

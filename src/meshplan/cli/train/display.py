@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from meshplan.models.transformer import TransformerConfig
     from meshplan.train.flops import MeshPeak
     from meshplan.train.records import TrainResult
+    from meshplan.train.state import PlanSummary
     from meshplan.train.trainer import Trainer
 
 __all__ = ["MetricsLog", "flop_text", "header", "own_header", "peak_memory", "summary"]
@@ -37,6 +38,7 @@ __all__ = ["MetricsLog", "flop_text", "header", "own_header", "peak_memory", "su
 def header(
     console: Console,
     trainer: Trainer,
+    summary: PlanSummary,
     config: TransformerConfig,
     kind: str,
     corpus: ByteCorpus,
@@ -44,17 +46,16 @@ def header(
     peak: MeshPeak,
 ) -> None:
     """The header of a run of the built-in Transformer (``kind``): the model, the mesh, the
-    data, the devices and the plan per device."""
+    data, the devices and the plan per device (``summary``, the library's)."""
     from meshplan._text import human_bytes
     from meshplan.cli.trained_models import MODELS
 
     s = trainer.settings
-    # The command's own words first, then what the library sums up (no going back and forth).
+    # The library's summary is data, taken once with the trainer: here it is only worded.
     mesh = "x".join(str(v) for v in trainer.mesh.shape.values())
     remat, mfu = _remat_text(config), _mfu_line(peak)
     resumed = _resume_line(trainer, mesh, trainer.layout_name)
     pipeline = _pipeline_line(config, trainer)
-    summary = trainer.plan_summary()
     lines: list[list[Any]] = [
         [
             ("meshplan train", "bold"),
@@ -141,11 +142,16 @@ def _remat_text(config: TransformerConfig | Mapping[str, object] | None) -> str:
 
 
 def own_header(
-    console: Console, trainer: Trainer, own: Trainable, spec: str, devices: DeviceChoice
+    console: Console,
+    trainer: Trainer,
+    summary: PlanSummary,
+    own: Trainable,
+    spec: str,
+    devices: DeviceChoice,
 ) -> None:
-    """The header of a ``--model pkg.module:factory`` run: the model, the mesh, the batches."""
+    """The header of a ``--model pkg.module:factory`` run: the model, the mesh, the batches
+    and the plan per device (``summary``, the library's)."""
     s = trainer.settings
-    summary = trainer.plan_summary()
     mesh = "x".join(str(v) for v in summary["mesh"].values())
     import jax
 

@@ -25,7 +25,6 @@ from meshplan._checkpoint.metadata import CheckpointMetadata
 from meshplan._errors import ArgumentError, CheckpointError, MeshplanError
 from meshplan._spmd.by_path import PathRules
 from meshplan._spmd.rules import LogicalRules, logical_to_mesh_axes
-from meshplan._spmd.tree_check import no_names_in_tree
 from meshplan._types import PyTree
 from meshplan.cli.factory import IterableBatches, Trainable, load_factory
 from meshplan.cli.names_file import no_names_text, notes_text, read_names
@@ -48,6 +47,7 @@ if TYPE_CHECKING:
     from meshplan.cli.train.preflight import FlagsRead
     from meshplan.cli.train.request import TrainRequest
     from meshplan.train.build import BuiltParts
+    from meshplan.train.state import PlanSummary
     from meshplan.train.trainer import Batches, Trainer
 
 __all__ = ["FactorySource", "batch_placer", "place_batch"]
@@ -101,10 +101,14 @@ class FactorySource:
         trainable: What the factory gave (``None`` until :meth:`given`, or when it cannot
             train: said in the problems).
         names: The path rules that name its arrays (``--names``, else the checkpoint's).
+        names_file: ``--names FILE`` as read with the other flags
+            (:attr:`~meshplan.cli.train.preflight.FlagsRead.names`): its rules, or why it
+            cannot be read (``None``: no file, or ``--names infer``).
         loaded_notes: What naming it by path warned of.
     """
 
     spec: str
+    names_file: PathRules | MeshplanError | None = None
     units: tuple[str, str] = ("examples/s", "")
     trainable: Trainable | None = None
     names: PathRules | None = None
@@ -156,7 +160,11 @@ class FactorySource:
         spec = self.spec
         stored_names = None if stored is None else (stored.extra.get("train") or {}).get("names")
         try:
-            if request.names is not None:
+            if isinstance(self.names_file, MeshplanError):
+                raise self.names_file  # the file of --names, read with the flags
+            if self.names_file is not None:
+                self.names = self.names_file
+            elif request.names is not None:  # --names infer: from the factory's step
                 self.names = read_names(request.names, spec)
             elif stored_names:  # trained with --names: the checkpoint keeps the rules
                 self.names = tuple((p, None if n is None else tuple(n)) for p, n in stored_names)
@@ -291,21 +299,23 @@ class FactorySource:
         pairs = [[p, None if n is None else list(n)] for p, n in self.names]
         return {"model": self.spec, "names": pairs}
 
-    def notes(
-        self, request: TrainRequest, rules: LogicalRules, abstract: PyTree, resumed: list[str]
-    ) -> list[str]:
+    def notes(self, request: TrainRequest, parts: BuiltParts, resumed: list[str]) -> list[str]:
         """An unnamed model first (it trains every array replicated), then the naming's notes."""
         notes = list(self.loaded_notes)
-        unnamed = no_names_in_tree(abstract, rules)
-        if unnamed is not None:
-            notes.insert(0, no_names_text([unnamed], self.spec, str(request.rules)) or "")
+        if parts.unnamed is not None:  # the library's finding, in flags
+            notes.insert(0, no_names_text([parts.unnamed], self.spec, str(request.rules)) or "")
         return [*notes, *resumed]
 
     def header(
-        self, console: Console, trainer: Trainer, devices: DeviceChoice, peak: MeshPeak
+        self,
+        console: Console,
+        trainer: Trainer,
+        plan: PlanSummary,
+        devices: DeviceChoice,
+        peak: MeshPeak,
     ) -> None:
         assert self.trainable is not None  # else refused
-        own_header(console, trainer, self.trainable, self.spec, devices)
+        own_header(console, trainer, plan, self.trainable, self.spec, devices)
 
 
 def _refuse_transformer_flags(request: TrainRequest, spec: str, found: Findings) -> None:

@@ -20,14 +20,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from meshplan._errors import MeshError, MeshplanError, error_for
+from meshplan._spmd.by_path import PathRules
 from meshplan._spmd.mesh_info import mesh_info
+from meshplan._spmd.pipeline import stage_axes
 from meshplan._spmd.rules import LogicalRules, Rules, logical_to_mesh_axes
 from meshplan._spmd.validate import check_leaf
 from meshplan.cli.devices import choose_devices, count_from_xla_flags, mesh_flag_advice
+from meshplan.cli.factory import is_factory
 from meshplan.cli.mesh_text import parse_mesh_shape
+from meshplan.cli.names_file import INFER
 from meshplan.cli.train.findings import Findings
 from meshplan.cli.train.resume import Resume, check_checkpoint_dir
-from meshplan.layouts import CONTEXT_EXPERT_LAYOUTS, LAYOUT_AXES, get_layout
+from meshplan.layouts import CONTEXT_EXPERT_LAYOUTS, LAYOUT_AXES, get_layout, get_names
 from meshplan.models.data import BATCH_NAMES, ByteCorpus, DataError
 from meshplan.train.device_mesh import MESH_AXES
 from meshplan.train.settings import TrainSettings
@@ -161,20 +165,19 @@ def check_pipeline(
     mesh_text: str,
     config: TransformerConfig,
     settings: TrainSettings,
-    shape: Mapping[str, int],
-    rules: Rules,
+    stage_axes: tuple[tuple[str, ...], int],
     given: bool,
     batch_shards: int,
     found: Findings,
 ) -> None:
-    """The pipeline the rules make (``'stage'`` on mesh axes) runs the model, its
-    ``--microbatches`` and ``--pipeline-repeats`` on each step's batch, each microbatch
-    split over the ``batch_shards`` devices of ``'batch'``; ``given``: either flag was
-    passed, which a layout with no pipeline refuses rather than ignores."""
-    from meshplan._spmd.pipeline import stage_axes
+    """The pipeline the rules make (``'stage'`` on the mesh axes ``stage_axes``, read with
+    the flags: :attr:`FlagsRead.stage_axes`) runs the model, its ``--microbatches`` and
+    ``--pipeline-repeats`` on each step's batch, each microbatch split over the
+    ``batch_shards`` devices of ``'batch'``; ``given``: either flag was passed, which a
+    layout with no pipeline refuses rather than ignores."""
     from meshplan.models.pipeline import pipeline_problems
 
-    axes, stages = stage_axes(rules.pairs, dict(shape))
+    axes, stages = stage_axes
     where = f"the {stages} stages of --rules {layout} ('stage' on {', '.join(axes)} of --mesh {mesh_text})"
     if stages <= 1:
         if given:
@@ -300,6 +303,10 @@ def check_metrics_file(path: str | None, found: Findings) -> None:
         )
 
 
+NO_STAGES: tuple[tuple[str, ...], int] = ((), 1)
+"""No pipeline: ``'stage'`` on no mesh axis, one stage."""
+
+
 @dataclasses.dataclass
 class FlagsRead:
     """What the flags and the checkpoint say, read before the library builds anything.
@@ -318,6 +325,11 @@ class FlagsRead:
         layout: The problems of ``--rules``.
         batch_shards: The devices the rules split ``'batch'`` over on the mesh (1 without
             a mesh or rules).
+        stage_axes: The mesh axes the rules give ``'stage'`` (a pipeline), and the stages
+            they make (``((), 1)``: no pipeline, or no mesh or rules).
+        names: The path rules of ``--names FILE`` for a ``--model pkg.module:factory``
+            (:func:`meshplan.layouts.get_names`), or why the file cannot be read; ``None``
+            without one (or with ``--names infer``: read from the factory's step later).
     """
 
     shape: dict[str, int] | None
@@ -330,13 +342,20 @@ class FlagsRead:
     metrics: Findings
     layout: Findings
     batch_shards: int = 1
+    stage_axes: tuple[tuple[str, ...], int] = NO_STAGES
+    names: PathRules | MeshplanError | None = None
 
 
 def read_flags(request: TrainRequest) -> FlagsRead:
     """The flags that need nothing built: ``--metrics``; ``--mesh`` and ``--axes``
     against the devices; ``--ckpt-dir`` and the checkpoint's step to resume from; then
-    ``--rules``, the layout's rules (a rules file is read here)."""
+    ``--rules``, the layout's rules (a rules file is read here), and a factory's
+    ``--names FILE``."""
     metrics, mesh, ckpt, layout = Findings(), Findings(), Findings(), Findings()
+    # A factory's --names FILE is read with --rules (--names infer: from its step, later).
+    names_file = request.names not in (None, INFER) and (
+        request.model is not None and is_factory(request.model)
+    )
     check_metrics_file(request.metrics, metrics)
     shape = needed = None
     try:
@@ -363,8 +382,18 @@ def read_flags(request: TrainRequest) -> FlagsRead:
         rules = Rules.of(get_layout(request.rules))  # get_layout validates; Rules.of indexes
     except MeshplanError as e:
         layout.add_error(e, f"--rules {request.rules}")
-    shards = 1 if shape is None or rules is None else batch_shards(shape, rules.pairs)
-    return FlagsRead(shape, needed, ckpt_dir, resume, rules, mesh, ckpt, metrics, layout, shards)
+    names: PathRules | MeshplanError | None = None
+    if names_file and request.names is not None:
+        try:
+            names = get_names(request.names)
+        except MeshplanError as e:  # said with the factory's problems
+            names = e
+    shards, stages = 1, NO_STAGES
+    if shape is not None and rules is not None:  # what the rules make of the mesh's sizes
+        shards, stages = batch_shards(shape, rules.pairs), stage_axes(rules.pairs, shape)
+    return FlagsRead(
+        shape, needed, ckpt_dir, resume, rules, mesh, ckpt, metrics, layout, shards, stages, names
+    )
 
 
 def placement_problems(

@@ -24,7 +24,7 @@ from meshplan.cli.train.factory_source import FactorySource
 from meshplan.cli.train.findings import Findings
 from meshplan.cli.train.flags import setting_fix, setting_flag
 from meshplan.cli.train.memory_advice import memory_problem
-from meshplan.cli.train.preflight import placement_problems, read_flags
+from meshplan.cli.train.preflight import FlagsRead, placement_problems, read_flags
 from meshplan.cli.train.request import TrainRequest
 from meshplan.cli.train.source import Found, ModelSource
 from meshplan.models.data import ByteCorpus
@@ -62,9 +62,10 @@ class PreparedRun:
         return self.source.trainable if isinstance(self.source, FactorySource) else None
 
 
-def source_for(request: TrainRequest, stored: CheckpointMetadata | None) -> ModelSource:
-    """The model source of ``--model`` (else the checkpoint's): a factory's, or the built-in
-    Transformer (which also words a name nobody knows).
+def source_for(request: TrainRequest, flags: FlagsRead | None) -> ModelSource:
+    """The model source of ``--model`` (else the checkpoint's): a factory's (with the
+    ``--names`` file of the ``flags`` read), or the built-in Transformer (which also words a
+    name nobody knows).
 
     Example:
         >>> from meshplan.cli.train.prepare import source_for
@@ -73,7 +74,7 @@ def source_for(request: TrainRequest, stored: CheckpointMetadata | None) -> Mode
         'FactorySource'
     """
     if request.model is not None and is_factory(request.model):
-        return FactorySource(request.model)
+        return FactorySource(request.model, None if flags is None else flags.names)
     # Also what words a name nobody knows, and a factory's checkpoint resumed without --model.
     return BuiltInSource()
 
@@ -156,7 +157,7 @@ def prepare_run(request: TrainRequest) -> PreparedRun:
     # 2. Every setting decided, in one place: the source's reading of the flags, else the
     # checkpoint's, else the preset's and the defaults; the model they name; then what needs
     # nothing built, checked against the mesh's sizes and the rules.
-    source = source_for(request, stored)
+    source = source_for(request, flags)
     found = Found()
     given = source.given(request, stored, found)
     settings = resolve_settings(request, stored, found.settings, given, source.preset(request))
@@ -198,7 +199,7 @@ def prepare_run(request: TrainRequest) -> PreparedRun:
         Measures(source.flops(settings), peak.flops, request.sync_every_step),
         tx=parts.tx,
         abstract=abstract,
-        notes=source.notes(request, rules, abstract, resume.notes),
+        notes=source.notes(request, parts, resume.notes),
     )
     return PreparedRun(trainer, source, peak)
 

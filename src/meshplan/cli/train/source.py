@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from meshplan.train.flops import MeshPeak
     from meshplan.train.model import TrainModel
     from meshplan.train.settings import TrainSettings
+    from meshplan.train.state import PlanSummary
     from meshplan.train.trainer import Batches, Trainer
 
 __all__ = ["Found", "ModelSource", "uneven_problems"]
@@ -97,8 +98,8 @@ class ModelSource(Protocol):
             def flops(self, settings): return None
             def config(self): return None
             def record(self): return {"model": self.spec}
-            def notes(self, request, rules, abstract): return []
-            def header(self, console, trainer, devices): ...
+            def notes(self, request, parts, resumed): return []
+            def header(self, console, trainer, plan, devices, peak): ...
 
     Attributes:
         spec: ``--model`` as the checkpoints record it.
@@ -179,16 +180,21 @@ class ModelSource(Protocol):
         """What the checkpoints record of the model (``{"model": spec, ...}``)."""
         ...
 
-    def notes(
-        self, request: TrainRequest, rules: LogicalRules, abstract: PyTree, resumed: list[str]
-    ) -> list[str]:
-        """What to say before the run, with the resume's notes (``resumed``) in place."""
+    def notes(self, request: TrainRequest, parts: BuiltParts, resumed: list[str]) -> list[str]:
+        """What to say before the run, from what the library built and found (``parts``),
+        with the resume's notes (``resumed``) in place."""
         ...
 
     def header(
-        self, console: Console, trainer: Trainer, devices: DeviceChoice, peak: MeshPeak
+        self,
+        console: Console,
+        trainer: Trainer,
+        plan: PlanSummary,
+        devices: DeviceChoice,
+        peak: MeshPeak,
     ) -> None:
-        """What is trained on which mesh, said before the first step."""
+        """What is trained on which mesh, with the library's ``plan`` per device, said
+        before the first step."""
         ...
 
 
