@@ -34,16 +34,33 @@ import unnamed_models as um
 MODELS: dict[str, tuple[Callable[[], Any], Any, int, str]] = {
     # name: (build, hand path rules (None: the model's own names), devices, profile)
     "transformer tiny": (lambda: um.transformer("tiny", batch=16, seq=128), None, 8, "h100"),
-    "transformer small": (lambda: um.transformer("small", batch=256, seq=512), None, 256,
-                          "tpu_v5e"),
-    "llama example (GQA)": (lambda: um.llama(32, 256, embed=1024, heads=8, kv_heads=4,
-                                             head_dim=128, mlp=4096, layers=4, vocab=32000),
-                            None, 8, "h100"),
-    "HF FlaxGPT2LMHeadModel": (lambda: um.gpt2(768, 12, 2, 50257, 16, 256), um.GPT2_NAMES, 8,
-                               "h100"),
-    "HF FlaxLlamaForCausalLM": (lambda: um.hf_llama(1024, 8, 4096, 2, 32000, 16, 256),
-                                um.LLAMA_NAMES, 8, "h100"),
-}  # fmt: skip
+    "transformer small": (
+        lambda: um.transformer("small", batch=256, seq=512),
+        None,
+        256,
+        "tpu_v5e",
+    ),
+    "llama example (GQA)": (
+        lambda: um.llama(
+            32, 256, embed=1024, heads=8, kv_heads=4, head_dim=128, mlp=4096, layers=4, vocab=32000
+        ),
+        None,
+        8,
+        "h100",
+    ),
+    "HF FlaxGPT2LMHeadModel": (
+        lambda: um.gpt2(768, 12, 2, 50257, 16, 256),
+        um.GPT2_NAMES,
+        8,
+        "h100",
+    ),
+    "HF FlaxLlamaForCausalLM": (
+        lambda: um.hf_llama(1024, 8, 4096, 2, 32000, 16, 256),
+        um.LLAMA_NAMES,
+        8,
+        "h100",
+    ),
+}
 
 
 def _both(build: Callable[[], Any], hand: Any) -> tuple[Any, Any, Any, Any, Any, Any]:
@@ -62,8 +79,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="infer_names runs (default 3)")
     args = parser.parse_args()
-    print(f"{'model':<24} {'devices':>8}  {'hand top-1':>22}  {'inferred top-1':>22}  ratio"
-          f"  infer_names")  # fmt: skip
+    print(
+        f"{'model':<24} {'devices':>8}  {'hand top-1':>22}  {'inferred top-1':>22}  ratio"
+        f"  infer_names"
+    )
     for name, (build, hand, devices, profile) in MODELS.items():
         state, step, tokens, named, named_step, _ = _both(build, hand)
         seconds = []
@@ -77,8 +96,11 @@ def main() -> None:
         ]
         cells = [f"{r.cost.step_s * 1e3:8.3f} ms {r.mesh_text:>4} " for r in top]
         ratio = top[1].cost.step_s / top[0].cost.step_s
-        print(f"{name:<24} {devices:>4} {profile:<7} {cells[0]:>18} {cells[1]:>18}  {ratio:.4f}"
-              f"  {statistics.median(seconds):.2f} s", flush=True)  # fmt: skip
+        print(
+            f"{name:<24} {devices:>4} {profile:<7} {cells[0]:>18} {cells[1]:>18}  {ratio:.4f}"
+            f"  {statistics.median(seconds):.2f} s",
+            flush=True,
+        )
         for label, r in zip(("hand", "inferred"), top, strict=True):
             print(f"{'':<24}   {label}: {r.layout} {r.short_rules}")
 

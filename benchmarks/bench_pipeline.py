@@ -58,8 +58,9 @@ def measure(
             return pipeline_layers(_layer, w, x, schedule, names).sum()
 
         step = jax.jit(jax.grad(loss))
-        held = jax.jit(lambda w, x: pipeline_layers(_layer, w, x, schedule, names,
-                                                    with_activity=True)[1])(w, x)  # fmt: skip
+        held = jax.jit(
+            lambda w, x: pipeline_layers(_layer, w, x, schedule, names, with_activity=True)[1]
+        )(w, x)
         jax.block_until_ready(step(w, x))
         times = []
         for _ in range(runs):
@@ -75,22 +76,28 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="M of 4 and 16, GPipe only")
     args = parser.parse_args()
     where = "vmapped on one device" if args.one_device else "on a 4x2 mesh"
-    print(f"{STAGES} stages {where}, microbatches of {ROWS} rows, {LAYERS} layers of "
-          f"{WIDTH}; {jax.devices()[0].device_kind}")  # fmt: skip
+    print(
+        f"{STAGES} stages {where}, microbatches of {ROWS} rows, {LAYERS} layers of "
+        f"{WIDTH}; {jax.devices()[0].device_kind}"
+    )
     for repeats in (1,) if args.quick else (1, 2):
         ms = [4, 16] if args.quick else [4, 8, 16, 32]
         results = {m: measure(m, repeats, one_device=args.one_device) for m in ms}
         iters = np.array([m * repeats + STAGES - 1 for m in ms], float)
         secs = np.array([results[m][0] for m in ms])
         a, b = np.polyfit(iters, secs, 1)
-        print(f"repeats {repeats}: one iteration {a * 1e3:.2f} ms (fit of step time against "
-              f"iterations; intercept {b * 1e3:.1f} ms)")  # fmt: skip
+        print(
+            f"repeats {repeats}: one iteration {a * 1e3:.2f} ms (fit of step time against "
+            f"iterations; intercept {b * 1e3:.1f} ms)"
+        )
         print(f"{'M':>4} {'iters':>6} {'step ms':>8} {'schedule':>9} {'counted':>8} {'timed':>7}")
         for m, it in zip(ms, iters, strict=True):
             t, idle = results[m]
             formula = PipelineSchedule(STAGES, m, repeats).bubble
-            print(f"{m:>4} {int(it):>6} {t * 1e3:>8.1f} {formula:>9.1%} {idle:>8.1%} "
-                  f"{(STAGES - 1) * a / t:>7.1%}")  # fmt: skip
+            print(
+                f"{m:>4} {int(it):>6} {t * 1e3:>8.1f} {formula:>9.1%} {idle:>8.1%} "
+                f"{(STAGES - 1) * a / t:>7.1%}"
+            )
 
 
 if __name__ == "__main__":

@@ -95,16 +95,33 @@ def _maxtext_flops(cfg: LlamaConfig, batch: int, seq: int) -> float:
 
 
 FSDP_TP: tuple[tuple[str, Any], ...] = (
-    ("batch", ("data", "fsdp")), ("embed", "fsdp"), ("heads", "tensor"), ("kv_heads", "tensor"),
-    ("mlp", "tensor"), ("vocab", "tensor"), ("activation_embed", "tensor"), ("kv", None),
-    ("length", None), ("layer", None),
-)  # fmt: skip
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("activation_embed", "tensor"),
+    ("kv", None),
+    ("length", None),
+    ("layer", None),
+)
 
 
 def _maxtext(
-    name: str, profile: str, scale: int, chips: int, pdb: int, tflops_chip: float,
-    remat: str, source: str, *, slices: int = 1, tensor: int = 1, held_out: bool = False,
-) -> Row:  # fmt: skip
+    name: str,
+    profile: str,
+    scale: int,
+    chips: int,
+    pdb: int,
+    tflops_chip: float,
+    remat: str,
+    source: str,
+    *,
+    slices: int = 1,
+    tensor: int = 1,
+    held_out: bool = False,
+) -> Row:
     cfg = maxtext_config(scale, remat=remat)
     devices = chips * slices
     batch, seq = pdb * devices, 2048
@@ -112,41 +129,102 @@ def _maxtext(
     mesh = {"data": slices, "fsdp": chips // tensor, "tensor": tensor}
     mesh = {a: n for a, n in mesh.items() if n > 1}
     how = f"MaxText model FLOPs per chip / {tflops_chip:g} TFLOP/s per chip"
-    return Row(name, profile, cfg, batch, seq, mesh, FSDP_TP, flops / (tflops_chip * 1e12),
-               how, source, held_out)  # fmt: skip
+    return Row(
+        name,
+        profile,
+        cfg,
+        batch,
+        seq,
+        mesh,
+        FSDP_TP,
+        flops / (tflops_chip * 1e12),
+        how,
+        source,
+        held_out,
+    )
 
 
 def _mpt(
-    name: str, profile: str, d: int, heads: int, layers: int, gpus: int, micro: int, seq: int,
-    tokens_s_gpu: float, ckpt: bool, *, held_out: bool = False,
-) -> Row:  # fmt: skip
-    cfg = LlamaConfig(embed=d, heads=heads, kv_heads=heads, head_dim=d // heads, mlp=4 * d,
-                      layers=layers, vocab=50368, gated=False,
-                      remat="full" if ckpt else "none", scan=False)  # fmt: skip
+    name: str,
+    profile: str,
+    d: int,
+    heads: int,
+    layers: int,
+    gpus: int,
+    micro: int,
+    seq: int,
+    tokens_s_gpu: float,
+    ckpt: bool,
+    *,
+    held_out: bool = False,
+) -> Row:
+    cfg = LlamaConfig(
+        embed=d,
+        heads=heads,
+        kv_heads=heads,
+        head_dim=d // heads,
+        mlp=4 * d,
+        layers=layers,
+        vocab=50368,
+        gated=False,
+        remat="full" if ckpt else "none",
+        scan=False,
+    )
     how = f"{micro} x {seq} tokens per GPU / {tokens_s_gpu:g} tokens/s/GPU (one microbatch)"
-    return Row(name, profile, cfg, micro * gpus, seq, {"fsdp": gpus}, FSDP_TP,
-               micro * seq / tokens_s_gpu, how, FOUNDRY, held_out)  # fmt: skip
+    return Row(
+        name,
+        profile,
+        cfg,
+        micro * gpus,
+        seq,
+        {"fsdp": gpus},
+        FSDP_TP,
+        micro * seq / tokens_s_gpu,
+        how,
+        FOUNDRY,
+        held_out,
+    )
 
 
-LLAMA2_7B = LlamaConfig(embed=4096, heads=32, kv_heads=32, head_dim=128, mlp=11008, layers=32,
-                        vocab=32000)  # fmt: skip
-LLAMA2_70B = LlamaConfig(embed=8192, heads=64, kv_heads=8, head_dim=128, mlp=28672, layers=80,
-                         vocab=32000)  # fmt: skip
+LLAMA2_7B = LlamaConfig(
+    embed=4096, heads=32, kv_heads=32, head_dim=128, mlp=11008, layers=32, vocab=32000
+)
+LLAMA2_70B = LlamaConfig(
+    embed=8192, heads=64, kv_heads=8, head_dim=128, mlp=28672, layers=80, vocab=32000
+)
 
 
 def _megatron(
-    params_b: float, heads: int, hidden: int, layers: int, tensor: int, gpus: int, batch: int,
-    tflops_gpu: float, micro: int, *, held_out: bool = False,
-) -> Row:  # fmt: skip
+    params_b: float,
+    heads: int,
+    hidden: int,
+    layers: int,
+    tensor: int,
+    gpus: int,
+    batch: int,
+    tflops_gpu: float,
+    micro: int,
+    *,
+    held_out: bool = False,
+) -> Row:
     """A GPT of Megatron-LM's Table 1 (2021) on DGX A100 80GB: tensor parallelism within a
     host, data parallelism across hosts (gradients all-reduced once per step), full
     activation recomputation, unfused attention, sequence 2048, vocabulary 51,200; the
     published throughput counts the recomputation: ``96 B s l h^2 (1 + s/6h + V/16lh)``
     FLOPs per step (their eq. 3). The microbatch is not in the table: ``micro`` sequences."""
     seq, vocab = 2048, 51200
-    cfg = LlamaConfig(embed=hidden, heads=heads, kv_heads=heads, head_dim=hidden // heads,
-                      mlp=4 * hidden, layers=layers, vocab=vocab, gated=False, remat="full",
-                      scan=False)  # fmt: skip
+    cfg = LlamaConfig(
+        embed=hidden,
+        heads=heads,
+        kv_heads=heads,
+        head_dim=hidden // heads,
+        mlp=4 * hidden,
+        layers=layers,
+        vocab=vocab,
+        gated=False,
+        remat="full",
+        scan=False,
+    )
     flops = (
         96
         * batch
@@ -159,9 +237,21 @@ def _megatron(
     mesh = {"data": data, "tensor": tensor} if tensor > 1 else {"data": data}
     rules = tuple((n, None if n == "activation_embed" else a) for n, a in FSDP_TP)
     how = f"eq. 3 FLOPs ({batch} x {seq} tokens) / ({tflops_gpu:g} TFLOP/s x {gpus} GPUs)"
-    return Row(f"Megatron-LM {params_b:g}B {gpus}x A100", "a100", cfg, micro * data, seq, mesh,
-               rules, flops / (tflops_gpu * 1e12 * gpus), how, MEGATRON, held_out,
-               flash=False, microbatches=batch // (micro * data))  # fmt: skip
+    return Row(
+        f"Megatron-LM {params_b:g}B {gpus}x A100",
+        "a100",
+        cfg,
+        micro * data,
+        seq,
+        mesh,
+        rules,
+        flops / (tflops_gpu * 1e12 * gpus),
+        how,
+        MEGATRON,
+        held_out,
+        flash=False,
+        microbatches=batch // (micro * data),
+    )
 
 
 def _a3(name: str, hosts: int, tflops_chip: float, held_out: bool = True) -> Row:
@@ -174,8 +264,19 @@ def _a3(name: str, hosts: int, tflops_chip: float, held_out: bool = True) -> Row
     mesh = {"data": hosts, "fsdp": 8} if hosts > 1 else {"fsdp": 8}
     flops = _maxtext_flops(cfg, batch, seq) / gpus
     how = f"MaxText model FLOPs per GPU / {tflops_chip:g} TFLOP/s per GPU"
-    return Row(name, "h100_a3", cfg, batch, seq, mesh, FSDP_TP, flops / (tflops_chip * 1e12),
-               how, MAXTEXT_A3, held_out=held_out)  # fmt: skip
+    return Row(
+        name,
+        "h100_a3",
+        cfg,
+        batch,
+        seq,
+        mesh,
+        FSDP_TP,
+        flops / (tflops_chip * 1e12),
+        how,
+        MAXTEXT_A3,
+        held_out=held_out,
+    )
 
 
 def rows() -> list[Row]:
@@ -186,24 +287,75 @@ def rows() -> list[Row]:
         _maxtext("MaxText 32B v5e-256", v5e, 32, 256, 4, 132, "full", MAXTEXT_V5E),
         _maxtext("MaxText 64B v5e-256", v5e, 64, 256, 2, 118, "full", MAXTEXT_V5E, held_out=True),
         _maxtext("MaxText 16B 2x v5e-256", v5e, 16, 256, 6, 117, "full", MAXTEXT_V5E, slices=2),
-        _maxtext("MaxText 32B 4x v5e-256", v5e, 32, 256, 4, 126, "full", MAXTEXT_V5E, slices=4,
-                 held_out=True),
+        _maxtext(
+            "MaxText 32B 4x v5e-256",
+            v5e,
+            32,
+            256,
+            4,
+            126,
+            "full",
+            MAXTEXT_V5E,
+            slices=4,
+            held_out=True,
+        ),
         _maxtext("MaxText 32B v5p-128", v5p, 32, 64, 7, 328, "minimal", MAXTEXT_V5P, tensor=4),
         _maxtext("MaxText 64B v5p-128", v5p, 64, 64, 3, 323, "minimal", MAXTEXT_V5P, tensor=4),
-        _maxtext("MaxText 128B v5p-256", v5p, 128, 128, 1, 315, "minimal", MAXTEXT_V5P, tensor=8,
-                 held_out=True),
+        _maxtext(
+            "MaxText 128B v5p-256",
+            v5p,
+            128,
+            128,
+            1,
+            315,
+            "minimal",
+            MAXTEXT_V5P,
+            tensor=8,
+            held_out=True,
+        ),
         _mpt("llm-foundry MPT-7B 8x H100", "h100", 4096, 32, 32, 8, 6, 2048, 10643, False),
         _mpt("llm-foundry MPT-13B 8x H100", "h100", 5120, 40, 40, 8, 2, 2048, 4792, False),
-        _mpt("llm-foundry MPT-30B 32x H100", "h100", 7168, 64, 48, 32, 14, 2048, 2308, True,
-             held_out=True),
+        _mpt(
+            "llm-foundry MPT-30B 32x H100",
+            "h100",
+            7168,
+            64,
+            48,
+            32,
+            14,
+            2048,
+            2308,
+            True,
+            held_out=True,
+        ),
         _mpt("llm-foundry MPT-13B 8x A100", "a100", 5120, 40, 40, 8, 2, 2048, 2262, False),
-        _mpt("llm-foundry MPT-30B 8x A100", "a100", 7168, 64, 48, 8, 3, 2048, 916, True,
-             held_out=True),
+        _mpt(
+            "llm-foundry MPT-30B 8x A100",
+            "a100",
+            7168,
+            64,
+            48,
+            8,
+            3,
+            2048,
+            916,
+            True,
+            held_out=True,
+        ),
         # v6e: the recipe's logged step; per-device batch 4, sequence 4096, FSDP over 256 chips
         # (ici_fsdp_transpose_parallelism=-1), remat_policy=full, flash attention.
-        Row("MaxText Llama2-70B v6e-256", "tpu_v6e", dataclasses.replace(LLAMA2_70B, remat="full"),
-            4 * 256, 4096, {"fsdp": 256}, FSDP_TP, 17.373, "the recipe's logged step time",
-            TPU_RECIPES_V6E),  # calibrates the v6e profile's matmul efficiency
+        Row(
+            "MaxText Llama2-70B v6e-256",
+            "tpu_v6e",
+            dataclasses.replace(LLAMA2_70B, remat="full"),
+            4 * 256,
+            4096,
+            {"fsdp": 256},
+            FSDP_TP,
+            17.373,
+            "the recipe's logged step time",
+            TPU_RECIPES_V6E,
+        ),  # calibrates the v6e profile's matmul efficiency
         _a3("MaxText Llama2-7B 8x H100 (1 A3)", 1, 492),
         _a3("MaxText Llama2-7B 64x H100 (8 A3)", 8, 409),
         # New sources: the same MaxText table's other host counts (the scale), and
@@ -215,11 +367,20 @@ def rows() -> list[Row]:
         _megatron(3.6, 32, 3072, 30, 2, 64, 512, 138, 4, held_out=True),
         _megatron(7.5, 32, 4096, 36, 4, 128, 512, 142, 4),
         _megatron(18.4, 48, 6144, 40, 8, 256, 1024, 135, 4, held_out=True),
-    ]  # fmt: skip
+    ]
     # PaLM's remat: its 57.8% hardware FLOPs utilisation over its 46.2% MFU is 1.25x the
     # model FLOPs recomputed, what rematerialising every layer's forward costs here (1.25x).
-    palm = LlamaConfig(embed=18432, heads=48, kv_heads=1, head_dim=256, mlp=73728, layers=118,
-                       vocab=256000, parallel=True, remat="full")  # fmt: skip
+    palm = LlamaConfig(
+        embed=18432,
+        heads=48,
+        kv_heads=1,
+        head_dim=256,
+        mlp=73728,
+        layers=118,
+        vocab=256000,
+        parallel=True,
+        remat="full",
+    )
     tokens = 2048 * 2048
     flops_token = 6 * 540.35e9 + 12 * 118 * 48 * 256 * 2048
     palm_s = tokens * flops_token / (0.462 * 275e12 * 6144)
@@ -227,9 +388,20 @@ def rows() -> list[Row]:
     # split (the validator rejects kv_heads=tensor on a dimension of size 1): every model
     # shard computes the shared keys and values, heads and the MLP are split.
     palm_rules = tuple((n, None if n == "kv_heads" else a) for n, a in FSDP_TP)
-    out.append(Row("PaLM 540B 2x TPU v4 pod (6144 chips)", "tpu_v4", palm, 2048, 2048,
-                   {"data": 2, "fsdp": 256, "tensor": 12}, palm_rules, palm_s,
-                   "tokens x (6N + 12LHQT) / (46.2% x 275 TFLOP/s x 6144)", PALM))  # fmt: skip
+    out.append(
+        Row(
+            "PaLM 540B 2x TPU v4 pod (6144 chips)",
+            "tpu_v4",
+            palm,
+            2048,
+            2048,
+            {"data": 2, "fsdp": 256, "tensor": 12},
+            palm_rules,
+            palm_s,
+            "tokens x (6N + 12LHQT) / (46.2% x 275 TFLOP/s x 6144)",
+            PALM,
+        )
+    )
     return out
 
 
@@ -247,13 +419,22 @@ def run_row(row: Row, search: bool) -> dict[str, Any]:
     prof = row_profile(row)
     cost = predict(work, row.mesh, row.rules, prof, microbatches=row.microbatches)
     out: dict[str, Any] = {
-        "name": row.name, "profile": row.profile, "held_out": row.held_out,
-        "mesh": row.mesh, "params": row.cfg.params(), "published_s": row.published_s,
-        "predicted_s": cost.step_s, "error": cost.step_s / row.published_s - 1,
-        "memory_bytes": cost.memory_bytes, "budget_bytes": prof.memory_bytes,
-        "fits": cost.memory_bytes <= prof.memory_bytes, "cost": cost.to_dict(),
-        "trace_s": trace_s, "source": row.source, "how": row.how,
-    }  # fmt: skip
+        "name": row.name,
+        "profile": row.profile,
+        "held_out": row.held_out,
+        "mesh": row.mesh,
+        "params": row.cfg.params(),
+        "published_s": row.published_s,
+        "predicted_s": cost.step_s,
+        "error": cost.step_s / row.published_s - 1,
+        "memory_bytes": cost.memory_bytes,
+        "budget_bytes": prof.memory_bytes,
+        "fits": cost.memory_bytes <= prof.memory_bytes,
+        "cost": cost.to_dict(),
+        "trace_s": trace_s,
+        "source": row.source,
+        "how": row.how,
+    }
     if search:
         t0 = time.perf_counter()
         devices = 1
@@ -283,8 +464,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="only the rows whose name starts so")
     parser.add_argument("--no-search", action="store_true", help="skip the search per row")
     parser.add_argument("--json", default=None, help="also write the results here")
-    parser.add_argument("--pipeline", action="store_true", help="only the pipelined runs "
-                        "(benchmarks/published_pipeline.py)")  # fmt: skip
+    parser.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="only the pipelined runs (benchmarks/published_pipeline.py)",
+    )
     args = parser.parse_args(argv)
     if args.pipeline:  # their own section: published_pipeline.py
         from published_pipeline import main as pipeline_main
@@ -292,8 +476,10 @@ def main(argv: list[str] | None = None) -> int:
         pipeline_main()
         return 0
     print(f"meshplan {meshplan.__version__}, jax {jax.__version__}; traced abstractly, no devices")
-    head = (f"{'configuration':<38} {'pub s':>7} {'pred s':>7} {'err':>6} {'mem GiB':>8} "
-            f"{'fits':>4}  {'top-1 vs pub':>12} {'fits':>4} {'search s':>8}  top-1")  # fmt: skip
+    head = (
+        f"{'configuration':<38} {'pub s':>7} {'pred s':>7} {'err':>6} {'mem GiB':>8} "
+        f"{'fits':>4}  {'top-1 vs pub':>12} {'fits':>4} {'search s':>8}  top-1"
+    )
     print(head)
     results = []
     chosen = [r for r in rows() if args.only is None or r.name.startswith(args.only)]
@@ -303,20 +489,27 @@ def main(argv: list[str] | None = None) -> int:
         mem = f"{_gib(r['memory_bytes'])}/{_gib(r['budget_bytes'])}"
         top = "-" if r.get("top1_vs_published") is None else f"{r['top1_vs_published']:.2f}"
         name = row.name + (" *" if row.held_out else "")
-        print(f"{name:<38} {r['published_s']:>7.2f} {r['predicted_s']:>7.2f} "
-              f"{r['error']:>+6.0%} {mem:>8} {'yes' if r['fits'] else 'NO':>4}  {top:>12} "
-              f"{'yes' if r.get('top1_fits') else '-':>4} {r.get('search_s', 0):>8.1f}  "
-              f"{r.get('top1') or '-'}", flush=True)  # fmt: skip
-    for label, group in (("calibration", [r for r in results if not r["held_out"]]),
-                         ("held out (*)", [r for r in results if r["held_out"]]),
-                         ("all", results)):  # fmt: skip
+        print(
+            f"{name:<38} {r['published_s']:>7.2f} {r['predicted_s']:>7.2f} "
+            f"{r['error']:>+6.0%} {mem:>8} {'yes' if r['fits'] else 'NO':>4}  {top:>12} "
+            f"{'yes' if r.get('top1_fits') else '-':>4} {r.get('search_s', 0):>8.1f}  "
+            f"{r.get('top1') or '-'}",
+            flush=True,
+        )
+    for label, group in (
+        ("calibration", [r for r in results if not r["held_out"]]),
+        ("held out (*)", [r for r in results if r["held_out"]]),
+        ("all", results),
+    ):
         if not group:
             continue
         errs = [abs(r["error"]) for r in group]
         within = sum(e <= 0.25 for e in errs)
-        print(f"{label}: {len(group)} rows, median |error| {statistics.median(errs):.1%}, "
-              f"worst {max(errs):.1%}, within 25%: {within}/{len(group)}, published layout fits: "
-              f"{sum(r['fits'] for r in group)}/{len(group)}")  # fmt: skip
+        print(
+            f"{label}: {len(group)} rows, median |error| {statistics.median(errs):.1%}, "
+            f"worst {max(errs):.1%}, within 25%: {within}/{len(group)}, published layout fits: "
+            f"{sum(r['fits'] for r in group)}/{len(group)}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, default=str)

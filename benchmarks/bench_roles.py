@@ -66,12 +66,22 @@ def moe_workload(experts: int, top_k: int, batch: int = 64, seq: int = 1024) -> 
 
 
 ROWS: list[tuple[str, str, str, Callable[[], Workload]]] = [
-    *(("long", f"llama 1.2B, seq {s // 1024}k x {TOKENS // s}", "context",
-       (lambda s=s: llama_workload(s))) for s in (2048, 8192, 32768, 131072)),
+    *(
+        (
+            "long",
+            f"llama 1.2B, seq {s // 1024}k x {TOKENS // s}",
+            "context",
+            (lambda s=s: llama_workload(s)),
+        )
+        for s in (2048, 8192, 32768, 131072)
+    ),
     ("moe", "base dense", "expert", lambda: moe_workload(0, 1)),
-    *(("moe", f"base MoE {e} experts top-{k}", "expert", (lambda e=e, k=k: moe_workload(e, k)))
-      for e in (8, 64) for k in (1, 2)),
-]  # fmt: skip
+    *(
+        ("moe", f"base MoE {e} experts top-{k}", "expert", (lambda e=e, k=k: moe_workload(e, k)))
+        for e in (8, 64)
+        for k in (1, 2)
+    ),
+]
 
 
 def _row_text(v: RoleVerdict, row: Any) -> str:
@@ -89,10 +99,16 @@ def why(v: RoleVerdict) -> str:
     most; or the memory that does not fit."""
     if not v.terms:
         return v.reason
-    saves = [f"{k} {-d * 1e3:.1f} ms" for k, d in sorted(v.terms.items(), key=lambda kv: kv[1])
-             if d < -5e-5]  # fmt: skip
-    costs = [f"{k} {d * 1e3:.1f} ms" for k, d in sorted(v.terms.items(), key=lambda kv: -kv[1])
-             if d > 5e-5]  # fmt: skip
+    saves = [
+        f"{k} {-d * 1e3:.1f} ms"
+        for k, d in sorted(v.terms.items(), key=lambda kv: kv[1])
+        if d < -5e-5
+    ]
+    costs = [
+        f"{k} {d * 1e3:.1f} ms"
+        for k, d in sorted(v.terms.items(), key=lambda kv: -kv[1])
+        if d > 5e-5
+    ]
     line = f"**{v.kind}**: saves {', '.join(saves) or 'nothing'}; costs {', '.join(costs) or 'nothing'}"
     if v.with_row is not None and v.without_row is not None:
         w, n = v.with_row.cost.comm_bytes, v.without_row.cost.comm_bytes
@@ -124,13 +140,22 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         work = build()
         result = meshplan.search_rules(
-            args.devices, workload=work, profile=args.profile, compile_top=0,
+            args.devices,
+            workload=work,
+            profile=args.profile,
+            compile_top=0,
             max_axes=args.max_axes,
-        )  # fmt: skip
+        )
         v = role_verdict(result, role)
         secs = time.perf_counter() - t0
-        cells = [name, role, "yes" if v.proposed else "no", _row_text(v, v.with_row),
-                 _row_text(v, v.without_row), why(v)]  # fmt: skip
+        cells = [
+            name,
+            role,
+            "yes" if v.proposed else "no",
+            _row_text(v, v.with_row),
+            _row_text(v, v.without_row),
+            why(v),
+        ]
         if not args.text:
             print("| " + " | ".join(cells) + " |")
         else:

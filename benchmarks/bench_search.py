@@ -137,9 +137,16 @@ def bench(name: str, case: tuple[Any, Any, Any], args: argparse.Namespace) -> di
     measure_top = args.measure_top or max(1, min(10, enumerated // 10 - args.compile_top))
     t2 = time.perf_counter()
     timed = meshplan.search_rules(
-        8, state, step, batch, profile="cpu", compile_top=args.compile_top, measure=True,
-        measure_top=measure_top, measure_steps=args.rounds,
-    )  # fmt: skip
+        8,
+        state,
+        step,
+        batch,
+        profile="cpu",
+        compile_top=args.compile_top,
+        measure=True,
+        measure_top=measure_top,
+        measure_steps=args.rounds,
+    )
     measure_s = time.perf_counter() - t2
     pick = timed.best
     assert pick is not None
@@ -161,15 +168,23 @@ def bench(name: str, case: tuple[Any, Any, Any], args: argparse.Namespace) -> di
         flush=True,
     )
     return {
-        "model": name, "enumerated": result.counts["enumerated"], "ok": len(ok),
-        "measured": len(chosen), "spearman": rho, "top1_best": top1 / best,
-        "top1_builtin": top1 / builtin, "search_s": search_s,
+        "model": name,
+        "enumerated": result.counts["enumerated"],
+        "ok": len(ok),
+        "measured": len(chosen),
+        "spearman": rho,
+        "top1_best": top1 / best,
+        "top1_builtin": top1 / builtin,
+        "search_s": search_s,
         "compiled_frac": result.counts["compiled"] / result.counts["enumerated"],
-        "noise": noise, "measured_best": picked / best, "measured_builtin": picked / builtin,
-        "measure_s": measure_s, "measure_top": measure_top,
+        "noise": noise,
+        "measured_best": picked / best,
+        "measured_builtin": picked / builtin,
+        "measure_s": measure_s,
+        "measure_top": measure_top,
         "measured_frac": (timed.counts["compiled"] + timed.counts["measured"])
         / timed.counts["enumerated"],
-    }  # fmt: skip
+    }
 
 
 def measure_all(
@@ -252,10 +267,14 @@ def plan_1b() -> None:
             print(
                 f"{profile} x{devices}: no layout fits {r.budget_bytes / 2**30:.2f} GiB/device "
                 f"({r.counts['pruned']['memory']} over it); the least memory: "
-                + (f"{least.mesh_text} ({least.axes_text}) {least.short_rules}, "
-                   f"{least.cost.memory_bytes / 2**30:.2f} GiB/device" if least else "none priced")
+                + (
+                    f"{least.mesh_text} ({least.axes_text}) {least.short_rules}, "
+                    f"{least.cost.memory_bytes / 2**30:.2f} GiB/device"
+                    if least
+                    else "none priced"
+                )
                 + f"; search {r.seconds:.1f} s"
-            )  # fmt: skip
+            )
             continue
         print(
             f"{profile} x{devices}: {b.mesh_text} ({b.axes_text}) {b.short_rules}"
@@ -301,8 +320,10 @@ def main() -> None:
         if name:
             rows.append(bench(name, cases[name](), args))
     if rows:
-        print("\n| model | enumerated | ok | measured | Spearman | top-1/best | "
-              "top-1/best built-in | search s | compiled/enumerated | noise |")  # fmt: skip
+        print(
+            "\n| model | enumerated | ok | measured | Spearman | top-1/best | "
+            "top-1/best built-in | search s | compiled/enumerated | noise |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(

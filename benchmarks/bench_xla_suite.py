@@ -77,14 +77,18 @@ def bench(name: str, scale: int, rounds: int, turn: int) -> dict[str, Any]:
     best_fast = min(builtin, key=lambda i: fastest[i])
     for i, r in enumerate(rows):
         mark = "top-1" if i == 0 else ("best built-in" if i == best else "")
-        print(f"  {r.mesh_text:>5} {r.layout:15} predicted {1e3 * (r.predicted_s or 0):7.1f} ms  "
-              f"measured median {1e3 * medians[i]:7.1f} ms, fastest {1e3 * fastest[i]:7.1f} ms  "
-              f"{mark}")  # fmt: skip
+        print(
+            f"  {r.mesh_text:>5} {r.layout:15} predicted {1e3 * (r.predicted_s or 0):7.1f} ms  "
+            f"measured median {1e3 * medians[i]:7.1f} ms, fastest {1e3 * fastest[i]:7.1f} ms  "
+            f"{mark}"
+        )
     ratio, ratio_fast = medians[0] / medians[best], fastest[0] / fastest[best_fast]
-    print(f"{name} (scale {scale}): top-1 {rows[0].mesh_text} {rows[0].layout} / best built-in "
-          f"{rows[best].mesh_text} {rows[best].layout}: {ratio:.2f} (medians), {ratio_fast:.2f} "
-          f"(fastest steps)  (search {search_s:.1f} s, {len(rows)} programs timed)\n",
-          flush=True)  # fmt: skip
+    print(
+        f"{name} (scale {scale}): top-1 {rows[0].mesh_text} {rows[0].layout} / best built-in "
+        f"{rows[best].mesh_text} {rows[best].layout}: {ratio:.2f} (medians), {ratio_fast:.2f} "
+        f"(fastest steps)  (search {search_s:.1f} s, {len(rows)} programs timed)\n",
+        flush=True,
+    )
     return {"model": name, "ratio": ratio, "ratio_fast": ratio_fast, "top1_ms": 1e3 * medians[0]}
 
 
@@ -100,8 +104,11 @@ def memory(names: list[str]) -> None:
             xla = measure_step(step, state, batch, mesh, rules, True, AS_ON_ACCELERATORS)
             ratio = (cost.activation_bytes + cost.temporary_bytes) / xla["xla_temp_bytes"]
             kinds = sorted(k for k, v in cost.comm_bytes.items() if v)
-            print(f"{name:10} {layout:6}  {ratio:5.2f}  {'within 20%' if abs(ratio - 1) <= 0.2 else '':10}"
-                  f"         {','.join(kinds)} | {','.join(sorted(xla['collectives']))}", flush=True)  # fmt: skip
+            print(
+                f"{name:10} {layout:6}  {ratio:5.2f}  {'within 20%' if abs(ratio - 1) <= 0.2 else '':10}"
+                f"         {','.join(kinds)} | {','.join(sorted(xla['collectives']))}",
+                flush=True,
+            )
 
 
 def main() -> None:

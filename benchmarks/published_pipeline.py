@@ -51,10 +51,18 @@ MTNLG = (
 )
 
 RULES: tuple[tuple[str, Any], ...] = (
-    ("batch", "data"), ("stage", "pipeline"), ("layer", "pipeline"), ("heads", "tensor"),
-    ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"),
-    ("activation_embed", "tensor"), ("embed", None), ("kv", None), ("length", None),
-)  # fmt: skip
+    ("batch", "data"),
+    ("stage", "pipeline"),
+    ("layer", "pipeline"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("activation_embed", "tensor"),
+    ("embed", None),
+    ("kv", None),
+    ("length", None),
+)
 """Megatron-LM's 3-D layout: tensor parallel within a host, the pipeline and data
 parallelism across hosts, no sharded optimizer state (2021)."""
 
@@ -100,26 +108,100 @@ class PipelineRow:
 
 
 def _gpt(h: int, heads: int, layers: int, vocab: int = 51200) -> LlamaConfig:
-    return LlamaConfig(embed=h, heads=heads, kv_heads=heads, head_dim=h // heads, mlp=4 * h,
-                       layers=layers, vocab=vocab, gated=False, remat="full")  # fmt: skip
+    return LlamaConfig(
+        embed=h,
+        heads=heads,
+        kv_heads=heads,
+        head_dim=h // heads,
+        mlp=4 * h,
+        layers=layers,
+        vocab=vocab,
+        gated=False,
+        remat="full",
+    )
 
 
 def pipeline_rows() -> list[PipelineRow]:
     """The published pipelined configurations (module docstring)."""
     return [
-        PipelineRow("Megatron-LM 39.1B (PP 2)", _gpt(8192, 64, 48), 1536, 2048, 8, 2, 512, 1,
-                    138, MEGATRON, held_out=True),
-        PipelineRow("Megatron-LM 145.6B (PP 8)", _gpt(12288, 96, 80), 2304, 2048, 8, 8, 1536, 1,
-                    148, MEGATRON),
-        PipelineRow("Megatron-LM 310.1B (PP 16)", _gpt(16384, 128, 96), 2160, 2048, 8, 16, 1920,
-                    1, 155, MEGATRON),
-        PipelineRow("Megatron-LM 1T (PP 64)", _gpt(25600, 160, 128), 3072, 2048, 8, 64, 3072, 1,
-                    163, MEGATRON, held_out=True),
-        PipelineRow("BLOOM-176B (PP 12)", _gpt(14336, 112, 70, vocab=250880), 2048, 2048, 4, 12,
-                    384, 2, 149.77, BLOOM, iteration_s=104.70),
-        PipelineRow("MT-NLG 530B (PP 35)", _gpt(20480, 128, 105), 1920, 2048, 8, 35, 2240, 1,
-                    126, MTNLG, held_out=True, iteration_s=60.1),
-    ]  # fmt: skip
+        PipelineRow(
+            "Megatron-LM 39.1B (PP 2)",
+            _gpt(8192, 64, 48),
+            1536,
+            2048,
+            8,
+            2,
+            512,
+            1,
+            138,
+            MEGATRON,
+            held_out=True,
+        ),
+        PipelineRow(
+            "Megatron-LM 145.6B (PP 8)",
+            _gpt(12288, 96, 80),
+            2304,
+            2048,
+            8,
+            8,
+            1536,
+            1,
+            148,
+            MEGATRON,
+        ),
+        PipelineRow(
+            "Megatron-LM 310.1B (PP 16)",
+            _gpt(16384, 128, 96),
+            2160,
+            2048,
+            8,
+            16,
+            1920,
+            1,
+            155,
+            MEGATRON,
+        ),
+        PipelineRow(
+            "Megatron-LM 1T (PP 64)",
+            _gpt(25600, 160, 128),
+            3072,
+            2048,
+            8,
+            64,
+            3072,
+            1,
+            163,
+            MEGATRON,
+            held_out=True,
+        ),
+        PipelineRow(
+            "BLOOM-176B (PP 12)",
+            _gpt(14336, 112, 70, vocab=250880),
+            2048,
+            2048,
+            4,
+            12,
+            384,
+            2,
+            149.77,
+            BLOOM,
+            iteration_s=104.70,
+        ),
+        PipelineRow(
+            "MT-NLG 530B (PP 35)",
+            _gpt(20480, 128, 105),
+            1920,
+            2048,
+            8,
+            35,
+            2240,
+            1,
+            126,
+            MTNLG,
+            held_out=True,
+            iteration_s=60.1,
+        ),
+    ]
 
 
 def run_pipeline_row(row: PipelineRow) -> dict[str, Any]:
@@ -128,23 +210,35 @@ def run_pipeline_row(row: PipelineRow) -> dict[str, Any]:
     state, step, batch = llama_step(row.cfg, row.batch, row.seq)
     work = trace_workload(step, state, batch, read_constraints=True)
     prof = get_profile("a100")
-    pp = predict_pipeline(work, row.mesh, RULES, prof, microbatches=row.microbatches,
-                          schedule="1f1b")  # fmt: skip
+    pp = predict_pipeline(
+        work, row.mesh, RULES, prof, microbatches=row.microbatches, schedule="1f1b"
+    )
     cost = pp.cost
     return {
-        "name": row.name, "held_out": row.held_out, "mesh": row.mesh,
-        "microbatches": row.microbatches, "bubble": pp.schedule.bubble,
-        "published_s": row.published_s, "predicted_s": cost.step_s,
-        "error": cost.step_s / row.published_s - 1, "memory_bytes": cost.memory_bytes,
-        "budget_bytes": prof.memory_bytes, "fits": cost.memory_bytes <= prof.memory_bytes,
-        "send_s": pp.send_s, "link": pp.link, "block_fraction": pp.block_fraction,
-        "source": row.source, "seconds": time.perf_counter() - t0,
-    }  # fmt: skip
+        "name": row.name,
+        "held_out": row.held_out,
+        "mesh": row.mesh,
+        "microbatches": row.microbatches,
+        "bubble": pp.schedule.bubble,
+        "published_s": row.published_s,
+        "predicted_s": cost.step_s,
+        "error": cost.step_s / row.published_s - 1,
+        "memory_bytes": cost.memory_bytes,
+        "budget_bytes": prof.memory_bytes,
+        "fits": cost.memory_bytes <= prof.memory_bytes,
+        "send_s": pp.send_s,
+        "link": pp.link,
+        "block_fraction": pp.block_fraction,
+        "source": row.source,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def main() -> list[dict[str, Any]]:
-    print(f"{'pipelined configuration':<30} {'mesh p x d x t':>15} {'M':>4} {'bubble':>6} "
-          f"{'pub s':>7} {'pred s':>7} {'err':>6} {'mem GiB':>9} {'fits':>4} {'sends s':>7}")  # fmt: skip
+    print(
+        f"{'pipelined configuration':<30} {'mesh p x d x t':>15} {'M':>4} {'bubble':>6} "
+        f"{'pub s':>7} {'pred s':>7} {'err':>6} {'mem GiB':>9} {'fits':>4} {'sends s':>7}"
+    )
     results = []
     for row in pipeline_rows():
         r = run_pipeline_row(row)
@@ -153,13 +247,18 @@ def main() -> list[dict[str, Any]]:
         mesh = f"{m['pipeline']}x{m['data']}x{m['tensor']}"
         mem = f"{r['memory_bytes'] / 2**30:.0f}/{r['budget_bytes'] / 2**30:.0f}"
         name = row.name + (" *" if row.held_out else "")
-        print(f"{name:<30} {mesh:>15} {row.microbatches:>4} {r['bubble']:>6.1%} "
-              f"{r['published_s']:>7.2f} {r['predicted_s']:>7.2f} {r['error']:>+6.0%} {mem:>9} "
-              f"{'yes' if r['fits'] else 'NO':>4} {r['send_s']:>7.2f}", flush=True)  # fmt: skip
+        print(
+            f"{name:<30} {mesh:>15} {row.microbatches:>4} {r['bubble']:>6.1%} "
+            f"{r['published_s']:>7.2f} {r['predicted_s']:>7.2f} {r['error']:>+6.0%} {mem:>9} "
+            f"{'yes' if r['fits'] else 'NO':>4} {r['send_s']:>7.2f}",
+            flush=True,
+        )
     errs = [abs(r["error"]) for r in results]
-    print(f"pipeline rows: {len(results)}, median |error| {statistics.median(errs):.1%}, worst "
-          f"{max(errs):.1%}, within 25%: {sum(e <= 0.25 for e in errs)}/{len(errs)}, fit: "
-          f"{sum(r['fits'] for r in results)}/{len(results)}")  # fmt: skip
+    print(
+        f"pipeline rows: {len(results)}, median |error| {statistics.median(errs):.1%}, worst "
+        f"{max(errs):.1%}, within 25%: {sum(e <= 0.25 for e in errs)}/{len(errs)}, fit: "
+        f"{sum(r['fits'] for r in results)}/{len(results)}"
+    )
     return results
 
 

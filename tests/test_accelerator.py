@@ -53,12 +53,17 @@ def test_a_bfloat16_step_keeps_float32_parameters_and_optimizer_state():
             TrainRequest(
                 mesh="1x1",
                 overrides={"dtype": "bfloat16", "num_layers": 2},
-                settings={"steps": 3, "batch": 8, "seq_len": 128, "eval_every": 0,
-                          "eval_batches": 1},
+                settings={
+                    "steps": 3,
+                    "batch": 8,
+                    "seq_len": 128,
+                    "eval_every": 0,
+                    "eval_batches": 1,
+                },
                 ckpt_dir=folder + "/run",
                 devices=found_devices(),
             )
-        )  # fmt: skip
+        )
         result = trainer.run()
         trainer.close()
     assert trainer.config["dtype"] == "bfloat16"

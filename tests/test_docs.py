@@ -310,8 +310,12 @@ def run_shell(block: Block, session: Session, cwd: Path) -> None:
                 source = script.read_text()
                 compile(source, str(script), "exec")
                 # a benchmark is not run here: each option the page gives must be the script's
-                unknown = [a.split("=")[0] for a in argv[2:] if a.startswith("--")
-                           if f'"{a.split("=")[0]}"' not in source]  # fmt: skip
+                unknown = [
+                    a.split("=")[0]
+                    for a in argv[2:]
+                    if a.startswith("--")
+                    if f'"{a.split("=")[0]}"' not in source
+                ]
                 assert not unknown, f"{argv[1]} has no option {unknown}"
             else:
                 raise AssertionError("tests/test_docs.py does not know how to check this command")
@@ -446,8 +450,9 @@ def test_readme_links_every_page():
 def test_a_stale_planner_output_in_the_docs_fails():
     printed = "header\npredicted step 0.039 ms on 8 h100\nbest: 1x8 (6.9 s)\n"
     args = ["search", "--profile", "h100"]
-    check_planner_output(["...", "predicted step 0.039 ms on 8 h100", "best: 1x8 (1.0 s)"],
-                         printed, args)  # fmt: skip
+    check_planner_output(
+        ["...", "predicted step 0.039 ms on 8 h100", "best: 1x8 (1.0 s)"], printed, args
+    )
     with pytest.raises(AssertionError, match="shown, but not printed"):
         check_planner_output(["predicted step 0.079 ms on 8 h100"], printed, args)
     with pytest.raises(AssertionError, match="in this order"):

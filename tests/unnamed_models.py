@@ -54,8 +54,9 @@ def hf_step(model: Any, batch: int, seq: int) -> tuple[Any, Any, Any]:
     params = jax.eval_shape(lambda key: model.init_weights(key, (1, seq)), jax.random.key(0))
 
     def init(p: Any) -> Any:
-        return train_state.TrainState.create(apply_fn=model.__call__, params=p,
-                                             tx=optax.adamw(1e-4))  # fmt: skip
+        return train_state.TrainState.create(
+            apply_fn=model.__call__, params=p, tx=optax.adamw(1e-4)
+        )
 
     def step(state: Any, tokens: Any) -> Any:
         def loss(p: Any) -> Any:
@@ -66,24 +67,42 @@ def hf_step(model: Any, batch: int, seq: int) -> tuple[Any, Any, Any]:
     return jax.eval_shape(init, params), step, jax.ShapeDtypeStruct((batch, seq), jnp.int32)
 
 
-def gpt2(embed: int = 256, heads: int = 4, layers: int = 2, vocab: int = 1024, batch: int = 16,
-         seq: int = 128) -> tuple[Any, Any, Any]:  # fmt: skip
+def gpt2(
+    embed: int = 256,
+    heads: int = 4,
+    layers: int = 2,
+    vocab: int = 1024,
+    batch: int = 16,
+    seq: int = 128,
+) -> tuple[Any, Any, Any]:
     """``FlaxGPT2LMHeadModel`` from a config."""
     from transformers import FlaxGPT2LMHeadModel, GPT2Config
 
-    cfg = GPT2Config(n_embd=embed, n_head=heads, n_layer=layers, vocab_size=vocab,
-                     n_positions=seq)  # fmt: skip
+    cfg = GPT2Config(n_embd=embed, n_head=heads, n_layer=layers, vocab_size=vocab, n_positions=seq)
     return hf_step(FlaxGPT2LMHeadModel(cfg, seed=0, _do_init=False), batch, seq)
 
 
-def hf_llama(embed: int = 256, heads: int = 4, mlp: int = 512, layers: int = 2,
-             vocab: int = 1024, batch: int = 16, seq: int = 128) -> tuple[Any, Any, Any]:  # fmt: skip
+def hf_llama(
+    embed: int = 256,
+    heads: int = 4,
+    mlp: int = 512,
+    layers: int = 2,
+    vocab: int = 1024,
+    batch: int = 16,
+    seq: int = 128,
+) -> tuple[Any, Any, Any]:
     """``FlaxLlamaForCausalLM`` from a config."""
     from transformers import FlaxLlamaForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(hidden_size=embed, num_attention_heads=heads, num_key_value_heads=heads,
-                      intermediate_size=mlp, num_hidden_layers=layers, vocab_size=vocab,
-                      max_position_embeddings=seq)  # fmt: skip
+    cfg = LlamaConfig(
+        hidden_size=embed,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
+        vocab_size=vocab,
+        max_position_embeddings=seq,
+    )
     return hf_step(FlaxLlamaForCausalLM(cfg, seed=0, _do_init=False), batch, seq)
 
 

@@ -133,9 +133,12 @@ def test_train_refuses_bad_device_counts_before_jax_starts(capsys):
 def test_xla_flags_that_force_another_count_in_a_fresh_process():
     proc = subprocess.run(
         [*_CLI, "train", "--devices", "8", "--steps", "1"],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
         env=_fresh_env(XLA_FLAGS=f"{_FLAG}=4"),
-    )  # fmt: skip
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("error: XLA_FLAGS already asks for 4 emulated CPU devices")
     assert "Traceback" not in proc.stderr
@@ -218,17 +221,22 @@ def test_sample_takes_a_prompt_that_is_not_utf8(untrained_checkpoint):
     args = [os.fsencode(a) for a in [*_CLI, "sample", "--ckpt-dir", str(untrained_checkpoint)]]
     proc = subprocess.run(
         [*args, b"--prompt", b"\xff\xfe abc", b"--length", b"3", b"--temperature", b"0"],
-        capture_output=True, timeout=120, check=False, env=_fresh_env(),
-    )  # fmt: skip
+        capture_output=True,
+        timeout=120,
+        check=False,
+        env=_fresh_env(),
+    )
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")
     last = proc.stdout.decode("utf-8").splitlines()[-1]
     assert last.startswith("\ufffd\ufffd abc")  # the prompt as typed, then 3 bytes
     # A terminal that cannot show them (ASCII output) gets '?' in their place, not a traceback.
     ascii_out = subprocess.run(
         [*args, b"--prompt", b"\xff\xfe abc", b"--length", b"3", b"--temperature", b"0"],
-        capture_output=True, timeout=120, check=False,
+        capture_output=True,
+        timeout=120,
+        check=False,
         env={**_fresh_env(), "PYTHONIOENCODING": "ascii"},
-    )  # fmt: skip
+    )
     assert ascii_out.returncode == 0, ascii_out.stderr.decode(errors="replace")
     assert ascii_out.stdout.decode("ascii").splitlines()[-1].startswith("?? abc")
 
@@ -275,8 +283,12 @@ def test_when_xla_flags_set_the_device_count_the_advice_does_not_loop(tmp_path):
     def train(*flags: str) -> subprocess.CompletedProcess:
         return subprocess.run(
             [sys.executable, "-m", "meshplan.cli", "train", "--platform", "cpu", *flags],
-            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=120,
+        )
 
     first = train("--devices", "8")
     assert (

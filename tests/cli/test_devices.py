@@ -88,9 +88,29 @@ def test_found_devices_on_this_machine_are_the_test_suites_cpu_devices():
 def test_train_says_what_it_runs_on(tmp_path, capsys):
     from meshplan.cli import main
 
-    args = ["train", "--steps", "3", "--batch", "8", "--seq", "16", "--layers", "1", "--embed",
-            "32", "--mlp", "64", "--max-len", "64", "--eval-every", "0", "--eval-batches", "1",
-            "--data", __file__]  # fmt: skip
+    args = [
+        "train",
+        "--steps",
+        "3",
+        "--batch",
+        "8",
+        "--seq",
+        "16",
+        "--layers",
+        "1",
+        "--embed",
+        "32",
+        "--mlp",
+        "64",
+        "--max-len",
+        "64",
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "1",
+        "--data",
+        __file__,
+    ]
     assert main([*args, "--platform", "cpu", "--mesh", "2x4"]) == 0
     out = capsys.readouterr().out
     assert "devices: --platform cpu asks for the CPU, so 8 emulated CPU devices (platform cpu)" in (

@@ -6,8 +6,22 @@ import json
 
 from meshplan import cli
 
-PLAN = ["plan", "--model", "transformer", "--size", "tiny", "--mesh", "8x1", "--rules",
-        "fsdp", "--profile", "h100", "--batch", "32", "--json"]  # fmt: skip
+PLAN = [
+    "plan",
+    "--model",
+    "transformer",
+    "--size",
+    "tiny",
+    "--mesh",
+    "8x1",
+    "--rules",
+    "fsdp",
+    "--profile",
+    "h100",
+    "--batch",
+    "32",
+    "--json",
+]
 
 
 def _prediction(capsys, *flags):
@@ -31,8 +45,20 @@ def test_plan_refuses_grad_accum_without_a_profile_or_that_does_not_divide(capsy
 
 
 def test_search_takes_grad_accum(capsys):
-    argv = ["search", "--model", "transformer", "--size", "tiny", "--devices", "8",
-            "--profile", "h100", "--top-k", "0", "--json"]  # fmt: skip
+    argv = [
+        "search",
+        "--model",
+        "transformer",
+        "--size",
+        "tiny",
+        "--devices",
+        "8",
+        "--profile",
+        "h100",
+        "--top-k",
+        "0",
+        "--json",
+    ]
     assert cli.main([*argv, "--grad-accum", "4"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["batch"] == 32 and data["best"] is not None

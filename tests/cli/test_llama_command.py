@@ -29,8 +29,24 @@ def test_plan_prices_llama_7b_on_256_v5e_chips_without_allocating_it(capsys):
 
 @pytest.mark.slow
 def test_search_names_the_closest_candidate_and_what_makes_it_fit(capsys):
-    argv = ["search", "--model", "llama", "--size", "1b", "--devices", "8", "--seq", "512",
-            "--profile", "tpu_v5e", "--budget", "2GiB", "--top-k", "0", "--json"]  # fmt: skip
+    argv = [
+        "search",
+        "--model",
+        "llama",
+        "--size",
+        "1b",
+        "--devices",
+        "8",
+        "--seq",
+        "512",
+        "--profile",
+        "tpu_v5e",
+        "--budget",
+        "2GiB",
+        "--top-k",
+        "0",
+        "--json",
+    ]
     assert cli.main(argv) == 1
     data = json.loads(capsys.readouterr().out)
     assert data["best"] is None and data["closest"]["memory_bytes_per_device"] > 2 << 30
@@ -39,8 +55,10 @@ def test_search_names_the_closest_candidate_and_what_makes_it_fit(capsys):
     assert full["fits"] and full["row"]["memory_bytes_per_device"] <= 2 << 30
     assert not changes["--remat minimal"]["fits"]
     assert list(changes)[:2] == ["--remat minimal", "--remat full"]  # stops at the first fit
-    assert all(c["fits"] or c["row"] is None or c["row"]["memory_bytes_per_device"] > 2 << 30
-               for c in data["fit_changes"])  # fmt: skip
+    assert all(
+        c["fits"] or c["row"] is None or c["row"]["memory_bytes_per_device"] > 2 << 30
+        for c in data["fit_changes"]
+    )
 
 
 @pytest.mark.parametrize(
@@ -66,9 +84,12 @@ def _row(mesh, layout="fsdp", step=1.0, measured=None, rank=1):
 
 
 def test_rows_of_one_layout_with_one_prediction_collapse_into_one_listing_their_meshes():
-    rows = [_row({"data": 1, "model": 8}), _row({"data": 2, "model": 4}, rank=2),
-            _row({"data": 4, "model": 2}, step=2.0, rank=3),
-            _row({"data": 8, "model": 1}, rank=4)]  # fmt: skip
+    rows = [
+        _row({"data": 1, "model": 8}),
+        _row({"data": 2, "model": 4}, rank=2),
+        _row({"data": 4, "model": 2}, step=2.0, rank=3),
+        _row({"data": 8, "model": 1}, rank=4),
+    ]
     groups = _groups(rows)
     assert [[r.mesh_text for r in g] for g in groups] == [["1x8", "2x4", "8x1"], ["4x2"]]
     result = SearchResult(rows, 8, get_profile("h100"), 80 << 30, tokens=1024)

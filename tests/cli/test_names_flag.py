@@ -102,9 +102,21 @@ def test_train_with_names_keeps_them_in_its_checkpoint(tmp_path, capsys):
     folder = tmp_path / "run"
     names = _names_file(tmp_path, EQUINOX_NAMES)
     code, out, err = _run(
-        capsys, "train", "--model", EQX, "--eval-every", "0", "--eval-batches", "1",
-        "--names", names, "--steps", "2", "--ckpt-dir", str(folder),
-    )  # fmt: skip
+        capsys,
+        "train",
+        "--model",
+        EQX,
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "1",
+        "--names",
+        names,
+        "--steps",
+        "2",
+        "--ckpt-dir",
+        str(folder),
+    )
     assert code == 0, out + err
     assert "carries a logical name" not in err and "--names" not in err
     mesh = meshplan.train.device_mesh.make_mesh({"data": 4, "model": 2})
@@ -163,9 +175,12 @@ def test_names_on_the_linen_and_step_forms_of_plan_and_search(tmp_path, monkeypa
     monkeypatch.syspath_prepend(str(tmp_path))
     linen = load_factory(
         "unnamed_forms:linen",
-        [(r"params/Dense_0/kernel", ("embed", "mlp")), (r"params/Dense_1/kernel", ("mlp", "embed")),
-         (r".*/bias", None)],
-    )  # fmt: skip
+        [
+            (r"params/Dense_0/kernel", ("embed", "mlp")),
+            (r"params/Dense_1/kernel", ("mlp", "embed")),
+            (r".*/bias", None),
+        ],
+    )
     plan = meshplan.explain(linen.abstract_state, {"data": 2, "model": 4}, meshplan.layouts.fsdp)
     assert plan["params/Dense_0/kernel"].names == ("embed", "mlp")
     assert plan["opt_state/0/mu/Dense_1/kernel"].names == ("mlp", "embed")

@@ -166,9 +166,19 @@ def test_bad_command_lines_exit_2(capsys, args, fragment):
 
 def test_three_axis_mesh(capsys):
     code = cli.main(
-        ["plan", "--json", "--mesh", "2x2x2", "--axes", "data,fsdp,model", "--depth", "64",
-         "--layers", "1"]
-    )  # fmt: skip
+        [
+            "plan",
+            "--json",
+            "--mesh",
+            "2x2x2",
+            "--axes",
+            "data,fsdp,model",
+            "--depth",
+            "64",
+            "--layers",
+            "1",
+        ]
+    )
     assert code == 0
     data = json.loads(capsys.readouterr().out)
     assert data["plan"]["mesh"]["shape"] == {"data": 2, "fsdp": 2, "model": 2}

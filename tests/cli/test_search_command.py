@@ -117,8 +117,22 @@ def test_a_three_axis_row_trains_on_its_mesh(here, capsys):
     row = next(r for r in data["rows"] if r["status"] == "ok" and len(r["mesh_shape"]) == 3)
     (here / "r3.json").write_text(json.dumps(row["rules"]))
     mesh, axes = "x".join(map(str, row["mesh_shape"])), ",".join(row["axis_names"])
-    argv = ["train", "--mesh", mesh, "--axes", axes, "--rules", "r3.json", "--size", "tiny",
-            "--batch", "8", "--seq", "16", *TRAIN_FAST]  # fmt: skip
+    argv = [
+        "train",
+        "--mesh",
+        mesh,
+        "--axes",
+        axes,
+        "--rules",
+        "r3.json",
+        "--size",
+        "tiny",
+        "--batch",
+        "8",
+        "--seq",
+        "16",
+        *TRAIN_FAST,
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert f"on a {mesh} mesh {tuple(row['axis_names'])}" in out
@@ -138,9 +152,17 @@ def test_table_counts_rejections_and_the_command(here, capsys):
 
 def test_rules_out_and_axes_names(here, capsys):
     data = search_json(
-        capsys, *TINY_SEARCH, "--top-k", "0", "--axes", "data=dp,tensor=tp",
-        "--rules-out", "out/best.json", "--layouts", "fsdp",
-    )  # fmt: skip
+        capsys,
+        *TINY_SEARCH,
+        "--top-k",
+        "0",
+        "--axes",
+        "data=dp,tensor=tp",
+        "--rules-out",
+        "out/best.json",
+        "--layouts",
+        "fsdp",
+    )
     assert data["rules_file"] == "out/best.json" and (here / "out/best.json").exists()
     searched = [r for r in data["rows"] if r["layout"] == "searched"]
     assert searched and all(set(r["axis_names"]) <= {"dp", "tp"} for r in searched)
@@ -156,9 +178,19 @@ def test_top_k_compiles_when_the_devices_are_here(here, capsys):
 @pytest.mark.slow
 def test_measure_runs_the_top_candidates(here, capsys):
     data = search_json(
-        capsys, "--model", "mlp", "--layers", "1", "--depth", "64", "--top-k", "2", "--measure",
-        "--platform", "cpu",
-    )  # fmt: skip
+        capsys,
+        "--model",
+        "mlp",
+        "--layers",
+        "1",
+        "--depth",
+        "64",
+        "--top-k",
+        "2",
+        "--measure",
+        "--platform",
+        "cpu",
+    )
     assert data["counts"]["measured"] == 2
     measured = [r["measured_step_s"] for r in data["rows"][:2]]
     assert all(m is not None and m > 0 for m in measured) and measured == sorted(measured)
@@ -168,9 +200,20 @@ def test_measure_runs_the_top_candidates(here, capsys):
 @pytest.mark.slow
 def test_a_pod_sized_search_finishes_without_devices(here, capsys):
     data = search_json(
-        capsys, "--model", "mlp", "--layers", "1", "--depth", "1024", "--batch", "16384",
-        "--devices", "16384", "--profile", "tpu_v5e",
-    )  # fmt: skip
+        capsys,
+        "--model",
+        "mlp",
+        "--layers",
+        "1",
+        "--depth",
+        "1024",
+        "--batch",
+        "16384",
+        "--devices",
+        "16384",
+        "--profile",
+        "tpu_v5e",
+    )
     assert data["devices"] == 16384 and data["counts"]["compiled"] == 0
     assert data["best"] is not None and data["best"]["mesh"]
 
@@ -192,9 +235,16 @@ def test_factory_models_search_and_plan(here, capsys, factory):
 
 def test_a_trainable_factory_gets_its_train_command(here, capsys):
     data = search_json(
-        capsys, "--model", "usermodels:trainable", "--profile", "h100", "--top-k", "0",
-        "--rules-out", "r.json",
-    )  # fmt: skip
+        capsys,
+        "--model",
+        "usermodels:trainable",
+        "--profile",
+        "h100",
+        "--top-k",
+        "0",
+        "--rules-out",
+        "r.json",
+    )
     command = shlex.split(data["train_command"])
     assert command[:2] == ["meshplan", "train"]
     assert command[command.index("--model") + 1] == "usermodels:trainable"
@@ -206,8 +256,18 @@ def test_a_factory_rules_file_plans_on_three_axes(here, capsys):
     row = next(r for r in data["rows"] if r["status"] == "ok" and len(r["mesh_shape"]) >= 2)
     (here / "r.json").write_text(json.dumps(row["rules"]))
     mesh, axes = "x".join(map(str, row["mesh_shape"])), ",".join(row["axis_names"])
-    argv = ["plan", "--model", "usermodels:linen", "--mesh", mesh, "--axes", axes, "--rules",
-            "r.json", "--strict"]  # fmt: skip
+    argv = [
+        "plan",
+        "--model",
+        "usermodels:linen",
+        "--mesh",
+        mesh,
+        "--axes",
+        axes,
+        "--rules",
+        "r.json",
+        "--strict",
+    ]
     assert cli.main(argv) == 0, capsys.readouterr().err
 
 
@@ -263,8 +323,19 @@ def test_a_bad_profile_file_exits_2_naming_every_problem(here, capsys):
 
 
 def test_plan_predicts_the_step_on_a_profile_without_devices(capsys):
-    argv = ["plan", "--model", "transformer", "--mesh", "2x4", "--rules", "fsdp",
-            "--profile", "tpu_v5e", "--devices", "8"]  # fmt: skip
+    argv = [
+        "plan",
+        "--model",
+        "transformer",
+        "--mesh",
+        "2x4",
+        "--rules",
+        "fsdp",
+        "--profile",
+        "tpu_v5e",
+        "--devices",
+        "8",
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "predicted step" in out and "tokens/s" in out and "MFU" in out
@@ -277,16 +348,34 @@ def test_plan_predicts_the_step_on_a_profile_without_devices(capsys):
 
 
 def test_a_batch_without_token_ids_is_counted_in_examples(capsys):
-    argv = ["plan", "--model", "meshplan.examples.own_model:linen_classifier", "--mesh", "2x4",
-            "--rules", "fsdp", "--profile", "tpu_v5e"]  # fmt: skip
+    argv = [
+        "plan",
+        "--model",
+        "meshplan.examples.own_model:linen_classifier",
+        "--mesh",
+        "2x4",
+        "--rules",
+        "fsdp",
+        "--profile",
+        "tpu_v5e",
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "examples/s" in out and "tokens/s" not in out
     assert cli.main([*argv, "--json"]) == 0
     pred = json.loads(capsys.readouterr().out)["prediction"]
     assert pred["throughput_unit"] == "examples" and pred["tokens_per_s"] > 0
-    argv = ["search", "--model", "meshplan.examples.own_model:linen_classifier", "--devices", "8",
-            "--profile", "tpu_v5e", "--rows", "2"]  # fmt: skip
+    argv = [
+        "search",
+        "--model",
+        "meshplan.examples.own_model:linen_classifier",
+        "--devices",
+        "8",
+        "--profile",
+        "tpu_v5e",
+        "--rows",
+        "2",
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "examples/s" in out and "tokens/s" not in out

@@ -21,8 +21,20 @@ def _run(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def _search(capsys, *extra: str) -> dict:
-    code, out, _ = _run(capsys, "search", "--model", MLP, "--devices", "8", "--profile", "h100",
-                        "--top-k", "0", "--json", *extra)  # fmt: skip
+    code, out, _ = _run(
+        capsys,
+        "search",
+        "--model",
+        MLP,
+        "--devices",
+        "8",
+        "--profile",
+        "h100",
+        "--top-k",
+        "0",
+        "--json",
+        *extra,
+    )
     assert code == 0
     return json.loads(out)
 
@@ -43,8 +55,9 @@ def test_search_of_an_unnamed_model_writes_the_names_it_inferred_and_reads_them_
 
 
 def test_search_says_which_names_it_inferred_and_how_to_keep_them(capsys):
-    code, out, _ = _run(capsys, "search", "--model", MLP, "--devices", "8", "--profile", "h100",
-                        "--top-k", "0")  # fmt: skip
+    code, out, _ = _run(
+        capsys, "search", "--model", MLP, "--devices", "8", "--profile", "h100", "--top-k", "0"
+    )
     assert code == 0
     assert "names inferred from the step (the model has none):" in out
     assert "pass --names-out PATH to write them" in out
@@ -52,8 +65,9 @@ def test_search_says_which_names_it_inferred_and_how_to_keep_them(capsys):
 
 
 def test_plan_with_names_infer_places_the_inferred_names(capsys):
-    code, out, err = _run(capsys, "plan", "--model", MLP, "--names", "infer", "--rules", "fsdp",
-                          "--mesh", "8")  # fmt: skip
+    code, out, err = _run(
+        capsys, "plan", "--model", MLP, "--names", "infer", "--rules", "fsdp", "--mesh", "8"
+    )
     assert code == 0
     assert "carries a logical name" not in err  # named: nothing to say first
     assert "--names" not in err  # every pattern matched, every parameter named
@@ -67,14 +81,26 @@ def test_train_with_names_infer_keeps_the_inferred_names_for_a_resume_on_another
 ):
     folder = str(tmp_path / "run")
     common = ["--model", MLP, "--eval-every", "0", "--eval-batches", "1", "--ckpt-dir", folder]
-    code, out, err = _run(capsys, "train", *common, "--names", "infer", "--steps", "2",
-                          "--rules", "fsdp", "--mesh", "8")  # fmt: skip
+    code, out, err = _run(
+        capsys,
+        "train",
+        *common,
+        "--names",
+        "infer",
+        "--steps",
+        "2",
+        "--rules",
+        "fsdp",
+        "--mesh",
+        "8",
+    )
     assert code == 0, out + err
     assert "carries a logical name" not in err and "--names" not in err
     _, metadata = meshplan.restore(folder, None)
     assert ["(?:.*/)?w1", ["dim_16", "embed"]] in metadata.extra["train"]["names"]
-    code, out, err = _run(capsys, "train", *common, "--resume", "--steps", "3", "--rules",
-                          "fsdp", "--mesh", "2x4")  # fmt: skip
+    code, out, err = _run(
+        capsys, "train", *common, "--resume", "--steps", "3", "--rules", "fsdp", "--mesh", "2x4"
+    )
     assert code == 0, out + err
     assert "resuming from step 2" in out + err
     assert "carries a logical name" not in err

@@ -80,12 +80,24 @@ def test_search_says_why_not_where_no_stage_count_splits_the_layers(here, capsys
 
 
 def test_plan_profile_prices_the_pipeline_as_predict_and_the_search_do(here, capsys):
-    search = _json(capsys, "search", "--model", "stackmodel:stack", "--devices", "16",
-                   "--profile", "h100")  # fmt: skip
+    search = _json(
+        capsys, "search", "--model", "stackmodel:stack", "--devices", "16", "--profile", "h100"
+    )
     row = search["best"]
     m = row["pipeline"]["microbatches"]
-    argv = ["plan", "--model", "stackmodel:stack", "--rules", "pipeline", "--mesh", "2x8",
-            "--profile", "h100", "--microbatches", str(m)]  # fmt: skip
+    argv = [
+        "plan",
+        "--model",
+        "stackmodel:stack",
+        "--rules",
+        "pipeline",
+        "--mesh",
+        "2x8",
+        "--profile",
+        "h100",
+        "--microbatches",
+        str(m),
+    ]
     data = _json(capsys, *argv)
     pred = data["prediction"]
     assert pred["predicted_step_s"] == pytest.approx(row["predicted_step_s"], rel=1e-9)
@@ -108,8 +120,18 @@ def test_plan_profile_prices_the_pipeline_as_predict_and_the_search_do(here, cap
     ],
 )
 def test_plan_refuses_a_schedule_the_pipeline_cannot_run(here, capsys, flags, fragment):
-    argv = ["plan", "--model", "stackmodel:stack", "--rules", "pipeline", "--mesh", "2x8",
-            "--profile", "h100", *flags]  # fmt: skip
+    argv = [
+        "plan",
+        "--model",
+        "stackmodel:stack",
+        "--rules",
+        "pipeline",
+        "--mesh",
+        "2x8",
+        "--profile",
+        "h100",
+        *flags,
+    ]
     assert cli.main(argv) == 2
     assert fragment in capsys.readouterr().err
 
@@ -124,9 +146,15 @@ def test_a_pipelined_search_row_trains_with_its_printed_command(tmp_path, capsys
     monkeypatch.chdir(tmp_path)
     built = example("transformer", config_from_name("tiny"), "tiny")
     result = meshplan.search_rules(
-        8, built.model.abstract_state(), built.model.step, built.batch(8, 16), profile="h100",
-        layouts=["pipeline"], max_axes=0, compile_top=0,
-    )  # fmt: skip
+        8,
+        built.model.abstract_state(),
+        built.model.step,
+        built.batch(8, 16),
+        profile="h100",
+        layouts=["pipeline"],
+        max_axes=0,
+        compile_top=0,
+    )
     best = result.best
     assert best.layout == "pipeline" and best.pipeline is not None
     best.write_rules("pp.json")

@@ -30,32 +30,62 @@ CASES = {
     "indivisible": (
         {"params": {"w": logical(1000, 6, names=("embed", "hidden"))}},
         (("embed", "data"), ("hidden", "model")),
-        ("error", "indivisible", "params/w", ["dim 1 ('hidden') of size 6", "by 4", "Pad dim 1 to 8"]),
+        (
+            "error",
+            "indivisible",
+            "params/w",
+            ["dim 1 ('hidden') of size 6", "by 4", "Pad dim 1 to 8"],
+        ),
     ),
     "indivisible-tuple": (
         {"params": {"w": logical(12, names=("embed",))}},
         (("embed", ("data", "model")),),
-        ("error", "indivisible", "params/w", ["size 12 does not divide by 8", "'data'×'model' of sizes 2×4", "Pad dim 0 to 16"]),
+        (
+            "error",
+            "indivisible",
+            "params/w",
+            ["size 12 does not divide by 8", "'data'×'model' of sizes 2×4", "Pad dim 0 to 16"],
+        ),
     ),
     "rank": (
         {"params": {"w": mesh_box(8, 8, names=("model", None, None))}},
         (),
-        ("error", "rank", "params/w", ["3 axis names", "rank 2", "(8, 8)", "at most one name (or None) per dimension"]),
+        (
+            "error",
+            "rank",
+            "params/w",
+            ["3 axis names", "rank 2", "(8, 8)", "at most one name (or None) per dimension"],
+        ),
     ),
     "unknown-mesh-axis": (
         {"params": {"w": mesh_box(8, 8, names=("modle", None))}},
         (),
-        ("error", "unknown-axis", "params/w", ["'modle'", "{'data': 2, 'model': 4}", "Did you mean 'model'?"]),
+        (
+            "error",
+            "unknown-axis",
+            "params/w",
+            ["'modle'", "{'data': 2, 'model': 4}", "Did you mean 'model'?"],
+        ),
     ),
     "axis-on-two-dims": (
         {"params": {"w": mesh_box(8, 8, names=(("data", "model"), "model"))}},
         (),
-        ("error", "duplicate-axis", "params/w", ["mesh axis 'model' is used by dims 0 and 1", "at most one dimension"]),
+        (
+            "error",
+            "duplicate-axis",
+            "params/w",
+            ["mesh axis 'model' is used by dims 0 and 1", "at most one dimension"],
+        ),
     ),
     "rule-not-a-pair": (
         {"params": {"w": logical(8, 8, names=("embed", "hidden"))}},
         (("hidden", "model"), ("embed",)),
-        ("error", "bad-rule", "rules[1]", ["('embed',) is not a (name, mesh_axes) pair", "sequence of pairs, e.g."]),
+        (
+            "error",
+            "bad-rule",
+            "rules[1]",
+            ["('embed',) is not a (name, mesh_axes) pair", "sequence of pairs, e.g."],
+        ),
     ),
     "rules-a-dict": (
         {"params": {"w": logical(8, 8, names=("embed", "hidden"))}},
@@ -70,44 +100,110 @@ CASES = {
     "rule-unknown-mesh-axis": (
         {"params": {"w": logical(8, 8, names=("embed", "hidden"))}},
         (("embed", "data"), ("hidden", "modle")),
-        ("error", "rule-unknown-axis", "rules[1]", ["('hidden', 'modle')", "names mesh axis 'modle'", "places 1 leaf: params/w", "Did you mean 'model'?"]),
+        (
+            "error",
+            "rule-unknown-axis",
+            "rules[1]",
+            [
+                "('hidden', 'modle')",
+                "names mesh axis 'modle'",
+                "places 1 leaf: params/w",
+                "Did you mean 'model'?",
+            ],
+        ),
     ),
     "no-rules-at-all": (
         {"params": {"w": logical(8, 8, names=("embed", "hidden"))}},
         (),
-        ("error", "no-rules", "params/w", ["no rules are given or active", "logical_axis_rules(rules)"]),
+        (
+            "error",
+            "no-rules",
+            "params/w",
+            ["no rules are given or active", "logical_axis_rules(rules)"],
+        ),
     ),
     "name-without-rule": (
-        {"params": {"w": logical(8, 8, names=("embed", "hidden")), "v": logical(8, names=("hidden",))}},
+        {
+            "params": {
+                "w": logical(8, 8, names=("embed", "hidden")),
+                "v": logical(8, names=("hidden",)),
+            }
+        },
         (("embed", "data"), ("mlp", "model")),
-        ("warning", "no-rule", "params/v", ["'hidden' is placed by no rule", "replicated in 2 leaves", "Add a rule for 'hidden'"]),
+        (
+            "warning",
+            "no-rule",
+            "params/v",
+            ["'hidden' is placed by no rule", "replicated in 2 leaves", "Add a rule for 'hidden'"],
+        ),
     ),
     "name-whose-rules-were-skipped": (
         {"params": {"w": logical(8, 8, names=("embed", "hidden"))}},
         (("embed", "model"), ("hidden", "model")),
-        ("warning", "no-rule", "params/w", ["'hidden' is placed by no rule (rule 1 named it but was skipped)"]),
+        (
+            "warning",
+            "no-rule",
+            "params/w",
+            ["'hidden' is placed by no rule (rule 1 named it but was skipped)"],
+        ),
     ),
     "dead-rule": (
         {"params": {"w": logical(8, 8, names=("embed", "hidden"))}},
         (("embed", "data"), ("hidden", "model"), ("vocab", "model")),
-        ("warning", "dead-rule", "rules[2]", ["('vocab', 'model') is never used", "no array dimension is named 'vocab'", "for activations"]),
+        (
+            "warning",
+            "dead-rule",
+            "rules[2]",
+            [
+                "('vocab', 'model') is never used",
+                "no array dimension is named 'vocab'",
+                "for activations",
+            ],
+        ),
     ),
     "shadowed-rule": (
         {"params": {"w": logical(8, 8, names=("embed", "hidden"))}},
         (("embed", "data"), ("hidden", "model"), ("embed", "model")),
-        ("warning", "dead-rule", "rules[2]", ["('embed', 'model') is never used", "named 'embed' in 1 leaf (params/w) and was skipped each time"]),
+        (
+            "warning",
+            "dead-rule",
+            "rules[2]",
+            [
+                "('embed', 'model') is never used",
+                "named 'embed' in 1 leaf (params/w) and was skipped each time",
+            ],
+        ),
     ),
     "idle-mesh-axis": (
         {"params": {"w": logical(8, 8, names=("embed", "hidden"))}},
         (("embed", None), ("hidden", "model")),
-        ("warning", "idle-axis", "mesh/data", ["'data' (size 2) shards no array", "same bytes", "('embed', 'data')"]),
+        (
+            "warning",
+            "idle-axis",
+            "mesh/data",
+            ["'data' (size 2) shards no array", "same bytes", "('embed', 'data')"],
+        ),
     ),
     "large-replicated": (
-        {"params": {"w": mesh_box(1024, 512, names=(None, None)), "b": mesh_box(4, names=("model",))}},
+        {
+            "params": {
+                "w": mesh_box(1024, 512, names=(None, None)),
+                "b": mesh_box(4, names=("model",)),
+            }
+        },
         (),
-        ("warning", "replicated", "params/w", ["2.00 MiB array (1024, 512) float32 is fully replicated", "each of the 8 devices", "Name a mesh axis"]),
+        (
+            "warning",
+            "replicated",
+            "params/w",
+            [
+                "2.00 MiB array (1024, 512) float32 is fully replicated",
+                "each of the 8 devices",
+                "Name a mesh axis",
+            ],
+        ),
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
@@ -182,9 +278,10 @@ def test_plan_problems_equal_check(mesh):
 
 def test_problem_str_and_dict():
     (problem,) = [
-        p for p in meshplan.check({"w": logical(6, names=("x",))}, MESH, (("x", "model"),))
+        p
+        for p in meshplan.check({"w": logical(6, names=("x",))}, MESH, (("x", "model"),))
         if p.code == "indivisible"
-    ]  # fmt: skip
+    ]
     assert str(problem).startswith("error: w: dim 0 ('x') of size 6 does not divide by 4")
     assert problem.to_dict() == {
         "severity": "error",

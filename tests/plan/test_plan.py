@@ -205,8 +205,9 @@ def test_mesh_axis_boxes_ignore_rules(mesh):
 
 def test_box_rules_take_precedence(mesh):
     own = logical(8, 8, names=("embed", None), rules=(("embed", "data"),))
-    plan = meshplan.explain({"own": own, "shared": logical(8, 8, names=("embed", None))}, mesh,
-                            (("embed", "model"),))  # fmt: skip
+    plan = meshplan.explain(
+        {"own": own, "shared": logical(8, 8, names=("embed", None))}, mesh, (("embed", "model"),)
+    )
     assert plan["own"].spec == P("data", None)
     assert plan["shared"].spec == P("model", None)
 
@@ -296,9 +297,16 @@ def test_reference_example_trace():
         (("a",), (("a", None),), {"X": 2}, 0, "rule 0 ('a', None): kept whole"),
         (("a",), (("a", ("X", "Y")),), {"X": 2, "Y": 2}, 0, "split 4 ways"),
     ],
-    ids=["tuple-partly-taken", "axis-taken", "axis-of-size-1", "no-rule", "indivisible",
-         "rule-to-none", "tuple-placed"],
-)  # fmt: skip
+    ids=[
+        "tuple-partly-taken",
+        "axis-taken",
+        "axis-of-size-1",
+        "no-rule",
+        "indivisible",
+        "rule-to-none",
+        "tuple-placed",
+    ],
+)
 def test_why_explains_each_outcome(names, rules, mesh_shape, dim, expected):
     tree = {"x": logical(*([4] * len(names)), names=names)}
     leaf = meshplan.explain(tree, mesh_shape, rules)["x"]
@@ -328,9 +336,20 @@ def test_to_dict_schema(mesh):
     assert set(data["totals"]) == {"all", "params", "optimizer", "other"}
     kernel = next(x for x in data["leaves"] if x["path"].endswith("0/Dense_0/kernel"))
     assert set(kernel) == {
-        "path", "group", "kind", "shape", "dtype", "names", "spec", "shard_shape", "bytes",
-        "bytes_per_device", "replication", "uneven", "dims",
-    }  # fmt: skip
+        "path",
+        "group",
+        "kind",
+        "shape",
+        "dtype",
+        "names",
+        "spec",
+        "shard_shape",
+        "bytes",
+        "bytes_per_device",
+        "replication",
+        "uneven",
+        "dims",
+    }
     assert kernel["spec"] == [None, "model"]
     assert kernel["names"] == ["embed", "hidden"]
     assert kernel["dims"][1]["rule"] == 1 and kernel["dims"][1]["mesh_axes"] == ["model"]

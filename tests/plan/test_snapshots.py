@@ -76,8 +76,13 @@ def test_changed_rule_shows_which_parameter_moved(monkeypatch):
 
 def test_replicating_a_parameter_shows_the_bytes(monkeypatch, tmp_path):
     monkeypatch.delenv(UPDATE_ENV, raising=False)
-    tree = {"params": {"w": meshplan.LogicallyPartitioned(
-        jax.ShapeDtypeStruct((1024, 1024), jnp.float32), ("embed", "hidden"))}}  # fmt: skip
+    tree = {
+        "params": {
+            "w": meshplan.LogicallyPartitioned(
+                jax.ShapeDtypeStruct((1024, 1024), jnp.float32), ("embed", "hidden")
+            )
+        }
+    }
     path = tmp_path / "w.json"
     assert_plan_matches(meshplan.explain(tree, MESH, (("hidden", "model"),)), path, update=True)
     with pytest.raises(AssertionError) as info:
@@ -118,5 +123,6 @@ def test_snapshot_file_has_one_leaf_per_line():
     assert len(kernel) == 3  # params, mu, nu
     data = json.loads(text)
     assert data["schema"] == "meshplan.snapshot/1"
-    assert data == json.loads(json.dumps(snapshot(
-        meshplan.explain(guide_state("logical"), MESH, LOGICAL_RULES))))  # fmt: skip
+    assert data == json.loads(
+        json.dumps(snapshot(meshplan.explain(guide_state("logical"), MESH, LOGICAL_RULES)))
+    )

@@ -22,8 +22,10 @@ RULES = (("batch", "data"), ("heads", None), ("embed", None), ("kv", None))
 def _attention_step(causal: bool):
     """One attention layer written with ``jax.nn.dot_product_attention`` (no meshplan model)."""
     box = meshplan.LogicallyPartitioned
-    state = {n: box(jax.ShapeDtypeStruct((D, H, D // H), jnp.bfloat16), ("embed", "heads", "kv"))
-             for n in ("q", "k", "v")}  # fmt: skip
+    state = {
+        n: box(jax.ShapeDtypeStruct((D, H, D // H), jnp.bfloat16), ("embed", "heads", "kv"))
+        for n in ("q", "k", "v")
+    }
 
     def step(state, x):
         def loss(p):

@@ -237,9 +237,13 @@ def test_search_rules_names_an_unnamed_model_and_returns_its_path_rules():
     assert list(result.path_rules) == [("down", ("mlp", "embed")), ("up", ("embed", "mlp"))]
     assert {n for n, _ in result.best.rules} >= {"embed", "mlp", "batch"}
     named = meshplan.search_rules(  # the names passed back: the step reads plain arrays
-        8, meshplan.name_by_path(state, result.path_rules),
-        lambda s, x: step(meshplan.unbox(s), x), sds(64, 1024), profile="h100", compile_top=0,
-    )  # fmt: skip
+        8,
+        meshplan.name_by_path(state, result.path_rules),
+        lambda s, x: step(meshplan.unbox(s), x),
+        sds(64, 1024),
+        profile="h100",
+        compile_top=0,
+    )
     assert named.path_rules is None
     assert named.best.cost.step_s == result.best.cost.step_s
 
@@ -262,9 +266,11 @@ def test_flax_nnx_states_are_named_by_their_variables_paths():
 
     rules = meshplan.infer_names(step, state, sds(B, E))
     assert list(rules) == [
-        ("down/bias", ("embed",)), ("down/kernel", ("mlp", "embed")),
-        ("up/bias", ("mlp",)), ("up/kernel", ("embed", "mlp")),
-    ]  # fmt: skip
+        ("down/bias", ("embed",)),
+        ("down/kernel", ("mlp", "embed")),
+        ("up/bias", ("mlp",)),
+        ("up/kernel", ("embed", "mlp")),
+    ]
     named = meshplan.name_by_path(state, rules)
     plan = meshplan.explain(named, {"data": 2, "model": 4}, meshplan.layouts.fsdp_tp)
     assert not [p for p in plan.problems if p.severity == "error"]

@@ -20,8 +20,9 @@ GOAL = 0.05
 
 def searches(state, step, tokens, named_state, named_step, devices=8, profile="h100"):
     """The top-1 of the hand-named model and of the unnamed one, and the inferred names."""
-    hand = meshplan.search_rules(devices, named_state, named_step, tokens, profile=profile,
-                                 compile_top=0)  # fmt: skip
+    hand = meshplan.search_rules(
+        devices, named_state, named_step, tokens, profile=profile, compile_top=0
+    )
     inferred = meshplan.search_rules(devices, state, step, tokens, profile=profile, compile_top=0)
     return hand.best, inferred.best, inferred.path_rules
 
@@ -57,8 +58,9 @@ def test_the_transformer_stripped_of_its_names_searches_as_written_on_256_tpu_v5
 
 @pytest.mark.slow
 def test_the_llama_example_with_grouped_query_attention_searches_as_written():
-    state, step, tokens = um.llama(32, 256, embed=1024, heads=8, kv_heads=4, head_dim=128,
-                                   mlp=4096, layers=4, vocab=32000)  # fmt: skip
+    state, step, tokens = um.llama(
+        32, 256, embed=1024, heads=8, kv_heads=4, head_dim=128, mlp=4096, layers=4, vocab=32000
+    )
     hand, inferred, rules = searches(meshplan.unbox(state), step, tokens, state, step)
     same_names(state, rules)
     assert abs(ratio(hand, inferred) - 1) <= GOAL
@@ -84,7 +86,8 @@ def test_hugging_face_gpt2_searches_as_its_names_written_by_hand():
 
 @pytest.mark.slow
 def test_hugging_face_llama_searches_as_its_names_written_by_hand():
-    hand, inferred, rules = _hf(lambda: um.hf_llama(1024, 8, 4096, 2, 32000, 16, 256),
-                                um.LLAMA_NAMES)  # fmt: skip
+    hand, inferred, rules = _hf(
+        lambda: um.hf_llama(1024, 8, 4096, 2, 32000, 16, 256), um.LLAMA_NAMES
+    )
     assert abs(ratio(hand, inferred) - 1) <= GOAL
     assert dict(rules)[r"(?:.*/)?model/layers/\d+/self_attn/o_proj/kernel"] == ("heads", "embed")

@@ -156,9 +156,15 @@ def test_a_bad_argument_is_named_with_its_value_and_fix(call, path, says):
 
 def test_a_whole_number_budget_is_used_and_max_axes_0_searches_the_layouts_only():
     result = meshplan.search_rules(
-        8, STATE, _step, BATCH, profile="h100", compile_top=0, max_axes=0,
+        8,
+        STATE,
+        _step,
+        BATCH,
+        profile="h100",
+        compile_top=0,
+        max_axes=0,
         memory_budget_bytes=16e9,
-    )  # fmt: skip
+    )
     assert result.budget_bytes == 16 * 10**9 and isinstance(result.budget_bytes, int)
     assert {r.layout for r in result.ok} <= set(meshplan.layouts.LAYOUTS)
 

@@ -34,8 +34,11 @@ def _init(names: tuple[str, ...]) -> Any:
 class _RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: Any) -> Any:
-        scale = self.param("scale", meshplan.with_logical_partitioning(nn.initializers.ones,
-                                                                       ("embed",)), x.shape[-1:])  # fmt: skip
+        scale = self.param(
+            "scale",
+            meshplan.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+            x.shape[-1:],
+        )
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)
         return (y * scale).astype(x.dtype)
@@ -45,8 +48,14 @@ class _Block(nn.Module):
     cfg: LlamaConfig
 
     def _dense(self, features: Any, axis: Any, names: tuple[str, ...], name: str) -> nn.Module:
-        return nn.DenseGeneral(features, axis=axis, use_bias=False, dtype=jnp.bfloat16,
-                               kernel_init=_init(names), name=name)  # fmt: skip
+        return nn.DenseGeneral(
+            features,
+            axis=axis,
+            use_bias=False,
+            dtype=jnp.bfloat16,
+            kernel_init=_init(names),
+            name=name,
+        )
 
     @nn.compact
     def __call__(self, x: Any, _: Any) -> tuple[Any, None]:
@@ -71,13 +80,20 @@ class PlainDecoder(nn.Module):
     @nn.compact
     def __call__(self, tokens: Any) -> Any:
         c = self.cfg
-        x = nn.Embed(c.vocab, c.embed, dtype=jnp.bfloat16,
-                     embedding_init=_init(("vocab", "embed")))(tokens)  # fmt: skip
-        stack = nn.scan(nn.remat(_Block), variable_axes={"params": 0}, split_rngs={"params": True},
-                        length=c.layers, metadata_params={nn.PARTITION_NAME: "layer"})  # fmt: skip
+        x = nn.Embed(
+            c.vocab, c.embed, dtype=jnp.bfloat16, embedding_init=_init(("vocab", "embed"))
+        )(tokens)
+        stack = nn.scan(
+            nn.remat(_Block),
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=c.layers,
+            metadata_params={nn.PARTITION_NAME: "layer"},
+        )
         x, _ = stack(c)(x, None)
-        return nn.DenseGeneral(c.vocab, use_bias=False, dtype=jnp.bfloat16,
-                               kernel_init=_init(("embed", "vocab")))(_RMSNorm()(x))  # fmt: skip
+        return nn.DenseGeneral(
+            c.vocab, use_bias=False, dtype=jnp.bfloat16, kernel_init=_init(("embed", "vocab"))
+        )(_RMSNorm()(x))
 
 
 def _take_along_axis(logits: Any, tokens: Any) -> Any:
@@ -102,9 +118,13 @@ LOSSES = {"take_along_axis": _take_along_axis, "optax": _optax, "one_hot": _one_
 def _search(scale: int, loss: str) -> meshplan.SearchResult:
     tokens = jax.ShapeDtypeStruct((PER_DEVICE_BATCH[scale] * 256, 2048), jnp.int32)
     return meshplan.search_rules(
-        256, model=PlainDecoder(maxtext_config(scale)), example_batch=tokens, loss=LOSSES[loss],
-        profile="tpu_v5e", compile_top=0,
-    )  # fmt: skip
+        256,
+        model=PlainDecoder(maxtext_config(scale)),
+        example_batch=tokens,
+        loss=LOSSES[loss],
+        profile="tpu_v5e",
+        compile_top=0,
+    )
 
 
 @pytest.mark.parametrize("scale", [16, 32, 64])

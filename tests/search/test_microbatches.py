@@ -41,8 +41,10 @@ def micro():
     """The workload of one of 4 microbatches, and of the whole batch."""
     step, state, batch = _mlp()
     names = lambda b: ("batch", "embed")  # noqa: E731  (the features are the weights' embed)
-    return (trace_workload(step, state, split_batch(batch, 4), batch_names=names),
-            trace_workload(step, state, batch, batch_names=names))  # fmt: skip
+    return (
+        trace_workload(step, state, split_batch(batch, 4), batch_names=names),
+        trace_workload(step, state, batch, batch_names=names),
+    )
 
 
 def test_fsdp_gathers_and_reduce_scatters_per_microbatch_with_one_microbatch_of_activations(
@@ -78,8 +80,9 @@ def test_replicated_gradients_are_all_reduced_once_per_step_as_ddp_does(micro):
 
 def test_search_rules_prices_the_accumulated_step_and_reports_the_whole_batch():
     step, state, batch = _mlp()
-    result = meshplan.search_rules(8, state, step, batch, profile="h100", compile_top=0,
-                                   microbatches=4)  # fmt: skip
+    result = meshplan.search_rules(
+        8, state, step, batch, profile="h100", compile_top=0, microbatches=4
+    )
     whole = meshplan.search_rules(8, state, step, batch, profile="h100", compile_top=0)
     assert result.batch == whole.batch == BATCH
     assert result.best.cost.accumulator_bytes > 0
@@ -90,6 +93,7 @@ def test_search_rules_prices_the_accumulated_step_and_reports_the_whole_batch():
 def test_a_bad_number_of_microbatches_is_refused_naming_it(microbatches, fragment):
     step, state, batch = _mlp()
     with pytest.raises(meshplan.ArgumentError, match=fragment) as info:
-        meshplan.search_rules(8, state, step, batch, profile="h100", compile_top=0,
-                              microbatches=microbatches)  # fmt: skip
+        meshplan.search_rules(
+            8, state, step, batch, profile="h100", compile_top=0, microbatches=microbatches
+        )
     assert [p.code for p in info.value.problems] == ["bad-microbatches"]

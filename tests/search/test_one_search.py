@@ -59,9 +59,15 @@ def test_both_searches_give_rows_as_the_same_plain_data():
 def test_search_rules_without_generated_axes_searches_only_the_layouts():
     state, step, x = _case()
     result = meshplan.search_rules(
-        4, state, step, x, profile="h100", compile_top=0, layouts=["fsdp", "tensor_parallel"],
+        4,
+        state,
+        step,
+        x,
+        profile="h100",
+        compile_top=0,
+        layouts=["fsdp", "tensor_parallel"],
         max_axes=0,
-    )  # fmt: skip
+    )
     assert {r.layout for r in result.rows} == {"fsdp", "tensor_parallel"}
     assert {r.mesh_text for r in result.rows} <= {"1x4", "2x2", "4x1"}
 
@@ -104,9 +110,12 @@ def test_search_layouts_is_search_rules_without_a_step():
     state, _, _ = _case()
     by_layouts = meshplan.search_layouts(state, 4, batch=32, memory_budget_bytes=200_000)
     by_rules = meshplan.search_rules(
-        4, state, layouts=["data_parallel", "fsdp", "tensor_parallel", "fsdp_tp"], batch=32,
+        4,
+        state,
+        layouts=["data_parallel", "fsdp", "tensor_parallel", "fsdp_tp"],
+        batch=32,
         memory_budget_bytes=200_000,
-    )  # fmt: skip
+    )
     assert by_rules.ranked_by == "static" and by_rules.profile is None
     by_layouts_data, by_rules_data = by_layouts.to_dict(), by_rules.to_dict()
     for data in (by_layouts_data, by_rules_data):

@@ -54,8 +54,9 @@ def test_more_microbatches_shrink_the_bubble_as_the_schedule_says(work):
 
 
 def test_each_stage_holds_its_share_of_the_layers(work):
-    pp = predict_pipeline(work, {"pipeline": 4, "data": 2}, RULES, get_profile("h100"),
-                          microbatches=8)  # fmt: skip
+    pp = predict_pipeline(
+        work, {"pipeline": 4, "data": 2}, RULES, get_profile("h100"), microbatches=8
+    )
     assert block_fraction(work) == 1.0
     assert pp.cost.state_bytes * 4 == pp.base.state_bytes
     assert pp.cost.flops_per_device * 4 == pytest.approx(pp.base.flops_per_device)
@@ -72,8 +73,9 @@ def test_sends_cross_the_slow_link_when_stages_sit_on_other_hosts(work):
 
 def test_rules_without_a_stage_axis_are_refused(work):
     with pytest.raises(ValueError, match="no mesh axis of more than one device"):
-        predict_pipeline(work, {"data": 8}, (("batch", "data"),), get_profile("h100"),
-                         microbatches=8)  # fmt: skip
+        predict_pipeline(
+            work, {"data": 8}, (("batch", "data"),), get_profile("h100"), microbatches=8
+        )
 
 
 @pytest.mark.slow
@@ -102,8 +104,9 @@ def _stack(layers, width, rows, budget=None, profile="h100"):
     work = trace_workload(lambda s, x: jax.grad(loss)(s["w"].value, x), {"w": w}, x)
 
     def search(devices):
-        result = meshplan.search_rules(devices, workload=work, profile=profile, compile_top=0,
-                                       memory_budget_bytes=budget)  # fmt: skip
+        result = meshplan.search_rules(
+            devices, workload=work, profile=profile, compile_top=0, memory_budget_bytes=budget
+        )
         return result, pipeline_verdict(result)
 
     return search

@@ -14,8 +14,9 @@ from meshplan.models.llama import LlamaConfig, llama_step
 # A Llama decoder with MaxText's activation constraints ('activation_embed'), grouped-query
 # attention and a scanned, rematerialised stack: where the search's matmul cache once reused
 # another candidate's all-reduce for a reduce-scatter into a constraint's shards.
-CFG = LlamaConfig(embed=128, heads=4, kv_heads=2, head_dim=32, mlp=256, layers=2, vocab=256,
-                  remat="full")  # fmt: skip
+CFG = LlamaConfig(
+    embed=128, heads=4, kv_heads=2, head_dim=32, mlp=256, layers=2, vocab=256, remat="full"
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +33,9 @@ def test_predict_gives_every_searched_row_its_own_figures(llama):
     for row in result.ok:
         # a pipelined row: predicted with the schedule the search priced it with
         m = None if row.pipeline is None else row.pipeline.schedule.microbatches
-        p = meshplan.predict(workload=work, mesh=row.mesh, rules=row.rules, profile="h100",
-                             pipeline_microbatches=m)  # fmt: skip
+        p = meshplan.predict(
+            workload=work, mesh=row.mesh, rules=row.rules, profile="h100", pipeline_microbatches=m
+        )
         assert p.cost == row.cost, f"{row.mesh_text} {row.short_rules}"
         assert (p.pipeline is None) == (row.pipeline is None)
         splits_activations += "activation_embed=" in row.short_rules
@@ -43,10 +45,25 @@ def test_predict_gives_every_searched_row_its_own_figures(llama):
 
 
 def test_plan_prints_what_predict_returns(capsys):
-    code = cli.main([
-        "plan", "--model", "transformer", "--size", "tiny", "--mesh", "2x4", "--rules", "fsdp_tp",
-        "--profile", "tpu_v5e", "--batch", "16", "--seq", "64",
-    ])  # fmt: skip
+    code = cli.main(
+        [
+            "plan",
+            "--model",
+            "transformer",
+            "--size",
+            "tiny",
+            "--mesh",
+            "2x4",
+            "--rules",
+            "fsdp_tp",
+            "--profile",
+            "tpu_v5e",
+            "--batch",
+            "16",
+            "--seq",
+            "64",
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     import argparse
@@ -56,17 +73,22 @@ def test_plan_prints_what_predict_returns(capsys):
     args = argparse.Namespace(model="transformer", size="tiny", batch=16, seq=64)
     model_state = example_of(args).model.abstract_state()
     step, tokens = step_and_batch(args)
-    p = meshplan.predict(model_state, step, tokens, mesh={"data": 2, "model": 4}, rules="fsdp_tp",
-                         profile="tpu_v5e")  # fmt: skip
+    p = meshplan.predict(
+        model_state, step, tokens, mesh={"data": 2, "model": 4}, rules="fsdp_tp", profile="tpu_v5e"
+    )
     for line in p.lines():
         assert line in printed
 
 
 @pytest.mark.parametrize(
     ("mesh", "says"),
-    [({}, "expected axis sizes"), ({"data": 0}, "of size 0"), ({"data": 2.5}, "of size 2.5"),
-     ("2x4", "mesh='2x4'")],
-)  # fmt: skip
+    [
+        ({}, "expected axis sizes"),
+        ({"data": 0}, "of size 0"),
+        ({"data": 2.5}, "of size 2.5"),
+        ("2x4", "mesh='2x4'"),
+    ],
+)
 def test_a_bad_mesh_is_named(llama, mesh, says):
     state, step, batch = llama
     with pytest.raises(meshplan.ArgumentError, match=says) as info:
@@ -77,7 +99,14 @@ def test_a_bad_mesh_is_named(llama, mesh, says):
 def test_a_bad_budget_or_no_step_is_refused(llama):
     state, step, batch = llama
     with pytest.raises(meshplan.ArgumentError, match="memory_budget_bytes=nan"):
-        meshplan.predict(state, step, batch, mesh={"data": 8}, rules="fsdp",
-                         memory_budget_bytes=math.nan, profile="h100")  # fmt: skip
+        meshplan.predict(
+            state,
+            step,
+            batch,
+            mesh={"data": 8},
+            rules="fsdp",
+            memory_budget_bytes=math.nan,
+            profile="h100",
+        )
     with pytest.raises(meshplan.ArgumentError, match="no step to trace"):
         meshplan.predict(state, mesh={"data": 8}, rules="fsdp", profile="h100")

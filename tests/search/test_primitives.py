@@ -22,8 +22,11 @@ class _CNN(nn.Module):
     @nn.compact
     def __call__(self, x):
         for features in (16, 32):
-            x = nn.Conv(features, (3, 3), kernel_init=meshplan.with_logical_partitioning(
-                _INIT, (None, None, None, "mlp")))(x)  # fmt: skip
+            x = nn.Conv(
+                features,
+                (3, 3),
+                kernel_init=meshplan.with_logical_partitioning(_INIT, (None, None, None, "mlp")),
+            )(x)
             x = nn.relu(nn.GroupNorm(8)(x))
         return nn.Dense(10)(x.mean((1, 2)))
 
@@ -52,8 +55,12 @@ def _pallas_step(state, x):
 
     h = x @ state["w"].value
     estimate = pl.CostEstimate(flops=10**9, transcendentals=0, bytes_accessed=0)
-    h = pl.pallas_call(_kernel, out_shape=jax.ShapeDtypeStruct(h.shape, h.dtype),
-                       interpret=True, cost_estimate=estimate)(h)  # fmt: skip
+    h = pl.pallas_call(
+        _kernel,
+        out_shape=jax.ShapeDtypeStruct(h.shape, h.dtype),
+        interpret=True,
+        cost_estimate=estimate,
+    )(h)
     return (h**2).sum()
 
 
@@ -69,8 +76,10 @@ def test_a_primitive_the_planner_does_not_understand_is_named_and_priced_whole()
     # its declared FLOPs run whole on every device; its output is replicated (not split by batch)
     assert cost.flops_per_device >= 10**9
     fields = prediction_fields(cost, 16, 8, get_profile("h100"), 1 << 30)
-    assert any(line.startswith("not understood") and "pallas_call" in line
-               for line in prediction_lines(fields))  # fmt: skip
+    assert any(
+        line.startswith("not understood") and "pallas_call" in line
+        for line in prediction_lines(fields)
+    )
 
 
 def test_every_primitive_of_the_example_models_is_understood():

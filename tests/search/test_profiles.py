@@ -36,9 +36,10 @@ def test_every_bad_field_of_a_profile_is_one_problem(tmp_path):
     messages = [p.message for p in info.value.problems]
     assert {p.code for p in info.value.problems} == {"profile-field"}
     assert messages == [
-        "missing field 'memory_bytes'", "unknown field 'colour'",
+        "missing field 'memory_bytes'",
+        "unknown field 'colour'",
         "peak_flops is -1: out of range (matmul FLOP/s of one device, above 0)",
-    ]  # fmt: skip
+    ]
     assert "required: name, peak_flops" in info.value.problems[0].fix
 
 

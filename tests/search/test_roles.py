@@ -51,9 +51,13 @@ def _moe(experts: int):
 
 def _search(work, devices=16, budget=None, max_axes=2):
     return meshplan.search_rules(
-        devices, workload=work, profile="h100", compile_top=0, max_axes=max_axes,
+        devices,
+        workload=work,
+        profile="h100",
+        compile_top=0,
+        max_axes=max_axes,
         memory_budget_bytes=budget,
-    )  # fmt: skip
+    )
 
 
 def test_the_trace_reads_length_and_the_experts_names_from_the_models_constraints():
@@ -119,8 +123,9 @@ def test_a_dense_model_has_no_expert_axis_and_says_so():
 
 
 def _row(mesh, step_s, memory, status="ok"):
-    cost = Cost(step_s, step_s / 2, step_s / 8, step_s / 4, 1e12, {"all-to-all": 1 << 20}, {},
-                memory, 0, 1)  # fmt: skip
+    cost = Cost(
+        step_s, step_s / 2, step_s / 8, step_s / 4, 1e12, {"all-to-all": 1 << 20}, {}, memory, 0, 1
+    )
     return SearchRow(mesh, (("batch", "data"),), status=status, cost=cost)
 
 

@@ -78,12 +78,16 @@ def test_the_communication_estimate_follows_the_layout():
     param_bytes = (1024 * 1024 + 1024) * 4
     # Data parallel: every gradient all-reduced, nothing gathered, no activation traffic.
     assert result.row("2x4", "data_parallel").comm == {
-        "all-gather": 0, "gradient-reduce": param_bytes, "activations": 0
-    }  # fmt: skip
+        "all-gather": 0,
+        "gradient-reduce": param_bytes,
+        "activations": 0,
+    }
     # FSDP: the 1/8 shards gathered, the whole gradient reduced.
     assert result.row("2x4", "fsdp").comm == {
-        "all-gather": param_bytes // 8, "gradient-reduce": param_bytes, "activations": 0
-    }  # fmt: skip
+        "all-gather": param_bytes // 8,
+        "gradient-reduce": param_bytes,
+        "activations": 0,
+    }
     # Tensor parallel: activation all-reduces are unknown statically.
     tp = result.row("2x4", "tensor_parallel")
     assert tp.comm["activations"] is None and "activations n/a" in tp.comm_text

@@ -17,24 +17,39 @@ def _rows(result):
 
 def test_the_records_search_what_the_keywords_searched():
     work = example_stack()
-    old = meshplan.search_rules(8, workload=work, profile="h100", memory_budget_bytes=2**30,
-                                max_axes=2, roles=("data", "fsdp"), compile_top=0)  # fmt: skip
+    old = meshplan.search_rules(
+        8,
+        workload=work,
+        profile="h100",
+        memory_budget_bytes=2**30,
+        max_axes=2,
+        roles=("data", "fsdp"),
+        compile_top=0,
+    )
     new = meshplan.search_rules(
-        8, workload=work,
+        8,
+        workload=work,
         space=meshplan.SearchSpace(max_axes=2, roles=("data", "fsdp")),
         hardware=meshplan.SearchHardware("h100", 2**30),
         checks=meshplan.SearchChecks(compile_top=0),
-    )  # fmt: skip
+    )
     assert _rows(new) == _rows(old) and new.budget_bytes == old.budget_bytes == 2**30
-    mixed = meshplan.search_rules(8, workload=work, hardware=meshplan.SearchHardware("h100", 2**30),
-                                  max_axes=2, roles=("data", "fsdp"), compile_top=0)  # fmt: skip
+    mixed = meshplan.search_rules(
+        8,
+        workload=work,
+        hardware=meshplan.SearchHardware("h100", 2**30),
+        max_axes=2,
+        roles=("data", "fsdp"),
+        compile_top=0,
+    )
     assert _rows(mixed) == _rows(old)
 
 
 def test_a_keyword_and_the_record_that_holds_it_are_refused_together():
     with pytest.raises(meshplan.ArgumentError, match=r"got profile= and hardware=") as info:
-        meshplan.search_rules(8, workload=example_stack(), profile="h100",
-                              hardware=meshplan.SearchHardware("h200"))  # fmt: skip
+        meshplan.search_rules(
+            8, workload=example_stack(), profile="h100", hardware=meshplan.SearchHardware("h200")
+        )
     (problem,) = info.value.problems
     assert (problem.code, problem.path) == ("bad-argument", "profile")
     assert "SearchHardware(profile=...)" in problem.fix

@@ -62,8 +62,12 @@ def test_mesh_factorizations_and_generated_rules():
     for c in cands:
         rules = dict(c.rules)
         assert c.rules[0][0] == "batch" and rules["length"] is None
-        assert all(a in c.mesh for axes in rules.values() if axes for a in
-                   (axes if isinstance(axes, tuple) else (axes,)))  # fmt: skip
+        assert all(
+            a in c.mesh
+            for axes in rules.values()
+            if axes
+            for a in (axes if isinstance(axes, tuple) else (axes,))
+        )
         assert "tensor" not in (rules["batch"] or ())
 
 
@@ -185,9 +189,16 @@ def test_the_top_choice_is_written_only_when_asked(tmp_path):
 def test_measure_runs_the_top_few_and_ranks_them_by_measured_time():
     state, step, x = mlp_case(depth=128, batch=32)
     result = meshplan.search_rules(
-        8, state, step, x, profile="cpu", compile_top=0, measure=True, measure_top=2,
+        8,
+        state,
+        step,
+        x,
+        profile="cpu",
+        compile_top=0,
+        measure=True,
+        measure_top=2,
         measure_steps=2,
-    )  # fmt: skip
+    )
     first, second = result.ok[:2]
     assert result.counts["measured"] == 2
     assert 0 < first.measured_s <= second.measured_s

@@ -16,10 +16,17 @@ from meshplan.models.llama import LlamaConfig, llama_step
 
 MESH = {"data": 2, "tensor": 4}
 RULES = (
-    ("batch", "data"), ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"),
-    ("vocab", "tensor"), ("activation_embed", "tensor"), ("embed", None), ("kv", None),
-    ("length", None), ("layer", None),
-)  # fmt: skip
+    ("batch", "data"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("activation_embed", "tensor"),
+    ("embed", None),
+    ("kv", None),
+    ("length", None),
+    ("layer", None),
+)
 
 
 def _result_count(hlo: str, kind: str, shape: str) -> int:

@@ -78,9 +78,18 @@ def test_api_table_is_fully_exported():
 @pytest.mark.parametrize("cls", ["Partitioned", "LogicallyPartitioned"])
 @pytest.mark.parametrize(
     "method",
-    ["unbox", "replace_boxed", "add_axis", "remove_axis", "get_partition_spec", "get_sharding",
-     "replace", "to_nnx_metadata", "from_nnx_metadata"],
-)  # fmt: skip
+    [
+        "unbox",
+        "replace_boxed",
+        "add_axis",
+        "remove_axis",
+        "get_partition_spec",
+        "get_sharding",
+        "replace",
+        "to_nnx_metadata",
+        "from_nnx_metadata",
+    ],
+)
 def test_box_methods_match_flax(cls, method):
     ours = getattr(getattr(meshplan, cls), method)
     theirs = getattr(getattr(nn, cls), method)

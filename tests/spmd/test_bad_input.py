@@ -408,9 +408,11 @@ def test_a_name_without_rule_is_reported_not_silently_replicated():
 def _constrain_unmatched():
     with jax.set_mesh(jax.make_mesh((2, 4), ("data", "model"))):
         meshplan.with_logical_constraint(
-            jnp.ones((8, 4)), ("batch", "embed"), rules=(("batch", "data"),),
+            jnp.ones((8, 4)),
+            ("batch", "embed"),
+            rules=(("batch", "data"),),
             fallback=meshplan.RulesFallback.RAISE_ERROR,
-        )  # fmt: skip
+        )
 
 
 @pytest.mark.parametrize(

@@ -83,9 +83,11 @@ def values(tree):
 def test_no_rules_names_are_mesh_axes_as_in_flax_nnx():
     with nnx.use_eager_sharding(False):
         layer = nnx.Linear(
-            4, 8, kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model")),
+            4,
+            8,
+            kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model")),
             rngs=nnx.Rngs(0),
-        )  # fmt: skip
+        )
     ours = meshplan.get_partition_spec(nnx.state(layer))
     theirs = nnx.get_partition_spec(nnx.state(layer))
     assert values(ours) == values(theirs) == {"bias": P(), "kernel": P(None, "model")}
@@ -173,9 +175,11 @@ def test_explain_and_search_with_rules_given(state, auto_mesh):
 
 def test_local_sharding_rules_come_before_the_active_ones():
     w = nnx.Param(
-        jnp.ones((8, 16)), out_sharding=("embed", "hidden"), sharding_rules=(("embed", "data"),),
+        jnp.ones((8, 16)),
+        out_sharding=("embed", "hidden"),
+        sharding_rules=(("embed", "data"),),
         eager_sharding=False,
-    )  # fmt: skip
+    )
     state = nnx.state(nnx.Dict(w=w))
     with meshplan.logical_axis_rules((("hidden", "model"),)):
         assert values(meshplan.get_partition_spec(state)) == {"w": P("data", "model")}
@@ -193,9 +197,10 @@ def test_older_metadata_names_are_read():
 
 def test_tuples_none_and_unconstrained_resolve():
     w = nnx.Param(
-        jnp.ones((8, 16, 4)), out_sharding=(("data", "model"), None, P.UNCONSTRAINED),
+        jnp.ones((8, 16, 4)),
+        out_sharding=(("data", "model"), None, P.UNCONSTRAINED),
         eager_sharding=False,
-    )  # fmt: skip
+    )
     v = nnx.Param(jnp.ones((8, 16)), out_sharding=("batch", "embed"), eager_sharding=False)
     state = nnx.state(nnx.Dict(w=w, v=v))
     rules = (("batch", ("data", "model")), ("embed", "model"))
@@ -348,10 +353,12 @@ def test_strict_shardings_of_a_good_state_do_not_raise(state, auto_mesh):
         meshplan.get_sharding(state, auto_mesh, strict=True)
     mesh_names = abstract(
         lambda: DotReluDot(
-            16, nnx.Rngs(0), kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(),
-            (None, "model")), w2_metadata={"out_sharding": ("model", None)},
+            16,
+            nnx.Rngs(0),
+            kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model")),
+            w2_metadata={"out_sharding": ("model", None)},
         )
-    )  # fmt: skip
+    )
     shardings = meshplan.get_sharding(nnx.state(mesh_names), auto_mesh, strict=True)
     assert values(shardings)["w2"].spec == P("model", None)
 

@@ -80,9 +80,15 @@ def test_the_measured_bubble_is_the_schedules(stages, microbatches, repeats):
     idle = 1 - busy.mean()
     assert idle == pytest.approx((stages - 1) / (microbatches * repeats + stages - 1))
     assert idle == pytest.approx(schedule.bubble)
-    expected = [[-1 if schedule.work(t, s) is None else
-                 schedule.work(t, s)[1] * microbatches + schedule.work(t, s)[0]
-                 for s in range(stages)] for t in range(schedule.iterations)]  # fmt: skip
+    expected = [
+        [
+            -1
+            if schedule.work(t, s) is None
+            else schedule.work(t, s)[1] * microbatches + schedule.work(t, s)[0]
+            for s in range(stages)
+        ]
+        for t in range(schedule.iterations)
+    ]
     assert activity.tolist() == expected
 
 

@@ -396,9 +396,12 @@ def test_kinds_and_statuses_are_literal_types_the_docs_list():
         "LeafLayout.kind": typing.get_type_hints(LeafLayout)["kind"],
     }
     assert hints == {
-        "DimCheck.status": DimStatus, "DimPlan.status": DimStatus, "ArrayLeaf.kind": NamesKind,
-        "LeafNames.kind": NamesKind, "LeafLayout.kind": NamesKind,
-    }  # fmt: skip
+        "DimCheck.status": DimStatus,
+        "DimPlan.status": DimStatus,
+        "ArrayLeaf.kind": NamesKind,
+        "LeafNames.kind": NamesKind,
+        "LeafLayout.kind": NamesKind,
+    }
     assert "status" in {f.name for f in dataclasses.fields(validate.DimCheck)}
     page = (Path(__file__).parents[2] / "docs" / "plan.md").read_text()
     documented = re.search(r'"status": ((?:"[\w-]+"(?: \| )?)+)', page)

@@ -339,12 +339,14 @@ def with_nnx_partitioning(
 
     if not callable(initializer):
         raise error_for(
-            ArgumentError, "not-an-initializer", "initializer",
+            ArgumentError,
+            "not-an-initializer",
+            "initializer",
             f"with_nnx_partitioning needs an initializer as its first argument, got "
             f"{initializer!r}",
             "Pass one, e.g. with_nnx_partitioning(nnx.initializers.lecun_normal(), "
             "('embed', 'mlp')).",
-        )  # fmt: skip
+        )
     bad = names_problem(names, what="names")
     if bad is not None:
         raise LogicalNamesError(f"with_nnx_partitioning: {bad.message}.\n{bad.fix}", [bad])

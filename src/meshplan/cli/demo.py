@@ -301,28 +301,56 @@ def _run_nnx(args: argparse.Namespace, console: Console) -> int:
 
     console.rule(text(("Shard a single-array model", "bold")))
     w = wf.sharded_variable(mesh)
-    _check(console, checks, f"nnx.Param out_sharding=(None, 'model'): {w.sharding.spec}",
-           w.sharding.spec == P(None, "model"))  # fmt: skip
+    _check(
+        console,
+        checks,
+        f"nnx.Param out_sharding=(None, 'model'): {w.sharding.spec}",
+        w.sharding.spec == P(None, "model"),
+    )
     _picture(console, "w", w.get_value())
     linear, y = wf.sharded_linear(mesh)
-    _check(console, checks, f"nnx.Linear kernel (nnx.with_partitioning): {linear.kernel.sharding.spec}",
-           linear.kernel.sharding.spec == P(None, "model"))  # fmt: skip
-    _check(console, checks, f"output of ('data', None) @ (None, 'model'): {_output_spec(y)}",
-           _output_spec(y) == P("data", "model"))  # fmt: skip
+    _check(
+        console,
+        checks,
+        f"nnx.Linear kernel (nnx.with_partitioning): {linear.kernel.sharding.spec}",
+        linear.kernel.sharding.spec == P(None, "model"),
+    )
+    _check(
+        console,
+        checks,
+        f"output of ('data', None) @ (None, 'model'): {_output_spec(y)}",
+        _output_spec(y) == P("data", "model"),
+    )
 
     console.rule(text(("MultiDotReluDot: nnx.vmap layers, jax.lax.scan, nnx.Optimizer", "bold")))
-    run = wf.train(lambda r: wf.MultiDotReluDot(depth, args.layers, rngs=r), mesh, depth=depth,
-                   steps=args.steps)  # fmt: skip
+    run = wf.train(
+        lambda r: wf.MultiDotReluDot(depth, args.layers, rngs=r),
+        mesh,
+        depth=depth,
+        steps=args.steps,
+    )
     state = nnx.state(run.model)
     console.print(_nnx_table("the trained model: meshplan reads Flax's names as Flax does", state))
-    say(console, "losses: ", ", ".join(f"{loss:.4f}" for loss in run.losses),
-        f";  optimizer step {int(run.optimizer.step[...])}")  # fmt: skip
-    _check(console, checks, "the loss falls at every step",
-           all(b < a for a, b in zip(run.losses, run.losses[1:], strict=False)))  # fmt: skip
+    say(
+        console,
+        "losses: ",
+        ", ".join(f"{loss:.4f}" for loss in run.losses),
+        f";  optimizer step {int(run.optimizer.step[...])}",
+    )
+    _check(
+        console,
+        checks,
+        "the loss falls at every step",
+        all(b < a for a, b in zip(run.losses, run.losses[1:], strict=False)),
+    )
     plan = meshplan.explain(nnx.state(run.optimizer), mesh)
     mu = plan["opt_state/0/mu/layers/w2"]
-    _check(console, checks, f"Adam's mu of w2 in meshplan's plan: {mu.spec}, {mu.shard_shape} per device",
-           mu.spec == P(None, "model", None))  # fmt: skip
+    _check(
+        console,
+        checks,
+        f"Adam's mu of w2 in meshplan's plan: {mu.spec}, {mu.shard_shape} per device",
+        mu.spec == P(None, "model", None),
+    )
 
     console.rule(text(("Checkpoint: save on 2x4, restore onto 4x2", "bold")))
     with tempfile.TemporaryDirectory() as tmp:
@@ -331,11 +359,14 @@ def _run_nnx(args: argparse.Namespace, console: Console) -> int:
             path, lambda: wf.MultiDotReluDot(depth, args.layers, rngs=nnx.Rngs(0)), other
         )
     kernel = restored.layers.dot1.kernel.get_value()
-    _check(console, checks,
-           f"Orbax, targets from meshplan.get_sharding on {dict(other.shape)}: dot1 kernel "
-           f"{kernel.sharding.spec}; values equal",
-           equivalent(kernel, other, P(None, None, "model"))
-           and wf.trees_equal(nnx.state(restored), state))  # fmt: skip
+    _check(
+        console,
+        checks,
+        f"Orbax, targets from meshplan.get_sharding on {dict(other.shape)}: dot1 kernel "
+        f"{kernel.sharding.spec}; values equal",
+        equivalent(kernel, other, P(None, None, "model"))
+        and wf.trees_equal(nnx.state(restored), state),
+    )
 
     def make_logical() -> Any:
         return wf.LogicalMultiDotReluDot(depth, args.layers, rngs=nnx.Rngs(0))
@@ -344,12 +375,15 @@ def _run_nnx(args: argparse.Namespace, console: Console) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         moved = wf.restore_with_meshplan(logical, Path(tmp), make_logical, other, wf.OTHER_RULES)
     kernel = moved.layers.dot1.kernel.get_value()
-    _check(console, checks,
-           f"meshplan.Checkpointer + meshplan.restore onto {dict(other.shape)} with rules "
-           f"{wf.OTHER_RULES}: dot1 kernel {moved.layers.dot1.kernel.out_sharding} -> "
-           f"{kernel.sharding.spec}; values equal",
-           kernel.sharding.spec == P(None, "model", "data")
-           and wf.trees_equal(nnx.state(moved), nnx.state(logical)))  # fmt: skip
+    _check(
+        console,
+        checks,
+        f"meshplan.Checkpointer + meshplan.restore onto {dict(other.shape)} with rules "
+        f"{wf.OTHER_RULES}: dot1 kernel {moved.layers.dot1.kernel.out_sharding} -> "
+        f"{kernel.sharding.spec}; values equal",
+        kernel.sharding.spec == P(None, "model", "data")
+        and wf.trees_equal(nnx.state(moved), nnx.state(logical)),
+    )
 
     console.rule(text(("Logical axes, with meshplan's rules", "bold")))
     console.print(
@@ -357,34 +391,51 @@ def _run_nnx(args: argparse.Namespace, console: Console) -> int:
             f"LogicalMultiDotReluDot under {wf.GUIDE_RULES}", nnx.state(logical), wf.GUIDE_RULES
         )
     )
-    _check(console, checks, "dot1 kernel is P(None, None, 'model'), w2 is P(None, 'model', None)",
-           equivalent(logical.layers.dot1.kernel.get_value(), mesh, P(None, None, "model"))
-           and equivalent(logical.layers.w2.get_value(), mesh, P(None, "model", None)))  # fmt: skip
-    _check(console, checks, f"output {_output_spec(logical_output)}",
-           equivalent(logical_output, mesh, P("data", None)))  # fmt: skip
+    _check(
+        console,
+        checks,
+        "dot1 kernel is P(None, None, 'model'), w2 is P(None, 'model', None)",
+        equivalent(logical.layers.dot1.kernel.get_value(), mesh, P(None, None, "model"))
+        and equivalent(logical.layers.w2.get_value(), mesh, P(None, "model", None)),
+    )
+    _check(
+        console,
+        checks,
+        f"output {_output_spec(logical_output)}",
+        equivalent(logical_output, mesh, P("data", None)),
+    )
     with jax.set_mesh(mesh), meshplan.logical_axis_rules(wf.GUIDE_RULES):
         jaxpr = str(jax.make_jaxpr(lambda m, x: m(x))(logical, logical_output))
-    _check(console, checks,
-           "activation constrained in logical names: with_logical_constraint(y, ('batch', "
-           "'hidden')) -> P('data', 'model') (the guide writes mesh axes here)",
-           "spec=P('data', 'model')" in jaxpr)  # fmt: skip
+    _check(
+        console,
+        checks,
+        "activation constrained in logical names: with_logical_constraint(y, ('batch', "
+        "'hidden')) -> P('data', 'model') (the guide writes mesh axes here)",
+        "spec=P('data', 'model')" in jaxpr,
+    )
 
     if not args.no_explicit:
         console.rule(text(("Explicit axes", "bold")))
         explicit = wf.make_mesh((2, 4), explicit=True)
         model, x, y, abstract = wf.run_explicit(explicit, depth, num_layers=args.layers)
-        _check(console, checks,
-               f"the guide's Explicit model: dot1 kernel {model.layers.dot1.kernel.sharding.spec}, "
-               f"w2 {model.layers.w2.sharding.spec}, eval_shape {abstract.layers.w2.sharding.spec}, "
-               f"output like input: {x.sharding.is_equivalent_to(y.sharding, ndim=2)}",
-               model.layers.w2.sharding.spec == P(None, "model", None)
-               and x.sharding.is_equivalent_to(y.sharding, ndim=2))  # fmt: skip
+        _check(
+            console,
+            checks,
+            f"the guide's Explicit model: dot1 kernel {model.layers.dot1.kernel.sharding.spec}, "
+            f"w2 {model.layers.w2.sharding.spec}, eval_shape {abstract.layers.w2.sharding.spec}, "
+            f"output like input: {x.sharding.is_equivalent_to(y.sharding, ndim=2)}",
+            model.layers.w2.sharding.spec == P(None, "model", None)
+            and x.sharding.is_equivalent_to(y.sharding, ndim=2),
+        )
         on_explicit, output = wf.run_logical(explicit, depth, num_layers=args.layers)
-        _check(console, checks,
-               f"the logical model on the Explicit mesh: dot1 kernel "
-               f"{on_explicit.layers.dot1.kernel.sharding.spec}, output {_output_spec(output)}",
-               on_explicit.layers.dot1.kernel.sharding.spec == P(None, None, "model")
-               and _output_spec(output) == P("data", None))  # fmt: skip
+        _check(
+            console,
+            checks,
+            f"the logical model on the Explicit mesh: dot1 kernel "
+            f"{on_explicit.layers.dot1.kernel.sharding.spec}, output {_output_spec(output)}",
+            on_explicit.layers.dot1.kernel.sharding.spec == P(None, None, "model")
+            and _output_spec(output) == P("data", None),
+        )
 
     if all(checks):
         say(console, "\n", ("Done", "bold green"), f" in {time.perf_counter() - started:.1f} s.")

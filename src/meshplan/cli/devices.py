@@ -443,12 +443,14 @@ def backend_error(e: BaseException) -> MeshError:
     why = text[0] if text else "no platform could be initialised"
     asked = f"JAX_PLATFORMS={value!r} asks for" if value else "JAX looked for"
     return error_for(  # type: ignore[return-value]
-        MeshError, "no-backend", "JAX_PLATFORMS",
+        MeshError,
+        "no-backend",
+        "JAX_PLATFORMS",
         f"JAX could not start the devices {asked}: {why}",
         "Unset JAX_PLATFORMS (or pass --platform cpu, where the command has it) to run on "
         "this machine's CPU, or install JAX for that platform (e.g. pip install "
         "'jax[cuda12]' or 'jax[tpu]') on a machine that has it.",
-    )  # fmt: skip
+    )
 
 
 def found_devices(

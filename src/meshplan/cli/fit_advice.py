@@ -54,11 +54,15 @@ def _priced(
         state, step_fn, batch = step
         workload = meshplan.trace_workload(step_fn, state, batch, read_constraints=True)
     found = meshplan.search_rules(
-        devices, workload=workload,
+        devices,
+        workload=workload,
         layouts={row.layout if row.layout != "searched" else "closest": row.rules},
-        axis_names=tuple(row.mesh), max_axes=0, profile=result.profile,
-        memory_budget_bytes=result.budget_bytes, compile_top=0,
-    )  # fmt: skip
+        axis_names=tuple(row.mesh),
+        max_axes=0,
+        profile=result.profile,
+        memory_budget_bytes=result.budget_bytes,
+        compile_top=0,
+    )
     best = found.best
     if best is not None:
         return True, f"fits: {row_text(best)}", {"fits": True, "row": best.to_dict(found)}
@@ -88,8 +92,9 @@ def fit_changes(
 
     if step_of is not None and getattr(args, "remat", None) not in (None, "full"):
         for policy in ("minimal", "full"):  # the cheaper recomputation first
-            if policy != args.remat and tried(f"--remat {policy}", step_of(remat=policy),
-                                              result.devices):  # fmt: skip
+            if policy != args.remat and tried(
+                f"--remat {policy}", step_of(remat=policy), result.devices
+            ):
                 break
     if step_of is not None and result.batch:
         b = result.batch // 2

@@ -86,8 +86,10 @@ def names_lines(result: Any, written: Path | None) -> list[str]:
     said = ", ".join(f"{c.name} {c.size} ({c.role})" for c in classes) or f"{len(rules)} rules"
     lines = [f"names inferred from the step (the model has none): {said}"]
     if written is None:
-        lines.append("names not written: pass --names-out PATH to write them (JSON), edit them, "
-                     "pass them back with --names")  # fmt: skip
+        lines.append(
+            "names not written: pass --names-out PATH to write them (JSON), edit them, "
+            "pass them back with --names"
+        )
     else:
         lines.append(f"names written to {written} (edit them, pass them back with --names)")
     return lines

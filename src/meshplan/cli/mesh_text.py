@@ -38,30 +38,36 @@ def parse_mesh_shape(text: str, axes: str | None = None) -> dict[str, int]:
         sizes = []
     if not sizes or min(sizes) < 1:
         raise error_for(
-            MeshError, "mesh-unreadable", str(text),
+            MeshError,
+            "mesh-unreadable",
+            str(text),
             f"Cannot read the mesh {text!r}: expected positive axis sizes separated by 'x'",
             "Write it like '2x4', '4x2', '8' or '2x2x2' (the last with axes='a,b,c').",
-        )  # fmt: skip
+        )
     names: tuple[str, ...]
     if axes is None:
         if len(sizes) == 1:
             sizes.append(1)
         if len(sizes) != len(MESH_AXES):
             raise error_for(
-                MeshError, "mesh-axes-unnamed", str(text),
+                MeshError,
+                "mesh-axes-unnamed",
+                str(text),
                 f"The mesh {text!r} has {len(sizes)} axes; the default names are {MESH_AXES}",
                 "Name them with axes, e.g. axes='data,fsdp,model'.",
-            )  # fmt: skip
+            )
         names = MESH_AXES
     else:
         names = tuple(a.strip() for a in axes.split(",") if a.strip())
         if len(names) != len(sizes) or len(set(names)) != len(names):
             raise error_for(
-                MeshError, "mesh-axis-names", str(text),
+                MeshError,
+                "mesh-axis-names",
+                str(text),
                 f"The axis names {axes!r} are {len(set(names))} distinct names for the "
                 f"{len(sizes)} mesh axes of {text!r}",
                 "Give one distinct name per axis.",
-            )  # fmt: skip
+            )
     return dict(zip(names, sizes, strict=True))
 
 

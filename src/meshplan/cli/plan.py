@@ -74,31 +74,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the device count (checked against --mesh, whose sizes multiply to it)",
     )
     parser.add_argument(
-        "--budget", type=parse_bytes, default=None, help="bytes one device may hold, e.g. "
-        "16GiB (default: the profile's memory)",
-    )  # fmt: skip
+        "--budget",
+        type=parse_bytes,
+        default=None,
+        help="bytes one device may hold, e.g. 16GiB (default: the profile's memory)",
+    )
     parser.add_argument(
-        "--batch", type=int, default=None, help="global batch of a built-in model's step, with "
-        "--profile (default 32)",
-    )  # fmt: skip
+        "--batch",
+        type=int,
+        default=None,
+        help="global batch of a built-in model's step, with --profile (default 32)",
+    )
     parser.add_argument(
-        "--seq", type=int, default=None, help="Transformer sequence length, with --profile "
-        "(default 128)",
-    )  # fmt: skip
+        "--seq",
+        type=int,
+        default=None,
+        help="Transformer sequence length, with --profile (default 128)",
+    )
     parser.add_argument(
-        "--grad-accum", type=int, default=None, metavar="N", help="the step accumulates the "
+        "--grad-accum",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the step accumulates the "
         "gradients of N microbatches of the batch, with --profile: the weights gathered and "
         "gradients reduce-scattered per microbatch, one microbatch's activations (default 1)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--microbatches", type=int, default=None, metavar="M", help="a pipeline's microbatches "
+        "--microbatches",
+        type=int,
+        default=None,
+        metavar="M",
+        help="a pipeline's microbatches "
         "(--rules pipeline, pp_fsdp, pp_tp), with --profile: the schedule's bubble, the sends "
         "between stages and each stage's memory priced (at least the stages)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--pipeline-repeats", type=int, default=None, metavar="V", help="layer groups per "
+        "--pipeline-repeats",
+        type=int,
+        default=None,
+        metavar="V",
+        help="layer groups per "
         "pipeline stage (the circular schedule), with --microbatches (default 1)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--experts",
         type=int,
@@ -204,11 +222,17 @@ def _predict(
         args.seq = args.seq or 128
         step, batch = step_and_batch(args)
     prediction = meshplan.predict(
-        state, step, batch, mesh=shape, rules=rules, profile=args.profile,
-        memory_budget_bytes=args.budget, microbatches=getattr(args, "grad_accum", None) or 1,
+        state,
+        step,
+        batch,
+        mesh=shape,
+        rules=rules,
+        profile=args.profile,
+        memory_budget_bytes=args.budget,
+        microbatches=getattr(args, "grad_accum", None) or 1,
         pipeline_microbatches=getattr(args, "microbatches", None),
         pipeline_repeats=getattr(args, "pipeline_repeats", None) or 1,
-    )  # fmt: skip
+    )
     return prediction.to_dict()
 
 
@@ -382,13 +406,15 @@ def mesh_size_problem(text: str, shape: dict[str, int]) -> None:
     if devices <= MAX_PLAN_DEVICES:
         return
     raise error_for(
-        MeshError, "mesh-too-large", "--mesh",
+        MeshError,
+        "mesh-too-large",
+        "--mesh",
         f"--mesh {text} has {devices:,} devices: meshplan plan lays out at most "
         f"{MAX_PLAN_DEVICES:,} (2**20). A plan counts the bytes of every device, so its time "
         f"and memory grow with the device count (4096x4096 took 54 s; 10000x10000 passed "
         f"10 GB with no output), and the largest machines have about 100,000 accelerators",
         f"Pass a mesh of at most {MAX_PLAN_DEVICES:,} devices, e.g. --mesh 1024x1024.",
-    )  # fmt: skip
+    )
 
 
 def png_problem(path: str | None) -> None:
@@ -416,10 +442,12 @@ def png_problem(path: str | None) -> None:
         why = f"is in a folder that does not exist ({str(p.absolute().parent)!r})"
     if why is not None:
         raise error_for(
-            MeshplanError, "png-path", "--png",
+            MeshplanError,
+            "png-path",
+            "--png",
             f"--png {path!r} {why}: the picture is written to a file",
             f"Pass a file path, e.g. --png {str(p / 'plan.png') if p.is_dir() else 'plan.png'}.",
-        )  # fmt: skip
+        )
 
 
 def _axes(args: argparse.Namespace) -> str | None:
@@ -476,8 +504,12 @@ def run(args: argparse.Namespace) -> int:
     problems = plan.problems
 
     if args.json:
-        data = {"model": what, "rules_name": label, "plan": plan.to_dict(),
-                "problems": [p.to_dict() for p in problems]}  # fmt: skip
+        data = {
+            "model": what,
+            "rules_name": label,
+            "plan": plan.to_dict(),
+            "problems": [p.to_dict() for p in problems],
+        }
         if prediction is not None:
             data["prediction"] = prediction
         sys.stdout.write(json.dumps(data, indent=2) + "\n")

@@ -142,10 +142,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seq", type=int, default=None, help="Transformer sequence length (default 128)"
     )
     parser.add_argument(
-        "--grad-accum", type=int, default=1, metavar="N", help="the step accumulates the "
+        "--grad-accum",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the step accumulates the "
         "gradients of N microbatches of the batch: priced with the weights gathered and "
         "gradients reduce-scattered per microbatch, one microbatch's activations (default 1)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--profile",
         type=parse_profile,
@@ -244,10 +248,22 @@ def _smaller(devices: int) -> int:
 
 def _flags_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the numbers and the model's flags, or ``None`` (fills defaults)."""
-    least = {"devices": 1, "batch": 1, "seq": 1, "rows": 1, "top-k": 1 if args.measure else 0,
-             "grad-accum": 1}  # fmt: skip
-    values = {"devices": args.devices, "batch": args.batch, "seq": args.seq,
-              "rows": args.rows, "top-k": args.top_k, "grad-accum": args.grad_accum}  # fmt: skip
+    least = {
+        "devices": 1,
+        "batch": 1,
+        "seq": 1,
+        "rows": 1,
+        "top-k": 1 if args.measure else 0,
+        "grad-accum": 1,
+    }
+    values = {
+        "devices": args.devices,
+        "batch": args.batch,
+        "seq": args.seq,
+        "rows": args.rows,
+        "top-k": args.top_k,
+        "grad-accum": args.grad_accum,
+    }
     bad = [f"--{k} {v}" for k, v in values.items() if v is not None and v < least[k]]
     if bad:
         return (
@@ -350,8 +366,15 @@ def _groups(rows: list[Any]) -> list[list[Any]]:
     for r in rows:
         c = r.cost
         rules = r.short_rules if r.layout == "searched" else ""  # a built-in's, on any shape
-        key = (r.layout, r.axes_text, rules, r.measured_s, c.step_s, c.memory_bytes,
-               tuple(sorted(c.comm_bytes.items())))  # fmt: skip
+        key = (
+            r.layout,
+            r.axes_text,
+            rules,
+            r.measured_s,
+            c.step_s,
+            c.memory_bytes,
+            tuple(sorted(c.comm_bytes.items())),
+        )
         groups.setdefault(key, []).append(r)
     return list(groups.values())
 
@@ -364,16 +387,28 @@ def _table(result: Any, rows: int) -> Table:
     ok = [g[0] for g in groups]
     measured_any = any(r.measured_s is not None for r in ok)
     # A pipeline's sends between stages are listed under the table, with its schedule.
-    kinds = sorted({k for r in ok if r.cost and r.pipeline is None
-                    for k, v in r.cost.comm_bytes.items() if v})  # fmt: skip
+    kinds = sorted(
+        {k for r in ok if r.cost and r.pipeline is None for k, v in r.cost.comm_bytes.items() if v}
+    )
     table = Table(box=None, header_style="bold", pad_edge=False)
     unit = f"{result.tokens_unit}/s"
-    columns = [("#", "right"), ("mesh", "left"), ("axes", "left"), ("predicted", "right"),
-               ("measured", "right"), (unit, "right"), ("MFU", "right")]  # fmt: skip
+    columns = [
+        ("#", "right"),
+        ("mesh", "left"),
+        ("axes", "left"),
+        ("predicted", "right"),
+        ("measured", "right"),
+        (unit, "right"),
+        ("MFU", "right"),
+    ]
     if measured_any:  # the measured figures beside the predicted ones, each labelled
         columns += [(f"measured {unit}", "right"), ("measured MFU", "right")]
-    columns += [("state", "right"), ("activations", "right"), ("temporaries", "right"),
-                ("memory/device", "right")]  # fmt: skip
+    columns += [
+        ("state", "right"),
+        ("activations", "right"),
+        ("temporaries", "right"),
+        ("memory/device", "right"),
+    ]
     for name, justify in columns:
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for kind in kinds:
@@ -384,13 +419,24 @@ def _table(result: Any, rows: int) -> Table:
         r, c = group[0], group[0].cost
         measured = "-" if r.measured_s is None else f"{r.measured_s * 1e3:.3f} ms"
         f = prediction_fields(
-            c, result.tokens, result.devices, result.profile, result.budget_bytes,
+            c,
+            result.tokens,
+            result.devices,
+            result.profile,
+            result.budget_bytes,
             result.tokens_unit,
-        )  # fmt: skip
+        )
         tps = "-" if f["tokens_per_s"] is None else f"{f['tokens_per_s']:,.0f}"
         mfu = "-" if f["mfu"] is None else f"{f['mfu']:.1%}"
-        cells = [str(r.rank), ", ".join(g.mesh_text for g in group), r.axes_text,
-                 human_seconds(c.step_s), measured, tps, mfu]  # fmt: skip
+        cells = [
+            str(r.rank),
+            ", ".join(g.mesh_text for g in group),
+            r.axes_text,
+            human_seconds(c.step_s),
+            measured,
+            tps,
+            mfu,
+        ]
         if measured_any:
             m = r.measured_s
             cells += [
@@ -398,12 +444,15 @@ def _table(result: Any, rows: int) -> Table:
                 "-" if not m else f"{c.flops_per_device / (m * result.profile.peak_flops):.1%}",
             ]
         table.add_row(
-            *cells, human_bytes(c.state_bytes), human_bytes(c.activation_bytes),
+            *cells,
+            human_bytes(c.state_bytes),
+            human_bytes(c.activation_bytes),
             human_bytes(c.temporary_bytes + c.batch_bytes),
             f"{human_bytes(c.memory_bytes)} / {human_bytes(result.budget_bytes)}",
             *[human_bytes(c.comm_bytes.get(k, 0)) for k in kinds],
-            r.short_rules, r.layout if r.layout != "searched" else "",
-        )  # fmt: skip
+            r.short_rules,
+            r.layout if r.layout != "searched" else "",
+        )
     return table
 
 
@@ -411,16 +460,21 @@ def _schedule_lines(result: Any, rows: int) -> list[str]:
     """The schedule of each pipelined row the table shows: stages, microbatches, bubble and
     the sends between stages."""
     shown = [g[0] for g in _groups([r for r in result.ok if r.cost is not None])[:rows]]
-    return [f"  #{r.rank} {r.mesh_text} {r.axes_text} {r.layout}: {r.schedule_text}"
-            for r in shown if r.pipeline is not None]  # fmt: skip
+    return [
+        f"  #{r.rank} {r.mesh_text} {r.axes_text} {r.layout}: {r.schedule_text}"
+        for r in shown
+        if r.pipeline is not None
+    ]
 
 
 def _verdict_lines(result: Any) -> list[str]:
     """One line per role (``context``, ``expert``, ``pipeline``): proposed or not, and why."""
     from meshplan._search.search.verdicts import search_verdicts
 
-    return [f"  {v.role}: {'proposed' if v.proposed else 'not proposed'} ({v.kind}): {v.reason}"
-            for v in search_verdicts(result)]  # fmt: skip
+    return [
+        f"  {v.role}: {'proposed' if v.proposed else 'not proposed'} ({v.kind}): {v.reason}"
+        for v in search_verdicts(result)
+    ]
 
 
 def _counts_line(result: Any, top_k: int) -> str:
@@ -450,9 +504,13 @@ def _load(args: argparse.Namespace) -> tuple[str, Any, Any, Any, bool, list[str]
         names = None if args.names == INFER else read_names(args.names, args.model)
         loaded = load_factory(args.model, names)  # with no names: search_rules infers them
         return (
-            loaded.what, loaded.abstract_state, loaded.step_fn, loaded.example_batch,
-            loaded.trainable is not None, list(loaded.notes),
-        )  # fmt: skip
+            loaded.what,
+            loaded.abstract_state,
+            loaded.step_fn,
+            loaded.example_batch,
+            loaded.trainable is not None,
+            list(loaded.notes),
+        )
     if args.model == "llama":
         from meshplan.cli.llama_model import llama_step_of
 
@@ -488,8 +546,11 @@ def run(args: argparse.Namespace) -> int:
         else:  # searching needs only the count
             use_cpu_backend()
         if args.devices >= 1024 and not args.json:  # never silent for a minute or more
-            say(err, f"searching {args.devices} devices: every mesh shape of 1 to 3 axes and "
-                f"its rule sets; this takes a minute or more")  # fmt: skip
+            say(
+                err,
+                f"searching {args.devices} devices: every mesh shape of 1 to 3 axes and "
+                f"its rule sets; this takes a minute or more",
+            )
     except MeshError as e:
         print_error(e, err)
         return 2
@@ -507,11 +568,19 @@ def run(args: argparse.Namespace) -> int:
             say(err, line)
         roles = tuple(args.axes) if args.axes else ROLES
         result = meshplan.search_rules(
-            args.devices, state, step, batch,
-            profile=args.profile, memory_budget_bytes=args.budget, layouts=layouts,
-            roles=roles, compile_top=args.top_k, measure=args.measure, measure_top=args.top_k,
+            args.devices,
+            state,
+            step,
+            batch,
+            profile=args.profile,
+            memory_budget_bytes=args.budget,
+            layouts=layouts,
+            roles=roles,
+            compile_top=args.top_k,
+            measure=args.measure,
+            measure_top=args.top_k,
             microbatches=args.grad_accum,
-        )  # fmt: skip
+        )
         advice = None
         if result.best is None:  # nothing fits: the closest, and what would make it fit
             work = meshplan.trace_workload(step, state, batch, read_constraints=True)
@@ -523,8 +592,12 @@ def run(args: argparse.Namespace) -> int:
         print_error(e, err)
         return 2
     if args.json:
-        data = {"model": what, **result.to_dict(), "rules_file": None if path is None else
-                str(path), "train_command": command}  # fmt: skip
+        data = {
+            "model": what,
+            **result.to_dict(),
+            "rules_file": None if path is None else str(path),
+            "train_command": command,
+        }
         from meshplan._search.search.verdicts import search_verdicts
 
         data["verdicts"] = [v.to_dict() for v in search_verdicts(result)]
@@ -569,17 +642,23 @@ def _advice(args: argparse.Namespace, result: Any, work: Any, state: Any) -> Adv
 
 
 def _print(
-    out: Console, args: argparse.Namespace, what: str, result: Any, command: str | None,
-    path: Path | None, advice: Advice | None = None,
-) -> None:  # fmt: skip
+    out: Console,
+    args: argparse.Namespace,
+    what: str,
+    result: Any,
+    command: str | None,
+    path: Path | None,
+    advice: Advice | None = None,
+) -> None:
     from meshplan._text import human_bytes
 
     batch = f", batch {result.batch}" if result.batch else ""
     say(
-        out, (what, "bold"),
+        out,
+        (what, "bold"),
         f" · {result.devices} devices · profile {result.profile.name} · budget "
         f"{human_bytes(result.budget_bytes)}/device{batch}",
-    )  # fmt: skip
+    )
     if result.ok:
         out.print(_table(result, args.rows))
         schedules = _schedule_lines(result, args.rows)
@@ -609,17 +688,21 @@ def _print(
         say(out, ("best: none", "bold"), " (no candidate passes and fits the budget)")
         if advice is not None and advice[1] is not None:
             say(out, ("closest: ", "bold"), advice[1])
-            say(out, "what would make it fit (its rules searched again on every mesh shape of "
-                     "its axes, re-priced):")  # fmt: skip
+            say(
+                out,
+                "what would make it fit (its rules searched again on every mesh shape of "
+                "its axes, re-priced):",
+            )
             for flag, _, line, _ in advice[2]:
                 say(out, f"  {flag}: {line}")
         return
     assert best.cost is not None
     say(
-        out, ("best: ", "bold"),
+        out,
+        ("best: ", "bold"),
         f"{best.mesh_text} {best.axes_text} {best.short_rules} · predicted "
         f"{human_seconds(best.cost.step_s)}/step, {human_bytes(best.cost.memory_bytes)}/device",
-    )  # fmt: skip
+    )
     written = Path(args.names_out) if args.names_out and result.path_rules is not None else None
     for line in names_lines(result, written):
         say(out, line)

@@ -56,9 +56,11 @@ def _score_shape(dot: Dot) -> tuple[int, ...]:
     """The shape of the score array ``dot`` reads or writes (its output or larger operand)."""
     if produces_scores(dot):
         (lc, rc), (lb, rb) = dot.contract, dot.batch
-        return (*(dot.lhs_shape[i] for i in lb),
-                *(s for i, s in enumerate(dot.lhs_shape) if i not in lc and i not in lb),
-                *(s for j, s in enumerate(dot.rhs_shape) if j not in rc and j not in rb))  # fmt: skip
+        return (
+            *(dot.lhs_shape[i] for i in lb),
+            *(s for i, s in enumerate(dot.lhs_shape) if i not in lc and i not in lb),
+            *(s for j, s in enumerate(dot.rhs_shape) if j not in rc and j not in rb),
+        )
     if math.prod(dot.lhs_shape) >= math.prod(dot.rhs_shape):
         return dot.lhs_shape
     return dot.rhs_shape

@@ -235,8 +235,11 @@ class _Links(_Walker):
             n = p["cond_nconsts"]
             pairs = zip(eqn.invars[n:], p["body_jaxpr"].jaxpr.invars, strict=True)
         elif prim == "cond":
-            pairs = ((o, i) for b in p["branches"][-1:]
-                     for o, i in zip(eqn.invars[1:], b.jaxpr.invars, strict=True))  # fmt: skip
+            pairs = (
+                (o, i)
+                for b in p["branches"][-1:]
+                for o, i in zip(eqn.invars[1:], b.jaxpr.invars, strict=True)
+            )
         else:
             sub = memory.call_body(eqn)
             pairs = iter(()) if sub is None else zip(eqn.invars, sub.invars, strict=True)
@@ -308,20 +311,31 @@ class _Links(_Walker):
                     self.join(v, i, out, k)
                     free[operand].append(i)
                     k += 1
-        weight = [self.has(self.from_state, v) and not self.has(self.from_batch, v)
-                  for v in (lhs, rhs)]  # fmt: skip
+        weight = [
+            self.has(self.from_state, v) and not self.has(self.from_batch, v) for v in (lhs, rhs)
+        ]
         acts = all(self.has(self.from_batch, v) for v in (lhs, rhs))
         side: int | str | None = (
-            0 if weight[0] and not weight[1] else 1 if weight[1] and not weight[0]
-            else "acts" if acts else None
-        )  # fmt: skip
+            0
+            if weight[0] and not weight[1]
+            else 1
+            if weight[1] and not weight[0]
+            else "acts"
+            if acts
+            else None
+        )
         if not self.backward:  # autodiff's transposes repeat the forward pass's matmuls
             lhs_nodes = [self.node(lhs, i) for i in range(len(_shape(lhs)))]
             rhs_nodes = [self.node(rhs, i) for i in range(len(_shape(rhs)))]
-            self.dot_facts.append((
-                tuple(lhs_nodes[i] for i in lc), tuple(lhs_nodes[i] for i in lb),
-                tuple(lhs_nodes[i] for i in free[0]), tuple(rhs_nodes[i] for i in free[1]), side,
-            ))  # fmt: skip
+            self.dot_facts.append(
+                (
+                    tuple(lhs_nodes[i] for i in lc),
+                    tuple(lhs_nodes[i] for i in lb),
+                    tuple(lhs_nodes[i] for i in free[0]),
+                    tuple(rhs_nodes[i] for i in free[1]),
+                    side,
+                )
+            )
 
     def transpose(self, eqn: Any) -> None:
         x, out = eqn.invars[0], eqn.outvars[0]
@@ -592,5 +606,6 @@ def dim_classes(step_fn: Callable[..., Any], abstract_state: Any, example_batch:
     batch = links.node(batch_in[0], 0) if batch_in and _shape(batch_in[0]) else None
     _close(uf, links.products)
     inputs = [links.node(v, d) for v in batch_in for d in range(len(_shape(v))) if _shape(v)[d] > 1]
-    return DimClasses(uf, links.products, links.scans, links.rows, dots, state, batch,
-                      links.id_dims, inputs)  # fmt: skip
+    return DimClasses(
+        uf, links.products, links.scans, links.rows, dots, state, batch, links.id_dims, inputs
+    )

@@ -217,8 +217,12 @@ class _Namer:
     def weight_free(self) -> set[Node]:
         """Classes a weight's matmul produces, and their factors (``heads x kv``)."""
         c = self.c
-        out = {c.find(n) for _, _, fl, fr, side in c.dots if side in (0, 1)
-               for n in (fl if side == 0 else fr)}  # fmt: skip
+        out = {
+            c.find(n)
+            for _, _, fl, fr, side in c.dots
+            if side in (0, 1)
+            for n in (fl if side == 0 else fr)
+        }
         todo = list(out)
         while todo:
             for factors in c.factors(todo.pop()):
@@ -255,8 +259,11 @@ class _Namer:
         # query's heads (kv_heads x group, the group not a head dimension): the query's
         # heads are the whole, the keys' the factor.
         wholes = {self.c.find(w): tuple(map(self.c.find, f)) for w, f in self.c.products}
-        split = {w: f for w, f in wholes.items() if f[0] in batched and w in self.counts
-                 and not any(x in kv or x in value_kv for x in f)}  # fmt: skip
+        split = {
+            w: f
+            for w, f in wholes.items()
+            if f[0] in batched and w in self.counts and not any(x in kv or x in value_kv for x in f)
+        }
         parts = {x for f in split.values() for x in f}
         heads = [*split, *(r for r in batched if r not in parts)]
         for r in heads:
@@ -264,8 +271,13 @@ class _Namer:
         for r in heads:
             major = wholes.get(r, ())[:1]
             if major and major[0] in made:
-                self.give(major[0], "kv_heads", "the keys' and values' heads (grouped-query "
-                          "attention): the major factor of the query's heads", factor=True)  # fmt: skip
+                self.give(
+                    major[0],
+                    "kv_heads",
+                    "the keys' and values' heads (grouped-query "
+                    "attention): the major factor of the query's heads",
+                    factor=True,
+                )
         for r in [*kv, *value_kv]:
             self.give(r, "kv", "head dimension: q·kᵀ contracts it", factor=True)
 
@@ -295,8 +307,10 @@ class _Namer:
                 for factors in self.c.factors(r):
                     named = [self.names[f][0] for f in factors if f in self.names]
                     if named:
-                        parts = " x ".join(self.names[f][0] if f in self.names else
-                                           str(self.c.size(f)) for f in factors)  # fmt: skip
+                        parts = " x ".join(
+                            self.names[f][0] if f in self.names else str(self.c.size(f))
+                            for f in factors
+                        )
                         self.give(r, named[0], f"merged {parts}: named after its major factor")
                         break
 
@@ -353,8 +367,11 @@ def _rules(paths: Sequence[str | None], names: Sequence[Names]) -> list[PathRule
     """One rule per parameter (its optimizer's copies matched by the same pattern), a layer
     index as ``\\d+`` where every layer has the same names; exact rules first where a
     general one would name an array wrongly."""
-    named = [(p, n) for p, n in zip(paths, names, strict=True)
-             if p is not None and any(x is not None for x in n)]  # fmt: skip
+    named = [
+        (p, n)
+        for p, n in zip(paths, names, strict=True)
+        if p is not None and any(x is not None for x in n)
+    ]
     root = _params_root([p for p, _ in named])
     prefix = "(?:.*/)?" if root else ""
     params = [(p[len(root) :], n) for p, n in named if root and p.startswith(root)] or named

@@ -34,27 +34,83 @@ __all__ = [
 
 Names = tuple[Any, ...]
 
-UNDERSTOOD = frozenset({
-    # structure: names follow dimensions (trace's ``other``) or dimensions of equal size
-    "transpose", "broadcast_in_dim", "reshape", "slice", "squeeze", "expand_dims",
-    "concatenate", "pad", "rev", "split", "iota", "select_n", "clamp", "copy", "copy_p",
-    "dynamic_slice", "dynamic_update_slice", "gather", "scatter", "scatter-add",
-    "scatter_add", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min", "scatter-max",
-    "scatter_max", "sort", "top_k", "argsort", "cumsum", "cumprod", "cummax", "cummin",
-    "cumlogsumexp", "argmax", "argmin", "reduce_sum", "reduce_max", "reduce_min",
-    "reduce_prod", "reduce_and", "reduce_or", "reduce_xor", "reduce_precision",
-    "convert_element_type", "bitcast_convert_type", "stop_gradient", "optimization_barrier",
-    "sharding_constraint", "mesh_cast", "reshard", "pvary",
-    # random numbers: elementwise on their keys
-    "random_bits", "random_seed", "random_wrap", "random_unwrap", "random_fold_in",
-    "random_split", "threefry2x32", "rng_bit_generator", "rng_uniform",
-})  # fmt: skip
+UNDERSTOOD = frozenset(
+    {
+        # structure: names follow dimensions (trace's ``other``) or dimensions of equal size
+        "transpose",
+        "broadcast_in_dim",
+        "reshape",
+        "slice",
+        "squeeze",
+        "expand_dims",
+        "concatenate",
+        "pad",
+        "rev",
+        "split",
+        "iota",
+        "select_n",
+        "clamp",
+        "copy",
+        "copy_p",
+        "dynamic_slice",
+        "dynamic_update_slice",
+        "gather",
+        "scatter",
+        "scatter-add",
+        "scatter_add",
+        "scatter-mul",
+        "scatter_mul",
+        "scatter-min",
+        "scatter_min",
+        "scatter-max",
+        "scatter_max",
+        "sort",
+        "top_k",
+        "argsort",
+        "cumsum",
+        "cumprod",
+        "cummax",
+        "cummin",
+        "cumlogsumexp",
+        "argmax",
+        "argmin",
+        "reduce_sum",
+        "reduce_max",
+        "reduce_min",
+        "reduce_prod",
+        "reduce_and",
+        "reduce_or",
+        "reduce_xor",
+        "reduce_precision",
+        "convert_element_type",
+        "bitcast_convert_type",
+        "stop_gradient",
+        "optimization_barrier",
+        "sharding_constraint",
+        "mesh_cast",
+        "reshard",
+        "pvary",
+        # random numbers: elementwise on their keys
+        "random_bits",
+        "random_seed",
+        "random_wrap",
+        "random_unwrap",
+        "random_fold_in",
+        "random_split",
+        "threefry2x32",
+        "rng_bit_generator",
+        "rng_uniform",
+    }
+)
 
 
 def gather_names(
-    p: Any, operand: Names, indices: Names, shapes: Sequence[tuple[int, ...]],
+    p: Any,
+    operand: Names,
+    indices: Names,
+    shapes: Sequence[tuple[int, ...]],
     out_shape: tuple[int, ...],
-) -> Names:  # fmt: skip
+) -> Names:
     """A ``gather``'s output names: its batch dimensions the indices' (or, for batching
     dimensions, the operand's), its offset dimensions the operand's where taken whole.
 
@@ -74,9 +130,12 @@ def gather_names(
     skipped = set(dn.collapsed_slice_dims) | set(getattr(dn, "operand_batching_dims", ()))
     kept = [d for d in range(len(op_shape)) if d not in skipped]
     batching = dict(
-        zip(getattr(dn, "start_indices_batching_dims", ()),
-            getattr(dn, "operand_batching_dims", ()), strict=True)
-    )  # fmt: skip
+        zip(
+            getattr(dn, "start_indices_batching_dims", ()),
+            getattr(dn, "operand_batching_dims", ()),
+            strict=True,
+        )
+    )
     slice_sizes = tuple(p.get("slice_sizes", op_shape))
     out: list[Any] = [None] * len(out_shape)
     batch_dims = [i for i in range(len(out_shape)) if i not in offset]

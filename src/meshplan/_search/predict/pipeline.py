@@ -77,10 +77,18 @@ class PipelineCost:
     def to_dict(self) -> dict[str, Any]:
         """The schedule and what it costs, as plain data (``--json``'s ``pipeline``)."""
         s = self.schedule
-        return {"stages": s.stages, "microbatches": s.microbatches, "repeats": s.repeats,
-                "iterations": s.iterations, "bubble": s.bubble, "bubble_s": self.bubble_s,
-                "send_s": self.send_s, "send_bytes": self.send_bytes, "link": self.link,
-                "block_fraction": self.block_fraction}  # fmt: skip
+        return {
+            "stages": s.stages,
+            "microbatches": s.microbatches,
+            "repeats": s.repeats,
+            "iterations": s.iterations,
+            "bubble": s.bubble,
+            "bubble_s": self.bubble_s,
+            "send_s": self.send_s,
+            "send_bytes": self.send_bytes,
+            "link": self.link,
+            "block_fraction": self.block_fraction,
+        }
 
 
 def _without(rules: LogicalRules, axes: tuple[str, ...]) -> tuple[tuple[str, MeshAxes], ...]:
@@ -175,13 +183,16 @@ def _state_layer_share(workload: Workload) -> float:
     return layer / whole if whole else 0.0
 
 
-def _boundary_bytes(workload: Workload, mesh: Mapping[str, int], rules: LogicalRules,
-                    microbatches: int) -> int:  # fmt: skip
+def _boundary_bytes(
+    workload: Workload, mesh: Mapping[str, int], rules: LogicalRules, microbatches: int
+) -> int:
     """Bytes of one microbatch's activation between two stages, on one device: its tokens
     over the devices that split ``'batch'``, times the model width and the compute dtype."""
     tokens = workload.tokens or 0
-    embed = max((s[n.index("embed")] for n, s, _ in workload.state
-                 if n is not None and "embed" in n), default=0)  # fmt: skip
+    embed = max(
+        (s[n.index("embed")] for n, s, _ in workload.state if n is not None and "embed" in n),
+        default=0,
+    )
     item = max((d.lhs_itemsize for d in workload.dots), default=4)
     batch_axes = next((mesh_axes_of(e) for n, e in rules if n == "batch"), ())
     shards = math.prod(mesh.get(a, 1) for a in batch_axes)

@@ -161,14 +161,17 @@ def _mesh_sizes(mesh: Any) -> dict[str, int]:
         for axis, size in shape.items():
             n = whole_number(size) if not isinstance(size, float) else None
             if not isinstance(axis, str) or n is None or n < 1:
-                problems.append(f"mesh axis {axis!r} of size {size!r}: expected a name and a "
-                                f"whole number of at least 1")  # fmt: skip
+                problems.append(
+                    f"mesh axis {axis!r} of size {size!r}: expected a name and a "
+                    f"whole number of at least 1"
+                )
     if problems:
         fix = "Pass mesh={'data': 8, 'model': 4} (axis names and sizes), or a jax Mesh."
         raise error_from_problems(
-            ArgumentError, "predict got a mesh it cannot use:",
+            ArgumentError,
+            "predict got a mesh it cannot use:",
             [Problem("error", "mesh", p, fix, "bad-argument") for p in problems],
-        )  # fmt: skip
+        )
     return {str(a): int(s) for a, s in shape.items()}
 
 
@@ -270,18 +273,36 @@ def predict(
         rules = get_layout(rules)
     if model is not None:
         if example_batch is None:
-            raise error_from_problems(ArgumentError, "predict(model=...) needs example_batch=:", [
-                Problem("error", "example_batch", "no example batch for the model",
-                        "Pass example_batch=, the model's inputs.", "missing-argument")
-            ])  # fmt: skip
+            raise error_from_problems(
+                ArgumentError,
+                "predict(model=...) needs example_batch=:",
+                [
+                    Problem(
+                        "error",
+                        "example_batch",
+                        "no example batch for the model",
+                        "Pass example_batch=, the model's inputs.",
+                        "missing-argument",
+                    )
+                ],
+            )
         abstract_state, step_fn, example_batch = linen_step(model, example_batch, loss, optimizer)
     if workload is None:
         if step_fn is None or abstract_state is None or example_batch is None:
-            raise error_from_problems(ArgumentError, "predict has no step to trace:", [
-                Problem("error", "step_fn", "no step", "Pass (abstract_state, step_fn, "
+            raise error_from_problems(
+                ArgumentError,
+                "predict has no step to trace:",
+                [
+                    Problem(
+                        "error",
+                        "step_fn",
+                        "no step",
+                        "Pass (abstract_state, step_fn, "
                         "example_batch), model= with example_batch=, or workload=.",
-                        "missing-argument")
-            ])  # fmt: skip
+                        "missing-argument",
+                    )
+                ],
+            )
         one = split_batch(example_batch, microbatches)
         workload = trace_workload(step_fn, abstract_state, one, read_constraints=True)
     budget = whole_number(memory_budget_bytes) if memory_budget_bytes is not None else None
@@ -291,8 +312,14 @@ def predict(
     if stages > 1:
         check_pipeline(workload, stages, pipeline_microbatches, pipeline_repeats, microbatches)
         assert pipeline_microbatches is not None
-        pp = predict_pipeline(workload, sizes, rules, prof, microbatches=pipeline_microbatches,
-                              repeats=pipeline_repeats)  # fmt: skip
+        pp = predict_pipeline(
+            workload,
+            sizes,
+            rules,
+            prof,
+            microbatches=pipeline_microbatches,
+            repeats=pipeline_repeats,
+        )
         return Prediction(pp.cost, sizes, prof, budget, tokens, workload.tokens_unit, pp)
     cost = predict_specs(workload, _Specs(sizes, rules), prof, microbatches=microbatches)
     return Prediction(cost, sizes, prof, budget, tokens, workload.tokens_unit)
@@ -321,25 +348,42 @@ def check_pipeline(
     """
     problems: list[Problem] = []
     if microbatches is None:
-        problems.append(Problem(
-            "error", "pipeline_microbatches", f"the rules give 'stage' {stages} devices (a "
-            "pipeline) and no pipeline microbatches were given",
-            f"Pass pipeline_microbatches=, at least {stages}: e.g. "
-            f"{4 * stages} (bubble {(stages - 1) / (4 * stages * repeats + stages - 1):.0%}).",
-            "pipeline-microbatches"))  # fmt: skip
+        problems.append(
+            Problem(
+                "error",
+                "pipeline_microbatches",
+                f"the rules give 'stage' {stages} devices (a "
+                "pipeline) and no pipeline microbatches were given",
+                f"Pass pipeline_microbatches=, at least {stages}: e.g. "
+                f"{4 * stages} (bubble {(stages - 1) / (4 * stages * repeats + stages - 1):.0%}).",
+                "pipeline-microbatches",
+            )
+        )
     if accumulate > 1:
-        problems.append(Problem(
-            "error", "microbatches", f"gradient accumulation ({accumulate} microbatches) with a "
-            "pipeline: the pipeline's own microbatches cut the batch", "Leave microbatches= "
-            "out and give pipeline_microbatches=.",
-            "pipeline-grad-accum"))  # fmt: skip
+        problems.append(
+            Problem(
+                "error",
+                "microbatches",
+                f"gradient accumulation ({accumulate} microbatches) with a "
+                "pipeline: the pipeline's own microbatches cut the batch",
+                "Leave microbatches= out and give pipeline_microbatches=.",
+                "pipeline-grad-accum",
+            )
+        )
     sizes = {s[n.index("layer")] for n, s, _ in workload.state if n is not None and "layer" in n}
     if len(sizes) != 1:
-        problems.append(Problem(
-            "error", "rules", f"the rules give 'stage' {stages} devices, and the state has "
-            f"{'no' if not sizes else 'more than one'} 'layer' stack to cut into stages "
-            f"({sorted(sizes)})", "Pipeline a model whose scanned blocks carry a leading "
-            "'layer' name, or use rules without 'stage'.", "pipeline-scan"))  # fmt: skip
+        problems.append(
+            Problem(
+                "error",
+                "rules",
+                f"the rules give 'stage' {stages} devices, and the state has "
+                f"{'no' if not sizes else 'more than one'} 'layer' stack to cut into stages "
+                f"({sorted(sizes)})",
+                "Pipeline a model whose scanned blocks carry a leading "
+                "'layer' name, or use rules without 'stage'.",
+                "pipeline-scan",
+            )
+        )
     elif microbatches is not None:
         plan = PipelineSchedule(stages, microbatches, repeats)
         problems += plan.problems(sizes.pop(), workload.batch)

@@ -46,17 +46,23 @@ def prediction_fields(
         "tokens_per_s": None if not tokens or step <= 0 else tokens / step,
         "throughput_unit": unit,
         "mfu": None if step <= 0 else cost.flops_per_device / (step * profile.peak_flops),
-        "compute_s": cost.compute_s, "memory_s": cost.memory_s, "comm_s": cost.comm_s,
+        "compute_s": cost.compute_s,
+        "memory_s": cost.memory_s,
+        "comm_s": cost.comm_s,
         "comm_total_s": cost.comm_total_s,
         "memory_bytes_per_device": cost.memory_bytes,
         "state_bytes_per_device": cost.state_bytes,
         "batch_bytes_per_device": cost.batch_bytes,
         "activation_bytes_per_device": cost.activation_bytes,
         "temporary_bytes_per_device": cost.temporary_bytes,
-        "budget_bytes": budget, "fits": cost.memory_bytes <= budget,
-        "comm_bytes": dict(cost.comm_bytes), "comm_by_axis": dict(cost.comm_by_axis),
-        "devices": devices, "profile": profile.name, "unpriced": list(cost.unpriced),
-    }  # fmt: skip
+        "budget_bytes": budget,
+        "fits": cost.memory_bytes <= budget,
+        "comm_bytes": dict(cost.comm_bytes),
+        "comm_by_axis": dict(cost.comm_by_axis),
+        "devices": devices,
+        "profile": profile.name,
+        "unpriced": list(cost.unpriced),
+    }
 
 
 def prediction_lines(fields: dict[str, Any]) -> list[str]:

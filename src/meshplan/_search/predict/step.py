@@ -60,11 +60,13 @@ def linen_step(
 def check_microbatches(microbatches: object) -> None:
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise error_for(
-            ArgumentError, "bad-microbatches", "microbatches",
+            ArgumentError,
+            "bad-microbatches",
+            "microbatches",
             f"microbatches is {microbatches!r}: it must be a whole number of at least 1",
             "Pass microbatches=N, the number of microbatches whose gradients one step "
             "accumulates (1: none).",
-        )  # fmt: skip
+        )
 
 
 def split_batch(example_batch: PyTree, microbatches: int) -> PyTree:
@@ -87,12 +89,14 @@ def split_batch(example_batch: PyTree, microbatches: int) -> PyTree:
     ]
     if bad:
         raise error_for(
-            ArgumentError, "bad-microbatches", "microbatches",
+            ArgumentError,
+            "bad-microbatches",
+            "microbatches",
             f"{microbatches} microbatches (microbatches=) do not divide the first "
             f"dimension of the batch's arrays: {', '.join(bad)}",
             f"Pass a batch of a multiple of {microbatches} examples, or a number of microbatches "
             "that divides the batch size.",
-        )  # fmt: skip
+        )
     micro = [
         jax.ShapeDtypeStruct((x.shape[0] // microbatches, *x.shape[1:]), x.dtype) for x in leaves
     ]

@@ -90,20 +90,31 @@ def search_layouts(
     )
     if whole_number(top_k) is None or top_k < 1 or isinstance(top_k, float):
         raise error_for(
-            ArgumentError, "bad-top-k", "top_k",
-            f"search_layouts requires a positive top_k, got {top_k=}", "Pass top_k=1 or more.",
-        )  # fmt: skip
+            ArgumentError,
+            "bad-top-k",
+            "top_k",
+            f"search_layouts requires a positive top_k, got {top_k=}",
+            "Pass top_k=1 or more.",
+        )
     if measure and (step_fn is None or example_batch is None):
         raise error_for(
-            ArgumentError, "missing-argument", "step_fn",
+            ArgumentError,
+            "missing-argument",
+            "step_fn",
             "measure=True compiles a step, and step_fn= or example_batch= is missing",
             "Pass step_fn= and example_batch=.",
-        )  # fmt: skip
+        )
     if measure:
         require_devices(devices, "measuring")
     return search_rules(
-        devices, abstract_state, step_fn if measure else None, example_batch,
-        layouts=DEFAULT_LAYOUTS if layouts is None else layouts, ranked_by="static",
-        axis_names=axis_names, batch=batch, memory_budget_bytes=memory_budget_bytes,
+        devices,
+        abstract_state,
+        step_fn if measure else None,
+        example_batch,
+        layouts=DEFAULT_LAYOUTS if layouts is None else layouts,
+        ranked_by="static",
+        axis_names=axis_names,
+        batch=batch,
+        memory_budget_bytes=memory_budget_bytes,
         compile_top=top_k if measure else 0,
-    )  # fmt: skip
+    )

@@ -131,26 +131,32 @@ def search_options(
         Pass max_axes in space= (SearchSpace(max_axes=...)), or leave space= out.
     """
     records: dict[type, SearchSpace | SearchHardware | SearchChecks | None] = {
-        SearchSpace: space, SearchHardware: hardware, SearchChecks: checks,
-    }  # fmt: skip
+        SearchSpace: space,
+        SearchHardware: hardware,
+        SearchChecks: checks,
+    }
     unknown = sorted(set(keywords or {}) - set(_RECORDS))
     if unknown:
         raise error_for(
-            ArgumentError, "bad-argument", unknown[0],
+            ArgumentError,
+            "bad-argument",
+            unknown[0],
             f"search_rules got an unexpected keyword {unknown[0]!r}",
             f"Pass one of {', '.join(sorted(_RECORDS))}, or the records space=, hardware=, "
             "checks=.",
-        )  # fmt: skip
+        )
     by_record: dict[type, dict[str, object]] = {}
     for key, value in (keywords or {}).items():
         record = _RECORDS[key]
         if records[record] is not None:
             raise error_for(
-                ArgumentError, "bad-argument", key,
+                ArgumentError,
+                "bad-argument",
+                key,
                 f"search_rules got {key}= and {_PARAMETER[record]}=, which also sets it",
                 f"Pass {key} in {_PARAMETER[record]}= ({record.__name__}({key}=...)), or "
                 f"leave {_PARAMETER[record]}= out.",
-            )  # fmt: skip
+            )
         by_record.setdefault(record, {})[key] = value
     made = {
         kind: given if given is not None else kind(**by_record.get(kind, {}))

@@ -74,8 +74,11 @@ def _meshes(devices: int, layers: int, tensor: bool) -> list[dict[str, int]]:
             out.append({"pipeline": p, "data": devices // p})
             continue
         rest = devices // p
-        out += [{"pipeline": p, "data": rest // t, "model": t}
-                for t in range(2, rest + 1) if rest % t == 0]  # fmt: skip
+        out += [
+            {"pipeline": p, "data": rest // t, "model": t}
+            for t in range(2, rest + 1)
+            if rest % t == 0
+        ]
     return out
 
 
@@ -116,9 +119,14 @@ class PipelineRows:
 
 
 def pipeline_rows(
-    workload: Workload, devices: int, profile: HardwareProfile, budget: int, *,
-    microbatches: int = 1, layouts: Mapping[str, RulePairs] = PIPELINE_LAYOUTS,
-) -> PipelineRows:  # fmt: skip
+    workload: Workload,
+    devices: int,
+    profile: HardwareProfile,
+    budget: int,
+    *,
+    microbatches: int = 1,
+    layouts: Mapping[str, RulePairs] = PIPELINE_LAYOUTS,
+) -> PipelineRows:
     """The built-in pipeline layouts on every mesh of ``devices`` whose stages split the
     layers, each with its fastest microbatch count, as search rows: ``ok`` (within
     ``budget``) or pruned (``invalid``, ``batch``, ``memory``) with the reason.
@@ -142,12 +150,17 @@ def pipeline_rows(
         found.absent = "the layouts searched (layouts=) have no pipeline"
         return found
     if microbatches > 1:
-        found.absent = (f"the step accumulates {microbatches} microbatches (gradient accumulation): a "
-                        "pipeline's own microbatches replace them; search without it to price one")  # fmt: skip
+        found.absent = (
+            f"the step accumulates {microbatches} microbatches (gradient accumulation): a "
+            "pipeline's own microbatches replace them; search without it to price one"
+        )
         return found
     if layers is None or layers < 2 or batch is None:
-        found.absent = ("the model has no 'layer' stack of scanned blocks to cut into stages"
-                        if layers is None or layers < 2 else "the batch size is unknown")  # fmt: skip
+        found.absent = (
+            "the model has no 'layer' stack of scanned blocks to cut into stages"
+            if layers is None or layers < 2
+            else "the batch size is unknown"
+        )
         return found
     names = [n for n in workload.names if n not in _KEEP]
     tried = False
@@ -161,15 +174,21 @@ def pipeline_rows(
             row = SearchRow(dict(mesh), rules, layout)
             _price(row, workload, profile, budget, found, batch)
     if not tried:
-        found.absent = (f"no pipeline of {devices} devices splits {layers} layers into stages "
-                        "(a stage count above one that divides both)")  # fmt: skip
+        found.absent = (
+            f"no pipeline of {devices} devices splits {layers} layers into stages "
+            "(a stage count above one that divides both)"
+        )
     return found
 
 
 def _price(
-    row: SearchRow, workload: Workload, profile: HardwareProfile, budget: int,
-    found: PipelineRows, batch: int,
-) -> None:  # fmt: skip
+    row: SearchRow,
+    workload: Workload,
+    profile: HardwareProfile,
+    budget: int,
+    found: PipelineRows,
+    batch: int,
+) -> None:
     """Prices one pipeline candidate with each microbatch count: the fastest that fits, else
     the one of least memory, pruned."""
     mesh, rules = row.mesh, row.rules
@@ -180,19 +199,28 @@ def _price(
     p, data = mesh["pipeline"], mesh["data"]
     ms = _microbatches(p, data, batch)
     if not ms:
-        found.prune(row, "batch", f"a batch of {batch} does not split into {p} or more "
-                    f"microbatches ({p}, {2 * p}, {4 * p} or {8 * p}) over {data} data devices")  # fmt: skip
+        found.prune(
+            row,
+            "batch",
+            f"a batch of {batch} does not split into {p} or more "
+            f"microbatches ({p}, {2 * p}, {4 * p} or {8 * p}) over {data} data devices",
+        )
         return
     base = stage_base(workload, mesh, rules, profile)
-    priced = [predict_pipeline(workload, mesh, rules, profile, microbatches=m, base=base)
-              for m in ms]  # fmt: skip
+    priced = [
+        predict_pipeline(workload, mesh, rules, profile, microbatches=m, base=base) for m in ms
+    ]
     fits = [pp for pp in priced if pp.cost.memory_bytes <= budget]
     if not fits:
         least = min(priced, key=lambda pp: pp.cost.memory_bytes)
         row.cost, row.pipeline = least.cost, least
-        found.prune(row, "memory", f"{human_bytes(least.cost.memory_bytes)} per device is over "
-                    f"the budget of {human_bytes(budget)} (with {least.schedule.microbatches} "
-                    f"microbatches)")  # fmt: skip
+        found.prune(
+            row,
+            "memory",
+            f"{human_bytes(least.cost.memory_bytes)} per device is over "
+            f"the budget of {human_bytes(budget)} (with {least.schedule.microbatches} "
+            f"microbatches)",
+        )
         return
     best = min(fits, key=lambda pp: pp.cost.step_s)
     row.cost, row.pipeline = best.cost, best
@@ -222,8 +250,11 @@ def pipeline_verdict(result: SearchResult) -> RoleVerdict:
     """
     budget = result.budget_bytes
     # What each priced row needs (a row pruned by its state alone: the state's bytes).
-    need = [(r.cost.memory_bytes if r.cost is not None else r.bytes_per_device, _uses(r))
-            for r in result.rows if r.cost is not None or r.pruned_by == "memory"]  # fmt: skip
+    need = [
+        (r.cost.memory_bytes if r.cost is not None else r.bytes_per_device, _uses(r))
+        for r in result.rows
+        if r.cost is not None or r.pruned_by == "memory"
+    ]
     with_ = [r for r in result.ok if _uses(r) and r.fits is not False]
     without = [r for r in result.ok if not _uses(r) and r.fits is not False]
     w, n = (with_[0] if with_ else None), (without[0] if without else None)
@@ -232,19 +263,26 @@ def pipeline_verdict(result: SearchResult) -> RoleVerdict:
     best = result.best
     proposed = best is not None and _uses(best)
 
-    def verdict(kind: VerdictKind, reason: str, terms: dict[Term, float] | None = None
-                ) -> RoleVerdict:  # fmt: skip
+    def verdict(
+        kind: VerdictKind, reason: str, terms: dict[Term, float] | None = None
+    ) -> RoleVerdict:
         return RoleVerdict("pipeline", proposed, kind, reason, w, n, mem_n, mem_w, terms or {})
 
     if not any(r.pipeline is not None for r in result.rows):
         return verdict("absent", f"no pipeline: {result.pipeline_absent or 'none was priced'}")
     if w is None or n is None:
         side, least = ("without", mem_n) if n is None else ("with", mem_w)
-        return verdict("memory", f"{side} a pipeline nothing fits: the least memory per device "
-                       f"is {'unknown' if least is None else human_bytes(least)}, over the budget "
-                       f"of {'none' if budget is None else human_bytes(budget)}"
-                       + (f"; the pipeline fits: {w.mesh_text} {w.layout}, {w.schedule_text}"
-                          if w is not None else ""))  # fmt: skip
+        return verdict(
+            "memory",
+            f"{side} a pipeline nothing fits: the least memory per device "
+            f"is {'unknown' if least is None else human_bytes(least)}, over the budget "
+            f"of {'none' if budget is None else human_bytes(budget)}"
+            + (
+                f"; the pipeline fits: {w.mesh_text} {w.layout}, {w.schedule_text}"
+                if w is not None
+                else ""
+            ),
+        )
     cw, cn = w.cost, n.cost
     assert cw is not None and cn is not None
     terms: dict[Term, float] = {

@@ -213,10 +213,16 @@ class SearchRow:
         (tokens/s, MFU, memory by kind against the budget: :mod:`meshplan._search.predict.report`)."""
         cost = self.cost
         data: dict[str, Any] = {
-            "mesh": dict(self.mesh), "mesh_text": self.mesh_text,
-            "mesh_shape": list(self.mesh.values()), "axis_names": list(self.mesh),
-            "layout": self.layout, "rules": self.rules_pairs, "status": self.status,
-            "reason": self.reason, "pruned_by": self.pruned_by, "rank": self.rank,
+            "mesh": dict(self.mesh),
+            "mesh_text": self.mesh_text,
+            "mesh_shape": list(self.mesh.values()),
+            "axis_names": list(self.mesh),
+            "layout": self.layout,
+            "rules": self.rules_pairs,
+            "status": self.status,
+            "reason": self.reason,
+            "pruned_by": self.pruned_by,
+            "rank": self.rank,
             "fits": self.fits,
             "bytes_per_device": self.bytes_per_device,
             "params_bytes_per_device": self.params_bytes_per_device,
@@ -229,10 +235,11 @@ class SearchRow:
             "comm_by_axis": None if cost is None else dict(cost.comm_by_axis),
             "compute_s": None if cost is None else cost.compute_s,
             "comm_s": None if cost is None else cost.comm_s,
-            "compiled": self.compiled, "measured": self.compiled,
+            "compiled": self.compiled,
+            "measured": self.compiled,
             "measured_step_s": self.measured_s,
             "pipeline": None if self.pipeline is None else self.pipeline.to_dict(),
-        }  # fmt: skip
+        }
         if cost is not None and result is not None and result.profile is not None:
             from meshplan._search.predict.report import prediction_fields
 
@@ -402,7 +409,7 @@ class SearchResult:
             f"{budget}/device" + (f", batch {self.batch}" if self.batch else ""),
             f"{'#':>3}  {'mesh':<14} {'predicted':>10} {'measured':>9} {'memory':>11} "
             f"{'all-reduce':>11} {'all-gather':>11}  rules",
-        ]  # fmt: skip
+        ]
         for r in self.ok[:top]:
             c = r.cost
             assert c is not None
@@ -482,11 +489,15 @@ class SearchResult:
         """
         schema = "meshplan.search/1" if self.ranked_by == "static" else "meshplan.rule_search/1"
         return {
-            "schema": schema, "ranked_by": self.ranked_by, "devices": self.devices,
+            "schema": schema,
+            "ranked_by": self.ranked_by,
+            "devices": self.devices,
             "batch": self.batch,
             "profile": None if self.profile is None else self.profile.to_dict(),
-            "budget_bytes": self.budget_bytes, "memory_budget_bytes": self.budget_bytes,
-            "counts": self.counts, "seconds": self.seconds,
+            "budget_bytes": self.budget_bytes,
+            "memory_budget_bytes": self.budget_bytes,
+            "counts": self.counts,
+            "seconds": self.seconds,
             "best": None if self.best is None else self.best.to_dict(self),
             "rows": [r.to_dict(self) for r in self.rows],
-        }  # fmt: skip
+        }

@@ -63,15 +63,26 @@ class RoleVerdict:
         def row(r: SearchRow | None) -> dict[str, Any] | None:
             if r is None or r.cost is None:
                 return None
-            return {"mesh": dict(r.mesh), "layout": r.layout, "rules": r.short_rules,
-                    "step_s": r.cost.step_s, "memory_bytes": r.cost.memory_bytes,
-                    "schedule": r.schedule_text or None}  # fmt: skip
+            return {
+                "mesh": dict(r.mesh),
+                "layout": r.layout,
+                "rules": r.short_rules,
+                "step_s": r.cost.step_s,
+                "memory_bytes": r.cost.memory_bytes,
+                "schedule": r.schedule_text or None,
+            }
 
-        return {"role": self.role, "proposed": self.proposed, "kind": self.kind,
-                "reason": self.reason, "with": row(self.with_row),
-                "without": row(self.without_row), "terms": dict(self.terms),
-                "min_memory_with": self.min_memory_with,
-                "min_memory_without": self.min_memory_without}  # fmt: skip
+        return {
+            "role": self.role,
+            "proposed": self.proposed,
+            "kind": self.kind,
+            "reason": self.reason,
+            "with": row(self.with_row),
+            "without": row(self.without_row),
+            "terms": dict(self.terms),
+            "min_memory_with": self.min_memory_with,
+            "min_memory_without": self.min_memory_without,
+        }
 
 
 def _uses(row: SearchRow, role: Role) -> bool:
@@ -108,8 +119,9 @@ def role_verdict(result: SearchResult, role: Role) -> RoleVerdict:
     mem_n = min((m for m, uses in memory if not uses), default=None)
     proposed = best is not None and _uses(best, role)
 
-    def verdict(kind: VerdictKind, reason: str, terms: dict[Term, float] | None = None
-                ) -> RoleVerdict:  # fmt: skip
+    def verdict(
+        kind: VerdictKind, reason: str, terms: dict[Term, float] | None = None
+    ) -> RoleVerdict:
         return RoleVerdict(role, proposed, kind, reason, w, n, mem_n, mem_w, terms or {})
 
     if not any_with:
@@ -117,9 +129,12 @@ def role_verdict(result: SearchResult, role: Role) -> RoleVerdict:
         return verdict("absent", f"the model has no name {article} {role} axis splits")
     if n is None or w is None:
         side, least = ("without", mem_n) if n is None else ("with", mem_w)
-        return verdict("memory", f"{side} {role} nothing fits: the least memory per device is "
-                       f"{'unknown' if least is None else human_bytes(least)}, over the budget "
-                       f"of {'none' if budget is None else human_bytes(budget)}")  # fmt: skip
+        return verdict(
+            "memory",
+            f"{side} {role} nothing fits: the least memory per device is "
+            f"{'unknown' if least is None else human_bytes(least)}, over the budget "
+            f"of {'none' if budget is None else human_bytes(budget)}",
+        )
     cw, cn = w.cost, n.cost
     assert cw is not None and cn is not None
     terms: dict[Term, float] = {

@@ -63,8 +63,18 @@ class RuleRecord:
     resolved ``PartitionSpec`` entries, as the validator's cache keys them.
     """
 
-    __slots__ = ("axes", "batch_axes", "clean", "divides", "entries", "named", "place", "rules",
-                 "specs", "used")  # fmt: skip
+    __slots__ = (
+        "axes",
+        "batch_axes",
+        "clean",
+        "divides",
+        "entries",
+        "named",
+        "place",
+        "rules",
+        "specs",
+        "used",
+    )
 
     def __init__(
         self,

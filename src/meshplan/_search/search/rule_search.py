@@ -154,9 +154,16 @@ def _rank(rows: list[SearchRow], ranked_by: RankedBy = "predicted") -> list[Sear
             j += 1
         j = max(j, i + 1)
         group = by_time[i:j]
-        group.sort(key=lambda r: (r.layout == "searched", len(r.mesh),
-                                  r.cost.memory_bytes if r.cost else 0, r.mesh_text,
-                                  r.axes_text, r.short_rules))  # fmt: skip
+        group.sort(
+            key=lambda r: (
+                r.layout == "searched",
+                len(r.mesh),
+                r.cost.memory_bytes if r.cost else 0,
+                r.mesh_text,
+                r.axes_text,
+                r.short_rules,
+            )
+        )
         out += group
         i = j
     return out
@@ -282,9 +289,14 @@ def _first_error(problems: list[Any]) -> str | None:
 
 
 def _ask(
-    checks: _Checks | None, path: str, shape: tuple[int, ...], names: Names, c: Candidate,
-    fast: bool, record: RuleRecord | None = None,
-) -> str | None:  # fmt: skip
+    checks: _Checks | None,
+    path: str,
+    shape: tuple[int, ...],
+    names: Names,
+    c: Candidate,
+    fast: bool,
+    record: RuleRecord | None = None,
+) -> str | None:
     """The validator's first error for one array of ``c``, through ``checks`` when given."""
     if checks is not None:
         return checks.first_error(path, shape, names, c, fast, record)
@@ -472,36 +484,61 @@ def search_rules(
     measure_top, measure_steps = checks.measure_top, checks.measure_steps
     check_microbatches(microbatches)
     check_search_args(
-        devices=devices, budget=memory_budget_bytes, roles=roles, all_roles=ALL_ROLES,
-        max_axes=max_axes, names=names, batch=batch, counts={"compile_top": compile_top,
-        "measure_top": measure_top, "measure_steps": measure_steps},
-    )  # fmt: skip
+        devices=devices,
+        budget=memory_budget_bytes,
+        roles=roles,
+        all_roles=ALL_ROLES,
+        max_axes=max_axes,
+        names=names,
+        batch=batch,
+        counts={
+            "compile_top": compile_top,
+            "measure_top": measure_top,
+            "measure_steps": measure_steps,
+        },
+    )
     if memory_budget_bytes is not None:  # a whole number: 16e9 is 16_000_000_000
         memory_budget_bytes = whole_number(memory_budget_bytes)
     if model is not None:
         if example_batch is None:
             raise error_for(
-                ArgumentError, "missing-argument", "example_batch",
+                ArgumentError,
+                "missing-argument",
+                "example_batch",
                 "search_rules(model=...) needs example_batch= (the model's inputs)",
                 "Pass example_batch=, a batch of the model's inputs (arrays or ShapeDtypeStructs).",
-            )  # fmt: skip
+            )
         abstract_state, step_fn, example_batch = linen_step(model, example_batch, loss, optimizer)
-    if ranked_by == "static" or (ranked_by is None and workload is None and step_fn is None
-                                 and abstract_state is not None):  # fmt: skip
+    if ranked_by == "static" or (
+        ranked_by is None and workload is None and step_fn is None and abstract_state is not None
+    ):
         _generated_only(roles, max_axes, names)
         return _static_search(
-            devices, abstract_state, step_fn, example_batch, layouts, axis_names, batch,
-            memory_budget_bytes, compile_top, measure, measure_top, measure_steps, t0,
-        )  # fmt: skip
+            devices,
+            abstract_state,
+            step_fn,
+            example_batch,
+            layouts,
+            axis_names,
+            batch,
+            memory_budget_bytes,
+            compile_top,
+            measure,
+            measure_top,
+            measure_steps,
+            t0,
+        )
     path_rules = None
     if workload is None:
         if step_fn is None or abstract_state is None or example_batch is None:
             raise error_for(
-                ArgumentError, "missing-argument", "step_fn",
+                ArgumentError,
+                "missing-argument",
+                "step_fn",
                 "search_rules has no step to trace",
                 "Pass (abstract_state, step_fn, example_batch), or model= with example_batch=, "
                 "or workload=.",
-            )  # fmt: skip
+            )
         example_batch = split_batch(example_batch, microbatches)
         inferred = name_unnamed(step_fn, abstract_state, example_batch)
         if inferred is not None:  # a model with no names: named from its step's dataflow
@@ -511,26 +548,37 @@ def search_rules(
     whole = None if workload.batch is None else workload.batch * microbatches
     if batch is not None and batch != whole:
         raise error_for(
-            ArgumentError, "bad-batch", "batch",
+            ArgumentError,
+            "bad-batch",
+            "batch",
             f"search_rules got batch={batch}, and its example batch holds {whole}",
             "Leave batch= out: with a step, the batch is the example batch's.",
-        )  # fmt: skip
+        )
     _check_measure(measure, step_fn, devices)
     have_devices = jax.device_count() >= devices
     prof = get_profile(profile, devices)
     budget = memory_budget_bytes if memory_budget_bytes is not None else prof.memory_bytes
     named = _named(layouts)
     # Layouts with a stage (the pipelines) are priced as pipelines, on their own meshes.
-    piped_layouts = PIPELINE_LAYOUTS if layouts is None else {
-        n: normalize_rules(r) for n, r in named.items()
-        if any(k == "stage" for k, _ in normalize_rules(r))
-    }  # fmt: skip
-    given = {n: _own_rules(normalize_rules(r), workload) for n, r in named.items()
-             if n not in piped_layouts}  # fmt: skip
+    piped_layouts = (
+        PIPELINE_LAYOUTS
+        if layouts is None
+        else {
+            n: normalize_rules(r)
+            for n, r in named.items()
+            if any(k == "stage" for k, _ in normalize_rules(r))
+        }
+    )
+    given = {
+        n: _own_rules(normalize_rules(r), workload)
+        for n, r in named.items()
+        if n not in piped_layouts
+    }
     search_names = [n for n in (names or workload.param_names) if n != "layer"]
     if names is None:  # activations' own names (MaxText's activation_embed) may split too
-        search_names += [n for n in workload.names
-                         if n.startswith("activation_") and n not in CONTEXT_NAMES]  # fmt: skip
+        search_names += [
+            n for n in workload.names if n.startswith("activation_") and n not in CONTEXT_NAMES
+        ]
     other = [n for n in workload.names if n not in search_names and n != "batch"]
     candidates = layout_candidates(devices, given, axis_names, layouts_first=True)
     candidates += generate(devices, search_names, other_names=other, max_axes=max_axes, roles=roles)
@@ -587,13 +635,19 @@ def search_rules(
             held = state_bytes(workload, specs, in_state)
             row.bytes_per_device = held  # the state's (the closest to fit, when nothing does)
             if held > budget:  # the state alone: no need to price the step
-                why = _pruned("memory", f"the state alone, {human_bytes(held)} per device, "
-                                        f"is over the budget of {human_bytes(budget)}")  # fmt: skip
+                why = _pruned(
+                    "memory",
+                    f"the state alone, {human_bytes(held)} per device, "
+                    f"is over the budget of {human_bytes(budget)}",
+                )
         if why is None:
             row.cost = predict_specs(workload, specs, prof, dot_cache, microbatches)
             if row.cost.memory_bytes > budget:
-                why = _pruned("memory", f"{human_bytes(row.cost.memory_bytes)} per device is "
-                                        f"over the budget of {human_bytes(budget)}")  # fmt: skip
+                why = _pruned(
+                    "memory",
+                    f"{human_bytes(row.cost.memory_bytes)} per device is "
+                    f"over the budget of {human_bytes(budget)}",
+                )
         if why is not None:
             kind, row.reason = why
             row.status, row.pruned_by = "pruned", kind
@@ -602,41 +656,72 @@ def search_rules(
                 out.append(row)
             continue
         rows.append(row)
-    piped = pipeline_rows(workload, devices, prof, budget, microbatches=microbatches,
-                          layouts=piped_layouts)  # fmt: skip
+    piped = pipeline_rows(
+        workload, devices, prof, budget, microbatches=microbatches, layouts=piped_layouts
+    )
     rows += [r for r in piped.rows if r.status == "ok"]
     out += [r for r in piped.rows if r.status != "ok"]
     for kind, n in piped.pruned.items():
         pruned[kind] += n
     scored = sum(1 for r in [*rows, *out] if r.cost is not None)
     compile_top = compile_top if have_devices else 0
-    rows, compiled, measured = _finish(rows, "predicted", step_fn, abstract_state, example_batch,
-                                       compile_top, measure, measure_top, measure_steps)  # fmt: skip
-    counts = SearchCounts(enumerated=len(candidates) + piped.enumerated, pruned=pruned,
-                          scored=scored, compiled=compiled, measured=measured)  # fmt: skip
+    rows, compiled, measured = _finish(
+        rows,
+        "predicted",
+        step_fn,
+        abstract_state,
+        example_batch,
+        compile_top,
+        measure,
+        measure_top,
+        measure_steps,
+    )
+    counts = SearchCounts(
+        enumerated=len(candidates) + piped.enumerated,
+        pruned=pruned,
+        scored=scored,
+        compiled=compiled,
+        measured=measured,
+    )
     for row in rows:
         row.fits = True  # every ranked row fits: the others were pruned as "memory"
     return SearchResult(
-        rows + out, devices, prof, budget, counts, time.perf_counter() - t0,
+        rows + out,
+        devices,
+        prof,
+        budget,
+        counts,
+        time.perf_counter() - t0,
         None if batch is None else batch * microbatches,
         None if workload.tokens is None else workload.tokens * microbatches,
-        tokens_unit=workload.tokens_unit, path_rules=path_rules, pipeline_absent=piped.absent,
-    )  # fmt: skip
+        tokens_unit=workload.tokens_unit,
+        path_rules=path_rules,
+        pipeline_absent=piped.absent,
+    )
 
 
 def _generated_only(roles: Sequence[str], max_axes: int, names: Sequence[str] | None) -> None:
     """Refuses ``roles``, ``max_axes`` and ``names`` other than their defaults where no step is
     traced: they shape generated candidates, and a step-less search has only the layouts."""
-    given = [f"{k}={v!r}" for k, v, default in (("roles", tuple(roles), ALL_ROLES),
-             ("max_axes", max_axes, 3), ("names", names, None)) if v != default]  # fmt: skip
+    given = [
+        f"{k}={v!r}"
+        for k, v, default in (
+            ("roles", tuple(roles), ALL_ROLES),
+            ("max_axes", max_axes, 3),
+            ("names", names, None),
+        )
+        if v != default
+    ]
     if given:
         raise error_for(
-            ArgumentError, "generated-without-step", given[0].split("=")[0],
+            ArgumentError,
+            "generated-without-step",
+            given[0].split("=")[0],
             f"search_rules without a step searches only the layouts: {', '.join(given)} "
             f"shape generated candidates and would be ignored",
             "Give the step (step_fn= and example_batch=, or model=) to search generated rules, "
             "or leave them out.",
-        )  # fmt: skip
+        )
 
 
 def _named(
@@ -657,10 +742,12 @@ def _check_measure(measure: bool, step_fn: object, devices: int) -> None:
         return
     if step_fn is None:
         raise error_for(
-            ArgumentError, "missing-argument", "step_fn",
+            ArgumentError,
+            "missing-argument",
+            "step_fn",
             "search_rules(measure=True) runs the step, and none was given",
             "Pass step_fn= or model=.",
-        )  # fmt: skip
+        )
     require_devices(devices, "measure=True (running the step)")
 
 
@@ -684,10 +771,12 @@ def _static_search(
     ranked, compiled and measured as every search is (:func:`_finish`)."""
     if abstract_state is None:
         raise error_for(
-            ArgumentError, "missing-argument", "abstract_state",
+            ArgumentError,
+            "missing-argument",
+            "abstract_state",
             "search_rules(ranked_by='static') sizes a state, and none was given",
             "Pass abstract_state= (jax.eval_shape of init), or model= with example_batch=.",
-        )  # fmt: skip
+        )
     _check_measure(measure, step_fn, devices)
     if batch is None and example_batch is not None:
         batch = int(jax.tree.leaves(example_batch)[0].shape[0])
@@ -695,14 +784,34 @@ def _static_search(
     candidates = layout_candidates(devices, given, axis_names)
     rows, out, pruned = static_rows(abstract_state, candidates, batch, budget)
     compile_top = compile_top if jax.device_count() >= devices else 0
-    rows, compiled, measured = _finish(rows, "static", step_fn, abstract_state, example_batch,
-                                       compile_top, measure, measure_top, measure_steps)  # fmt: skip
-    counts = SearchCounts(enumerated=len(candidates), pruned=pruned, scored=len(rows),
-                          compiled=compiled, measured=measured)  # fmt: skip
+    rows, compiled, measured = _finish(
+        rows,
+        "static",
+        step_fn,
+        abstract_state,
+        example_batch,
+        compile_top,
+        measure,
+        measure_top,
+        measure_steps,
+    )
+    counts = SearchCounts(
+        enumerated=len(candidates),
+        pruned=pruned,
+        scored=len(rows),
+        compiled=compiled,
+        measured=measured,
+    )
     return SearchResult(
-        rows + out, devices, None, budget, counts, time.perf_counter() - t0, batch,
+        rows + out,
+        devices,
+        None,
+        budget,
+        counts,
+        time.perf_counter() - t0,
+        batch,
         ranked_by="static",
-    )  # fmt: skip
+    )
 
 
 def _finish(

@@ -70,7 +70,11 @@ def _estimate(
         gather += leaf.bytes_per_device if fsdp > 1 else 0
         reduce += leaf.bytes_per_device * fsdp if data_axes else 0
         used.update(axes)
-    comm: CommEstimate = {"all-gather": gather, "gradient-reduce": reduce, "activations": None if used - data_axes else 0}  # fmt: skip
+    comm: CommEstimate = {
+        "all-gather": gather,
+        "gradient-reduce": reduce,
+        "activations": None if used - data_axes else 0,
+    }
     return comm, tuple(a for a in sizes if sizes[a] > 1 and a not in used)
 
 
@@ -86,8 +90,11 @@ def _evaluate(
         return "invalid"
     axes = mesh_axes_of(logical_to_mesh_axes(("batch",), row.rules)[0])
     if batch is not None:  # the batch is one more array for the validator: (batch,) named 'batch'
-        bad = [p for p in validate("batch", (batch,), ("batch",), row.mesh, row.rules)
-               if p.severity == "error"]  # fmt: skip
+        bad = [
+            p
+            for p in validate("batch", (batch,), ("batch",), row.mesh, row.rules)
+            if p.severity == "error"
+        ]
         if bad:
             row.status, row.reason = "rejected", f"{bad[0].path}: {bad[0].message}"
             return "batch"

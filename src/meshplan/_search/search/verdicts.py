@@ -20,5 +20,8 @@ def search_verdicts(result: SearchResult) -> list[RoleVerdict]:
         >>> [(v.role, v.proposed, v.kind) for v in search_verdicts(example_search())]
         [('context', False, 'absent'), ('expert', False, 'absent'), ('pipeline', False, 'absent')]
     """
-    return [role_verdict(result, "context"), role_verdict(result, "expert"),
-            pipeline_verdict(result)]  # fmt: skip
+    return [
+        role_verdict(result, "context"),
+        role_verdict(result, "expert"),
+        pipeline_verdict(result),
+    ]
