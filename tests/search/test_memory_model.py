@@ -13,7 +13,7 @@ import numpy as np
 
 import meshplan
 from meshplan._search.predict.cost import predict
-from meshplan._search.predict.memory import recompute_sources
+from meshplan._search.predict.memory import kept_expensive, recompute_sources
 from meshplan._search.predict.profiles import get_profile
 from meshplan._search.predict.trace import trace_workload
 from meshplan.models.llama import LlamaConfig, llama_step
@@ -193,3 +193,22 @@ def test_a_rematerialised_partial_sum_combined_into_the_forward_keeps_its_recomp
     assert added[True, "tp"] == added[False, "dp"] == added[True, "dp"] == 0
     assert get_profile("cpu").combines_remat_collectives
     assert not any(get_profile(n).combines_remat_collectives for n in ("h100", "tpu_v5p"))
+
+
+def test_an_expensive_elementwise_value_read_across_a_matmul_is_kept():
+    # XLA's fusion does not duplicate tanh into the backward's fusion: it is written to memory.
+    def f(w, x):
+        t = jnp.tanh(x)
+        return (t @ w) * t
+
+    j = jax.make_jaxpr(f)(jnp.ones((4, 4)), jnp.ones((4, 4))).jaxpr
+    assert kept_expensive(j) == {j.eqns[0].outvars[0]}
+
+
+def test_a_division_by_a_constant_or_a_value_read_within_one_fusion_is_not_kept():
+    # x / 2 is x * 0.5 after XLA's simplifier; exp read only before the matmul fuses with it.
+    def f(w, x):
+        return (jnp.exp(x / 2.0) * 3.0) @ w
+
+    j = jax.make_jaxpr(f)(jnp.ones((4, 4)), jnp.ones((4, 4))).jaxpr
+    assert kept_expensive(j) == set()

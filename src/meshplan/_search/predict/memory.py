@@ -41,8 +41,8 @@ import numpy as np
 from jax.extend.core import Literal
 
 __all__ = [
-    "Hoist", "MemoryProgram", "Peak", "aliases", "build", "call_body", "is_alias", "peak",
-    "recompute_sources",
+    "Hoist", "MemoryProgram", "Peak", "aliases", "build", "call_body", "is_alias",
+    "kept_expensive", "peak", "recompute_sources",
 ]  # fmt: skip
 
 Cell = tuple[tuple[Any, ...], tuple[int, ...], int, bool]
@@ -72,6 +72,15 @@ _FUSES_OPERANDS = _RECOMPUTED | {
     "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
     "argmax", "argmin",
 }  # fmt: skip
+# XLA's ``InstructionFusion::IsExpensive`` elementwise ops (transcendentals, a division by a
+# value that is not a constant, square roots): fusion never duplicates one into several
+# consumers, so a value one computes, read on both sides of an op that ends a fusion (a
+# matmul: the forward's use and the backward's, as tanh-GELU's tanh and softmax's
+# exponentials are), is written to memory once and kept until its last read.
+_EXPENSIVE = frozenset({
+    "atan2", "cbrt", "cos", "div", "erf", "erf_inv", "exp", "exp2", "expm1", "log", "log1p",
+    "logistic", "pow", "rsqrt", "sin", "sqrt", "tan", "tanh",
+})  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -531,6 +540,66 @@ class _Builder:
         return None
 
 
+def _splits_fusions(eqn: Any, cache: dict[int, bool]) -> bool:
+    """Whether ``eqn`` ends a fusion: an op XLA does not fuse its elementwise neighbours
+    into (a matmul, a gather, a loop), or a call whose body holds one."""
+    if eqn.primitive.name in _FUSES_OPERANDS or is_alias(eqn):
+        return False
+    body = call_body(eqn)
+    if body is None:
+        return True
+    if id(body) not in cache:
+        cache[id(body)] = any(_splits_fusions(e, cache) for e in body.eqns)
+    return cache[id(body)]
+
+
+def _expensive(eqn: Any) -> bool:
+    """An expensive elementwise op (:data:`_EXPENSIVE`); a division by a constant is a
+    multiplication by its reciprocal after XLA's simplifier."""
+    if eqn.primitive.name not in _EXPENSIVE:
+        return False
+    return not (eqn.primitive.name == "div" and isinstance(eqn.invars[1], Literal))
+
+
+def kept_expensive(jaxpr: Any, cache: dict[int, bool] | None = None) -> set[Any]:
+    """The values of ``jaxpr`` (and of the bodies it calls or loops over) that an expensive
+    elementwise op computes and that are read after an op ending a fusion that follows
+    their definition (:data:`_EXPENSIVE`): XLA writes them to memory instead of
+    recomputing them in the later fusion.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from meshplan._search.predict.memory import kept_expensive
+        >>> def f(w, x):
+        ...     t = jnp.tanh(x)
+        ...     return (t @ w) * t
+        >>> j = jax.make_jaxpr(f)(jnp.ones((4, 4)), jnp.ones((4, 4)))
+        >>> kept_expensive(j.jaxpr) == {j.jaxpr.eqns[0].outvars[0]}
+        True
+    """
+    cache = {} if cache is None else cache
+    alias = aliases(jaxpr)
+    last: dict[Any, int] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for u in eqn.invars:
+            if not isinstance(u, Literal):
+                last[alias.get(u, u)] = i
+    splits = [i for i, e in enumerate(jaxpr.eqns) if _splits_fusions(e, cache)]
+    out: set[Any] = set()
+    for i, eqn in enumerate(jaxpr.eqns):
+        if _expensive(eqn):
+            end = last.get(eqn.outvars[0], -1)
+            if any(i < j < end for j in splits):
+                out.add(eqn.outvars[0])
+        p = eqn.params
+        for sub in (p.get("jaxpr"), p.get("body_jaxpr"), *(p.get("branches") or ()),
+                    *(p.get(k) for k in _CALLS[1:])):  # fmt: skip
+            sub = getattr(sub, "jaxpr", sub)
+            if sub is not None and hasattr(sub, "eqns"):
+                out |= kept_expensive(sub, cache)
+    return out
+
+
 def _vars(*vs: Any) -> set[Any]:
     """The variables of ``vs`` (a body may return a literal: a constant output)."""
     return {v for v in vs if not isinstance(v, Literal)}
@@ -552,6 +621,8 @@ def build(
     ``recompute``: cheap residuals are recomputed where used (:func:`recompute_sources`), as
     XLA does on a device with a memory limit to fit (GPU, TPU), not on the CPU.
     """
+    if materialized is not None:
+        materialized = materialized | kept_expensive(jaxpr)
     b = _Builder(names, scores, dot_of, materialized, recompute)
     b.walk(jaxpr, {}, {}, True, set(jaxpr.invars) | set(jaxpr.outvars))
     outputs: dict[int, int] = {}
