@@ -76,9 +76,7 @@ from meshplan.train.records import (
     Diverged,
     StepRecord,
     TrainResult,
-    damaged_note,
     sane_step,
-    set_aside_note,
     valid_changed_note,
     valid_changes,
     valid_setting,
@@ -301,42 +299,14 @@ class Trainer:
         if ckpt.note:
             self.notes.append(ckpt.note)
 
-    def _clear_the_way(self) -> None:
-        """Moves the steps after ``resume_from`` aside (never deletes them), saying so.
-
-        Damaged ones (``discard_steps``) each go into ``damaged-step-<N>`` with the
-        reason in ``why.txt``; intact ones, the later steps of the branch this run
-        leaves, into ``old-branch-after-step-<resume step>``
-        (:meth:`Checkpointer.set_aside`; :attr:`set_aside` says where). A note says
-        every move.
-        """
-        ckpt = self._checkpointer
-        if ckpt is None or self.resume_from is None:
-            return
-        step = self.resume_from.step
-        after = [s for s in ckpt.all_steps() if s > step]
-        damaged = [s for s in after if s in self.discard_steps]
-        for bad in damaged:
-            why = self.discard_why.get(bad, "it failed verification")
-            moved = ckpt.set_aside([bad], f"damaged-step-{bad}", why)
-            self.notes.append(damaged_note(bad, str(self.ckpt_dir), str(moved), why))
-        later = [s for s in after if s not in damaged]
-        if later:
-            aside = ckpt.set_aside(
-                later,
-                f"old-branch-after-step-{step}",
-                f"Steps {', '.join(map(str, later))} came after step {step}, which a run "
-                f"resumed from: the branch it left.",
-            )
-            self.set_aside = (later, str(aside))
-            self.notes.append(set_aside_note(later, str(self.ckpt_dir), step, str(aside)))
-
     def start(self) -> None:
         """Opens the checkpoint folder (:meth:`open`), then creates the sharded state.
 
         The state is fresh, or read from the checkpoint and verified; only then are
-        the steps after it moved aside (never deleted; see :meth:`_clear_the_way`),
-        so a step that cannot be read changes nothing in the folder. Nothing is
+        the steps after it moved aside (never deleted; damaged ones each into
+        ``damaged-step-<N>`` with the reason, the rest into
+        ``old-branch-after-step-<resume step>``: :meth:`Checkpointer.branch_from`, whose
+        notes join :attr:`notes`), so a step that cannot be read changes nothing in the folder. Nothing is
         compiled yet.
         """
         self.open()
@@ -352,7 +322,15 @@ class Trainer:
                     warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
             self.state = restored.into(self.abstract)
             self.step = int(restored.metadata.step)
-            self._clear_the_way()
+            # Only now, the state read and verified, the later steps go out of the way (never
+            # deleted); the checkpoint layer says every move, one note each.
+            assert self._checkpointer is not None  # opened above: resume_from is in ckpt_dir
+            damaged = {
+                s: self.discard_why.get(s, "it failed verification") for s in self.discard_steps
+            }
+            moved = self._checkpointer.branch_from(self.step, damaged, str(self.ckpt_dir))
+            self.notes.extend(moved.notes)
+            self.set_aside = moved.set_aside
         else:
             init = init_fn(self.model, self.tx, self.example_input)
             with self.active():
