@@ -207,6 +207,7 @@ def prepare_run(request: TrainRequest) -> PreparedRun:
         Measures(source.flops(settings), peak.flops, request.sync_every_step),
         tx=parts.tx,
         abstract=abstract,
+        shardings=parts.shardings,
         notes=source.notes(request, parts, resume.notes),
     )
     return PreparedRun(trainer, source, peak, plan)
