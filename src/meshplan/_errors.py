@@ -11,8 +11,8 @@ sizes and rules involved), one bullet per problem, then how to fix it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
-from typing import Literal, TypeAlias
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal, TypeAlias
 
 import flax.errors
 
@@ -22,6 +22,7 @@ __all__ = [
     "LogicalNamesError",
     "MeshError",
     "MeshplanError",
+    "Note",
     "PartitioningUnspecifiedError",
     "Problem",
     "RulesError",
@@ -89,6 +90,45 @@ class Problem:
             "message": self.message,
             "fix": self.fix,
         }
+
+
+class Note(str):
+    """A sentence for the user (e.g. one of :attr:`Trainer.notes`), with a code and its fields.
+
+    It is the sentence itself (a ``str``): ``template`` with each ``{slot}`` replaced
+    by ``words[slot]``, meshplan's words. A caller, e.g. the command line, words it
+    in its own terms from ``code``, ``fields`` and ``template``.
+
+    * ``'valid-setting-changed'``: fields ``step`` (the checkpoint's) and
+      ``changes`` (:func:`valid_changes`); slot ``{changed}``.
+    * ``'steps-set-aside'``: fields ``steps``, ``folder``, ``step`` and ``moved_to``;
+      slot ``{resume}``.
+    * ``'damaged-step-moved'``: fields ``step``, ``folder``, ``moved_to`` and ``why``.
+
+    Example:
+        >>> from meshplan._errors import Note
+        >>> note = Note("Hello {who}.", "greeting", {"to": "you"}, {"who": "you"})
+        >>> note, note.code, note.fields, note.template
+        ('Hello you.', 'greeting', {'to': 'you'}, 'Hello {who}.')
+    """
+
+    code: str
+    fields: dict[str, Any]
+    template: str
+
+    def __new__(
+        cls,
+        template: str,
+        code: str,
+        fields: Mapping[str, object] | None = None,
+        words: Mapping[str, str] | None = None,
+    ) -> Note:
+        text = template
+        for slot, word in (words or {}).items():
+            text = text.replace("{" + slot + "}", word)
+        note = super().__new__(cls, text)
+        note.code, note.fields, note.template = code, dict(fields or {}), template
+        return note
 
 
 class MeshplanError(Exception):

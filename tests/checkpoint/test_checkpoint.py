@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import jax
@@ -12,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import meshplan
 from meshplan._checkpoint.folder import latest_step, read_metadata
+from meshplan._checkpoint.restore import restore_into
 from meshplan._checkpoint.tree import flatten_state
 from meshplan.layouts import data_parallel, fsdp, fsdp_tp, tensor_parallel
 from meshplan.models.transformer import Transformer, config_from_name
@@ -21,6 +23,7 @@ from meshplan.train.state import abstract_train_state, state_shardings
 
 CONFIG = config_from_name("tiny", num_layers=2, embed_dim=32, mlp_dim=64, num_heads=4, max_len=32)
 SETTINGS = TrainSettings(seq_len=16, seed=3)
+restore_module = importlib.import_module("meshplan._checkpoint.restore")
 
 
 def _state(mesh, rules):
@@ -149,6 +152,33 @@ def test_into_rejects_a_different_model(saved):
     assert "params/layers/mlp/wi: checkpoint shape (2, 32, 64), this model (3, 32, 64)" in message
     assert "  * " in message
     assert message.splitlines()[-1].startswith("Use the model config the checkpoint was saved")
+    assert {p.code for p in e.value.problems} == {"checkpoint-mismatch"}
+    assert "params/layers/mlp/wi" in {p.path for p in e.value.problems}
+
+
+def test_restore_into_reads_straight_into_the_given_shardings(saved):
+    folder, raw, abstract = saved  # saved with fsdp_tp on 2x4
+    mesh = make_mesh((4, 2))
+    shardings = state_shardings(abstract, mesh, data_parallel)
+    state = restore_into(folder, abstract, shardings, 7)
+    assert type(state) is type(abstract)
+    for (key, (value, _)), sharding in zip(
+        flatten_state(state).items(), jax.tree.leaves(shardings), strict=True
+    ):
+        assert value.sharding == sharding, key  # where the caller's layout puts it
+        np.testing.assert_array_equal(np.asarray(value), raw[key], err_msg=key)
+
+
+def test_restore_into_refuses_a_different_model_before_reading(saved, monkeypatch):
+    folder, _, _ = saved
+    other = Transformer(
+        config_from_name("tiny", num_layers=3, embed_dim=32, mlp_dim=64, max_len=32)
+    )
+    abstract = abstract_train_state(other, make_optimizer(SETTINGS), SETTINGS)
+    shardings = state_shardings(abstract, make_mesh((2, 4)), fsdp_tp)
+    monkeypatch.setattr(restore_module, "_read", None)  # reading it would fail otherwise
+    with pytest.raises(meshplan.CheckpointError, match="does not fit this state") as e:
+        restore_into(folder, abstract, shardings, 7)
     assert {p.code for p in e.value.problems} == {"checkpoint-mismatch"}
     assert "params/layers/mlp/wi" in {p.path for p in e.value.problems}
 

@@ -45,7 +45,8 @@ def test_a_refused_setting_gets_the_fix_of_its_row(values, field):
 
 
 def _notes():
-    from meshplan.train.records import set_aside_note, valid_changed_note
+    from meshplan._checkpoint.branch import set_aside_note
+    from meshplan.train.records import valid_changed_note
 
     changes = {"seq_len": (16, 32), "eval_batches": (2, 3), "data": ("stdlib", "t.txt")}
     return [

@@ -69,6 +69,7 @@ import jax
 from etils import epath
 from jax.sharding import Mesh
 
+from meshplan._checkpoint.branch import Branched, damaged_note, set_aside_note
 from meshplan._checkpoint.checksum import array_checksums
 from meshplan._checkpoint.finite import nonfinite_paths
 from meshplan._checkpoint.folder import (
@@ -88,7 +89,7 @@ from meshplan._checkpoint.quiet import (
 )
 from meshplan._checkpoint.tree import flatten_state, nest
 from meshplan._checkpoint.writer import item_handlers, state_save_args
-from meshplan._errors import ArgumentError, CheckpointError, error_for
+from meshplan._errors import ArgumentError, CheckpointError, Note, error_for
 from meshplan._spmd.rules import LogicalRules
 from meshplan._text import paths_text
 from meshplan._types import PyTree
@@ -826,6 +827,54 @@ class Checkpointer:
                 self._metrics.pop(step, None)
                 self._groups.pop(step, None)
             return target
+
+    def branch_from(
+        self, step: int, damaged: Mapping[int, str], folder: str | None = None
+    ) -> Branched:
+        """Moves every step after ``step`` aside (never deletes one), so that ``step`` is the
+        latest: a run continues from it.
+
+        The ``damaged`` ones (``{step: why}``) each go into ``damaged-step-<N>`` with the
+        reason in ``why.txt``; the intact ones, the later steps of the branch the run
+        leaves, into ``old-branch-after-step-<step>`` (:meth:`set_aside`).
+
+        Args:
+            step: The step the run continues from.
+            damaged: The later steps known to be damaged, with why.
+            folder: How the notes name this folder (default: its path).
+
+        Returns:
+            A :class:`~meshplan._checkpoint.branch.Branched`: one note per move, and where
+            the intact steps went.
+
+        Example:
+            >>> import tempfile, jax.numpy as jnp, meshplan
+            >>> with tempfile.TemporaryDirectory() as folder:
+            ...     with meshplan.Checkpointer(folder, async_save=False) as ckpt:
+            ...         for step in (1, 2, 3):
+            ...             _ = ckpt.save(step, {"w": jnp.ones(2)})
+            ...         moved = ckpt.branch_from(1, {3: "its bytes changed"}, folder="run")
+            ...         steps = ckpt.all_steps()
+            >>> steps, [note.code for note in moved.notes], moved.set_aside[0]
+            ([1], ['damaged-step-moved', 'steps-set-aside'], [2])
+        """
+        where = str(self.directory) if folder is None else folder
+        after = [s for s in self.all_steps() if s > step]
+        notes: list[Note] = []
+        for bad in (s for s in after if s in damaged):
+            moved = self.set_aside([bad], f"damaged-step-{bad}", damaged[bad])
+            notes.append(damaged_note(bad, where, str(moved), damaged[bad]))
+        later = [s for s in after if s not in damaged]
+        if not later:
+            return Branched(notes, None)
+        aside = self.set_aside(
+            later,
+            f"old-branch-after-step-{step}",
+            f"Steps {', '.join(map(str, later))} came after step {step}, which a run "
+            f"resumed from: the branch it left.",
+        )
+        notes.append(set_aside_note(later, where, step, str(aside)))
+        return Branched(notes, (later, str(aside)))
 
     # -- waiting and closing ---------------------------------------------------
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -47,7 +47,7 @@ from meshplan._spmd.rules import LogicalRules, NamesKind, logical_to_mesh_axes, 
 from meshplan._spmd.validate import validate
 from meshplan._types import PyTree
 
-__all__ = ["Restored", "mismatch_problems", "restore", "target_shardings"]
+__all__ = ["Restored", "mismatch_problems", "restore", "restore_into", "target_shardings"]
 
 
 def _single_device_mesh(axis_names: tuple[str, ...]) -> Mesh:
@@ -330,69 +330,127 @@ def _first_step(p: epath.Path, step: int | None) -> int | None:
 def _restore_step(
     p: epath.Path, mesh: Mesh | None, rules: LogicalRules | None, step: int | None
 ) -> Restored:
-    import orbax.checkpoint as ocp
-
     # Every process restores its part of the arrays: they open the manager together.
     with open_manager(p, all_processes=True) as manager:
         metadata = metadata_of(manager, p, step)
         if mesh is None:
             mesh = _single_device_mesh(metadata.axis_names)
         shardings = target_shardings(metadata, mesh, rules)
-        target = nest(
-            {
-                key: jax.ShapeDtypeStruct(info.shape, np.dtype(info.dtype), sharding=shardings[key])
-                for key, info in metadata.arrays.items()
-            }
-        )
-        where = f"{str(p)!r} (step {metadata.step})"
-        failure: str | None = None
-        # A read that fails leaves others in flight, which call back into Orbax's closed
-        # event loop (a bare "Event loop is closed" traceback each): left out from here on.
-        quiet_late_callbacks()
-        try:
-            restored = manager.restore(
-                metadata.step,
-                args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(target)}),
-            )[STATE_ITEM]
-        except KeyError as e:
-            raise error_for(
-                CheckpointError, "ckpt-damaged", where,
-                f"{where} has its '{META_ITEM}' metadata but no '{STATE_ITEM}' arrays "
-                f"({e.args[0] if e.args else e})",
-                damaged_fix(sorted(manager.all_steps()), metadata.step),
-            ) from e  # fmt: skip
-        except Exception as e:  # Orbax and TensorStore raise a bare Exception, ValueError...
-            failure = f"{type(e).__name__}: {_first_line(e)}"
-        if failure is not None:
-            # Raised outside the except block: Orbax's exception (a screen of TensorStore
-            # traceback, holding the failed read coroutines) is neither chained nor kept, so
-            # its coroutines are collected here, quietly, not printed at exit.
-            drop_orbax_leftovers()
-            # Name what is damaged: the cheap check usually finds it; else Orbax's words.
-            found = check_step(p, metadata.step, manager)
-            detail = (
-                found.message
-                if found is not None
-                else f"{where}: its '{STATE_ITEM}' arrays cannot be read ({failure})"
+        return _read(manager, p, metadata, shardings, stacklevel=4)  # restore's caller
+
+
+def restore_into(
+    path: str | os.PathLike[str], template: PyTree, shardings: PyTree, step: int
+) -> PyTree:
+    """Step ``step`` of ``path`` read straight into ``shardings``: ``template`` with the arrays.
+
+    For a caller that has its state's layout already (a
+    :class:`~meshplan.train.trainer.Trainer`): each array is read into the sharding
+    the caller gave the array of that path (``shardings``, a tree like ``template``
+    with a ``NamedSharding`` per array), and put into ``template`` as
+    :meth:`Restored.into` does. The checksums are verified as :func:`restore` does.
+
+    Raises:
+        CheckpointError: the step does not fit ``template`` (every array that differs,
+            before any is read), or it is damaged (``'ckpt-damaged'``).
+
+    Example:
+        >>> import tempfile, jax, jax.numpy as jnp, meshplan
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> from meshplan._checkpoint.restore import restore_into
+        >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+        >>> tree = {"w": meshplan.LogicallyPartitioned(jnp.ones((2, 4)), ("embed", "mlp"))}
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     with meshplan.Checkpointer(folder) as ckpt:
+        ...         _ = ckpt.save(1, tree)
+        ...     state = restore_into(folder, tree, {"w": NamedSharding(mesh, P(None, "model"))}, 1)
+        >>> state["w"].names, state["w"].value.sharding.spec
+        (('embed', 'mlp'), P(None, 'model'))
+    """
+    p = checkpoint_path(path)
+    with open_manager(p, all_processes=True) as manager:
+        metadata = metadata_of(manager, p, step)
+        problems = mismatch_problems(metadata, template)
+        if problems:
+            raise error_from_problems(
+                CheckpointError,
+                f"The checkpoint (step {metadata.step}) does not fit this state:",
+                problems,
             )
-            raise error_for(
-                CheckpointError, "ckpt-damaged", where, detail,
-                damaged_fix(sorted(manager.all_steps()), metadata.step),
-            )  # fmt: skip
-        flat = dict(unnest(restored))
-        changed = checksum_mismatches(
-            {key: info.checksum for key, info in metadata.arrays.items()}, flat
+        by_path = {
+            path_of(keys): sharding
+            for keys, sharding in jax.tree_util.tree_flatten_with_path(shardings)[0]
+        }
+        restored = _read(manager, p, metadata, by_path, stacklevel=3)
+    return restored.into(template)
+
+
+def _read(
+    manager: Any,
+    p: epath.Path,
+    metadata: CheckpointMetadata,
+    shardings: dict[str, NamedSharding],
+    stacklevel: int,
+) -> Restored:
+    """The arrays of ``metadata``'s step, each read into its sharding, verified and boxed
+    (an :class:`UnverifiedWarning` at ``stacklevel`` when it cannot be verified)."""
+    import orbax.checkpoint as ocp
+
+    target = nest(
+        {
+            key: jax.ShapeDtypeStruct(info.shape, np.dtype(info.dtype), sharding=shardings[key])
+            for key, info in metadata.arrays.items()
+        }
+    )
+    where = f"{str(p)!r} (step {metadata.step})"
+    failure: str | None = None
+    # A read that fails leaves others in flight, which call back into Orbax's closed
+    # event loop (a bare "Event loop is closed" traceback each): left out from here on.
+    quiet_late_callbacks()
+    try:
+        restored = manager.restore(
+            metadata.step,
+            args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(target)}),
+        )[STATE_ITEM]
+    except KeyError as e:
+        raise error_for(
+            CheckpointError, "ckpt-damaged", where,
+            f"{where} has its '{META_ITEM}' metadata but no '{STATE_ITEM}' arrays "
+            f"({e.args[0] if e.args else e})",
+            damaged_fix(sorted(manager.all_steps()), metadata.step),
+        ) from e  # fmt: skip
+    except Exception as e:  # Orbax and TensorStore raise a bare Exception, ValueError...
+        failure = f"{type(e).__name__}: {_first_line(e)}"
+    if failure is not None:
+        # Raised outside the except block: Orbax's exception (a screen of TensorStore
+        # traceback, holding the failed read coroutines) is neither chained nor kept, so
+        # its coroutines are collected here, quietly, not printed at exit.
+        drop_orbax_leftovers()
+        # Name what is damaged: the cheap check usually finds it; else Orbax's words.
+        found = check_step(p, metadata.step, manager)
+        detail = (
+            found.message
+            if found is not None
+            else f"{where}: its '{STATE_ITEM}' arrays cannot be read ({failure})"
         )
-        if changed:
-            shown = ", ".join(repr(k) for k in changed[:5]) + (
-                f" and {len(changed) - 5} more" if len(changed) > 5 else ""
-            )
-            raise error_for(
-                CheckpointError, "ckpt-damaged", where,
-                f"{where}: the bytes of {len(changed)} array{'s' * (len(changed) != 1)} "
-                f"changed since it was saved (checksum mismatch): {shown}",
-                damaged_fix(sorted(manager.all_steps()), metadata.step),
-            )  # fmt: skip
+        raise error_for(
+            CheckpointError, "ckpt-damaged", where, detail,
+            damaged_fix(sorted(manager.all_steps()), metadata.step),
+        )  # fmt: skip
+    flat = dict(unnest(restored))
+    changed = checksum_mismatches(
+        {key: info.checksum for key, info in metadata.arrays.items()}, flat
+    )
+    if changed:
+        shown = ", ".join(repr(k) for k in changed[:5]) + (
+            f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+        )
+        raise error_for(
+            CheckpointError, "ckpt-damaged", where,
+            f"{where}: the bytes of {len(changed)} array{'s' * (len(changed) != 1)} "
+            f"changed since it was saved (checksum mismatch): {shown}",
+            damaged_fix(sorted(manager.all_steps()), metadata.step),
+        )  # fmt: skip
     missing = metadata.unverified()
     if missing:
         what = "its metadata carries no digest" if "metadata" in missing else ""
@@ -407,7 +465,7 @@ def _restore_step(
                 f"its metadata edited by hand), so damage to its arrays or a changed "
                 f"logical name would go unnoticed. Save it again to seal it."
             ),
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
     boxed = {}
     for key, value in unnest(restored):

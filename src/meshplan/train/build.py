@@ -33,7 +33,7 @@ from meshplan.train.device_mesh import make_mesh
 from meshplan.train.memory import MemoryShortfall, memory_shortfall
 from meshplan.train.model import TrainModel
 from meshplan.train.settings import TrainSettings, make_optimizer
-from meshplan.train.state import abstract_train_state
+from meshplan.train.state import PlanSummary, abstract_train_state, plan_summary, state_shardings
 
 __all__ = ["BuiltParts", "build_parts"]
 
@@ -66,6 +66,12 @@ class BuiltParts:
         memory: How a step of the memory batch does not fit in a device
             (:func:`~meshplan.train.memory.memory_shortfall`), or ``None``: it fits, was
             not asked for, or something else is wrong (then it is not traced).
+        shardings: The abstract state's ``NamedSharding``\\ s under the layout
+            (:func:`~meshplan.train.state.state_shardings`), when nothing is wrong, else
+            ``None``: the :class:`~meshplan.train.trainer.Trainer` takes them.
+        plan: What a device holds of the state under the layout (parameter count, bytes
+            per device and in all: :func:`~meshplan.train.state.plan_summary`, from
+            :func:`meshplan.explain`), or ``None``: something is wrong.
     """
 
     settings_ok: bool
@@ -81,6 +87,8 @@ class BuiltParts:
     batch: list[Problem] = dataclasses.field(default_factory=list)
     unnamed: Problem | None = None
     memory: MemoryShortfall | None = None
+    shardings: PyTree = None
+    plan: PlanSummary | None = None
 
 
 def build_parts(
@@ -165,4 +173,8 @@ def build_parts(
     sound = not (parts.state_error or parts.mismatch or parts.uneven or parts.batch)
     if memory_batch is not None and model is not None and parts.abstract is not None and sound:
         parts.memory = memory_shortfall(model, parts.abstract, memory_batch, mesh, rules)
+    if parts.abstract is not None and sound:  # the layout applied to the state, once
+        parts.shardings = state_shardings(parts.abstract, mesh, rules)
+        name = layout if isinstance(layout, str) else ""
+        parts.plan = plan_summary(parts.abstract, parts.shardings, mesh, rules, name)
     return parts

@@ -1,7 +1,7 @@
 """What a training run reports: its notes, its steps, its result, and why it stopped.
 
 :class:`Note` (a message with a code and fields, worded by the command line in
-its flags), the validation-setting checks a resume makes, :func:`sane_step` (which
+its flags; defined in :mod:`meshplan._errors`, beside :class:`~meshplan._errors.Problem`), the validation-setting checks a resume makes, :func:`sane_step` (which
 saved step a diverged run can resume from), :class:`Diverged`, :class:`StepRecord`
 and :class:`TrainResult`. The loop that makes them is :mod:`meshplan.train.trainer`.
 """
@@ -11,11 +11,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from meshplan._errors import MeshplanError, Problem
+from meshplan._errors import MeshplanError, Note, Problem
 
 __all__ = [
     "Diverged",
@@ -29,45 +28,6 @@ __all__ = [
 
 _VALID_FIELDS = ("seq_len", "batch", "eval_batches", "seed")
 """The settings validation batches depend on (with ``data``)."""
-
-
-class Note(str):
-    """A sentence for the user (one of :attr:`Trainer.notes`), with a code and its fields.
-
-    It is the sentence itself (a ``str``): ``template`` with each ``{slot}`` replaced
-    by ``words[slot]``, meshplan's words. A caller, e.g. the command line, words it
-    in its own terms from ``code``, ``fields`` and ``template``.
-
-    * ``'valid-setting-changed'``: fields ``step`` (the checkpoint's) and
-      ``changes`` (:func:`valid_changes`); slot ``{changed}``.
-    * ``'steps-set-aside'``: fields ``steps``, ``folder``, ``step`` and ``moved_to``;
-      slot ``{resume}``.
-    * ``'damaged-step-moved'``: fields ``step``, ``folder``, ``moved_to`` and ``why``.
-
-    Example:
-        >>> from meshplan.train.records import Note
-        >>> note = Note("Hello {who}.", "greeting", {"to": "you"}, {"who": "you"})
-        >>> note, note.code, note.fields, note.template
-        ('Hello you.', 'greeting', {'to': 'you'}, 'Hello {who}.')
-    """
-
-    code: str
-    fields: dict[str, Any]
-    template: str
-
-    def __new__(
-        cls,
-        template: str,
-        code: str,
-        fields: Mapping[str, object] | None = None,
-        words: Mapping[str, str] | None = None,
-    ) -> Note:
-        text = template
-        for slot, word in (words or {}).items():
-            text = text.replace("{" + slot + "}", word)
-        note = super().__new__(cls, text)
-        note.code, note.fields, note.template = code, dict(fields or {}), template
-        return note
 
 
 def valid_setting(settings: Mapping[str, object], data: object) -> str:
@@ -113,29 +73,6 @@ def valid_changed_note(step: int, changes: dict[str, tuple[object, object]]) -> 
     )
     fields = {"step": step, "changes": changes}
     return Note(template, "valid-setting-changed", fields, {"changed": changed})
-
-
-def set_aside_note(steps: list[int], folder: str, step: int, moved_to: str) -> Note:
-    """The note of a resume from ``step`` that moved the later ``steps`` into ``moved_to``."""
-    them = "them" if len(steps) > 1 else "it"
-    template = (
-        f"Step{'s' * (len(steps) > 1)} {', '.join(map(str, steps))} of {folder!r} came after "
-        f"step {step}, on the branch this run leaves: moved into {moved_to!r} (nothing "
-        f"deleted), so that neither this run nor a later {{resume}} mixes {them} in. Move "
-        f"{them} back to continue that branch."
-    )
-    fields = {"steps": steps, "folder": folder, "step": step, "moved_to": moved_to}
-    return Note(template, "steps-set-aside", fields, {"resume": "resume"})
-
-
-def damaged_note(step: int, folder: str, moved_to: str, why: str) -> Note:
-    """The note of a damaged ``step`` of ``folder`` moved into ``moved_to`` (never deleted)."""
-    template = (
-        f"Moved damaged step {step} of {folder!r} into {moved_to!r} (nothing deleted; the "
-        f"reason is in why.txt there): {why}"
-    )
-    fields = {"step": step, "folder": folder, "moved_to": moved_to, "why": why}
-    return Note(template, "damaged-step-moved", fields, {})
 
 
 def sane_step(

@@ -160,8 +160,9 @@ def plan_summary(
 ) -> PlanSummary:
     """Parameter count and per-device bytes of the parameters and of the whole state.
 
-    From :func:`meshplan.explain`; should it fail, from the shard sizes, with
-    its error in ``source``.
+    From :func:`meshplan.explain`; should it fail, from the shard sizes (of
+    ``shardings``, or of :func:`state_shardings` when ``None``), with its error in
+    ``source``.
     """
     from meshplan._plan.explain import explain
 
@@ -175,6 +176,8 @@ def plan_summary(
         state_per_device = int(totals["all"].max_device_bytes)
         source = "meshplan.explain"
     except Exception as e:  # the summary is informative only: never stop a run for it
+        if shardings is None:
+            shardings = state_shardings(abstract, mesh, rules)
         params_per_device = per_device_bytes(params, shardings.params)
         state_per_device = per_device_bytes(abstract, shardings)
         source = f"shard sizes (meshplan.explain failed: {type(e).__name__}: {e})"

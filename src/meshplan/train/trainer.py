@@ -12,7 +12,8 @@ The recipe is the guide's:
 2. :func:`meshplan.logical_to_mesh_sharding` of its logical specs gives the
    state's shardings under the chosen layout;
 3. ``jax.jit(init, out_shardings=...)`` creates every array where it belongs,
-   or :func:`meshplan.restore` reads a checkpoint straight into those shardings;
+   or :func:`meshplan._checkpoint.restore.restore_into` reads a checkpoint straight into
+   those shardings;
 4. a jitted train step donates the old state and returns the new one with the
    same shardings; batches arrive already placed on the mesh (e.g. with
    ``jax.make_array_from_process_local_data``), and the steps take their
@@ -64,7 +65,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshplan._checkpoint.checkpointer import Checkpointer
 from meshplan._checkpoint.metadata import UnverifiedWarning
-from meshplan._checkpoint.restore import restore
+from meshplan._checkpoint.restore import restore_into
 from meshplan._errors import CheckpointError
 from meshplan._spmd.explicit import explicit_mesh_error, is_sharding_type_error
 from meshplan._spmd.rules import logical_axis_rules
@@ -76,9 +77,7 @@ from meshplan.train.records import (
     Diverged,
     StepRecord,
     TrainResult,
-    damaged_note,
     sane_step,
-    set_aside_note,
     valid_changed_note,
     valid_changes,
     valid_setting,
@@ -137,6 +136,8 @@ class Trainer:
         measures: The :class:`Measures` (default: no MFU, the host runs ahead).
         tx: The optimizer (default :func:`meshplan.train.settings.make_optimizer`).
         abstract: ``jax.eval_shape`` of the state, when already traced.
+        shardings: The state's ``NamedSharding``\\ s under the layout, when already had
+            (:attr:`meshplan.train.build.BuiltParts.shardings`).
         notes: Sentences for the user known before the run (:attr:`notes`).
         **separate: The fields of ``model`` (``loss``, ``example_input``,
             ``has_aux``, with ``model`` the Flax model itself), of ``placement``, of
@@ -175,6 +176,7 @@ class Trainer:
         *,
         tx: optax.GradientTransformation | None = None,
         abstract: PyTree = None,
+        shardings: PyTree = None,
         notes: Sequence[str] = (),
         **separate: object,
     ) -> None:
@@ -237,7 +239,11 @@ class Trainer:
             if abstract is None
             else abstract
         )
-        self.shardings = state_shardings(self.abstract, self.mesh, self.rules)
+        self.shardings = (
+            state_shardings(self.abstract, self.mesh, self.rules)
+            if shardings is None
+            else shardings
+        )
         # The state between steps: its arrays as a flat list (the steps take and give
         # that list, so a step unflattens nothing in Python), the tree built on access.
         self._state: PyTree = None
@@ -301,42 +307,14 @@ class Trainer:
         if ckpt.note:
             self.notes.append(ckpt.note)
 
-    def _clear_the_way(self) -> None:
-        """Moves the steps after ``resume_from`` aside (never deletes them), saying so.
-
-        Damaged ones (``discard_steps``) each go into ``damaged-step-<N>`` with the
-        reason in ``why.txt``; intact ones, the later steps of the branch this run
-        leaves, into ``old-branch-after-step-<resume step>``
-        (:meth:`Checkpointer.set_aside`; :attr:`set_aside` says where). A note says
-        every move.
-        """
-        ckpt = self._checkpointer
-        if ckpt is None or self.resume_from is None:
-            return
-        step = self.resume_from.step
-        after = [s for s in ckpt.all_steps() if s > step]
-        damaged = [s for s in after if s in self.discard_steps]
-        for bad in damaged:
-            why = self.discard_why.get(bad, "it failed verification")
-            moved = ckpt.set_aside([bad], f"damaged-step-{bad}", why)
-            self.notes.append(damaged_note(bad, str(self.ckpt_dir), str(moved), why))
-        later = [s for s in after if s not in damaged]
-        if later:
-            aside = ckpt.set_aside(
-                later,
-                f"old-branch-after-step-{step}",
-                f"Steps {', '.join(map(str, later))} came after step {step}, which a run "
-                f"resumed from: the branch it left.",
-            )
-            self.set_aside = (later, str(aside))
-            self.notes.append(set_aside_note(later, str(self.ckpt_dir), step, str(aside)))
-
     def start(self) -> None:
         """Opens the checkpoint folder (:meth:`open`), then creates the sharded state.
 
         The state is fresh, or read from the checkpoint and verified; only then are
-        the steps after it moved aside (never deleted; see :meth:`_clear_the_way`),
-        so a step that cannot be read changes nothing in the folder. Nothing is
+        the steps after it moved aside (never deleted; damaged ones each into
+        ``damaged-step-<N>`` with the reason, the rest into
+        ``old-branch-after-step-<resume step>``: :meth:`Checkpointer.branch_from`, whose
+        notes join :attr:`notes`), so a step that cannot be read changes nothing in the folder. Nothing is
         compiled yet.
         """
         self.open()
@@ -344,15 +322,27 @@ class Trainer:
             assert self.ckpt_dir is not None  # resume_from is a checkpoint in ckpt_dir
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", UnverifiedWarning)
-                restored = restore(self.ckpt_dir, self.mesh, self.rules, self.resume_from.step)
+                # Straight into the state's shardings (the layout's, had once): no name
+                # of the checkpoint is mapped through the rules again.
+                state = restore_into(
+                    self.ckpt_dir, self.abstract, self.shardings, self.resume_from.step
+                )
             for w in caught:  # an unverified step is said with the notes; others as they were
                 if issubclass(w.category, UnverifiedWarning):
                     self.notes.append(str(w.message))
                 else:
                     warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-            self.state = restored.into(self.abstract)
-            self.step = int(restored.metadata.step)
-            self._clear_the_way()
+            self.state = state
+            self.step = int(self.resume_from.step)
+            # Only now, the state read and verified, the later steps go out of the way (never
+            # deleted); the checkpoint layer says every move, one note each.
+            assert self._checkpointer is not None  # opened above: resume_from is in ckpt_dir
+            damaged = {
+                s: self.discard_why.get(s, "it failed verification") for s in self.discard_steps
+            }
+            moved = self._checkpointer.branch_from(self.step, damaged, str(self.ckpt_dir))
+            self.notes.extend(moved.notes)
+            self.set_aside = moved.set_aside
         else:
             init = init_fn(self.model, self.tx, self.example_input)
             with self.active():

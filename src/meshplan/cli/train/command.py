@@ -282,10 +282,10 @@ def run(args: argparse.Namespace) -> int:
     while True:
         try:
             prepared = prepare_run(request)  # every model source: one prepare step
+            # What the library summed up of the layout with its build (the header's plan
+            # per device): data, which the header only words.
             trainer = prepared.trainer
-            # What the library sums up of the layout (the header's plan per device): data,
-            # taken once the trainer is built and before its folder is opened.
-            plan = trainer.plan_summary()
+            plan = prepared.plan
         except MeshplanError as e:
             print_error(e)  # every problem, then the fixes in flag terms
             return 2

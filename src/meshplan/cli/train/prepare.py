@@ -32,6 +32,7 @@ from meshplan.train.build import build_parts
 from meshplan.train.flops import MeshPeak
 from meshplan.train.parts import Checkpoints, Measures, Placement
 from meshplan.train.settings import TrainSettings
+from meshplan.train.state import PlanSummary
 from meshplan.train.trainer import Trainer
 
 __all__ = ["PreparedRun", "prepare", "prepare_run", "resolve_settings", "source_for"]
@@ -45,11 +46,15 @@ class PreparedRun:
         trainer: The trainer, built once with everything it needs.
         source: Where its model and batches come from (the header, the units).
         peak: The devices' peak for MFU, or why there is none.
+        plan: What a device holds of the state under ``--rules`` (the header's plan per
+            device): the library's summary, taken with its build
+            (:attr:`~meshplan.train.build.BuiltParts.plan`).
     """
 
     trainer: Trainer
     source: ModelSource
     peak: MeshPeak
+    plan: PlanSummary
 
     @property
     def corpus(self) -> ByteCorpus | None:
@@ -182,6 +187,9 @@ def prepare_run(request: TrainRequest) -> PreparedRun:
         problems.items.append((MeshplanError, oom))  # the one problem: nothing else is wrong
     raise_if_any(problems, flags.ckpt_dir)
     assert mesh is not None and rules is not None and model is not None
+    assert parts.plan is not None  # taken when nothing is wrong
+    plan = parts.plan.copy()
+    plan["layout"] = str(request.rules)
     peak = source.peak(request, settings, mesh)
     trainer = Trainer(
         model,
@@ -199,9 +207,10 @@ def prepare_run(request: TrainRequest) -> PreparedRun:
         Measures(source.flops(settings), peak.flops, request.sync_every_step),
         tx=parts.tx,
         abstract=abstract,
+        shardings=parts.shardings,
         notes=source.notes(request, parts, resume.notes),
     )
-    return PreparedRun(trainer, source, peak)
+    return PreparedRun(trainer, source, peak, plan)
 
 
 def raise_if_any(problems: Findings, ckpt_dir: Path | None) -> None:
