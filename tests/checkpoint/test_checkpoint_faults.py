@@ -459,9 +459,14 @@ def test_orbax_tasks_whose_exception_nobody_awaited_are_not_logged(tmp_path, mon
         except ValueError as e:
             error = e
         return logging.LogRecord(
-            "asyncio", logging.ERROR, "base_events.py", 1,
-            message, None, (ValueError, error, error.__traceback__),
-        )  # fmt: skip
+            "asyncio",
+            logging.ERROR,
+            "base_events.py",
+            1,
+            message,
+            None,
+            (ValueError, error, error.__traceback__),
+        )
 
     orbax_file = os.path.join("site-packages", "orbax", "checkpoint", "serialization.py")
     assert ORPHANED_TASKS.filter(record_with(orbax_file)) is False

@@ -88,7 +88,9 @@ def _measure(tmp_path, cli):
 
 
 def test_an_else_branch_follows_what_came_before_its_if_not_the_other_branch(tmp_path):
-    result = _measure(tmp_path, """
+    result = _measure(
+        tmp_path,
+        """
         def run(args):
             if args.own:
                 loop = Loop(args.steps)
@@ -97,7 +99,8 @@ def test_an_else_branch_follows_what_came_before_its_if_not_the_other_branch(tmp
 
         def prepare(args):
             pass
-    """)  # fmt: skip
+    """,
+    )
     assert result["path"] == [
         "meshplan.cli.train:run",
         "meshplan.train.loop:Loop.__init__",
@@ -111,7 +114,9 @@ def test_going_on_after_a_call_into_the_bottom_layer_is_not_a_back_step(tmp_path
     (tmp_path / "meshplan" / "_errors" / "__init__.py").write_text(
         "def error_for(flag):\n    pass\n"
     )
-    result = _measure(tmp_path, """
+    result = _measure(
+        tmp_path,
+        """
         from meshplan._errors import error_for
 
         def run(args):
@@ -126,7 +131,8 @@ def test_going_on_after_a_call_into_the_bottom_layer_is_not_a_back_step(tmp_path
 
         def decide(args):
             pass
-    """)  # fmt: skip
+    """,
+    )
     assert result["path"] == [
         "meshplan.cli.train:run",
         "meshplan._errors:error_for",
@@ -140,14 +146,17 @@ def test_going_on_after_a_call_into_the_bottom_layer_is_not_a_back_step(tmp_path
 
 
 def test_arguments_run_before_the_call_and_a_str_method_is_not_the_package_s(tmp_path):
-    result = _measure(tmp_path, """
+    result = _measure(
+        tmp_path,
+        """
         def run(args):
             name = args.name.replace("-", "_")  # a str's, not Box.replace
             Loop(args.steps, count(args.steps))
 
         def count(steps):
             return steps
-    """)  # fmt: skip
+    """,
+    )
     assert result["path"] == [
         "meshplan.cli.train:run",
         "meshplan.cli.train:count",  # Python runs it before Loop(...)

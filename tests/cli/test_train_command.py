@@ -353,8 +353,20 @@ def test_a_linen_checkpoint_continues_as_nnx_with_the_linen_losses(tmp_path, cap
     assert meshplan.restore(nnx).metadata.extra["train"]["model"] == "transformer-nnx"
 
     # Arrays that differ: refused, naming both models and the config field.
-    err = _bad(["train", "--resume", "--model", "transformer", "--no-scan", "--steps", "6",
-                "--ckpt-dir", str(nnx)], capsys)  # fmt: skip
+    err = _bad(
+        [
+            "train",
+            "--resume",
+            "--model",
+            "transformer",
+            "--no-scan",
+            "--steps",
+            "6",
+            "--ckpt-dir",
+            str(nnx),
+        ],
+        capsys,
+    )
     assert (
         "the checkpoint holds --model transformer-nnx (Flax NNX), this run asks for "
         "--model transformer (Flax Linen)" in err
@@ -383,10 +395,28 @@ def test_nnx_over_two_processes(nnx_run, tmp_path):
     _, reference = nnx_run
     run, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
     proc = subprocess.run(
-        [*_CLI, "train", *NNX, "--processes", "2", "--steps", "2", "--eval-every", "0", *FAST,
-         *TINY, "--ckpt-dir", str(run), "--metrics", str(metrics)],
-        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            *_CLI,
+            "train",
+            *NNX,
+            "--processes",
+            "2",
+            "--steps",
+            "2",
+            "--eval-every",
+            "0",
+            *FAST,
+            *TINY,
+            "--ckpt-dir",
+            str(run),
+            "--metrics",
+            str(metrics),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "meshplan train: 2 processes on this machine, 4 CPU devices each" in proc.stdout
     assert proc.stdout.count("Transformer (Flax NNX) of 1 layer") == 1  # process 0 speaks

@@ -74,17 +74,31 @@ def _train(args: list[str], capsys) -> tuple[int, str]:
 @pytest.mark.parametrize(
     ("name", "expected", "fix"),
     [
-        ("small_batches", "batches('train', 0), batch[0], has shape (4, 4, 4), the example "
-         "batch's (16, 4, 4): 4 rows where the example has 16", "Return batches of shape"),
-        ("float_labels", "batch[1], has dtype float32, the example batch's int32 (integer "
-         "labels or ids given as floats?)", "Return int32 arrays there"),
+        (
+            "small_batches",
+            "batches('train', 0), batch[0], has shape (4, 4, 4), the example "
+            "batch's (16, 4, 4): 4 rows where the example has 16",
+            "Return batches of shape",
+        ),
+        (
+            "float_labels",
+            "batch[1], has dtype float32, the example batch's int32 (integer "
+            "labels or ids given as floats?)",
+            "Return int32 arrays there",
+        ),
         ("strings", "batch[1], holds str", "Encode them as numbers"),
-        ("wrong_shape", "batch[0], has shape (16, 16), the example batch's (16, 4, 4)",
-         "Return batches of shape (16, 4, 4)"),
-        ("vector_loss", "the loss returns an array of shape (16,) and dtype float32, not one "
-         "floating number", "jnp.mean(per_example_losses)"),
+        (
+            "wrong_shape",
+            "batch[0], has shape (16, 16), the example batch's (16, 4, 4)",
+            "Return batches of shape (16, 4, 4)",
+        ),
+        (
+            "vector_loss",
+            "the loss returns an array of shape (16,) and dtype float32, not one floating number",
+            "jnp.mean(per_example_losses)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_factory_batches_and_loss_are_checked_before_any_work(
     factories, capsys, name, expected, fix
 ):
@@ -97,12 +111,20 @@ def test_factory_batches_and_loss_are_checked_before_any_work(
 @pytest.mark.parametrize(
     ("name", "expected", "not_said"),
     [
-        ("nan_start", "Training stopped at step 1: its training loss is nan, and it is not "
-         "finite from the run's first step", "--resume-step"),
-        ("nan_batch", "Training stopped at step 3: its training loss is nan, and its batch "
-         "holds NaN or infinite values: batch[0] (1 of 256 values)", "--resume-step"),
+        (
+            "nan_start",
+            "Training stopped at step 1: its training loss is nan, and it is not "
+            "finite from the run's first step",
+            "--resume-step",
+        ),
+        (
+            "nan_batch",
+            "Training stopped at step 3: its training loss is nan, and its batch "
+            "holds NaN or infinite values: batch[0] (1 of 256 values)",
+            "--resume-step",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_nan_loss_names_the_data_or_the_start_not_the_learning_rate(
     factories, tmp_path, capsys, name, expected, not_said
 ):
@@ -121,10 +143,21 @@ TINY = ["--layers", "1", "--embed", "32", "--heads", "4", "--mlp", "64", "--batc
     ("flags", "expected"),
     [
         (["--capacity-factor", "inf"], "capacity_factor must be a finite number above 0, got inf"),
-        (["--capacity-factor", "1e30", "--experts", "4", "--rules", "expert_parallel",
-          "--axes", "data,expert"], "capacity_factor must be at most num_experts=4, got 1e+30"),
+        (
+            [
+                "--capacity-factor",
+                "1e30",
+                "--experts",
+                "4",
+                "--rules",
+                "expert_parallel",
+                "--axes",
+                "data,expert",
+            ],
+            "capacity_factor must be at most num_experts=4, got 1e+30",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_capacity_factor_that_overflows_is_refused(capsys, flags, expected):
     code, text = _train([*TINY, "--steps", "2", *flags], capsys)
     assert code == 2 and expected in text
@@ -147,8 +180,10 @@ def test_a_million_byte_sequence_reaches_the_memory_refusal(tmp_path, capsys):
 @pytest.mark.slow
 def test_remat_and_a_dense_model_under_an_expert_layout_are_said(capsys):
     flags = ["--seq", "16", "--eval-batches", "1", "--eval-every", "0", "--remat"]
-    code, text = _train([*TINY, "--steps", "1", *flags, "--rules", "expert_parallel",
-                         "--axes", "data,expert"], capsys)  # fmt: skip
+    code, text = _train(
+        [*TINY, "--steps", "1", *flags, "--rules", "expert_parallel", "--axes", "data,expert"],
+        capsys,
+    )
     assert code == 0, text
     assert "note: --rules expert_parallel places experts" in text
     assert "(--experts 0): it trains the dense MLP" in text
@@ -162,8 +197,10 @@ def test_resuming_a_model_of_your_own_names_the_layouts(tmp_path, capsys):
     run = [*model, "--mesh", "2x4", "--rules", "fsdp", "--eval-every", "0"]
     ckpt = ["--ckpt-dir", str(tmp_path / "run")]
     assert _train([*run, "--steps", "1", *ckpt], capsys)[0] == 0
-    code, text = _train([*model, "--mesh", "8", "--rules", "data_parallel", "--resume",
-                         "--steps", "2", *ckpt], capsys)  # fmt: skip
+    code, text = _train(
+        [*model, "--mesh", "8", "--rules", "data_parallel", "--resume", "--steps", "2", *ckpt],
+        capsys,
+    )
     assert code == 0, text
     line = text.split("resuming from step 1 of ", 1)[1][:300]
     assert line.startswith(f"{tmp_path / 'run'} (saved on 2x4 with fsdp) onto 8"), line

@@ -26,25 +26,41 @@ def _bad(args: list[str], capsys) -> str:
 @pytest.mark.parametrize(
     ("extra", "expected", "fix"),
     [
-        (["--layers", "6", "--microbatches", "4"],
-         "--layers 6 do not split into the 4 stages of --rules pipeline ('stage' on pipeline "
-         "of --mesh 4x2) x --pipeline-repeats 1",
-         "Use --layers that is a multiple of 4 (stages x repeats)"),
-        (["--layers", "8", "--microbatches", "4", "--pipeline-repeats", "3"],
-         "x --pipeline-repeats 3", "a multiple of 12"),
-        (["--layers", "4", "--microbatches", "2"],
-         "--microbatches 2 are fewer than the 4 stages", "Use --microbatches 4 or more"),
-        (["--layers", "4", "--microbatches", "8", "--grad-accum", "4"],
-         "--batch 8 (/ --grad-accum 4: 2 rows a step) does not split into --microbatches 8",
-         "a multiple of 32 (--microbatches x --grad-accum)"),
-        (["--layers", "4", "--microbatches", "8"],
-         "--microbatches 8 cut 8 rows into microbatches of 1, which do not split over the 2 "
-         "devices", "a multiple of 16 (--microbatches x 2 x --grad-accum)"),
-        (["--layers", "4", "--microbatches", "4", "--rules", "fsdp", "--mesh", "2x4"],
-         "--rules fsdp on --mesh 2x4 gives 'stage' no mesh axis", "Use --rules pipeline"),
+        (
+            ["--layers", "6", "--microbatches", "4"],
+            "--layers 6 do not split into the 4 stages of --rules pipeline ('stage' on pipeline "
+            "of --mesh 4x2) x --pipeline-repeats 1",
+            "Use --layers that is a multiple of 4 (stages x repeats)",
+        ),
+        (
+            ["--layers", "8", "--microbatches", "4", "--pipeline-repeats", "3"],
+            "x --pipeline-repeats 3",
+            "a multiple of 12",
+        ),
+        (
+            ["--layers", "4", "--microbatches", "2"],
+            "--microbatches 2 are fewer than the 4 stages",
+            "Use --microbatches 4 or more",
+        ),
+        (
+            ["--layers", "4", "--microbatches", "8", "--grad-accum", "4"],
+            "--batch 8 (/ --grad-accum 4: 2 rows a step) does not split into --microbatches 8",
+            "a multiple of 32 (--microbatches x --grad-accum)",
+        ),
+        (
+            ["--layers", "4", "--microbatches", "8"],
+            "--microbatches 8 cut 8 rows into microbatches of 1, which do not split over the 2 "
+            "devices",
+            "a multiple of 16 (--microbatches x 2 x --grad-accum)",
+        ),
+        (
+            ["--layers", "4", "--microbatches", "4", "--rules", "fsdp", "--mesh", "2x4"],
+            "--rules fsdp on --mesh 2x4 gives 'stage' no mesh axis",
+            "Use --rules pipeline",
+        ),
     ],
     ids=["layers", "repeats", "microbatches", "batch", "data-shards", "no-pipeline"],
-)  # fmt: skip
+)
 def test_a_bad_pipeline_is_refused_before_any_work(tmp_path, capsys, extra, expected, fix):
     folder = tmp_path / "run"
     args = ["train", "--rules", "pipeline", "--mesh", "4x2", *FAST, *TINY, *extra]
@@ -70,8 +86,22 @@ def test_a_pipelined_checkpoint_resumes_without_a_pipeline_and_back(tmp_path, ca
     pipeline composes with gradient accumulation (the same losses)."""
     first, metrics = tmp_path / "piped", tmp_path / "piped.jsonl"
     common = ["--eval-every", "0", "--ckpt-every", "2", *FAST, "--batch", "16"]
-    _train(first, metrics, "--rules", "pipeline", "--mesh", "4x2", "--microbatches", "4",
-           "--layers", "4", "--steps", "6", *TINY, *common)  # fmt: skip
+    _train(
+        first,
+        metrics,
+        "--rules",
+        "pipeline",
+        "--mesh",
+        "4x2",
+        "--microbatches",
+        "4",
+        "--layers",
+        "4",
+        "--steps",
+        "6",
+        *TINY,
+        *common,
+    )
     reference = _losses(metrics)
     out = capsys.readouterr().out
     assert "pipeline: 4 stages (pipeline) x 1 layer group of 1 layers, 4 microbatches: " in out
@@ -91,8 +121,19 @@ def test_a_pipelined_checkpoint_resumes_without_a_pipeline_and_back(tmp_path, ca
     back, back_metrics = tmp_path / "back", tmp_path / "back.jsonl"
     shutil.copytree(plain, back)
     # and with gradient accumulation: each accumulated half cut into the 4 microbatches
-    _train(back, back_metrics, "--resume", "--rules", "pipeline", "--mesh", "4x2", "--steps", "6",
-           "--grad-accum", "2")  # fmt: skip
+    _train(
+        back,
+        back_metrics,
+        "--resume",
+        "--rules",
+        "pipeline",
+        "--mesh",
+        "4x2",
+        "--steps",
+        "6",
+        "--grad-accum",
+        "2",
+    )
     losses = {**_losses(plain_metrics), **_losses(back_metrics)}
     assert sorted(losses) == [3, 4, 5, 6]
     for step, loss in losses.items():  # the uninterrupted pipelined run's, step by step

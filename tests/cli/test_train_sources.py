@@ -39,8 +39,9 @@ def _budget(monkeypatch, spec: str, mesh: dict[str, int], rules: str) -> int:
     trainable = load_factory(spec).trainable
     settings = TrainSettings()
     abstract = trainable.model.abstract_state(make_optimizer(settings))
-    cost = step_memory(trainable.model, abstract, trainable.example_batch, make_mesh(mesh),
-                       get_layout(rules))  # fmt: skip
+    cost = step_memory(
+        trainable.model, abstract, trainable.example_batch, make_mesh(mesh), get_layout(rules)
+    )
     limit = cost.state_bytes + (cost.memory_bytes - cost.state_bytes) // 2
     monkeypatch.setattr(memory, "device_memory", lambda mesh: (limit, "a small test device"))
     return limit

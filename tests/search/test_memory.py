@@ -36,24 +36,40 @@ MISSES: dict[tuple[str, bool, str], str] = {}
 
 CASES = [
     pytest.param(
-        remat, scan, layout,
+        remat,
+        scan,
+        layout,
         marks=[pytest.mark.xfail(reason=MISSES[(remat, scan, layout)], strict=True)]
-        if (remat, scan, layout) in MISSES else [],
+        if (remat, scan, layout) in MISSES
+        else [],
         id=f"{remat}-{'scan' if scan else 'loop'}-{layout}",
     )
-    for remat in ("none", "full", "dots") for scan in (True, False) for layout in LAYOUTS
-]  # fmt: skip
+    for remat in ("none", "full", "dots")
+    for scan in (True, False)
+    for layout in LAYOUTS
+]
 # Full remat of unrolled layers keeps each layer's input for the backward pass: deeper.
 DEEP = [
     pytest.param(layers, layout, id=f"full-loop-{layers}-layers-{layout}")
-    for layers in (8, 16) for layout in ("dp", "fsdp")
-]  # fmt: skip
+    for layers in (8, 16)
+    for layout in ("dp", "fsdp")
+]
 
 
 @functools.cache
 def _step(remat: str, scan: bool, layers: int = 4):
-    cfg = LlamaConfig(embed=256, heads=8, kv_heads=8, head_dim=32, mlp=1024, layers=layers,
-                      vocab=1024, remat=remat, scan=scan, dtype="float32")  # fmt: skip
+    cfg = LlamaConfig(
+        embed=256,
+        heads=8,
+        kv_heads=8,
+        head_dim=32,
+        mlp=1024,
+        layers=layers,
+        vocab=1024,
+        remat=remat,
+        scan=scan,
+        dtype="float32",
+    )
     state, step, batch = llama_step(cfg, 16, 256)
     return state, step, batch, trace_workload(step, state, batch)
 

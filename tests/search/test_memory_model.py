@@ -63,8 +63,17 @@ def test_a_cheap_elementwise_residual_is_recomputed_from_what_is_kept():
 def test_an_unrolled_layer_keeps_no_float32_copies_or_activation_derivatives():
     # Without remat, autodiff saves the norm's float32 copies and the GELU's intermediates;
     # XLA recomputes them from the matmul output and the layer input that are kept anyway.
-    cfg = LlamaConfig(embed=256, heads=4, kv_heads=4, head_dim=64, mlp=1024, layers=2,
-                      vocab=512, gated=False, scan=False)  # fmt: skip
+    cfg = LlamaConfig(
+        embed=256,
+        heads=4,
+        kv_heads=4,
+        head_dim=64,
+        mlp=1024,
+        layers=2,
+        vocab=512,
+        gated=False,
+        scan=False,
+    )
     state, step, batch = llama_step(cfg, 8, 128)
     work = trace_workload(step, state, batch, read_constraints=True)
     cost = predict(work, {"data": 8}, (("batch", "data"),), H100)
@@ -77,8 +86,9 @@ def test_an_unrolled_layer_keeps_no_float32_copies_or_activation_derivatives():
 
 
 def test_a_fused_attention_layer_keeps_no_scores():
-    cfg = LlamaConfig(embed=128, heads=4, kv_heads=4, head_dim=32, mlp=256, layers=2,
-                      vocab=256, scan=False)  # fmt: skip
+    cfg = LlamaConfig(
+        embed=128, heads=4, kv_heads=4, head_dim=32, mlp=256, layers=2, vocab=256, scan=False
+    )
     seq = 512
     state, step, batch = llama_step(cfg, 8, seq)
     work = trace_workload(step, state, batch, read_constraints=True)
@@ -102,11 +112,20 @@ def test_a_scanned_layer_gathers_all_its_weights_at_once():
     cell = (("batch", None), (8, 8), 4, False)
     ones = np.ones((3, 1))
     program = MemoryProgram(
-        [cell], ones, np.zeros((3, 1)), np.array([0, 1, 0]), ["dot0", "dot1"], np.zeros(1),
-        scope=np.array([0, 0, -1]), scopes=[[0, 1]],
-    )  # fmt: skip
-    w, v, act = (("embed", "mlp"), (8, 8), ("fsdp",)), (("mlp", "embed"), (8, 8), ("fsdp",)), (
-        ("batch", "embed"), (8, 8), ("fsdp",))  # fmt: skip
+        [cell],
+        ones,
+        np.zeros((3, 1)),
+        np.array([0, 1, 0]),
+        ["dot0", "dot1"],
+        np.zeros(1),
+        scope=np.array([0, 0, -1]),
+        scopes=[[0, 1]],
+    )
+    w, v, act = (
+        (("embed", "mlp"), (8, 8), ("fsdp",)),
+        (("mlp", "embed"), (8, 8), ("fsdp",)),
+        (("batch", "embed"), (8, 8), ("fsdp",)),
+    )
     gathered = [{w: 100, act: 7}, {v: 10}]
     assert peak(program, lambda c: 1).temporaries == 0
     got = peak(program, lambda c: 1, gathered)
@@ -140,8 +159,17 @@ def test_weight_gradients_whose_reductions_are_combined_are_alive_unreduced_unti
     full = 256 * 1024 * 4
     kept = {}
     for scan in (False, True):
-        cfg = LlamaConfig(embed=256, heads=4, kv_heads=4, head_dim=64, mlp=1024, layers=4,
-                          vocab=512, scan=scan, dtype="float32")  # fmt: skip
+        cfg = LlamaConfig(
+            embed=256,
+            heads=4,
+            kv_heads=4,
+            head_dim=64,
+            mlp=1024,
+            layers=4,
+            vocab=512,
+            scan=scan,
+            dtype="float32",
+        )
         state, step, batch = llama_step(cfg, 16, 64)
         work = trace_workload(step, state, batch)
         for combine in (0, 64 << 20):
@@ -160,8 +188,18 @@ def test_residuals_saved_through_prevent_cse_reduce_precision_are_kept():
     prof = dataclasses.replace(H100, fused_attention=False, rematerialize=False)
     kept = {}
     for scan in (True, False):
-        cfg = LlamaConfig(embed=128, heads=4, kv_heads=4, head_dim=32, mlp=512, layers=4,
-                          vocab=256, remat="dots", scan=scan, dtype="float32")  # fmt: skip
+        cfg = LlamaConfig(
+            embed=128,
+            heads=4,
+            kv_heads=4,
+            head_dim=32,
+            mlp=512,
+            layers=4,
+            vocab=256,
+            remat="dots",
+            scan=scan,
+            dtype="float32",
+        )
         state, step, batch = llama_step(cfg, 8, 64)
         kept[scan] = predict(trace_workload(step, state, batch), {"data": 1}, (), prof)
     # the unrolled layers keep what the scanned ones stack (they kept 0.4x before)
@@ -174,16 +212,28 @@ def test_a_rematerialised_partial_sum_combined_into_the_forward_keeps_its_recomp
     # forward's own (XLA on CPU), the recomputation up to it runs in the forward and its
     # values (the scores among them) are kept from there to the backward: only for unrolled
     # layers (a scan's iterations are not combined) and only where there is a partial sum.
-    tp = {"data": 2, "tensor": 4}, (("batch", "data"), ("heads", "tensor"),
-                                    ("kv_heads", "tensor"), ("mlp", "tensor"))  # fmt: skip
+    tp = (
+        {"data": 2, "tensor": 4},
+        (("batch", "data"), ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor")),
+    )
     dp = {"data": 8}, (("batch", "data"),)
     base = dataclasses.replace(H100, fused_attention=False, rematerialize=False)
     combined = dataclasses.replace(base, combines_remat_collectives=True)
     scores = 8 * 1 * 64 * 64 * 4  # one layer's [batch 16/2, heads 4/4, 64, 64] float32
     added = {}
     for scan in (False, True):
-        cfg = LlamaConfig(embed=128, heads=4, kv_heads=4, head_dim=32, mlp=512, layers=4,
-                          vocab=256, remat="full", scan=scan, dtype="float32")  # fmt: skip
+        cfg = LlamaConfig(
+            embed=128,
+            heads=4,
+            kv_heads=4,
+            head_dim=32,
+            mlp=512,
+            layers=4,
+            vocab=256,
+            remat="full",
+            scan=scan,
+            dtype="float32",
+        )
         state, step, batch = llama_step(cfg, 16, 64)
         work = trace_workload(step, state, batch)
         for name, (mesh, rules) in (("tp", tp), ("dp", dp)):

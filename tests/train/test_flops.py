@@ -26,14 +26,22 @@ def _xla_flops(trainer) -> float:
 @pytest.mark.slow
 def test_model_flops_match_xla_cost_analysis_within_10_percent(embed, mlp, seq):
     # Blocks unrolled (no nn.scan): XLA's cost analysis counts a while loop's body once.
-    over = {"num_layers": 2, "embed_dim": embed, "mlp_dim": mlp, "num_heads": 4,
-            "max_len": seq, "scan_layers": False}  # fmt: skip
+    over = {
+        "num_layers": 2,
+        "embed_dim": embed,
+        "mlp_dim": mlp,
+        "num_heads": 4,
+        "max_len": seq,
+        "scan_layers": False,
+    }
     trainer = prepare(
         TrainRequest(
-            mesh="1x1", rules="data_parallel", overrides=over,
+            mesh="1x1",
+            rules="data_parallel",
+            overrides=over,
             settings={"batch": 8, "seq_len": seq, "eval_every": 0},
         )
-    )  # fmt: skip
+    )
     ours = train_flops(CONFIGS["tiny"].__class__(**{**CONFIGS["tiny"].to_dict(), **over}), 8, seq)
     assert trainer.flops_per_step == ours
     xla = _xla_flops(trainer)
@@ -108,10 +116,11 @@ def test_the_cpu_peak_is_measured_and_labelled():
 def test_a_run_reports_mfu_step_times_and_tokens_per_second():
     trainer = prepare(
         TrainRequest(
-            mesh="2x4", overrides={"num_layers": 1, "embed_dim": 32, "mlp_dim": 64, "max_len": 64},
+            mesh="2x4",
+            overrides={"num_layers": 1, "embed_dim": 32, "mlp_dim": 64, "max_len": 64},
             settings={"steps": 6, "batch": 8, "seq_len": 32, "eval_every": 0, "eval_batches": 1},
         )
-    )  # fmt: skip
+    )
     trainer.peak_flops_per_s = 1e9
     records = []
     result = trainer.run(on_step=records.append)

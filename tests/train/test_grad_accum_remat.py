@@ -28,9 +28,16 @@ def trainer(grad_accum: int, *, seq_len: int = 32, steps: int = 6, batch: int = 
     mesh = make_mesh((8, 1))
     rules = layouts.fsdp
     settings = TrainSettings(
-        steps=steps, batch=batch, seq_len=seq_len, eval_every=0, eval_batches=1,
-        ckpt_every=0, warmup=1, lr=1e-2, grad_accum=grad_accum,
-    )  # fmt: skip
+        steps=steps,
+        batch=batch,
+        seq_len=seq_len,
+        eval_every=0,
+        eval_batches=1,
+        ckpt_every=0,
+        warmup=1,
+        lr=1e-2,
+        grad_accum=grad_accum,
+    )
     data = counting_batches(steps + 1, batch=batch, length=seq_len)
     model = Transformer(CONFIG)
     return Trainer(

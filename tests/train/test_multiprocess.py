@@ -78,9 +78,19 @@ def test_two_processes_match_one_and_their_checkpoint_resumes_in_one(one_process
     folder, reference = one_process
     run, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
     proc = _train(
-        "--processes", "2", "--steps", "4", "--ckpt-every", "2", *FAST, *TINY,
-        "--ckpt-dir", str(run), "--metrics", str(metrics),
-    )  # fmt: skip
+        "--processes",
+        "2",
+        "--steps",
+        "4",
+        "--ckpt-every",
+        "2",
+        *FAST,
+        *TINY,
+        "--ckpt-dir",
+        str(run),
+        "--metrics",
+        str(metrics),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "meshplan train: 2 processes on this machine, 4 CPU devices each" in out
@@ -120,9 +130,16 @@ def test_a_one_process_checkpoint_resumes_in_two(one_process, tmp_path):
     shutil.copytree(folder, run)
     shutil.rmtree(run / "6")  # resume from step 4
     proc = _train(
-        "--processes", "2", "--resume", "--ckpt-dir", str(run), "--steps", "6",
-        "--metrics", str(metrics),
-    )  # fmt: skip
+        "--processes",
+        "2",
+        "--resume",
+        "--ckpt-dir",
+        str(run),
+        "--steps",
+        "6",
+        "--metrics",
+        str(metrics),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resuming from step 4 of {run} (saved on 2x4 with fsdp_tp)" in proc.stdout
     assert "4 -> 6" in proc.stdout
@@ -162,10 +179,23 @@ def test_a_killed_worker_stops_the_run_with_a_message(tmp_path):
     out_log, err_log = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     with open(out_log, "wb") as out, open(err_log, "wb") as errs:  # files cannot fill and block
         launcher = subprocess.Popen(
-            [*_TRAIN, "--processes", "2", "--steps", "100000", "--eval-every", "0", *FAST, *TINY,
-             "--metrics", str(metrics)],
-            stdout=out, stderr=errs, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                *_TRAIN,
+                "--processes",
+                "2",
+                "--steps",
+                "100000",
+                "--eval-every",
+                "0",
+                *FAST,
+                *TINY,
+                "--metrics",
+                str(metrics),
+            ],
+            stdout=out,
+            stderr=errs,
+            stdin=subprocess.DEVNULL,
+        )
     workers: dict[int, str] = {}
     try:
         deadline = time.monotonic() + 120
@@ -202,11 +232,25 @@ def test_a_killed_worker_stops_the_run_with_a_message(tmp_path):
 def _alone(process_id: int, timeout: int = 5) -> subprocess.Popen[str]:
     """One process of a 2-process run whose other process never comes."""
     return subprocess.Popen(
-        [*_TRAIN, "--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2",
-         "--process-id", str(process_id), "--devices", "4", "--init-timeout", str(timeout)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+        [
+            *_TRAIN,
+            "--coordinator",
+            f"127.0.0.1:{free_port()}",
+            "--num-processes",
+            "2",
+            "--process-id",
+            str(process_id),
+            "--devices",
+            "4",
+            "--init-timeout",
+            str(timeout),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
         env=worker_env(4),
-    )  # fmt: skip
+    )
 
 
 def _ended(proc: subprocess.Popen[str], within: float) -> tuple[int, str]:
@@ -258,11 +302,25 @@ def test_a_jax_start_that_hangs_ends_with_our_error_not_jax_abort():
         threading.Thread(target=play_process_0, daemon=True).start()
         start = time.monotonic()
         proc = subprocess.Popen(
-            [*_TRAIN, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-             "--process-id", "1", "--devices", "4", "--init-timeout", "4"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+            [
+                *_TRAIN,
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                "1",
+                "--devices",
+                "4",
+                "--init-timeout",
+                "4",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
             env=worker_env(4),
-        )  # fmt: skip
+        )
         code, err = _ended(proc, 25)
     assert time.monotonic() - start < 18  # JAX itself would abort at 4 + 15 s
     assert code == 2, err
@@ -320,14 +378,64 @@ def test_workers_get_every_flag_but_the_process_ones():
     from meshplan.cli.train.processes import worker_argv
 
     given = [
-        "--mesh", "4x2", "--rules", "fsdp", "--data", "/d", "--ckpt-dir", "/c", "--resume",
-        "--metrics", "/m", "--steps", "9", "--batch", "16", "--seq", "32", "--lr", "0.001",
-        "--warmup", "3", "--weight-decay", "0.1", "--seed", "5", "--eval-every", "4",
-        "--eval-batches", "3", "--ckpt-every", "2", "--size", "small", "--layers", "3",
-        "--heads", "2", "--embed", "48", "--mlp", "96", "--max-len", "80",
-        "--positions", "learned", "--dtype", "bfloat16", "--no-scan", "--remat",
-        "--init-timeout", "7.5", "--resume-step", "4", "--keep", "2", "--clip", "0.5",
-    ]  # fmt: skip
+        "--mesh",
+        "4x2",
+        "--rules",
+        "fsdp",
+        "--data",
+        "/d",
+        "--ckpt-dir",
+        "/c",
+        "--resume",
+        "--metrics",
+        "/m",
+        "--steps",
+        "9",
+        "--batch",
+        "16",
+        "--seq",
+        "32",
+        "--lr",
+        "0.001",
+        "--warmup",
+        "3",
+        "--weight-decay",
+        "0.1",
+        "--seed",
+        "5",
+        "--eval-every",
+        "4",
+        "--eval-batches",
+        "3",
+        "--ckpt-every",
+        "2",
+        "--size",
+        "small",
+        "--layers",
+        "3",
+        "--heads",
+        "2",
+        "--embed",
+        "48",
+        "--mlp",
+        "96",
+        "--max-len",
+        "80",
+        "--positions",
+        "learned",
+        "--dtype",
+        "bfloat16",
+        "--no-scan",
+        "--remat",
+        "--init-timeout",
+        "7.5",
+        "--resume-step",
+        "4",
+        "--keep",
+        "2",
+        "--clip",
+        "0.5",
+    ]
     parser = build_parser()
     launched = parser.parse_args(["train", *given, "--processes", "2", "--devices", "4"])
     worker = parser.parse_args(["train", *worker_argv(launched)])

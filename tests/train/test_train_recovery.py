@@ -126,9 +126,13 @@ def test_a_step_without_checksums_is_resumed_and_sampled_with_a_note(gold, tmp_p
     path.write_text(json.dumps(data))
 
     sample = subprocess.run(
-        [*_CLI, "sample", "--ckpt-dir", str(folder), "--length", "4"], capture_output=True,
-        text=True, timeout=180, env=fresh_env(PYTHONPATH=SRC), stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        [*_CLI, "sample", "--ckpt-dir", str(folder), "--length", "4"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=fresh_env(PYTHONPATH=SRC),
+        stdin=subprocess.DEVNULL,
+    )
     assert sample.returncode == 0, sample.stderr
     assert "(step 3) was restored unverified" in " ".join(sample.stderr.split())
     assert "Traceback" not in sample.stderr
@@ -149,9 +153,13 @@ def _sigint_during_save(cmd: list[str], folder: Path, log: Path, *, group: bool)
     terminal) while a save is in progress; returns its exit status."""
     with open(log, "wb") as out:  # a file, not a pipe: it cannot fill up
         proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=fresh_env(PYTHONPATH=SRC),
-            stdin=subprocess.DEVNULL, start_new_session=group,
-        )  # fmt: skip
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=fresh_env(PYTHONPATH=SRC),
+            stdin=subprocess.DEVNULL,
+            start_new_session=group,
+        )
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and proc.poll() is None:
@@ -185,8 +193,21 @@ def _check_stopped_cleanly(folder: Path, text: str) -> None:
 @pytest.mark.slow
 def test_sigint_while_saving_every_step_stops_the_run(tmp_path, capsys):
     folder, metrics, log = tmp_path / "run", tmp_path / "metrics.jsonl", tmp_path / "log"
-    cmd = [*_CLI, "train", *FAST, "--steps", "100000", "--eval-every", "0",
-           "--ckpt-every", "1", "--metrics", str(metrics), "--ckpt-dir", str(folder)]  # fmt: skip
+    cmd = [
+        *_CLI,
+        "train",
+        *FAST,
+        "--steps",
+        "100000",
+        "--eval-every",
+        "0",
+        "--ckpt-every",
+        "1",
+        "--metrics",
+        str(metrics),
+        "--ckpt-dir",
+        str(folder),
+    ]
     assert _sigint_during_save(cmd, folder, log, group=False) == 130
     _check_stopped_cleanly(folder, log.read_text())
 
@@ -205,8 +226,21 @@ def test_sigint_while_saving_every_step_stops_the_run(tmp_path, capsys):
 @pytest.mark.slow
 def test_ctrl_c_to_the_launcher_stops_every_worker_after_the_save(tmp_path):
     folder, log = tmp_path / "run", tmp_path / "log"
-    cmd = [*_CLI, "train", "--processes", "2", *FAST, "--steps", "100000", "--eval-every",
-           "0", "--ckpt-every", "1", "--ckpt-dir", str(folder)]  # fmt: skip
+    cmd = [
+        *_CLI,
+        "train",
+        "--processes",
+        "2",
+        *FAST,
+        "--steps",
+        "100000",
+        "--eval-every",
+        "0",
+        "--ckpt-every",
+        "1",
+        "--ckpt-dir",
+        str(folder),
+    ]
     assert _sigint_during_save(cmd, folder, log, group=True) == 130
     text = log.read_text()
     assert "meshplan: SIGINT: forwarded to the 2 running workers" in text

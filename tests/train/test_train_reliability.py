@@ -40,9 +40,13 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _cli(*args: str, timeout: float = 180, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*_CLI, *args], capture_output=True, text=True, timeout=timeout, env=_env(**env),
+        [*_CLI, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_env(**env),
         stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+    )
 
 
 def _main(args: list[str], capsys) -> tuple[int, str, str]:
@@ -146,8 +150,23 @@ def test_resuming_an_earlier_step_sets_the_later_steps_aside(tmp_path, capsys):
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_every_worker_after_the_save(tmp_path):
     folder, metrics, log = tmp_path / "run", tmp_path / "metrics.jsonl", tmp_path / "log"
-    args = [*_CLI, "train", "--processes", "2", "--steps", "100000", "--eval-every", "0",
-            "--ckpt-every", "3", *FAST, "--metrics", str(metrics), "--ckpt-dir", str(folder)]  # fmt: skip
+    args = [
+        *_CLI,
+        "train",
+        "--processes",
+        "2",
+        "--steps",
+        "100000",
+        "--eval-every",
+        "0",
+        "--ckpt-every",
+        "3",
+        *FAST,
+        "--metrics",
+        str(metrics),
+        "--ckpt-dir",
+        str(folder),
+    ]
     with open(log, "wb") as out:  # a file, not a pipe: it cannot fill up
         launcher = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=_env())
     try:
@@ -180,15 +199,24 @@ def test_sigterm_to_the_launcher_stops_every_worker_after_the_save(tmp_path):
 @pytest.mark.parametrize(
     "flags, expected, fix",
     [
-        (["--ckpt-dir", ""], "--ckpt-dir '' is empty: the run would save nothing",
-         "or leave --ckpt-dir out"),
-        (["--ckpt-dir", "gs://bucket/run"], "--ckpt-dir 'gs://bucket/run' is a gs:// URL",
-         "Train into a local folder"),
-        (["--seed", str(2**63)], f"--seed must be below 2**63 (a 64-bit seed), got {2**63}",
-         "from 0 to 2**63 - 1"),
+        (
+            ["--ckpt-dir", ""],
+            "--ckpt-dir '' is empty: the run would save nothing",
+            "or leave --ckpt-dir out",
+        ),
+        (
+            ["--ckpt-dir", "gs://bucket/run"],
+            "--ckpt-dir 'gs://bucket/run' is a gs:// URL",
+            "Train into a local folder",
+        ),
+        (
+            ["--seed", str(2**63)],
+            f"--seed must be below 2**63 (a 64-bit seed), got {2**63}",
+            "from 0 to 2**63 - 1",
+        ),
     ],
     ids=["empty-ckpt-dir", "gs-url", "seed-2**63"],
-)  # fmt: skip
+)
 def test_settings_that_would_end_badly_are_refused_up_front(tmp_path, capsys, flags, expected, fix):
     os.chdir(tmp_path)  # nothing may be created here ('./gs:')
     code, _, err = _main([*FAST, "--steps", "2", *flags], capsys)
@@ -208,8 +236,20 @@ def test_metrics_pointing_at_a_fifo_is_refused(tmp_path, capsys):
 @pytest.mark.slow
 def test_metrics_on_a_full_disk_ends_the_run_with_one_error(tmp_path):
     folder = tmp_path / "run"
-    result = _cli("train", *FAST, "--steps", "50", "--eval-every", "0", "--ckpt-every", "1",
-                  "--metrics", "/dev/full", "--ckpt-dir", str(folder))  # fmt: skip
+    result = _cli(
+        "train",
+        *FAST,
+        "--steps",
+        "50",
+        "--eval-every",
+        "0",
+        "--ckpt-every",
+        "1",
+        "--metrics",
+        "/dev/full",
+        "--ckpt-dir",
+        str(folder),
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
     # --eval-every 0 evaluates only at the end: the first record is step 1's.
@@ -225,20 +265,33 @@ def test_metrics_on_a_full_disk_ends_the_run_with_one_error(tmp_path):
 @pytest.mark.parametrize(
     "args, env, expected",
     [
-        (["plan", "--mesh", "10000x10000"], {}, "--mesh 10000x10000 has 100,000,000 devices: "
-         "meshplan plan lays out at most 1,048,576 (2**20)"),
+        (
+            ["plan", "--mesh", "10000x10000"],
+            {},
+            "--mesh 10000x10000 has 100,000,000 devices: "
+            "meshplan plan lays out at most 1,048,576 (2**20)",
+        ),
         (["plan", "--mesh", "100000x100000"], {}, "has 10,000,000,000 devices"),
-        (["search", "--devices", "1048576"], {}, "--devices 1048576 is more than meshplan "
-         "search searches: at most 16,384 (2**14)"),
+        (
+            ["search", "--devices", "1048576"],
+            {},
+            "--devices 1048576 is more than meshplan search searches: at most 16,384 (2**14)",
+        ),
         (["search", "--devices", "1000000007"], {}, "Search at most 16,384 devices"),
-        (["train", "--steps", "1"], {"JAX_PLATFORMS": "tpu"},
-         "error: JAX could not start the devices JAX_PLATFORMS='tpu' asks for: "),
-        (["sample", "--ckpt-dir", "/nonexistent"], {"JAX_PLATFORMS": "cuda"},
-         "error: JAX could not start the devices JAX_PLATFORMS='cuda' asks for: "),
+        (
+            ["train", "--steps", "1"],
+            {"JAX_PLATFORMS": "tpu"},
+            "error: JAX could not start the devices JAX_PLATFORMS='tpu' asks for: ",
+        ),
+        (
+            ["sample", "--ckpt-dir", "/nonexistent"],
+            {"JAX_PLATFORMS": "cuda"},
+            "error: JAX could not start the devices JAX_PLATFORMS='cuda' asks for: ",
+        ),
         (["plan", "--png", "/tmp"], {}, "error: --png '/tmp' is a folder"),
     ],
     ids=["plan-1e8", "plan-1e10", "search-2**20", "search-prime", "tpu", "cuda", "png-folder"],
-)  # fmt: skip
+)
 @pytest.mark.slow
 def test_what_used_to_hang_or_end_cryptically_ends_at_once_with_a_meshplan_error(
     args, env, expected
@@ -255,17 +308,24 @@ def test_what_used_to_hang_or_end_cryptically_ends_at_once_with_a_meshplan_error
 @pytest.mark.slow
 def test_closed_or_full_stdout_ends_with_a_message(tmp_path):
     closed = subprocess.run(  # `meshplan plan >&-`
-        ["sh", "-c", 'exec "$@" >&-', "sh", *_CLI, "plan"], stderr=subprocess.PIPE, text=True,
-        env=_env(), timeout=120,
-    )  # fmt: skip
+        ["sh", "-c", 'exec "$@" >&-', "sh", *_CLI, "plan"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
     assert closed.returncode == 2
     assert "error: meshplan: standard output is closed" in closed.stderr
     assert "Traceback" not in closed.stderr
     with open("/dev/full", "w") as full:  # a disk that is always full
         result = subprocess.run(
-            [*_CLI, "plan"], stdout=full, stderr=subprocess.PIPE, text=True, env=_env(),
+            [*_CLI, "plan"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
             timeout=120,
-        )  # fmt: skip
+        )
     assert result.returncode == 1
     assert "error: meshplan: writing its output failed: No space left on device" in result.stderr
     assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr
@@ -350,19 +410,43 @@ def test_a_step_without_metadata_and_an_empty_step_folder_are_skipped(tmp_path, 
     "saved, losses, best, start, expected",
     [
         ([2, 4], {1: 5.0, 2: 4.5, 3: 4.2, 4: 4.0}, None, 0, (4, "")),
-        ([2, 4, 6], {1: 5.0, 2: 4.0, 3: 3.9, 4: 3.8, 5: 9.0, 6: 3.4e13}, None, 0,
-         (2, "the last saved step whose state then gave a training loss at or below the "
-             "running median (3.9 at step 3, median 4); passed over: step 6 (3.4e+13 at step "
-             "6), step 4 (9 at step 5)")),
-        ([10, 12], {12: 50.0, 13: 3.4e13}, None, 10,
-         (10, "the step this run started from (its loss was not seen climbing); passed over: "
-              "step 12 (3.4e+13 at step 13)")),
-        ([11, 12], {11: 1.0, 12: 3.4e13, 13: 3.5e13}, (11, 2.0), 10,
-         (11, "the best by validation loss (2); passed over: step 12 (3.5e+13 at step 13), "
-              "step 11 (3.4e+13 at step 12)")),
+        (
+            [2, 4, 6],
+            {1: 5.0, 2: 4.0, 3: 3.9, 4: 3.8, 5: 9.0, 6: 3.4e13},
+            None,
+            0,
+            (
+                2,
+                "the last saved step whose state then gave a training loss at or below the "
+                "running median (3.9 at step 3, median 4); passed over: step 6 (3.4e+13 at step "
+                "6), step 4 (9 at step 5)",
+            ),
+        ),
+        (
+            [10, 12],
+            {12: 50.0, 13: 3.4e13},
+            None,
+            10,
+            (
+                10,
+                "the step this run started from (its loss was not seen climbing); passed over: "
+                "step 12 (3.4e+13 at step 13)",
+            ),
+        ),
+        (
+            [11, 12],
+            {11: 1.0, 12: 3.4e13, 13: 3.5e13},
+            (11, 2.0),
+            10,
+            (
+                11,
+                "the best by validation loss (2); passed over: step 12 (3.5e+13 at step 13), "
+                "step 11 (3.4e+13 at step 12)",
+            ),
+        ),
     ],
     ids=["all-sane", "climbing", "the-start", "best"],
-)  # fmt: skip
+)
 def test_the_step_to_resume_a_diverged_run_from(saved, losses, best, start, expected):
     assert sane_step(saved, losses, best, start) == expected
 
@@ -373,8 +457,23 @@ def test_a_diverged_run_names_the_last_step_whose_loss_was_sane(tmp_path, capsys
     base = ["--eval-every", "0", "--ckpt-every", "1", "--keep", "100", "--ckpt-dir", str(folder)]
     assert _main([*FAST, "--steps", "2", *base], capsys)[0] == 0
     # The loss climbs for steps (5e6, 2e9, ... 3.6e14) before a state holds NaN.
-    code, _, err = _main(["--resume", "--lr", "1e3", "--warmup", "0", "--clip", "1e9",
-                          "--steps", "40", "--metrics", str(metrics), *base], capsys)  # fmt: skip
+    code, _, err = _main(
+        [
+            "--resume",
+            "--lr",
+            "1e3",
+            "--warmup",
+            "0",
+            "--clip",
+            "1e9",
+            "--steps",
+            "40",
+            "--metrics",
+            str(metrics),
+            *base,
+        ],
+        capsys,
+    )
     assert code == 1
     first = err.splitlines()[0]
     assert first.startswith("error: Training diverged at step ")

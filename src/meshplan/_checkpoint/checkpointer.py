@@ -148,11 +148,13 @@ def _save_step(step: object) -> int:
         number = None
     if number is None or number < 0:
         raise error_for(
-            ArgumentError, "ckpt-bad-step", "step",
+            ArgumentError,
+            "ckpt-bad-step",
+            "step",
             f"Checkpointer.save: step must be a whole number of 0 or more, got {step!r}",
             "Pass the training step, e.g. save(20, state); a negative or missing step "
             "cannot be restored.",
-        )  # fmt: skip
+        )
     return number
 
 
@@ -261,24 +263,30 @@ class Checkpointer:
             isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
         ):
             raise error_for(
-                ArgumentError, "ckpt-bad-keep", "max_to_keep",
+                ArgumentError,
+                "ckpt-bad-keep",
+                "max_to_keep",
                 f"max_to_keep must be a whole number >= 1 or None, got {max_to_keep!r}",
                 "Pass max_to_keep=3, for example (None keeps every step).",
-            )  # fmt: skip
+            )
         if best_mode not in ("min", "max"):
             raise error_for(
-                ArgumentError, "ckpt-bad-keep", "best_mode",
+                ArgumentError,
+                "ckpt-bad-keep",
+                "best_mode",
                 f"best_mode must be 'min' or 'max', got {best_mode!r}",
                 "Pass best_mode='min' for a loss (lower is better).",
-            )  # fmt: skip
+            )
         if not str(directory).strip():
             raise error_for(
-                ArgumentError, "ckpt-empty-path", "directory",
+                ArgumentError,
+                "ckpt-empty-path",
+                "directory",
                 f"Checkpointer(directory={str(directory)!r}): the path is empty (it would "
                 f"save into the current folder, {os.getcwd()!r})",
                 "Pass a folder, e.g. Checkpointer('runs/first'); pass '.' to mean the current "
                 "folder.",
-            )  # fmt: skip
+            )
         self.directory = checkpoint_path(directory)
         self.keep_best = keep_best
         self.best_mode = best_mode
@@ -370,10 +378,12 @@ class Checkpointer:
         p = checkpoint_path(directory)
         if p.exists() and not p.is_dir():
             raise error_for(
-                CheckpointError, "ckpt-not-a-folder", str(p),
+                CheckpointError,
+                "ckpt-not-a-folder",
+                str(p),
                 f"Cannot save checkpoints into {str(p)!r}: it is a file",
                 "Pass a folder path (it is created if missing).",
-            )  # fmt: skip
+            )
         try:
             p.mkdir(parents=True, exist_ok=True)
             probe = p / f".meshplan-probe-{os.getpid()}-{jax.process_index()}"
@@ -381,21 +391,25 @@ class Checkpointer:
             probe.unlink()
         except (FileExistsError, NotADirectoryError) as e:
             raise error_for(
-                CheckpointError, "ckpt-not-a-folder", str(p),
+                CheckpointError,
+                "ckpt-not-a-folder",
+                str(p),
                 f"Cannot save checkpoints into {str(p)!r}: a part of that path is a file "
                 f"({_cause_text(e)})",
                 "Pass a folder path whose parents are folders.",
-            ) from e  # fmt: skip
+            ) from e
         except OSError as e:
             raise Checkpointer._not_writable_error(p, e) from e
 
     @staticmethod
     def _not_writable_error(p: object, e: BaseException) -> CheckpointError:
         return error_for(  # type: ignore[return-value]
-            CheckpointError, "ckpt-not-writable", str(p),
+            CheckpointError,
+            "ckpt-not-writable",
+            str(p),
             f"Cannot write checkpoints into {str(p)!r}: {_cause_text(e)}",
             _write_fix(_errno_of(e)),
-        )  # fmt: skip
+        )
 
     def _not_writable(self, e: BaseException) -> CheckpointError:
         return self._not_writable_error(self.directory, e)
@@ -417,10 +431,12 @@ class Checkpointer:
                 else "No complete step is left there"
             )
             failure = error_for(
-                CheckpointError, "ckpt-write-failed", str(self.directory),
+                CheckpointError,
+                "ckpt-write-failed",
+                str(self.directory),
                 f"Saving {what} into {str(self.directory)!r} failed: {_cause_text(e)}. {last}",
                 _write_fix(_errno_of(e)),
-            )  # fmt: skip
+            )
             failure.__cause__ = e
             self._failure = failure  # type: ignore[assignment]
             if jax.process_index() == 0:
@@ -439,12 +455,14 @@ class Checkpointer:
         """Raises ``'ckpt-closed'`` once :meth:`close` has run (its lock and Orbax are gone)."""
         if self._closed:
             raise error_for(
-                CheckpointError, "ckpt-closed", str(self.directory),
+                CheckpointError,
+                "ckpt-closed",
+                str(self.directory),
                 f"Checkpointer.{call}: this Checkpointer of {str(self.directory)!r} is closed "
                 f"(close() ran: its lock is released and nothing more is written)",
                 f"Open a new one to write again: meshplan.Checkpointer({str(self.directory)!r}), "
                 f"or call close() (or leave its with-block) after the last save.",
-            )  # fmt: skip
+            )
 
     def _check_still_ours(self, step: int) -> None:
         """The folder is still there and still locked by this Checkpointer."""
@@ -558,9 +576,14 @@ class Checkpointer:
             if bad:
                 self._refuse_nonfinite(step, bad)
         metadata = CheckpointMetadata.from_flat(
-            step, flat, rules=rules, mesh=mesh, config=config, extra=extra,
+            step,
+            flat,
+            rules=rules,
+            mesh=mesh,
+            config=config,
+            extra=extra,
             checksums=array_checksums(flat),
-        )  # fmt: skip
+        )
         raw = nest({key: value for key, (value, _) in flat.items()})
         self._check_still_ours(step)
         # Orbax waits for the previous save first; a failure there is that step's.
@@ -602,17 +625,21 @@ class Checkpointer:
                 number = float(value)
             except (TypeError, ValueError) as e:
                 raise error_for(
-                    ArgumentError, "ckpt-bad-metric", f"metrics/{name}",
+                    ArgumentError,
+                    "ckpt-bad-metric",
+                    f"metrics/{name}",
                     f"save(step={step}, metrics=...): {name!r} must be a number, got {value!r}",
                     "Pass plain numbers, e.g. metrics={'valid_loss': 2.5}.",
-                ) from e  # fmt: skip
+                ) from e
             if not math.isfinite(number):
                 raise error_for(
-                    CheckpointError, "ckpt-not-finite", f"metrics/{name}",
+                    CheckpointError,
+                    "ckpt-not-finite",
+                    f"metrics/{name}",
                     f"Refusing to save step {step}: its metric {name!r} is {number}",
                     "The run diverged: restore the last good step and lower the learning rate; "
                     "nothing was written.",
-                )  # fmt: skip
+                )
             out[str(name)] = number
         return out
 
@@ -627,11 +654,13 @@ class Checkpointer:
             else "start again"
         )
         raise error_for(
-            CheckpointError, "ckpt-not-finite", bad[0],
+            CheckpointError,
+            "ckpt-not-finite",
+            bad[0],
             f"Refusing to save step {step}: NaN or infinite values in {len(bad)} "
             f"array{'s' if len(bad) != 1 else ''}: {paths_text(bad)}",
             f"The run diverged: {last} with a lower learning rate; nothing was written.",
-        )  # fmt: skip
+        )
 
     # -- steps -----------------------------------------------------------------
 
@@ -766,11 +795,13 @@ class Checkpointer:
         missing = [s for s in steps if s not in have]
         if missing:
             raise error_for(
-                CheckpointError, "ckpt-no-such-step", str(self.directory),
+                CheckpointError,
+                "ckpt-no-such-step",
+                str(self.directory),
                 f"{str(self.directory)!r} has no complete step {missing[0]} to {what}; it has "
                 f"{have}",
                 fix,
-            )  # fmt: skip
+            )
         return have
 
     def set_aside(self, steps: list[int], name: str, why: str | None = None) -> epath.Path:

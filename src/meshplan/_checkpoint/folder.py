@@ -161,16 +161,21 @@ def _check_folder(path: epath.Path, manager: Any) -> list[int]:
     """The complete steps of ``path``; a :class:`CheckpointError` saying why there are none."""
     if not path.exists():
         raise error_for(
-            CheckpointError, "ckpt-missing", str(path),
+            CheckpointError,
+            "ckpt-missing",
+            str(path),
             f"No checkpoint folder at {str(path)!r}: it does not exist",
             "Check the path, or save a checkpoint there first: "
             "meshplan.Checkpointer(path).save(step, state).",
-        )  # fmt: skip
+        )
     if not path.is_dir():
         raise error_for(
-            CheckpointError, "ckpt-not-a-folder", str(path),
-            f"{str(path)!r} is a file, not a checkpoint folder", f"{_FIX_PATH}.",
-        )  # fmt: skip
+            CheckpointError,
+            "ckpt-not-a-folder",
+            str(path),
+            f"{str(path)!r} is a file, not a checkpoint folder",
+            f"{_FIX_PATH}.",
+        )
     steps = sorted(manager.all_steps())
     if steps:
         return steps
@@ -187,10 +192,12 @@ def _check_folder(path: epath.Path, manager: Any) -> list[int]:
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
         problem = f"it holds no step folders, only: {shown}"
     raise error_for(
-        CheckpointError, "ckpt-incomplete" if incomplete else "ckpt-no-steps", str(path),
+        CheckpointError,
+        "ckpt-incomplete" if incomplete else "ckpt-no-steps",
+        str(path),
         f"{str(path)!r} is not a meshplan checkpoint: {problem}",
         f"{_FIX_PATH}, or save into a new folder to start afresh.",
-    )  # fmt: skip
+    )
 
 
 def step_number(step: Any) -> int | None:
@@ -219,11 +226,13 @@ def step_number(step: Any) -> int | None:
             if number >= 0:
                 return number
     raise error_for(
-        ArgumentError, "ckpt-bad-step", "step",
+        ArgumentError,
+        "ckpt-bad-step",
+        "step",
         f"step must be a whole number of 0 or more (or None for the latest), got {step!r} "
         f"({type(step).__name__})",
         "Pass step=20, for example: a step number as saved (digits 0-9 in a string).",
-    )  # fmt: skip
+    )
 
 
 def _step_to_read(path: epath.Path, steps: list[int], step: object) -> int:
@@ -235,10 +244,12 @@ def _step_to_read(path: epath.Path, steps: list[int], step: object) -> int:
     midway = [n for n in incomplete_steps(path) if n.split(".", 1)[0] == str(step)]
     why = f" (its save stopped midway: {midway[0]!r})" if midway else ""
     raise error_for(
-        CheckpointError, "ckpt-no-such-step", str(path),
+        CheckpointError,
+        "ckpt-no-such-step",
+        str(path),
         f"{str(path)!r} has no complete checkpoint at {step=}{why}; it has steps {steps}",
         "Pass one of those steps, or step=None for the latest.",
-    )  # fmt: skip
+    )
 
 
 def damaged_fix(steps: list[int], step: int) -> str:
@@ -297,40 +308,51 @@ def metadata_of(
         others = _steps_with_metadata(p, [s for s in steps if s != step])
         if others:  # a meshplan folder: this step lost its item, like one that lost its arrays
             raise error_for(
-                CheckpointError, "ckpt-damaged", where,
+                CheckpointError,
+                "ckpt-damaged",
+                where,
                 f"{where} has no '{META_ITEM}' metadata item (removed or never written; the "
                 f"folder's other steps have one, e.g. step {others[-1]})",
                 damaged_fix(steps, step),
-            ) from e  # fmt: skip
+            ) from e
         raise error_for(
-            CheckpointError, "ckpt-not-meshplan", where,
+            CheckpointError,
+            "ckpt-not-meshplan",
+            where,
             f"{where} is not a meshplan checkpoint: it has no '{META_ITEM}' metadata item "
             f"({e.args[0] if e.args else e})",
             f"{_FIX_PATH}; restore a plain Orbax checkpoint with orbax.checkpoint and a "
             f"target tree.",
-        ) from e  # fmt: skip
+        ) from e
     except Exception as e:  # Orbax raises OSError, ValueError or a bare Exception
         raise error_for(
-            CheckpointError, "ckpt-damaged", where,
+            CheckpointError,
+            "ckpt-damaged",
+            where,
             f"{where}: cannot read its '{META_ITEM}' metadata item ({type(e).__name__}: {e})",
             damaged_fix(steps, step),
-        ) from e  # fmt: skip
+        ) from e
     try:
         metadata = CheckpointMetadata.from_json(data, where)
     except CheckpointError as e:
         if not e.problems or e.problems[0].code != "ckpt-damaged":
             raise
         raise error_for(
-            CheckpointError, "ckpt-damaged", where, e.problems[0].message,
+            CheckpointError,
+            "ckpt-damaged",
+            where,
+            e.problems[0].message,
             damaged_fix(steps, step),
-        ) from e  # fmt: skip
+        ) from e
     if metadata.step != step:
         raise error_for(
-            CheckpointError, "ckpt-damaged", where,
+            CheckpointError,
+            "ckpt-damaged",
+            where,
             f"{where}: its metadata says step {metadata.step}, but it is the folder of step "
             f"{step} (moved or edited by hand)",
             damaged_fix(steps, step),
-        )  # fmt: skip
+        )
     return metadata
 
 

@@ -142,12 +142,14 @@ class FolderLock:
             why = cls._stale(path, holder)
             if why is None:
                 raise error_for(
-                    CheckpointError, "ckpt-locked", folder,
+                    CheckpointError,
+                    "ckpt-locked",
+                    folder,
                     f"{folder!r} is being written by another Checkpointer: {_holder_text(holder)} "
                     f"(lock file {path!r})",
                     "Wait for that run to finish or stop it, or save into another folder. If "
                     "that process is gone (e.g. on another host), delete the lock file.",
-                )  # fmt: skip
+                )
             note = (
                 f"Took over the stale lock of {folder!r}: it was held by "
                 f"{_holder_text(holder)}, which {why}."
@@ -155,10 +157,12 @@ class FolderLock:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         raise error_for(
-            CheckpointError, "ckpt-locked", folder,
+            CheckpointError,
+            "ckpt-locked",
+            folder,
             f"Could not take the lock of {folder!r}: other processes keep taking it",
             "Make sure only one run writes into that folder.",
-        )  # fmt: skip
+        )
 
     @staticmethod
     def _stale(path: str, holder: dict[str, Any]) -> str | None:
@@ -204,11 +208,13 @@ class FolderLock:
             raise
         except OSError as e:
             raise error_for(
-                CheckpointError, "ckpt-not-writable", os.path.dirname(path),
+                CheckpointError,
+                "ckpt-not-writable",
+                os.path.dirname(path),
                 f"Cannot create the lock file {path!r}: {e.strerror or e} "
                 f"({errno.errorcode.get(e.errno or 0, e.errno)})",
                 "Make the folder writable by this user, or save into another folder.",
-            ) from e  # fmt: skip
+            ) from e
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(data, f)
         lock = cls(path, data, note)

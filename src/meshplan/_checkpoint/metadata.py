@@ -329,28 +329,34 @@ class CheckpointMetadata:
         """
         if not isinstance(data, Mapping) or data.get("format") != FORMAT:
             raise error_for(
-                CheckpointError, "ckpt-not-meshplan", where,
+                CheckpointError,
+                "ckpt-not-meshplan",
+                where,
                 f"{where} is not a meshplan checkpoint: its 'meshplan' item is not meshplan "
                 f"metadata, got format={data.get('format') if isinstance(data, Mapping) else None!r}",
                 "Pass the folder a meshplan.Checkpointer saved into.",
-            )  # fmt: skip
+            )
         if int(data.get("format_version", 0)) > FORMAT_VERSION:
             raise error_for(
-                CheckpointError, "ckpt-newer-format", where,
+                CheckpointError,
+                "ckpt-newer-format",
+                where,
                 f"{where} was written by a newer meshplan "
                 f"({data.get('meshplan_version')!r}, format_version="
                 f"{data.get('format_version')}), this one reads format_version {FORMAT_VERSION}",
                 "Upgrade meshplan to restore it.",
-            )  # fmt: skip
+            )
         stored = data.get(_DIGEST_KEY)
         if stored is not None and stored != metadata_digest(data):
             raise error_for(
-                CheckpointError, "ckpt-damaged", where,
+                CheckpointError,
+                "ckpt-damaged",
+                where,
                 f"{where}: its meshplan metadata changed since it was saved (digest "
                 f"mismatch): the logical names, layout, step and checksums it holds cannot "
                 f"be trusted",
                 "Restore an earlier step (step=...), or save into a new checkpoint folder.",
-            )  # fmt: skip
+            )
         mesh = data.get("mesh") or {}
         try:
             return cls(
@@ -367,7 +373,9 @@ class CheckpointMetadata:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise error_for(
-                CheckpointError, "ckpt-damaged", where,
+                CheckpointError,
+                "ckpt-damaged",
+                where,
                 f"{where}: its meshplan metadata is damaged ({type(e).__name__}: {e})",
                 "Restore an earlier step (step=...), or save into a new checkpoint folder.",
-            ) from e  # fmt: skip
+            ) from e

@@ -277,12 +277,13 @@ def restore(
     """
     if mesh is not None and not isinstance(mesh, Mesh):
         raise error_for(
-            ArgumentError, "ckpt-bad-mesh", "mesh",
-            f"restore(mesh=...) takes a jax.sharding.Mesh, got {mesh!r} "
-            f"({type(mesh).__name__})",
+            ArgumentError,
+            "ckpt-bad-mesh",
+            "mesh",
+            f"restore(mesh=...) takes a jax.sharding.Mesh, got {mesh!r} ({type(mesh).__name__})",
             "Build one, e.g. jax.make_mesh((2, 4), ('data', 'model')), or pass mesh=None "
             "for one device.",
-        )  # fmt: skip
+        )
     step = step_number(step)
     p = checkpoint_path(path)
     if not fallback:
@@ -414,11 +415,13 @@ def _read(
         )[STATE_ITEM]
     except KeyError as e:
         raise error_for(
-            CheckpointError, "ckpt-damaged", where,
+            CheckpointError,
+            "ckpt-damaged",
+            where,
             f"{where} has its '{META_ITEM}' metadata but no '{STATE_ITEM}' arrays "
             f"({e.args[0] if e.args else e})",
             damaged_fix(sorted(manager.all_steps()), metadata.step),
-        ) from e  # fmt: skip
+        ) from e
     except Exception as e:  # Orbax and TensorStore raise a bare Exception, ValueError...
         failure = f"{type(e).__name__}: {_first_line(e)}"
     if failure is not None:
@@ -434,9 +437,12 @@ def _read(
             else f"{where}: its '{STATE_ITEM}' arrays cannot be read ({failure})"
         )
         raise error_for(
-            CheckpointError, "ckpt-damaged", where, detail,
+            CheckpointError,
+            "ckpt-damaged",
+            where,
+            detail,
             damaged_fix(sorted(manager.all_steps()), metadata.step),
-        )  # fmt: skip
+        )
     flat = dict(unnest(restored))
     changed = checksum_mismatches(
         {key: info.checksum for key, info in metadata.arrays.items()}, flat
@@ -446,11 +452,13 @@ def _read(
             f" and {len(changed) - 5} more" if len(changed) > 5 else ""
         )
         raise error_for(
-            CheckpointError, "ckpt-damaged", where,
+            CheckpointError,
+            "ckpt-damaged",
+            where,
             f"{where}: the bytes of {len(changed)} array{'s' * (len(changed) != 1)} "
             f"changed since it was saved (checksum mismatch): {shown}",
             damaged_fix(sorted(manager.all_steps()), metadata.step),
-        )  # fmt: skip
+        )
     missing = metadata.unverified()
     if missing:
         what = "its metadata carries no digest" if "metadata" in missing else ""

@@ -29,10 +29,12 @@ def _key_name(key: object) -> str:
         name = str(key)
     if "/" in name or not name:
         raise error_for(
-            CheckpointError, "bad-tree-key", name,
+            CheckpointError,
+            "bad-tree-key",
+            name,
             f"Cannot save a tree whose key {name!r} is empty or contains '/', got {key=}",
             "Rename the module or dict key: '/' separates path parts in checkpoints.",
-        )  # fmt: skip
+        )
     return name
 
 

@@ -41,9 +41,17 @@ import numpy as np
 from jax.extend.core import Literal
 
 __all__ = [
-    "Hoist", "MemoryProgram", "Peak", "aliases", "build", "call_body", "is_alias",
-    "kept_expensive", "peak", "recompute_sources",
-]  # fmt: skip
+    "Hoist",
+    "MemoryProgram",
+    "Peak",
+    "aliases",
+    "build",
+    "call_body",
+    "is_alias",
+    "kept_expensive",
+    "peak",
+    "recompute_sources",
+]
 
 Cell = tuple[tuple[Any, ...], tuple[int, ...], int, bool]
 """(names, shape, itemsize, score)"""
@@ -58,29 +66,98 @@ _CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 # them from operands that are alive anyway. A norm's float32 copy of a bfloat16 value, an
 # activation's derivative, a one-hot of the targets: residuals JAX's autodiff saves that
 # need no buffer of their own outside a loop (a scan's stacked outputs are buffers).
-_RECOMPUTED = frozenset({
-    "abs", "add", "add_any", "and", "broadcast_in_dim", "convert_element_type", "copy",
-    "copy_p", "cos", "div", "eq", "erf", "exp", "exp2", "expand_dims", "ge", "gt", "integer_pow",
-    "iota", "le", "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "not",
-    "or", "pow", "reshape", "rsqrt", "select_n", "sign", "sin", "slice", "sqrt", "square",
-    "squeeze", "stop_gradient", "sub", "tanh", "xor", "erf_inv", "expm1", "pad",
-})  # fmt: skip
+_RECOMPUTED = frozenset(
+    {
+        "abs",
+        "add",
+        "add_any",
+        "and",
+        "broadcast_in_dim",
+        "convert_element_type",
+        "copy",
+        "copy_p",
+        "cos",
+        "div",
+        "eq",
+        "erf",
+        "exp",
+        "exp2",
+        "expand_dims",
+        "ge",
+        "gt",
+        "integer_pow",
+        "iota",
+        "le",
+        "log",
+        "log1p",
+        "logistic",
+        "lt",
+        "max",
+        "min",
+        "mul",
+        "ne",
+        "neg",
+        "not",
+        "or",
+        "pow",
+        "reshape",
+        "rsqrt",
+        "select_n",
+        "sign",
+        "sin",
+        "slice",
+        "sqrt",
+        "square",
+        "squeeze",
+        "stop_gradient",
+        "sub",
+        "tanh",
+        "xor",
+        "erf_inv",
+        "expm1",
+        "pad",
+    }
+)
 # Ops that read a recomputed value inside their own fusion (a reduction's input fusion),
 # with no buffer for it; also what XLA may recompute: those ops and the reductions over
 # them (a norm's statistic).
 _FUSES_OPERANDS = _RECOMPUTED | {
-    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-    "argmax", "argmin",
-}  # fmt: skip
+    "reduce_sum",
+    "reduce_max",
+    "reduce_min",
+    "reduce_prod",
+    "reduce_and",
+    "reduce_or",
+    "argmax",
+    "argmin",
+}
 # XLA's ``InstructionFusion::IsExpensive`` elementwise ops (transcendentals, a division by a
 # value that is not a constant, square roots): fusion never duplicates one into several
 # consumers, so a value one computes, read on both sides of an op that ends a fusion (a
 # matmul: the forward's use and the backward's, as tanh-GELU's tanh and softmax's
 # exponentials are), is written to memory once and kept until its last read.
-_EXPENSIVE = frozenset({
-    "atan2", "cbrt", "cos", "div", "erf", "erf_inv", "exp", "exp2", "expm1", "log", "log1p",
-    "logistic", "pow", "rsqrt", "sin", "sqrt", "tan", "tanh",
-})  # fmt: skip
+_EXPENSIVE = frozenset(
+    {
+        "atan2",
+        "cbrt",
+        "cos",
+        "div",
+        "erf",
+        "erf_inv",
+        "exp",
+        "exp2",
+        "expm1",
+        "log",
+        "log1p",
+        "logistic",
+        "pow",
+        "rsqrt",
+        "sin",
+        "sqrt",
+        "tan",
+        "tanh",
+    }
+)
 
 
 @dataclasses.dataclass
@@ -311,9 +388,13 @@ def recompute_sources(
 
 class _Builder:
     def __init__(
-        self, names: Mapping[Any, Any], scores: set[Any], dot_of: Callable[[Any], Any],
-        materialized: set[Any] | None, recompute: bool = True,
-    ) -> None:  # fmt: skip
+        self,
+        names: Mapping[Any, Any],
+        scores: set[Any],
+        dot_of: Callable[[Any], Any],
+        materialized: set[Any] | None,
+        recompute: bool = True,
+    ) -> None:
         self.names, self.scores, self.dot_of = names, scores, dot_of
         self.materialized, self.recompute = materialized, recompute
         self.cells: dict[Cell, int] = {}
@@ -350,9 +431,13 @@ class _Builder:
             self.scopes[self.scope].append(dot)
 
     def walk(
-        self, jaxpr: Any, long: dict[int, int], short: dict[int, int], top: bool,
+        self,
+        jaxpr: Any,
+        long: dict[int, int],
+        short: dict[int, int],
+        top: bool,
         skip: set[Any],
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Record the points of ``jaxpr`` over the outer alive cells ``long``/``short``.
 
         ``skip``: variables not counted (inputs and outputs held by an outer buffer)."""
@@ -592,8 +677,12 @@ def kept_expensive(jaxpr: Any, cache: dict[int, bool] | None = None) -> set[Any]
             if any(i < j < end for j in splits):
                 out.add(eqn.outvars[0])
         p = eqn.params
-        for sub in (p.get("jaxpr"), p.get("body_jaxpr"), *(p.get("branches") or ()),
-                    *(p.get(k) for k in _CALLS[1:])):  # fmt: skip
+        for sub in (
+            p.get("jaxpr"),
+            p.get("body_jaxpr"),
+            *(p.get("branches") or ()),
+            *(p.get(k) for k in _CALLS[1:]),
+        ):
             sub = getattr(sub, "jaxpr", sub)
             if sub is not None and hasattr(sub, "eqns"):
                 out |= kept_expensive(sub, cache)
@@ -740,11 +829,22 @@ def peak(
         has = program.dot >= 0
         extra[has] = per_dot[program.dot[has]]
         if program.scope is not None and program.scopes:
-            layer = np.array([
-                float(sum({k: v for d in dots for k, v in gathered[d].items()
-                           if not _activation(k)}.values()))
-                for dots in program.scopes
-            ] + [0.0])  # fmt: skip
+            layer = np.array(
+                [
+                    float(
+                        sum(
+                            {
+                                k: v
+                                for d in dots
+                                for k, v in gathered[d].items()
+                                if not _activation(k)
+                            }.values()
+                        )
+                    )
+                    for dots in program.scopes
+                ]
+                + [0.0]
+            )
             acts = np.array(
                 [float(sum(v for k, v in g.items() if _activation(k))) for g in gathered]
             )

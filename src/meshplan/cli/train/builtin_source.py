@@ -183,8 +183,16 @@ class BuiltInSource:
             )
             if self.transformer is not None:
                 given = any(request.overrides.get(f) is not None for f in PIPELINE_FIELDS)
-                check_pipeline(str(request.rules), request.mesh, self.transformer, settings,
-                               flags.stage_axes, given, shards, found.batch)  # fmt: skip
+                check_pipeline(
+                    str(request.rules),
+                    request.mesh,
+                    self.transformer,
+                    settings,
+                    flags.stage_axes,
+                    given,
+                    shards,
+                    found.batch,
+                )
 
     def example_batch(self, settings: TrainSettings) -> PyTree | None:
         return None  # checked before the build, against the mesh's sizes (check_batch)

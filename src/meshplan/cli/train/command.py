@@ -201,13 +201,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "choices beyond are dropped and counted",
     )
     model.add_argument(
-        "--microbatches", type=int, metavar="M", help="microbatches of a pipeline (--rules "
+        "--microbatches",
+        type=int,
+        metavar="M",
+        help="microbatches of a pipeline (--rules "
         "pipeline, pp_fsdp, pp_tp): the bubble is (stages - 1) / (M x repeats + stages - 1)",
-    )  # fmt: skip
+    )
     model.add_argument(
-        "--pipeline-repeats", type=int, metavar="V", help="layer groups each pipeline stage holds "
+        "--pipeline-repeats",
+        type=int,
+        metavar="V",
+        help="layer groups each pipeline stage holds "
         "(default 1: GPipe; more: the circular schedule, a smaller bubble)",
-    )  # fmt: skip
+    )
 
 
 def _request(args: argparse.Namespace, devices: DeviceChoice | None = None) -> TrainRequest:

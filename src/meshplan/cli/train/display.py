@@ -333,11 +333,13 @@ class MetricsLog(contextlib.AbstractContextManager["MetricsLog", None]):
             else str(e)
         )
         return error_for(
-            MeshplanError, "metrics-write-failed", "--metrics",
+            MeshplanError,
+            "metrics-write-failed",
+            "--metrics",
             f"--metrics {self.path!r}: {when} failed: {cause}",
             "Free space on its disk or pass --metrics a file elsewhere, then continue with "
             "--resume (the checkpoints saved so far are kept).",
-        )  # fmt: skip
+        )
 
     def __call__(self, record: dict[str, Any]) -> None:
         if self._file is not None:
@@ -368,6 +370,8 @@ def _pipeline_line(config: TransformerConfig, trainer: Trainer) -> str:
         return ""
     plan = PipelineSchedule(stages, config.microbatches, config.pipeline_repeats)
     groups = f"{plan.repeats} layer group{'s' * (plan.repeats != 1)}"
-    return (f"pipeline: {stages} stages ({', '.join(axes)}) x {groups} of "
-            f"{plan.layers_per_stage(config.num_layers)} layers, {plan.microbatches} microbatches: "
-            f"bubble {plan.bubble:.0%} of a step")  # fmt: skip
+    return (
+        f"pipeline: {stages} stages ({', '.join(axes)}) x {groups} of "
+        f"{plan.layers_per_stage(config.num_layers)} layers, {plan.microbatches} microbatches: "
+        f"bubble {plan.bubble:.0%} of a step"
+    )

@@ -59,34 +59,102 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("steps", "steps", int, "N", "train up to step N (default 300)",
-            "Pass --steps 1 or more."),
-    Setting("batch", "batch", int, "B", "sequences per step (default 32)",
-            "Pass --batch 1 or more (a multiple of the devices 'batch' is split over)."),
-    Setting("seq", "seq_len", int, "L", "bytes per sequence (default 128)",
-            "Pass --seq 1 or more."),
-    Setting("lr", "lr", float, "LR", "peak learning rate (default 3e-3)",
-            "Pass a finite learning rate above 0, e.g. --lr 3e-3."),
-    Setting("warmup", "warmup", int, "N", "warm-up steps (default 30)",
-            "Pass --warmup 0 (no warm-up) or a positive number of steps."),
-    Setting("weight_decay", "weight_decay", float, "WD", "AdamW weight decay (default 0.01)",
-            "Pass a finite --weight-decay of 0 or more, e.g. --weight-decay 0.01."),
-    Setting("seed", "seed", int, "S", "seed of the initial parameters and the batches "
-            "(default 0)", "Pass --seed 0 or another whole number from 0 to 2**63 - 1."),
-    Setting("eval_every", "eval_every", int, "E", "evaluate every E steps; 0: at the end "
-            "(default 50)", "Pass --eval-every 0 (only at the end) or a positive number of steps."),
-    Setting("eval_batches", "eval_batches", int, "N", "validation batches per evaluation "
-            "(default 4)", "Pass --eval-batches 1 or more."),
-    Setting("ckpt_every", "ckpt_every", int, "K", "checkpoint every K steps and at the end "
-            "(default 100)", "Pass --ckpt-every 0 (only at the end) or a positive number of steps."),
-    Setting("keep", "keep", int, "N", "latest checkpoints kept, besides the best valid one "
-            "(default 3)", "Pass --keep 1 or more (the best checkpoint is kept as well)."),
-    Setting("clip", "clip", float, "NORM", "clip gradients to this global norm (default 1.0)",
-            "Pass a finite gradient norm above 0, e.g. --clip 1.0."),
-    Setting("grad_accum", "grad_accum", int, "N", "microbatches per step: gradients of N slices "
-            "of the batch accumulated, one update (default 1)",
-            "Pass a --grad-accum that divides --batch, e.g. --grad-accum 2 with --batch 32."),
-)  # fmt: skip
+    Setting(
+        "steps", "steps", int, "N", "train up to step N (default 300)", "Pass --steps 1 or more."
+    ),
+    Setting(
+        "batch",
+        "batch",
+        int,
+        "B",
+        "sequences per step (default 32)",
+        "Pass --batch 1 or more (a multiple of the devices 'batch' is split over).",
+    ),
+    Setting(
+        "seq", "seq_len", int, "L", "bytes per sequence (default 128)", "Pass --seq 1 or more."
+    ),
+    Setting(
+        "lr",
+        "lr",
+        float,
+        "LR",
+        "peak learning rate (default 3e-3)",
+        "Pass a finite learning rate above 0, e.g. --lr 3e-3.",
+    ),
+    Setting(
+        "warmup",
+        "warmup",
+        int,
+        "N",
+        "warm-up steps (default 30)",
+        "Pass --warmup 0 (no warm-up) or a positive number of steps.",
+    ),
+    Setting(
+        "weight_decay",
+        "weight_decay",
+        float,
+        "WD",
+        "AdamW weight decay (default 0.01)",
+        "Pass a finite --weight-decay of 0 or more, e.g. --weight-decay 0.01.",
+    ),
+    Setting(
+        "seed",
+        "seed",
+        int,
+        "S",
+        "seed of the initial parameters and the batches (default 0)",
+        "Pass --seed 0 or another whole number from 0 to 2**63 - 1.",
+    ),
+    Setting(
+        "eval_every",
+        "eval_every",
+        int,
+        "E",
+        "evaluate every E steps; 0: at the end (default 50)",
+        "Pass --eval-every 0 (only at the end) or a positive number of steps.",
+    ),
+    Setting(
+        "eval_batches",
+        "eval_batches",
+        int,
+        "N",
+        "validation batches per evaluation (default 4)",
+        "Pass --eval-batches 1 or more.",
+    ),
+    Setting(
+        "ckpt_every",
+        "ckpt_every",
+        int,
+        "K",
+        "checkpoint every K steps and at the end (default 100)",
+        "Pass --ckpt-every 0 (only at the end) or a positive number of steps.",
+    ),
+    Setting(
+        "keep",
+        "keep",
+        int,
+        "N",
+        "latest checkpoints kept, besides the best valid one (default 3)",
+        "Pass --keep 1 or more (the best checkpoint is kept as well).",
+    ),
+    Setting(
+        "clip",
+        "clip",
+        float,
+        "NORM",
+        "clip gradients to this global norm (default 1.0)",
+        "Pass a finite gradient norm above 0, e.g. --clip 1.0.",
+    ),
+    Setting(
+        "grad_accum",
+        "grad_accum",
+        int,
+        "N",
+        "microbatches per step: gradients of N slices "
+        "of the batch accumulated, one update (default 1)",
+        "Pass a --grad-accum that divides --batch, e.g. --grad-accum 2 with --batch 32.",
+    ),
+)
 """Every training setting of ``meshplan train``, in ``--help`` order."""
 
 SETTINGS_FLAGS = {s.dest: s.field for s in SETTINGS}

@@ -92,14 +92,19 @@ def check_batch(
     mesh = mesh_info(shape)
     axis_names = tuple(shape)
     valid, index_map = rules.pairs, rules.positions
-    leaf = check_leaf("logical", BATCH_NAMES, (settings.batch, settings.seq_len + 1), valid,
-                      index_map, mesh)  # fmt: skip
+    leaf = check_leaf(
+        "logical", BATCH_NAMES, (settings.batch, settings.seq_len + 1), valid, index_map, mesh
+    )
     # The activations' 'length' (context parallelism): how many pieces it is split into, and
     # its mesh axes must exist.
     activations = check_leaf(
-        "logical", ("batch", "length"), (settings.batch, settings.seq_len), valid, index_map,
+        "logical",
+        ("batch", "length"),
+        (settings.batch, settings.seq_len),
+        valid,
+        index_map,
         mesh,
-    )  # fmt: skip
+    )
     context = int(activations.dims[1].shards)
     if context > 1 and settings.seq_len % (2 * context):
         found.add(
@@ -187,8 +192,9 @@ def check_pipeline(
                 f"--mesh {mesh_text} gives 'stage' no mesh axis of more than one device",
                 "Use --rules pipeline (or pp_fsdp, pp_tp) with --mesh PxD, or leave out "
                 "--microbatches and --pipeline-repeats (--grad-accum cuts a batch without a "
-                "pipeline).", "pipeline-unused",
-            )  # fmt: skip
+                "pipeline).",
+                "pipeline-unused",
+            )
         return
     micro = settings.batch // settings.grad_accum
     m, v, layers = config.microbatches, config.pipeline_repeats, config.num_layers
@@ -239,25 +245,31 @@ def parse_train_mesh(text: str, axes: str | None = None) -> dict[str, int]:
         if code == "mesh-axes-unnamed":
             names = ",".join(("data", "fsdp", "tensor", "model", "expert")[:n])
             raise error_for(
-                MeshError, "mesh-axes", "--mesh",
+                MeshError,
+                "mesh-axes",
+                "--mesh",
                 f"--mesh {text} has {n} axes, but the default axis names {MESH_AXES} are two",
                 f"Pass --mesh DxM (e.g. 2x4), or name every axis: --mesh {text} --axes {names} "
                 f"(the axes your --rules map to).",
-            ) from e  # fmt: skip
+            ) from e
         if code == "mesh-axis-names":
             given = [a.strip() for a in (axes or "").split(",") if a.strip()]
             raise error_for(
-                MeshError, "mesh-axes", "--axes",
+                MeshError,
+                "mesh-axes",
+                "--axes",
                 f"--axes {axes} gives {len(set(given))} distinct names for the {n} axes of --mesh "
                 f"{text}",
                 "Give one distinct name per mesh axis, in order, e.g. --mesh 2x2x2 --axes "
                 "data,fsdp,tensor.",
-            ) from e  # fmt: skip
+            ) from e
         raise error_for(
-            MeshError, "mesh-text", "--mesh",
+            MeshError,
+            "mesh-text",
+            "--mesh",
             f"Cannot read --mesh {text!r}: expected positive sizes separated by 'x'",
             "Write it like 2x4, 4x2 or 8 (8x1), or 2x2x2 with --axes data,fsdp,tensor.",
-        ) from e  # fmt: skip
+        ) from e
 
 
 def check_metrics_file(path: str | None, found: Findings) -> None:
@@ -269,9 +281,12 @@ def check_metrics_file(path: str | None, found: Findings) -> None:
     fix = "Pass --metrics a file path whose folder exists, e.g. --metrics run/metrics.jsonl."
     if p.is_dir():
         found.add(
-            MeshplanError, f"--metrics {path!r} is a folder, not a file", fix, "metrics-folder",
+            MeshplanError,
+            f"--metrics {path!r} is a folder, not a file",
+            fix,
+            "metrics-folder",
             "--metrics",
-        )  # fmt: skip
+        )
     elif p.exists() and not p.is_file() and not p.is_char_device():
         kind = "a FIFO (named pipe)" if p.is_fifo() else "a socket or special file"
         found.add(
@@ -285,14 +300,20 @@ def check_metrics_file(path: str | None, found: Findings) -> None:
     elif p.exists():
         if not os.access(p, os.W_OK):
             found.add(
-                MeshplanError, f"--metrics {path!r} cannot be written by this user", fix,
-                "metrics-not-writable", "--metrics",
-            )  # fmt: skip
+                MeshplanError,
+                f"--metrics {path!r} cannot be written by this user",
+                fix,
+                "metrics-not-writable",
+                "--metrics",
+            )
     elif not p.absolute().parent.is_dir():
         found.add(
-            MeshplanError, f"--metrics {path!r}: its folder {str(p.absolute().parent)!r} does not "
-            "exist", fix, "metrics-no-folder", "--metrics",
-        )  # fmt: skip
+            MeshplanError,
+            f"--metrics {path!r}: its folder {str(p.absolute().parent)!r} does not exist",
+            fix,
+            "metrics-no-folder",
+            "--metrics",
+        )
     elif not os.access(p.absolute().parent, os.W_OK):
         found.add(
             MeshplanError,

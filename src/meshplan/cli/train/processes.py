@@ -55,8 +55,16 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     out = ["--mesh", str(args.mesh), "--rules", str(args.rules)]
     if getattr(args, "axes", None) is not None:
         out += ["--axes", str(args.axes)]
-    for dest in ("data", "ckpt_dir", "metrics", "model", "config", "resume_step",
-                 *SETTINGS_FLAGS, *MODEL_FLAGS):  # fmt: skip
+    for dest in (
+        "data",
+        "ckpt_dir",
+        "metrics",
+        "model",
+        "config",
+        "resume_step",
+        *SETTINGS_FLAGS,
+        *MODEL_FLAGS,
+    ):
         value = getattr(args, dest, None)
         if value is not None:
             out += [flag(dest), str(value)]
