@@ -64,6 +64,7 @@ from typing import Any
 from meshplan._search.predict import attention
 from meshplan._search.predict import memory as memory_model
 from meshplan._search.predict.collectives import collective_time
+from meshplan._search.predict.lookups import lookup_notes
 from meshplan._search.predict.profiles import HardwareProfile
 from meshplan._search.predict.reshard import batch_first, reshard_collectives
 from meshplan._search.predict.trace import Dot, Names, Workload, dedupe, dot_out_names
@@ -95,7 +96,9 @@ class Cost:
     being computed, gathered weights, the optimizer update); ``unpriced``: the primitives
     the planner does not understand, each ``'primitive at where (n runs)'``, priced
     conservatively (outputs replicated, declared FLOPs on every device): the prediction is
-    an upper bound there.
+    an upper bound there; ``notes``: what the layout does that a user would not expect
+    (an embedding lookup whose table's split XLA carries into the layers:
+    :mod:`meshplan._search.predict.lookups`), each naming where and the fix.
     """
 
     step_s: float
@@ -113,6 +116,7 @@ class Cost:
     comm_total_s: float = 0.0
     accumulator_bytes: int = 0
     unpriced: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
 
     @property
     def memory_bytes(self) -> int:
@@ -643,6 +647,7 @@ def _predict_one(
         comm_total_s=exposed + hidden,
         accumulator_bytes=_accumulator_bytes(workload, specs) if micro > 1 else 0,
         unpriced=tuple(f"{p} at {w} ({n} runs)" for (p, w), n in workload.unpriced.items()),
+        notes=lookup_notes(workload, specs),
     )
 
 

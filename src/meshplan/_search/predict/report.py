@@ -56,6 +56,7 @@ def prediction_fields(
         "budget_bytes": budget, "fits": cost.memory_bytes <= budget,
         "comm_bytes": dict(cost.comm_bytes), "comm_by_axis": dict(cost.comm_by_axis),
         "devices": devices, "profile": profile.name, "unpriced": list(cost.unpriced),
+        "notes": list(cost.notes),
     }  # fmt: skip
 
 
@@ -94,6 +95,7 @@ def prediction_lines(fields: dict[str, Any]) -> list[str]:
     )
     if f.get("unpriced"):
         lines.append(unpriced_line(f["unpriced"]))
+    lines += [f"note: {n}" for n in f.get("notes", ())]
     if f.get("pipeline"):
         lines.append(pipeline_line(f["pipeline"]))
     return lines

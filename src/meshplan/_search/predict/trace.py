@@ -120,7 +120,13 @@ class Workload:
     hold stays: partial sums reduced with the gradient, not gathered);
     ``unpriced``: ``{(primitive, where): runs}`` of the primitives the planner does not
     understand (:data:`meshplan._search.predict.op_names.UNDERSTOOD`), priced conservatively:
-    outputs replicated, ``unpriced_flops`` (those they declare) on every device.
+    outputs replicated, ``unpriced_flops`` (those they declare) on every device;
+    ``lookups``: ``{(names from the table, names from the indices, where): runs}`` of the
+    embedding lookups (a ``gather`` of a table's rows by the batch's indices) whose output
+    no logical constraint names: where the table's names and the indices' share a mesh axis
+    (FSDP's ``embed`` and ``batch``), XLA's propagation gives the rows the table's split,
+    and the layers after it run on the whole batch (:func:`meshplan._search.predict.cost.predict`
+    says so in ``Cost.notes``).
 
     Example:
         >>> import jax, jax.numpy as jnp, meshplan
@@ -156,6 +162,7 @@ class Workload:
     moves: dict[tuple[Names, Names, tuple[int, ...], int], int] = dataclasses.field(
         default_factory=dict
     )
+    lookups: dict[tuple[Names, Names, str], int] = dataclasses.field(default_factory=dict)
 
     def trips(self, dot: Dot) -> int:
         """How many times one run of ``dot`` repeats in sequence: the trips of the loops
@@ -341,6 +348,11 @@ class _Walker:
         self.unpriced: dict[tuple[str, str], int] = {}  # (primitive, where): runs
         self.unpriced_flops = 0
         self.site = "?"  # where the model runs the equation being walked (op_names.where)
+        # The embedding lookups of the forward pass, ``[key, runs, constrained]`` (keyed as
+        # ``Workload.lookups``), and the values that are one's rows as it made them (the
+        # gather's output, the call's that returns it): ``{var: index in lookups}``.
+        self.lookups: list[list[Any]] = []
+        self.lookup_of: dict[Any, int] = {}
 
     def note(self, names: Names) -> None:
         for n in names:
@@ -616,6 +628,8 @@ class _Walker:
                         got = self.buffer(inner)
                         if got is not None:
                             self.buffer_names.setdefault(outer, got)
+                        if not isinstance(inner, Literal) and inner in self.lookup_of:
+                            self.lookup_of[outer] = self.lookup_of[inner]
                         inner = alias.get(inner, inner)
                         if not isinstance(inner, Literal) and inner in self.scores:
                             self.scores.add(outer)
@@ -630,6 +644,8 @@ class _Walker:
             self.constlike.update(eqn.outvars)
         if memory.is_alias(eqn):
             x, y = eqn.invars[0], eqn.outvars[0]
+            if not isinstance(x, Literal) and x in self.lookup_of:
+                self.lookups[self.lookup_of[x]][2] = True  # its rows named by the model
             for group in (self.scores, self.constlike, self.materialized):
                 if x in group:
                     group.add(y)
@@ -666,6 +682,7 @@ class _Walker:
                 op_names.gather_names(p, ins[0], blank, shapes, eqn.outvars[0].aval.shape)
             )
             key = (made, outs[0], tuple(eqn.outvars[0].aval.shape), item)
+            self._lookup(eqn, ins, made, shapes, times)
         elif prim.startswith("scatter") and len(ins) == 3:
             target = dedupe(op_names.scatter_update_names(p, outs[0], shapes))
             key = (ins[2], target, shapes[2], _itemsize(eqn.invars[2].aval))
@@ -677,6 +694,20 @@ class _Walker:
             return
         if key[0] != key[1]:
             self.moves[key] = self.moves.get(key, 0) + times
+
+    def _lookup(
+        self, eqn: Any, ins: list[Names], made: Names, shapes: list[tuple[int, ...]], times: int
+    ) -> None:
+        """Notes an embedding lookup of the forward pass: a gather of a named table's rows
+        (names it keeps from the table) by indices that carry the batch."""
+        blank = (None,) * len(ins[0])
+        shape = tuple(eqn.outvars[0].aval.shape)
+        picked = op_names.gather_names(eqn.params, blank, ins[1], shapes, shape)
+        table = eqn.invars[0]
+        if self.backward or "batch" not in picked or not any(made) or table not in self.weight_of:
+            return
+        self.lookup_of[eqn.outvars[0]] = len(self.lookups)
+        self.lookups.append([(made, picked, self.site), times, False])
 
     def _unpriced(self, eqn: Any, times: int) -> list[Names]:
         """A primitive the planner does not understand (a Pallas kernel, a custom call):
@@ -987,5 +1018,14 @@ def trace_workload(
         tuple((n, s, i, act, t, fwd and bwd)
               for n, s, i, act, t, fwd, bwd in walker.weight_reads.values()),
         frozenset(walker.causal_masks),
-        walker.unpriced, walker.unpriced_flops, walker.moves,
+        walker.unpriced, walker.unpriced_flops, walker.moves, _lookups(walker),
     )  # fmt: skip
+
+
+def _lookups(walker: _Walker) -> dict[tuple[Names, Names, str], int]:
+    """The embedding lookups whose rows no logical constraint names, with their runs."""
+    out: dict[tuple[Names, Names, str], int] = {}
+    for key, runs, constrained in walker.lookups:
+        if not constrained:
+            out[key] = out.get(key, 0) + runs
+    return out
