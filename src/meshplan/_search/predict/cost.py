@@ -67,7 +67,7 @@ from meshplan._search.predict.collectives import collective_time
 from meshplan._search.predict.lookups import lookup_notes
 from meshplan._search.predict.profiles import HardwareProfile
 from meshplan._search.predict.reshard import batch_first, reshard_collectives
-from meshplan._search.predict.trace import Dot, Names, Workload, dedupe, dot_out_names
+from meshplan._search.predict.trace import Carried, Dot, Names, Workload, dedupe, dot_out_names
 from meshplan._spmd.rules import (
     LogicalRules,
     logical_to_mesh_axes,
@@ -174,6 +174,8 @@ class _Specs:
         if names is None:
             return ((),) * ndim
         spec = self.cache.get(names)
+        if spec is None and any(isinstance(n, Carried) for n in names):
+            spec = self.cache[names] = self._carried(names, ndim)
         if spec is None:
             if self.shared is None:
                 spec = split_axes(names, self.rules, self.sizes)
@@ -191,6 +193,18 @@ class _Specs:
                     spec = tuple(tuple(a for a in d if sizes.get(a, 1) > 1) for d in axes)
             self.cache[names] = spec
         return spec
+
+    def _carried(self, names: Names, ndim: int) -> Spec:
+        """A value made where an embedding table lies (:class:`Carried`): its other names
+        resolved first, its batch split over what is left of the batch's axes once the
+        table's are taken (none, under FSDP)."""
+        plain = tuple(None if isinstance(n, Carried) else n for n in names)
+        spec = list(self(plain, ndim))
+        for i, n in enumerate(names):
+            if isinstance(n, Carried):
+                taken = {a for axes in (*spec, *self(n.by, len(n.by))) for a in axes}
+                spec[i] = tuple(a for a in self(("batch",), 1)[0] if a not in taken)
+        return tuple(spec)
 
     def split(self, spec: Spec) -> int:
         return math.prod(self.sizes[a] for axes in spec for a in axes)
@@ -223,6 +237,9 @@ def _dot_cost(
     sizes = specs.sizes
     ls, rs = specs(dot.lhs_names, len(dot.lhs_shape)), specs(dot.rhs_names, len(dot.rhs_shape))
     (lc, rc), (lb, rb) = dot.contract, dot.batch
+    carried = _carried_input(dot, specs, ls)
+    if carried is not None:
+        ls = specs(carried[0], len(dot.lhs_shape))
     used: set[str] = set()
     gather: dict[tuple[int, str], None] = {}
     out_axes: list[str] = []
@@ -296,6 +313,9 @@ def _dot_cost(
     if whole:  # a backend without reduce-scatters (XLA on CPU): an all-reduce of it whole
         n = math.prod(sizes[a] for a in whole)
         colls.append(("all-reduce", tuple(whole), out_bytes * n, None))
+    if carried is not None:  # its input gathered whole, its output made in the table's split
+        colls.append(("all-gather", carried[1], shard[0] // math.prod(sizes[a] for a in carried[1]),
+                      (dot.lhs_names, dot.lhs_shape, carried[1])))  # fmt: skip
     for side in (0, 1):
         axes = tuple(a for s, a in gather if s == side)
         if not axes:
@@ -306,6 +326,21 @@ def _dot_cost(
         names = dot.lhs_names if side == 0 else dot.rhs_names
         colls.append(("all-gather", axes, shard[side], (names, shape, axes)))
     return flops, colls, out_bytes
+
+
+def _carried_input(dot: Dot, specs: _Specs, ls: Spec) -> tuple[Names, tuple[str, ...]] | None:
+    """Where a matmul's output is made in a table's split (its ``out_names`` carry
+    :class:`Carried`: a projection summed into the residual stream after an FSDP embedding
+    lookup), its left operand's names with that batch, and the axes its batch loses (the
+    operand gathered over them)."""
+    out = dot.out_names
+    carrier = next((n for n in out or () if isinstance(n, Carried)), None)
+    if carrier is None or any(isinstance(n, Carried) for n in dot.lhs_names):
+        return None
+    names = tuple(carrier if n == "batch" else n for n in dot.lhs_names)
+    spec = specs(names, len(names))
+    lost = tuple(a for old, new in zip(ls, spec, strict=True) for a in old if a not in new)
+    return (names, lost) if lost else None
 
 
 def _batch_moved(
@@ -544,6 +579,11 @@ def _predict_one(
             elif kind == "all-reduce" and _batch_out(dot):
                 partial_sums.add(dot)
                 dependent.append((kind, axes, nbytes, count))
+                # partial sums of more than its shard (of the whole batch, where the operand
+                # carries a table's split: Carried), all-reduced, then sliced to it
+                kept = specs.shard_bytes(*_out_array(dot))
+                if nbytes > kept:
+                    unreduced[dot] = unreduced.get(dot, 0) + nbytes - kept
             elif _independent(kind, key, dot):  # combined with those of the same trips
                 if kind == "reduce-scatter":  # the partial sums beyond its reduced shard
                     kept = specs.shard_bytes(*_out_array(dot))

@@ -198,6 +198,43 @@ class Workload:
 _READ_AS_LOGICAL = (("meshplan.search: names are logical", None),)
 
 
+class Carried(str):
+    """``'batch'`` of a value XLA makes where an embedding table lies: its batch is not split
+    over the axes of the table's names ``by`` (FSDP's ``embed``), which the value's own
+    ``embed`` takes. Equal to ``'batch'`` (a batch dimension to every rule that asks), hashed
+    apart from it (a key of its own wherever names are one)."""
+
+    by: Names
+
+    def __new__(cls, by: Names) -> Carried:
+        made = super().__new__(cls, "batch")
+        made.by = by
+        return made
+
+    def __hash__(self) -> int:
+        return hash(("batch", self.by))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Carried):
+            return self.by == other.by
+        return str.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __reduce__(self) -> Any:
+        return (Carried, (self.by,))
+
+
+def _renamed(a: Names, b: Names | None) -> bool:
+    """Whether ``b`` is not ``a``, telling :class:`Carried` from ``'batch'``."""
+    return (
+        b is None
+        or a != b
+        or [isinstance(n, Carried) for n in a] != [isinstance(n, Carried) for n in b]
+    )
+
+
 def _itemsize(aval: Any) -> int:
     try:
         return int(np.dtype(aval.dtype).itemsize)
@@ -280,6 +317,9 @@ def dot_out_names(
     out = [_merge(lhs[i], rhs[j]) for i, j in zip(lb, rb, strict=True)]
     out += [lhs[i] for i in range(len(lhs)) if i not in lc and i not in lb]
     out += [rhs[i] for i in range(len(rhs)) if i not in rc and i not in rb]
+    summed = {lhs[i] for i in lc} | {rhs[i] for i in rc}
+    # partial sums over the table's split, all-reduced and sliced back to the batch
+    out = ["batch" if isinstance(n, Carried) and summed & set(n.by) - {None} else n for n in out]
     return dedupe(tuple(out))
 
 
@@ -398,6 +438,7 @@ class _Walker:
                 self.note(n)
             if eqn.primitive.name in _SAME_LAYOUT:
                 self._constrain_forward(eqn, env, alias, producer)
+                self._carry_back(eqn, outs, producer)
         for out, root in alias.items():  # the first constraint of a value names its buffer
             if out in env and env[out] != env.get(root):
                 self.buffer_names.setdefault(out, env[out])
@@ -464,6 +505,20 @@ class _Walker:
             if u is not held:
                 self._constrain_back(u, names, producer)
 
+    def _carry_back(self, eqn: Any, outs: list[Names], producer: dict[Any, Any]) -> None:
+        """A sum into a value that carries a table's split (:class:`Carried`: the residual
+        stream after an embedding lookup under FSDP): its other operands (a projection's
+        output) are made in that split, as XLA's propagation makes them (their input
+        gathered whole)."""
+        if not outs or not any(isinstance(n, Carried) for n in outs[0]):
+            return
+        shape = eqn.outvars[0].aval.shape
+        for u in eqn.invars:
+            if isinstance(u, Literal) or u.aval.shape != shape:
+                continue
+            if not any(isinstance(n, Carried) for n in self.var_names.get(u, ())):
+                self._constrain_back(u, outs[0], producer)
+
     def _constrain_back(self, v: Any, names: Names, producer: dict[Any, Any]) -> None:
         """``v``'s buffer takes ``names``, and so do the operands of the same shape of the
         elementwise ops that made it (a sum of matmuls' partial results): XLA's sharding
@@ -493,7 +548,7 @@ class _Walker:
         arrays: dict[Any, list[Any]] = {}  # var -> [index, trips, forward, backward]
         for key, out, dot, times, ins, backward in self.dot_runs:
             names = self.buffer_names.get(out)
-            if names is not None and names != self.var_names.get(out):
+            if names is not None and _renamed(names, self.var_names.get(out)):
                 named = dataclasses.replace(dot, out_names=names)
                 if dot in self.score_dots:
                     self.score_dots.add(named)
@@ -681,8 +736,10 @@ class _Walker:
             made = dedupe(
                 op_names.gather_names(p, ins[0], blank, shapes, eqn.outvars[0].aval.shape)
             )
-            key = (made, outs[0], tuple(eqn.outvars[0].aval.shape), item)
             self._lookup(eqn, ins, made, shapes, times)
+            if eqn.outvars[0] in self.lookup_of:  # its rows made where the table lies
+                outs[0] = tuple(Carried(made) if n == "batch" else n for n in outs[0])
+            key = (made, outs[0], tuple(eqn.outvars[0].aval.shape), item)
         elif prim.startswith("scatter") and len(ins) == 3:
             target = dedupe(op_names.scatter_update_names(p, outs[0], shapes))
             key = (ins[2], target, shapes[2], _itemsize(eqn.invars[2].aval))
