@@ -74,7 +74,8 @@ def test_no_note_where_the_model_constrains_the_lookups_output():
 
 def test_the_note_is_printed_with_the_prediction():
     state, step, batch = _step(False)
-    cost = predict(trace_workload(step, state, batch), *FSDP, get_profile("h100"))
+    work = trace_workload(step, state, batch, read_constraints=True)
+    cost = predict(work, *FSDP, get_profile("h100"))
     lines = prediction_lines(prediction_fields(cost, 512, 8, get_profile("h100"), 1 << 30))
     assert [line for line in lines if line.startswith("note: the embedding lookup at")]
 

@@ -68,7 +68,7 @@ def _params(misses: dict[tuple[str, str], str]) -> list[Any]:
 @functools.cache
 def _workload(name: str) -> Workload:
     state, step, batch = suite_step(name)
-    return trace_workload(step, state, batch)
+    return trace_workload(step, state, batch, read_constraints=True)
 
 
 @functools.cache

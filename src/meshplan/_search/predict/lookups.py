@@ -31,7 +31,8 @@ def lookup_notes(workload: Workload, resolve: Resolve) -> tuple[str, ...]:
         >>> from meshplan._spmd.rules import split_axes
         >>> t = meshplan.LogicallyPartitioned(jax.ShapeDtypeStruct((256, 64), jnp.float32), ("vocab", "embed"))
         >>> work = meshplan.trace_workload(lambda s, x: jnp.take(s["t"].value, x, axis=0).sum(),
-        ...                                {"t": t}, jax.ShapeDtypeStruct((16, 32), jnp.int32))
+        ...                                {"t": t}, jax.ShapeDtypeStruct((16, 32), jnp.int32),
+        ...                                read_constraints=True)
         >>> fsdp = (("batch", "fsdp"), ("embed", "fsdp"))
         >>> [note] = lookup_notes(work, lambda n, d: split_axes(n, fsdp, {"fsdp": 8}))
         >>> note.split("; ")[1][:57]

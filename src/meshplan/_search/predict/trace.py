@@ -123,7 +123,7 @@ class Workload:
     outputs replicated, ``unpriced_flops`` (those they declare) on every device;
     ``lookups``: ``{(names from the table, names from the indices, where): runs}`` of the
     embedding lookups (a ``gather`` of a table's rows by the batch's indices) whose output
-    no logical constraint names: where the table's names and the indices' share a mesh axis
+    no logical constraint names (traced with ``read_constraints``; else none is known): where the table's names and the indices' share a mesh axis
     (FSDP's ``embed`` and ``batch``), XLA's propagation gives the rows the table's split,
     and the layers after it run on the whole batch (:func:`meshplan._search.predict.cost.predict`
     says so in ``Cost.notes``).
@@ -393,6 +393,9 @@ class _Walker:
         # gather's output, the call's that returns it): ``{var: index in lookups}``.
         self.lookups: list[list[Any]] = []
         self.lookup_of: dict[Any, int] = {}
+        # The model's logical constraints are in the program (trace_workload's
+        # ``read_constraints``): a lookup no constraint names is known to be one.
+        self.sees_constraints = False
 
     def note(self, names: Names) -> None:
         for n in names:
@@ -761,7 +764,13 @@ class _Walker:
         shape = tuple(eqn.outvars[0].aval.shape)
         picked = op_names.gather_names(eqn.params, blank, ins[1], shapes, shape)
         table = eqn.invars[0]
-        if self.backward or "batch" not in picked or not any(made) or table not in self.weight_of:
+        if (
+            not self.sees_constraints
+            or self.backward
+            or "batch" not in picked
+            or not any(made)
+            or table not in self.weight_of
+        ):
             return
         self.lookup_of[eqn.outvars[0]] = len(self.lookups)
         self.lookups.append([(made, picked, self.site), times, False])
@@ -941,9 +950,9 @@ def constraint_names(state_names: Sequence[Names | None]) -> tuple[str, ...]:
 def _make_jaxpr(
     step_fn: Callable[..., Any], abstract_state: Any, example_batch: Any,
     state: Sequence[tuple[Names | None, tuple[int, ...], int]], read_constraints: bool,
-) -> Any:  # fmt: skip
+) -> tuple[Any, bool]:  # fmt: skip
     """``jax.make_jaxpr`` of the step; under the name mesh (``read_constraints``) when no
-    mesh is active."""
+    mesh is active; and whether it was (the model's constraints are in it, by name)."""
     from meshplan._spmd.place import active_mesh
     from meshplan._spmd.rules import logical_axis_rules
 
@@ -953,14 +962,15 @@ def _make_jaxpr(
         mesh = jax.make_mesh((1,) * len(names), names, axis_types=auto)
         try:
             with jax.set_mesh(mesh), logical_axis_rules(tuple((n, n) for n in names)):
-                return jax.make_jaxpr(step_fn)(abstract_state, example_batch)
+                return jax.make_jaxpr(step_fn)(abstract_state, example_batch), True
         except Exception:  # a step that names mesh axes itself: traced without
             pass
-    return jax.make_jaxpr(step_fn)(abstract_state, example_batch)
+    return jax.make_jaxpr(step_fn)(abstract_state, example_batch), False
 
 
-def _walk(jaxpr: Any, in_names: list[Names]) -> _Walker:
+def _walk(jaxpr: Any, in_names: list[Names], sees_constraints: bool) -> _Walker:
     walker = _Walker()
+    walker.sees_constraints = sees_constraints
     for n in in_names:
         walker.note(n)
     if len(jaxpr.invars) != len(in_names):  # leaves JAX did not make inputs: names unknown
@@ -1043,16 +1053,16 @@ def trace_workload(
         state.append((tuple(names) if names is not None else None, shape, _itemsize(x)))
     flat_batch = jax.tree.leaves(example_batch)
     name_of = batch_names or _batch_names
-    closed = _make_jaxpr(step_fn, abstract_state, example_batch, state, read_constraints)
+    closed, sees = _make_jaxpr(step_fn, abstract_state, example_batch, state, read_constraints)
     in_names = [*state_names, *(tuple(name_of(b)) for b in flat_batch)]
     jaxpr = closed.jaxpr
-    walker = _walk(jaxpr, in_names)
+    walker = _walk(jaxpr, in_names, sees)
     if batch_names is None and "length" in walker.seen and any(map(_is_tokens, flat_batch)):
         # The model names its sequence 'length': so is the token ids' second dimension
         # (the loss's targets, sliced from them, are never constrained by the model).
         name_of = _token_names
         in_names = [*state_names, *(tuple(name_of(b)) for b in flat_batch)]
-        walker = _walk(jaxpr, in_names)
+        walker = _walk(jaxpr, in_names, sees)
     batch = int(flat_batch[0].shape[0]) if flat_batch and flat_batch[0].shape else None
     params = tuple(dict.fromkeys(n for names, _, _ in state if names for n in names if n))
     var_names = {**walker.var_names, **walker.buffer_names}
