@@ -14,7 +14,7 @@ import pytest
 
 import meshplan
 from meshplan._search.measure.hlo import compile_candidate
-from meshplan._search.predict.cost import predict
+from meshplan._search.predict.cost import _dot_cost, _Specs, predict
 from meshplan._search.predict.profiles import get_profile
 from meshplan._search.predict.report import prediction_fields, prediction_lines
 from meshplan._search.predict.step import linen_step
@@ -101,3 +101,19 @@ def test_xla_runs_the_layers_on_the_whole_batch_unless_the_lookup_is_constrained
     whole = {(shape, kind) for dtype, shape, kind in collectives
              if dtype == "f32" and shape.startswith("16,32,")}  # fmt: skip
     assert bool(whole) == (not constrain), whole
+
+
+@pytest.mark.parametrize("constrain", [False, True], ids=["unconstrained", "constrained"])
+def test_the_activations_after_the_lookup_carry_the_tables_split_until_constrained(constrain):
+    """The first projection's input: under FSDP the whole batch split by ``embed`` (its
+    partial sums all-reduced whole) where the lookup is not constrained; split by the batch
+    where it is."""
+    state, step, batch = _step(constrain)
+    work = trace_workload(step, state, batch, read_constraints=True)
+    [first] = [d for d in work.dots if d.rhs_names == ("embed", "mlp") and d.rhs_shape == (64, 128)
+               and "batch" in d.lhs_names and d.contract == ((2,), (0,))]  # fmt: skip
+    specs = _Specs(*FSDP)
+    expected = ((), (), ("fsdp",)) if not constrain else (("fsdp",), (), ())
+    assert specs(first.lhs_names, 3) == expected
+    reduced = [nbytes for kind, _, nbytes, _ in _dot_cost(first, specs)[1] if kind == "all-reduce"]
+    assert reduced == ([] if constrain else [16 * 32 * 128 * 4])  # the whole batch's sums
