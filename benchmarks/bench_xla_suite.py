@@ -97,7 +97,7 @@ def memory(names: list[str]) -> None:
     print("model      layout  predicted/XLA temporaries  kinds predicted | compiled")
     for name in names:
         state, step, batch = suite_step(name)
-        work = trace_workload(step, state, batch)
+        work = trace_workload(step, state, batch, read_constraints=True)
         for layout in SUITE[name].layouts:
             mesh, rules = LAYOUTS[layout]
             cost = predict(work, mesh, rules, CPU_LIKE)

@@ -47,19 +47,28 @@ AS_ON_ACCELERATORS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIM
 # every gradient's all-reduce into one (one all-reduce in the compiled 16-layer step, 66 MiB):
 # all of them held unreduced until it runs, its result a buffer beside them.
 CPU_LIKE = dataclasses.replace(
-    get_profile("h100"), fused_attention=False, rematerialize=False,
-    combines_remat_collectives=True, reduce_scatter=False, combine_bytes=1 << 30,
-)  # fmt: skip
+    get_profile("h100"),
+    fused_attention=False,
+    rematerialize=False,
+    combines_remat_collectives=True,
+    reduce_scatter=False,
+    combine_bytes=1 << 30,
+)
 
 LAYOUTS: dict[str, tuple[dict[str, int], tuple[tuple[str, Any], ...]]] = {
     "dp": ({"data": 8}, (("batch", "data"),)),
     "fsdp": ({"fsdp": 8}, (("batch", "fsdp"), ("embed", "fsdp"))),
     "tp": (
         {"data": 2, "tensor": 4},
-        (("batch", "data"), ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"),
-         ("vocab", "tensor")),
+        (
+            ("batch", "data"),
+            ("heads", "tensor"),
+            ("kv_heads", "tensor"),
+            ("mlp", "tensor"),
+            ("vocab", "tensor"),
+        ),
     ),
-}  # fmt: skip
+}
 """Mesh and rules by layout: data parallel, FSDP over 8, tensor parallel 2 x 4."""
 
 MISSES = {
@@ -80,8 +89,10 @@ def _init(names: tuple[str | None, ...], init: Any = None) -> Any:
 
 def _norm(names: tuple[str | None, ...]) -> dict[str, Any]:
     """A norm's scale and bias, named."""
-    return {"scale_init": _init(names, nn.initializers.ones),
-            "bias_init": _init(names, nn.initializers.zeros)}  # fmt: skip
+    return {
+        "scale_init": _init(names, nn.initializers.ones),
+        "bias_init": _init(names, nn.initializers.zeros),
+    }
 
 
 class Attention(nn.Module):
@@ -97,9 +108,12 @@ class Attention(nn.Module):
         h, d = self.heads, self.head_dim
 
         def proj(name: str) -> nn.DenseGeneral:
-            return nn.DenseGeneral((h, d), kernel_init=_init(("embed", "heads", "kv")),
-                                   bias_init=_init(("heads", "kv"), nn.initializers.zeros),
-                                   name=name)  # fmt: skip
+            return nn.DenseGeneral(
+                (h, d),
+                kernel_init=_init(("embed", "heads", "kv")),
+                bias_init=_init(("heads", "kv"), nn.initializers.zeros),
+                name=name,
+            )
 
         q, k, v = proj("query")(x), proj("key")(context), proj("value")(context)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
@@ -107,9 +121,13 @@ class Attention(nn.Module):
             mask = jnp.tril(jnp.ones((x.shape[1], context.shape[1]), bool))
             scores = jnp.where(mask, scores, -1e9)
         out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores), v)
-        return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), kernel_init=_init(("heads", "kv", "embed")),
-                               bias_init=_init(("embed",), nn.initializers.zeros),
-                               name="out")(out)  # fmt: skip
+        return nn.DenseGeneral(
+            x.shape[-1],
+            axis=(-2, -1),
+            kernel_init=_init(("heads", "kv", "embed")),
+            bias_init=_init(("embed",), nn.initializers.zeros),
+            name="out",
+        )(out)
 
 
 class Mlp(nn.Module):
@@ -119,11 +137,17 @@ class Mlp(nn.Module):
 
     @nn.compact
     def __call__(self, x: Any) -> Any:
-        h = nn.Dense(self.hidden, kernel_init=_init(("embed", "mlp")),
-                     bias_init=_init(("mlp",), nn.initializers.zeros))(x)  # fmt: skip
+        h = nn.Dense(
+            self.hidden,
+            kernel_init=_init(("embed", "mlp")),
+            bias_init=_init(("mlp",), nn.initializers.zeros),
+        )(x)
         h = nn.gelu(h, approximate=True)
-        return nn.Dense(x.shape[-1], kernel_init=_init(("mlp", "embed")),
-                        bias_init=_init(("embed",), nn.initializers.zeros))(h)  # fmt: skip
+        return nn.Dense(
+            x.shape[-1],
+            kernel_init=_init(("mlp", "embed")),
+            bias_init=_init(("embed",), nn.initializers.zeros),
+        )(h)
 
 
 class EncoderBlock(nn.Module):
@@ -156,8 +180,13 @@ class ViT(nn.Module):
     @nn.compact
     def __call__(self, images: Any) -> Any:
         p = self.patch
-        x = nn.Conv(self.embed, (p, p), strides=(p, p), padding="VALID",
-                    kernel_init=_init((None, None, None, "embed")))(images)  # fmt: skip
+        x = nn.Conv(
+            self.embed,
+            (p, p),
+            strides=(p, p),
+            padding="VALID",
+            kernel_init=_init((None, None, None, "embed")),
+        )(images)
         b, hh, ww, d = x.shape
         x = x.reshape(b, hh * ww, d)
         x = x + self.param(
@@ -181,8 +210,13 @@ class CNN(nn.Module):
         x, channels = images, None  # the input's channels: RGB, unnamed
         for i, f in enumerate(self.features):
             out = "mlp" if channels == "embed" else "embed"  # alternating, as in an MLP
-            x = nn.Conv(f, (3, 3), strides=(1, 1) if i == 0 else (2, 2), use_bias=False,
-                        kernel_init=_init((None, None, channels, out)))(x)  # fmt: skip
+            x = nn.Conv(
+                f,
+                (3, 3),
+                strides=(1, 1) if i == 0 else (2, 2),
+                use_bias=False,
+                kernel_init=_init((None, None, channels, out)),
+            )(x)
             x = nn.relu(nn.GroupNorm(self.groups, **_norm((out,)))(x))
             channels = out
         x = x.mean(axis=(1, 2))
@@ -201,8 +235,11 @@ class EncoderDecoder(nn.Module):
 
     @nn.compact
     def __call__(self, batch: dict[str, Any]) -> Any:
-        emb = nn.Embed(self.vocab, self.embed, embedding_init=_init(("vocab", "embed"),
-                                                                    nn.initializers.normal(0.02)))  # fmt: skip
+        emb = nn.Embed(
+            self.vocab,
+            self.embed,
+            embedding_init=_init(("vocab", "embed"), nn.initializers.normal(0.02)),
+        )
         memory = emb(batch["source"])
         for _ in range(self.layers):
             memory = EncoderBlock(self.heads, self.mlp)(memory)
@@ -210,9 +247,11 @@ class EncoderDecoder(nn.Module):
         x = emb(batch["target"])
         for _ in range(self.layers):
             x = x + Attention(self.heads, self.embed // self.heads, causal=True)(
-                nn.LayerNorm(**_norm(("embed",)))(x))  # fmt: skip
+                nn.LayerNorm(**_norm(("embed",)))(x)
+            )
             x = x + Attention(self.heads, self.embed // self.heads)(
-                nn.LayerNorm(**_norm(("embed",)))(x), memory)  # fmt: skip
+                nn.LayerNorm(**_norm(("embed",)))(x), memory
+            )
             x = x + Mlp(self.mlp)(nn.LayerNorm(**_norm(("embed",)))(x))
         x = nn.LayerNorm(**_norm(("embed",)))(x)
         return nn.Dense(self.vocab, use_bias=False, kernel_init=_init(("embed", "vocab")))(x)
@@ -229,8 +268,9 @@ class TopKMoE(nn.Module):
     @nn.compact
     def __call__(self, x: Any) -> Any:
         d, e = x.shape[-1], self.experts
-        probs = jax.nn.softmax(nn.Dense(e, use_bias=False, kernel_init=_init(("embed", None)),
-                                        name="router")(x))  # fmt: skip
+        probs = jax.nn.softmax(
+            nn.Dense(e, use_bias=False, kernel_init=_init(("embed", None)), name="router")(x)
+        )
         gate, index = jax.lax.top_k(probs, self.k)
         gate = gate / gate.sum(-1, keepdims=True)
         combine = jnp.einsum("...k,...ke->...e", gate, jax.nn.one_hot(index, e, dtype=x.dtype))
@@ -252,11 +292,15 @@ class MoEModel(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: Any) -> Any:
-        x = nn.Embed(self.vocab, self.embed, embedding_init=_init(("vocab", "embed"),
-                                                                  nn.initializers.normal(0.02)))(tokens)  # fmt: skip
+        x = nn.Embed(
+            self.vocab,
+            self.embed,
+            embedding_init=_init(("vocab", "embed"), nn.initializers.normal(0.02)),
+        )(tokens)
         for _ in range(self.layers):
             x = x + Attention(self.heads, self.embed // self.heads, causal=True)(
-                nn.LayerNorm(**_norm(("embed",)))(x))  # fmt: skip
+                nn.LayerNorm(**_norm(("embed",)))(x)
+            )
             x = x + TopKMoE(self.experts, mlp=self.mlp)(nn.LayerNorm(**_norm(("embed",)))(x))
         return nn.Dense(self.vocab, use_bias=False, kernel_init=_init(("embed", "vocab")))(x)
 
@@ -281,18 +325,24 @@ class DecoderBlock(nn.Module):
         hd = d // self.heads
 
         def proj(name: str) -> nn.DenseGeneral:
-            return nn.DenseGeneral((self.heads, hd), use_bias=False, name=name,
-                                   kernel_init=_init(("embed", "heads", "kv")))  # fmt: skip
+            return nn.DenseGeneral(
+                (self.heads, hd),
+                use_bias=False,
+                name=name,
+                kernel_init=_init(("embed", "heads", "kv")),
+            )
 
         h = RMSNorm()(x)
         att = jax.nn.dot_product_attention(proj("q")(h), proj("k")(h), proj("v")(h), is_causal=True)
-        x = x + nn.DenseGeneral(d, axis=(-2, -1), use_bias=False,
-                                kernel_init=_init(("heads", "kv", "embed")))(att)  # fmt: skip
+        x = x + nn.DenseGeneral(
+            d, axis=(-2, -1), use_bias=False, kernel_init=_init(("heads", "kv", "embed"))
+        )(att)
         h = RMSNorm()(x)
         gate = nn.Dense(self.mlp, use_bias=False, kernel_init=_init(("embed", "mlp")))(h)
         up = nn.Dense(self.mlp, use_bias=False, kernel_init=_init(("embed", "mlp")))(h)
         return x + nn.Dense(d, use_bias=False, kernel_init=_init(("mlp", "embed")))(
-            jax.nn.silu(gate) * up)  # fmt: skip
+            jax.nn.silu(gate) * up
+        )
 
 
 class TakeDecoder(nn.Module):
@@ -307,8 +357,11 @@ class TakeDecoder(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: Any) -> Any:
-        table = self.param("embedding", _init(("vocab", "embed"), nn.initializers.normal(0.02)),
-                           (self.vocab, self.embed))  # fmt: skip
+        table = self.param(
+            "embedding",
+            _init(("vocab", "embed"), nn.initializers.normal(0.02)),
+            (self.vocab, self.embed),
+        )
         x = jnp.take(table, tokens, axis=0)
         for _ in range(self.layers):
             x = DecoderBlock(self.heads, self.mlp)(x)
@@ -336,11 +389,18 @@ class ScannedStack(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: Any) -> Any:
-        x = nn.Embed(self.vocab, self.embed, embedding_init=_init(("vocab", "embed"),
-                                                                  nn.initializers.normal(0.02)))(tokens)  # fmt: skip
-        stack = nn.scan(nn.remat(_ScanBlock), variable_axes={"params": 0},
-                        split_rngs={"params": True}, length=self.layers,
-                        metadata_params={nn.PARTITION_NAME: "layer"})  # fmt: skip
+        x = nn.Embed(
+            self.vocab,
+            self.embed,
+            embedding_init=_init(("vocab", "embed"), nn.initializers.normal(0.02)),
+        )(tokens)
+        stack = nn.scan(
+            nn.remat(_ScanBlock),
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=self.layers,
+            metadata_params={nn.PARTITION_NAME: "layer"},
+        )
         x, _ = stack(self.heads, self.mlp)(x, None)
         x = nn.LayerNorm(**_norm(("embed",)))(x)
         return nn.Dense(self.vocab, use_bias=False, kernel_init=_init(("embed", "vocab")))(x)
@@ -357,14 +417,23 @@ class GeluMlp(nn.Module):
 
     @nn.compact
     def __call__(self, x: Any) -> Any:
-        x = nn.Dense(self.embed, kernel_init=_init((None, "embed")),
-                     bias_init=_init(("embed",), nn.initializers.zeros))(x)  # fmt: skip
+        x = nn.Dense(
+            self.embed,
+            kernel_init=_init((None, "embed")),
+            bias_init=_init(("embed",), nn.initializers.zeros),
+        )(x)
         for _ in range(self.layers):
-            h = nn.Dense(self.mlp, kernel_init=_init(("embed", "mlp")),
-                         bias_init=_init(("mlp",), nn.initializers.zeros))(x)  # fmt: skip
+            h = nn.Dense(
+                self.mlp,
+                kernel_init=_init(("embed", "mlp")),
+                bias_init=_init(("mlp",), nn.initializers.zeros),
+            )(x)
             h = nn.gelu(nn.LayerNorm(**_norm(("mlp",)))(h), approximate=True)
-            x = x + nn.Dense(self.embed, kernel_init=_init(("mlp", "embed")),
-                             bias_init=_init(("embed",), nn.initializers.zeros))(h)  # fmt: skip
+            x = x + nn.Dense(
+                self.embed,
+                kernel_init=_init(("mlp", "embed")),
+                bias_init=_init(("embed",), nn.initializers.zeros),
+            )(h)
         x = nn.LayerNorm(**_norm(("embed",)))(x)
         return nn.Dense(self.classes, kernel_init=_init(("embed", None)))(x)
 

@@ -64,9 +64,10 @@ from typing import Any
 from meshplan._search.predict import attention
 from meshplan._search.predict import memory as memory_model
 from meshplan._search.predict.collectives import collective_time
+from meshplan._search.predict.lookups import lookup_notes
 from meshplan._search.predict.profiles import HardwareProfile
 from meshplan._search.predict.reshard import batch_first, reshard_collectives
-from meshplan._search.predict.trace import Dot, Names, Workload, dedupe, dot_out_names
+from meshplan._search.predict.trace import Carried, Dot, Names, Workload, dedupe, dot_out_names
 from meshplan._spmd.rules import (
     LogicalRules,
     logical_to_mesh_axes,
@@ -95,7 +96,9 @@ class Cost:
     being computed, gathered weights, the optimizer update); ``unpriced``: the primitives
     the planner does not understand, each ``'primitive at where (n runs)'``, priced
     conservatively (outputs replicated, declared FLOPs on every device): the prediction is
-    an upper bound there.
+    an upper bound there; ``notes``: what the layout does that a user would not expect
+    (an embedding lookup whose table's split XLA carries into the layers:
+    :mod:`meshplan._search.predict.lookups`), each naming where and the fix.
     """
 
     step_s: float
@@ -113,13 +116,19 @@ class Cost:
     comm_total_s: float = 0.0
     accumulator_bytes: int = 0
     unpriced: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
 
     @property
     def memory_bytes(self) -> int:
         """State, batch, activations, temporaries and the gradient accumulator (with
         microbatches): the peak on one device."""
-        return (self.state_bytes + self.batch_bytes + self.activation_bytes
-                + self.temporary_bytes + self.accumulator_bytes)  # fmt: skip
+        return (
+            self.state_bytes
+            + self.batch_bytes
+            + self.activation_bytes
+            + self.temporary_bytes
+            + self.accumulator_bytes
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "memory_bytes": self.memory_bytes}
@@ -170,6 +179,8 @@ class _Specs:
         if names is None:
             return ((),) * ndim
         spec = self.cache.get(names)
+        if spec is None and any(isinstance(n, Carried) for n in names):
+            spec = self.cache[names] = self._carried(names, ndim)
         if spec is None:
             if self.shared is None:
                 spec = split_axes(names, self.rules, self.sizes)
@@ -187,6 +198,18 @@ class _Specs:
                     spec = tuple(tuple(a for a in d if sizes.get(a, 1) > 1) for d in axes)
             self.cache[names] = spec
         return spec
+
+    def _carried(self, names: Names, ndim: int) -> Spec:
+        """A value made where an embedding table lies (:class:`Carried`): its other names
+        resolved first, its batch split over what is left of the batch's axes once the
+        table's are taken (none, under FSDP)."""
+        plain = tuple(None if isinstance(n, Carried) else n for n in names)
+        spec = list(self(plain, ndim))
+        for i, n in enumerate(names):
+            if isinstance(n, Carried):
+                taken = {a for axes in (*spec, *self(n.by, len(n.by))) for a in axes}
+                spec[i] = tuple(a for a in self(("batch",), 1)[0] if a not in taken)
+        return tuple(spec)
 
     def split(self, spec: Spec) -> int:
         return math.prod(self.sizes[a] for axes in spec for a in axes)
@@ -219,6 +242,9 @@ def _dot_cost(
     sizes = specs.sizes
     ls, rs = specs(dot.lhs_names, len(dot.lhs_shape)), specs(dot.rhs_names, len(dot.rhs_shape))
     (lc, rc), (lb, rb) = dot.contract, dot.batch
+    carried = _carried_input(dot, specs, ls)
+    if carried is not None:
+        ls = specs(carried[0], len(dot.lhs_shape))
     used: set[str] = set()
     gather: dict[tuple[int, str], None] = {}
     out_axes: list[str] = []
@@ -292,6 +318,15 @@ def _dot_cost(
     if whole:  # a backend without reduce-scatters (XLA on CPU): an all-reduce of it whole
         n = math.prod(sizes[a] for a in whole)
         colls.append(("all-reduce", tuple(whole), out_bytes * n, None))
+    if carried is not None:  # its input gathered whole, its output made in the table's split
+        colls.append(
+            (
+                "all-gather",
+                carried[1],
+                shard[0] // math.prod(sizes[a] for a in carried[1]),
+                (dot.lhs_names, dot.lhs_shape, carried[1]),
+            )
+        )
     for side in (0, 1):
         axes = tuple(a for s, a in gather if s == side)
         if not axes:
@@ -302,6 +337,21 @@ def _dot_cost(
         names = dot.lhs_names if side == 0 else dot.rhs_names
         colls.append(("all-gather", axes, shard[side], (names, shape, axes)))
     return flops, colls, out_bytes
+
+
+def _carried_input(dot: Dot, specs: _Specs, ls: Spec) -> tuple[Names, tuple[str, ...]] | None:
+    """Where a matmul's output is made in a table's split (its ``out_names`` carry
+    :class:`Carried`: a projection summed into the residual stream after an FSDP embedding
+    lookup), its left operand's names with that batch, and the axes its batch loses (the
+    operand gathered over them)."""
+    out = dot.out_names
+    carrier = next((n for n in out or () if isinstance(n, Carried)), None)
+    if carrier is None or any(isinstance(n, Carried) for n in dot.lhs_names):
+        return None
+    names = tuple(carrier if n == "batch" else n for n in dot.lhs_names)
+    spec = specs(names, len(names))
+    lost = tuple(a for old, new in zip(ls, spec, strict=True) for a in old if a not in new)
+    return (names, lost) if lost else None
 
 
 def _batch_moved(
@@ -351,9 +401,11 @@ def _out_array(dot: Dot) -> tuple[Names, tuple[int, ...], int]:
     """A matmul's output: its names (the constraint's where one names it, else as the
     trace names it: :func:`meshplan._search.predict.trace.dot_out_names`), shape, item size."""
     (lc, rc), (lb, rb) = dot.contract, dot.batch
-    shape = (*(dot.lhs_shape[i] for i in lb),
-             *(dot.lhs_shape[i] for i in range(len(dot.lhs_shape)) if i not in lc and i not in lb),
-             *(dot.rhs_shape[j] for j in range(len(dot.rhs_shape)) if j not in rc and j not in rb))  # fmt: skip
+    shape = (
+        *(dot.lhs_shape[i] for i in lb),
+        *(dot.lhs_shape[i] for i in range(len(dot.lhs_shape)) if i not in lc and i not in lb),
+        *(dot.rhs_shape[j] for j in range(len(dot.rhs_shape)) if j not in rc and j not in rb),
+    )
     if dot.out_names:
         names = dedupe(dot.out_names)
     else:
@@ -405,9 +457,12 @@ def _dot_key(
 
 
 def _dot_cost_cached(
-    dot: Dot, specs: _Specs, reduce_scatter: bool, cache: DotCache | None,
+    dot: Dot,
+    specs: _Specs,
+    reduce_scatter: bool,
+    cache: DotCache | None,
     params: frozenset[str] = frozenset(),
-) -> tuple[float, list[Coll], int]:  # fmt: skip
+) -> tuple[float, list[Coll], int]:
     if cache is None:
         return _dot_cost(dot, specs, reduce_scatter, params)
     key = _dot_key(dot, specs, reduce_scatter, params)
@@ -418,9 +473,13 @@ def _dot_cost_cached(
 
 
 def predict(
-    workload: Workload, mesh: Mapping[str, int], rules: LogicalRules, profile: HardwareProfile,
-    *, microbatches: int = 1,
-) -> Cost:  # fmt: skip
+    workload: Workload,
+    mesh: Mapping[str, int],
+    rules: LogicalRules,
+    profile: HardwareProfile,
+    *,
+    microbatches: int = 1,
+) -> Cost:
     """The predicted step time and per-device bytes of ``workload`` on ``mesh`` under ``rules``.
 
     ``microbatches``: the step accumulates the gradients of this many runs of ``workload``
@@ -455,9 +514,12 @@ def predict(
 
 
 def predict_specs(
-    workload: Workload, specs: _Specs, profile: HardwareProfile, cache: DotCache | None = None,
+    workload: Workload,
+    specs: _Specs,
+    profile: HardwareProfile,
+    cache: DotCache | None = None,
     microbatches: int = 1,
-) -> Cost:  # fmt: skip
+) -> Cost:
     """:func:`predict` of a candidate's resolved specs; ``cache``: matmul costs shared by the
     candidates of one search (the same answers as without it, computed once)."""
     return _predict_one(workload, specs, profile, cache, max(1, microbatches))
@@ -482,9 +544,12 @@ def _accumulator_bytes(workload: Workload, specs: _Specs) -> int:
 
 
 def _predict_one(
-    workload: Workload, specs: _Specs, profile: HardwareProfile, cache: DotCache | None,
+    workload: Workload,
+    specs: _Specs,
+    profile: HardwareProfile,
+    cache: DotCache | None,
     micro: int,
-) -> Cost:  # fmt: skip
+) -> Cost:
     """:func:`predict_specs` of a step of ``micro`` runs of ``workload`` (microbatches):
     everything but the weight gradients' all-reduces (accumulated, then reduced once, as
     DDP and Megatron do) runs once per microbatch."""
@@ -518,8 +583,9 @@ def _predict_one(
         else:
             moved = (
                 _lhs_bytes(dot, specs)
-                + specs.shard_bytes(dot.rhs_names, dot.rhs_shape, dot.rhs_itemsize) + out_bytes
-            )  # fmt: skip
+                + specs.shard_bytes(dot.rhs_names, dot.rhs_shape, dot.rhs_itemsize)
+                + out_bytes
+            )
             compute_s += count * max(f / eff_flops, moved / profile.memory_bandwidth)
         extra: dict[Any, int] = {}  # gathered arrays: the bytes each adds on a device
         for kind, axes, nbytes, key in colls:
@@ -540,6 +606,11 @@ def _predict_one(
             elif kind == "all-reduce" and _batch_out(dot):
                 partial_sums.add(dot)
                 dependent.append((kind, axes, nbytes, count))
+                # partial sums of more than its shard (of the whole batch, where the operand
+                # carries a table's split: Carried), all-reduced, then sliced to it
+                kept = specs.shard_bytes(*_out_array(dot))
+                if nbytes > kept:
+                    unreduced[dot] = unreduced.get(dot, 0) + nbytes - kept
             elif _independent(kind, key, dot):  # combined with those of the same trips
                 if kind == "reduce-scatter":  # the partial sums beyond its reduced shard
                     kept = specs.shard_bytes(*_out_array(dot))
@@ -643,6 +714,7 @@ def _predict_one(
         comm_total_s=exposed + hidden,
         accumulator_bytes=_accumulator_bytes(workload, specs) if micro > 1 else 0,
         unpriced=tuple(f"{p} at {w} ({n} runs)" for (p, w), n in workload.unpriced.items()),
+        notes=lookup_notes(workload, specs),
     )
 
 

@@ -62,6 +62,7 @@ def prediction_fields(
         "devices": devices,
         "profile": profile.name,
         "unpriced": list(cost.unpriced),
+        "notes": list(cost.notes),
     }
 
 
@@ -100,6 +101,7 @@ def prediction_lines(fields: dict[str, Any]) -> list[str]:
     )
     if f.get("unpriced"):
         lines.append(unpriced_line(f["unpriced"]))
+    lines += [f"note: {n}" for n in f.get("notes", ())]
     if f.get("pipeline"):
         lines.append(pipeline_line(f["pipeline"]))
     return lines

@@ -120,7 +120,13 @@ class Workload:
     hold stays: partial sums reduced with the gradient, not gathered);
     ``unpriced``: ``{(primitive, where): runs}`` of the primitives the planner does not
     understand (:data:`meshplan._search.predict.op_names.UNDERSTOOD`), priced conservatively:
-    outputs replicated, ``unpriced_flops`` (those they declare) on every device.
+    outputs replicated, ``unpriced_flops`` (those they declare) on every device;
+    ``lookups``: ``{(names from the table, names from the indices, where): runs}`` of the
+    embedding lookups (a ``gather`` of a table's rows by the batch's indices) whose output
+    no logical constraint names (traced with ``read_constraints``; else none is known): where the table's names and the indices' share a mesh axis
+    (FSDP's ``embed`` and ``batch``), XLA's propagation gives the rows the table's split,
+    and the layers after it run on the whole batch (:func:`meshplan._search.predict.cost.predict`
+    says so in ``Cost.notes``).
 
     Example:
         >>> import jax, jax.numpy as jnp, meshplan
@@ -156,6 +162,7 @@ class Workload:
     moves: dict[tuple[Names, Names, tuple[int, ...], int], int] = dataclasses.field(
         default_factory=dict
     )
+    lookups: dict[tuple[Names, Names, str], int] = dataclasses.field(default_factory=dict)
 
     def trips(self, dot: Dot) -> int:
         """How many times one run of ``dot`` repeats in sequence: the trips of the loops
@@ -189,6 +196,43 @@ class Workload:
 
 
 _READ_AS_LOGICAL = (("meshplan.search: names are logical", None),)
+
+
+class Carried(str):
+    """``'batch'`` of a value XLA makes where an embedding table lies: its batch is not split
+    over the axes of the table's names ``by`` (FSDP's ``embed``), which the value's own
+    ``embed`` takes. Equal to ``'batch'`` (a batch dimension to every rule that asks), hashed
+    apart from it (a key of its own wherever names are one)."""
+
+    by: Names
+
+    def __new__(cls, by: Names) -> Carried:
+        made = super().__new__(cls, "batch")
+        made.by = by
+        return made
+
+    def __hash__(self) -> int:
+        return hash(("batch", self.by))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Carried):
+            return self.by == other.by
+        return str.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __reduce__(self) -> Any:
+        return (Carried, (self.by,))
+
+
+def _renamed(a: Names, b: Names | None) -> bool:
+    """Whether ``b`` is not ``a``, telling :class:`Carried` from ``'batch'``."""
+    return (
+        b is None
+        or a != b
+        or [isinstance(n, Carried) for n in a] != [isinstance(n, Carried) for n in b]
+    )
 
 
 def _itemsize(aval: Any) -> int:
@@ -229,27 +273,126 @@ _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 # Ops after which XLA writes a value to memory: what a loop fusion cannot hold in
 # registers (matmuls, control flow, calls, data movement, collectives). Elementwise
 # ops, broadcasts, reshapes and reductions fuse into their neighbours.
-_BOUNDARY = frozenset({
-    "dot_general", "scan", "while", "cond", "pjit", "jit", "closed_call", "core_call",
-    "remat", "remat2", "checkpoint", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
-    "gather", "scatter", "scatter-add", "scatter_add", "dynamic_slice",
-    "dynamic_update_slice", "sort", "cumsum", "cumprod", "cummax", "cumlogsumexp",
-    "all_gather", "psum", "all_to_all", "ppermute", "reduce_scatter", "conv_general_dilated",
-    "argsort", "top_k", "fft", "custom_call",
-})  # fmt: skip
+_BOUNDARY = frozenset(
+    {
+        "dot_general",
+        "scan",
+        "while",
+        "cond",
+        "pjit",
+        "jit",
+        "closed_call",
+        "core_call",
+        "remat",
+        "remat2",
+        "checkpoint",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "custom_vjp_call_jaxpr",
+        "gather",
+        "scatter",
+        "scatter-add",
+        "scatter_add",
+        "dynamic_slice",
+        "dynamic_update_slice",
+        "sort",
+        "cumsum",
+        "cumprod",
+        "cummax",
+        "cumlogsumexp",
+        "all_gather",
+        "psum",
+        "all_to_all",
+        "ppermute",
+        "reduce_scatter",
+        "conv_general_dilated",
+        "argsort",
+        "top_k",
+        "fft",
+        "custom_call",
+    }
+)
 
 
 # Elementwise ops (lax's): every dimension of the result is an operand's (or a broadcast's).
-_ELEMENTWISE = frozenset({
-    "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh",
-    "cbrt", "ceil", "clz", "complex", "conj", "cos", "cosh", "digamma", "div", "eq", "erf",
-    "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "igamma", "igammac", "imag",
-    "integer_pow", "is_finite", "le", "lgamma", "log", "log1p", "logistic", "lt", "max", "min",
-    "mul", "mulhi", "ne", "neg", "nextafter", "not", "or", "polygamma", "population_count",
-    "pow", "real", "regularized_incomplete_beta", "rem", "round", "rsqrt", "shift_left",
-    "shift_right_arithmetic", "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square",
-    "sub", "tan", "tanh", "xor", "zeta", "bessel_i0e", "bessel_i1e", "random_gamma_grad",
-})  # fmt: skip
+_ELEMENTWISE = frozenset(
+    {
+        "abs",
+        "acos",
+        "acosh",
+        "add",
+        "add_any",
+        "and",
+        "asin",
+        "asinh",
+        "atan",
+        "atan2",
+        "atanh",
+        "cbrt",
+        "ceil",
+        "clz",
+        "complex",
+        "conj",
+        "cos",
+        "cosh",
+        "digamma",
+        "div",
+        "eq",
+        "erf",
+        "erf_inv",
+        "erfc",
+        "exp",
+        "exp2",
+        "expm1",
+        "floor",
+        "ge",
+        "gt",
+        "igamma",
+        "igammac",
+        "imag",
+        "integer_pow",
+        "is_finite",
+        "le",
+        "lgamma",
+        "log",
+        "log1p",
+        "logistic",
+        "lt",
+        "max",
+        "min",
+        "mul",
+        "mulhi",
+        "ne",
+        "neg",
+        "nextafter",
+        "not",
+        "or",
+        "polygamma",
+        "population_count",
+        "pow",
+        "real",
+        "regularized_incomplete_beta",
+        "rem",
+        "round",
+        "rsqrt",
+        "shift_left",
+        "shift_right_arithmetic",
+        "shift_right_logical",
+        "sign",
+        "sin",
+        "sinh",
+        "sqrt",
+        "square",
+        "sub",
+        "tan",
+        "tanh",
+        "xor",
+        "zeta",
+        "bessel_i0e",
+        "bessel_i1e",
+        "random_gamma_grad",
+    }
+)
 
 # Elementwise ops whose operands XLA's sharding propagation gives their result's sharding.
 _SAME_LAYOUT = frozenset({"add", "add_any", "sub", "neg", "mul", "convert_element_type"})
@@ -273,6 +416,9 @@ def dot_out_names(
     out = [_merge(lhs[i], rhs[j]) for i, j in zip(lb, rb, strict=True)]
     out += [lhs[i] for i in range(len(lhs)) if i not in lc and i not in lb]
     out += [rhs[i] for i in range(len(rhs)) if i not in rc and i not in rb]
+    summed = {lhs[i] for i in lc} | {rhs[i] for i in rc}
+    # partial sums over the table's split, all-reduced and sliced back to the batch
+    out = ["batch" if isinstance(n, Carried) and summed & set(n.by) - {None} else n for n in out]
     return dedupe(tuple(out))
 
 
@@ -341,6 +487,14 @@ class _Walker:
         self.unpriced: dict[tuple[str, str], int] = {}  # (primitive, where): runs
         self.unpriced_flops = 0
         self.site = "?"  # where the model runs the equation being walked (op_names.where)
+        # The embedding lookups of the forward pass, ``[key, runs, constrained]`` (keyed as
+        # ``Workload.lookups``), and the values that are one's rows as it made them (the
+        # gather's output, the call's that returns it): ``{var: index in lookups}``.
+        self.lookups: list[list[Any]] = []
+        self.lookup_of: dict[Any, int] = {}
+        # The model's logical constraints are in the program (trace_workload's
+        # ``read_constraints``): a lookup no constraint names is known to be one.
+        self.sees_constraints = False
 
     def note(self, names: Names) -> None:
         for n in names:
@@ -386,6 +540,7 @@ class _Walker:
                 self.note(n)
             if eqn.primitive.name in _SAME_LAYOUT:
                 self._constrain_forward(eqn, env, alias, producer)
+                self._carry_back(eqn, outs, producer)
         for out, root in alias.items():  # the first constraint of a value names its buffer
             if out in env and env[out] != env.get(root):
                 self.buffer_names.setdefault(out, env[out])
@@ -452,6 +607,20 @@ class _Walker:
             if u is not held:
                 self._constrain_back(u, names, producer)
 
+    def _carry_back(self, eqn: Any, outs: list[Names], producer: dict[Any, Any]) -> None:
+        """A sum into a value that carries a table's split (:class:`Carried`: the residual
+        stream after an embedding lookup under FSDP): its other operands (a projection's
+        output) are made in that split, as XLA's propagation makes them (their input
+        gathered whole)."""
+        if not outs or not any(isinstance(n, Carried) for n in outs[0]):
+            return
+        shape = eqn.outvars[0].aval.shape
+        for u in eqn.invars:
+            if isinstance(u, Literal) or u.aval.shape != shape:
+                continue
+            if not any(isinstance(n, Carried) for n in self.var_names.get(u, ())):
+                self._constrain_back(u, outs[0], producer)
+
     def _constrain_back(self, v: Any, names: Names, producer: dict[Any, Any]) -> None:
         """``v``'s buffer takes ``names``, and so do the operands of the same shape of the
         elementwise ops that made it (a sum of matmuls' partial results): XLA's sharding
@@ -469,8 +638,11 @@ class _Walker:
                 todo.append((sub.outvars[eqn.outvars.index(x)], inner))
             elif eqn is not None and eqn.primitive.name in _SAME_LAYOUT:
                 shape = x.aval.shape
-                todo += [(u, made) for u in eqn.invars
-                         if not isinstance(u, Literal) and u.aval.shape == shape]  # fmt: skip
+                todo += [
+                    (u, made)
+                    for u in eqn.invars
+                    if not isinstance(u, Literal) and u.aval.shape == shape
+                ]
 
     def name_dot_outputs(self) -> None:
         """Gives each dot whose output a constraint names otherwise (its buffer's names,
@@ -481,7 +653,7 @@ class _Walker:
         arrays: dict[Any, list[Any]] = {}  # var -> [index, trips, forward, backward]
         for key, out, dot, times, ins, backward in self.dot_runs:
             names = self.buffer_names.get(out)
-            if names is not None and names != self.var_names.get(out):
+            if names is not None and _renamed(names, self.var_names.get(out)):
                 named = dataclasses.replace(dot, out_names=names)
                 if dot in self.score_dots:
                     self.score_dots.add(named)
@@ -540,9 +712,17 @@ class _Walker:
         if prim == "dot_general":
             (lc, rc), (lb, rb) = p["dimension_numbers"]
             lhs, rhs = ins
-            dot = Dot(lhs, rhs, shapes[0], shapes[1], (tuple(lc), tuple(rc)),
-                      (tuple(lb), tuple(rb)), _itemsize(eqn.outvars[0].aval),
-                      _itemsize(eqn.invars[0].aval), _itemsize(eqn.invars[1].aval))  # fmt: skip
+            dot = Dot(
+                lhs,
+                rhs,
+                shapes[0],
+                shapes[1],
+                (tuple(lc), tuple(rc)),
+                (tuple(lb), tuple(rb)),
+                _itemsize(eqn.outvars[0].aval),
+                _itemsize(eqn.invars[0].aval),
+                _itemsize(eqn.invars[1].aval),
+            )
             self.dots[dot] = self.dots.get(dot, 0) + times
             self.dot_trips[dot] = max(self.dot_trips.get(dot, 0), times)
             self.dot_by_eqn[id(eqn)] = dot
@@ -616,6 +796,8 @@ class _Walker:
                         got = self.buffer(inner)
                         if got is not None:
                             self.buffer_names.setdefault(outer, got)
+                        if not isinstance(inner, Literal) and inner in self.lookup_of:
+                            self.lookup_of[outer] = self.lookup_of[inner]
                         inner = alias.get(inner, inner)
                         if not isinstance(inner, Literal) and inner in self.scores:
                             self.scores.add(outer)
@@ -630,6 +812,8 @@ class _Walker:
             self.constlike.update(eqn.outvars)
         if memory.is_alias(eqn):
             x, y = eqn.invars[0], eqn.outvars[0]
+            if not isinstance(x, Literal) and x in self.lookup_of:
+                self.lookups[self.lookup_of[x]][2] = True  # its rows named by the model
             for group in (self.scores, self.constlike, self.materialized):
                 if x in group:
                     group.add(y)
@@ -649,9 +833,13 @@ class _Walker:
         return outs
 
     def _moved(
-        self, eqn: Any, ins: list[Names], outs: list[Names], shapes: list[tuple[int, ...]],
+        self,
+        eqn: Any,
+        ins: list[Names],
+        outs: list[Names],
+        shapes: list[tuple[int, ...]],
         times: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Notes the values the partitioner moves between shardings around an indexing op:
         a ``gather``'s rows are made in the table's sharding of its offset dimensions and
         used in the indices' (``moves``), a ``scatter``'s updates are moved to its result's
@@ -665,6 +853,9 @@ class _Walker:
             made = dedupe(
                 op_names.gather_names(p, ins[0], blank, shapes, eqn.outvars[0].aval.shape)
             )
+            self._lookup(eqn, ins, made, shapes, times)
+            if eqn.outvars[0] in self.lookup_of:  # its rows made where the table lies
+                outs[0] = tuple(Carried(made) if n == "batch" else n for n in outs[0])
             key = (made, outs[0], tuple(eqn.outvars[0].aval.shape), item)
         elif prim.startswith("scatter") and len(ins) == 3:
             target = dedupe(op_names.scatter_update_names(p, outs[0], shapes))
@@ -677,6 +868,26 @@ class _Walker:
             return
         if key[0] != key[1]:
             self.moves[key] = self.moves.get(key, 0) + times
+
+    def _lookup(
+        self, eqn: Any, ins: list[Names], made: Names, shapes: list[tuple[int, ...]], times: int
+    ) -> None:
+        """Notes an embedding lookup of the forward pass: a gather of a named table's rows
+        (names it keeps from the table) by indices that carry the batch."""
+        blank = (None,) * len(ins[0])
+        shape = tuple(eqn.outvars[0].aval.shape)
+        picked = op_names.gather_names(eqn.params, blank, ins[1], shapes, shape)
+        table = eqn.invars[0]
+        if (
+            not self.sees_constraints
+            or self.backward
+            or "batch" not in picked
+            or not any(made)
+            or table not in self.weight_of
+        ):
+            return
+        self.lookup_of[eqn.outvars[0]] = len(self.lookups)
+        self.lookups.append([(made, picked, self.site), times, False])
 
     def _unpriced(self, eqn: Any, times: int) -> list[Names]:
         """A primitive the planner does not understand (a Pallas kernel, a custom call):
@@ -701,11 +912,17 @@ class _Walker:
         xs, ks, ys = tuple(x.aval.shape), tuple(k.aval.shape), tuple(out.aval.shape)
         inner = ks[rs[1]] * math.prod(ks[d] for d in rs[2:])
         dot = Dot(
-            (lhs[ls[0]], *(None,) * len(os_[2:]), lhs[ls[1]]), (rhs[rs[1]], rhs[rs[0]]),
-            (xs[ls[0]], *(ys[d] for d in os_[2:]), inner), (inner, ks[rs[0]]),
-            ((len(os_) - 1,), (0,)), ((), ()), _itemsize(out.aval), _itemsize(x.aval),
-            _itemsize(k.aval), lhs_size=math.prod(xs),
-        )  # fmt: skip
+            (lhs[ls[0]], *(None,) * len(os_[2:]), lhs[ls[1]]),
+            (rhs[rs[1]], rhs[rs[0]]),
+            (xs[ls[0]], *(ys[d] for d in os_[2:]), inner),
+            (inner, ks[rs[0]]),
+            ((len(os_) - 1,), (0,)),
+            ((), ()),
+            _itemsize(out.aval),
+            _itemsize(x.aval),
+            _itemsize(k.aval),
+            lhs_size=math.prod(xs),
+        )
         self.dots[dot] = self.dots.get(dot, 0) + times
         self.dot_trips[dot] = max(self.dot_trips.get(dot, 0), times)
         self.dot_by_eqn[id(eqn)] = dot
@@ -721,19 +938,27 @@ class _Walker:
         dimension it leaves unnamed keeps its name. A renamed value is a reshard."""
         spec = tuple(getattr(eqn.params.get("sharding"), "spec", ()))
         spec += (None,) * (len(shape) - len(spec))
-        after = dedupe(tuple(
-            (e if isinstance(e, str) else (e[0] if e else None)) or b
-            for e, b in zip(spec[: len(shape)], before, strict=True)
-        ))  # fmt: skip
+        after = dedupe(
+            tuple(
+                (e if isinstance(e, str) else (e[0] if e else None)) or b
+                for e, b in zip(spec[: len(shape)], before, strict=True)
+            )
+        )
         if after != before and times and eqn.invars[0] not in self.constlike:
             key = (before, after, shape, _itemsize(eqn.invars[0].aval))
             self.reshards[key] = self.reshards.get(key, 0) + times
         return after
 
     def _count(
-        self, v: Any, names: Any, times: int, score: bool, *, boundary: bool = False,
+        self,
+        v: Any,
+        names: Any,
+        times: int,
+        score: bool,
+        *,
+        boundary: bool = False,
         dot_out: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """The bytes XLA moves for ``v``: written once and read by each consumer that is not
         fused with its producer, when it leaves a fusion (:data:`_BOUNDARY`); nothing else.
         A matmul's operands and output are priced with the matmul (:mod:`.cost`)."""
@@ -851,11 +1076,14 @@ def constraint_names(state_names: Sequence[Names | None]) -> tuple[str, ...]:
 
 
 def _make_jaxpr(
-    step_fn: Callable[..., Any], abstract_state: Any, example_batch: Any,
-    state: Sequence[tuple[Names | None, tuple[int, ...], int]], read_constraints: bool,
-) -> Any:  # fmt: skip
+    step_fn: Callable[..., Any],
+    abstract_state: Any,
+    example_batch: Any,
+    state: Sequence[tuple[Names | None, tuple[int, ...], int]],
+    read_constraints: bool,
+) -> tuple[Any, bool]:
     """``jax.make_jaxpr`` of the step; under the name mesh (``read_constraints``) when no
-    mesh is active."""
+    mesh is active; and whether it was (the model's constraints are in it, by name)."""
     from meshplan._spmd.place import active_mesh
     from meshplan._spmd.rules import logical_axis_rules
 
@@ -865,14 +1093,15 @@ def _make_jaxpr(
         mesh = jax.make_mesh((1,) * len(names), names, axis_types=auto)
         try:
             with jax.set_mesh(mesh), logical_axis_rules(tuple((n, n) for n in names)):
-                return jax.make_jaxpr(step_fn)(abstract_state, example_batch)
+                return jax.make_jaxpr(step_fn)(abstract_state, example_batch), True
         except Exception:  # a step that names mesh axes itself: traced without
             pass
-    return jax.make_jaxpr(step_fn)(abstract_state, example_batch)
+    return jax.make_jaxpr(step_fn)(abstract_state, example_batch), False
 
 
-def _walk(jaxpr: Any, in_names: list[Names]) -> _Walker:
+def _walk(jaxpr: Any, in_names: list[Names], sees_constraints: bool) -> _Walker:
     walker = _Walker()
+    walker.sees_constraints = sees_constraints
     for n in in_names:
         walker.note(n)
     if len(jaxpr.invars) != len(in_names):  # leaves JAX did not make inputs: names unknown
@@ -955,24 +1184,30 @@ def trace_workload(
         state.append((tuple(names) if names is not None else None, shape, _itemsize(x)))
     flat_batch = jax.tree.leaves(example_batch)
     name_of = batch_names or _batch_names
-    closed = _make_jaxpr(step_fn, abstract_state, example_batch, state, read_constraints)
+    closed, sees = _make_jaxpr(step_fn, abstract_state, example_batch, state, read_constraints)
     in_names = [*state_names, *(tuple(name_of(b)) for b in flat_batch)]
     jaxpr = closed.jaxpr
-    walker = _walk(jaxpr, in_names)
+    walker = _walk(jaxpr, in_names, sees)
     if batch_names is None and "length" in walker.seen and any(map(_is_tokens, flat_batch)):
         # The model names its sequence 'length': so is the token ids' second dimension
         # (the loss's targets, sliced from them, are never constrained by the model).
         name_of = _token_names
         in_names = [*state_names, *(tuple(name_of(b)) for b in flat_batch)]
-        walker = _walk(jaxpr, in_names)
+        walker = _walk(jaxpr, in_names, sees)
     batch = int(flat_batch[0].shape[0]) if flat_batch and flat_batch[0].shape else None
     params = tuple(dict.fromkeys(n for names, _, _ in state if names for n in names if n))
     var_names = {**walker.var_names, **walker.buffer_names}
     programs = [
-        memory.build(jaxpr, var_names, walker.scores, lambda e: walker.dot_by_eqn[id(e)],
-                     walker.materialized, recompute)
+        memory.build(
+            jaxpr,
+            var_names,
+            walker.scores,
+            lambda e: walker.dot_by_eqn[id(e)],
+            walker.materialized,
+            recompute,
+        )
         for recompute in (True, False)
-    ]  # fmt: skip
+    ]
     batch_state = [
         (tuple(name_of(b)), tuple(getattr(b, "shape", ())), _itemsize(b)) for b in flat_batch
     ]
@@ -981,11 +1216,38 @@ def trace_workload(
     if flat_batch and _is_tokens(flat_batch[0]):
         tokens, unit = math.prod(flat_batch[0].shape), "tokens"  # sequences x positions
     return Workload(
-        walker.dots, walker.traffic, state, tuple(walker.seen), batch, params, programs[0],
-        frozenset(walker.score_dots), batch_state, tokens, walker.reshards, programs[1], unit,
-        walker.dot_trips, walker.operand_arrays, tuple(walker.arrays),
-        tuple((n, s, i, act, t, fwd and bwd)
-              for n, s, i, act, t, fwd, bwd in walker.weight_reads.values()),
+        walker.dots,
+        walker.traffic,
+        state,
+        tuple(walker.seen),
+        batch,
+        params,
+        programs[0],
+        frozenset(walker.score_dots),
+        batch_state,
+        tokens,
+        walker.reshards,
+        programs[1],
+        unit,
+        walker.dot_trips,
+        walker.operand_arrays,
+        tuple(walker.arrays),
+        tuple(
+            (n, s, i, act, t, fwd and bwd)
+            for n, s, i, act, t, fwd, bwd in walker.weight_reads.values()
+        ),
         frozenset(walker.causal_masks),
-        walker.unpriced, walker.unpriced_flops, walker.moves,
-    )  # fmt: skip
+        walker.unpriced,
+        walker.unpriced_flops,
+        walker.moves,
+        _lookups(walker),
+    )
+
+
+def _lookups(walker: _Walker) -> dict[tuple[Names, Names, str], int]:
+    """The embedding lookups whose rows no logical constraint names, with their runs."""
+    out: dict[tuple[Names, Names, str], int] = {}
+    for key, runs, constrained in walker.lookups:
+        if not constrained:
+            out[key] = out.get(key, 0) + runs
+    return out

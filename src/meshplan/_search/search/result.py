@@ -436,6 +436,8 @@ class SearchResult:
             )
             if self.best.cost is not None and self.best.cost.unpriced:
                 lines.append(unpriced_line(self.best.cost.unpriced))
+            if self.best.cost is not None:
+                lines += [f"note: {n}" for n in self.best.cost.notes]
         else:
             lines.append("best: none (no candidate passes and fits)")
         return "\n".join(lines)

@@ -1,0 +1,62 @@
+"""The note a prediction carries where an embedding lookup's table split spreads into the layers.
+
+Under FSDP (``('batch', 'fsdp'), ('embed', 'fsdp')``) an embedding table is split on
+``embed`` over the axis the batch is split over. XLA's sharding propagation gives the
+lookup's rows the table's sharding (its indices gathered whole), and the activations that
+follow carry it: the layers run on the whole batch split by ``embed``, each projection's
+partial sums all-reduced whole and its input gathered whole. A logical constraint of the
+lookup's output to the batch resets it (:data:`meshplan._search.predict.trace.Workload`'s
+``lookups`` are the lookups no constraint names).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from meshplan._search.predict.trace import Names, Workload
+
+__all__ = ["lookup_notes"]
+
+Resolve = Callable[[Names, int], tuple[tuple[str, ...], ...]]
+
+
+def lookup_notes(workload: Workload, resolve: Resolve) -> tuple[str, ...]:
+    """A note per embedding lookup whose table is split over the mesh axes of its batch.
+
+    ``resolve(names, ndim)``: the mesh axes of each dimension of an array named ``names``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> from meshplan._search.predict.lookups import lookup_notes
+        >>> from meshplan._spmd.rules import split_axes
+        >>> t = meshplan.LogicallyPartitioned(jax.ShapeDtypeStruct((256, 64), jnp.float32), ("vocab", "embed"))
+        >>> work = meshplan.trace_workload(lambda s, x: jnp.take(s["t"].value, x, axis=0).sum(),
+        ...                                {"t": t}, jax.ShapeDtypeStruct((16, 32), jnp.int32),
+        ...                                read_constraints=True)
+        >>> fsdp = (("batch", "fsdp"), ("embed", "fsdp"))
+        >>> [note] = lookup_notes(work, lambda n, d: split_axes(n, fsdp, {"fsdp": 8}))
+        >>> note.split("; ")[1][:57]
+        "constrain the lookup's output to ('batch', None, 'embed')"
+        >>> lookup_notes(work, lambda n, d: split_axes(n, (("batch", "data"),), {"data": 8}))
+        ()
+    """
+    notes = []
+    for (made, picked, where), runs in workload.lookups.items():
+        table = resolve(made, len(made))
+        batch = {a for axes in resolve(picked, len(picked)) for a in axes}
+        shared = {made[i]: axes for i, axes in enumerate(table) if set(axes) & batch}
+        if not shared:
+            continue
+        name, axes = next(iter(shared.items()))
+        over = "+".join(axes)
+        wanted = tuple(p if p is not None else m for p, m in zip(picked, made, strict=True))
+        notes.append(
+            f"the embedding lookup at {where} ({runs} runs) reads a table split on {name!r} "
+            f"over {over!r}, the mesh axis its batch is split over: XLA's sharding propagation "
+            f"gives its rows the table's split, and the layers after it run on the whole batch "
+            f"split by {name!r} (each projection's partial sums all-reduced whole, its input "
+            f"gathered whole); constrain the lookup's output to {wanted!r} "
+            f"(nn.with_logical_constraint), or give the activations' {name!r} a logical name "
+            f"of its own that no rule maps to {over!r}"
+        )
+    return tuple(notes)

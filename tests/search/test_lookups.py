@@ -1,0 +1,132 @@
+"""An embedding lookup whose table FSDP splits on ``embed``: the trap XLA's propagation sets
+(the table's split carried into the layers), checked against the compiled HLO and named in
+the prediction with its fix."""
+
+from __future__ import annotations
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import meshplan
+from meshplan._search.measure.hlo import compile_candidate
+from meshplan._search.predict.cost import _dot_cost, _Specs, predict
+from meshplan._search.predict.profiles import get_profile
+from meshplan._search.predict.report import prediction_fields, prediction_lines
+from meshplan._search.predict.step import linen_step
+from meshplan._search.predict.trace import trace_workload
+
+FSDP = ({"fsdp": 8}, (("batch", "fsdp"), ("embed", "fsdp")))
+DP = ({"data": 8}, (("batch", "data"),))
+
+
+class _Lookup(nn.Module):
+    """An embedding, one MLP, an output projection; the lookup's output constrained or not."""
+
+    constrain: bool = False
+
+    @nn.compact
+    def __call__(self, tokens):
+        init = nn.initializers.normal(0.02)
+        x = nn.Embed(
+            256, 64, embedding_init=meshplan.with_logical_partitioning(init, ("vocab", "embed"))
+        )(tokens)
+        if self.constrain:
+            x = meshplan.with_logical_constraint(x, ("batch", None, "embed"))
+        h = nn.Dense(128, kernel_init=meshplan.with_logical_partitioning(init, ("embed", "mlp")))(x)
+        x = x + nn.Dense(
+            64, kernel_init=meshplan.with_logical_partitioning(init, ("mlp", "embed"))
+        )(nn.relu(h))
+        return nn.Dense(
+            256, kernel_init=meshplan.with_logical_partitioning(init, ("embed", "vocab"))
+        )(x)
+
+
+def _loss(logits, tokens):
+    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
+
+
+def _step(constrain: bool):
+    return linen_step(_Lookup(constrain), jax.ShapeDtypeStruct((16, 32), jnp.int32), _loss)
+
+
+def _notes(constrain: bool, layout=FSDP) -> tuple[str, ...]:
+    state, step, batch = _step(constrain)
+    work = trace_workload(step, state, batch, read_constraints=True)
+    return predict(work, *layout, get_profile("h100")).notes
+
+
+def test_the_lookup_of_a_table_split_as_the_batch_is_named_with_its_fix():
+    [note] = _notes(False)
+    assert "Embed_0" in note and "'embed' over 'fsdp'" in note
+    assert "whole batch split by 'embed'" in note
+    assert "constrain the lookup's output to ('batch', None, 'embed')" in note
+
+
+def test_no_note_where_the_table_is_not_split_as_the_batch_is():
+    assert _notes(False, DP) == ()
+
+
+def test_no_note_where_the_model_constrains_the_lookups_output():
+    assert _notes(True) == ()
+
+
+def test_the_note_is_printed_with_the_prediction():
+    state, step, batch = _step(False)
+    work = trace_workload(step, state, batch, read_constraints=True)
+    cost = predict(work, *FSDP, get_profile("h100"))
+    lines = prediction_lines(prediction_fields(cost, 512, 8, get_profile("h100"), 1 << 30))
+    assert [line for line in lines if line.startswith("note: the embedding lookup at")]
+
+
+def _lookup_hlo(constrain: bool) -> str:
+    state, step, batch = _step(constrain)
+    compiled, _, _ = compile_candidate(step, state, batch, *FSDP, True)
+    text = compiled.as_text()
+    assert text is not None
+    return text
+
+
+@pytest.mark.parametrize("constrain", [False, True], ids=["unconstrained", "constrained"])
+def test_xla_runs_the_layers_on_the_whole_batch_unless_the_lookup_is_constrained(constrain):
+    """What the note says, as XLA compiles it: the indices are gathered whole (int32
+    ``[16, 32, 1]``) to read the table where it lies, either way; unconstrained, the
+    activations after it are the whole batch's (collectives of float ``[16, 32, ...]``: the
+    projections' partial sums, the logits), constrained, none is (the rows all-to-all'd to
+    the batch)."""
+    collectives = re.findall(
+        r"= \(?(\w+)\[([\d,]+)\][^=]* (all-gather|all-reduce|all-to-all)\(", _lookup_hlo(constrain)
+    )
+    assert ("s32", "16,32,1", "all-gather") in collectives
+    whole = {
+        (shape, kind)
+        for dtype, shape, kind in collectives
+        if dtype == "f32" and shape.startswith("16,32,")
+    }
+    assert bool(whole) == (not constrain), whole
+
+
+@pytest.mark.parametrize("constrain", [False, True], ids=["unconstrained", "constrained"])
+def test_the_activations_after_the_lookup_carry_the_tables_split_until_constrained(constrain):
+    """The first projection's input: under FSDP the whole batch split by ``embed`` (its
+    partial sums all-reduced whole) where the lookup is not constrained; split by the batch
+    where it is."""
+    state, step, batch = _step(constrain)
+    work = trace_workload(step, state, batch, read_constraints=True)
+    [first] = [
+        d
+        for d in work.dots
+        if d.rhs_names == ("embed", "mlp")
+        and d.rhs_shape == (64, 128)
+        and "batch" in d.lhs_names
+        and d.contract == ((2,), (0,))
+    ]
+    specs = _Specs(*FSDP)
+    expected = ((), (), ("fsdp",)) if not constrain else (("fsdp",), (), ())
+    assert specs(first.lhs_names, 3) == expected
+    reduced = [nbytes for kind, _, nbytes, _ in _dot_cost(first, specs)[1] if kind == "all-reduce"]
+    assert reduced == ([] if constrain else [16 * 32 * 128 * 4])  # the whole batch's sums
