@@ -378,12 +378,27 @@ def restore_into(
                 f"The checkpoint (step {metadata.step}) does not fit this state:",
                 problems,
             )
-        by_path = {
-            path_of(keys): sharding
-            for keys, sharding in jax.tree_util.tree_flatten_with_path(shardings)[0]
-        }
+        by_path = _shardings_by_path(shardings)
         restored = _read(manager, p, metadata, by_path, stacklevel=3)
     return restored.into(template)
+
+
+def _is_sharding(x: object) -> bool:
+    return isinstance(x, NamedSharding)
+
+
+def _shardings_by_path(shardings: PyTree) -> dict[str, NamedSharding]:
+    """Each array's sharding by its checkpoint path: the paths :meth:`Restored.into` reads
+    (a box or a Flax NNX variable is one leaf, its sharding inside it)."""
+    out: dict[str, NamedSharding] = {}
+    flat = jax.tree_util.tree_flatten_with_path(
+        shardings, is_leaf=lambda x: _is_sharding(x) or is_leaf(x)
+    )[0]
+    for keys, leaf in flat:
+        inner = [x for x in jax.tree.leaves(leaf, is_leaf=_is_sharding) if _is_sharding(x)]
+        if inner:
+            out[path_of(keys)] = inner[0]
+    return out
 
 
 def _read(
