@@ -183,6 +183,19 @@ def test_restore_into_refuses_a_different_model_before_reading(saved, monkeypatc
     assert "params/layers/mlp/wi" in {p.path for p in e.value.problems}
 
 
+def test_restore_into_without_a_sharding_for_an_array_names_it_before_reading(tmp_path):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    tree = {"w": jnp.ones((2, 4)), "b": jnp.ones(4)}
+    with meshplan.Checkpointer(tmp_path / "ckpt") as ckpt:
+        ckpt.save(1, tree)
+    only_w = {"w": NamedSharding(make_mesh((2, 4)), P())}
+    with pytest.raises(meshplan.CheckpointError, match="no sharding for 1 array") as e:
+        restore_into(tmp_path / "ckpt", tree, only_w, 1)
+    assert [(p.code, p.path) for p in e.value.problems] == [("ckpt-no-sharding", "b")]
+
+
 def test_a_mismatch_is_a_record_with_a_code_and_the_array_path():
     state = {"w": jnp.ones((2, 4)), "b": jnp.ones(4)}
     restored = meshplan.Restored(state, meshplan.CheckpointMetadata.describe(0, state))

@@ -379,6 +379,17 @@ def restore_into(
                 problems,
             )
         by_path = _shardings_by_path(shardings)
+        missing = sorted(set(metadata.arrays) - set(by_path))
+        if missing:
+            raise error_for(
+                CheckpointError,
+                "ckpt-no-sharding",
+                missing[0],
+                f"restore_into was given no sharding for {len(missing)} array(s) of step "
+                f"{metadata.step}: {', '.join(missing[:5])}",
+                "Pass `shardings` as a tree like `template`, with a NamedSharding for every "
+                "array the checkpoint holds.",
+            )
         restored = _read(manager, p, metadata, by_path, stacklevel=3)
     return restored.into(template)
 
