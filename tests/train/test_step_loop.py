@@ -3,6 +3,8 @@ step behind still stops a diverging run within one step of its first NaN."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -12,10 +14,12 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import meshplan
+from meshplan._checkpoint.folder import complete_steps
+from meshplan._checkpoint.lock import read_lock
 from meshplan.cli.train import TrainRequest, prepare
 from meshplan.train.device_mesh import make_mesh
 from meshplan.train.model import TrainModel
-from meshplan.train.parts import Placement
+from meshplan.train.parts import Checkpoints, Placement
 from meshplan.train.records import Diverged
 from meshplan.train.settings import TrainSettings
 from meshplan.train.trainer import Trainer
@@ -77,8 +81,8 @@ def test_saving_every_step_compiles_once_and_never_slices(tmp_path):
     assert meta.step == 4 and jax.tree.leaves(state)
 
 
-def _poisoned_run(nan_at: int) -> tuple[Trainer, list[int]]:
-    """A linear model whose batch of step ``nan_at`` (1-based) holds a NaN."""
+def _poisoned_run(nan_at: int, ckpt_dir: Path | None = None) -> tuple[Trainer, list[int]]:
+    """A linear model whose batch of step ``nan_at`` (1-based; 0: none) holds a NaN."""
     mesh = make_mesh({"data": 8, "model": 1})
     rules = (("batch", "data"),)
     sharding = NamedSharding(mesh, PartitionSpec("data"))
@@ -100,6 +104,7 @@ def _poisoned_run(nan_at: int) -> tuple[Trainer, list[int]]:
         batches,
         TrainSettings(steps=12, batch=8, eval_every=0, lr=1e-3),
         Placement(mesh, rules, "dp"),
+        None if ckpt_dir is None else Checkpoints(ckpt_dir),
     )
     seen: list[int] = []
     return trainer, seen
@@ -113,3 +118,19 @@ def test_a_nan_loss_stops_the_run_within_one_step(nan_at):
     assert e.value.step == nan_at
     assert trainer.step <= nan_at + 1  # at most the step after it was dispatched
     assert seen == list(range(1, nan_at))  # every finite step reported, the NaN one not
+
+
+def test_a_fresh_start_makes_the_state_and_its_first_save_opens_the_folder(tmp_path):
+    """start() makes a fresh state without the checkpoint folder (open() and run() take its
+    lock before any work); a loop of start, train_step and save opens it at its first save."""
+    folder = tmp_path / "run"
+    trainer, _ = _poisoned_run(0, folder)
+    trainer.start()
+    assert trainer.step == 0 and trainer.state is not None
+    assert read_lock(folder) is None  # nothing of the folder taken yet
+    trainer.train_step()
+    assert trainer.save()
+    assert read_lock(folder)["pid"] == os.getpid()
+    trainer.close()
+    assert read_lock(folder) is None and complete_steps(folder) == [1]
+    assert not trainer.save()  # closed: the folder stays shut

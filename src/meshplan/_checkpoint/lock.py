@@ -35,7 +35,7 @@ from typing import Any
 
 from meshplan._errors import CheckpointError, error_for
 
-__all__ = ["LOCK_NAME", "FolderLock", "read_lock"]
+__all__ = ["LOCK_NAME", "FolderLock", "StaleLockWarning", "read_lock"]
 
 LOCK_NAME = "meshplan.lock"
 """The lock file's name inside a checkpoint folder."""
@@ -105,6 +105,14 @@ def _holder_text(data: dict[str, object]) -> str:
         f"PID {data.get('pid')} on host {data.get('host')!r}, started "
         f"{data.get('started', 'at an unknown time')}"
     )
+
+
+class StaleLockWarning(UserWarning):
+    """A stale lock of a checkpoint folder was taken over (its holder is no longer running).
+
+    Its message is :attr:`FolderLock.note`: a caller that says the note itself (``meshplan
+    train`` prints it with its notes) filters this class, and no other warning.
+    """
 
 
 class FolderLock:
@@ -221,7 +229,7 @@ class FolderLock:
         with _held_guard:
             _held[path] = lock
         if note:
-            warnings.warn(note, stacklevel=4)
+            warnings.warn(note, StaleLockWarning, stacklevel=4)
         return lock
 
     def held(self) -> bool:

@@ -118,7 +118,8 @@ class Trainer:
 
     Build it (``meshplan train`` builds it with
     :func:`meshplan.cli.train.request.prepare`, which checks the request
-    first), then :meth:`run` (or :meth:`start` and :meth:`train_step`).
+    first), then :meth:`run` (or :meth:`start` and :meth:`train_step`; :meth:`open` first
+    takes the checkpoint folder's lock before any work, as :meth:`run` does).
 
     Args:
         model: The :class:`~meshplan.train.model.TrainModel`: the Flax Linen
@@ -251,6 +252,7 @@ class Trainer:
         self._treedef: Any = None
         self.step = 0
         self._checkpointer: Checkpointer | None = None
+        self._opened = False  # open() ran (close() does not undo it: a closed folder stays shut)
         self._train_step: Callable[[PyTree, Batch], tuple[PyTree, jax.Array, PyTree]] | None = None
         self._eval_step: Callable[[PyTree, Batch], jax.Array] | None = None
         # The step over flat leaves, jitted, and its executables by batch signature.
@@ -292,7 +294,8 @@ class Trainer:
     def open(self) -> None:
         """Opens the checkpoint folder for writing: checks it, takes its lock (no-op without one).
 
-        Call it before any work to fail early (:meth:`start` calls it). It changes
+        Call it before any work to fail early (:meth:`run` calls it first; :meth:`start`
+        when it resumes, before reading; :meth:`save` when it was never called). It changes
         no step: the steps after ``resume_from`` are dealt with by :meth:`start`,
         once the state to resume has been read and verified.
 
@@ -302,24 +305,28 @@ class Trainer:
         """
         if self.ckpt_dir is None or self._checkpointer is not None:
             return
+        self._opened = True
         ckpt = Checkpointer(self.ckpt_dir, max_to_keep=self.max_to_keep)
         self._checkpointer = ckpt
         if ckpt.note:
             self.notes.append(ckpt.note)
 
     def start(self) -> None:
-        """Opens the checkpoint folder (:meth:`open`), then creates the sharded state.
+        """Creates the sharded state: read from the checkpoint being resumed, or fresh.
 
-        The state is fresh, or read from the checkpoint and verified; only then are
-        the steps after it moved aside (never deleted; damaged ones each into
-        ``damaged-step-<N>`` with the reason, the rest into
-        ``old-branch-after-step-<resume step>``: :meth:`Checkpointer.branch_from`, whose
-        notes join :attr:`notes`), so a step that cannot be read changes nothing in the folder. Nothing is
-        compiled yet.
+        Resuming, it opens the checkpoint folder first (:meth:`open`: its lock, before
+        anything is read), reads the state and verifies it; only then are the steps after
+        it moved aside (never deleted; damaged ones each into ``damaged-step-<N>`` with the
+        reason, the rest into ``old-branch-after-step-<resume step>``:
+        :meth:`Checkpointer.branch_from`, whose notes join :attr:`notes`), so a step that
+        cannot be read changes nothing in the folder. A fresh state needs nothing of the
+        folder: it is made where the layout puts it, and the folder is opened by
+        :meth:`open` (which :meth:`run` calls first, and :meth:`save` when nobody did).
+        Nothing is compiled yet.
         """
-        self.open()
         if self.resume_from is not None:
             assert self.ckpt_dir is not None  # resume_from is a checkpoint in ckpt_dir
+            self.open()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", UnverifiedWarning)
                 # Straight into the state's shardings (the layout's, had once): no name
@@ -527,6 +534,8 @@ class Trainer:
             Diverged: the state is not finite (nothing is saved).
             CheckpointError: ``'ckpt-write-failed'``: this or the previous save failed.
         """
+        if not self._opened:  # a fresh state made by start() alone: the folder opens here
+            self.open()
         if self._checkpointer is None:
             return False
         extra = {
@@ -615,6 +624,8 @@ class Trainer:
                 not finite (nothing of that step is saved).
         """
         s = self.settings
+        if not self._opened:  # the folder's lock first: a second writer is refused before any work
+            self.open()
         if self.state is None:
             self.start()
         result = TrainResult(start_step=self.step, end_step=self.step)

@@ -27,9 +27,10 @@ from meshplan.cli.factory import is_factory
 from meshplan.cli.train.display import header
 from meshplan.cli.train.findings import Findings
 from meshplan.cli.train.memory_advice import BatchWords
-from meshplan.cli.train.preflight import check_batch, check_pipeline, load_corpus
+from meshplan.cli.train.preflight import fit_problems, load_corpus
 from meshplan.cli.train.source import Found, uneven_problems
 from meshplan.cli.trained_models import DEFAULT_MODEL, MODELS, model_of
+from meshplan.models.batch_fit import BatchFit, batch_fit
 from meshplan.models.data import ByteCorpus, shard_batch
 from meshplan.models.registry import example
 from meshplan.models.transformer import (
@@ -96,7 +97,11 @@ class BuiltInSource:
         data: ``--data`` as an absolute path, else the checkpoint's (``None``: the stdlib).
         transformer: The model's config, decided (``None``: refused).
         model_note: What to say when the run continues a checkpoint of the other API.
-        measured: The devices' peak, once :meth:`peak` has looked.
+        fit: What the library found of the batch and the pipeline on the mesh
+            (:func:`~meshplan.models.batch_fit.batch_fit`, in :meth:`check`), worded in
+            flags with what the build found (:meth:`built`); ``None``: not checked (no
+            mesh or rules, or settings refused).
+        pipeline_given: ``--microbatches`` or ``--pipeline-repeats`` was passed.
     """
 
     spec: str = DEFAULT_MODEL
@@ -106,6 +111,8 @@ class BuiltInSource:
     data: str | None = None
     transformer: TransformerConfig | None = None
     model_note: str | None = None
+    fit: BatchFit | None = None
+    pipeline_given: bool = False
 
     def given(
         self, request: TrainRequest, stored: CheckpointMetadata | None, found: Found
@@ -174,30 +181,24 @@ class BuiltInSource:
     def check(
         self, request: TrainRequest, flags: FlagsRead, settings: TrainSettings, found: Found
     ) -> None:
-        """The batch of tokens against the mesh's sizes and the rules, and the pipeline the
-        rules make."""
-        settings_ok = not settings.problems()
-        if flags.shape is not None and flags.rules is not None and settings_ok:
-            shards = check_batch(
-                str(request.rules), request.mesh, settings, flags.shape, flags.rules, found.batch
+        """The library's check of the batch of tokens against the mesh's sizes and the rules,
+        and of the pipeline the rules make (:attr:`fit`: said in flags with the build's
+        findings, :meth:`built`)."""
+        given = any(request.overrides.get(f) is not None for f in PIPELINE_FIELDS)
+        self.pipeline_given = given
+        if flags.shape is not None and flags.rules is not None and not settings.problems():
+            self.fit = batch_fit(
+                self.transformer, settings, flags.shape, flags.rules, flags.stage_axes
             )
-            if self.transformer is not None:
-                given = any(request.overrides.get(f) is not None for f in PIPELINE_FIELDS)
-                check_pipeline(
-                    str(request.rules),
-                    request.mesh,
-                    self.transformer,
-                    settings,
-                    flags.stage_axes,
-                    given,
-                    shards,
-                    found.batch,
-                )
 
     def example_batch(self, settings: TrainSettings) -> PyTree | None:
-        return None  # checked before the build, against the mesh's sizes (check_batch)
+        return None  # checked before the build, against the mesh's sizes (batch_fit, in check)
 
-    def memory_batch(self, settings: TrainSettings) -> PyTree:
+    def memory_batch(self, settings: TrainSettings) -> PyTree | None:
+        """One microbatch of tokens; ``None`` when the batch does not fit the mesh (:attr:`fit`:
+        nothing to trace)."""
+        if not self._batch_fits():
+            return None
         micro = max(settings.batch // settings.grad_accum, 1)  # a device holds one at a time
         return jax.ShapeDtypeStruct((micro, settings.seq_len + 1), jnp.int32)
 
@@ -218,7 +219,18 @@ class BuiltInSource:
         settings: TrainSettings,
         found: Found,
     ) -> None:
-        """The checkpoint fits the model's shapes; the layout can split every parameter."""
+        """The batch and the pipeline fit the mesh (:attr:`fit`, found before the build); the
+        checkpoint fits the model's shapes; the layout can split every parameter."""
+        if self.fit is not None:
+            fit_problems(
+                str(request.rules),
+                request.mesh,
+                settings,
+                self.transformer,
+                self.fit,
+                self.pipeline_given,
+                found.batch,
+            )
         if parts.state_error is not None:
             raise parts.state_error  # the built-in model does not fail to initialise
         config = self.transformer
@@ -228,6 +240,14 @@ class BuiltInSource:
         if stored is not None and parts.mismatch:
             _mismatch_problems(config, kind, parts, stored, found.state)
         uneven_problems(request, parts.uneven, found.state)
+
+    def _batch_fits(self) -> bool:
+        """The batch and the pipeline fit the mesh (or were not checked)."""
+        fit = self.fit
+        if fit is None:
+            return True
+        unused = self.pipeline_given and fit.stage_axes[1] <= 1 and self.transformer is not None
+        return fit.fits and not unused
 
     def batches(self, settings: TrainSettings, mesh: Mesh, rules: LogicalRules) -> ByteBatches:
         assert self.corpus is not None  # else refused

@@ -272,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import jax
 
+    from meshplan._checkpoint.lock import StaleLockWarning
     from meshplan.cli.train.display import MetricsLog, summary
     from meshplan.cli.train.prepare import prepare_run
     from meshplan.cli.train.processes import StopOnSigterm, Terminated
@@ -296,12 +297,16 @@ def run(args: argparse.Namespace) -> int:
             print_error(e)  # every problem, then the fixes in flag terms
             return 2
         try:
-            with warnings.catch_warnings():  # its note is printed below, once
-                warnings.simplefilter("ignore", UserWarning)
-                trainer.open()  # the checkpoint folder's lock: a second writer is refused here
-            resumed = trainer.resume_from
-            if resumed is not None and resumed.step < trainer.settings.steps:
-                trainer.start()  # reads the arrays and verifies their checksums
+            # One call into the trainer: it opens the checkpoint folder (its lock: a second
+            # writer is refused here), and, resuming, reads the arrays and verifies their
+            # checksums; a fresh state is made by the run, after the header.
+            with warnings.catch_warnings():  # a stale lock's note is printed below, once
+                warnings.simplefilter("ignore", StaleLockWarning)
+                resumed = trainer.resume_from
+                if resumed is not None and resumed.step < trainer.settings.steps:
+                    trainer.start()
+                else:
+                    trainer.open()
         except MeshplanError as e:
             _close(trainer)
             problem = e.problems[0] if len(e.problems) == 1 else None

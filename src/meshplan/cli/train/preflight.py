@@ -1,8 +1,11 @@
 """The checks of ``meshplan train`` that need no model: the flags read (:func:`read_flags`:
 the mesh text against the devices, the checkpoint folder, the rules, the metrics file),
-the batch against the mesh and rules, the corpus.
+the corpus; and the library's check of the batch against the mesh and rules
+(:func:`~meshplan.models.batch_fit.batch_fit`) in flags (:func:`fit_problems`).
 
-They run before the library builds anything: on the flags and the settings decided.
+They run before the library builds anything: on the flags and the settings decided. The
+batch's records are worded after the build, with what it found: the settings go down
+once, and the command line words what came back.
 
 Each check takes the values it checks (and the flag text to name them by) and adds
 its problems, in flag terms, to a :class:`Findings`;
@@ -21,10 +24,8 @@ from typing import TYPE_CHECKING
 
 from meshplan._errors import MeshError, MeshplanError, error_for
 from meshplan._spmd.by_path import PathRules
-from meshplan._spmd.mesh_info import mesh_info
 from meshplan._spmd.pipeline import stage_axes
 from meshplan._spmd.rules import LogicalRules, Rules, logical_to_mesh_axes
-from meshplan._spmd.validate import check_leaf
 from meshplan.cli.devices import choose_devices, count_from_xla_flags, mesh_flag_advice
 from meshplan.cli.factory import is_factory
 from meshplan.cli.mesh_text import parse_mesh_shape
@@ -32,21 +33,21 @@ from meshplan.cli.names_file import INFER
 from meshplan.cli.train.findings import Findings
 from meshplan.cli.train.resume import Resume, check_checkpoint_dir
 from meshplan.layouts import CONTEXT_EXPERT_LAYOUTS, LAYOUT_AXES, get_layout, get_names
-from meshplan.models.data import BATCH_NAMES, ByteCorpus, DataError
+from meshplan.models.data import ByteCorpus, DataError
 from meshplan.train.device_mesh import MESH_AXES
 from meshplan.train.settings import TrainSettings
 
 if TYPE_CHECKING:
     from meshplan.cli.train.request import TrainRequest
+    from meshplan.models.batch_fit import BatchFit
     from meshplan.models.transformer import TransformerConfig
     from meshplan.train.build import BuiltParts
 
 __all__ = [
     "FlagsRead",
     "batch_shards",
-    "check_batch",
     "check_metrics_file",
-    "check_pipeline",
+    "fit_problems",
     "load_corpus",
     "parse_train_mesh",
     "placement_problems",
@@ -74,39 +75,32 @@ def load_corpus(data: str | None, settings: TrainSettings, found: Findings) -> B
     return corpus
 
 
-def check_batch(
+def fit_problems(
     layout: str,
     mesh_text: str,
     settings: TrainSettings,
-    shape: Mapping[str, int],
-    rules: Rules,
+    config: TransformerConfig | None,
+    fit: BatchFit,
+    given: bool,
     found: Findings,
-) -> int:
-    """A batch of tokens, ``[batch, seq_len + 1]``, splits over the mesh axes the rules give.
+) -> None:
+    """What the library's check of the batch found (:func:`~meshplan.models.batch_fit.batch_fit`:
+    the batch of tokens, ``[batch, seq_len + 1]``, against the mesh axes the rules give, its
+    microbatches, and ``config`` as the pipeline the rules make), in flags: ``layout``
+    (``--rules``) on ``mesh_text`` (``--mesh``). ``given``: ``--microbatches`` or
+    ``--pipeline-repeats`` was passed, which a layout with no pipeline refuses rather than
+    ignores."""
+    _batch_problems(layout, mesh_text, settings, fit, found)
+    if config is not None:
+        _pipeline_problems(layout, mesh_text, settings, config, fit, given, found)
 
-    Checked before anything is built: against the mesh's axis sizes (``--mesh``,
-    ``--axes``) and the rules read (``--rules``), by the one validator (each array's
-    :class:`~meshplan._spmd.validate.LeafCheck`); this turns what it finds into flag advice.
-    Returns the number of devices 'batch' is split over.
-    """
-    mesh = mesh_info(shape)
-    axis_names = tuple(shape)
-    valid, index_map = rules.pairs, rules.positions
-    leaf = check_leaf(
-        "logical", BATCH_NAMES, (settings.batch, settings.seq_len + 1), valid, index_map, mesh
-    )
-    # The activations' 'length' (context parallelism): how many pieces it is split into, and
-    # its mesh axes must exist.
-    activations = check_leaf(
-        "logical",
-        ("batch", "length"),
-        (settings.batch, settings.seq_len),
-        valid,
-        index_map,
-        mesh,
-    )
-    context = int(activations.dims[1].shards)
-    if context > 1 and settings.seq_len % (2 * context):
+
+def _batch_problems(
+    layout: str, mesh_text: str, settings: TrainSettings, fit: BatchFit, found: Findings
+) -> None:
+    """The batch's findings: the context striping, each dimension, the microbatches."""
+    context, names = fit.context, fit.mesh_axes
+    if fit.unstriped:
         found.add(
             MeshplanError,
             f"--seq {settings.seq_len} cannot be striped over the {context} context shards that "
@@ -115,44 +109,39 @@ def check_batch(
             f"Use a --seq that is a multiple of {2 * context}.",
             "seq-not-striped",
         )
-    shards = 1
-    for d in [*leaf.dims, *(d for d in activations.dims[1:] if d.missing_axes)]:
-        if d.index == 0 and not d.missing_axes:
-            shards = max(int(d.shards), 1)
+    for d in fit.dims:
+        where = (
+            f"the {d.shards} devices that --rules {layout} shard {d.name!r} over (mesh "
+            f"axes {d.mesh_axes} of the {mesh_text} mesh)"
+        )
         if d.missing_axes:
             found.add(
                 MeshError,
                 f"--rules {layout} shard {d.name!r} over mesh axis "
                 f"{', '.join(map(repr, d.missing_axes))}, which the {mesh_text} mesh "
-                f"{axis_names} does not have",
-                f"Map {d.name!r} to the mesh's axes {axis_names}, e.g. "
-                f"({d.name!r}, {axis_names[0]!r}).",
+                f"{names} does not have",
+                f"Map {d.name!r} to the mesh's axes {names}, e.g. ({d.name!r}, {names[0]!r}).",
                 "unknown-axis",
             )
-        elif not d.divides:
-            where = (
-                f"the {d.shards} devices that --rules {layout} shard {d.name!r} over (mesh "
-                f"axes {d.mesh_axes} of the {mesh_text} mesh)"
+        elif d.index == 0:
+            found.add(
+                MeshplanError,
+                f"--batch {settings.batch} does not split over {where}",
+                f"Use a --batch that is a multiple of {d.shards} (e.g. {d.padded_size}), or "
+                f"a mesh and rules that split 'batch' over fewer devices.",
+                "indivisible",
             )
-            if d.index == 0:
-                found.add(
-                    MeshplanError,
-                    f"--batch {settings.batch} does not split over {where}",
-                    f"Use a --batch that is a multiple of {d.shards} (e.g. {d.padded_size}), or "
-                    f"a mesh and rules that split 'batch' over fewer devices.",
-                    "indivisible",
-                )
-            else:
-                found.add(
-                    MeshplanError,
-                    f"--seq {settings.seq_len} gives token windows of {d.size} (the model reads "
-                    f"{settings.seq_len} bytes and predicts the next), which do not split over "
-                    f"{where}",
-                    "Leave 'length' unsharded: ('length', None) in the rules.",
-                    "indivisible",
-                )
-    accum = settings.grad_accum
-    if accum > 1 and not settings.batch % accum and (settings.batch // accum) % shards:
+        else:
+            found.add(
+                MeshplanError,
+                f"--seq {settings.seq_len} gives token windows of {d.size} (the model reads "
+                f"{settings.seq_len} bytes and predicts the next), which do not split over "
+                f"{where}",
+                "Leave 'length' unsharded: ('length', None) in the rules.",
+                "indivisible",
+            )
+    accum, shards = settings.grad_accum, fit.shards
+    if fit.accum_uneven:
         found.add(
             MeshplanError,
             f"--grad-accum {accum} cuts --batch {settings.batch} into microbatches of "
@@ -162,27 +151,19 @@ def check_batch(
             f"or fewer microbatches.",
             "indivisible",
         )
-    return shards
 
 
-def check_pipeline(
+def _pipeline_problems(
     layout: str,
     mesh_text: str,
-    config: TransformerConfig,
     settings: TrainSettings,
-    stage_axes: tuple[tuple[str, ...], int],
+    config: TransformerConfig,
+    fit: BatchFit,
     given: bool,
-    batch_shards: int,
     found: Findings,
 ) -> None:
-    """The pipeline the rules make (``'stage'`` on the mesh axes ``stage_axes``, read with
-    the flags: :attr:`FlagsRead.stage_axes`) runs the model, its ``--microbatches`` and
-    ``--pipeline-repeats`` on each step's batch, each microbatch split over the
-    ``batch_shards`` devices of ``'batch'``; ``given``: either flag was passed, which a
-    layout with no pipeline refuses rather than ignores."""
-    from meshplan.models.pipeline import pipeline_problems
-
-    axes, stages = stage_axes
+    """The pipeline's findings, or a pipeline asked for that the layout does not make."""
+    axes, stages = fit.stage_axes
     where = f"the {stages} stages of --rules {layout} ('stage' on {', '.join(axes)} of --mesh {mesh_text})"
     if stages <= 1:
         if given:
@@ -216,17 +197,17 @@ def check_pipeline(
             f"--grad-accum), or --microbatches that divide {micro}.",
         ),
     }
-    wrong = pipeline_problems(config, stages, micro)
-    for p in wrong:
+    for p in fit.pipeline:
         message, fix = flags.get(p.code, (p.message, p.fix))
         found.add(MeshplanError, message, fix, p.code)
-    if not wrong and (micro // m) % batch_shards:
+    if fit.pipeline_uneven:
+        shards = fit.shards
         found.add(
             MeshplanError,
             f"--microbatches {m} cut {micro} rows into microbatches of {micro // m}, which do not "
-            f"split over the {batch_shards} devices that --rules {layout} shard 'batch' over",
-            f"Use a --batch that is a multiple of {m * batch_shards * settings.grad_accum} "
-            f"(--microbatches x {batch_shards} x --grad-accum), or fewer --microbatches.",
+            f"split over the {shards} devices that --rules {layout} shard 'batch' over",
+            f"Use a --batch that is a multiple of {m * shards * settings.grad_accum} "
+            f"(--microbatches x {shards} x --grad-accum), or fewer --microbatches.",
             "pipeline-batch",
         )
 

@@ -134,15 +134,17 @@ class ModelSource(Protocol):
     def check(
         self, request: TrainRequest, flags: FlagsRead, settings: TrainSettings, found: Found
     ) -> None:
-        """What needs nothing built: the batch against the mesh's sizes and the rules, the data."""
+        """What needs nothing built: the batch against the mesh's sizes and the rules (the
+        library's records, kept and worded in flags with what the build found, :meth:`built`)."""
         ...
 
     def example_batch(self, settings: TrainSettings) -> PyTree | None:
         """A batch (``ShapeDtypeStruct``\\ s) the library checks against the layout, or ``None``."""
         ...
 
-    def memory_batch(self, settings: TrainSettings) -> PyTree:
-        """What a device holds of a step's batch at a time (one microbatch), for the memory check."""
+    def memory_batch(self, settings: TrainSettings) -> PyTree | None:
+        """What a device holds of a step's batch at a time (one microbatch), for the memory check
+        (``None``: nothing to trace, e.g. a batch that :meth:`check` found does not fit)."""
         ...
 
     def memory_words(self, settings: TrainSettings) -> BatchWords:
@@ -157,7 +159,8 @@ class ModelSource(Protocol):
         settings: TrainSettings,
         found: Found,
     ) -> None:
-        """What the library's build found (to ``found.state``), in flags."""
+        """What the library found, in flags: its build (to ``found.state``), and what
+        :meth:`check` kept of the batch (to ``found.batch``)."""
         ...
 
     def batches(self, settings: TrainSettings, mesh: Mesh, rules: LogicalRules) -> Batches:
