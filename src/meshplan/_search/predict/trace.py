@@ -257,13 +257,30 @@ def _merge(a: Any, b: Any) -> Any:
 
 def _elementwise(out_shape: tuple[int, ...], ins: Sequence[tuple[Names, tuple[int, ...]]]) -> Names:
     names: list[Any] = [None] * len(out_shape)
+    ranks = [-1] * len(out_shape)
     for n, shape in ins:
         if len(shape) != len(out_shape):
             continue
         for i, (name, size) in enumerate(zip(n, shape, strict=True)):
-            if size == out_shape[i] and (names[i] is None or _whole_over(name, names[i])):
-                names[i] = name
+            if size == out_shape[i] and name is not None and _rank(name, n) > ranks[i]:
+                names[i], ranks[i] = name, _rank(name, n)
     return tuple(names)
+
+
+def _rank(name: Any, names: Names) -> int:
+    """Which sharding XLA's propagation gives the result where operands meet (the first of
+    the highest rank): a batch kept whole in a table's split (:class:`Carried`'s ``whole``)
+    by a value that holds the table's names (the stream, its cotangent: split by them) over
+    the plain ``'batch'``, which is over one that holds none of them (replicated: a
+    projection's all-reduced output, the logits), sliced to the batch where it meets one
+    split by it (the loss's targets)."""
+    if isinstance(name, Carried) and name.whole:
+        return 2 if _holds_table(name, names) else 0
+    return 1
+
+
+def _holds_table(name: Carried, names: Names) -> bool:
+    return any(n in names for n in name.by if n is not None)
 
 
 def _unwhole(names: Names) -> Names:
@@ -272,17 +289,18 @@ def _unwhole(names: Names) -> Names:
     return tuple(Carried(n.by) if isinstance(n, Carried) and n.whole else n for n in names)
 
 
-def _whole_over(name: Any, held: Any) -> bool:
-    """Whether ``name``, a batch kept whole in a table's split (:class:`Carried`'s ``whole``),
-    takes a dimension ``held`` names the plain ``'batch'``: where both passes run in the
-    table's split, a value split by the batch (the loss's targets) meets the whole one as
-    XLA's propagation meets them, in the whole value's sharding."""
-    return (
-        isinstance(name, Carried)
-        and name.whole
-        and held == "batch"
-        and not isinstance(held, Carried)
-    )
+def _replicated_whole(names: Names) -> bool:
+    """A value kept whole that holds none of the table's names (replicated: a projection's
+    all-reduced output, the attention inside, the logits), as against the stream."""
+    return any(_replicated(n, names) for n in names)
+
+
+def _replicated(name: Any, names: Names) -> bool:
+    return isinstance(name, Carried) and name.whole and not _holds_table(name, names)
+
+
+def _plain_batch(name: Any) -> bool:
+    return name == "batch" and not isinstance(name, Carried)
 
 
 def _reshape(names: Names, old: tuple[int, ...], new: tuple[int, ...]) -> Names:
@@ -535,6 +553,13 @@ class _Walker:
         # whole through the layers (:class:`Carried`'s ``whole``: when none is).
         self.batch_indexed = False
         self.keep_whole = False
+        # Where the split is kept whole: the matmuls (ids of their equations) whose partial
+        # sums over the table's names made a value whole, by value (``origin``); those whose
+        # value meets one split by the batch (``to_slice``: XLA propagates the batch's split
+        # back to them), and those a walk slices to the batch (``sliced``: the last walk's).
+        self.origin: dict[Any, frozenset[int]] = {}
+        self.to_slice: set[int] = set()
+        self.sliced: frozenset[int] = frozenset()
 
     def note(self, names: Names) -> None:
         for n in names:
@@ -571,6 +596,8 @@ class _Walker:
             site, here = self.site, op_names.where(eqn)
             self.site = here if here != "?" else site  # inside a library's jit: the caller's
             outs = [dedupe(n) for n in self.eqn(eqn, ins, times)]
+            if self.keep_whole:
+                self._follow_whole(eqn, ins, outs)
             self.site = site
             self._weights(eqn, ins, outs, times)
             self.backward = backward
@@ -586,6 +613,60 @@ class _Walker:
                 self.buffer_names.setdefault(out, env[out])
                 self._constrain_back(root, env[out], producer)
         return [read(v) for v in jaxpr.outvars]
+
+    def _whole_dot(
+        self,
+        eqn: Any,
+        lhs: Names,
+        rhs: Names,
+        contract: tuple[Sequence[int], Sequence[int]],
+        batch: tuple[Sequence[int], Sequence[int]],
+    ) -> tuple[Names, Names]:
+        """A matmul's operands where the split is kept whole: as they are, its output whole
+        (its origin noted where its partial sums over the table's names made it so), or, for
+        a matmul whose value meets one split by the batch (``sliced``), with the split as
+        outside a loop, so its output is sliced to the batch (the head: its logits)."""
+        if id(eqn) in self.sliced:
+            return _unwhole(lhs), _unwhole(rhs)
+        got = frozenset().union(
+            *(self.origin.get(v, frozenset()) for v in eqn.invars if not isinstance(v, Literal))
+        )
+        out = dot_out_names(lhs, rhs, contract, batch)
+        outside = dot_out_names(_unwhole(lhs), _unwhole(rhs), contract, batch)
+        if any(
+            _plain_batch(a) and isinstance(b, Carried) for a, b in zip(outside, out, strict=True)
+        ):
+            got |= {id(eqn)}  # its partial sums over the table's names, used whole
+        if got and _replicated_whole(out):
+            self.origin[eqn.outvars[0]] = got
+        return lhs, rhs
+
+    def _follow_whole(self, eqn: Any, ins: list[Names], outs: list[Names]) -> None:
+        """Follows the values kept whole from the matmuls that made them (``origin``), and
+        notes those matmuls whose value meets one split by the batch (``to_slice``)."""
+        prim = eqn.primitive.name
+        if prim in ("dot_general", "scan") or memory.call_body(eqn) is not None:
+            return  # their own (self.eqn)
+        got = frozenset().union(
+            *(self.origin.get(v, frozenset()) for v in eqn.invars if not isinstance(v, Literal))
+        )
+        if got:
+            for v, n in zip(eqn.outvars, outs, strict=True):
+                if _replicated_whole(n):
+                    self.origin[v] = got
+        if len(outs) != 1 or not any(_plain_batch(x) for x in outs[0]):
+            return
+        for v, n in zip(eqn.invars, ins, strict=True):
+            if isinstance(v, Literal) or len(n) != len(outs[0]):
+                continue
+            for x, y in zip(n, outs[0], strict=True):
+                if _replicated(x, n) and _plain_batch(y):
+                    self.to_slice.update(self.origin.get(v, ()))
+
+    def _pass_origin(self, outer: Sequence[Any], inner: Sequence[Any]) -> None:
+        for o, i in zip(outer, inner, strict=False):
+            if not isinstance(o, Literal) and o in self.origin and not isinstance(i, Literal):
+                self.origin[i] = self.origin[o]
 
     def _into(self, outer: Sequence[Any], inner: Sequence[Any], sliced: int = -1) -> None:
         """A call's (a loop's) inner inputs are the outer parameters' arrays; from index
@@ -754,6 +835,8 @@ class _Walker:
         if prim == "dot_general":
             (lc, rc), (lb, rb) = p["dimension_numbers"]
             lhs, rhs = ins
+            if self.keep_whole:
+                lhs, rhs = self._whole_dot(eqn, lhs, rhs, (lc, rc), (lb, rb))
             dot = Dot(
                 lhs,
                 rhs,
@@ -792,7 +875,9 @@ class _Walker:
                 if not isinstance(outer, Literal) and outer in self.scores:
                     self.scores.add(inner)
             self._into(eqn.invars, body.jaxpr.invars, nc + ncarry)
+            self._pass_origin(eqn.invars, body.jaxpr.invars)
             body_out = self.walk(body.jaxpr, body_in, times * length)
+            self._pass_origin(body.jaxpr.outvars, eqn.outvars)
             if not self.keep_whole:  # outside the loop, sliced to the batch by a projection
                 body_out = [_unwhole(n) for n in body_out]
             for outer, inner in zip(eqn.outvars, body.jaxpr.outvars, strict=True):
@@ -835,7 +920,9 @@ class _Walker:
                         if not isinstance(outer, Literal) and outer in self.scores:
                             self.scores.add(inner)
                     self._into(eqn.invars, sub.invars)
+                    self._pass_origin(eqn.invars, sub.invars)
                     result = self.walk(sub, ins, times)
+                    self._pass_origin(sub.outvars, eqn.outvars)
                     alias = memory.aliases(sub)
                     for outer, inner in zip(eqn.outvars, sub.outvars, strict=True):
                         got = self.buffer(inner)
@@ -1171,11 +1258,16 @@ def _make_jaxpr(
 
 
 def _walk(
-    jaxpr: Any, in_names: list[Names], sees_constraints: bool, keep_whole: bool = False
+    jaxpr: Any,
+    in_names: list[Names],
+    sees_constraints: bool,
+    keep_whole: bool = False,
+    sliced: frozenset[int] = frozenset(),
 ) -> _Walker:
     walker = _Walker()
     walker.sees_constraints = sees_constraints
     walker.keep_whole = keep_whole
+    walker.sliced = sliced
     for n in in_names:
         walker.note(n)
     if len(jaxpr.invars) != len(in_names):  # leaves JAX did not make inputs: names unknown
@@ -1275,6 +1367,11 @@ def trace_workload(
         # in both passes (read from the encoder-decoder's compiled step: its attention scores
         # f32[16,4,32,32], the whole batch's, saved for the backward).
         walker = _walk(jaxpr, in_names, sees, keep_whole=True)
+        for _ in range(3):  # the matmuls whose values meet the batch's split, sliced there
+            sliced = walker.sliced | walker.to_slice
+            if sliced == walker.sliced:
+                break
+            walker = _walk(jaxpr, in_names, sees, keep_whole=True, sliced=sliced)
     batch = int(flat_batch[0].shape[0]) if flat_batch and flat_batch[0].shape else None
     params = tuple(dict.fromkeys(n for names, _, _ in state if names for n in names if n))
     var_names = {**walker.var_names, **walker.buffer_names}
