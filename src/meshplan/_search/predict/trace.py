@@ -539,8 +539,9 @@ class _Walker:
         self.unpriced_flops = 0
         self.site = "?"  # where the model runs the equation being walked (op_names.where)
         # The embedding lookups of the forward pass, ``[key, runs, constrained, (indices'
-        # names, shape, itemsize)]`` (keyed as ``Workload.lookups``), and the values that are one's rows as it made them (the
-        # gather's output, the call's that returns it): ``{var: index in lookups}``.
+        # names, shape, itemsize)]`` (keyed as ``Workload.lookups``), and the values that
+        # are one's rows as it made them (the gather's output, the call's that returns
+        # it): ``{var: index in lookups}``.
         self.lookups: list[list[Any]] = []
         self.lookup_of: dict[Any, int] = {}
         # The model's logical constraints are in the program (trace_workload's
