@@ -79,3 +79,43 @@ def test_hugging_face_on_an_explicit_mesh_is_refused_naming_the_call_and_auto_ax
 
 # GPT-2 trained by `meshplan train --names`, then resumed onto a 4x2 mesh without it and
 # restored: docs/any_model.md's blocks, run by tests/test_docs.py (slow).
+
+
+# GPT-2 under FSDP (batch and embed over one axis) predicts 0.70 of XLA's temporaries (the
+# kinds match): XLA fuses the slice of each projection's all-reduced partial sums (the whole
+# batch's, the lookup's embed split carried into the layers) into every elementwise reader,
+# forward and backward, so the whole buffers f32[8, 32, 256] (c_fc, the logits) and
+# f32[8, 32, 192] (c_attn) are what it keeps for the backward, not the slices the planner
+# keeps (read from the compiled step's live ranges at its peak: 1,179,648 of 1,747,668 bytes).
+_GPT2_FSDP_MISS = (
+    "0.70: the all-reduced whole partial sums kept as residuals, their slice fused into "
+    "each elementwise reader (c_fc, c_attn, the logits)"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "dp",
+        pytest.param("fsdp", marks=pytest.mark.xfail(reason=_GPT2_FSDP_MISS, strict=True)),
+    ],
+)
+def test_gpt2_memory_and_collective_kinds_are_predicted_as_xla_compiles(loaded, layout):
+    """Hugging Face's GPT-2 (its ``wte`` lookup and tied head) through ``predict`` against
+    ``measure_step`` on 8 CPU devices, as the XLA suite checks its models: the arguments
+    exactly, the temporaries within 20%, the collective kinds equal."""
+    from meshplan._search.measure.hlo import measure_step
+    from meshplan._search.predict.cost import predict
+    from xla_suite import AS_ON_ACCELERATORS, CPU_LIKE, LAYOUTS
+
+    model = loaded["gpt2"]
+    state, step, batch = model.abstract_state, model.step_fn, model.example_batch
+    work = meshplan.trace_workload(step, state, batch, read_constraints=True)
+    mesh, rules = LAYOUTS[layout]
+    cost = predict(work, mesh, rules, CPU_LIKE)
+    xla = measure_step(step, state, batch, mesh, rules, True, AS_ON_ACCELERATORS)
+    assert cost.state_bytes + cost.batch_bytes == xla["xla_argument_bytes"]
+    assert {k for k, v in cost.comm_bytes.items() if v} == set(xla["collectives"])
+    predicted = cost.activation_bytes + cost.temporary_bytes
+    assert abs(predicted - xla["xla_temp_bytes"]) <= 0.2 * xla["xla_temp_bytes"]

@@ -58,7 +58,6 @@ def test_fsdp_gathers_and_reduce_scatters_per_microbatch_with_one_microbatch_of_
     assert four.compute_s == pytest.approx(4 * single.compute_s)
     assert four.flops_per_device == pytest.approx(predict(whole, mesh, FSDP, h100).flops_per_device)
     # the weights gathered and their sharded gradients reduced per microbatch
-    # (an all-to-all too, which XLA does not run here: see the xfail below)
     assert {"all-gather", "all-reduce"} <= set(four.comm_bytes)
     assert four.comm_bytes == {k: 4 * v for k, v in single.comm_bytes.items()}
     # activations of one microbatch, far below the whole batch's; the accumulator: the
@@ -71,13 +70,6 @@ def test_fsdp_gathers_and_reduce_scatters_per_microbatch_with_one_microbatch_of_
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the planner's rule for a small gradient times a large weight split over the "
-    "batch's axis (a head's backward under FSDP) also fires on this plain FSDP MLP: it "
-    "predicts an all-to-all (131,072 bytes) that XLA:CPU does not run (all-gather and "
-    "all-reduce only)",
-)
 def test_an_fsdp_mlp_is_predicted_with_the_collective_kinds_xla_compiles(micro):
     from meshplan._search.measure.hlo import measure_step
 

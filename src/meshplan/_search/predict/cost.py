@@ -233,12 +233,17 @@ Coll = tuple[str, tuple[str, ...], int, Any]
 
 
 def _dot_cost(
-    dot: Dot, specs: _Specs, reduce_scatter: bool = False, params: frozenset[str] = frozenset()
+    dot: Dot,
+    specs: _Specs,
+    reduce_scatter: bool = False,
+    params: frozenset[str] = frozenset(),
+    backward: bool = True,
 ) -> tuple[float, list[Coll], int]:
     """Per-device FLOPs, the collectives ``(kind, axes, bytes, key)``, output bytes per device.
 
     ``key``: for an all-gather, the gathered array's (names, shape, axes): XLA gathers an
-    array once per pass and reuses it (the rematerialised forward shares the backward's)."""
+    array once per pass and reuses it (the rematerialised forward shares the backward's).
+    ``backward``: the matmul runs in the backward pass (:func:`_batch_moved`)."""
     sizes = specs.sizes
     ls, rs = specs(dot.lhs_names, len(dot.lhs_shape)), specs(dot.rhs_names, len(dot.rhs_shape))
     (lc, rc), (lb, rb) = dot.contract, dot.batch
@@ -331,7 +336,7 @@ def _dot_cost(
         axes = tuple(a for s, a in gather if s == side)
         if not axes:
             continue
-        if moved := _batch_moved(dot, side, (ls, rs)[side], axes, out_axes):
+        if backward and (moved := _batch_moved(dot, side, (ls, rs)[side], axes, out_axes)):
             colls.append(("all-to-all", moved, out_bytes, None))
         shape = dot.lhs_shape if side == 0 else dot.rhs_shape
         names = dot.lhs_names if side == 0 else dot.rhs_names
@@ -361,7 +366,11 @@ def _batch_moved(
     operand holding ``'batch'`` (a free dimension) is gathered over axes the other operand's
     free dimension keeps (a small gradient times a large weight split over the batch's
     axes: the head's backward under FSDP), the output is made split as the weight is, and
-    XLA all-to-alls it to the batch's sharding that its consumers use."""
+    XLA all-to-alls it to the batch's sharding that its consumers use: the rest of the
+    backward pass, which reads the forward's values split by the batch. Asked of the
+    backward's matmuls only: a forward output made so (an FSDP MLP's last projection into
+    its loss, read from its compiled HLO: the input all-gathered f32[64,4096], the output
+    f32[64,128]) is used in the weight's split, by the loss and its cotangent, not moved."""
     names = dot.lhs_names if side == 0 else dot.rhs_names
     contract = dot.contract[side]
     held = {a for i, n in enumerate(names) if n == "batch" and i not in contract for a in spec[i]}
@@ -445,7 +454,11 @@ operands' mesh axes and those axes' sizes (:func:`_dot_key`)."""
 
 
 def _dot_key(
-    dot: Dot, specs: _Specs, reduce_scatter: bool, params: frozenset[str] = frozenset()
+    dot: Dot,
+    specs: _Specs,
+    reduce_scatter: bool,
+    params: frozenset[str] = frozenset(),
+    backward: bool = True,
 ) -> tuple[Any, ...]:
     """Everything :func:`_dot_cost` reads: the operands' specs, the spec of the constraint its
     output flows into (it decides a reduce-scatter), and the sizes of their axes."""
@@ -453,7 +466,8 @@ def _dot_key(
     into = () if dot.out_names is None else specs(dot.out_names, len(dot.out_names))
     sizes = specs.sizes
     axes = tuple(sorted({a for spec in (ls, rs, into) for d in spec for a in d}))
-    return (dot, ls, rs, into, tuple(sizes[a] for a in axes), axes, reduce_scatter, params)
+    key = (dot, ls, rs, into, tuple(sizes[a] for a in axes), axes, reduce_scatter, params)
+    return (*key, backward)
 
 
 def _dot_cost_cached(
@@ -462,13 +476,14 @@ def _dot_cost_cached(
     reduce_scatter: bool,
     cache: DotCache | None,
     params: frozenset[str] = frozenset(),
+    backward: bool = True,
 ) -> tuple[float, list[Coll], int]:
     if cache is None:
-        return _dot_cost(dot, specs, reduce_scatter, params)
-    key = _dot_key(dot, specs, reduce_scatter, params)
+        return _dot_cost(dot, specs, reduce_scatter, params, backward)
+    key = _dot_key(dot, specs, reduce_scatter, params, backward)
     got = cache.get(key)
     if got is None:
-        got = cache[key] = _dot_cost(dot, specs, reduce_scatter, params)
+        got = cache[key] = _dot_cost(dot, specs, reduce_scatter, params, backward)
     return got
 
 
@@ -573,7 +588,10 @@ def _predict_one(
     scores = [0.0, 0.0]  # fused attention's FLOPs per device: [producing, reading] scores
     for dot, count in workload.dots.items():
         trips = workload.trips(dot)  # runs in sequence; count / trips appear side by side
-        f, colls, out_bytes = _dot_cost_cached(dot, specs, profile.reduce_scatter, cache, params)
+        backward = dot in workload.backward_dots
+        f, colls, out_bytes = _dot_cost_cached(
+            dot, specs, profile.reduce_scatter, cache, params, backward
+        )
         flops += f * count
         score = fused and dot in workload.score_dots
         if score:  # one flash kernel: its efficiency, masked blocks skipped (attention.py)

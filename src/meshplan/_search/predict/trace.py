@@ -126,7 +126,8 @@ class Workload:
     no logical constraint names (traced with ``read_constraints``; else none is known): where the table's names and the indices' share a mesh axis
     (FSDP's ``embed`` and ``batch``), XLA's propagation gives the rows the table's split,
     and the layers after it run on the whole batch (:func:`meshplan._search.predict.cost.predict`
-    says so in ``Cost.notes``).
+    says so in ``Cost.notes``);
+    ``backward_dots``: the matmuls that run in the backward pass (autodiff's transpose).
 
     Example:
         >>> import jax, jax.numpy as jnp, meshplan
@@ -163,6 +164,7 @@ class Workload:
         default_factory=dict
     )
     lookups: dict[tuple[Names, Names, str], int] = dataclasses.field(default_factory=dict)
+    backward_dots: frozenset[Dot] = frozenset()
 
     def trips(self, dot: Dot) -> int:
         """How many times one run of ``dot`` repeats in sequence: the trips of the loops
@@ -202,28 +204,35 @@ class Carried(str):
     """``'batch'`` of a value XLA makes where an embedding table lies: its batch is not split
     over the axes of the table's names ``by`` (FSDP's ``embed``), which the value's own
     ``embed`` takes. Equal to ``'batch'`` (a batch dimension to every rule that asks), hashed
-    apart from it (a key of its own wherever names are one)."""
+    apart from it (a key of its own wherever names are one).
+
+    ``whole``: the split is kept through the layers' projections out of it (their partial
+    sums all-reduced whole and used whole, not sliced back to the batch): where both passes
+    run in the table's split (:func:`trace_workload`: a loss that reads its logits by no
+    index of the batch, a loop body whose carry is in it)."""
 
     by: Names
+    whole: bool
 
-    def __new__(cls, by: Names) -> Carried:
+    def __new__(cls, by: Names, whole: bool = False) -> Carried:
         made = super().__new__(cls, "batch")
         made.by = by
+        made.whole = whole
         return made
 
     def __hash__(self) -> int:
-        return hash(("batch", self.by))
+        return hash(("batch", self.by, self.whole))
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Carried):
-            return self.by == other.by
+            return self.by == other.by and self.whole == other.whole
         return str.__eq__(self, other)
 
     def __ne__(self, other: object) -> bool:
         return not self == other
 
     def __reduce__(self) -> Any:
-        return (Carried, (self.by,))
+        return (Carried, (self.by, self.whole))
 
 
 def _renamed(a: Names, b: Names | None) -> bool:
@@ -248,13 +257,50 @@ def _merge(a: Any, b: Any) -> Any:
 
 def _elementwise(out_shape: tuple[int, ...], ins: Sequence[tuple[Names, tuple[int, ...]]]) -> Names:
     names: list[Any] = [None] * len(out_shape)
+    ranks = [-1] * len(out_shape)
     for n, shape in ins:
         if len(shape) != len(out_shape):
             continue
         for i, (name, size) in enumerate(zip(n, shape, strict=True)):
-            if size == out_shape[i] and names[i] is None:
-                names[i] = name
+            if size == out_shape[i] and name is not None and _rank(name, n) > ranks[i]:
+                names[i], ranks[i] = name, _rank(name, n)
     return tuple(names)
+
+
+def _rank(name: Any, names: Names) -> int:
+    """Which sharding XLA's propagation gives the result where operands meet (the first of
+    the highest rank): a batch kept whole in a table's split (:class:`Carried`'s ``whole``)
+    by a value that holds the table's names (the stream, its cotangent: split by them) over
+    the plain ``'batch'``, which is over one that holds none of them (replicated: a
+    projection's all-reduced output, the logits), sliced to the batch where it meets one
+    split by it (the loss's targets)."""
+    if isinstance(name, Carried) and name.whole:
+        return 2 if _holds_table(name, names) else 0
+    return 1
+
+
+def _holds_table(name: Carried, names: Names) -> bool:
+    return any(n in names for n in name.by if n is not None)
+
+
+def _unwhole(names: Names) -> Names:
+    """``names`` with a batch kept whole in a table's split (inside a loop) as it is outside:
+    :class:`Carried`, sliced back to the batch by a projection out of the split."""
+    return tuple(Carried(n.by) if isinstance(n, Carried) and n.whole else n for n in names)
+
+
+def _replicated_whole(names: Names) -> bool:
+    """A value kept whole that holds none of the table's names (replicated: a projection's
+    all-reduced output, the attention inside, the logits), as against the stream."""
+    return any(_replicated(n, names) for n in names)
+
+
+def _replicated(name: Any, names: Names) -> bool:
+    return isinstance(name, Carried) and name.whole and not _holds_table(name, names)
+
+
+def _plain_batch(name: Any) -> bool:
+    return name == "batch" and not isinstance(name, Carried)
 
 
 def _reshape(names: Names, old: tuple[int, ...], new: tuple[int, ...]) -> Names:
@@ -417,8 +463,12 @@ def dot_out_names(
     out += [lhs[i] for i in range(len(lhs)) if i not in lc and i not in lb]
     out += [rhs[i] for i in range(len(rhs)) if i not in rc and i not in rb]
     summed = {lhs[i] for i in lc} | {rhs[i] for i in rc}
-    # partial sums over the table's split, all-reduced and sliced back to the batch
-    out = ["batch" if isinstance(n, Carried) and summed & set(n.by) - {None} else n for n in out]
+    # partial sums over the table's split, all-reduced and sliced back to the batch (unless
+    # the layers run in the table's split: used whole)
+    out = [
+        "batch" if isinstance(n, Carried) and not n.whole and summed & set(n.by) - {None} else n
+        for n in out
+    ]
     return dedupe(tuple(out))
 
 
@@ -467,6 +517,7 @@ class _Walker:
         self.dot_by_eqn: dict[int, Dot] = {}
         # (eqn id, output, dot, times, operands, in the backward pass)
         self.dot_runs: list[tuple[int, Any, Dot, int, tuple[Any, ...], bool]] = []
+        self.backward_dots: set[Dot] = set()  # as named by name_dot_outputs
         self.backward = False  # walking the backward pass (autodiff's transpose)
         self.alias: Mapping[Any, Any] = {}  # the walked jaxpr's aliases (memory.aliases)
         # Each array a matmul reads, by operand: ``{(dot, side): {array index}}``, and per
@@ -487,14 +538,29 @@ class _Walker:
         self.unpriced: dict[tuple[str, str], int] = {}  # (primitive, where): runs
         self.unpriced_flops = 0
         self.site = "?"  # where the model runs the equation being walked (op_names.where)
-        # The embedding lookups of the forward pass, ``[key, runs, constrained]`` (keyed as
-        # ``Workload.lookups``), and the values that are one's rows as it made them (the
-        # gather's output, the call's that returns it): ``{var: index in lookups}``.
+        # The embedding lookups of the forward pass, ``[key, runs, constrained, (indices'
+        # names, shape, itemsize)]`` (keyed as ``Workload.lookups``), and the values that
+        # are one's rows as it made them (the gather's output, the call's that returns
+        # it): ``{var: index in lookups}``.
         self.lookups: list[list[Any]] = []
         self.lookup_of: dict[Any, int] = {}
         # The model's logical constraints are in the program (trace_workload's
         # ``read_constraints``): a lookup no constraint names is known to be one.
         self.sees_constraints = False
+        # A gather of the forward pass that reads an activation (not a parameter) by indices
+        # that carry the batch (a loss's ``take_along_axis``, integer-label cross-entropy):
+        # XLA partitions it, and its transpose's scatter, along the indices' batch, so the
+        # backward pass arrives split by the batch; and whether the lookups' split is kept
+        # whole through the layers (:class:`Carried`'s ``whole``: when none is).
+        self.batch_indexed = False
+        self.keep_whole = False
+        # Where the split is kept whole: the matmuls (ids of their equations) whose partial
+        # sums over the table's names made a value whole, by value (``origin``); those whose
+        # value meets one split by the batch (``to_slice``: XLA propagates the batch's split
+        # back to them), and those a walk slices to the batch (``sliced``: the last walk's).
+        self.origin: dict[Any, frozenset[int]] = {}
+        self.to_slice: set[int] = set()
+        self.sliced: frozenset[int] = frozenset()
 
     def note(self, names: Names) -> None:
         for n in names:
@@ -531,6 +597,8 @@ class _Walker:
             site, here = self.site, op_names.where(eqn)
             self.site = here if here != "?" else site  # inside a library's jit: the caller's
             outs = [dedupe(n) for n in self.eqn(eqn, ins, times)]
+            if self.keep_whole:
+                self._follow_whole(eqn, ins, outs)
             self.site = site
             self._weights(eqn, ins, outs, times)
             self.backward = backward
@@ -546,6 +614,60 @@ class _Walker:
                 self.buffer_names.setdefault(out, env[out])
                 self._constrain_back(root, env[out], producer)
         return [read(v) for v in jaxpr.outvars]
+
+    def _whole_dot(
+        self,
+        eqn: Any,
+        lhs: Names,
+        rhs: Names,
+        contract: tuple[Sequence[int], Sequence[int]],
+        batch: tuple[Sequence[int], Sequence[int]],
+    ) -> tuple[Names, Names]:
+        """A matmul's operands where the split is kept whole: as they are, its output whole
+        (its origin noted where its partial sums over the table's names made it so), or, for
+        a matmul whose value meets one split by the batch (``sliced``), with the split as
+        outside a loop, so its output is sliced to the batch (the head: its logits)."""
+        if id(eqn) in self.sliced:
+            return _unwhole(lhs), _unwhole(rhs)
+        got = frozenset().union(
+            *(self.origin.get(v, frozenset()) for v in eqn.invars if not isinstance(v, Literal))
+        )
+        out = dot_out_names(lhs, rhs, contract, batch)
+        outside = dot_out_names(_unwhole(lhs), _unwhole(rhs), contract, batch)
+        if any(
+            _plain_batch(a) and isinstance(b, Carried) for a, b in zip(outside, out, strict=True)
+        ):
+            got |= {id(eqn)}  # its partial sums over the table's names, used whole
+        if got and _replicated_whole(out):
+            self.origin[eqn.outvars[0]] = got
+        return lhs, rhs
+
+    def _follow_whole(self, eqn: Any, ins: list[Names], outs: list[Names]) -> None:
+        """Follows the values kept whole from the matmuls that made them (``origin``), and
+        notes those matmuls whose value meets one split by the batch (``to_slice``)."""
+        prim = eqn.primitive.name
+        if prim in ("dot_general", "scan") or memory.call_body(eqn) is not None:
+            return  # their own (self.eqn)
+        got = frozenset().union(
+            *(self.origin.get(v, frozenset()) for v in eqn.invars if not isinstance(v, Literal))
+        )
+        if got:
+            for v, n in zip(eqn.outvars, outs, strict=True):
+                if _replicated_whole(n):
+                    self.origin[v] = got
+        if len(outs) != 1 or not any(_plain_batch(x) for x in outs[0]):
+            return
+        for v, n in zip(eqn.invars, ins, strict=True):
+            if isinstance(v, Literal) or len(n) != len(outs[0]):
+                continue
+            for x, y in zip(n, outs[0], strict=True):
+                if _replicated(x, n) and _plain_batch(y):
+                    self.to_slice.update(self.origin.get(v, ()))
+
+    def _pass_origin(self, outer: Sequence[Any], inner: Sequence[Any]) -> None:
+        for o, i in zip(outer, inner, strict=False):
+            if not isinstance(o, Literal) and o in self.origin and not isinstance(i, Literal):
+                self.origin[i] = self.origin[o]
 
     def _into(self, outer: Sequence[Any], inner: Sequence[Any], sliced: int = -1) -> None:
         """A call's (a loop's) inner inputs are the outer parameters' arrays; from index
@@ -658,6 +780,8 @@ class _Walker:
                 if dot in self.score_dots:
                     self.score_dots.add(named)
                 dot = self.dot_by_eqn[key] = named
+            if backward and times:
+                self.backward_dots.add(dot)
             dots[dot] = dots.get(dot, 0) + times
             trips[dot] = max(trips.get(dot, 0), times)
             for side, v in enumerate(ins):
@@ -712,6 +836,8 @@ class _Walker:
         if prim == "dot_general":
             (lc, rc), (lb, rb) = p["dimension_numbers"]
             lhs, rhs = ins
+            if self.keep_whole:
+                lhs, rhs = self._whole_dot(eqn, lhs, rhs, (lc, rc), (lb, rb))
             dot = Dot(
                 lhs,
                 rhs,
@@ -745,11 +871,16 @@ class _Walker:
             nc, ncarry = p["num_consts"], p["num_carry"]
             body_in = [*ins[: nc + ncarry], *(n[1:] for n in ins[nc + ncarry :])]
             body_in[nc : nc + ncarry] = _carry_fixpoint(body.jaxpr, body_in, nc, ncarry)
+            body_in = self._loop_whole(eqn, body_in, nc, ncarry, times)
             for outer, inner in zip(eqn.invars, body.jaxpr.invars, strict=True):
                 if not isinstance(outer, Literal) and outer in self.scores:
                     self.scores.add(inner)
             self._into(eqn.invars, body.jaxpr.invars, nc + ncarry)
+            self._pass_origin(eqn.invars, body.jaxpr.invars)
             body_out = self.walk(body.jaxpr, body_in, times * length)
+            self._pass_origin(body.jaxpr.outvars, eqn.outvars)
+            if not self.keep_whole:  # outside the loop, sliced to the batch by a projection
+                body_out = [_unwhole(n) for n in body_out]
             for outer, inner in zip(eqn.outvars, body.jaxpr.outvars, strict=True):
                 if not isinstance(inner, Literal) and inner in self.scores:
                     self.scores.add(outer)
@@ -790,7 +921,9 @@ class _Walker:
                         if not isinstance(outer, Literal) and outer in self.scores:
                             self.scores.add(inner)
                     self._into(eqn.invars, sub.invars)
+                    self._pass_origin(eqn.invars, sub.invars)
                     result = self.walk(sub, ins, times)
+                    self._pass_origin(sub.outvars, eqn.outvars)
                     alias = memory.aliases(sub)
                     for outer, inner in zip(eqn.outvars, sub.outvars, strict=True):
                         got = self.buffer(inner)
@@ -832,6 +965,28 @@ class _Walker:
             self._count(v, n, times, score, boundary=prim in _BOUNDARY)
         return outs
 
+    def _loop_whole(
+        self, eqn: Any, body_in: list[Names], nc: int, ncarry: int, times: int
+    ) -> list[Names]:
+        """A loop body that reads a value in a table's split (:class:`Carried`: the scanned
+        layers' stream, the backward's saved inputs) runs in it, whole, in both passes: XLA
+        partitions the body once for every trip, its carry in one sharding (read from the
+        scanned stack's compiled step: the rematerialised attention scores and the backward's
+        all-reduced f32[16,32,4,16] the whole batch's). A carry that enters split by the
+        batch (the backward's cotangent) takes that split, moved into it (an all-to-all)."""
+        carried = next((n for names in body_in for n in names if isinstance(n, Carried)), None)
+        if carried is None:
+            return body_in
+        whole = Carried(carried.by, True)
+        out = [tuple(whole if n == "batch" else n for n in names) for names in body_in]
+        for j in range(nc, nc + ncarry):
+            v, before = eqn.invars[j], body_in[j]
+            if times and not isinstance(v, Literal) and _renamed(before, out[j]):
+                key = (before, _unwhole(out[j]), tuple(v.aval.shape), _itemsize(v.aval))
+                if any(n == "batch" and not isinstance(n, Carried) for n in before):
+                    self.moves[key] = self.moves.get(key, 0) + times
+        return out
+
     def _moved(
         self,
         eqn: Any,
@@ -855,7 +1010,8 @@ class _Walker:
             )
             self._lookup(eqn, ins, made, shapes, times)
             if eqn.outvars[0] in self.lookup_of:  # its rows made where the table lies
-                outs[0] = tuple(Carried(made) if n == "batch" else n for n in outs[0])
+                carried = Carried(made, self.keep_whole)
+                outs[0] = tuple(carried if n == "batch" else n for n in outs[0])
             key = (made, outs[0], tuple(eqn.outvars[0].aval.shape), item)
         elif prim.startswith("scatter") and len(ins) == 3:
             target = dedupe(op_names.scatter_update_names(p, outs[0], shapes))
@@ -878,6 +1034,8 @@ class _Walker:
         shape = tuple(eqn.outvars[0].aval.shape)
         picked = op_names.gather_names(eqn.params, blank, ins[1], shapes, shape)
         table = eqn.invars[0]
+        if not self.backward and "batch" in picked and table not in self.weight_of:
+            self.batch_indexed = True  # an activation read by the batch's indices
         if (
             not self.sees_constraints
             or self.backward
@@ -887,7 +1045,8 @@ class _Walker:
         ):
             return
         self.lookup_of[eqn.outvars[0]] = len(self.lookups)
-        self.lookups.append([(made, picked, self.site), times, False])
+        indices = (ins[1], shapes[1], _itemsize(eqn.invars[1].aval))
+        self.lookups.append([(made, picked, self.site), times, False, indices])
 
     def _unpriced(self, eqn: Any, times: int) -> list[Names]:
         """A primitive the planner does not understand (a Pallas kernel, a custom call):
@@ -1099,9 +1258,17 @@ def _make_jaxpr(
     return jax.make_jaxpr(step_fn)(abstract_state, example_batch), False
 
 
-def _walk(jaxpr: Any, in_names: list[Names], sees_constraints: bool) -> _Walker:
+def _walk(
+    jaxpr: Any,
+    in_names: list[Names],
+    sees_constraints: bool,
+    keep_whole: bool = False,
+    sliced: frozenset[int] = frozenset(),
+) -> _Walker:
     walker = _Walker()
     walker.sees_constraints = sees_constraints
+    walker.keep_whole = keep_whole
+    walker.sliced = sliced
     for n in in_names:
         walker.note(n)
     if len(jaxpr.invars) != len(in_names):  # leaves JAX did not make inputs: names unknown
@@ -1194,6 +1361,18 @@ def trace_workload(
         name_of = _token_names
         in_names = [*state_names, *(tuple(name_of(b)) for b in flat_batch)]
         walker = _walk(jaxpr, in_names, sees)
+    if any(not lookup[2] for lookup in walker.lookups) and not walker.batch_indexed:
+        # Nothing indexes an activation by the batch (a one-hot loss): the logits' cotangent
+        # is made whole, where the head's partial sums left the logits, and the backward pass
+        # runs in the lookups' split as the forward does; XLA keeps the layers' values whole
+        # in both passes (read from the encoder-decoder's compiled step: its attention scores
+        # f32[16,4,32,32], the whole batch's, saved for the backward).
+        walker = _walk(jaxpr, in_names, sees, keep_whole=True)
+        for _ in range(3):  # the matmuls whose values meet the batch's split, sliced there
+            sliced = walker.sliced | walker.to_slice
+            if sliced == walker.sliced:
+                break
+            walker = _walk(jaxpr, in_names, sees, keep_whole=True, sliced=sliced)
     batch = int(flat_batch[0].shape[0]) if flat_batch and flat_batch[0].shape else None
     params = tuple(dict.fromkeys(n for names, _, _ in state if names for n in names if n))
     var_names = {**walker.var_names, **walker.buffer_names}
@@ -1226,7 +1405,7 @@ def trace_workload(
         frozenset(walker.score_dots),
         batch_state,
         tokens,
-        walker.reshards,
+        {**walker.reshards, **_lookup_indices(walker)},
         programs[1],
         unit,
         walker.dot_trips,
@@ -1241,13 +1420,27 @@ def trace_workload(
         walker.unpriced_flops,
         walker.moves,
         _lookups(walker),
+        frozenset(walker.backward_dots),
     )
 
 
 def _lookups(walker: _Walker) -> dict[tuple[Names, Names, str], int]:
     """The embedding lookups whose rows no logical constraint names, with their runs."""
     out: dict[tuple[Names, Names, str], int] = {}
-    for key, runs, constrained in walker.lookups:
+    for key, runs, constrained, _ in walker.lookups:
         if not constrained:
+            out[key] = out.get(key, 0) + runs
+    return out
+
+
+def _lookup_indices(walker: _Walker) -> dict[tuple[Names, Names, tuple[int, ...], int], int]:
+    """The reshards of the indices of the lookups whose rows no constraint names: XLA gathers
+    them whole (``s32[batch, length, 1]``) to make the rows where the table lies, over the
+    batch's axes the table's names take (:class:`Carried`), keyed as ``Workload.reshards``."""
+    out: dict[tuple[Names, Names, tuple[int, ...], int], int] = {}
+    for (made, _, _), runs, constrained, (names, shape, item) in walker.lookups:
+        if not constrained:
+            whole = tuple(Carried(made) if n == "batch" else n for n in names)
+            key = (names, whole, shape, item)
             out[key] = out.get(key, 0) + runs
     return out
