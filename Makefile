@@ -5,6 +5,9 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 # One pytest worker per core (at most 4): tests compile XLA programs on one thread each.
 PYTEST_WORKERS ?= -n auto --maxprocesses 4 --dist worksteal
+# Bytecode is cached even where the environment says not to (PYTHONDONTWRITEBYTECODE):
+# the tests start hundreds of Python processes that would each compile meshplan again.
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest
 
 .PHONY: demo test quick lint format bench clean
 
@@ -22,11 +25,11 @@ test: $(STAMP)
 	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
-	$(VENV)/bin/pytest -q $(PYTEST_WORKERS) --durations=10
+	$(PYTEST) -q $(PYTEST_WORKERS) --durations=10
 
 # Everything but the tests marked slow (subprocesses, several processes, long compiles).
 quick: $(STAMP)
-	$(VENV)/bin/pytest -q -m "not slow" $(PYTEST_WORKERS)
+	$(PYTEST) -q -m "not slow" $(PYTEST_WORKERS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks

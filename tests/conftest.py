@@ -11,6 +11,17 @@ from jax.sharding import Mesh
 import meshplan
 
 
+def pytest_collection_modifyitems(config, items):
+    """The files with the most tests marked slow run first, each file's tests kept together
+    and in order (its module fixtures are made once): with two workers sharing the queue,
+    the last tests to start are short ones, so neither waits long for the other at the end."""
+    slow: dict[Path, int] = {}
+    for item in items:
+        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    rank = {path: (-count, i) for i, (path, count) in enumerate(slow.items())}
+    items.sort(key=lambda item: rank[item.path])
+
+
 @pytest.fixture(scope="session")
 def auto_mesh() -> Mesh:
     """The guide's 2x4 ``('data', 'model')`` mesh with Auto axes."""
