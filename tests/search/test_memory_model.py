@@ -262,3 +262,36 @@ def test_a_division_by_a_constant_or_a_value_read_within_one_fusion_is_not_kept(
 
     j = jax.make_jaxpr(f)(jnp.ones((4, 4)), jnp.ones((4, 4))).jaxpr
     assert kept_expensive(j) == set()
+
+
+def test_gradient_reductions_run_last_where_one_all_reduce_combines_them():
+    # Four layers, data parallel over 8. Where one all-reduce after the backward pass
+    # combines every gradient (XLA on CPU), XLA's memory-optimised scheduler runs the weight
+    # gradients' matmuls last, so each layer's input and output gradient stay alive until
+    # then; on GPU and TPU each gradient's reduction starts as it is made.
+    d, layers, batch = 64, 4, 4096
+    names = [("embed", "mlp"), ("mlp", "embed")]
+    state = {f"w{i}": _box((d, d), names[i % 2]) for i in range(layers)}
+    x = jax.ShapeDtypeStruct((batch, d), F32)
+
+    def step(s, x):
+        def loss(p):
+            h = x
+            for i in range(layers):
+                h = jnp.tanh(h @ p[f"w{i}"].value)
+            return jnp.mean(h**2)
+
+        return jax.grad(loss)(s)
+
+    work = trace_workload(step, state, x, read_constraints=True)
+    mesh, rules = {"data": 8}, (("batch", "data"),)
+    cpu_like = dataclasses.replace(H100, rematerialize=False, reduce_scatter=False)
+    kept = [
+        predict(work, mesh, rules, dataclasses.replace(cpu_like, late_gradients=late))
+        for late in (False, True)
+    ]
+    total = [c.activation_bytes + c.temporary_bytes for c in kept]
+    activation = batch // 8 * d * 4  # one [batch, d] float32 value per device
+    assert total[1] - total[0] >= (layers - 1) * activation
+    assert get_profile("cpu").late_gradients
+    assert not any(get_profile(n).late_gradients for n in ("h100", "tpu_v5p"))
