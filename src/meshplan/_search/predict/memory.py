@@ -907,28 +907,33 @@ def _has_batch(names: Mapping[Any, Any], v: Any) -> bool:
 def late_gradients(
     jaxpr: Any, names: Mapping[Any, Any], materialized: set[Any] | None = None
 ) -> Any:
-    """``jaxpr`` with its reductions over the batch that reach only the gradients (a weight
-    gradient's matmul or convolution, a bias's or a norm scale's sum), and what reads them,
-    run after everything else, as XLA's memory-optimised scheduler runs them where all the
-    gradients' reductions are combined into one all-reduce after the backward pass (XLA on
-    CPU): nothing waits for them before it, so the scheduler, working back from that
-    all-reduce, places them last, and the activation gradients and saved inputs they read
-    stay alive until then. An equation whose outputs are fused into such reductions alone
-    (``materialized``: the values written to memory; ``None``: all) moves with them. Top
-    level only: a loop body's or call's equations keep their order.
+    """``jaxpr`` with the reductions over the batch that reach only the gradients (a weight
+    gradient's matmul or convolution, a bias's or a norm scale's sum) and what reads them
+    run after everything else where XLA's memory-optimised scheduler defers them: where one
+    all-reduce after the backward pass combines every gradient (XLA on CPU), nothing waits
+    for them before it, and its list scheduler runs an instruction early only when that
+    frees memory. A reduction whose gradient (the activation it reads that was made last)
+    another reduction reads too (a weight's and its bias's, a norm's scale's) frees nothing
+    by running, so it waits, and what it reads stays alive until the end of the backward
+    pass; one that reads its gradient alone runs in place (read in XLA's schedules: the
+    ViT's and the CNN's biased and normalised layers deferred, the bias-free Llama MLP's
+    and the experts' weight gradients in place). An equation whose outputs are fused into
+    such reductions alone (``materialized``: the values written to memory; ``None``: all)
+    moves with them. Top level only: a loop body's or call's equations keep their order.
 
     Example:
         >>> import jax, jax.numpy as jnp
         >>> from meshplan._search.predict.memory import late_gradients
         >>> def f(w, x):                             # x: [batch, d]
         ...     y = x @ w
-        ...     grad = jnp.einsum("bi,bj->ij", x, y)     # a sum over the batch
-        ...     return grad, jnp.tanh(y)
+        ...     grad = jnp.einsum("bi,bj->ij", x, y)     # sums over the batch, both
+        ...     return grad, y.sum(0), jnp.tanh(y)       # reading y
         >>> j = jax.make_jaxpr(f)(jnp.ones((4, 4)), jnp.ones((8, 4))).jaxpr
-        >>> x, y, grad, t = j.invars[1], *(e.outvars[0] for e in j.eqns)
-        >>> names = {x: ("batch", None), y: ("batch", None), grad: (None, None), t: ("batch", None)}
+        >>> x, (y, grad, bias, t) = j.invars[1], (e.outvars[0] for e in j.eqns)
+        >>> names = {x: ("batch", None), y: ("batch", None), t: ("batch", None),
+        ...          grad: (None, None), bias: (None,)}
         >>> [e.primitive.name for e in late_gradients(j, names).eqns]
-        ['dot_general', 'tanh', 'dot_general']
+        ['dot_general', 'tanh', 'dot_general', 'reduce_sum']
     """
     moved = _late_moves(jaxpr.eqns, names, materialized)
     if not any(moved):
@@ -948,14 +953,38 @@ def _late_moves(
         for u in eqn.invars:
             if not isinstance(u, Literal) and reach:
                 down[u] = True
+    producer = {o: e for e in eqns for o in e.outvars}
+    defined = {o: i for i, e in enumerate(eqns) for o in e.outvars}
+
+    def sources(u: Any) -> set[Any]:  # the values in memory a fused operand is read from
+        e = producer.get(u)
+        if materialized is None or u in materialized or e is None:
+            return {u}
+        if e.primitive.name not in _FUSES_OPERANDS:
+            return {u}
+        return set().union(*(sources(x) for x in e.invars if not isinstance(x, Literal)))
+
+    reads: dict[int, set[Any]] = {}  # a reduction over the batch: the activations it reads
+    for i, eqn in enumerate(eqns):
+        ins = [u for u in eqn.invars if not isinstance(u, Literal)]
+        if any(_has_batch(names, u) for u in ins) and not any(
+            o not in names or _has_batch(names, o) or down.get(o, False) for o in eqn.outvars
+        ):  # the batch summed away (the names of what it makes known, without it)
+            found = set().union(*(sources(u) for u in ins))
+            reads[i] = {u for u in found if _has_batch(names, u)}
+    shared: dict[Any, int] = {}
+    for found in reads.values():
+        for u in found:
+            shared[u] = shared.get(u, 0) + 1
     moved = [False] * len(eqns)
     late: set[Any] = set()  # the values the moved equations define
     for i, eqn in enumerate(eqns):
         ins = [u for u in eqn.invars if not isinstance(u, Literal)]
-        reduces = any(_has_batch(names, u) for u in ins) and not any(
-            o not in names or _has_batch(names, o) or down.get(o, False) for o in eqn.outvars
-        )  # the batch summed away (the names of what it makes known, without it)
-        if reduces or any(u in late for u in ins):
+        # its gradient (the activation it reads made last) read by another reduction too
+        # (a bias's sum): running it frees nothing of that, so the scheduler defers it
+        made = max(reads.get(i, ()), key=lambda u: defined.get(u, -1), default=None)
+        waits = made is not None and shared[made] > 1
+        if waits or any(u in late for u in ins):
             moved[i] = True
             late.update(eqn.outvars)
     readers: dict[Any, list[int]] = {}
