@@ -996,8 +996,8 @@ def _late_moves(
         eqn = eqns[i]
         if moved[i] or materialized is None or any(o in materialized for o in eqn.outvars):
             continue
-        reads = [k for o in eqn.outvars for k in readers.get(o, [])]
-        if reads and all(moved[k] for k in reads) and eqn.primitive.name in _FUSES_OPERANDS:
+        users = [k for o in eqn.outvars for k in readers.get(o, [])]
+        if users and all(moved[k] for k in users) and eqn.primitive.name in _FUSES_OPERANDS:
             moved[i] = True
     return moved
 
