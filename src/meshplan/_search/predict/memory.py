@@ -723,9 +723,9 @@ def build(
     ``materialized``: the values XLA writes to memory (others are fused away; ``None``: all);
     ``recompute``: cheap residuals are recomputed where used (:func:`recompute_sources`), as
     XLA does on a device with a memory limit to fit (GPU, TPU), not on the CPU; ``late``: the
-    reductions over the batch that reach only the gradients run after the rest
-    (:func:`late_gradients`), as XLA schedules them where it combines every gradient's
-    reduction into one all-reduce (on the CPU).
+    gradients' reductions over the batch that XLA defers run after the rest
+    (:func:`late_gradients`), as it schedules them where one all-reduce combines every
+    gradient (on the CPU).
     """
     if materialized is not None:
         materialized = materialized | kept_expensive(jaxpr)
@@ -956,13 +956,17 @@ def _late_moves(
     producer = {o: e for e in eqns for o in e.outvars}
     defined = {o: i for i, e in enumerate(eqns) for o in e.outvars}
 
+    found: dict[Any, set[Any]] = {}
+
     def sources(u: Any) -> set[Any]:  # the values in memory a fused operand is read from
         e = producer.get(u)
         if materialized is None or u in materialized or e is None:
             return {u}
         if e.primitive.name not in _FUSES_OPERANDS:
             return {u}
-        return set().union(*(sources(x) for x in e.invars if not isinstance(x, Literal)))
+        if u not in found:
+            found[u] = set().union(*(sources(x) for x in e.invars if not isinstance(x, Literal)))
+        return found[u]
 
     reads: dict[int, set[Any]] = {}  # a reduction over the batch: the activations it reads
     for i, eqn in enumerate(eqns):
@@ -970,11 +974,11 @@ def _late_moves(
         if any(_has_batch(names, u) for u in ins) and not any(
             o not in names or _has_batch(names, o) or down.get(o, False) for o in eqn.outvars
         ):  # the batch summed away (the names of what it makes known, without it)
-            found = set().union(*(sources(u) for u in ins))
-            reads[i] = {u for u in found if _has_batch(names, u)}
+            got = set().union(*(sources(u) for u in ins))
+            reads[i] = {u for u in got if _has_batch(names, u)}
     shared: dict[Any, int] = {}
-    for found in reads.values():
-        for u in found:
+    for got in reads.values():
+        for u in got:
             shared[u] = shared.get(u, 0) + 1
     moved = [False] * len(eqns)
     late: set[Any] = set()  # the values the moved equations define
