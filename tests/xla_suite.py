@@ -53,6 +53,7 @@ CPU_LIKE = dataclasses.replace(
     combines_remat_collectives=True,
     reduce_scatter=False,
     combine_bytes=1 << 30,
+    late_gradients=True,
 )
 
 LAYOUTS: dict[str, tuple[dict[str, int], tuple[tuple[str, Any], ...]]] = {

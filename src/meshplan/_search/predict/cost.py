@@ -788,6 +788,8 @@ def _peak(
     program = workload.memory
     if not profile.rematerialize and workload.memory_kept is not None:
         program = workload.memory_kept  # every residual kept (XLA on CPU)
+        if profile.late_gradients and workload.memory_late is not None:
+            program = workload.memory_late  # the gradients' reductions run last (CPU)
     if program is None:
         return memory_model.Peak(0, 0, 0)
 

@@ -49,6 +49,7 @@ __all__ = [
     "call_body",
     "is_alias",
     "kept_expensive",
+    "late_gradients",
     "peak",
     "recompute_sources",
 ]
@@ -397,6 +398,9 @@ class _Builder:
     ) -> None:
         self.names, self.scores, self.dot_of = names, scores, dot_of
         self.materialized, self.recompute = materialized, recompute
+        # the values the equations late_gradients moved read: XLA recomputes those cheap
+        # ops make in the moved ones' fusions (from what is kept until then), not keep them
+        self.late_reads: set[Any] = set()
         self.cells: dict[Cell, int] = {}
         self.points: dict[
             tuple[Any, ...],
@@ -455,6 +459,8 @@ class _Builder:
             if not isinstance(v, Literal):
                 last[alias.get(v, v)] = n
         recomputed = self._recomputed(jaxpr, alias, last, skip)
+        if top and self.late_reads and not self.recompute:
+            recomputed |= self._recomputed(jaxpr, alias, last, skip, self.late_reads)
         alive: dict[Any, int] = {}  # var -> cell, defined here and still alive
         for v in jaxpr.invars:
             if v in skip or v not in last:
@@ -572,18 +578,25 @@ class _Builder:
             self.hoists.append((at, triggers))
 
     def _recomputed(
-        self, jaxpr: Any, alias: Mapping[Any, Any], last: dict[Any, float], skip: set[Any]
+        self,
+        jaxpr: Any,
+        alias: Mapping[Any, Any],
+        last: dict[Any, float],
+        skip: set[Any],
+        only: set[Any] | None = None,
     ) -> set[Any]:
         """The values of ``jaxpr`` XLA recomputes where they are used instead of keeping
         them (:func:`recompute_sources`): those whose sources are in memory (kept by XLA, or
         held by an outer buffer), where keeping the sources alive until the value's last use
         (``last`` is extended) costs no more than the value itself."""
         out: set[Any] = set()
-        if not self.recompute:
+        if not self.recompute and only is None:
             return out
         whole = _whole_reads(jaxpr, alias)
         held: dict[Any, frozenset[Any]] = {}  # a recomputed value: the kept values it needs
         for v, operands in recompute_sources(jaxpr, self.sources, direct=True).items():
+            if only is not None and v not in only:
+                continue
             sources = frozenset().union(*(held.get(u, frozenset({u})) for u in operands))
             if not sources:  # computed from constants: recomputed from nothing
                 held[v] = sources
@@ -701,6 +714,7 @@ def build(
     dot_of: Callable[[Any], Any],
     materialized: set[Any] | None = None,
     recompute: bool = True,
+    late: bool = False,
 ) -> MemoryProgram:
     """The liveness program of a step's (closed) ``jaxpr`` (module docstring).
 
@@ -708,11 +722,17 @@ def build(
     scores; ``dot_of(eqn)``: the :class:`meshplan._search.predict.trace.Dot` of a ``dot_general``;
     ``materialized``: the values XLA writes to memory (others are fused away; ``None``: all);
     ``recompute``: cheap residuals are recomputed where used (:func:`recompute_sources`), as
-    XLA does on a device with a memory limit to fit (GPU, TPU), not on the CPU.
+    XLA does on a device with a memory limit to fit (GPU, TPU), not on the CPU; ``late``: the
+    gradients' reductions over the batch that XLA defers run after the rest
+    (:func:`late_gradients`), as it schedules them where one all-reduce combines every
+    gradient (on the CPU).
     """
     if materialized is not None:
         materialized = materialized | kept_expensive(jaxpr)
     b = _Builder(names, scores, dot_of, materialized, recompute)
+    if late:
+        b.late_reads = _late_reads(jaxpr, names, materialized)
+        jaxpr = late_gradients(jaxpr, names, materialized)
     b.walk(jaxpr, {}, {}, True, set(jaxpr.invars) | set(jaxpr.outvars))
     outputs: dict[int, int] = {}
     for v in dict.fromkeys(v for v in jaxpr.outvars if not isinstance(v, Literal)):
@@ -878,3 +898,134 @@ def peak(
     total = lo + sh + extra
     k = int(np.argmax(total)) if len(total) else 0
     return Peak(int(lo[k]), int(sh[k] + extra[k]), int(program.output @ size))
+
+
+def _has_batch(names: Mapping[Any, Any], v: Any) -> bool:
+    return "batch" in (names.get(v) or ())
+
+
+def late_gradients(
+    jaxpr: Any, names: Mapping[Any, Any], materialized: set[Any] | None = None
+) -> Any:
+    """``jaxpr`` with the reductions over the batch that reach only the gradients (a weight
+    gradient's matmul or convolution, a bias's or a norm scale's sum) and what reads them
+    run after everything else where XLA's memory-optimised scheduler defers them: where one
+    all-reduce after the backward pass combines every gradient (XLA on CPU), nothing waits
+    for them before it, and its list scheduler runs an instruction early only when that
+    frees memory. A reduction whose gradient (the activation it reads that was made last)
+    another reduction reads too (a weight's and its bias's, a norm's scale's) frees nothing
+    by running, so it waits, and what it reads stays alive until the end of the backward
+    pass; one that reads its gradient alone runs in place (read in XLA's schedules: the
+    ViT's and the CNN's biased and normalised layers deferred, the bias-free Llama MLP's
+    and the experts' weight gradients in place). An equation whose outputs are fused into
+    such reductions alone (``materialized``: the values written to memory; ``None``: all)
+    moves with them. Top level only: a loop body's or call's equations keep their order.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from meshplan._search.predict.memory import late_gradients
+        >>> def f(w, x):                             # x: [batch, d]
+        ...     y = x @ w
+        ...     grad = jnp.einsum("bi,bj->ij", x, y)     # sums over the batch, both
+        ...     return grad, y.sum(0), jnp.tanh(y)       # reading y
+        >>> j = jax.make_jaxpr(f)(jnp.ones((4, 4)), jnp.ones((8, 4))).jaxpr
+        >>> x, (y, grad, bias, t) = j.invars[1], (e.outvars[0] for e in j.eqns)
+        >>> names = {x: ("batch", None), y: ("batch", None), t: ("batch", None),
+        ...          grad: (None, None), bias: (None,)}
+        >>> [e.primitive.name for e in late_gradients(j, names).eqns]
+        ['dot_general', 'tanh', 'dot_general', 'reduce_sum']
+    """
+    moved = _late_moves(jaxpr.eqns, names, materialized)
+    if not any(moved):
+        return jaxpr
+    order = [e for e, m in zip(jaxpr.eqns, moved, strict=True) if not m]
+    return jaxpr.replace(eqns=order + [e for e, m in zip(jaxpr.eqns, moved, strict=True) if m])
+
+
+def _late_moves(
+    eqns: Sequence[Any], names: Mapping[Any, Any], materialized: set[Any] | None
+) -> list[bool]:
+    """Per equation, whether :func:`late_gradients` runs it last."""
+    # whether a value reaches one that carries the batch (an activation): not a gradient's
+    down: dict[Any, bool] = {}
+    for eqn in reversed(eqns):
+        reach = any(_has_batch(names, o) or down.get(o, False) for o in eqn.outvars)
+        for u in eqn.invars:
+            if not isinstance(u, Literal) and reach:
+                down[u] = True
+    producer = {o: e for e in eqns for o in e.outvars}
+    defined = {o: i for i, e in enumerate(eqns) for o in e.outvars}
+
+    found: dict[Any, set[Any]] = {}
+
+    def sources(u: Any) -> set[Any]:  # the values in memory a fused operand is read from
+        e = producer.get(u)
+        if materialized is None or u in materialized or e is None:
+            return {u}
+        if e.primitive.name not in _FUSES_OPERANDS:
+            return {u}
+        if u not in found:
+            found[u] = set().union(*(sources(x) for x in e.invars if not isinstance(x, Literal)))
+        return found[u]
+
+    reads: dict[int, set[Any]] = {}  # a reduction over the batch: the activations it reads
+    for i, eqn in enumerate(eqns):
+        ins = [u for u in eqn.invars if not isinstance(u, Literal)]
+        if any(_has_batch(names, u) for u in ins) and not any(
+            o not in names or _has_batch(names, o) or down.get(o, False) for o in eqn.outvars
+        ):  # the batch summed away (the names of what it makes known, without it)
+            got = set().union(*(sources(u) for u in ins))
+            reads[i] = {u for u in got if _has_batch(names, u)}
+    shared: dict[Any, int] = {}
+    for got in reads.values():
+        for u in got:
+            shared[u] = shared.get(u, 0) + 1
+    moved = [False] * len(eqns)
+    late: set[Any] = set()  # the values the moved equations define
+    for i, eqn in enumerate(eqns):
+        ins = [u for u in eqn.invars if not isinstance(u, Literal)]
+        # its gradient (the activation it reads made last) read by another reduction too
+        # (a bias's sum): running it frees nothing of that, so the scheduler defers it
+        made = max(reads.get(i, ()), key=lambda u: defined.get(u, -1), default=None)
+        waits = made is not None and shared[made] > 1
+        if waits or any(u in late for u in ins):
+            moved[i] = True
+            late.update(eqn.outvars)
+    readers: dict[Any, list[int]] = {}
+    for i, eqn in enumerate(eqns):
+        for u in eqn.invars:
+            if not isinstance(u, Literal):
+                readers.setdefault(u, []).append(i)
+    for i in reversed(range(len(eqns))):  # fused into moved equations alone: moved with them
+        eqn = eqns[i]
+        if moved[i] or materialized is None or any(o in materialized for o in eqn.outvars):
+            continue
+        users = [k for o in eqn.outvars for k in readers.get(o, [])]
+        if users and all(moved[k] for k in users) and eqn.primitive.name in _FUSES_OPERANDS:
+            moved[i] = True
+    return moved
+
+
+def _late_reads(jaxpr: Any, names: Mapping[Any, Any], materialized: set[Any] | None) -> set[Any]:
+    """The values the equations :func:`late_gradients` runs last read, and those cheap ops
+    make them from (:func:`recompute_sources`): what XLA may compute again inside the late
+    fusions from values kept until then, rather than keep."""
+    direct = recompute_sources(jaxpr, direct=True)
+    moved = _late_moves(jaxpr.eqns, names, materialized)
+    alias = aliases(jaxpr)
+    whole = _whole_reads(jaxpr, alias)
+    stack = [
+        u
+        for e, m in zip(jaxpr.eqns, moved, strict=True)
+        if m
+        for u in e.invars
+        if not isinstance(u, Literal)
+    ]
+    out: set[Any] = set()
+    while stack:
+        u = stack.pop()
+        if u in out or any(not moved[k] for k in whole.get(u, ())):
+            continue  # read whole by an op in its place too: in memory there, then kept
+        out.add(u)
+        stack.extend(direct.get(u, ()))
+    return out

@@ -87,6 +87,13 @@ class HardwareProfile:
             recomputation up to it is computed there, and what it computes for the backward
             pass is kept from then on, as if not rematerialised. XLA on CPU does
             (its pass ``cpu-all-reduce-combiner``); not known of TPU's or GPU's combiners.
+        late_gradients: The gradients' reductions over the batch (a weight gradient's matmul
+            or convolution, a bias's sum) run after the rest of the backward pass, so the
+            activation gradients and saved inputs they read stay alive until then
+            (:func:`meshplan._search.predict.memory.late_gradients`): XLA on CPU, whose
+            memory-optimised scheduler works back from the one all-reduce combining every
+            gradient (measured: its buffer assignment); on TPU and GPU the gradients'
+            reductions start as soon as each is made, to overlap the backward pass.
 
     Example:
         >>> import meshplan
@@ -122,6 +129,7 @@ class HardwareProfile:
     hop_latency_s: float = 0.0
     slow_hop_latency_s: float = 0.0
     overlap_cost: float = 0.0
+    late_gradients: bool = False
 
     def __post_init__(self) -> None:
         if self.slow_latency_s is None:
@@ -170,6 +178,7 @@ class Backend(TypedDict, total=False):
     hop_latency_s: float
     slow_hop_latency_s: float
     overlap_cost: float
+    late_gradients: bool
 
 
 # Physical parameters shared by a backend's profiles (never fitted per model or run):
@@ -213,7 +222,9 @@ BACKENDS: dict[str, Backend] = {
     # rematerialised partial-sum all-reduce with the forward pass's own, running that
     # recomputation in the forward; it combines no all-gathers or reduce-scatters (its
     # only combiner is that one), and has no fused attention.
-    "cpu": Backend(combines_remat_collectives=True, combines_gathers=False),
+    # Its memory-optimised scheduler runs the gradients' reductions over the batch last,
+    # just before that one all-reduce (read in its buffer assignment: late_gradients).
+    "cpu": Backend(combines_remat_collectives=True, combines_gathers=False, late_gradients=True),
 }
 """What each backend does, by JAX platform name; a profile takes its backend's entry."""
 

@@ -91,7 +91,8 @@ class Workload:
     every logical name seen, in order of first appearance (state first);
     ``memory``: the liveness program (:mod:`meshplan._search.predict.memory`) of the step, with
     cheap residuals recomputed where used (as XLA does on TPU and GPU), ``memory_kept``
-    the same with every residual kept (XLA on CPU);
+    the same with every residual kept (XLA on CPU), ``memory_late`` that with the gradients'
+    reductions over the batch run last (:func:`meshplan._search.predict.memory.late_gradients`);
     ``score_dots``: the dots that read or write attention scores; ``batch_state``: the
     batch arrays (names, shape, itemsize); ``tokens``: tokens (or examples) per step,
     ``tokens_unit`` says which (``'tokens'`` when the first batch array holds integer
@@ -165,6 +166,7 @@ class Workload:
     )
     lookups: dict[tuple[Names, Names, str], int] = dataclasses.field(default_factory=dict)
     backward_dots: frozenset[Dot] = frozenset()
+    memory_late: MemoryProgram | None = None
 
     def trips(self, dot: Dot) -> int:
         """How many times one run of ``dot`` repeats in sequence: the trips of the loops
@@ -1384,8 +1386,9 @@ def trace_workload(
             lambda e: walker.dot_by_eqn[id(e)],
             walker.materialized,
             recompute,
+            late,
         )
-        for recompute in (True, False)
+        for recompute, late in ((True, False), (False, False), (False, True))
     ]
     batch_state = [
         (tuple(name_of(b)), tuple(getattr(b, "shape", ())), _itemsize(b)) for b in flat_batch
@@ -1421,6 +1424,7 @@ def trace_workload(
         walker.moves,
         _lookups(walker),
         frozenset(walker.backward_dots),
+        memory_late=programs[2],
     )
 
 
