@@ -212,8 +212,10 @@ BACKENDS: dict[str, Backend] = {
     # it): its all-reduce combiner (cpu-all-reduce-combiner) merges an unrolled layer's
     # rematerialised partial-sum all-reduce with the forward pass's own, running that
     # recomputation in the forward; it combines no all-gathers or reduce-scatters (its
-    # only combiner is that one), and has no fused attention.
-    "cpu": Backend(combines_remat_collectives=True, combines_gathers=False),
+    # only combiner is that one), and has no fused attention. It does not reduce-scatter:
+    # an FSDP gradient's partial sums are all-reduced whole, then sliced (no reduce-scatter
+    # in any compiled step of tests/xla_suite.py).
+    "cpu": Backend(combines_remat_collectives=True, combines_gathers=False, reduce_scatter=False),
 }
 """What each backend does, by JAX platform name; a profile takes its backend's entry."""
 
