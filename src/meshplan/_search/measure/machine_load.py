@@ -6,6 +6,11 @@ with the machine's 1-minute load average at ``L`` runnable processes per core, a
 about ``1 / (1 + L)`` of a core. A calibration cached at one load predicts wrongly at another
 (10x off was seen on a loaded 2-core machine), so the cache keeps the load it was measured at,
 and is used only while the share now is within :data:`SHARE_TOLERANCE` of that one.
+Since the figures are CPU time over the cores where the devices fill them
+(:func:`meshplan._search.measure.cpu.call_seconds`), another load moves them little (the
+matmul figure within 5% IQR at loads of 12-16 per core); a calibration is still measured
+again under another load, which costs a few seconds and guards the case of fewer devices
+than cores, where the figures are the wall clock's.
 """
 
 from __future__ import annotations

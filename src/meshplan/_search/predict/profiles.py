@@ -221,10 +221,17 @@ BACKENDS: dict[str, Backend] = {
     # it): its all-reduce combiner (cpu-all-reduce-combiner) merges an unrolled layer's
     # rematerialised partial-sum all-reduce with the forward pass's own, running that
     # recomputation in the forward; it combines no all-gathers or reduce-scatters (its
-    # only combiner is that one), and has no fused attention.
+    # only combiner is that one), and has no fused attention. It does not reduce-scatter:
+    # an FSDP gradient's partial sums are all-reduced whole, then sliced (no reduce-scatter
+    # in any compiled step of tests/xla_suite.py).
     # Its memory-optimised scheduler runs the gradients' reductions over the batch last,
     # just before that one all-reduce (read in its buffer assignment: late_gradients).
-    "cpu": Backend(combines_remat_collectives=True, combines_gathers=False, late_gradients=True),
+    "cpu": Backend(
+        combines_remat_collectives=True,
+        combines_gathers=False,
+        reduce_scatter=False,
+        late_gradients=True,
+    ),
 }
 """What each backend does, by JAX platform name; a profile takes its backend's entry."""
 
@@ -390,7 +397,7 @@ PROFILES: dict[str, HardwareProfile] = {
 (:func:`get_profile`)."""
 
 _CPU: dict[int, HardwareProfile] = {}
-_CACHE_VERSION = "v2"  # v2: the one measurement of meshplan._search.measure.cpu
+_CACHE_VERSION = "v3"  # v3: seconds as CPU time over the cores, latency inside a program
 
 
 def calibrate_cpu(devices: int | None = None) -> HardwareProfile:
@@ -398,7 +405,7 @@ def calibrate_cpu(devices: int | None = None) -> HardwareProfile:
     (:func:`meshplan._search.measure.cpu.measure_cpu`: matmul FLOP/s and memory bandwidth
     per device, a ``psum``'s latency and bandwidth), as the ``cpu`` profile.
 
-    Cached per device count, in this process and in ``~/.cache/meshplan/cpu-profile-v2-N.json``
+    Cached per device count, in this process and in ``~/.cache/meshplan/cpu-profile-v3-N.json``
     with the machine's load, and measured again under another load
     (:mod:`meshplan._search.measure.machine_load`) or with ``MESHPLAN_RECALIBRATE=1``.
 
