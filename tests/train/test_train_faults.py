@@ -202,6 +202,20 @@ def test_metrics_pointing_at_a_folder(tmp_path, capsys):
 # -- failing I/O ----------------------------------------------------------------
 
 
+def _remount_read_only(disk, proc, within: float = 10.0) -> None:
+    """Remounts ``disk`` read-only under the running ``proc``: the kernel refuses (EBUSY)
+    while a file on it is open for writing, as a save in flight is, so it is tried again."""
+    deadline = time.monotonic() + within
+    while True:
+        done = subprocess.run(
+            ["mount", "-o", "remount,ro", str(disk)], capture_output=True, text=True
+        )
+        if done.returncode == 0 or proc.poll() is not None:
+            return
+        assert time.monotonic() < deadline, f"could not remount {disk} read-only: {done.stderr}"
+        time.sleep(0.005)
+
+
 @pytest.mark.parametrize("fault", ["disk-full", "read-only"])
 @pytest.mark.slow
 def test_failing_io_ends_the_run_in_seconds_and_keeps_the_last_step(tmp_path, train_disk, fault):
@@ -222,7 +236,7 @@ def test_failing_io_ends_the_run_in_seconds_and_keeps_the_last_step(tmp_path, tr
             if fault == "read-only":
                 while proc.poll() is None and not (folder.is_dir() and complete_steps(folder)):
                     time.sleep(0.01)
-                subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+                _remount_read_only(small_disk, proc)
             code = proc.wait(timeout=120)  # a 3 MiB disk fills within a few steps
         finally:
             if proc.poll() is None:
