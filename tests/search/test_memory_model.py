@@ -21,6 +21,14 @@ from meshplan.models.llama import LlamaConfig, llama_step
 from xla_suite import AS_ON_ACCELERATORS
 
 H100 = get_profile("h100")
+
+
+def _small(**changes) -> LlamaConfig:
+    """A 4-layer float32 decoder of the sizes these cases share, with ``changes``."""
+    sizes = dict(embed=128, heads=4, kv_heads=4, head_dim=32, mlp=512, layers=4, vocab=256)
+    return LlamaConfig(**{**sizes, "dtype": "float32", **changes})
+
+
 F32 = jnp.float32
 
 
@@ -161,17 +169,7 @@ def test_weight_gradients_whose_reductions_are_combined_are_alive_unreduced_unti
     full = 256 * 1024 * 4
     kept = {}
     for scan in (False, True):
-        cfg = LlamaConfig(
-            embed=256,
-            heads=4,
-            kv_heads=4,
-            head_dim=64,
-            mlp=1024,
-            layers=4,
-            vocab=512,
-            scan=scan,
-            dtype="float32",
-        )
+        cfg = _small(embed=256, head_dim=64, mlp=1024, vocab=512, scan=scan)
         state, step, batch = llama_step(cfg, 16, 64)
         work = trace_workload(step, state, batch)
         for combine in (0, 64 << 20):
@@ -190,18 +188,7 @@ def test_residuals_saved_through_prevent_cse_reduce_precision_are_kept():
     prof = dataclasses.replace(H100, fused_attention=False, rematerialize=False)
     kept = {}
     for scan in (True, False):
-        cfg = LlamaConfig(
-            embed=128,
-            heads=4,
-            kv_heads=4,
-            head_dim=32,
-            mlp=512,
-            layers=4,
-            vocab=256,
-            remat="dots",
-            scan=scan,
-            dtype="float32",
-        )
+        cfg = _small(remat="dots", scan=scan)
         state, step, batch = llama_step(cfg, 8, 64)
         kept[scan] = predict(trace_workload(step, state, batch), {"data": 1}, (), prof)
     # the unrolled layers keep what the scanned ones stack (they kept 0.4x before)
@@ -224,18 +211,7 @@ def test_a_rematerialised_partial_sum_combined_into_the_forward_keeps_its_recomp
     scores = 8 * 1 * 64 * 64 * 4  # one layer's [batch 16/2, heads 4/4, 64, 64] float32
     added = {}
     for scan in (False, True):
-        cfg = LlamaConfig(
-            embed=128,
-            heads=4,
-            kv_heads=4,
-            head_dim=32,
-            mlp=512,
-            layers=4,
-            vocab=256,
-            remat="full",
-            scan=scan,
-            dtype="float32",
-        )
+        cfg = _small(remat="full", scan=scan)
         state, step, batch = llama_step(cfg, 16, 64)
         work = trace_workload(step, state, batch)
         for name, (mesh, rules) in (("tp", tp), ("dp", dp)):
