@@ -731,8 +731,9 @@ def build(
         materialized = materialized | kept_expensive(jaxpr)
     b = _Builder(names, scores, dot_of, materialized, recompute)
     if late:
-        b.late_reads = _late_reads(jaxpr, names, materialized)
-        jaxpr = late_gradients(jaxpr, names, materialized)
+        moved = _late_moves(jaxpr.eqns, names, materialized)
+        b.late_reads = _late_reads(jaxpr, moved)
+        jaxpr = _run_last(jaxpr, moved)
     b.walk(jaxpr, {}, {}, True, set(jaxpr.invars) | set(jaxpr.outvars))
     outputs: dict[int, int] = {}
     for v in dict.fromkeys(v for v in jaxpr.outvars if not isinstance(v, Literal)):
@@ -935,7 +936,19 @@ def late_gradients(
         >>> [e.primitive.name for e in late_gradients(j, names).eqns]
         ['dot_general', 'tanh', 'dot_general', 'reduce_sum']
     """
-    moved = _late_moves(jaxpr.eqns, names, materialized)
+    return _run_last(jaxpr, _late_moves(jaxpr.eqns, names, materialized))
+
+
+def moves_late(jaxpr: Any, names: Mapping[Any, Any], materialized: set[Any] | None) -> bool:
+    """Whether :func:`build` with ``late=True`` would run any of ``jaxpr``'s equations last
+    (else its program is the one without ``late``)."""
+    if materialized is not None:
+        materialized = materialized | kept_expensive(jaxpr)
+    return any(_late_moves(jaxpr.eqns, names, materialized))
+
+
+def _run_last(jaxpr: Any, moved: Sequence[bool]) -> Any:
+    """``jaxpr`` with the equations ``moved`` marks after the others, each group in order."""
     if not any(moved):
         return jaxpr
     order = [e for e, m in zip(jaxpr.eqns, moved, strict=True) if not m]
@@ -1006,12 +1019,11 @@ def _late_moves(
     return moved
 
 
-def _late_reads(jaxpr: Any, names: Mapping[Any, Any], materialized: set[Any] | None) -> set[Any]:
-    """The values the equations :func:`late_gradients` runs last read, and those cheap ops
-    make them from (:func:`recompute_sources`): what XLA may compute again inside the late
-    fusions from values kept until then, rather than keep."""
+def _late_reads(jaxpr: Any, moved: Sequence[bool]) -> set[Any]:
+    """The values the equations :func:`late_gradients` runs last (``moved``) read, and those
+    cheap ops make them from (:func:`recompute_sources`): what XLA may compute again inside
+    the late fusions from values kept until then, rather than keep."""
     direct = recompute_sources(jaxpr, direct=True)
-    moved = _late_moves(jaxpr.eqns, names, materialized)
     alias = aliases(jaxpr)
     whole = _whole_reads(jaxpr, alias)
     stack = [

@@ -1378,6 +1378,11 @@ def trace_workload(
     batch = int(flat_batch[0].shape[0]) if flat_batch and flat_batch[0].shape else None
     params = tuple(dict.fromkeys(n for names, _, _ in state if names for n in names if n))
     var_names = {**walker.var_names, **walker.buffer_names}
+    # The third program (the gradients' reductions run last) only where any of them moves:
+    # otherwise it is the second one, and the cost model takes that.
+    variants = [(True, False), (False, False)]
+    if memory.moves_late(jaxpr, var_names, walker.materialized):
+        variants.append((False, True))
     programs = [
         memory.build(
             jaxpr,
@@ -1388,7 +1393,7 @@ def trace_workload(
             recompute,
             late,
         )
-        for recompute, late in ((True, False), (False, False), (False, True))
+        for recompute, late in variants
     ]
     batch_state = [
         (tuple(name_of(b)), tuple(getattr(b, "shape", ())), _itemsize(b)) for b in flat_batch
@@ -1424,7 +1429,7 @@ def trace_workload(
         walker.moves,
         _lookups(walker),
         frozenset(walker.backward_dots),
-        memory_late=programs[2],
+        memory_late=programs[2] if len(programs) > 2 else None,
     )
 
 
