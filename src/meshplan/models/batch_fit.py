@@ -88,8 +88,10 @@ class BatchFit:
                     _problem(
                         "unknown-axis",
                         str(d.name),
-                        f"{d.name!r} is on mesh axis {axes}, which the mesh does not have",
-                        "Map it to the mesh's axes.",
+                        f"{d.name!r} is on mesh axis {axes}, which the mesh "
+                        f"{self.mesh_axes} does not have",
+                        f"Map {d.name!r} to one of the mesh's axes {self.mesh_axes} in the "
+                        "rules, or to None.",
                     )
                 )
             else:
