@@ -60,6 +60,9 @@ Cell = tuple[tuple[Any, ...], tuple[int, ...], int, bool]
 _LOOPS = ("scan", "while")
 _REMAT = ("remat2", "checkpoint", "remat")
 _CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# The ops priced as matmuls (:class:`meshplan._search.predict.trace.Dot`): a convolution is
+# the matmul of its unfolded input, its weight gathered and its gradient reduced as one's.
+_MATMULS = ("dot_general", "conv_general_dilated")
 
 # Elementwise ops (and the broadcasts, casts, slices around them) that XLA recomputes where
 # their value is used rather than keep it: fusion duplicates them into each consumer, and
@@ -518,7 +521,7 @@ class _Builder:
                 for c in outs.values():
                     here_short[c] = here_short.get(c, 0) + 1
                 dot = -1
-                if prim == "dot_general":
+                if prim in _MATMULS:
                     d = self.dot_of(eqn)
                     dot = self.dots.setdefault(d, len(self.dots))
                 self.add(here_long, here_short, dot)
@@ -538,7 +541,7 @@ class _Builder:
         outputs = {v for v in body.outvars if not isinstance(v, Literal)}
         triggers = []
         for m, e in enumerate(body.eqns):
-            if e.primitive.name != "dot_general":
+            if e.primitive.name not in _MATMULS:
                 continue
             ancestors, stack, inputs = set(), [m], set()
             while stack:
