@@ -88,9 +88,10 @@ def test_hugging_face_on_an_explicit_mesh_is_refused_naming_the_call_and_auto_ax
 # (f32[8, 32, 192], f32[8, 32, 256]: 1,179,648 bytes alive) and kept whole for the backward,
 # their slice to the batch fused into each reader. The planner carries the split only into
 # the first c_attn: an elementwise sum takes its first operand's names, and Hugging Face adds
-# the projection to the residual (`attn_output + residual`), the plain batch first. Ranking
-# the stream's split above the plain batch in a sum puts GPT-2 at 0.89, but moves the suite's
-# decoder-fsdp to 1.39 and moe-fsdp to 0.73 and loses their all-to-alls (not landed).
+# the projection to the residual (`attn_output + residual`), the plain batch first. Tried,
+# not landed: the stream's split ranked above the plain batch in a sum gives GPT-2 1.39 (the
+# suite's decoder-fsdp 1.24, its all-to-all lost); with the sliced projections' outputs also
+# priced whole, GPT-2 0.89 but decoder-fsdp 1.39, moe-fsdp 0.73, both losing the all-to-all.
 _GPT2_FSDP_MISS = (
     "0.59: the residual stream kept in the table's split through every layer, the "
     "projections' all-reduced whole partial sums kept as residuals (c_fc, c_attn, the logits)"
