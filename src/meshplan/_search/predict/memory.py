@@ -40,7 +40,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from meshplan._search.predict.jaxpr_facts import call_body, facts, is_alias
-from meshplan._search.predict.primitives import CALL_PARAMS, FUSES_OPERANDS, REMAT
+from meshplan._search.predict.primitives import CALL_PARAMS, FUSES_OPERANDS, MATMULS, REMAT
 
 __all__ = [
     "Hoist",
@@ -283,7 +283,7 @@ class _Builder:
                 for c in outs.values():
                     here_short[c] = here_short.get(c, 0) + 1
                 dot = -1
-                if prim == "dot_general":
+                if prim in MATMULS:
                     d = self.dot_of(eqn)
                     dot = self.dots.setdefault(d, len(self.dots))
                 self.add(here_long, here_short, dot)
@@ -303,7 +303,7 @@ class _Builder:
         outputs = {v for v in body.outvars if not isinstance(v, Literal)}
         triggers = []
         for m, e in enumerate(body.eqns):
-            if e.primitive.name != "dot_general":
+            if e.primitive.name not in MATMULS:
                 continue
             ancestors, stack, inputs = set(), [m], set()
             while stack:

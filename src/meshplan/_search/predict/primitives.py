@@ -16,6 +16,7 @@ __all__ = [
     "EXPENSIVE",
     "FUSES_OPERANDS",
     "KINDS",
+    "MATMULS",
     "RECOMPUTED",
     "REMAT",
     "SAME_LAYOUT",
@@ -130,6 +131,10 @@ gives as XLA would."""
 
 REMAT = KINDS["remat"]
 """Rematerialised calls."""
+
+MATMULS = KINDS["matmul"]
+"""The ops priced as matmuls (:class:`meshplan._search.predict.trace.Dot`): a convolution is
+the matmul of its unfolded input, its weight gathered and its gradient reduced as one's."""
 
 SAME_LAYOUT = frozenset({"add", "add_any", "sub", "neg", "mul", "convert_element_type"})
 """Elementwise ops whose operands XLA's sharding propagation gives their result's sharding."""
