@@ -3,21 +3,28 @@ bandwidth, and an all-reduce's latency and bandwidth, every device busy at once.
 
 The ``cpu`` hardware profile (:func:`meshplan._search.predict.profiles.calibrate_cpu`)
 is made of these figures, and MFU on CPU (:func:`meshplan.train.flops.mesh_peak`) reads
-its matmul FLOP/s, so the two agree. Each figure is the median of many timed calls after
-a warm-up (a median, not the best: one lucky call under another process's pause does not
-set it), and each call is long enough for the dispatch to be a small part of it: a chain
-of matmuls of cache-sized matrices (256 x 256 float32, 256 KiB each) in one program.
-Only this process's devices take part (no other process is waited for).
+its matmul FLOP/s, so the two agree. Six programs (a chain of matmuls of cache-sized
+matrices, 256 x 256 float32; an elementwise op on 4 MiB per device; a ``psum`` and a
+chain of 17, of 4 bytes and of 1 MiB per device) run interleaved, one call of each per
+round, after two rounds of warm-up, for 15 to 60 rounds (1 s of calls); each figure is
+the median over the rounds, and the collectives' are medians of round-by-round
+differences (a chain less its single call), so a change in what else runs on the machine
+moves the terms of a difference together. Each program donates its operand and runs on
+its last result: no call allocates, so none pays the first touch of fresh pages (which
+was half the elementwise call's CPU time). Only this process's devices take part.
+``benchmarks/bench_calibration.py`` measures how far the figures move from one process
+to the next (docs/benchmarks.md).
 
 A call's seconds are what it takes on this machine with nothing else running
 (:func:`call_seconds`): where the devices are at least as many as the cores this process
 may run on, every core is kept busy by the devices alone, so a call takes its CPU time
-(every device's thread, summed) over the cores. That figure is the work itself: other
-processes on a shared machine lengthen the wall clock (a 2-core machine at a load of 8
-per core gave 4x lower FLOP/s and 12x lower bandwidth by the clock, minutes apart), not
-the CPU time. With fewer devices than cores it is the wall clock's. A collective's
-latency is what one costs inside a program (a chain of them, less one), not a whole
-call's, whose dispatch a step pays once, not per collective.
+(every device's thread, summed: ``time.process_time``, the kernel's per-thread runtime
+in nanoseconds) over the cores. That figure is the work itself: other processes on a
+shared machine lengthen the wall clock (a 2-core machine at a load of 8 per core gave 4x
+lower FLOP/s and 12x lower bandwidth by the clock, minutes apart), not the CPU time. With
+fewer devices than cores it is the wall clock's. A collective's latency is what one
+costs inside a program (a chain of them, less one), not a whole call's, whose dispatch a
+step pays once, not per collective.
 """
 
 from __future__ import annotations
@@ -198,13 +205,13 @@ def _flops(seconds: float) -> float:
 
 def matmul_flops(devices: int, dtype: str = "float32") -> float:
     """Matmul FLOP/s of each of the first ``devices`` CPU devices while all of them run one
-    (measured once per process, count and dtype; a second or less). In float32 it is
+    (measured once per process, count and dtype; a second or two). In float32 it is
     :func:`measure_cpu`'s figure, the one measurement.
 
     Example:
-        >>> from meshplan._search.measure.cpu import matmul_flops
-        >>> matmul_flops(2) > 1e8
-        True
+        >>> from meshplan._search.measure.cpu import matmul_flops, measure_cpu
+        >>> matmul_flops(2) > 1e8, matmul_flops(2) == measure_cpu(2).matmul_flops
+        (True, True)
     """
     n, kind = len(cpu_devices(devices)), str(dtype)
     if np.dtype(kind) == np.float32:
