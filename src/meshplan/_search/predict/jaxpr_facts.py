@@ -19,17 +19,20 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Any
+from typing import TypeAlias
 
 import jax.numpy as jnp
-from jax.extend.core import Literal
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
 from meshplan._search.predict.primitives import CALL_PARAMS, EXPENSIVE, FUSES_OPERANDS
 
-__all__ = ["Facts", "aliases", "call_body", "facts", "is_alias"]
+__all__ = ["Atom", "Facts", "aliases", "call_body", "facts", "is_alias"]
+
+Atom: TypeAlias = Var | Literal
+"""An equation's operand: a variable or a literal."""
 
 
-def is_alias(eqn: Any) -> bool:
+def is_alias(eqn: JaxprEqn) -> bool:
     """A sharding constraint of one variable: the same buffer (a reshard is priced apart);
     or a ``reduce_precision`` to its value's own precision, which changes nothing (XLA's
     simplifier removes it): what ``jax.checkpoint`` with ``prevent_cse`` (unrolled layers)
@@ -48,7 +51,7 @@ def is_alias(eqn: Any) -> bool:
     name = eqn.primitive.name
     if name == "reduce_precision":
         try:
-            info = jnp.finfo(eqn.invars[0].aval.dtype)  # type: ignore[no-untyped-call]
+            info = jnp.finfo(eqn.invars[0].aval.dtype)  # type: ignore[attr-defined,no-untyped-call]
         except (TypeError, ValueError):
             return False
         p = eqn.params
@@ -56,7 +59,7 @@ def is_alias(eqn: Any) -> bool:
     return bool(name == "sharding_constraint")
 
 
-def call_body(eqn: Any) -> Any:
+def call_body(eqn: JaxprEqn) -> Jaxpr | None:
     """The body of a call (``pjit``, ``remat``, custom derivatives) with ``eqn``'s arity.
 
     Example:
@@ -70,14 +73,17 @@ def call_body(eqn: Any) -> Any:
         return None
     for key in CALL_PARAMS:
         sub = eqn.params.get(key)
-        if sub is not None:
-            sub = getattr(sub, "jaxpr", sub)
-            if len(sub.invars) == len(eqn.invars):
-                return sub
+        if sub is not None and len(_open(sub).invars) == len(eqn.invars):
+            return _open(sub)
     return None
 
 
-def aliases(jaxpr: Any) -> dict[Any, Any]:
+def _open(jaxpr: Jaxpr | ClosedJaxpr) -> Jaxpr:
+    """A closed jaxpr's jaxpr; a jaxpr itself."""
+    return jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
+
+
+def aliases(jaxpr: Jaxpr | ClosedJaxpr) -> dict[Var, Var]:
     """``{output: input}`` of ``jaxpr``'s sharding constraints, chains resolved, and of the
     calls (``pjit``...) that give back one of their inputs (a constraint inside them):
     :attr:`Facts.alias`.
@@ -113,26 +119,26 @@ class Facts:
     that follows them (:func:`meshplan._search.predict.memory.kept_expensive`).
     """
 
-    alias: dict[Any, Any]
-    bodies: tuple[Any, ...]
-    producer: dict[Any, Any]
-    defined: dict[Any, int]
-    readers: dict[Any, list[int]]
-    last_use: dict[Any, int]
-    last_read: dict[Any, int]
-    consumers: dict[Any, list[str]]
-    whole_reads: dict[Any, list[int]]
+    alias: dict[Var, Var]
+    bodies: tuple[Jaxpr | None, ...]
+    producer: dict[Var, JaxprEqn]
+    defined: dict[Var, int]
+    readers: dict[Var, list[int]]
+    last_use: dict[Var, int]
+    last_read: dict[Var, int]
+    consumers: dict[Var, list[str]]
+    whole_reads: dict[Var, list[int]]
     whole_inputs: frozenset[int]
-    sources: dict[Any, frozenset[Any]]
-    direct_sources: dict[Any, frozenset[Any]]
+    sources: dict[Var, frozenset[Var]]
+    direct_sources: dict[Var, frozenset[Var]]
     splits: bool
-    kept_expensive: frozenset[Any]
+    kept_expensive: frozenset[Var]
 
 
-_FACTS: weakref.WeakKeyDictionary[Any, Facts] = weakref.WeakKeyDictionary()
+_FACTS: weakref.WeakKeyDictionary[Jaxpr, Facts] = weakref.WeakKeyDictionary()
 
 
-def facts(jaxpr: Any) -> Facts:
+def facts(jaxpr: Jaxpr | ClosedJaxpr) -> Facts:
     """The :class:`Facts` of ``jaxpr`` (a ``Jaxpr`` or ``ClosedJaxpr``), walked once and
     kept while it lives.
 
@@ -147,25 +153,24 @@ def facts(jaxpr: Any) -> Facts:
         >>> got.alias == {j.jaxpr.eqns[1].outvars[0]: j.jaxpr.eqns[0].outvars[0]}
         True
     """
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    got = _FACTS.get(jaxpr)
+    opened = _open(jaxpr)
+    got = _FACTS.get(opened)
     if got is None:
-        got = _FACTS[jaxpr] = _walk(jaxpr)
+        got = _FACTS[opened] = _walk(opened)
     return got
 
 
-def _alias_body(eqn: Any) -> Any:
+def _alias_body(eqn: JaxprEqn) -> Jaxpr | None:
     """The body whose aliases pass through ``eqn`` (a call's, a scan's), with its arity."""
     if eqn.primitive.name in ("while", "cond"):
         return None
     sub = next((eqn.params[k] for k in CALL_PARAMS if eqn.params.get(k) is not None), None)
-    sub = getattr(sub, "jaxpr", sub)
-    if sub is None or len(sub.invars) != len(eqn.invars):
+    if sub is None or len(_open(sub).invars) != len(eqn.invars):
         return None
-    return sub
+    return _open(sub)
 
 
-def _nested(eqn: Any) -> list[Any]:
+def _nested(eqn: JaxprEqn) -> list[Jaxpr]:
     """Every jaxpr ``eqn`` holds: a loop's body, a cond's branches, a call's body."""
     p = eqn.params
     subs = (
@@ -178,7 +183,7 @@ def _nested(eqn: Any) -> list[Any]:
     return [sub for sub in out if sub is not None and hasattr(sub, "eqns")]
 
 
-def _expensive(eqn: Any) -> bool:
+def _expensive(eqn: JaxprEqn) -> bool:
     """An expensive elementwise op (:data:`meshplan._search.predict.primitives.EXPENSIVE`);
     a division by a constant is a multiplication by its reciprocal after XLA's simplifier."""
     if eqn.primitive.name not in EXPENSIVE:
@@ -190,34 +195,34 @@ class _Walk:
     """The state of one walk of a jaxpr (:func:`_walk`)."""
 
     def __init__(self) -> None:
-        self.alias: dict[Any, Any] = {}
-        self.producer: dict[Any, Any] = {}
-        self.defined: dict[Any, int] = {}
-        self.readers: dict[Any, list[int]] = {}
-        self.last_use: dict[Any, int] = {}
-        self.last_read: dict[Any, int] = {}
-        self.consumers: dict[Any, list[str]] = {}
-        self.whole_reads: dict[Any, list[int]] = {}
-        self.read_whole: set[Any] = set()
-        self.sources: dict[Any, frozenset[Any]] = {}
-        self.direct: dict[Any, frozenset[Any]] = {}
+        self.alias: dict[Var, Var] = {}
+        self.producer: dict[Var, JaxprEqn] = {}
+        self.defined: dict[Var, int] = {}
+        self.readers: dict[Var, list[int]] = {}
+        self.last_use: dict[Var, int] = {}
+        self.last_read: dict[Var, int] = {}
+        self.consumers: dict[Var, list[str]] = {}
+        self.whole_reads: dict[Var, list[int]] = {}
+        self.read_whole: set[Var] = set()
+        self.sources: dict[Var, frozenset[Var]] = {}
+        self.direct: dict[Var, frozenset[Var]] = {}
         self.split_at: list[int] = []  # the equations that end a fusion
-        self.expensive: list[tuple[int, Any]] = []
-        self.kept: set[Any] = set()
+        self.expensive: list[tuple[int, Var]] = []
+        self.kept: set[Var] = set()
 
-    def resolved(self, v: Any) -> Any:
+    def resolved(self, v: Var) -> Var:
         return self.alias.get(v, v)
 
-    def of(self, v: Any) -> frozenset[Any]:
+    def of(self, v: Atom) -> frozenset[Var]:
         """The values ``v`` is recomputed from (``sources``)."""
         if isinstance(v, Literal):
             return frozenset()
         return self.sources.get(v, frozenset({self.resolved(v)}))
 
-    def direct_of(self, v: Any) -> frozenset[Any]:
+    def direct_of(self, v: Atom) -> frozenset[Var]:
         return frozenset() if isinstance(v, Literal) else frozenset({self.resolved(v)})
 
-    def reads(self, i: int, eqn: Any, alias: bool, fused: bool) -> None:
+    def reads(self, i: int, eqn: JaxprEqn, alias: bool, fused: bool) -> None:
         """The reads of equation ``i``: readers, last uses, consumers, whole reads."""
         prim = eqn.primitive.name
         body = None if fused or alias else call_body(eqn)
@@ -241,7 +246,7 @@ class _Walk:
             if not got or got[-1] != i:
                 got.append(i)
 
-    def recomputed(self, eqn: Any, fused: bool, body: Any) -> None:
+    def recomputed(self, eqn: JaxprEqn, fused: bool, body: Jaxpr | None) -> None:
         """The values ``eqn`` makes that cheap ops compute (``sources``)."""
         if fused:
             made = frozenset().union(*map(self.of, eqn.invars))
@@ -253,7 +258,7 @@ class _Walk:
             return
         inner, position = facts(body).sources, {v: i for i, v in enumerate(body.invars)}
         for o, v in zip(eqn.outvars, body.outvars, strict=True):
-            got: frozenset[Any] | None = frozenset() if isinstance(v, Literal) else inner.get(v)
+            got: frozenset[Var] | None = frozenset() if isinstance(v, Literal) else inner.get(v)
             if got is None and v in position:
                 got = frozenset({v})  # the call gives back one of its inputs
             if got is not None and all(x in position for x in got):
@@ -261,7 +266,7 @@ class _Walk:
                 self.sources[o] = frozenset().union(*map(self.of, outer))
                 self.direct[o] = frozenset().union(*map(self.direct_of, outer))
 
-    def aliased(self, eqn: Any) -> None:
+    def aliased(self, eqn: JaxprEqn) -> None:
         """The outputs of a call (a scan) that give back one of its inputs (``alias``)."""
         sub = _alias_body(eqn)
         if sub is None:
@@ -271,16 +276,16 @@ class _Walk:
         nc, ncarry = eqn.params.get("num_consts", 0), eqn.params.get("num_carry", 0)
         for j, (outer, v) in enumerate(zip(eqn.outvars, sub.outvars, strict=True)):
             i = position.get(inner.get(v, v)) if not isinstance(v, Literal) else None
-            if i is None or isinstance(eqn.invars[i], Literal):
+            x = None if i is None else eqn.invars[i]
+            if i is None or not isinstance(x, Var):
                 continue
             if eqn.primitive.name == "scan" and not (
                 i == nc + j if j < ncarry else i >= nc + ncarry
             ):
                 continue  # a scan gives back a carry as it came, or a slice of its xs
-            x = eqn.invars[i]
             self.alias[outer] = self.alias.get(x, x)
 
-    def eqn(self, i: int, eqn: Any) -> Any:
+    def eqn(self, i: int, eqn: JaxprEqn) -> Jaxpr | None:
         """Record equation ``i``; its call body."""
         alias = is_alias(eqn)
         fused = eqn.primitive.name in FUSES_OPERANDS or alias
@@ -288,8 +293,8 @@ class _Walk:
         self.reads(i, eqn, alias, fused)
         for o in eqn.outvars:
             self.producer[o], self.defined[o] = eqn, i
-        if alias:
-            x = eqn.invars[0]
+        x = eqn.invars[0] if alias else None
+        if isinstance(x, Var):  # a constraint's (never a literal's: :func:`is_alias`)
             self.alias[eqn.outvars[0]] = self.alias.get(x, x)
         else:
             self.aliased(eqn)
@@ -303,7 +308,7 @@ class _Walk:
         return body
 
 
-def _walk(jaxpr: Any) -> Facts:
+def _walk(jaxpr: Jaxpr) -> Facts:
     """The one walk of ``jaxpr`` (:class:`Facts`)."""
     w = _Walk()
     bodies = tuple(w.eqn(i, eqn) for i, eqn in enumerate(jaxpr.eqns))
