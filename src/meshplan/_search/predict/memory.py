@@ -136,7 +136,10 @@ _FUSES_OPERANDS = _RECOMPUTED | {
 # value that is not a constant, square roots): fusion never duplicates one into several
 # consumers, so a value one computes, read on both sides of an op that ends a fusion (a
 # matmul: the forward's use and the backward's, as tanh-GELU's tanh and softmax's
-# exponentials are), is written to memory once and kept until its last read.
+# exponentials are), is written to memory once and kept until its last read. ``erfc`` (exact
+# GELU's) is no HLO op: XLA expands it through ``exp``, so it is as expensive (read in moe-dp's
+# buffer assignment: exact GELU's erfc and the exp(-x^2) of its derivative both kept from
+# the forward pass to the experts' backward, [batch, seq, expert, mlp] each).
 _EXPENSIVE = frozenset(
     {
         "atan2",
@@ -145,6 +148,7 @@ _EXPENSIVE = frozenset(
         "div",
         "erf",
         "erf_inv",
+        "erfc",
         "exp",
         "exp2",
         "expm1",
@@ -839,8 +843,12 @@ def peak(
 
     ``held``: per matmul, the bytes of its output where that output (a data parallel weight
     gradient, whole on every device) is held until the combined all-reduce runs (0: not
-    held): at those same points, what of them the program no longer keeps alive (it lets
-    a gradient go into the update as it is made) is counted alive.
+    held): at every point, those made before it (in its loop iteration, or the step) are
+    alive, and what of them the program no longer keeps alive there (it lets a gradient
+    go into the update as it is made, or fuses away the transpose the update reads) is
+    counted alive: a gradient made early in the backward pass is held through the rest of
+    it (read in moe-dp's buffer assignment: both expert weights' gradients alive in the
+    experts' backward, from their matmuls to the combined all-reduce).
     """
     size = program.sizes(bytes_of)
     lo, sh = program.long @ size, program.short @ size
@@ -889,7 +897,7 @@ def peak(
             last |= inside & (copies == copies[inside].max())
         extra += np.where(last, np.minimum(copies, combine_bytes), 0.0)
         if any(held):
-            extra += np.where(last, _released(program, size, held), 0.0)
+            extra += _released(program, size, held)
     if any(partial_sums):
         for h in program.hoists:
             first = next((t for t in h.triggers if partial_sums[t[0]]), None)
