@@ -300,3 +300,23 @@ def test_gradient_reductions_run_last_where_one_all_reduce_combines_them():
     assert abs(kept[1] - xla) <= 0.2 * xla < abs(kept[0] - xla)  # 1.14 and 0.73 of XLA's
     assert get_profile("cpu").late_gradients
     assert not any(get_profile(n).late_gradients for n in ("h100", "tpu_v5p"))
+
+
+def test_a_value_a_call_returns_is_in_memory_only_where_its_readers_end_a_fusion():
+    # jax.nn.one_hot is jitted: XLA inlines it, so the one-hot, read by the loss's
+    # multiplies alone, is fused into them, never written; a call's output that a matmul
+    # reads (the logits, returned by a jit) is written.
+    state = {"w": _box((64, 256), ("embed", "vocab"))}
+    batch = (jax.ShapeDtypeStruct((16, 64), F32), jax.ShapeDtypeStruct((16,), jnp.int32))
+
+    def step(s, b):
+        def loss(p):
+            logits = jax.jit(lambda x, w: x @ w)(b[0], p["w"].value)
+            logp = logits - jnp.log(jnp.exp(logits).sum(-1, keepdims=True))
+            return -(logp * jax.nn.one_hot(b[1], 256)).sum()
+
+        return jax.grad(loss)(s)
+
+    work = trace_workload(step, state, batch)
+    kept = {c[0] for c in work.memory_kept.cells if c[1] == (16, 256)}
+    assert kept and all("vocab" in names for names in kept)  # the logits; no one-hot
