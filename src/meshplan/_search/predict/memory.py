@@ -564,8 +564,12 @@ def peak(
 
     ``held``: per matmul, the bytes of its output where that output (a data parallel weight
     gradient, whole on every device) is held until the combined all-reduce runs (0: not
-    held): at those same points, what of them the program no longer keeps alive (it lets
-    a gradient go into the update as it is made) is counted alive.
+    held): at every point, those made before it (in its loop iteration, or the step) are
+    alive, and what of them the program no longer keeps alive there (it lets a gradient
+    go into the update as it is made, or fuses away the transpose the update reads) is
+    counted alive: a gradient made early in the backward pass is held through the rest of
+    it (read in moe-dp's buffer assignment: both expert weights' gradients alive in the
+    experts' backward, from their matmuls to the combined all-reduce).
     """
     size = program.sizes(bytes_of)
     lo, sh = program.long @ size, program.short @ size
@@ -614,7 +618,7 @@ def peak(
             last |= inside & (copies == copies[inside].max())
         extra += np.where(last, np.minimum(copies, combine_bytes), 0.0)
         if any(held):
-            extra += np.where(last, _released(program, size, held), 0.0)
+            extra += _released(program, size, held)
     if any(partial_sums):
         for h in program.hoists:
             first = next((t for t in h.triggers if partial_sums[t[0]]), None)

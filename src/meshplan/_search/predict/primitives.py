@@ -45,11 +45,14 @@ KINDS: dict[str, frozenset[str]] = {
     "costly": _named(
         "cos div erf erf_inv exp exp2 expm1 log log1p logistic pow rsqrt sin sqrt tanh"
     ),
-    # Expensive elementwise ops the memory model does not recompute.
-    "costly_kept": _named("atan2 cbrt tan"),
+    # Expensive elementwise ops the memory model does not recompute. ``erfc`` (exact GELU's)
+    # is no HLO op: XLA expands it through ``exp``, so it is as expensive (read in moe-dp's
+    # buffer assignment: exact GELU's erfc and the exp(-x^2) of its derivative both kept
+    # from the forward pass to the experts' backward, [batch, seq, expert, mlp] each).
+    "costly_kept": _named("atan2 cbrt erfc tan"),
     # The other elementwise ops (lax's): every dimension of the result is an operand's.
     "elementwise": _named(
-        "acos acosh asin asinh atan atanh ceil clz complex conj cosh digamma erfc floor igamma"
+        "acos acosh asin asinh atan atanh ceil clz complex conj cosh digamma floor igamma"
         " igammac imag is_finite lgamma mulhi nextafter polygamma population_count real"
         " regularized_incomplete_beta rem round shift_left shift_right_arithmetic"
         " shift_right_logical sinh zeta bessel_i0e bessel_i1e random_gamma_grad"

@@ -394,6 +394,9 @@ class _Walker:
         self.causal_masks: set[tuple[int, int]] = set()
         self.score_sizes: set[int] = set()  # elements of the q·kᵀ products seen
         self.consumers: dict[Any, list[str]] = {}
+        # A call body's returned value: the call's output it becomes (XLA inlines the call,
+        # so what reads that output reads the value: :meth:`readers`).
+        self.returned_as: dict[Any, Any] = {}
         self.dot_by_eqn: dict[int, Dot] = {}
         # (eqn id, output, dot, times, operands, in the backward pass)
         self.dot_runs: list[tuple[int, Any, Dot, int, tuple[Any, ...], bool]] = []
@@ -790,6 +793,7 @@ class _Walker:
                             self.scores.add(inner)
                     self._into(eqn.invars, sub.invars)
                     self._pass_origin(eqn.invars, sub.invars)
+                    self._returns(sub, eqn.outvars)
                     result = self.walk(sub, ins, times)
                     self._pass_origin(sub.outvars, eqn.outvars)
                     alias = facts(sub).alias
@@ -993,7 +997,7 @@ class _Walker:
             return  # XLA computes it where it is used (constant sinking, fusion)
         shape = tuple(getattr(v.aval, "shape", ()))
         size = math.prod(shape) * _itemsize(v.aval)
-        consumers = self.consumers.get(v, [])
+        consumers = self.readers(v)
         readers = sum(1 for c in consumers if c in BOUNDARY and c != "dot_general")
         if dot_out:
             moved = size * readers
@@ -1006,6 +1010,29 @@ class _Walker:
         if moved and times:
             cell = (names, shape, score)
             self.traffic[cell] = self.traffic.get(cell, 0) + moved * times
+
+    def _returns(self, body: Any, outer: Sequence[Any]) -> None:
+        """Notes the call's outputs ``outer`` as what ``body``'s returned values become."""
+        same = facts(body).alias
+        for inner, out in zip(body.outvars, outer, strict=True):
+            if not isinstance(inner, Literal) and type(out).__name__ != "DropVar":
+                self.returned_as[same.get(inner, inner)] = out
+
+    def readers(self, v: Any) -> list[str]:
+        """The primitives that read ``v`` (``'return'``: an output of the step, or of a
+        loop's body). A value a call (``jit``, ``custom_jvp``, ``checkpoint``) returns is
+        read by what reads the call's output: XLA inlines the call, so its return ends no
+        fusion (the integer labels' one-hot of ``jax.nn.one_hot``, under its own ``jit``, is
+        fused into the loss that multiplies it, never written to memory)."""
+        got = self.consumers.get(v, [])
+        seen = {v}
+        while "return" in got and v in self.returned_as:
+            v = self.returned_as[v]
+            if v in seen:
+                break
+            seen.add(v)
+            got = [c for c in got if c != "return"] + self.consumers.get(v, [])
+        return got
 
     @staticmethod
     def other(
