@@ -32,6 +32,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from meshplan._search.predict import memory, op_names
+from meshplan._search.predict.fusion_reads import REDUCTIONS, FusionReads
 from meshplan._search.predict.memory import MemoryProgram
 from meshplan._spmd.leaves import array_leaves
 from meshplan._spmd.rules import LogicalRules
@@ -528,6 +529,7 @@ class _Walker:
         self.operand_arrays: dict[tuple[Dot, int], frozenset[int]] = {}
         self.arrays: list[tuple[int, bool]] = []
         self.materialized: set[Any] = set()  # values XLA writes to memory (not fused away)
+        self.fusion_reads = FusionReads()  # the buffers a fusion's kernel reads (fusion_reads)
         self.constlike: set[Any] = set()  # computed from no input (iotas, masks): recomputed
         self.reshards: dict[tuple[Names, Names, tuple[int, ...], int], int] = {}
         self.moves: dict[tuple[Names, Names, tuple[int, ...], int], int] = {}
@@ -580,6 +582,8 @@ class _Walker:
         for v, n in zip(jaxpr.invars, in_names, strict=True):
             env[v] = n
             self.var_names[v] = n
+            if v not in self.constlike:  # an input: a buffer its kernels read
+                self._buffer(v, n)
         alias = memory.aliases(jaxpr)  # a constraint's value is its input's buffer
         for eqn in jaxpr.eqns:
             if memory.is_alias(eqn):
@@ -608,6 +612,8 @@ class _Walker:
                 env[v] = n
                 self.var_names[v] = n
                 self.note(n)
+                if v in self.materialized and v not in self.fusion_reads.leaf:
+                    self._buffer(v, n)  # a loop's or a call's result: a buffer in memory
             if eqn.primitive.name in _SAME_LAYOUT:
                 self._constrain_forward(eqn, env, alias, producer)
                 self._carry_back(eqn, outs, producer)
@@ -934,6 +940,7 @@ class _Walker:
                         if not isinstance(inner, Literal) and inner in self.lookup_of:
                             self.lookup_of[outer] = self.lookup_of[inner]
                         inner = alias.get(inner, inner)
+                        self.fusion_reads.same(outer, inner)
                         if not isinstance(inner, Literal) and inner in self.scores:
                             self.scores.add(outer)
                         if isinstance(inner, Literal) or inner in self.constlike:
@@ -952,6 +959,7 @@ class _Walker:
             for group in (self.scores, self.constlike, self.materialized):
                 if x in group:
                     group.add(y)
+            self.fusion_reads.same(y, x)
             return [self._constraint(eqn, ins[0], shapes[0], times)]
         if prim == "select_n" and self._masks_scores(eqn, ins):
             self.causal_masks.add(shapes[0][-2:])
@@ -964,7 +972,11 @@ class _Walker:
         for n, v in zip(outs, eqn.outvars, strict=True):
             if score:
                 self.scores.add(v)
-            self._count(v, n, times, score, boundary=prim in _BOUNDARY)
+            fused = prim not in _BOUNDARY
+            reads = eqn.invars if fused else None
+            self._count(
+                v, n, times, score, boundary=not fused, reads=reads, kernel=prim in REDUCTIONS
+            )
         return outs
 
     def _loop_whole(
@@ -1119,12 +1131,19 @@ class _Walker:
         *,
         boundary: bool = False,
         dot_out: bool = False,
+        reads: Sequence[Any] | None = None,
+        kernel: bool = False,
     ) -> None:
         """The bytes XLA moves for ``v``: written once and read by each consumer that is not
-        fused with its producer, when it leaves a fusion (:data:`_BOUNDARY`); nothing else.
-        A matmul's operands and output are priced with the matmul (:mod:`.cost`)."""
+        fused with its producer, when it leaves a fusion (:data:`_BOUNDARY`), and, for a
+        value computed inside a fusion from ``reads`` (its equation's operands), the buffers
+        its kernel reads where it is written or reduced (``kernel``):
+        :mod:`meshplan._search.predict.fusion_reads`. A matmul's operands and output are
+        priced with the matmul (:mod:`.cost`)."""
         if v in self.constlike:
             return  # XLA computes it where it is used (constant sinking, fusion)
+        if reads is not None:
+            self._fusion(v, names, times, score, reads, kernel)
         shape = tuple(getattr(v.aval, "shape", ()))
         size = math.prod(shape) * _itemsize(v.aval)
         consumers = self.consumers.get(v, [])
@@ -1140,6 +1159,38 @@ class _Walker:
         if moved and times:
             cell = (names, shape, score)
             self.traffic[cell] = self.traffic.get(cell, 0) + moved * times
+        if v in self.materialized:
+            self.fusion_reads.buffer(v, (names, shape, score), size)
+
+    def _fusion(
+        self, v: Any, names: Any, times: int, score: bool, reads: Sequence[Any], kernel: bool
+    ) -> None:
+        """A value computed inside a fusion: where a kernel writes it (a consumer outside
+        the fusion, or the program's result) or reduces into it (``kernel``), that kernel
+        reads the buffers it is computed from; else it is made from them."""
+        consumers = self.consumers.get(v, [])
+        written = any(c in _BOUNDARY or c == "return" for c in consumers)
+        if not (written or kernel):
+            self.fusion_reads.fused(v, reads)
+            return
+        if times:
+            for cell, nbytes in self.fusion_reads.reads(reads):
+                self.traffic[cell] = self.traffic.get(cell, 0) + nbytes * times
+        if kernel and not written:  # a reduction's result: written, read by the next kernel
+            shape = tuple(getattr(v.aval, "shape", ()))
+            size = math.prod(shape) * _itemsize(v.aval)
+            cell = (names, shape, score)
+            if times:
+                self.traffic[cell] = self.traffic.get(cell, 0) + size * times
+            self.fusion_reads.buffer(v, cell, size)
+
+    def _buffer(self, v: Any, names: Any) -> None:
+        """``v`` is a buffer in memory (an input, a loop's result): what kernels read."""
+        if isinstance(v, Literal) or not hasattr(v, "aval"):
+            return
+        shape = tuple(getattr(v.aval, "shape", ()))
+        size = math.prod(shape) * _itemsize(v.aval)
+        self.fusion_reads.buffer(v, (names, shape, v in self.scores), size)
 
     @staticmethod
     def other(
