@@ -60,11 +60,18 @@ class FusionReads:
     def __init__(self) -> None:
         self.leaf: dict[Any, tuple[Cell, int]] = {}
         self.made_from: dict[Any, frozenset[Any]] = {}
+        # a loop's or call's inputs computed from no input outside (a mask from iotas):
+        # computed in each kernel that reads them, as outside, never a buffer
+        self.computed: set[Any] = set()
 
     def buffer(self, var: Any, cell: Cell, nbytes: int) -> None:
         """``var`` is in memory (written by a kernel, or an input): a kernel reads it whole."""
         self.leaf[var] = (cell, nbytes)
         self.made_from.pop(var, None)
+
+    def known(self, var: Any) -> bool:
+        """Whether ``var`` is a buffer, made from some, or computed in its kernels."""
+        return var in self.leaf or var in self.made_from or var in self.computed
 
     def leaves(self, invars: Iterable[Any]) -> frozenset[Any]:
         """The buffers values ``invars`` are computed from (unknown values: none)."""

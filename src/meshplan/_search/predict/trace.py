@@ -129,7 +129,10 @@ class Workload:
     (FSDP's ``embed`` and ``batch``), XLA's propagation gives the rows the table's split,
     and the layers after it run on the whole batch (:func:`meshplan._search.predict.cost.predict`
     says so in ``Cost.notes``);
-    ``backward_dots``: the matmuls that run in the backward pass (autodiff's transpose).
+    ``backward_dots``: the matmuls that run in the backward pass (autodiff's transpose);
+    ``fusion_reads``: keyed as ``traffic``, the bytes XLA's loop fusions read besides
+    (:mod:`meshplan._search.predict.fusion_reads`), priced where the profile says
+    (``HardwareProfile.fusion_reads``).
 
     Example:
         >>> import jax, jax.numpy as jnp, meshplan
@@ -168,6 +171,9 @@ class Workload:
     lookups: dict[tuple[Names, Names, str], int] = dataclasses.field(default_factory=dict)
     backward_dots: frozenset[Dot] = frozenset()
     memory_late: MemoryProgram | None = None
+    fusion_reads: dict[tuple[Names, tuple[int, ...], bool], int] = dataclasses.field(
+        default_factory=dict
+    )
 
     def trips(self, dot: Dot) -> int:
         """How many times one run of ``dot`` repeats in sequence: the trips of the loops
@@ -530,6 +536,7 @@ class _Walker:
         self.arrays: list[tuple[int, bool]] = []
         self.materialized: set[Any] = set()  # values XLA writes to memory (not fused away)
         self.fusion_reads = FusionReads()  # the buffers a fusion's kernel reads (fusion_reads)
+        self.read_traffic: dict[tuple[Names, tuple[int, ...], bool], int] = {}  # their bytes
         self.constlike: set[Any] = set()  # computed from no input (iotas, masks): recomputed
         self.reshards: dict[tuple[Names, Names, tuple[int, ...], int], int] = {}
         self.moves: dict[tuple[Names, Names, tuple[int, ...], int], int] = {}
@@ -582,8 +589,8 @@ class _Walker:
         for v, n in zip(jaxpr.invars, in_names, strict=True):
             env[v] = n
             self.var_names[v] = n
-            if v not in self.constlike:  # an input: a buffer its kernels read
-                self._buffer(v, n)
+            if v not in self.constlike and not self.fusion_reads.known(v):
+                self._buffer(v, n)  # an input (a scan's slice): a buffer its kernels read
         alias = memory.aliases(jaxpr)  # a constraint's value is its input's buffer
         for eqn in jaxpr.eqns:
             if memory.is_alias(eqn):
@@ -612,7 +619,11 @@ class _Walker:
                 env[v] = n
                 self.var_names[v] = n
                 self.note(n)
-                if v in self.materialized and v not in self.fusion_reads.leaf:
+                if (
+                    v in self.materialized
+                    and v not in self.constlike
+                    and v not in self.fusion_reads.leaf
+                ):
                     self._buffer(v, n)  # a loop's or a call's result: a buffer in memory
             if eqn.primitive.name in _SAME_LAYOUT:
                 self._constrain_forward(eqn, env, alias, producer)
@@ -681,6 +692,10 @@ class _Walker:
         """A call's (a loop's) inner inputs are the outer parameters' arrays; from index
         ``sliced`` on, a scan's slices of them: arrays of their own."""
         for i, (o, n) in enumerate(zip(outer, inner, strict=False)):
+            if isinstance(o, Literal) or o in self.constlike:  # an iota's mask: no buffer
+                self.fusion_reads.computed.add(n)
+            elif not 0 <= sliced <= i:  # XLA inlines the call: the inner input is the outer
+                self.fusion_reads.same(n, o)
             if not isinstance(o, Literal) and o in self.weight_of:
                 self.weight_of[n] = n if 0 <= sliced <= i else self.weight_of[o]
 
@@ -1175,13 +1190,13 @@ class _Walker:
             return
         if times:
             for cell, nbytes in self.fusion_reads.reads(reads):
-                self.traffic[cell] = self.traffic.get(cell, 0) + nbytes * times
+                self.read_traffic[cell] = self.read_traffic.get(cell, 0) + nbytes * times
         if kernel and not written:  # a reduction's result: written, read by the next kernel
             shape = tuple(getattr(v.aval, "shape", ()))
             size = math.prod(shape) * _itemsize(v.aval)
             cell = (names, shape, score)
             if times:
-                self.traffic[cell] = self.traffic.get(cell, 0) + size * times
+                self.read_traffic[cell] = self.read_traffic.get(cell, 0) + size * times
             self.fusion_reads.buffer(v, cell, size)
 
     def _buffer(self, v: Any, names: Any) -> None:
@@ -1481,6 +1496,7 @@ def trace_workload(
         _lookups(walker),
         frozenset(walker.backward_dots),
         memory_late=programs[2] if len(programs) > 2 else None,
+        fusion_reads=walker.read_traffic,
     )
 
 
