@@ -41,20 +41,6 @@ _LOOP_HEAP = (
     "the heap's fragmentation around the while loop's body: the planner's live set is 0.92 "
     "of XLA's live bytes at its peak (1,947,128), XLA's temporaries 2,509,912"
 )
-# What XLA:CPU keeps that the planner does not, read buffer by buffer at the peak of the
-# compiled step's buffer assignment (XLA_FLAGS=--xla_dump_to, *buffer-assignment.txt) against
-# the planner's live set (memory.peak). The tanh of tanh-GELU and softmax's exponentials,
-# which fusion does not duplicate into the backward pass, are modelled (memory.kept_expensive),
-# and so are the weight gradients the memory-optimised scheduler defers to the end of the
-# backward pass (memory.late_gradients: vit dp 0.73 -> 0.90, fsdp 0.67 -> 0.81; cnn dp 0.68
-# -> 0.91, fsdp 0.38 -> 0.57; encdec tp 0.64 -> 0.83).
-_CONV = (
-    "the FSDP weights XLA:CPU gathers for the forward pass kept until the backward pass "
-    "(its all-gathers' buffers alive from one to the other, read in vit-fsdp's buffer "
-    "assignment: 8 gathered kernels at its peak; the planner counts a gathered weight "
-    "only at the matmul reading it, outside scanned layers), the convolutions' operands "
-    "copied into the layouts they read ([h, w, batch, c], [c, h, w, batch])"
-)
 _TP_COMBINED = (
     "the combiner merges the backward's tensor-parallel all-reduces of activation "
     "gradients (q/k/v's input gradients: three at once), each result a buffer "
@@ -71,7 +57,6 @@ _MOE = (
 )
 _CARRIED = {("encdec", "fsdp"), ("moe", "fsdp"), ("decoder", "fsdp"), ("scanned", "fsdp")}
 MEMORY_MISSES: dict[tuple[str, str], str] = {
-    ("cnn", "fsdp"): f"0.57: {_CONV}",
     ("moe", "dp"): f"0.61: {_MOE}",
     ("decoder", "tp"): f"0.59: {_TP_COMBINED} 22 against 6",
     ("scanned", "fsdp"): f"0.72: {_TABLE}{_LOOP_HEAP}",

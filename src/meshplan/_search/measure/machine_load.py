@@ -7,9 +7,12 @@ about ``1 / (1 + L)`` of a core. A calibration cached at one load predicts wrong
 (10x off was seen on a loaded 2-core machine), so the cache keeps the load it was measured at,
 and is used only while the share now is within :data:`SHARE_TOLERANCE` of that one.
 Since the figures are CPU time over the cores where the devices fill them
-(:func:`meshplan._search.measure.cpu.call_seconds`), another load moves them little (the
-matmul figure within 5% IQR at loads of 12-16 per core); a calibration is still measured
-again under another load, which costs a few seconds and guards the case of fewer devices
+(:func:`meshplan._search.measure.cpu.call_seconds`), another load moves them much less than
+the clock's share (every figure within 2-5% IQR across 10 fresh processes at loads of 6-9
+per core: ``benchmarks/bench_calibration.py``), but not nothing: the co-runners' use of the
+caches and the memory bus is in the CPU time too (the matmul figure's median was 25 GFLOP/s
+in one set of processes and 18 in the next, at a heavier load). A calibration is measured
+again under another load; that costs a few seconds and guards the case of fewer devices
 than cores, where the figures are the wall clock's.
 """
 

@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from jax.extend.core import Literal
 
-from meshplan._search.predict import memory
+from meshplan._search.predict.jaxpr_facts import call_body
 from meshplan._search.predict.trace import Names, _Walker
 
 __all__ = ["DimClasses", "Node", "dim_classes"]
@@ -187,7 +187,7 @@ class _Links(_Walker):
     # -- the walk ----------------------------------------------------------------------
     def eqn(self, eqn: Any, ins: list[Names], times: int) -> list[Names]:
         outer = self.ctx
-        body = eqn.primitive.name in ("scan", "while", "cond") or memory.call_body(eqn)
+        body = eqn.primitive.name in ("scan", "while", "cond") or call_body(eqn)
         self.inner = next(self.entries) if body else outer
         inner = self.inner
         self.flow(eqn)
@@ -241,7 +241,7 @@ class _Links(_Walker):
                 for o, i in zip(eqn.invars[1:], b.jaxpr.invars, strict=True)
             )
         else:
-            sub = memory.call_body(eqn)
+            sub = call_body(eqn)
             pairs = iter(()) if sub is None else zip(eqn.invars, sub.invars, strict=True)
         return ((o, i) for o, i in pairs if not isinstance(o, Literal))
 
@@ -257,7 +257,7 @@ class _Links(_Walker):
         elif prim == "cond":
             pairs = zip(eqn.outvars, p["branches"][-1].jaxpr.outvars, strict=True)
         else:
-            sub = memory.call_body(eqn)
+            sub = call_body(eqn)
             pairs = iter(()) if sub is None else zip(eqn.outvars, sub.outvars, strict=True)
         return ((o, i) for o, i in pairs if not isinstance(i, Literal))
 
@@ -268,7 +268,7 @@ class _Links(_Walker):
             rule(self, eqn)
         elif prim == "scan":
             self.scan(eqn)
-        elif prim in ("while", "cond") or memory.call_body(eqn) is not None:
+        elif prim in ("while", "cond") or call_body(eqn) is not None:
             for outer, inner in self.inputs(eqn):
                 self.same(outer, inner, cb=self.inner)
             for outer, inner in self.outputs(eqn):

@@ -21,21 +21,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from meshplan._search.predict.primitives import KINDS
+
 __all__ = ["REDUCTIONS", "FusionReads"]
 
-REDUCTIONS = frozenset(
-    {
-        "reduce_sum",
-        "reduce_max",
-        "reduce_min",
-        "reduce_prod",
-        "reduce_and",
-        "reduce_or",
-        "reduce_xor",
-        "argmax",
-        "argmin",
-    }
-)
+REDUCTIONS = KINDS["reduction"]
 """Reductions: on XLA a fusion ends at one (its result a buffer the next kernel reads)."""
 
 Cell = tuple[Any, tuple[int, ...], bool]

@@ -36,129 +36,27 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
+
+from meshplan._search.predict.jaxpr_facts import call_body, facts, is_alias
+from meshplan._search.predict.primitives import CALL_PARAMS, FUSES_OPERANDS, MATMULS, REMAT
 
 __all__ = [
     "Hoist",
     "MemoryProgram",
     "Peak",
-    "aliases",
     "build",
-    "call_body",
-    "is_alias",
     "kept_expensive",
     "late_gradients",
+    "late_moves",
+    "moves_late",
     "peak",
     "recompute_sources",
 ]
 
 Cell = tuple[tuple[Any, ...], tuple[int, ...], int, bool]
 """(names, shape, itemsize, score)"""
-
-_LOOPS = ("scan", "while")
-_REMAT = ("remat2", "checkpoint", "remat")
-_CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
-
-# Elementwise ops (and the broadcasts, casts, slices around them) that XLA recomputes where
-# their value is used rather than keep it: fusion duplicates them into each consumer, and
-# the rematerialisation pass, run against the device's memory on GPU and TPU, recomputes
-# them from operands that are alive anyway. A norm's float32 copy of a bfloat16 value, an
-# activation's derivative, a one-hot of the targets: residuals JAX's autodiff saves that
-# need no buffer of their own outside a loop (a scan's stacked outputs are buffers).
-_RECOMPUTED = frozenset(
-    {
-        "abs",
-        "add",
-        "add_any",
-        "and",
-        "broadcast_in_dim",
-        "convert_element_type",
-        "copy",
-        "copy_p",
-        "cos",
-        "div",
-        "eq",
-        "erf",
-        "exp",
-        "exp2",
-        "expand_dims",
-        "ge",
-        "gt",
-        "integer_pow",
-        "iota",
-        "le",
-        "log",
-        "log1p",
-        "logistic",
-        "lt",
-        "max",
-        "min",
-        "mul",
-        "ne",
-        "neg",
-        "not",
-        "or",
-        "pow",
-        "reshape",
-        "rsqrt",
-        "select_n",
-        "sign",
-        "sin",
-        "slice",
-        "sqrt",
-        "square",
-        "squeeze",
-        "stop_gradient",
-        "sub",
-        "tanh",
-        "xor",
-        "erf_inv",
-        "expm1",
-        "pad",
-    }
-)
-# Ops that read a recomputed value inside their own fusion (a reduction's input fusion),
-# with no buffer for it; also what XLA may recompute: those ops and the reductions over
-# them (a norm's statistic).
-_FUSES_OPERANDS = _RECOMPUTED | {
-    "reduce_sum",
-    "reduce_max",
-    "reduce_min",
-    "reduce_prod",
-    "reduce_and",
-    "reduce_or",
-    "argmax",
-    "argmin",
-}
-# XLA's ``InstructionFusion::IsExpensive`` elementwise ops (transcendentals, a division by a
-# value that is not a constant, square roots): fusion never duplicates one into several
-# consumers, so a value one computes, read on both sides of an op that ends a fusion (a
-# matmul: the forward's use and the backward's, as tanh-GELU's tanh and softmax's
-# exponentials are), is written to memory once and kept until its last read.
-_EXPENSIVE = frozenset(
-    {
-        "atan2",
-        "cbrt",
-        "cos",
-        "div",
-        "erf",
-        "erf_inv",
-        "exp",
-        "exp2",
-        "expm1",
-        "log",
-        "log1p",
-        "logistic",
-        "pow",
-        "rsqrt",
-        "sin",
-        "sqrt",
-        "tan",
-        "tanh",
-    }
-)
 
 
 @dataclasses.dataclass
@@ -231,68 +129,6 @@ class Peak:
         return self.activations + self.temporaries
 
 
-def is_alias(eqn: Any) -> bool:
-    """A sharding constraint of one variable: the same buffer (a reshard is priced apart);
-    or a ``reduce_precision`` to its value's own precision, which changes nothing (XLA's
-    simplifier removes it): what ``jax.checkpoint`` with ``prevent_cse`` (unrolled layers)
-    passes the residuals it saves through, so a saved matmul's output is still that
-    matmul's buffer, kept for the backward pass."""
-    if len(eqn.invars) != 1 or len(eqn.outvars) != 1 or isinstance(eqn.invars[0], Literal):
-        return False
-    name = eqn.primitive.name
-    if name == "reduce_precision":
-        try:
-            info = jnp.finfo(eqn.invars[0].aval.dtype)  # type: ignore[no-untyped-call]
-        except (TypeError, ValueError):
-            return False
-        p = eqn.params
-        return bool(p.get("exponent_bits") == info.nexp and p.get("mantissa_bits") == info.nmant)
-    return bool(name == "sharding_constraint")
-
-
-def aliases(jaxpr: Any) -> dict[Any, Any]:
-    """``{output: input}`` of ``jaxpr``'s sharding constraints, chains resolved, and of the
-    calls (``pjit``...) that give back one of their inputs (a constraint inside them)."""
-    out: dict[Any, Any] = {}
-    for eqn in jaxpr.eqns:
-        if is_alias(eqn):
-            x = eqn.invars[0]
-            out[eqn.outvars[0]] = out.get(x, x)
-            continue
-        prim = eqn.primitive.name
-        if prim in ("while", "cond"):
-            continue
-        sub = next((eqn.params[k] for k in _CALLS if eqn.params.get(k) is not None), None)
-        sub = getattr(sub, "jaxpr", sub)
-        if sub is None or len(sub.invars) != len(eqn.invars):
-            continue
-        inner = aliases(sub)
-        position = {v: i for i, v in enumerate(sub.invars)}
-        nc, ncarry = eqn.params.get("num_consts", 0), eqn.params.get("num_carry", 0)
-        for j, (outer, v) in enumerate(zip(eqn.outvars, sub.outvars, strict=True)):
-            i = position.get(inner.get(v, v)) if not isinstance(v, Literal) else None
-            if i is None or isinstance(eqn.invars[i], Literal):
-                continue
-            if prim == "scan" and not (i == nc + j if j < ncarry else i >= nc + ncarry):
-                continue  # a scan gives back a carry as it came, or a slice of its xs
-            x = eqn.invars[i]
-            out[outer] = out.get(x, x)
-    return out
-
-
-def call_body(eqn: Any) -> Any:
-    """The body of a call (``pjit``, ``remat``, custom derivatives) with ``eqn``'s arity."""
-    if eqn.primitive.name in ("scan", "while", "cond"):
-        return None
-    for key in _CALLS:
-        sub = eqn.params.get(key)
-        if sub is not None:
-            sub = getattr(sub, "jaxpr", sub)
-            if len(sub.invars) == len(eqn.invars):
-                return sub
-    return None
-
-
 def _itemsize(v: Any) -> int:
     try:
         return int(np.dtype(v.aval.dtype).itemsize)
@@ -304,48 +140,13 @@ def _nbytes(v: Any) -> int:
     return int(math.prod(getattr(v.aval, "shape", ()))) * _itemsize(v)
 
 
-def _read_whole(body: Any, k: int) -> bool:
-    """Whether ``body`` reads its ``k``-th input other than by ops fused with it."""
-    v = body.invars[k]
-    return any(
-        v in e.invars and e.primitive.name not in _FUSES_OPERANDS and not is_alias(e)
-        for e in body.eqns
-    )
-
-
-def _whole_reads(jaxpr: Any, alias: Mapping[Any, Any]) -> dict[Any, list[int]]:
-    """``{value: the equations of jaxpr that read it whole}``, in order: the reads that
-    need it in memory (a matmul's operand, a loop's input), not those fused with it
-    (elementwise ops, reductions), nor its sharding constraints."""
-    out: dict[Any, list[int]] = {}
-    whole: dict[tuple[int, int], bool] = {}
-    for i, eqn in enumerate(jaxpr.eqns):
-        if eqn.primitive.name in _FUSES_OPERANDS or is_alias(eqn):
-            continue
-        body = call_body(eqn)
-        for k, u in enumerate(eqn.invars):
-            if isinstance(u, Literal):
-                continue
-            if body is not None:
-                key = (id(body), k)
-                if key not in whole:
-                    whole[key] = _read_whole(body, k)
-                if not whole[key]:
-                    continue
-            reads = out.setdefault(alias.get(u, u), [])
-            if not reads or reads[-1] != i:
-                reads.append(i)
-    return out
-
-
-def recompute_sources(
-    jaxpr: Any, cache: dict[int, Any] | None = None, direct: bool = False
-) -> dict[Any, frozenset[Any]]:
+def recompute_sources(jaxpr: Any, direct: bool = False) -> dict[Any, frozenset[Any]]:
     """``{value: the values it is recomputed from}`` for the values of ``jaxpr`` that only
-    elementwise ops and reductions (:data:`_RECOMPUTED`, directly or inside calls) compute
-    from its inputs and from the results of other ops (matmuls, loops, gathers): what XLA
-    can recompute where it is used. ``direct``: the operands each is computed from (a
-    call's: its inputs), rather than those other ops' results.
+    elementwise ops and reductions (:data:`meshplan._search.predict.primitives.RECOMPUTED`,
+    directly or inside calls) compute from its inputs and from the results of other ops
+    (matmuls, loops, gathers): what XLA can recompute where it is used. ``direct``: the
+    operands each is computed from (a call's: its inputs), rather than those other ops'
+    results. Read from the one walk of ``jaxpr`` (:attr:`.jaxpr_facts.Facts.sources`).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -356,35 +157,8 @@ def recompute_sources(
         >>> recompute_sources(j.jaxpr)[j.jaxpr.outvars[0]] == {product}
         True
     """
-    cache = {} if cache is None else cache
-    alias = aliases(jaxpr)
-    src: dict[Any, frozenset[Any]] = {}
-
-    def of(v: Any) -> frozenset[Any]:
-        if isinstance(v, Literal):
-            return frozenset()
-        if direct:
-            return frozenset({alias.get(v, v)})
-        return src.get(v, frozenset({alias.get(v, v)}))
-
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _FUSES_OPERANDS or is_alias(eqn):
-            got = frozenset().union(*map(of, eqn.invars))
-            src.update((o, got) for o in eqn.outvars)
-            continue
-        sub = call_body(eqn)
-        if sub is None:
-            continue
-        if id(sub) not in cache:
-            cache[id(sub)] = recompute_sources(sub, cache)
-        inner, position = cache[id(sub)], {v: i for i, v in enumerate(sub.invars)}
-        for o, v in zip(eqn.outvars, sub.outvars, strict=True):
-            got = frozenset() if isinstance(v, Literal) else inner.get(v)
-            if got is None and v in position:
-                got = frozenset({v})  # the call gives back one of its inputs
-            if got is not None and all(x in position for x in got):
-                src[o] = frozenset().union(*(of(eqn.invars[position[x]]) for x in got))
-    return src
+    found = facts(jaxpr)
+    return dict(found.direct_sources if direct else found.sources)
 
 
 class _Builder:
@@ -409,7 +183,6 @@ class _Builder:
         self.scope = -1  # the loop body being walked (an index in scopes)
         self.scopes: list[list[int]] = []  # each loop body's matmuls
         self.dots: dict[Any, int] = {}
-        self.sources: dict[int, Any] = {}
         self.ran: dict[int, int] = {}  # matmuls run since the loop iteration (step) began
         self.top = -1  # the top-level equation being walked
         self.defined: dict[Any, int] = {}  # a top-level value: the equation defining it
@@ -445,19 +218,10 @@ class _Builder:
         """Record the points of ``jaxpr`` over the outer alive cells ``long``/``short``.
 
         ``skip``: variables not counted (inputs and outputs held by an outer buffer)."""
-        alias = aliases(jaxpr)  # a constraint's value is its input's buffer
+        found = facts(jaxpr)
+        alias = found.alias  # a constraint's value is its input's buffer
         skip = skip | {alias[v] for v in skip if v in alias}
-        last: dict[Any, float] = {}
-        n = len(jaxpr.eqns)
-        for i, eqn in enumerate(jaxpr.eqns):
-            if is_alias(eqn):
-                continue
-            for v in eqn.invars:
-                if not isinstance(v, Literal):
-                    last[alias.get(v, v)] = i
-        for v in jaxpr.outvars:
-            if not isinstance(v, Literal):
-                last[alias.get(v, v)] = n
+        last: dict[Any, float] = dict(found.last_use)  # extended where values are recomputed
         recomputed = self._recomputed(jaxpr, alias, last, skip)
         if top and self.late_reads and not self.recompute:
             recomputed |= self._recomputed(jaxpr, alias, last, skip, self.late_reads)
@@ -475,7 +239,7 @@ class _Builder:
             if is_alias(eqn):
                 continue
             prim = eqn.primitive.name
-            if top and prim in _REMAT:
+            if top and prim in REMAT:
                 self._hoist(eqn, i)
             outs = {}
             for v in eqn.outvars:
@@ -490,12 +254,13 @@ class _Builder:
                     continue
                 target = here_long if top else here_short
                 target[c] = target.get(c, 0) + 1
-            if prim not in _FUSES_OPERANDS:  # a recomputed operand exists while it is read
-                body = call_body(eqn)
+            if prim not in FUSES_OPERANDS:  # a recomputed operand exists while it is read
+                body = found.bodies[i]
+                whole = None if body is None else facts(body).whole_inputs
                 for k, u in enumerate(eqn.invars):
                     v = None if isinstance(u, Literal) else alias.get(u, u)
                     c = self.cell(v) if v in recomputed else None
-                    if c is not None and (body is None or _read_whole(body, k)):
+                    if c is not None and (whole is None or k in whole):
                         here_short[c] = here_short.get(c, 0) + 1
             sub = self._sub(eqn)
             if sub is not None:
@@ -518,7 +283,7 @@ class _Builder:
                 for c in outs.values():
                     here_short[c] = here_short.get(c, 0) + 1
                 dot = -1
-                if prim == "dot_general":
+                if prim in MATMULS:
                     d = self.dot_of(eqn)
                     dot = self.dots.setdefault(d, len(self.dots))
                 self.add(here_long, here_short, dot)
@@ -534,11 +299,11 @@ class _Builder:
         if body is None:
             return
         outer = dict(zip(body.invars, eqn.invars, strict=True))
-        producer = {v: m for m, e in enumerate(body.eqns) for v in e.outvars}
+        producer = facts(body).defined
         outputs = {v for v in body.outvars if not isinstance(v, Literal)}
         triggers = []
         for m, e in enumerate(body.eqns):
-            if e.primitive.name != "dot_general":
+            if e.primitive.name not in MATMULS:
                 continue
             ancestors, stack, inputs = set(), [m], set()
             while stack:
@@ -592,9 +357,10 @@ class _Builder:
         out: set[Any] = set()
         if not self.recompute and only is None:
             return out
-        whole = _whole_reads(jaxpr, alias)
+        found = facts(jaxpr)
+        whole = found.whole_reads
         held: dict[Any, frozenset[Any]] = {}  # a recomputed value: the kept values it needs
-        for v, operands in recompute_sources(jaxpr, self.sources, direct=True).items():
+        for v, operands in found.direct_sources.items():
             if only is not None and v not in only:
                 continue
             sources = frozenset().union(*(held.get(u, frozenset({u})) for u in operands))
@@ -629,7 +395,7 @@ class _Builder:
         if prim == "cond":
             branch = max(p["branches"], key=lambda b: len(b.jaxpr.eqns)).jaxpr
             return branch, set(branch.invars), False
-        for key in _CALLS:
+        for key in CALL_PARAMS:
             sub = p.get(key)
             if sub is not None:
                 sub = getattr(sub, "jaxpr", sub)
@@ -638,32 +404,12 @@ class _Builder:
         return None
 
 
-def _splits_fusions(eqn: Any, cache: dict[int, bool]) -> bool:
-    """Whether ``eqn`` ends a fusion: an op XLA does not fuse its elementwise neighbours
-    into (a matmul, a gather, a loop), or a call whose body holds one."""
-    if eqn.primitive.name in _FUSES_OPERANDS or is_alias(eqn):
-        return False
-    body = call_body(eqn)
-    if body is None:
-        return True
-    if id(body) not in cache:
-        cache[id(body)] = any(_splits_fusions(e, cache) for e in body.eqns)
-    return cache[id(body)]
-
-
-def _expensive(eqn: Any) -> bool:
-    """An expensive elementwise op (:data:`_EXPENSIVE`); a division by a constant is a
-    multiplication by its reciprocal after XLA's simplifier."""
-    if eqn.primitive.name not in _EXPENSIVE:
-        return False
-    return not (eqn.primitive.name == "div" and isinstance(eqn.invars[1], Literal))
-
-
-def kept_expensive(jaxpr: Any, cache: dict[int, bool] | None = None) -> set[Any]:
+def kept_expensive(jaxpr: Any) -> set[Any]:
     """The values of ``jaxpr`` (and of the bodies it calls or loops over) that an expensive
     elementwise op computes and that are read after an op ending a fusion that follows
-    their definition (:data:`_EXPENSIVE`): XLA writes them to memory instead of
-    recomputing them in the later fusion.
+    their definition (:data:`meshplan._search.predict.primitives.EXPENSIVE`): XLA writes
+    them to memory instead of recomputing them in the later fusion. Read from the one walk
+    of ``jaxpr`` (:attr:`.jaxpr_facts.Facts.kept_expensive`).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -675,31 +421,7 @@ def kept_expensive(jaxpr: Any, cache: dict[int, bool] | None = None) -> set[Any]
         >>> kept_expensive(j.jaxpr) == {j.jaxpr.eqns[0].outvars[0]}
         True
     """
-    cache = {} if cache is None else cache
-    alias = aliases(jaxpr)
-    last: dict[Any, int] = {}
-    for i, eqn in enumerate(jaxpr.eqns):
-        for u in eqn.invars:
-            if not isinstance(u, Literal):
-                last[alias.get(u, u)] = i
-    splits = [i for i, e in enumerate(jaxpr.eqns) if _splits_fusions(e, cache)]
-    out: set[Any] = set()
-    for i, eqn in enumerate(jaxpr.eqns):
-        if _expensive(eqn):
-            end = last.get(eqn.outvars[0], -1)
-            if any(i < j < end for j in splits):
-                out.add(eqn.outvars[0])
-        p = eqn.params
-        for sub in (
-            p.get("jaxpr"),
-            p.get("body_jaxpr"),
-            *(p.get("branches") or ()),
-            *(p.get(k) for k in _CALLS[1:]),
-        ):
-            sub = getattr(sub, "jaxpr", sub)
-            if sub is not None and hasattr(sub, "eqns"):
-                out |= kept_expensive(sub, cache)
-    return out
+    return set(facts(jaxpr).kept_expensive)
 
 
 def _vars(*vs: Any) -> set[Any]:
@@ -715,6 +437,7 @@ def build(
     materialized: set[Any] | None = None,
     recompute: bool = True,
     late: bool = False,
+    moved: Sequence[bool] | None = None,
 ) -> MemoryProgram:
     """The liveness program of a step's (closed) ``jaxpr`` (module docstring).
 
@@ -725,13 +448,15 @@ def build(
     XLA does on a device with a memory limit to fit (GPU, TPU), not on the CPU; ``late``: the
     gradients' reductions over the batch that XLA defers run after the rest
     (:func:`late_gradients`), as it schedules them where one all-reduce combines every
-    gradient (on the CPU).
+    gradient (on the CPU); ``moved``: :func:`late_moves` of the same arguments, where the
+    caller has it.
     """
     if materialized is not None:
-        materialized = materialized | kept_expensive(jaxpr)
+        materialized = materialized | facts(jaxpr).kept_expensive
     b = _Builder(names, scores, dot_of, materialized, recompute)
     if late:
-        moved = _late_moves(jaxpr.eqns, names, materialized)
+        if moved is None:
+            moved = _late_moves(jaxpr, names, materialized)
         b.late_reads = _late_reads(jaxpr, moved)
         jaxpr = _run_last(jaxpr, moved)
     b.walk(jaxpr, {}, {}, True, set(jaxpr.invars) | set(jaxpr.outvars))
@@ -936,15 +661,30 @@ def late_gradients(
         >>> [e.primitive.name for e in late_gradients(j, names).eqns]
         ['dot_general', 'tanh', 'dot_general', 'reduce_sum']
     """
-    return _run_last(jaxpr, _late_moves(jaxpr.eqns, names, materialized))
+    return _run_last(jaxpr, _late_moves(jaxpr, names, materialized))
+
+
+def late_moves(jaxpr: Any, names: Mapping[Any, Any], materialized: set[Any] | None) -> list[bool]:
+    """Per equation of ``jaxpr``, whether :func:`build` with ``late=True`` runs it last
+    (:func:`late_gradients`, with the expensive values XLA keeps written to memory too).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from meshplan._search.predict.memory import late_moves
+        >>> j = jax.make_jaxpr(lambda w, x: jnp.einsum("bi,bj->ij", x, x @ w))(
+        ...     jnp.ones((4, 4)), jnp.ones((8, 4))).jaxpr
+        >>> late_moves(j, {j.invars[1]: ("batch", None)}, None)   # reads its gradient alone
+        [False, False]
+    """
+    if materialized is not None:
+        materialized = materialized | facts(jaxpr).kept_expensive
+    return _late_moves(jaxpr, names, materialized)
 
 
 def moves_late(jaxpr: Any, names: Mapping[Any, Any], materialized: set[Any] | None) -> bool:
     """Whether :func:`build` with ``late=True`` would run any of ``jaxpr``'s equations last
     (else its program is the one without ``late``)."""
-    if materialized is not None:
-        materialized = materialized | kept_expensive(jaxpr)
-    return any(_late_moves(jaxpr.eqns, names, materialized))
+    return any(late_moves(jaxpr, names, materialized))
 
 
 def _run_last(jaxpr: Any, moved: Sequence[bool]) -> Any:
@@ -955,10 +695,9 @@ def _run_last(jaxpr: Any, moved: Sequence[bool]) -> Any:
     return jaxpr.replace(eqns=order + [e for e, m in zip(jaxpr.eqns, moved, strict=True) if m])
 
 
-def _late_moves(
-    eqns: Sequence[Any], names: Mapping[Any, Any], materialized: set[Any] | None
-) -> list[bool]:
+def _late_moves(jaxpr: Any, names: Mapping[Any, Any], materialized: set[Any] | None) -> list[bool]:
     """Per equation, whether :func:`late_gradients` runs it last."""
+    eqns, walked = jaxpr.eqns, facts(jaxpr)
     # whether a value reaches one that carries the batch (an activation): not a gradient's
     down: dict[Any, bool] = {}
     for eqn in reversed(eqns):
@@ -966,8 +705,7 @@ def _late_moves(
         for u in eqn.invars:
             if not isinstance(u, Literal) and reach:
                 down[u] = True
-    producer = {o: e for e in eqns for o in e.outvars}
-    defined = {o: i for i, e in enumerate(eqns) for o in e.outvars}
+    producer, defined = walked.producer, walked.defined
 
     found: dict[Any, set[Any]] = {}
 
@@ -975,7 +713,7 @@ def _late_moves(
         e = producer.get(u)
         if materialized is None or u in materialized or e is None:
             return {u}
-        if e.primitive.name not in _FUSES_OPERANDS:
+        if e.primitive.name not in FUSES_OPERANDS:
             return {u}
         if u not in found:
             found[u] = set().union(*(sources(x) for x in e.invars if not isinstance(x, Literal)))
@@ -1004,17 +742,13 @@ def _late_moves(
         if waits or any(u in late for u in ins):
             moved[i] = True
             late.update(eqn.outvars)
-    readers: dict[Any, list[int]] = {}
-    for i, eqn in enumerate(eqns):
-        for u in eqn.invars:
-            if not isinstance(u, Literal):
-                readers.setdefault(u, []).append(i)
+    readers = walked.readers
     for i in reversed(range(len(eqns))):  # fused into moved equations alone: moved with them
         eqn = eqns[i]
         if moved[i] or materialized is None or any(o in materialized for o in eqn.outvars):
             continue
         users = [k for o in eqn.outvars for k in readers.get(o, [])]
-        if users and all(moved[k] for k in users) and eqn.primitive.name in _FUSES_OPERANDS:
+        if users and all(moved[k] for k in users) and eqn.primitive.name in FUSES_OPERANDS:
             moved[i] = True
     return moved
 
@@ -1023,9 +757,8 @@ def _late_reads(jaxpr: Any, moved: Sequence[bool]) -> set[Any]:
     """The values the equations :func:`late_gradients` runs last (``moved``) read, and those
     cheap ops make them from (:func:`recompute_sources`): what XLA may compute again inside
     the late fusions from values kept until then, rather than keep."""
-    direct = recompute_sources(jaxpr, direct=True)
-    alias = aliases(jaxpr)
-    whole = _whole_reads(jaxpr, alias)
+    walked = facts(jaxpr)
+    direct, whole = walked.direct_sources, walked.whole_reads
     stack = [
         u
         for e, m in zip(jaxpr.eqns, moved, strict=True)

@@ -11,10 +11,10 @@ takes the input's batch and spatial dimensions and the kernel's output features.
 function here gives those names, from the primitive's own dimension numbers, to
 :mod:`meshplan._search.predict.trace` (``None``: a dimension not named).
 
-:data:`UNDERSTOOD` lists the primitives whose names the trace gives as XLA would (with
-elementwise ops, matmuls, convolutions, loops and calls); any other is priced
-conservatively (its outputs replicated, written to memory) and named in the prediction,
-with where the model runs it (:func:`where`).
+:data:`meshplan._search.predict.primitives.UNDERSTOOD` lists the primitives whose names
+the trace gives as XLA would (with elementwise ops, matmuls, convolutions, loops and calls);
+any other is priced conservatively (its outputs replicated, written to memory) and named in
+the prediction, with where the model runs it (:func:`where`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
-    "UNDERSTOOD",
     "conv_dims",
     "conv_names",
     "gather_names",
@@ -33,75 +32,6 @@ __all__ = [
 ]
 
 Names = tuple[Any, ...]
-
-UNDERSTOOD = frozenset(
-    {
-        # structure: names follow dimensions (trace's ``other``) or dimensions of equal size
-        "transpose",
-        "broadcast_in_dim",
-        "reshape",
-        "slice",
-        "squeeze",
-        "expand_dims",
-        "concatenate",
-        "pad",
-        "rev",
-        "split",
-        "iota",
-        "select_n",
-        "clamp",
-        "copy",
-        "copy_p",
-        "dynamic_slice",
-        "dynamic_update_slice",
-        "gather",
-        "scatter",
-        "scatter-add",
-        "scatter_add",
-        "scatter-mul",
-        "scatter_mul",
-        "scatter-min",
-        "scatter_min",
-        "scatter-max",
-        "scatter_max",
-        "sort",
-        "top_k",
-        "argsort",
-        "cumsum",
-        "cumprod",
-        "cummax",
-        "cummin",
-        "cumlogsumexp",
-        "argmax",
-        "argmin",
-        "reduce_sum",
-        "reduce_max",
-        "reduce_min",
-        "reduce_prod",
-        "reduce_and",
-        "reduce_or",
-        "reduce_xor",
-        "reduce_precision",
-        "convert_element_type",
-        "bitcast_convert_type",
-        "stop_gradient",
-        "optimization_barrier",
-        "sharding_constraint",
-        "mesh_cast",
-        "reshard",
-        "pvary",
-        # random numbers: elementwise on their keys
-        "random_bits",
-        "random_seed",
-        "random_wrap",
-        "random_unwrap",
-        "random_fold_in",
-        "random_split",
-        "threefry2x32",
-        "rng_bit_generator",
-        "rng_uniform",
-    }
-)
 
 
 def gather_names(

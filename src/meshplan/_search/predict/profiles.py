@@ -405,7 +405,7 @@ PROFILES: dict[str, HardwareProfile] = {
 (:func:`get_profile`)."""
 
 _CPU: dict[int, HardwareProfile] = {}
-_CACHE_VERSION = "v3"  # v3: seconds as CPU time over the cores, latency inside a program
+_CACHE_VERSION = "v4"  # v4: no first-touch faults in the figures, programs interleaved
 
 
 def calibrate_cpu(devices: int | None = None) -> HardwareProfile:
@@ -413,7 +413,7 @@ def calibrate_cpu(devices: int | None = None) -> HardwareProfile:
     (:func:`meshplan._search.measure.cpu.measure_cpu`: matmul FLOP/s and memory bandwidth
     per device, a ``psum``'s latency and bandwidth), as the ``cpu`` profile.
 
-    Cached per device count, in this process and in ``~/.cache/meshplan/cpu-profile-v3-N.json``
+    Cached per device count, in this process and in ``~/.cache/meshplan/cpu-profile-v4-N.json``
     with the machine's load, and measured again under another load
     (:mod:`meshplan._search.measure.machine_load`) or with ``MESHPLAN_RECALIBRATE=1``.
 

@@ -33,7 +33,15 @@ from jax.extend.core import Literal
 
 from meshplan._search.predict import memory, op_names
 from meshplan._search.predict.fusion_reads import REDUCTIONS, FusionReads
+from meshplan._search.predict.jaxpr_facts import call_body, facts, is_alias
 from meshplan._search.predict.memory import MemoryProgram
+from meshplan._search.predict.primitives import (
+    BOUNDARY,
+    CALL_PARAMS,
+    ELEMENTWISE,
+    SAME_LAYOUT,
+    UNDERSTOOD,
+)
 from meshplan._spmd.leaves import array_leaves
 from meshplan._spmd.rules import LogicalRules
 
@@ -121,7 +129,7 @@ class Workload:
     the all-to-alls of the axes that change dimension (an axis the value as used does not
     hold stays: partial sums reduced with the gradient, not gathered);
     ``unpriced``: ``{(primitive, where): runs}`` of the primitives the planner does not
-    understand (:data:`meshplan._search.predict.op_names.UNDERSTOOD`), priced conservatively:
+    understand (:data:`meshplan._search.predict.primitives.UNDERSTOOD`), priced conservatively:
     outputs replicated, ``unpriced_flops`` (those they declare) on every device;
     ``lookups``: ``{(names from the table, names from the indices, where): runs}`` of the
     embedding lookups (a ``gather`` of a table's rows by the batch's indices) whose output
@@ -323,136 +331,6 @@ def _reshape(names: Names, old: tuple[int, ...], new: tuple[int, ...]) -> Names:
     return tuple(out)
 
 
-_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
-
-# Ops after which XLA writes a value to memory: what a loop fusion cannot hold in
-# registers (matmuls, control flow, calls, data movement, collectives). Elementwise
-# ops, broadcasts, reshapes and reductions fuse into their neighbours.
-_BOUNDARY = frozenset(
-    {
-        "dot_general",
-        "scan",
-        "while",
-        "cond",
-        "pjit",
-        "jit",
-        "closed_call",
-        "core_call",
-        "remat",
-        "remat2",
-        "checkpoint",
-        "custom_jvp_call",
-        "custom_vjp_call",
-        "custom_vjp_call_jaxpr",
-        "gather",
-        "scatter",
-        "scatter-add",
-        "scatter_add",
-        "dynamic_slice",
-        "dynamic_update_slice",
-        "sort",
-        "cumsum",
-        "cumprod",
-        "cummax",
-        "cumlogsumexp",
-        "all_gather",
-        "psum",
-        "all_to_all",
-        "ppermute",
-        "reduce_scatter",
-        "conv_general_dilated",
-        "argsort",
-        "top_k",
-        "fft",
-        "custom_call",
-    }
-)
-
-
-# Elementwise ops (lax's): every dimension of the result is an operand's (or a broadcast's).
-_ELEMENTWISE = frozenset(
-    {
-        "abs",
-        "acos",
-        "acosh",
-        "add",
-        "add_any",
-        "and",
-        "asin",
-        "asinh",
-        "atan",
-        "atan2",
-        "atanh",
-        "cbrt",
-        "ceil",
-        "clz",
-        "complex",
-        "conj",
-        "cos",
-        "cosh",
-        "digamma",
-        "div",
-        "eq",
-        "erf",
-        "erf_inv",
-        "erfc",
-        "exp",
-        "exp2",
-        "expm1",
-        "floor",
-        "ge",
-        "gt",
-        "igamma",
-        "igammac",
-        "imag",
-        "integer_pow",
-        "is_finite",
-        "le",
-        "lgamma",
-        "log",
-        "log1p",
-        "logistic",
-        "lt",
-        "max",
-        "min",
-        "mul",
-        "mulhi",
-        "ne",
-        "neg",
-        "nextafter",
-        "not",
-        "or",
-        "polygamma",
-        "population_count",
-        "pow",
-        "real",
-        "regularized_incomplete_beta",
-        "rem",
-        "round",
-        "rsqrt",
-        "shift_left",
-        "shift_right_arithmetic",
-        "shift_right_logical",
-        "sign",
-        "sin",
-        "sinh",
-        "sqrt",
-        "square",
-        "sub",
-        "tan",
-        "tanh",
-        "xor",
-        "zeta",
-        "bessel_i0e",
-        "bessel_i1e",
-        "random_gamma_grad",
-    }
-)
-
-# Elementwise ops whose operands XLA's sharding propagation gives their result's sharding.
-_SAME_LAYOUT = frozenset({"add", "add_any", "sub", "neg", "mul", "convert_element_type"})
-
-
 def dot_out_names(
     lhs: Names,
     rhs: Names,
@@ -528,7 +406,7 @@ class _Walker:
         self.dot_runs: list[tuple[int, Any, Dot, int, tuple[Any, ...], bool]] = []
         self.backward_dots: set[Dot] = set()  # as named by name_dot_outputs
         self.backward = False  # walking the backward pass (autodiff's transpose)
-        self.alias: Mapping[Any, Any] = {}  # the walked jaxpr's aliases (memory.aliases)
+        self.alias: Mapping[Any, Any] = {}  # the walked jaxpr's aliases (jaxpr_facts.aliases)
         # Each array a matmul reads, by operand: ``{(dot, side): {array index}}``, and per
         # array ``(trips, read in the forward and the backward pass)``: which arrays are
         # the same, so that one gathered for several matmuls is gathered once per pass.
@@ -591,17 +469,11 @@ class _Walker:
             self.var_names[v] = n
             if v not in self.constlike and not self.fusion_reads.known(v):
                 self._buffer(v, n)  # an input (a scan's slice): a buffer its kernels read
-        alias = memory.aliases(jaxpr)  # a constraint's value is its input's buffer
-        for eqn in jaxpr.eqns:
-            if memory.is_alias(eqn):
-                continue
-            for v in eqn.invars:
-                if not isinstance(v, Literal):
-                    self.consumers.setdefault(alias.get(v, v), []).append(eqn.primitive.name)
-        for v in jaxpr.outvars:
-            if not isinstance(v, Literal):
-                self.consumers.setdefault(alias.get(v, v), []).append("return")
-        producer = {o: e for e in jaxpr.eqns for o in e.outvars}
+        found = facts(jaxpr)  # the one walk's facts of this jaxpr
+        alias = found.alias  # a constraint's value is its input's buffer
+        for v, prims in found.consumers.items():
+            self.consumers.setdefault(v, []).extend(prims)
+        producer = found.producer
         backward = self.backward
         for eqn in jaxpr.eqns:
             ins = [read(v) for v in eqn.invars]
@@ -625,7 +497,7 @@ class _Walker:
                     and v not in self.fusion_reads.leaf
                 ):
                     self._buffer(v, n)  # a loop's or a call's result: a buffer in memory
-            if eqn.primitive.name in _SAME_LAYOUT:
+            if eqn.primitive.name in SAME_LAYOUT:
                 self._constrain_forward(eqn, env, alias, producer)
                 self._carry_back(eqn, outs, producer)
         for out, root in alias.items():  # the first constraint of a value names its buffer
@@ -665,7 +537,7 @@ class _Walker:
         """Follows the values kept whole from the matmuls that made them (``origin``), and
         notes those matmuls whose value meets one split by the batch (``to_slice``)."""
         prim = eqn.primitive.name
-        if prim in ("dot_general", "scan") or memory.call_body(eqn) is not None:
+        if prim in ("dot_general", "scan") or call_body(eqn) is not None:
             return  # their own (self.eqn)
         got = frozenset().union(
             *(self.origin.get(v, frozenset()) for v in eqn.invars if not isinstance(v, Literal))
@@ -704,11 +576,7 @@ class _Walker:
         other than a matmul reads with an activation (``x * scale``): the partitioner
         gathers it where its sharding is not the activation's (:mod:`.cost`)."""
         prim = eqn.primitive.name
-        if (
-            prim == "dot_general"
-            or memory.call_body(eqn) is not None
-            or prim in ("scan", "while", "cond")
-        ):
+        if prim == "dot_general" or call_body(eqn) is not None or prim in ("scan", "while", "cond"):
             return
         roots, acts = set(), []
         for v, n in zip(eqn.invars, ins, strict=True):
@@ -777,11 +645,10 @@ class _Walker:
                 continue
             self.buffer_names[x] = names
             eqn = made.get(x)
-            sub = None if eqn is None else memory.call_body(eqn)
+            sub = None if eqn is None else call_body(eqn)
             if eqn is not None and sub is not None:  # into the call that returns it
-                inner = {o: e for e in sub.eqns for o in e.outvars}
-                todo.append((sub.outvars[eqn.outvars.index(x)], inner))
-            elif eqn is not None and eqn.primitive.name in _SAME_LAYOUT:
+                todo.append((sub.outvars[eqn.outvars.index(x)], facts(sub).producer))
+            elif eqn is not None and eqn.primitive.name in SAME_LAYOUT:
                 shape = x.aval.shape
                 todo += [
                     (u, made)
@@ -908,7 +775,7 @@ class _Walker:
                 if not isinstance(inner, Literal) and inner in self.scores:
                     self.scores.add(outer)
             lead = next((n[0] for n in ins[nc + ncarry :] if n and n[0] is not None), None)
-            same = memory.aliases(body.jaxpr)  # an output that is a value's own buffer
+            same = facts(body.jaxpr).alias  # an output that is a value's own buffer
             for j, (outer, inner) in enumerate(zip(eqn.outvars, body.jaxpr.outvars, strict=True)):
                 got = self.buffer(inner)  # a stacked output's buffer: each trip's, stacked
                 if got is None and not isinstance(inner, Literal) and inner in same:
@@ -916,8 +783,7 @@ class _Walker:
                 if got is None and j < ncarry:  # a carry: one buffer, as the body constrains it
                     got = self.buffer(body.jaxpr.invars[nc + j])
                     if got is not None:  # and so is what the body writes into it
-                        made = {o: e for e in body.jaxpr.eqns for o in e.outvars}
-                        self._constrain_back(inner, got, made)
+                        self._constrain_back(inner, got, facts(body.jaxpr).producer)
                 if got is not None:
                     self.buffer_names.setdefault(outer, got if j < ncarry else (lead, *got))
             return [*body_out[:ncarry], *((lead, *n) for n in body_out[ncarry:])]
@@ -933,7 +799,7 @@ class _Walker:
             branch = p["branches"][-1].jaxpr
             self._into(eqn.invars[1:], branch.invars)
             return self.walk(branch, ins[1:], times)
-        for key in _CALL_PARAMS:
+        for key in CALL_PARAMS:
             sub = p.get(key)
             if sub is not None:
                 sub = getattr(sub, "jaxpr", sub)
@@ -947,7 +813,7 @@ class _Walker:
                     self._pass_origin(eqn.invars, sub.invars)
                     result = self.walk(sub, ins, times)
                     self._pass_origin(sub.outvars, eqn.outvars)
-                    alias = memory.aliases(sub)
+                    alias = facts(sub).alias
                     for outer, inner in zip(eqn.outvars, sub.outvars, strict=True):
                         got = self.buffer(inner)
                         if got is not None:
@@ -963,11 +829,11 @@ class _Walker:
                         elif inner in self.materialized or inner in sub.invars:
                             self.materialized.add(outer)
                     return result
-        if prim not in _BOUNDARY and all(
+        if prim not in BOUNDARY and all(
             isinstance(v, Literal) or v in self.constlike for v in eqn.invars
         ):
             self.constlike.update(eqn.outvars)
-        if memory.is_alias(eqn):
+        if is_alias(eqn):
             x, y = eqn.invars[0], eqn.outvars[0]
             if not isinstance(x, Literal) and x in self.lookup_of:
                 self.lookups[self.lookup_of[x]][2] = True  # its rows named by the model
@@ -978,16 +844,16 @@ class _Walker:
             return [self._constraint(eqn, ins[0], shapes[0], times)]
         if prim == "select_n" and self._masks_scores(eqn, ins):
             self.causal_masks.add(shapes[0][-2:])
-        if prim not in op_names.UNDERSTOOD and prim not in _ELEMENTWISE:
+        if prim not in UNDERSTOOD and prim not in ELEMENTWISE:
             return self._unpriced(eqn, times)
         outs = [dedupe(n) for n in self.other(prim, p, ins, shapes, out_shapes)]
         if times:
             self._moved(eqn, ins, outs, shapes, times)
-        score = prim not in _BOUNDARY and self._score_input(eqn)
+        score = prim not in BOUNDARY and self._score_input(eqn)
         for n, v in zip(outs, eqn.outvars, strict=True):
             if score:
                 self.scores.add(v)
-            fused = prim not in _BOUNDARY
+            fused = prim not in BOUNDARY
             reads = eqn.invars if fused else None
             self._count(
                 v, n, times, score, boundary=not fused, reads=reads, kernel=prim in REDUCTIONS
@@ -1150,7 +1016,7 @@ class _Walker:
         kernel: bool = False,
     ) -> None:
         """The bytes XLA moves for ``v``: written once and read by each consumer that is not
-        fused with its producer, when it leaves a fusion (:data:`_BOUNDARY`), and, for a
+        fused with its producer, when it leaves a fusion (:data:`BOUNDARY`), and, for a
         value computed inside a fusion from ``reads`` (its equation's operands), the buffers
         its kernel reads where it is written or reduced (``kernel``):
         :mod:`meshplan._search.predict.fusion_reads`. A matmul's operands and output are
@@ -1162,11 +1028,11 @@ class _Walker:
         shape = tuple(getattr(v.aval, "shape", ()))
         size = math.prod(shape) * _itemsize(v.aval)
         consumers = self.consumers.get(v, [])
-        readers = sum(1 for c in consumers if c in _BOUNDARY and c != "dot_general")
+        readers = sum(1 for c in consumers if c in BOUNDARY and c != "dot_general")
         if dot_out:
             moved = size * readers
             self.materialized.add(v)
-        elif boundary or any(c in _BOUNDARY or c == "return" for c in consumers):
+        elif boundary or any(c in BOUNDARY or c == "return" for c in consumers):
             moved = size * (1 + readers)
             self.materialized.add(v)
         else:
@@ -1184,7 +1050,7 @@ class _Walker:
         the fusion, or the program's result) or reduces into it (``kernel``), that kernel
         reads the buffers it is computed from; else it is made from them."""
         consumers = self.consumers.get(v, [])
-        written = any(c in _BOUNDARY or c == "return" for c in consumers)
+        written = any(c in BOUNDARY or c == "return" for c in consumers)
         if not (written or kernel):
             self.fusion_reads.fused(v, reads)
             return
@@ -1447,7 +1313,8 @@ def trace_workload(
     # The third program (the gradients' reductions run last) only where any of them moves:
     # otherwise it is the second one, and the cost model takes that.
     variants = [(True, False), (False, False)]
-    if memory.moves_late(jaxpr, var_names, walker.materialized):
+    moved = memory.late_moves(jaxpr, var_names, walker.materialized)
+    if any(moved):
         variants.append((False, True))
     programs = [
         memory.build(
@@ -1458,6 +1325,7 @@ def trace_workload(
             walker.materialized,
             recompute,
             late,
+            moved,
         )
         for recompute, late in variants
     ]

@@ -1,0 +1,43 @@
+"""The ``cpu`` calibration's procedure (``_search/measure/cpu.py``): what it times and how it
+reads the times. Its stability across processes is measured, not asserted:
+``benchmarks/bench_calibration.py``."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshplan._search.measure import cpu
+
+
+def test_the_programs_run_interleaved_after_an_uncounted_warm_up(monkeypatch):
+    monkeypatch.setattr(cpu, "_BUDGET_S", 0.0)  # the fewest rounds: no time asked for
+    calls: list[str] = []
+    done = jnp.zeros(())
+
+    def kernel(name: str):
+        return lambda: calls.append(name) or done
+
+    times = cpu._rounds([kernel("a"), kernel("b"), kernel("c")], devices=8)
+    assert [len(t) for t in times] == [cpu._ROUNDS] * 3
+    assert calls == ["a", "b", "c"] * (cpu._WARMUP + cpu._ROUNDS)
+    assert all(s >= 0 for t in times for s in t)
+
+
+def test_a_kernel_runs_on_its_last_result_in_place_cycling_its_operands():
+    run = jax.jit(lambda x: 1.5 - 0.5 * x, donate_argnums=0)  # ones stay ones
+    first, second = jnp.ones(4), jnp.ones(4)
+    kernel = cpu._Kernel(run, [first, second])
+    out = kernel()
+    assert first.is_deleted() and kernel.operands == [out, second] and kernel.next == 1
+    kernel(), kernel()
+    assert second.is_deleted() and kernel.next == 1
+    np.testing.assert_array_equal(np.asarray(kernel.operands[0]), np.ones(4))
+
+
+def test_a_chain_s_extra_cost_is_taken_round_by_round():
+    # the second round's chain was slowed (not its single call), the third round's both
+    once, many = [1.0, 1.0, 4.0], [8.0, 12.0, 11.0]
+    assert cpu._per_extra(once, many, extra=7) == 1.0  # medians apart: (11 - 1) / 7
+    assert cpu._median([3.0, 1.0, 100.0]) == 3.0
