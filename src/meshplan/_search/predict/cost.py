@@ -705,9 +705,11 @@ def _predict_one(
         hidden += reps * t
         _tally(by_kind, by_axis, kind, axes, int(reps * nbytes))
     traffic = 0
-    for (names, shape, score), nbytes in workload.traffic.items():
-        if not (fused and score):
-            traffic += nbytes // specs.split(specs(names, len(shape)))
+    reads = workload.fusion_reads if profile.fusion_reads else {}  # what fusions read
+    for cells in (workload.traffic, reads):
+        for (names, shape, score), nbytes in cells.items():
+            if not (fused and score):
+                traffic += nbytes // specs.split(specs(names, len(shape)))
     memory_s = micro * traffic / profile.memory_bandwidth
     compute_s, flops = compute_s * micro, flops * micro
     flops += micro * workload.unpriced_flops  # whole on every device: not split

@@ -94,6 +94,11 @@ class HardwareProfile:
             memory-optimised scheduler works back from the one all-reduce combining every
             gradient (measured: its buffer assignment); on TPU and GPU the gradients'
             reductions start as soon as each is made, to overlap the backward pass.
+        fusion_reads: The memory traffic counts what each loop fusion reads, every buffer
+            its computation starts from, once per kernel
+            (:mod:`meshplan._search.predict.fusion_reads`): checked against XLA:CPU's
+            ``cost_analysis()`` bytes on the suite of ``tests/xla_suite.py``; not yet on
+            TPU or GPU (their published rows are priced without it).
 
     Example:
         >>> import meshplan
@@ -130,6 +135,7 @@ class HardwareProfile:
     slow_hop_latency_s: float = 0.0
     overlap_cost: float = 0.0
     late_gradients: bool = False
+    fusion_reads: bool = False
 
     def __post_init__(self) -> None:
         if self.slow_latency_s is None:
@@ -179,6 +185,7 @@ class Backend(TypedDict, total=False):
     slow_hop_latency_s: float
     overlap_cost: float
     late_gradients: bool
+    fusion_reads: bool
 
 
 # Physical parameters shared by a backend's profiles (never fitted per model or run):
@@ -231,6 +238,7 @@ BACKENDS: dict[str, Backend] = {
         combines_gathers=False,
         reduce_scatter=False,
         late_gradients=True,
+        fusion_reads=True,
     ),
 }
 """What each backend does, by JAX platform name; a profile takes its backend's entry."""

@@ -32,6 +32,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from meshplan._search.predict import memory, op_names
+from meshplan._search.predict.fusion_reads import REDUCTIONS, FusionReads
 from meshplan._search.predict.jaxpr_facts import call_body, facts, is_alias
 from meshplan._search.predict.memory import MemoryProgram
 from meshplan._search.predict.primitives import (
@@ -136,7 +137,10 @@ class Workload:
     (FSDP's ``embed`` and ``batch``), XLA's propagation gives the rows the table's split,
     and the layers after it run on the whole batch (:func:`meshplan._search.predict.cost.predict`
     says so in ``Cost.notes``);
-    ``backward_dots``: the matmuls that run in the backward pass (autodiff's transpose).
+    ``backward_dots``: the matmuls that run in the backward pass (autodiff's transpose);
+    ``fusion_reads``: keyed as ``traffic``, the bytes XLA's loop fusions read besides
+    (:mod:`meshplan._search.predict.fusion_reads`), priced where the profile says
+    (``HardwareProfile.fusion_reads``).
 
     Example:
         >>> import jax, jax.numpy as jnp, meshplan
@@ -175,6 +179,9 @@ class Workload:
     lookups: dict[tuple[Names, Names, str], int] = dataclasses.field(default_factory=dict)
     backward_dots: frozenset[Dot] = frozenset()
     memory_late: MemoryProgram | None = None
+    fusion_reads: dict[tuple[Names, tuple[int, ...], bool], int] = dataclasses.field(
+        default_factory=dict
+    )
 
     def trips(self, dot: Dot) -> int:
         """How many times one run of ``dot`` repeats in sequence: the trips of the loops
@@ -409,6 +416,8 @@ class _Walker:
         self.operand_arrays: dict[tuple[Dot, int], frozenset[int]] = {}
         self.arrays: list[tuple[int, bool]] = []
         self.materialized: set[Any] = set()  # values XLA writes to memory (not fused away)
+        self.fusion_reads = FusionReads()  # the buffers a fusion's kernel reads (fusion_reads)
+        self.read_traffic: dict[tuple[Names, tuple[int, ...], bool], int] = {}  # their bytes
         self.constlike: set[Any] = set()  # computed from no input (iotas, masks): recomputed
         self.reshards: dict[tuple[Names, Names, tuple[int, ...], int], int] = {}
         self.moves: dict[tuple[Names, Names, tuple[int, ...], int], int] = {}
@@ -461,6 +470,8 @@ class _Walker:
         for v, n in zip(jaxpr.invars, in_names, strict=True):
             env[v] = n
             self.var_names[v] = n
+            if v not in self.constlike and not self.fusion_reads.known(v):
+                self._buffer(v, n)  # an input (a scan's slice): a buffer its kernels read
         found = facts(jaxpr)  # the one walk's facts of this jaxpr
         alias = found.alias  # a constraint's value is its input's buffer
         for v, prims in found.consumers.items():
@@ -483,6 +494,12 @@ class _Walker:
                 env[v] = n
                 self.var_names[v] = n
                 self.note(n)
+                if (
+                    v in self.materialized
+                    and v not in self.constlike
+                    and v not in self.fusion_reads.leaf
+                ):
+                    self._buffer(v, n)  # a loop's or a call's result: a buffer in memory
             if eqn.primitive.name in SAME_LAYOUT:
                 self._constrain_forward(eqn, env, alias, producer)
                 self._carry_back(eqn, outs, producer)
@@ -550,6 +567,10 @@ class _Walker:
         """A call's (a loop's) inner inputs are the outer parameters' arrays; from index
         ``sliced`` on, a scan's slices of them: arrays of their own."""
         for i, (o, n) in enumerate(zip(outer, inner, strict=False)):
+            if isinstance(o, Literal) or o in self.constlike:  # an iota's mask: no buffer
+                self.fusion_reads.computed.add(n)
+            elif not 0 <= sliced <= i:  # XLA inlines the call: the inner input is the outer
+                self.fusion_reads.same(n, o)
             if not isinstance(o, Literal) and o in self.weight_of:
                 self.weight_of[n] = n if 0 <= sliced <= i else self.weight_of[o]
 
@@ -804,6 +825,7 @@ class _Walker:
                         if not isinstance(inner, Literal) and inner in self.lookup_of:
                             self.lookup_of[outer] = self.lookup_of[inner]
                         inner = alias.get(inner, inner)
+                        self.fusion_reads.same(outer, inner)
                         if not isinstance(inner, Literal) and inner in self.scores:
                             self.scores.add(outer)
                         if isinstance(inner, Literal) or inner in self.constlike:
@@ -822,6 +844,7 @@ class _Walker:
             for group in (self.scores, self.constlike, self.materialized):
                 if x in group:
                     group.add(y)
+            self.fusion_reads.same(y, x)
             return [self._constraint(eqn, ins[0], shapes[0], times)]
         if prim == "select_n" and self._masks_scores(eqn, ins):
             self.causal_masks.add(shapes[0][-2:])
@@ -834,7 +857,11 @@ class _Walker:
         for n, v in zip(outs, eqn.outvars, strict=True):
             if score:
                 self.scores.add(v)
-            self._count(v, n, times, score, boundary=prim in BOUNDARY)
+            fused = prim not in BOUNDARY
+            reads = eqn.invars if fused else None
+            self._count(
+                v, n, times, score, boundary=not fused, reads=reads, kernel=prim in REDUCTIONS
+            )
         return outs
 
     def _loop_whole(
@@ -989,12 +1016,19 @@ class _Walker:
         *,
         boundary: bool = False,
         dot_out: bool = False,
+        reads: Sequence[Any] | None = None,
+        kernel: bool = False,
     ) -> None:
         """The bytes XLA moves for ``v``: written once and read by each consumer that is not
-        fused with its producer, when it leaves a fusion (:data:`BOUNDARY`); nothing else.
-        A matmul's operands and output are priced with the matmul (:mod:`.cost`)."""
+        fused with its producer, when it leaves a fusion (:data:`BOUNDARY`), and, for a
+        value computed inside a fusion from ``reads`` (its equation's operands), the buffers
+        its kernel reads where it is written or reduced (``kernel``):
+        :mod:`meshplan._search.predict.fusion_reads`. A matmul's operands and output are
+        priced with the matmul (:mod:`.cost`)."""
         if v in self.constlike:
             return  # XLA computes it where it is used (constant sinking, fusion)
+        if reads is not None:
+            self._fusion(v, names, times, score, reads, kernel)
         shape = tuple(getattr(v.aval, "shape", ()))
         size = math.prod(shape) * _itemsize(v.aval)
         consumers = self.readers(v)
@@ -1010,6 +1044,38 @@ class _Walker:
         if moved and times:
             cell = (names, shape, score)
             self.traffic[cell] = self.traffic.get(cell, 0) + moved * times
+        if v in self.materialized:
+            self.fusion_reads.buffer(v, (names, shape, score), size)
+
+    def _fusion(
+        self, v: Any, names: Any, times: int, score: bool, reads: Sequence[Any], kernel: bool
+    ) -> None:
+        """A value computed inside a fusion: where a kernel writes it (a consumer outside
+        the fusion, or the program's result) or reduces into it (``kernel``), that kernel
+        reads the buffers it is computed from; else it is made from them."""
+        consumers = self.consumers.get(v, [])
+        written = any(c in BOUNDARY or c == "return" for c in consumers)
+        if not (written or kernel):
+            self.fusion_reads.fused(v, reads)
+            return
+        if times:
+            for cell, nbytes in self.fusion_reads.reads(reads):
+                self.read_traffic[cell] = self.read_traffic.get(cell, 0) + nbytes * times
+        if kernel and not written:  # a reduction's result: written, read by the next kernel
+            shape = tuple(getattr(v.aval, "shape", ()))
+            size = math.prod(shape) * _itemsize(v.aval)
+            cell = (names, shape, score)
+            if times:
+                self.read_traffic[cell] = self.read_traffic.get(cell, 0) + size * times
+            self.fusion_reads.buffer(v, cell, size)
+
+    def _buffer(self, v: Any, names: Any) -> None:
+        """``v`` is a buffer in memory (an input, a loop's result): what kernels read."""
+        if isinstance(v, Literal) or not hasattr(v, "aval"):
+            return
+        shape = tuple(getattr(v.aval, "shape", ()))
+        size = math.prod(shape) * _itemsize(v.aval)
+        self.fusion_reads.buffer(v, (names, shape, v in self.scores), size)
 
     def _returns(self, body: Any, outer: Sequence[Any]) -> None:
         """Notes the call's outputs ``outer`` as what ``body``'s returned values become."""
@@ -1325,6 +1391,7 @@ def trace_workload(
         _lookups(walker),
         frozenset(walker.backward_dots),
         memory_late=programs[2] if len(programs) > 2 else None,
+        fusion_reads=walker.read_traffic,
     )
 
 
