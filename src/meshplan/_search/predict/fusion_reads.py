@@ -18,8 +18,8 @@ accessed']`` on the suite of ``tests/xla_suite.py`` (``benchmarks/bench_xla_suit
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any, TypeGuard
 
 from meshplan._search.predict.primitives import KINDS
 
@@ -48,24 +48,24 @@ class FusionReads:
     """
 
     def __init__(self) -> None:
-        self.leaf: dict[Any, tuple[Cell, int]] = {}
-        self.made_from: dict[Any, frozenset[Any]] = {}
+        self.leaf: dict[Hashable, tuple[Cell, int]] = {}
+        self.made_from: dict[Hashable, frozenset[Hashable]] = {}
         # a loop's or call's inputs computed from no input outside (a mask from iotas):
         # computed in each kernel that reads them, as outside, never a buffer
-        self.computed: set[Any] = set()
+        self.computed: set[Hashable] = set()
 
-    def buffer(self, var: Any, cell: Cell, nbytes: int) -> None:
+    def buffer(self, var: Hashable, cell: Cell, nbytes: int) -> None:
         """``var`` is in memory (written by a kernel, or an input): a kernel reads it whole."""
         self.leaf[var] = (cell, nbytes)
         self.made_from.pop(var, None)
 
-    def known(self, var: Any) -> bool:
+    def known(self, var: Hashable) -> bool:
         """Whether ``var`` is a buffer, made from some, or computed in its kernels."""
         return var in self.leaf or var in self.made_from or var in self.computed
 
-    def leaves(self, invars: Iterable[Any]) -> frozenset[Any]:
+    def leaves(self, invars: Iterable[object]) -> frozenset[Hashable]:
         """The buffers values ``invars`` are computed from (unknown values: none)."""
-        out: set[Any] = set()
+        out: set[Hashable] = set()
         for v in invars:
             if not _hashable(v):
                 continue
@@ -75,24 +75,24 @@ class FusionReads:
                 out.update(self.made_from.get(v, ()))
         return frozenset(out)
 
-    def fused(self, var: Any, invars: Sequence[Any]) -> None:
+    def fused(self, var: Hashable, invars: Sequence[object]) -> None:
         """``var`` is computed inside a fusion from ``invars``: not written, made from
         their buffers."""
         self.made_from[var] = self.leaves(invars)
 
-    def same(self, outer: Any, inner: Any) -> None:
+    def same(self, outer: Hashable, inner: object) -> None:
         """``outer`` is ``inner`` (a call's result, a constraint's value)."""
         if _hashable(inner) and inner in self.leaf:
             self.leaf[outer] = self.leaf[inner]
         elif _hashable(inner) and inner in self.made_from:
             self.made_from[outer] = self.made_from[inner]
 
-    def reads(self, invars: Sequence[Any]) -> list[tuple[Cell, int]]:
+    def reads(self, invars: Sequence[object]) -> list[tuple[Cell, int]]:
         """``(cell, bytes)`` a kernel computing from ``invars`` reads: each buffer once."""
         return [self.leaf[v] for v in self.leaves(invars)]
 
 
-def _hashable(v: Any) -> bool:
+def _hashable(v: object) -> TypeGuard[Hashable]:
     try:
         hash(v)
     except TypeError:
