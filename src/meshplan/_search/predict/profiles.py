@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TypedDict
 
+import jax
+
 from meshplan._errors import ArgumentError, error_for
 from meshplan._search.measure.cpu import cpu_devices, measure_cpu
 from meshplan._search.measure.machine_load import load_per_core, same_load
@@ -577,3 +579,17 @@ def get_profile(profile: str | HardwareProfile, devices: int | None = None) -> H
             "HardwareProfile.",
         )
     return PROFILES[profile]
+
+
+def runs_here(profile: HardwareProfile) -> bool:
+    """Whether ``profile`` behaves as this machine's backend (its :data:`BACKENDS` entry), so
+    that what XLA compiles here (collectives, temporaries) is what the profile's hardware runs.
+
+    Example:
+        >>> import jax
+        >>> from meshplan._search.predict.profiles import get_profile, runs_here
+        >>> runs_here(get_profile("h100")) == (jax.default_backend() == "gpu")
+        True
+    """
+    backend = BACKENDS.get(jax.default_backend())
+    return backend is not None and all(getattr(profile, k) == v for k, v in backend.items())

@@ -35,7 +35,7 @@ from meshplan._search.predict.cost import (
 )
 from meshplan._search.predict.infer import name_unnamed
 from meshplan._search.predict.inputs import check_search_args, whole_number
-from meshplan._search.predict.profiles import get_profile
+from meshplan._search.predict.profiles import get_profile, runs_here
 from meshplan._search.predict.step import check_microbatches, linen_step, split_batch
 from meshplan._search.predict.trace import Names, Workload, trace_workload
 from meshplan._search.search.candidates import (
@@ -675,6 +675,7 @@ def search_rules(
         measure,
         measure_top,
         measure_steps,
+        runs_here(prof),
     )
     counts = SearchCounts(
         enumerated=len(candidates) + piped.enumerated,
@@ -824,11 +825,13 @@ def _finish(
     measure: bool,
     measure_top: int,
     measure_steps: int,
+    here: bool = False,
 ) -> tuple[list[SearchRow], int, int]:
     """The one ranking of every search: the ``ok`` rows ranked (:func:`_rank`), the first
     ``compile_top`` compiled and ranked again with what the compile showed, the first
     ``measure_top`` run and ranked by measured time, then numbered. Returns the rows and
-    how many were compiled and measured."""
+    how many were compiled and measured. ``here``: the profile is this machine's backend, so
+    what its compiler says (collective bytes, temporaries) replaces the prediction."""
     rows = _rank(rows, ranked_by)
     compiled = 0
     if compile_top and step_fn is not None:
@@ -839,7 +842,8 @@ def _finish(
                 continue
             row.compiled = measure_step(step_fn, abstract_state, example_batch, row.mesh, row.rules)
             compiled += 1
-            _refine(row)
+            if here:
+                _refine(row)
         rows[:compile_top] = _rank(rows[:compile_top], ranked_by)
     measured = 0
     if measure and step_fn is not None:
