@@ -5,9 +5,12 @@ for decoders of a few shapes and remat choices that fit one device (``CASES``): 
 prediction of ``meshplan.predict`` with the chip's published profile (one device: no
 collectives, so this checks the compute, memory traffic and memory model), then the step
 compiled and run (zero state, ``--steps`` steps after two warm-ups, the median) and its
-memory read from XLA (``compiled.memory_analysis()``: arguments + temporaries) and from the
-device (``memory_stats()['peak_bytes_in_use']``). Prints measured / predicted per case and
-the median |error|.
+memory read from XLA (``compiled.memory_analysis()``: arguments + temporaries). Prints
+measured / predicted per case and the median |error|; a step XLA finds too big for the
+device is listed with the prediction's verdict. The decoders write attention with
+``jax.nn.dot_product_attention``, which XLA runs as written (no flash kernel): the
+prediction prices it so (``attention='xla'``, the default); ``flash ms`` is what a flash
+kernel's step would be predicted to take.
 
     python benchmarks/bench_accelerator.py                # every case
     python benchmarks/bench_accelerator.py --cases 350m-none --steps 5
@@ -58,41 +61,83 @@ def profile_name() -> str:
     return next(k for k, c in CHIPS.items() if c is chip)
 
 
-def run_case(name: str, profile: str, steps: int) -> dict[str, Any]:
-    """One case: predicted and measured step seconds and memory bytes."""
+def _pallas_attention(query: Any, key: Any, value: Any, *args: Any, **kw: Any) -> Any:
+    """``jax.nn.dot_product_attention``'s causal case as Pallas' TPU flash kernel runs it
+    (``[batch, seq, heads, head_dim]`` in and out; grouped keys repeated to the heads)."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa
+
+    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (query, key, value))
+    k, v = (jnp.repeat(x, q.shape[1] // x.shape[1], axis=1) for x in (k, v))
+    b = min(512, q.shape[2])
+    blocks = fa.BlockSizes(
+        block_q=b, block_k_major=b, block_k=b, block_b=1,
+        block_q_major_dkv=b, block_k_major_dkv=b, block_k_dkv=b, block_q_dkv=b,
+        block_k_major_dq=b, block_k_dq=b, block_q_dq=b,
+    )  # fmt: skip
+    out = fa.flash_attention(q, k, v, causal=True, sm_scale=q.shape[-1] ** -0.5, block_sizes=blocks)
+    return jnp.swapaxes(out, 1, 2)
+
+
+def _prepare(step: Any, state: Any, tokens: Any, mesh: Any, kernel: bool) -> Any:
+    """The step compiled and placed; with ``kernel``, its attention Pallas' flash kernel."""
+    if not kernel:
+        return prepare_step(step, state, tokens, mesh, RULES)
+    original = jax.nn.dot_product_attention
+    jax.nn.dot_product_attention = _pallas_attention
+    try:
+        return prepare_step(step, state, tokens, mesh, RULES)
+    finally:
+        jax.nn.dot_product_attention = original
+
+
+def run_case(name: str, profile: str, steps: int, kernel: bool = False) -> dict[str, Any]:
+    """One case: predicted (attention as written, and as a flash kernel would run it) and
+    measured step seconds and memory bytes; a step that does not fit on the device has the
+    error XLA gave in ``error`` and no measured figures. ``kernel``: the step run has Pallas'
+    flash kernel for its attention, against the flash prediction."""
     fields, batch, seq = CASES[name]
     cfg = LlamaConfig(vocab=32000, dtype="bfloat16", **fields)
     state, step, tokens = llama_step(cfg, batch, seq)
     mesh = {"data": 1}
     t0 = time.perf_counter()
-    pred = meshplan.predict(state, step, tokens, mesh=mesh, rules=RULES, profile=profile)
-    predict_s = time.perf_counter() - t0
-    prepared = prepare_step(step, state, tokens, mesh, RULES)
-    times = prepared.run(steps + 2)[2:]
-    memory = prepared.compiled.memory_analysis()
-    xla = memory.argument_size_in_bytes + memory.temp_size_in_bytes
-    stats = jax.devices()[0].memory_stats() or {}
-    cost = pred.cost
-    row = {
+    work = meshplan.trace_workload(step, state, tokens, read_constraints=True)
+    xla = meshplan.predict(workload=work, mesh=mesh, rules=RULES, profile=profile)
+    flash = meshplan.predict(
+        workload=work, mesh=mesh, rules=RULES, profile=profile, attention="flash"
+    )
+    pred = flash if kernel else xla
+    row: dict[str, Any] = {
         "case": name,
         "params": cfg.params(),
         "batch": batch,
         "seq": seq,
         "predicted_s": pred.step_s,
-        "compute_s": cost.compute_s,
-        "memory_s": cost.memory_s,
-        "measured_s": statistics.median(times),
-        "fastest_s": min(times),
+        "compute_s": pred.cost.compute_s,
+        "memory_s": pred.cost.memory_s,
+        "kernel": kernel,
+        "flash_predicted_s": flash.step_s,
         "predicted_bytes": pred.memory_bytes,
-        "state_bytes": cost.state_bytes,
-        "activation_bytes": cost.activation_bytes + cost.temporary_bytes,
-        "xla_bytes": xla,
-        "xla_temp_bytes": memory.temp_size_in_bytes,
-        "device_peak_bytes": stats.get("peak_bytes_in_use"),
-        "flops": cost.flops_per_device,
-        "xla_flops": (prepared.compiled.cost_analysis() or {}).get("flops"),
-        "predict_seconds": round(predict_s, 2),
+        "flash_predicted_bytes": flash.memory_bytes,
+        "budget_bytes": pred.budget_bytes,
+        "state_bytes": pred.cost.state_bytes,
+        "flops": pred.cost.flops_per_device,
+        "predict_seconds": round(time.perf_counter() - t0, 2),
     }
+    try:
+        prepared = _prepare(step, state, tokens, mesh, kernel)
+    except Exception as e:  # XLA's own words: out of memory on the device, say
+        row["error"] = f"{type(e).__name__}: {str(e)[:240]}"
+        return row
+    times = prepared.run(steps + 2)[2:]
+    memory = prepared.compiled.memory_analysis()
+    row.update(
+        measured_s=statistics.median(times),
+        fastest_s=min(times),
+        xla_bytes=memory.argument_size_in_bytes + memory.temp_size_in_bytes,
+        xla_temp_bytes=memory.temp_size_in_bytes,
+        xla_flops=(prepared.compiled.cost_analysis() or {}).get("flops"),
+    )
     del prepared
     return row
 
@@ -102,34 +147,57 @@ def _gib(n: float | None) -> str:
 
 
 def report(rows: list[dict[str, Any]], profile: str) -> None:
-    """The table and the medians."""
-    print(f"device: {jax.devices()[0].device_kind} · profile {profile} · jax {jax.__version__}")
-    head = (
-        f"{'case':20} {'params':>7} {'pred ms':>8} {'meas ms':>8} {'t m/p':>6} "
-        f"{'pred GiB':>8} {'XLA GiB':>8} {'peak GiB':>8} {'mem m/p':>7} {'flops x/p':>9}"
-    )
-    print(head)
-    for r in rows:
-        xf = r["xla_flops"] / r["flops"] if r["xla_flops"] and r["flops"] else float("nan")
-        print(
-            f"{r['case']:20} {r['params'] / 1e6:6.0f}M {r['predicted_s'] * 1e3:8.1f} "
-            f"{r['measured_s'] * 1e3:8.1f} {r['measured_s'] / r['predicted_s']:6.2f} "
-            f"{_gib(r['predicted_bytes'])} {_gib(r['xla_bytes'])} "
-            f"{_gib(r['device_peak_bytes'])} {r['xla_bytes'] / r['predicted_bytes']:7.2f} "
-            f"{xf:9.2f}"
-        )
-    t = [abs(r["measured_s"] / r["predicted_s"] - 1) for r in rows]
-    m = [abs(r["xla_bytes"] / r["predicted_bytes"] - 1) for r in rows]
+    """The table and the medians: against the prediction of attention as written (the
+    default), or as a flash kernel where the step ran one (``--kernel``)."""
+    kernel = any(r.get("kernel") for r in rows)
     print(
-        f"median |error|: step time {statistics.median(t):.1%} (worst {max(t):.1%}), "
-        f"memory {statistics.median(m):.1%} (worst {max(m):.1%}) over {len(rows)} cases"
+        f"device: {jax.devices()[0].device_kind} · profile {profile} · jax {jax.__version__}"
+        f" · attention run {'as Pallas flash kernel (t m/p: against flash ms)' if kernel else 'as written (XLA)'}"
     )
+    print(
+        f"{'case':20} {'params':>7} {'pred ms':>8} {'flash ms':>8} {'meas ms':>8} "
+        f"{'t m/p':>6} {'pred GiB':>8} {'XLA GiB':>8} {'mem x/p':>7}"
+    )
+    for r in rows:
+        head = (
+            f"{r['case']:20} {r['params'] / 1e6:6.0f}M {r['predicted_s'] * 1e3:8.1f} "
+            f"{r['flash_predicted_s'] * 1e3:8.1f} "
+        )
+        if "error" in r:
+            fits = "fits" if r["predicted_bytes"] <= r["budget_bytes"] else "over"
+            print(
+                f"{head}{'-':>8} {'-':>6} {_gib(r['predicted_bytes'])} (predicted {fits}; "
+                f"XLA: {r['error'][:90]})"
+            )
+            continue
+        print(
+            f"{head}{r['measured_s'] * 1e3:8.1f} {r['measured_s'] / r['predicted_s']:6.2f} "
+            f"{_gib(r['predicted_bytes'])} {_gib(r['xla_bytes'])} "
+            f"{r['xla_bytes'] / r['predicted_bytes']:7.2f}"
+        )
+    ran = [r for r in rows if "error" not in r]
+    if ran:
+        t = [abs(r["measured_s"] / r["predicted_s"] - 1) for r in ran]
+        m = [abs(r["xla_bytes"] / r["predicted_bytes"] - 1) for r in ran]
+        print(
+            f"median |error| of {len(ran)} that ran: step time {statistics.median(t):.1%} "
+            f"(worst {max(t):.1%}), memory {statistics.median(m):.1%} (worst {max(m):.1%})"
+        )
+    over = [r for r in rows if "error" in r]
+    said = sum(1 for r in over if r["predicted_bytes"] > r["budget_bytes"])
+    if over:
+        print(f"did not fit on the device: {len(over)}, predicted over the budget: {said}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     parser.add_argument("--steps", type=int, default=10, help="timed steps per case")
+    parser.add_argument(
+        "--kernel",
+        action="store_true",
+        help="run attention as Pallas' TPU flash kernel, against the flash prediction",
+    )
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     args = parser.parse_args(argv)
@@ -142,11 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = profile_name()
     rows = []
     for name in args.cases:
-        try:
-            rows.append(run_case(name, profile, args.steps))
-        except Exception as e:  # one case that does not fit or compile: say so, go on
-            print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            continue
+        rows.append(run_case(name, profile, args.steps, args.kernel))
         print(json.dumps(rows[-1]), flush=True)
     if rows:
         report(rows, profile)

@@ -30,7 +30,7 @@ import jax
 
 import meshplan
 from meshplan._search.predict.cost import predict
-from meshplan._search.predict.profiles import get_profile
+from meshplan._search.predict.profiles import get_profile, with_attention
 from meshplan._search.predict.trace import trace_workload
 from meshplan.models.llama import LlamaConfig, llama_step, maxtext_config
 
@@ -406,9 +406,9 @@ def rows() -> list[Row]:
 
 
 def row_profile(row: Row) -> meshplan.HardwareProfile:
-    """The row's hardware profile, without fused attention where its framework had none."""
-    prof = get_profile(row.profile)
-    return prof if row.flash else dataclasses.replace(prof, fused_attention=False)
+    """The row's hardware profile, with fused (flash) attention where its framework ran a kernel
+    (``attention='flash'``: the model traced here writes attention as matmuls)."""
+    return with_attention(get_profile(row.profile), "flash" if row.flash else "xla")
 
 
 def run_row(row: Row, search: bool) -> dict[str, Any]:

@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from meshplan._search.predict.pipeline import predict_pipeline
-from meshplan._search.predict.profiles import get_profile
+from meshplan._search.predict.profiles import get_profile, with_attention
 from meshplan._search.predict.trace import trace_workload
 from meshplan.models.llama import LlamaConfig, llama_step
 
@@ -209,7 +209,7 @@ def run_pipeline_row(row: PipelineRow) -> dict[str, Any]:
     t0 = time.perf_counter()
     state, step, batch = llama_step(row.cfg, row.batch, row.seq)
     work = trace_workload(step, state, batch, read_constraints=True)
-    prof = get_profile("a100")
+    prof = with_attention(get_profile("a100"), "flash")  # as priced since these rows came in
     pp = predict_pipeline(
         work, row.mesh, RULES, prof, microbatches=row.microbatches, schedule="1f1b"
     )

@@ -24,7 +24,12 @@ def test_plan_prices_llama_7b_on_256_v5e_chips_without_allocating_it(capsys):
     assert data["rules_name"] == "fsdp"  # MaxText's default
     prediction = data["prediction"]
     assert not prediction["fits"]  # one sequence of 2048 per chip: the activations
-    assert round(prediction["memory_bytes_per_device"] / 2**30, 2) == 16.43
+    assert prediction["attention"] == "xla"  # the scores in memory, as XLA runs it
+    assert round(prediction["memory_bytes_per_device"] / 2**30, 2) == 40.71
+    assert cli.main([*argv, "--attention", "flash", "--json"]) == 0  # as MaxText runs it
+    flash = json.loads(capsys.readouterr().out)["prediction"]
+    assert round(flash["memory_bytes_per_device"] / 2**30, 2) == 16.43
+    assert flash["predicted_step_s"] < prediction["predicted_step_s"]
 
 
 @pytest.mark.slow

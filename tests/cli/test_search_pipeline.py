@@ -54,18 +54,23 @@ def test_search_ranks_a_pipeline_across_two_hosts_first_and_says_why(here, capsy
     argv = ["search", "--model", "stackmodel:stack", "--devices", "16", "--profile", "h100"]
     data = _json(capsys, *argv)
     best = data["best"]
-    assert best["layout"] == "pipeline" and best["mesh"] == {"pipeline": 2, "data": 8}
-    assert best["pipeline"]["stages"] == 2 and best["pipeline"]["link"] == "slow"
-    assert best["pipeline"]["bubble"] == pytest.approx(1 / (best["pipeline"]["microbatches"] + 1))
+    stages = best["mesh"]["pipeline"]  # stages across the two hosts' network
+    assert best["layout"] == "pipeline" and best["mesh"] == {
+        "pipeline": stages,
+        "data": 16 // stages,
+    }
+    assert best["pipeline"]["stages"] == stages > 1 and best["pipeline"]["link"] == "slow"
+    m = best["pipeline"]["microbatches"]
+    assert best["pipeline"]["bubble"] == pytest.approx((stages - 1) / (m + stages - 1))
     verdict = {v["role"]: v for v in data["verdicts"]}["pipeline"]
     assert verdict["proposed"] and verdict["kind"] == "communication"
-    assert verdict["with"]["schedule"].startswith("2 stages")
+    assert verdict["with"]["schedule"].startswith(f"{stages} stages")
     assert verdict["without"]["step_s"] > best["predicted_step_s"]
     assert data["counts"]["compiled"] == 0  # a pipelined row is priced, never compiled here
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "pipelines (the layers cut into stages over 'pipeline'):" in out
-    assert "  #1 2x8 pipeline,data pipeline: 2 stages, " in out
+    assert f"  #1 {stages}x{16 // stages} pipeline,data pipeline: {stages} stages, " in out
     assert "  pipeline: proposed (communication): pipeline pays: " in out
     assert "  expert: not proposed (absent): " in out
 
@@ -92,7 +97,7 @@ def test_plan_profile_prices_the_pipeline_as_predict_and_the_search_do(here, cap
         "--rules",
         "pipeline",
         "--mesh",
-        "2x8",
+        "x".join(str(n) for n in row["mesh"].values()),
         "--profile",
         "h100",
         "--microbatches",
@@ -106,8 +111,9 @@ def test_plan_profile_prices_the_pipeline_as_predict_and_the_search_do(here, cap
     assert pred["comm_bytes"]["collective-permute"] == row["pipeline"]["send_bytes"] > 0
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert f"pipeline 2 stages x {m} microbatches (GPipe, {m + 1} iterations): bubble " in out
-    assert "over the slow link" in out and "each stage holds 1/2 of the layers" in out
+    n = row["pipeline"]["stages"]
+    assert f"pipeline {n} stages x {m} microbatches (GPipe, {m + n - 1} iterations): bubble " in out
+    assert "over the slow link" in out and f"each stage holds 1/{n} of the layers" in out
 
 
 @pytest.mark.parametrize(

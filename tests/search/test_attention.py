@@ -12,7 +12,7 @@ import pytest
 import meshplan
 from meshplan._search.predict import attention
 from meshplan._search.predict.cost import predict
-from meshplan._search.predict.profiles import get_profile
+from meshplan._search.predict.profiles import get_profile, with_attention
 from meshplan._search.predict.trace import trace_workload
 
 B, S, D, H = 8, 512, 256, 4
@@ -55,7 +55,7 @@ def _compute(work, profile):
 
 
 def test_a_causal_mask_runs_only_the_blocks_on_and_below_the_diagonal(works):
-    h100 = get_profile("h100")
+    h100 = with_attention(get_profile("h100"), "flash")
     block = S // 4  # 4 blocks of keys: 10 of 16 tiles run
 
     def attention(block: int) -> float:  # compute(eff 0.5) - compute(eff 1): the attention's
@@ -73,7 +73,7 @@ def test_a_causal_mask_runs_only_the_blocks_on_and_below_the_diagonal(works):
 
 
 def test_attention_runs_at_its_own_efficiency_with_the_backward_recompute(works):
-    h100 = dataclasses.replace(get_profile("h100"), causal_block=0)
+    h100 = dataclasses.replace(with_attention(get_profile("h100"), "flash"), causal_block=0)
     work = works[False]
     # attention's time is its FLOPs / (efficiency x peak): differences against efficiency 1
     # leave the weights' matmuls out: F/peak x (1/0.5 - 1) and F/peak x (1/0.25 - 1)

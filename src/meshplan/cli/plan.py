@@ -68,6 +68,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ".json file of meshplan.HardwareProfile fields",
     )
     parser.add_argument(
+        "--attention",
+        choices=("flash", "xla"),
+        default=None,
+        help="with --profile: how the step's attention runs: flash (one fused kernel, as MaxText, "
+        "Megatron-LM and llm-foundry call one) or xla (as written: the scores in memory, "
+        "what XLA makes of jax.nn.dot_product_attention; the default)",
+    )
+    parser.add_argument(
         "--devices",
         type=int,
         default=None,
@@ -187,7 +195,16 @@ def _prediction_problem(args: argparse.Namespace, shape: dict[str, int]) -> str 
             f"--devices {args.devices} but --mesh {args.mesh} has {devices} devices.\nPass a "
             f"mesh whose sizes multiply to {args.devices}, or --devices {devices}."
         )
-    keys = ("batch", "seq", "budget", "devices", "grad_accum", "microbatches", "pipeline_repeats")
+    keys = (
+        "batch",
+        "seq",
+        "budget",
+        "devices",
+        "grad_accum",
+        "microbatches",
+        "pipeline_repeats",
+        "attention",
+    )
     given = [f"--{k.replace('_', '-')}" for k in keys if getattr(args, k, None)]
     if args.profile is None and [g for g in given if g != "--devices"]:
         return (
@@ -229,6 +246,7 @@ def _predict(
         rules=rules,
         profile=args.profile,
         memory_budget_bytes=args.budget,
+        attention=getattr(args, "attention", None),
         microbatches=getattr(args, "grad_accum", None) or 1,
         pipeline_microbatches=getattr(args, "microbatches", None),
         pipeline_repeats=getattr(args, "pipeline_repeats", None) or 1,

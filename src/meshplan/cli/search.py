@@ -159,6 +159,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ".json file of meshplan.HardwareProfile fields",
     )
     parser.add_argument(
+        "--attention",
+        choices=("flash", "xla"),
+        default=None,
+        help="how the step's attention runs: flash (one fused kernel, as MaxText, "
+        "Megatron-LM and llm-foundry call one) or xla (as written: the scores in memory, "
+        "what XLA makes of jax.nn.dot_product_attention; the default)",
+    )
+    parser.add_argument(
         "--budget",
         type=parse_bytes,
         default=None,
@@ -574,6 +582,7 @@ def run(args: argparse.Namespace) -> int:
             batch,
             profile=args.profile,
             memory_budget_bytes=args.budget,
+            attention=args.attention,
             layouts=layouts,
             roles=roles,
             compile_top=args.top_k,
@@ -656,7 +665,8 @@ def _print(
     say(
         out,
         (what, "bold"),
-        f" · {result.devices} devices · profile {result.profile.name} · budget "
+        f" · {result.devices} devices · profile {result.profile.name}"
+        f"{' (flash attention)' if result.profile.fused_attention else ''} · budget "
         f"{human_bytes(result.budget_bytes)}/device{batch}",
     )
     if result.ok:

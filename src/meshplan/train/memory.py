@@ -18,7 +18,7 @@ import jax
 from jax.sharding import Mesh
 
 from meshplan._search.predict.cost import Cost, predict
-from meshplan._search.predict.profiles import BACKENDS, get_profile
+from meshplan._search.predict.profiles import get_profile
 from meshplan._search.predict.trace import trace_workload
 from meshplan._spmd.rules import LogicalRules
 from meshplan._text import human_bytes
@@ -96,9 +96,9 @@ def step_memory(
     Attention scores count as held on the CPU, and as fused away on accelerators, so an
     accelerator run is refused only when even the fused step cannot fit.
     """
-    # What the backend does (its fused attention) from the planner's one table of backends.
-    backend = BACKENDS.get(mesh.devices.flat[0].platform, BACKENDS["gpu"])
-    fused = backend.get("fused_attention", False)
+    # On an accelerator the scores count as fused away (attention="flash"): a step is
+    # refused only when even a flash kernel's step could not fit.
+    fused = mesh.devices.flat[0].platform != "cpu"
     profile = dataclasses.replace(get_profile("cpu", mesh.devices.size), fused_attention=fused)
     work = trace_workload(model.step, abstract, batch, rules)
     return predict(work, dict(mesh.shape), rules, profile)

@@ -18,7 +18,7 @@ from meshplan._errors import ArgumentError, Problem, error_from_problems
 from meshplan._search.predict.cost import Cost, _Specs, predict_specs
 from meshplan._search.predict.inputs import check_search_args, whole_number
 from meshplan._search.predict.pipeline import PipelineCost, predict_pipeline
-from meshplan._search.predict.profiles import HardwareProfile, get_profile
+from meshplan._search.predict.profiles import HardwareProfile, get_profile, with_attention
 from meshplan._search.predict.report import prediction_fields, prediction_lines
 from meshplan._search.predict.trace import ThroughputUnit, Workload, trace_workload
 from meshplan._spmd.mesh_info import MeshLike
@@ -70,7 +70,7 @@ class Prediction:
         Example:
             >>> from meshplan._search.predict.prediction import example_prediction
             >>> round(example_prediction().step_s * 1e3, 3)
-            0.149
+            0.155
         """
         return self.cost.step_s
 
@@ -81,7 +81,7 @@ class Prediction:
         Example:
             >>> from meshplan._search.predict.prediction import example_prediction
             >>> example_prediction().memory_bytes / 2**20
-            32.1875
+            64.125
         """
         return self.cost.memory_bytes
 
@@ -118,7 +118,7 @@ class Prediction:
         Example:
             >>> from meshplan._search.predict.prediction import example_prediction
             >>> example_prediction().lines()[2]
-            'memory/device 32.19 MiB of 74.51 GiB (fits): state 32.00 MiB, batch 64.00 KiB, activations 64.00 KiB, temporaries 64.00 KiB'
+            'memory/device 64.12 MiB of 74.51 GiB (fits): state 32.00 MiB, batch 64.00 KiB, activations 64.00 KiB, temporaries 32.00 MiB'
         """
         return prediction_lines(self.to_dict())
 
@@ -191,6 +191,7 @@ def predict(
     microbatches: int = 1,
     pipeline_microbatches: int | None = None,
     pipeline_repeats: int = 1,
+    attention: str | None = None,
 ) -> Prediction:
     """Predicts one layout's training step on a hardware profile, without its devices.
 
@@ -211,9 +212,9 @@ def predict(
         >>> p.cost.comm_bytes, p.fits       # data parallelism: the gradient all-reduced
         ({'all-reduce': 33554432}, True)
         >>> print(p)
-        predicted step 0.149 ms on 8 h100 (compute 0.011 ms, memory traffic 0.000 ms, exposed communication 0.138 ms of 0.146 ms)
-        throughput 429,163 examples/s · MFU 0.4% (traced matmul FLOPs, recomputation included)
-        memory/device 32.19 MiB of 74.51 GiB (fits): state 32.00 MiB, batch 64.00 KiB, activations 64.00 KiB, temporaries 64.00 KiB
+        predicted step 0.155 ms on 8 h100 (compute 0.020 ms, memory traffic 0.010 ms, exposed communication 0.124 ms of 0.146 ms)
+        throughput 414,158 examples/s · MFU 0.4% (traced matmul FLOPs, recomputation included)
+        memory/device 64.12 MiB of 74.51 GiB (fits): state 32.00 MiB, batch 64.00 KiB, activations 64.00 KiB, temporaries 32.00 MiB
 
     Args:
         abstract_state: The state (``jax.eval_shape`` of init), boxed or NNX.
@@ -238,6 +239,10 @@ def predict(
             (:func:`meshplan._search.predict.pipeline.predict_pipeline`: the bubble, the
             sends between stages, each stage's share of the layers and activations).
         pipeline_repeats: Layer groups per stage (the circular schedule).
+        attention: ``'flash'``: the step's attention priced as a fused kernel runs it (the
+            framework calls one: Pallas' splash, cuDNN, FlashAttention); ``'xla'``: as
+            written, its scores in memory; ``None``: as the profile says (``'xla'`` in
+            every built-in profile: XLA fuses no attention into one kernel).
 
         A pipeline on 8 H100s, 4 stages of 2 layers and 8 microbatches:
 
@@ -268,7 +273,7 @@ def predict(
     devices = math.prod(sizes.values())
     check_search_args(devices=devices, budget=memory_budget_bytes, where="predict")
     check_microbatches(microbatches)
-    prof = get_profile(profile, devices)
+    prof = with_attention(get_profile(profile, devices), attention)
     if isinstance(rules, str):
         rules = get_layout(rules)
     if model is not None:

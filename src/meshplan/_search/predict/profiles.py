@@ -29,7 +29,16 @@ from meshplan._search.measure.machine_load import load_per_core, same_load
 from meshplan._search.predict.chips import CHIPS, GiB
 from meshplan._search.predict.inputs import check_profile, check_profile_arg, profile_fields
 
-__all__ = ["PROFILES", "HardwareProfile", "calibrate_cpu", "get_profile", "load_profile"]
+__all__ = [
+    "ATTENTION",
+    "PROFILES",
+    "HardwareProfile",
+    "calibrate_cpu",
+    "get_profile",
+    "load_profile",
+    "runs_here",
+    "with_attention",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,8 +57,12 @@ class HardwareProfile:
         source: Where the figures come from.
         slow_latency_s: The same across domains (default: ``latency_s``).
         matmul_efficiency: The fraction of ``peak_flops`` large matmuls reach.
-        fused_attention: The backend runs attention as one fused (flash) kernel: its
-            scores never reach memory.
+        fused_attention: Attention runs as one fused (flash) kernel: its scores never
+            reach memory. A framework's kernel (Pallas' splash, cuDNN, FlashAttention) does
+            this; XLA makes none of attention written as matmuls and a softmax
+            (``jax.nn.dot_product_attention``'s default too), so it is off in every built-in
+            profile: ``attention='flash'`` (``--attention flash``) prices a step as such a
+            kernel would run its attention (:func:`with_attention`).
         reduce_scatter: The backend reduces a gradient into its shards (FSDP) with a
             reduce-scatter rather than an all-reduce.
         overlap: The fraction of compute time that hides independent collectives
@@ -193,13 +206,14 @@ class Backend(TypedDict, total=False):
 # Physical parameters shared by a backend's profiles (never fitted per model or run):
 # XLA on TPU and on GPU runs collectives asynchronously, overlapping weight gathers and
 # gradient reductions with the layers around them, combines small ones (the combiner
-# passes' thresholds are tens of MiB), reduce-scatters FSDP gradients, and has fused
-# (flash) attention kernels (Pallas on TPU, cuDNN on GPU).
+# passes' thresholds are tens of MiB) and reduce-scatters FSDP gradients. Fused (flash)
+# attention is the program's, not the backend's: a kernel the framework calls (Pallas' on
+# TPU, cuDNN's on GPU); XLA writes the scores of attention written as matmuls to memory
+# (measured on a TPU v5e: benchmarks/bench_accelerator.py), so no backend entry sets it.
 BACKENDS: dict[str, Backend] = {
     # MaxText's TPU attention is Pallas' splash kernel, whose tiles (sa_block_q, sa_block_kv)
-    # are 512 wide: it skips those a causal mask hides.
+    # are 512 wide: it skips those a causal mask hides (where attention='flash').
     "tpu": Backend(
-        fused_attention=True,
         overlap=0.9,
         combine_bytes=32 << 20,
         regather=True,
@@ -216,7 +230,6 @@ BACKENDS: dict[str, Backend] = {
     # the calibration rows, within that share). Flash kernels skip the tiles a causal mask
     # hides (128 keys a tile: FlashAttention 2 and 3, cuDNN).
     "gpu": Backend(
-        fused_attention=True,
         overlap=0.9,
         combine_bytes=32 << 20,
         regather=True,
@@ -593,3 +606,39 @@ def runs_here(profile: HardwareProfile) -> bool:
     """
     backend = BACKENDS.get(jax.default_backend())
     return backend is not None and all(getattr(profile, k) == v for k, v in backend.items())
+
+
+ATTENTION = ("flash", "xla")
+"""How a step's attention runs: ``'flash'`` as one fused kernel, ``'xla'`` as written."""
+
+
+def with_attention(profile: HardwareProfile, attention: str | None) -> HardwareProfile:
+    """``profile`` pricing attention as ``attention`` says (``None``: as the profile does).
+
+    ``'flash'``: the scores never reach memory, the kernel's efficiency and causal blocks
+    (the framework calls a fused kernel, as MaxText, Megatron-LM and llm-foundry do);
+    ``'xla'``: the matmuls and the softmax as written, the scores in memory (what XLA
+    makes of ``jax.nn.dot_product_attention`` and of attention written by hand).
+
+    Example:
+        >>> from meshplan._search.predict.profiles import get_profile, with_attention
+        >>> h100 = get_profile("h100")
+        >>> h100.fused_attention, with_attention(h100, "flash").fused_attention
+        (False, True)
+        >>> with_attention(h100, "fast")
+        Traceback (most recent call last):
+        ...
+        meshplan.ArgumentError: attention='fast' is not a way attention runs: expected 'flash' or 'xla'.
+        Pass attention='flash' (a fused kernel), 'xla' (as written) or None (the profile's).
+    """
+    if attention is None:
+        return profile
+    if attention not in ATTENTION:
+        raise error_for(
+            ArgumentError,
+            "bad-argument",
+            "attention",
+            f"{attention=} is not a way attention runs: expected 'flash' or 'xla'",
+            "Pass attention='flash' (a fused kernel), 'xla' (as written) or None (the profile's).",
+        )
+    return dataclasses.replace(profile, fused_attention=attention == "flash")

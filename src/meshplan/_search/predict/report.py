@@ -61,6 +61,7 @@ def prediction_fields(
         "comm_by_axis": dict(cost.comm_by_axis),
         "devices": devices,
         "profile": profile.name,
+        "attention": "flash" if profile.fused_attention else "xla",
         "unpriced": list(cost.unpriced),
         "notes": list(cost.notes),
     }
@@ -82,7 +83,8 @@ def prediction_lines(fields: dict[str, Any]) -> list[str]:
     f = fields
     lines = [
         f"predicted step {human_seconds(f['predicted_step_s'])} on {f['devices']} "
-        f"{f['profile']} (compute {human_seconds(f['compute_s'])}, memory traffic "
+        f"{f['profile']}{' (flash attention)' if f.get('attention') == 'flash' else ''} "
+        f"(compute {human_seconds(f['compute_s'])}, memory traffic "
         f"{human_seconds(f['memory_s'])}, exposed communication {human_seconds(f['comm_s'])} "
         f"of {human_seconds(f['comm_total_s'])})"
     ]

@@ -700,6 +700,9 @@ class _Walker:
         out = math.prod(eqn.outvars[0].aval.shape)
         if out <= max(sizes):
             return False
+        (lc, _), _ = eqn.params["dimension_numbers"]
+        if any(ins[0][i] == "batch" for i in lc if i < len(ins[0])):
+            return False  # the batch summed over: a weight's gradient (xᵀ·dy), not scores
         if all("batch" in n for n in ins):
             self.score_sizes.add(out)
             return True

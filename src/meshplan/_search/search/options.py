@@ -52,6 +52,8 @@ class SearchHardware:
         profile: ``'cpu'`` (measured here), a profile's name (``'h100'``, ``'tpu_v5e'``...)
             or a :class:`meshplan.HardwareProfile`.
         memory_budget_bytes: Bytes one device may hold (default: the profile's memory).
+        attention: ``'flash'`` (a fused kernel), ``'xla'`` (as written) or ``None`` (the
+            profile's): :func:`meshplan.predict`'s ``attention``.
 
     Example:
         >>> from meshplan import SearchHardware
@@ -61,6 +63,7 @@ class SearchHardware:
 
     profile: str | HardwareProfile = "cpu"
     memory_budget_bytes: int | None = None
+    attention: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +94,7 @@ class SearchKeywords(TypedDict, total=False):
 
     profile: str | HardwareProfile
     memory_budget_bytes: int | None
+    attention: str | None
     layouts: Mapping[str, LogicalRules] | Sequence[str] | None
     names: Sequence[str] | None
     roles: Sequence[str]

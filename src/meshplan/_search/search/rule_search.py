@@ -35,7 +35,7 @@ from meshplan._search.predict.cost import (
 )
 from meshplan._search.predict.infer import name_unnamed
 from meshplan._search.predict.inputs import check_search_args, whole_number
-from meshplan._search.predict.profiles import get_profile, runs_here
+from meshplan._search.predict.profiles import get_profile, runs_here, with_attention
 from meshplan._search.predict.step import check_microbatches, linen_step, split_batch
 from meshplan._search.predict.trace import Names, Workload, trace_workload
 from meshplan._search.search.candidates import (
@@ -556,7 +556,7 @@ def search_rules(
         )
     _check_measure(measure, step_fn, devices)
     have_devices = jax.device_count() >= devices
-    prof = get_profile(profile, devices)
+    prof = with_attention(get_profile(profile, devices), hardware.attention)
     budget = memory_budget_bytes if memory_budget_bytes is not None else prof.memory_bytes
     named = _named(layouts)
     # Layouts with a stage (the pipelines) are priced as pipelines, on their own meshes.
