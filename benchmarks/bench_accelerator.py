@@ -79,6 +79,51 @@ def _pallas_attention(query: Any, key: Any, value: Any, *args: Any, **kw: Any) -
     return jnp.swapaxes(out, 1, 2)
 
 
+KERNEL_SHAPES = [(8, 16, 2048, 64), (4, 16, 2048, 128), (2, 16, 4096, 128), (8, 32, 2048, 128)]
+"""``(batch, heads, seq, head_dim)`` of :func:`kernel_efficiency`'s attention calls."""
+
+
+def _median_call(f: Any, *args: Any, calls: int = 10) -> float:
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def kernel_efficiency(peak: float) -> None:
+    """Pallas' flash kernel alone (causal): the fraction of ``peak`` its forward and its
+    forward + backward reach (FLOPs of the blocks on and below the diagonal; the backward
+    2.5 times the forward's), and XLA's attention against it."""
+    import jax.numpy as jnp
+
+    for b, h, s, d in KERNEL_SHAPES:
+        keys = jax.random.split(jax.random.PRNGKey(0), 3)
+        q, k, v = (jax.random.normal(key, (b, s, h, d), jnp.bfloat16) for key in keys)
+
+        def loss(attend: Any) -> Any:
+            return jax.jit(
+                jax.grad(lambda *x: attend(*x).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+            )
+
+        def xla(*x: Any) -> Any:
+            return jax.nn.dot_product_attention(*x, is_causal=True)
+
+        fwd = _median_call(jax.jit(_pallas_attention), q, k, v)
+        both = _median_call(loss(_pallas_attention), q, k, v)
+        plain = _median_call(loss(xla), q, k, v)
+        blocks = s // min(512, s)
+        causal = 4 * b * h * s * s * d * (blocks + 1) / (2 * blocks)
+        print(
+            f"b{b} h{h} s{s} d{d}: fwd {fwd * 1e3:.2f} ms = {causal / fwd / peak:.2f} of peak; "
+            f"fwd+bwd {both * 1e3:.2f} ms = {3.5 * causal / both / peak:.2f} of peak; "
+            f"XLA attention fwd+bwd {plain * 1e3:.2f} ms ({plain / both:.2f}x the kernel's)",
+            flush=True,
+        )
+
+
 def _prepare(step: Any, state: Any, tokens: Any, mesh: Any, kernel: bool) -> Any:
     """The step compiled and placed; with ``kernel``, its attention Pallas' flash kernel."""
     if not kernel:
@@ -198,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run attention as Pallas' TPU flash kernel, against the flash prediction",
     )
+    parser.add_argument(
+        "--kernel-only",
+        action="store_true",
+        help="time Pallas' TPU flash kernel alone (KERNEL_SHAPES): its fraction of the peak",
+    )
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     args = parser.parse_args(argv)
@@ -208,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     if jax.default_backend() == "cpu":
         sys.exit("bench_accelerator.py needs an accelerator (jax.default_backend() is 'cpu')")
     profile = profile_name()
+    if args.kernel_only:
+        kernel_efficiency(CHIPS[profile].bfloat16)
+        return 0
     rows = []
     for name in args.cases:
         rows.append(run_case(name, profile, args.steps, args.kernel))
