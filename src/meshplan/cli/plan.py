@@ -67,14 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "profile name (a100, h100, h100_a3, h200, b200, tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e, cpu) or a "
         ".json file of meshplan.HardwareProfile fields",
     )
-    parser.add_argument(
-        "--attention",
-        choices=("flash", "xla"),
-        default=None,
-        help="with --profile: how the step's attention runs: flash (one fused kernel, as MaxText, "
-        "Megatron-LM and llm-foundry call one) or xla (as written: the scores in memory, "
-        "what XLA makes of jax.nn.dot_product_attention; the default)",
-    )
+    add_attention_argument(parser, "with --profile: ")
     parser.add_argument(
         "--devices",
         type=int,
@@ -277,6 +270,20 @@ def abstract_mesh(shape: dict[str, int]) -> Any:
 
 _MLP_DEFAULTS = {"layers": 4, "depth": 1024, "scan": False}
 _TRANSFORMER_DEFAULTS = {"size": "tiny"}
+
+
+def add_attention_argument(parser: argparse.ArgumentParser, when: str = "") -> None:
+    """``--attention``: how the step's attention is priced (``meshplan.predict``'s ``attention``)."""
+    from meshplan._search.predict.profiles import ATTENTION
+
+    parser.add_argument(
+        "--attention",
+        choices=ATTENTION,
+        default=None,
+        help=f"{when}how the step's attention runs: flash (one fused kernel, as MaxText, "
+        "Megatron-LM and llm-foundry call one) or xla (as written: the scores in memory, "
+        "what XLA makes of jax.nn.dot_product_attention; the default)",
+    )
 
 
 def add_model_size_arguments(parser: argparse.ArgumentParser) -> None:

@@ -35,7 +35,7 @@ from meshplan.cli.inferred import (
 )
 from meshplan.cli.names_file import INFER, add_names_argument, notes_text, read_names
 from meshplan.cli.output import print_error, say
-from meshplan.cli.plan import add_model_size_arguments, model_args_problem
+from meshplan.cli.plan import add_attention_argument, add_model_size_arguments, model_args_problem
 from meshplan.cli.sizes import parse_bytes
 from meshplan.cli.steps import example_of
 
@@ -158,14 +158,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "a100, h100, h100_a3, h200, b200, tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e (published figures), or a "
         ".json file of meshplan.HardwareProfile fields",
     )
-    parser.add_argument(
-        "--attention",
-        choices=("flash", "xla"),
-        default=None,
-        help="how the step's attention runs: flash (one fused kernel, as MaxText, "
-        "Megatron-LM and llm-foundry call one) or xla (as written: the scores in memory, "
-        "what XLA makes of jax.nn.dot_product_attention; the default)",
-    )
+    add_attention_argument(parser)
     parser.add_argument(
         "--budget",
         type=parse_bytes,
