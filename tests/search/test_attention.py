@@ -91,3 +91,20 @@ def test_without_fused_attention_the_scores_are_weight_matmuls_and_memory_traffi
     cost = predict(works[True], {"data": 8}, RULES, cpu_like)
     plain = predict(works[True], {"data": 8}, RULES, dataclasses.replace(cpu_like, causal_block=0))
     assert cost.compute_s == plain.compute_s  # no kernel: nothing skipped, nothing recomputed
+
+
+def test_a_kernel_bound_by_its_scores_runs_a_smaller_head_dim_at_a_smaller_efficiency(works):
+    """A v5e's Pallas kernels take the same time per score at head dimension 64 as at 128:
+    ``attention_head_dim`` scales the efficiency with ``d`` (here 64), capped at the matmuls'."""
+    h100 = with_attention(get_profile("h100"), "flash")
+
+    def compute(efficiency: float, head_dim: int) -> float:
+        at = dataclasses.replace(h100, attention_efficiency=efficiency, attention_head_dim=head_dim)
+        return _compute(works[True], at)
+
+    at_own = compute(0.3, 64) - compute(0.6, 64)  # A / 0.3 - A / 0.6 = A / 0.6
+    at_half = compute(0.3, 128) - compute(0.3, 64)  # A / 0.15 - A / 0.3 = A / 0.3
+    assert at_half / at_own == pytest.approx(2, rel=1e-6)
+    capped = compute(0.3, 16)  # 4x the head dimension: 1.2, capped at matmul_efficiency
+    assert capped == pytest.approx(compute(h100.matmul_efficiency, 0), rel=1e-9)
+    assert get_profile("tpu_v5e").attention_head_dim == 128

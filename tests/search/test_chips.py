@@ -31,7 +31,8 @@ def test_every_profile_takes_its_chips_figures_and_mfu_reads_the_same_chips():
     for name, profile in PROFILES.items():
         chip = CHIPS[CHIP_OF_PROFILE[name]]
         figures = (profile.peak_flops, profile.memory_bytes, profile.memory_bandwidth)
-        assert figures == (chip.bfloat16, chip.memory_bytes, chip.memory_bandwidth), name
+        usable = chip.usable_bytes or chip.memory_bytes
+        assert figures == (chip.bfloat16, usable, chip.memory_bandwidth), name
         assert profile.fast_bandwidth == chip.link_bandwidth, name
         assert peak_of(chip.name) is chip  # MFU finds the very entry by its maker's name
     assert tuple(CHIPS.values()) == PEAKS
@@ -76,3 +77,9 @@ def test_mfu_on_cpu_reads_the_cpu_profiles_measurement():
     assert measure_cpu_peak("float32") == n * calibrate_cpu(n).peak_flops
     peak = mesh_peak("cpu", "cpu", 2, "float32")
     assert peak.flops == n * calibrate_cpu(n).peak_flops
+
+
+def test_a_tpu_budget_is_what_jax_lets_a_program_use_not_the_datasheets_memory():
+    v5e = PROFILES["tpu_v5e"]
+    assert v5e.memory_bytes == 16_909_336_064 < CHIPS["tpu_v5e"].memory_bytes == 16 * 2**30
+    assert PROFILES["h100"].memory_bytes == CHIPS["h100"].memory_bytes  # not measured

@@ -9,7 +9,10 @@ and most decoders write it). On a backend with fused attention
 
 * at the kernel's own fraction of the peak (``HardwareProfile.attention_efficiency``),
   not the weight matmuls' (``matmul_efficiency``): flash kernels keep their tiles'
-  softmax on chip and reach a different fraction of peak than large GEMMs;
+  softmax on chip and reach a different fraction of peak than large GEMMs; where the
+  softmax bounds the kernel (``attention_head_dim``: Pallas' kernels on a TPU v5e take the
+  same time per score at head dimension 64 as at 128), that fraction scales with the
+  head dimension (:func:`head_dim`);
 * under a causal mask, only the blocks of ``causal_block`` keys that are not wholly
   masked run: ``(n + 1) / 2n`` of the scores for ``n`` blocks along the keys (FlashAttention
   2 and 3, cuDNN's and Pallas' splash kernels skip them);
@@ -29,7 +32,7 @@ from collections.abc import Iterable
 
 from meshplan._search.predict.trace import Dot
 
-__all__ = ["causal_fraction", "flash_recompute", "is_causal", "produces_scores"]
+__all__ = ["causal_fraction", "flash_recompute", "head_dim", "is_causal", "produces_scores"]
 
 
 def produces_scores(dot: Dot) -> bool:
@@ -64,6 +67,23 @@ def _score_shape(dot: Dot) -> tuple[int, ...]:
     if math.prod(dot.lhs_shape) >= math.prod(dot.rhs_shape):
         return dot.lhs_shape
     return dot.rhs_shape
+
+
+def head_dim(dot: Dot) -> float:
+    """The FLOPs per score of ``dot`` over two: the head dimension (q·kᵀ contracts it, p·v
+    and the gradients keep it).
+
+    Example:
+        >>> from meshplan._search.predict.attention import head_dim
+        >>> from meshplan._search.predict.trace import Dot
+        >>> qk = Dot(("batch", None, "heads", "kv"), ("batch", None, "heads", "kv"),
+        ...          (2, 64, 4, 16), (2, 64, 4, 16), ((3,), (3,)), ((0, 2), (0, 2)), 4, 2, 2)
+        >>> head_dim(qk)
+        16.0
+    """
+    (lc, _), _ = dot.contract, dot.batch
+    contracted = math.prod(dot.lhs_shape[i] for i in lc)
+    return _out_size(dot) * contracted / math.prod(_score_shape(dot))
 
 
 def is_causal(dot: Dot, masks: Iterable[tuple[int, int]]) -> tuple[int, int] | None:

@@ -27,6 +27,9 @@ class Chip:
             cores on NVIDIA GPUs since Ampere), or ``None`` when none is published (TPUs
             run float32 matmuls as several bf16 passes).
         memory_bytes: Device memory.
+        usable_bytes: Of ``memory_bytes``, what the runtime lets a program use (JAX's
+            ``device.memory_stats()["bytes_limit"]``) where it is measured or published;
+            ``None``: not known. A hardware profile's budget is this where it is known.
         memory_bandwidth: Bytes per second the chip reads or writes its memory.
         link_bandwidth: Bytes per second each way to its peers on the fast links (NVLink;
             a TPU's ICI along one torus axis; PCIe where there is no NVLink).
@@ -44,6 +47,7 @@ class Chip:
     bfloat16: float
     float32: float | None
     memory_bytes: int
+    usable_bytes: int | None = None
     memory_bandwidth: float
     link_bandwidth: float
     source: str
@@ -142,10 +146,12 @@ CHIPS: dict[str, Chip] = {
         bfloat16=197.0 * T,
         float32=None,
         memory_bytes=16 * GiB,
+        usable_bytes=16_909_336_064,
         memory_bandwidth=819e9,
         link_bandwidth=100e9,
         source="Google Cloud TPU documentation, 'TPU v5e' (197 TFLOPS bf16 per chip, 16 GiB "
-        "HBM2 at 819 GB/s, ICI 400 GB/s over 4 ports: 2 along one axis)",
+        "HBM2 at 819 GB/s, ICI 400 GB/s over 4 ports: 2 along one axis); usable: JAX's "
+        "bytes_limit on a v5e chip, 15.75 GiB (benchmarks/bench_accelerator.py)",
     ),
     "tpu_v5p": Chip(
         name="TPU v5p",
@@ -164,10 +170,12 @@ CHIPS: dict[str, Chip] = {
         bfloat16=918.0 * T,
         float32=None,
         memory_bytes=32 * GiB,
+        usable_bytes=33_550_237_696,
         memory_bandwidth=1.64e12,
         link_bandwidth=112e9,
         source="Google Cloud TPU documentation, 'TPU v6e' (918 TFLOPS bf16 per chip, 32 GiB "
-        "HBM at 1,640 GB/s, ICI 448 GB/s over 4 ports: 2 along one axis)",
+        "HBM at 1,640 GB/s, ICI 448 GB/s over 4 ports: 2 along one axis); usable: JAX's "
+        "bytes_limit on a v6e chip, 31.25 GiB (vllm-project/vllm#16211)",
     ),
 }
 """Published accelerators by short name, the most specific ``pattern`` first

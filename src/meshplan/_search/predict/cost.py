@@ -584,8 +584,7 @@ def _predict_one(
     partial_sums: set[Dot] = set()  # activations all-reduced (a tensor-parallel projection)
     params = frozenset(workload.param_names)
     read: dict[Any, set[int]] = {}  # an activation's gather key: the arrays gathered
-    attn_flops = profile.peak_flops * (profile.attention_efficiency or profile.matmul_efficiency)
-    scores = [0.0, 0.0]  # fused attention's FLOPs per device: [producing, reading] scores
+    scores = [0.0, 0.0]  # fused attention's seconds per device: [producing, reading] scores
     for dot, count in workload.dots.items():
         trips = workload.trips(dot)  # runs in sequence; count / trips appear side by side
         backward = dot in workload.backward_dots
@@ -595,9 +594,9 @@ def _predict_one(
         flops += f * count
         score = fused and dot in workload.score_dots
         if score:  # one flash kernel: its efficiency, masked blocks skipped (attention.py)
-            run = f * count * _causal(dot, workload, profile)
+            run = f * count * _causal(dot, workload, profile) / _attention_flops(dot, profile)
             scores[0 if attention.produces_scores(dot) else 1] += run
-            compute_s += run / attn_flops
+            compute_s += run
         else:
             moved = (
                 _lhs_bytes(dot, specs)
@@ -647,7 +646,7 @@ def _predict_one(
             else:
                 dependent.append((kind, axes, nbytes, count))
         gathered_extra[dot] = extra
-    compute_s += attention.flash_recompute(*scores) / attn_flops  # the backward's q·kᵀ
+    compute_s += attention.flash_recompute(*scores)  # the backward's q·kᵀ
     for (before, after, shape, item), count in workload.reshards.items():
         nbytes = specs.shard_bytes(before, shape, item)  # a constraint that moves axes
         order = batch_first(before)
@@ -736,6 +735,19 @@ def _predict_one(
         unpriced=tuple(f"{p} at {w} ({n} runs)" for (p, w), n in workload.unpriced.items()),
         notes=lookup_notes(workload, specs),
     )
+
+
+def _attention_flops(dot: Dot, profile: HardwareProfile) -> float:
+    """The FLOP/s a fused attention kernel runs ``dot`` at: ``attention_efficiency`` of the
+    peak, scaled by its head dimension where the profile's kernels are bound by their scores
+    (``attention_head_dim``), then at most ``matmul_efficiency``."""
+    if not profile.attention_efficiency:
+        return profile.peak_flops * profile.matmul_efficiency
+    efficiency = profile.attention_efficiency
+    if profile.attention_head_dim:
+        scaled = efficiency * attention.head_dim(dot) / profile.attention_head_dim
+        efficiency = min(scaled, max(efficiency, profile.matmul_efficiency))
+    return profile.peak_flops * efficiency
 
 
 def _causal(dot: Dot, workload: Workload, profile: HardwareProfile) -> float:

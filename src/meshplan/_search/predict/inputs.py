@@ -66,6 +66,9 @@ _RANGES: dict[str, _Range] = {
         "the fraction of peak_flops attention kernels reach (0: matmul_efficiency)",
         "0.35",
     ),
+    "attention_head_dim": _Range(
+        0.0, False, math.inf, "the head dimension attention_efficiency holds at (0: any)", "128"
+    ),
     "overlap_cost": _Range(
         *_FRACTION, "the fraction of hidden collectives' time still paid", "0.2"
     ),

@@ -85,6 +85,11 @@ class HardwareProfile:
         attention_efficiency: The fraction of ``peak_flops`` the fused attention kernels
             reach, forward and backward (the backward's recompute of the scores counted as
             FLOPs: :mod:`meshplan._search.predict.attention`); 0: ``matmul_efficiency``.
+        attention_head_dim: The head dimension ``attention_efficiency`` was measured at, where
+            a kernel's time goes with its scores, not its FLOPs: its softmax on each score
+            (on a TPU's vector units) bounds it, so a head dimension ``d`` reaches
+            ``d / attention_head_dim`` of that efficiency (at most ``matmul_efficiency``);
+            0: the efficiency whatever the head dimension.
         causal_block: Keys per tile of the fused attention kernel: under a causal mask the
             tiles wholly masked are skipped (0: none skipped, the whole square computed).
         hop_latency_s: Seconds each step of a ring collective adds within a domain (NCCL's
@@ -145,6 +150,7 @@ class HardwareProfile:
     rematerialize: bool = False
     combines_remat_collectives: bool = False
     attention_efficiency: float = 0.0
+    attention_head_dim: int = 0
     causal_block: int = 0
     hop_latency_s: float = 0.0
     slow_hop_latency_s: float = 0.0
@@ -267,12 +273,12 @@ class _Chip(TypedDict):
 
 
 def _chip(name: str) -> _Chip:
-    """A profile's figures of one device: the bf16 peak, memory and fast links of
-    :data:`~meshplan._search.predict.chips.CHIPS`."""
+    """A profile's figures of one device: the bf16 peak, memory (what a program may use,
+    where known) and fast links of :data:`~meshplan._search.predict.chips.CHIPS`."""
     chip = CHIPS[name]
     return _Chip(
         peak_flops=chip.bfloat16,
-        memory_bytes=chip.memory_bytes,
+        memory_bytes=chip.usable_bytes or chip.memory_bytes,
         memory_bandwidth=chip.memory_bandwidth,
         fast_bandwidth=chip.link_bandwidth,
     )
@@ -303,7 +309,15 @@ _POD = _Latency(latency_s=5e-6, slow_latency_s=50e-6)
 # al. 2024, FlashAttention-3, arXiv:2407.08608, abstract): 0.35.
 _A100 = _Efficiency(matmul_efficiency=0.62, attention_efficiency=0.55)
 _HOPPER = _Efficiency(matmul_efficiency=0.48, attention_efficiency=0.35)
-_TPU_EFF = _Efficiency(matmul_efficiency=0.86)
+_TPU_MATMUL = 0.86
+_TPU_EFF = _Efficiency(matmul_efficiency=_TPU_MATMUL)
+# Pallas' splash attention kernel (the one MaxText calls, with its 512-wide tiles), timed
+# alone on a TPU v5e chip (benchmarks/bench_accelerator.py --kernel-only splash): forward and
+# backward reach 0.30-0.32 of the peak at head dimension 128 and sequence 2048 (0.37 at
+# 4096, 0.45 at 8192), 0.16 at head dimension 64: the time goes with the scores, not the
+# FLOPs (its softmax runs on the vector units). Measured on v5e only: the other TPUs keep
+# their matmul efficiency for attention (v5p's published rows are within 2% so).
+_V5E_EFF = _Efficiency(matmul_efficiency=_TPU_MATMUL, attention_efficiency=0.30)
 
 PROFILES: dict[str, HardwareProfile] = {
     "a100": HardwareProfile(
@@ -380,13 +394,15 @@ PROFILES: dict[str, HardwareProfile] = {
         slow_bandwidth=3.125e9,
         domain_devices=256,
         **_POD,
-        **_TPU_EFF,
+        **_V5E_EFF,
+        attention_head_dim=128,
         **BACKENDS["tpu"],
         source="Google Cloud TPU v5e documentation (system architecture)",
     ),
     # A pod is 8,960 chips. DCN assumed as v5e per chip. The TPU pages' "GB" of HBM are GiB
     # (v5p's English page gives "HBM capacity per chip (GiB) 95"; JAX reports 33,550,237,696
-    # usable bytes, 31.25 GiB, on a "32 GB" v6e chip: vllm-project/vllm#16211).
+    # usable bytes, 31.25 GiB, on a "32 GB" v6e chip: vllm-project/vllm#16211, and
+    # 16,909,336,064, 15.75 GiB, on a 16 GiB v5e: the budgets are those).
     "tpu_v5p": HardwareProfile(
         name="tpu_v5p",
         **_chip("tpu_v5p"),
@@ -567,8 +583,8 @@ def get_profile(profile: str | HardwareProfile, devices: int | None = None) -> H
     Example:
         >>> from meshplan._search.predict.profiles import get_profile
         >>> p = get_profile("tpu_v5e")
-        >>> p.peak_flops, p.memory_bytes // 2**30
-        (197000000000000.0, 16)
+        >>> p.peak_flops, round(p.memory_bytes / 2**30, 2)  # what JAX lets a program use
+        (197000000000000.0, 15.75)
         >>> get_profile("a1000")
         Traceback (most recent call last):
         ...
