@@ -117,7 +117,7 @@ def _gpt(h: int, heads: int, layers: int, vocab: int = 51200) -> LlamaConfig:
         layers=layers,
         vocab=vocab,
         gated=False,
-        remat="full",
+        remat="full_block",  # Megatron-LM and DeepSpeed rerun each layer's forward whole
     )
 
 

@@ -90,7 +90,7 @@ def fit_changes(
         out.append((flag, fits, line, data))
         return fits
 
-    if step_of is not None and getattr(args, "remat", None) not in (None, "full"):
+    if step_of is not None and getattr(args, "remat", None) not in (None, "full", "full_block"):
         for policy in ("minimal", "full"):  # the cheaper recomputation first
             if policy != args.remat and tried(
                 f"--remat {policy}", step_of(remat=policy), result.devices

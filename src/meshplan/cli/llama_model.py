@@ -4,7 +4,7 @@ The sizes are :data:`meshplan.models.llama.LLAMA_SIZES` (MaxText's and Meta's pu
 configurations), built as abstract shapes (``jax.eval_shape``): a 405B model is planned
 without allocating it. ``--seq`` (default 2048, MaxText's ``max_target_length``),
 ``--batch`` (global; default one sequence per device) and ``--remat`` (``none``, ``full``,
-``dots``, ``minimal``) size the step.
+``dots``, ``minimal``, ``full_block``: :data:`meshplan.models.llama.REMATS`) size the step.
 """
 
 from __future__ import annotations
@@ -12,11 +12,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-__all__ = ["REMATS", "llama_args_problem", "llama_step_of"]
+__all__ = ["llama_args_problem", "llama_step_of"]
 
-REMATS = ("none", "full", "dots", "minimal")
-"""``--remat``: nothing recomputed, the whole layer, all but the matmuls, all but the
-matmuls without batch dimensions (:mod:`meshplan.models.llama`)."""
 
 DEFAULTS = {"size": "7b", "seq": 2048, "remat": "none"}
 
@@ -33,7 +30,7 @@ def llama_args_problem(args: argparse.Namespace) -> str | None:
         --size '7B' is not a Llama size; the sizes are 1b, 7b, 8b, 13b, 70b, 405b, llama2-1b, llama2-7b, llama2-13b, llama2-70b, llama3-8b, llama3-70b, llama3.1-405b, maxtext-16b, maxtext-32b, maxtext-64b, maxtext-128b.
         Pass e.g. --size 7b (Llama 2 7B) or --size llama3-8b.
     """
-    from meshplan.models.llama import _SHORT, LLAMA_SIZES
+    from meshplan.models.llama import _SHORT, LLAMA_SIZES, REMATS
 
     other = [f"--{k}" for k in ("layers", "depth", "scan", "experts") if getattr(args, k, None)]
     if other:

@@ -307,7 +307,8 @@ def add_model_size_arguments(parser: argparse.ArgumentParser) -> None:
         "--remat",
         default=None,
         metavar="POLICY",
-        help="--model llama's rematerialisation: none (default), full, dots, minimal",
+        help="--model llama's rematerialisation: none (default), full, dots, minimal, "
+        "full_block (the whole layer rerun, as PyTorch's checkpoint)",
     )
 
 

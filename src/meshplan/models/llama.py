@@ -4,7 +4,10 @@ Gated-SiLU MLP, RMSNorm, rotary-free attention through ``jax.nn.dot_product_atte
 (grouped-query when ``kv_heads < heads``), untied embedding and head, layers stacked by
 ``nn.scan`` (``scan=True``) or a for-loop, and rematerialised by ``nn.remat`` with a
 policy (``remat``: ``'none'``, ``'full'``, ``'dots'``: every matmul saved, or
-``'minimal'``: matmuls without batch dimensions saved, MaxText's ``minimal``).
+``'minimal'``: matmuls without batch dimensions saved, MaxText's ``minimal``; or
+``'full_block'``, PyTorch's and Megatron-LM's whole-block recompute: ``'full'``, with the
+MLP's down-projection run again in the backward pass too, which JAX's recompute leaves out
+because the backward does not read its output).
 ``parallel=True`` computes attention and MLP from the same input (PaLM's block).
 
 The logical names: ``batch``, ``length``, ``embed``, ``heads``, ``kv_heads``, ``kv``
@@ -27,7 +30,20 @@ import jax.numpy as jnp
 import meshplan
 from meshplan._types import Leaf, PyTree, StepFn
 
-__all__ = ["LLAMA_SIZES", "Llama", "LlamaConfig", "llama_size", "llama_step", "maxtext_config"]
+__all__ = [
+    "LLAMA_SIZES",
+    "REMATS",
+    "Llama",
+    "LlamaConfig",
+    "llama_size",
+    "llama_step",
+    "maxtext_config",
+]
+
+REMATS = ("none", "full", "dots", "minimal", "full_block")
+"""``remat``: nothing recomputed; the whole layer (what its backward reads); all but the
+matmuls; all but the matmuls without batch dimensions; the whole layer, its last projection
+too (a framework that reruns the block's forward, as ``torch.utils.checkpoint`` does)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +234,8 @@ class _Block(nn.Module):
         else:
             hid = jax.nn.gelu(hid)
         z = _c(jnp.einsum("blm,me->ble", hid, wout), act)
+        if cfg.remat == "full_block":
+            z = _read_in_backward(z)
         out = x + y + z if cfg.parallel else x + z
         return _c(out, act), None
 
@@ -226,6 +244,24 @@ _POLICIES = {
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+
+@jax.custom_vjp
+def _read_in_backward(z: jax.Array) -> jax.Array:
+    """``z``, whose backward reads it (adds ``z * 0``: no compiler drops a float times zero),
+    so a rematerialised block recomputes it: a whole-block rerun, as PyTorch's checkpoint."""
+    return z
+
+
+def _read_fwd(z: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return z, z
+
+
+def _read_bwd(z: jax.Array, g: jax.Array) -> tuple[jax.Array]:
+    return (g + z * jnp.zeros((), z.dtype),)
+
+
+_read_in_backward.defvjp(_read_fwd, _read_bwd)
 
 
 class Llama(nn.Module):
