@@ -55,6 +55,18 @@ def test_the_named_step_traces_with_the_model_unchanged(loaded, name):
     assert jax.tree.map(lambda x: (x.shape, x.dtype), meshplan.unbox(after)) == before
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hugging_face_attention_is_found_with_its_head_dimension(loaded, name):
+    """Their hand-written attention's matmuls are the trace's score dots, each of the model's
+    head dimension (64 / 4 heads), which a TPU's attention efficiency scales with."""
+    from meshplan._search.predict import attention
+
+    model = loaded[name]
+    work = meshplan.trace_workload(model.step_fn, model.abstract_state, model.example_batch)
+    assert len(work.score_dots) >= 4  # q·kᵀ, p·v and their gradients
+    assert {attention.head_dim(d) for d in work.score_dots} == {64 / 4}
+
+
 def test_hugging_face_on_an_explicit_mesh_is_refused_naming_the_call_and_auto_axes(loaded):
     model = loaded["gpt2"]
     loss = model.trainable.model.loss

@@ -81,8 +81,7 @@ def head_dim(dot: Dot) -> float:
         >>> head_dim(qk)
         16.0
     """
-    (lc, _), _ = dot.contract, dot.batch
-    contracted = math.prod(dot.lhs_shape[i] for i in lc)
+    contracted = math.prod(dot.lhs_shape[i] for i in dot.contract[0])
     return _out_size(dot) * contracted / math.prod(_score_shape(dot))
 
 

@@ -646,7 +646,7 @@ def _predict_one(
             else:
                 dependent.append((kind, axes, nbytes, count))
         gathered_extra[dot] = extra
-    compute_s += attention.flash_recompute(*scores)  # the backward's q·kᵀ
+    compute_s += attention.flash_recompute(*scores)  # the backward's q·kᵀ (linear: seconds)
     for (before, after, shape, item), count in workload.reshards.items():
         nbytes = specs.shard_bytes(before, shape, item)  # a constraint that moves axes
         order = batch_first(before)
@@ -739,8 +739,8 @@ def _predict_one(
 
 def _attention_flops(dot: Dot, profile: HardwareProfile) -> float:
     """The FLOP/s a fused attention kernel runs ``dot`` at: ``attention_efficiency`` of the
-    peak, scaled by its head dimension where the profile's kernels are bound by their scores
-    (``attention_head_dim``), then at most ``matmul_efficiency``."""
+    peak; where the profile's kernels are bound by their scores (``attention_head_dim``),
+    scaled by ``dot``'s head dimension, up to the larger of it and ``matmul_efficiency``."""
     if not profile.attention_efficiency:
         return profile.peak_flops * profile.matmul_efficiency
     efficiency = profile.attention_efficiency

@@ -695,7 +695,10 @@ class _Walker:
     def _is_score_dot(self, eqn: Any, ins: list[Names]) -> bool:
         """A product of two activations that is larger than both: q·kᵀ (or its gradient
         dP = dO·vᵀ, also where the backward pass's transposes left dO without names: a
-        product larger than both operands, of the size of the scores already seen)."""
+        product larger than both operands, of the size of the scores already seen, of an
+        operand of the batch and one of at least 3 dimensions without names; a weight has
+        names, or 2 dimensions where a model names nothing: an MLP's up-projection whose
+        output is as large as the scores is no score)."""
         sizes = [math.prod(getattr(v.aval, "shape", ())) for v in eqn.invars]
         out = math.prod(eqn.outvars[0].aval.shape)
         if out <= max(sizes):
@@ -706,7 +709,11 @@ class _Walker:
         if all("batch" in n for n in ins):
             self.score_sizes.add(out)
             return True
-        return out in self.score_sizes
+        unnamed = [len(n) >= 3 and all(x is None for x in n) for n in ins]
+        batched = ["batch" in n for n in ins]
+        return out in self.score_sizes and any(
+            u and b for u, b in ((unnamed[0], batched[1]), (unnamed[1], batched[0]))
+        )
 
     def _masks_scores(self, eqn: Any, ins: list[Names]) -> bool:
         """A ``select_n`` of scores by a predicate that is no function of the batch (a
