@@ -7,6 +7,13 @@ many processes came within 10% of the median (target: IQR under 10%, at least 9 
 within 10%), with the calibration's own seconds (JAX's start and the process's excluded)
 and the machine's 1-minute load average before and after.
 
+``--groups`` measures instead what one ``psum`` costs over groups of 2, 4 and 8 of the
+devices (the rest of the mesh running the same at once) at 4 bytes, 1 MiB and 8 MiB per
+device, against what the calibration's one figure at all 8 and 1 MiB implies (the ``cpu``
+profile prices a group of ``k`` as a ring: ``2 (k-1)/k`` of the bytes):
+
+    .venv/bin/python benchmarks/bench_calibration.py --groups
+
 ``--against REF`` also runs the procedure of ``src/meshplan/_search/measure/cpu.py`` as it
 was at git revision ``REF``, alternating process by process with this one, so both see the
 same load:
@@ -105,15 +112,71 @@ def _at_revision(ref: str, folder: str) -> str:
     return path
 
 
+def groups(devices: int, rounds: int = 15) -> None:
+    """Seconds per ``psum`` over groups of 2, 4, ... ``devices`` (module docstring): a chain
+    of 5 less a single one, the median over interleaved rounds, in call seconds."""
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from meshplan._search.measure.cpu import call_seconds, cpu_cores
+
+    def kernel(group: int, times: int, floats: int) -> Any:
+        mesh = jax.make_mesh((devices // group, group), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
+
+        def total(y: Any) -> Any:
+            for _ in range(times):
+                y = jax.lax.psum(y, "b")  # type: ignore[no-untyped-call]
+            return y
+
+        spec = P(("a", "b"))
+        run = jax.jit(
+            jax.shard_map(total, mesh=mesh, in_specs=spec, out_specs=spec), donate_argnums=0
+        )
+        box = [jax.device_put(np.zeros((devices, floats), np.float32), NamedSharding(mesh, spec))]
+
+        def call() -> Any:
+            box[0] = run(box[0])
+            return box[0]
+
+        return call
+
+    sizes, cores = (1, 1 << 18, 1 << 21), cpu_cores()
+    sides = [g for g in (2, 4, 8, 16) if g <= devices and devices % g == 0]
+    kernels = {(g, f, t): kernel(g, t, f) for g in sides for f in sizes for t in (1, 5)}
+    for k in kernels.values():
+        for _ in range(2):
+            jax.block_until_ready(k())
+    seconds: dict[tuple[int, int, int], list[float]] = {key: [] for key in kernels}
+    for _ in range(rounds):
+        for key, k in kernels.items():
+            c0, t0 = time.process_time(), time.perf_counter()
+            jax.block_until_ready(k())
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            seconds[key].append(call_seconds(wall, cpu, devices, cores))
+    print(f"{'group':>5} {'bytes/device':>12} {'us per psum':>12} {'ring GB/s':>10}")
+    for f in sizes:
+        for g in sides:
+            once, many = seconds[(g, f, 1)], seconds[(g, f, 5)]
+            each = statistics.median(m - o for o, m in zip(once, many, strict=True)) / 4
+            ring = 2 * (g - 1) / g * 4 * f / each / 1e9 if f > 1 else float("nan")
+            print(f"{g:5d} {4 * f:12,d} {each * 1e6:12.1f} {ring:10.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--processes", type=int, default=10, help="fresh processes (>= 4)")
     parser.add_argument("--devices", type=int, default=8, help="emulated CPU devices")
     parser.add_argument("--against", metavar="REF", help="also the procedure at git REF")
+    parser.add_argument("--groups", action="store_true", help="a psum's cost by group and size")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
         return _child(args.child, args.devices)
+    if args.groups:
+        return groups(args.devices)
     if args.processes < 4:
         parser.error("--processes must be at least 4 (quartiles of fewer mean little)")
     with tempfile.TemporaryDirectory() as folder:
