@@ -110,3 +110,20 @@ def test_a_bad_budget_or_no_step_is_refused(llama):
         )
     with pytest.raises(meshplan.ArgumentError, match="no step to trace"):
         meshplan.predict(state, mesh={"data": 8}, rules="fsdp", profile="h100")
+
+
+def test_a_step_predicted_within_5_percent_of_the_budget_is_said_to_fit_only_narrowly():
+    from meshplan._search.predict.cost import Cost
+    from meshplan._search.predict.profiles import get_profile
+    from meshplan._search.predict.report import prediction_fields, prediction_lines
+
+    v5e = get_profile("tpu_v5e")
+
+    def memory_line(state_gib: float) -> str:
+        cost = Cost(2.0, 1.5, 0.1, 0.4, 2e14, {}, {}, int(state_gib * 2**30), 0, 10, 0, 0, 1.0)
+        fields = prediction_fields(cost, 1 << 20, 256, v5e, v5e.memory_bytes)
+        return prediction_lines(fields)[2]
+
+    assert "(fits, within 5% of the budget: XLA may need more)" in memory_line(15.4)
+    assert "(fits):" in memory_line(12.0)
+    assert "(OVER the budget)" in memory_line(16.0)

@@ -67,6 +67,27 @@ def prediction_fields(
     }
 
 
+TIGHT = 0.95
+"""A step predicted above this share of the budget fits only narrowly: on a TPU v5e a
+decoder predicted at 15.40 of 15.75 GiB did not fit (docs/benchmarks.md, "On a real
+accelerator"), and the memory model's errors are of 10-20%."""
+
+
+def _verdict(fields: dict[str, Any]) -> str:
+    """``fits``, ``fits, within 5% of the budget: XLA may need more``, or ``OVER the budget``.
+
+    Example:
+        >>> from meshplan._search.predict.report import _verdict
+        >>> _verdict({"fits": True, "memory_bytes_per_device": 96, "budget_bytes": 100})
+        'fits, within 5% of the budget: XLA may need more'
+    """
+    if not fields["fits"]:
+        return "OVER the budget"
+    if fields["memory_bytes_per_device"] > TIGHT * fields["budget_bytes"]:
+        return f"fits, within {1 - TIGHT:.0%} of the budget: XLA may need more"
+    return "fits"
+
+
 def prediction_lines(fields: dict[str, Any]) -> list[str]:
     """The prediction as text, a few lines (what ``meshplan plan --profile`` prints).
 
@@ -95,7 +116,7 @@ def prediction_lines(fields: dict[str, Any]) -> list[str]:
     )
     lines.append(
         f"memory/device {human_bytes(f['memory_bytes_per_device'])} of "
-        f"{human_bytes(f['budget_bytes'])} ({'fits' if f['fits'] else 'OVER the budget'}): "
+        f"{human_bytes(f['budget_bytes'])} ({_verdict(f)}): "
         f"state {human_bytes(f['state_bytes_per_device'])}, batch "
         f"{human_bytes(f['batch_bytes_per_device'])}, activations "
         f"{human_bytes(f['activation_bytes_per_device'])}, temporaries "
