@@ -9,10 +9,10 @@ and most decoders write it). On a backend with fused attention
 
 * at the kernel's own fraction of the peak (``HardwareProfile.attention_efficiency``),
   not the weight matmuls' (``matmul_efficiency``): flash kernels keep their tiles'
-  softmax on chip and reach a different fraction of peak than large GEMMs; where the
-  softmax bounds the kernel (``attention_head_dim``: Pallas' kernels on a TPU v5e take the
-  same time per score at head dimension 64 as at 128), that fraction scales with the
-  head dimension (:func:`head_dim`);
+  softmax on chip and reach a different fraction of peak than large GEMMs; below a head
+  dimension where the softmax bounds the kernel (``attention_head_dim``: Pallas' kernels on
+  a TPU v5e take the same time per score at head dimension 64 as at 128), that fraction
+  falls with the head dimension (:func:`head_dim`);
 * under a causal mask, only the blocks of ``causal_block`` keys that are not wholly
   masked run: ``(n + 1) / 2n`` of the scores for ``n`` blocks along the keys (FlashAttention
   2 and 3, cuDNN's and Pallas' splash kernels skip them);

@@ -739,14 +739,13 @@ def _predict_one(
 
 def _attention_flops(dot: Dot, profile: HardwareProfile) -> float:
     """The FLOP/s a fused attention kernel runs ``dot`` at: ``attention_efficiency`` of the
-    peak; where the profile's kernels are bound by their scores (``attention_head_dim``),
-    scaled by ``dot``'s head dimension, up to the larger of it and ``matmul_efficiency``."""
+    peak, in proportion to ``dot``'s head dimension below the profile's
+    ``attention_head_dim`` (where the kernels are bound by their scores)."""
     if not profile.attention_efficiency:
         return profile.peak_flops * profile.matmul_efficiency
     efficiency = profile.attention_efficiency
     if profile.attention_head_dim:
-        scaled = efficiency * attention.head_dim(dot) / profile.attention_head_dim
-        efficiency = min(scaled, max(efficiency, profile.matmul_efficiency))
+        efficiency *= min(1.0, attention.head_dim(dot) / profile.attention_head_dim)
     return profile.peak_flops * efficiency
 
 

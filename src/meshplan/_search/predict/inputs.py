@@ -67,7 +67,7 @@ _RANGES: dict[str, _Range] = {
         "0.35",
     ),
     "attention_head_dim": _Range(
-        0.0, False, math.inf, "the head dimension attention_efficiency holds at (0: any)", "128"
+        0.0, False, math.inf, "the head dimension attention_efficiency holds from (0: any)", "128"
     ),
     "overlap_cost": _Range(
         *_FRACTION, "the fraction of hidden collectives' time still paid", "0.2"

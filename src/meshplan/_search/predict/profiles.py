@@ -85,11 +85,11 @@ class HardwareProfile:
         attention_efficiency: The fraction of ``peak_flops`` the fused attention kernels
             reach, forward and backward (the backward's recompute of the scores counted as
             FLOPs: :mod:`meshplan._search.predict.attention`); 0: ``matmul_efficiency``.
-        attention_head_dim: The head dimension ``attention_efficiency`` was measured at, where
-            a kernel's time goes with its scores, not its FLOPs: its softmax on each score
-            (on a TPU's vector units) bounds it, so a head dimension ``d`` reaches
-            ``d / attention_head_dim`` of that efficiency (at most ``matmul_efficiency``);
-            0: the efficiency whatever the head dimension.
+        attention_head_dim: The head dimension from which the attention kernels reach
+            ``attention_efficiency``; below it their time goes with their scores, not their
+            FLOPs (the softmax on each score, on a TPU's vector units, bounds them), so a
+            head dimension ``d`` reaches ``d / attention_head_dim`` of it; 0: the efficiency
+            whatever the head dimension.
         causal_block: Keys per tile of the fused attention kernel: under a causal mask the
             tiles wholly masked are skipped (0: none skipped, the whole square computed).
         hop_latency_s: Seconds each step of a ring collective adds within a domain (NCCL's
@@ -313,11 +313,13 @@ _TPU_MATMUL = 0.86
 _TPU_EFF = _Efficiency(matmul_efficiency=_TPU_MATMUL)
 # Pallas' splash attention kernel (the one MaxText calls, with its 512-wide tiles), timed
 # alone on a TPU v5e chip (benchmarks/bench_accelerator.py --kernel-only splash): forward and
-# backward reach 0.30-0.32 of the peak at head dimension 128 and sequence 2048 (0.37 at
-# 4096, 0.45 at 8192), 0.16 at head dimension 64: the time goes with the scores, not the
-# FLOPs (its softmax runs on the vector units). Measured on v5e only: the other TPUs keep
-# their matmul efficiency for attention (v5p's published rows are within 2% so).
-_V5E_EFF = _Efficiency(matmul_efficiency=_TPU_MATMUL, attention_efficiency=0.30)
+# backward reach 0.16 of the peak at head dimension 64, 0.30-0.32 at 128 and 0.35 at 256,
+# sequence 2048 (0.37 and 0.42 at 4096, 0.45 at 8192). Up to 128 the time goes with the
+# scores, not the FLOPs (28-30 ps a score: the softmax on the vector units bounds it); at
+# 256 with the FLOPs, at 0.35. So 0.35 from a head dimension of 149 (0.35 x 128 / 0.30) and
+# in proportion below it. Measured on v5e only: the other TPUs keep their matmul efficiency
+# for attention (v5p's published rows are within 2% so).
+_V5E_EFF = _Efficiency(matmul_efficiency=_TPU_MATMUL, attention_efficiency=0.35)
 
 PROFILES: dict[str, HardwareProfile] = {
     "a100": HardwareProfile(
@@ -395,7 +397,7 @@ PROFILES: dict[str, HardwareProfile] = {
         domain_devices=256,
         **_POD,
         **_V5E_EFF,
-        attention_head_dim=128,
+        attention_head_dim=149,
         **BACKENDS["tpu"],
         source="Google Cloud TPU v5e documentation (system architecture)",
     ),
