@@ -61,14 +61,23 @@ def profile_name() -> str:
     return next(k for k, c in CHIPS.items() if c is chip)
 
 
+def _heads_major(query: Any, key: Any, value: Any) -> tuple[Any, Any, Any]:
+    """``[batch, seq, heads, head_dim]`` to the kernels' ``[batch, heads, seq, head_dim]``,
+    grouped keys and values repeated to the query's heads."""
+    import jax.numpy as jnp
+
+    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (query, key, value))
+    k, v = (jnp.repeat(x, q.shape[1] // x.shape[1], axis=1) for x in (k, v))
+    return q, k, v
+
+
 def _pallas_attention(query: Any, key: Any, value: Any, *args: Any, **kw: Any) -> Any:
     """``jax.nn.dot_product_attention``'s causal case as Pallas' TPU flash kernel runs it
     (``[batch, seq, heads, head_dim]`` in and out; grouped keys repeated to the heads)."""
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.tpu import flash_attention as fa
 
-    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (query, key, value))
-    k, v = (jnp.repeat(x, q.shape[1] // x.shape[1], axis=1) for x in (k, v))
+    q, k, v = _heads_major(query, key, value)
     b = min(512, q.shape[2])
     blocks = fa.BlockSizes(
         block_q=b, block_k_major=b, block_k=b, block_b=1,
@@ -86,8 +95,7 @@ def _splash_attention(query: Any, key: Any, value: Any, *args: Any, **kw: Any) -
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (query, key, value))
-    k, v = (jnp.repeat(x, q.shape[1] // x.shape[1], axis=1) for x in (k, v))
+    q, k, v = _heads_major(query, key, value)
     heads, seq = q.shape[1], q.shape[2]
     b = min(512, seq)
     blocks = sk.BlockSizes(
@@ -112,6 +120,7 @@ KERNEL_SHAPES = [
     (2, 16, 4096, 128),
     (8, 32, 2048, 128),
     (1, 16, 8192, 128),
+    (4, 16, 2048, 256),
 ]
 """``(batch, heads, seq, head_dim)`` of :func:`kernel_efficiency`'s attention calls."""
 
@@ -176,12 +185,15 @@ def _prepare(step: Any, state: Any, tokens: Any, mesh: Any, kernel: str | None) 
         jax.nn.dot_product_attention = original
 
 
-def run_case(name: str, profile: str, steps: int, kernel: str | None = None) -> dict[str, Any]:
+def run_case(
+    name: str, profile: str, steps: int, kernel: str | None = None, batch: int | None = None
+) -> dict[str, Any]:
     """One case: predicted (attention as written, and as a flash kernel would run it) and
     measured step seconds and memory bytes; a step that does not fit on the device has the
     error XLA gave in ``error`` and no measured figures. ``kernel``: the step runs that
     kernel of :data:`KERNELS` for its attention, against the flash prediction."""
-    fields, batch, seq = CASES[name]
+    fields, case_batch, seq = CASES[name]
+    batch = batch or case_batch
     cfg = LlamaConfig(vocab=32000, dtype="bfloat16", **fields)
     state, step, tokens = llama_step(cfg, batch, seq)
     mesh = {"data": 1}
@@ -281,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     parser.add_argument("--steps", type=int, default=10, help="timed steps per case")
+    parser.add_argument("--batch", type=int, help="every case's batch (default: its own)")
     parser.add_argument(
         "--kernel",
         nargs="?",
@@ -312,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = []
     for name in args.cases:
-        rows.append(run_case(name, profile, args.steps, args.kernel))
+        rows.append(run_case(name, profile, args.steps, args.kernel, args.batch))
         print(json.dumps(rows[-1]), flush=True)
     if rows:
         report(rows, profile)

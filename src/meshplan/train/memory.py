@@ -18,7 +18,7 @@ import jax
 from jax.sharding import Mesh
 
 from meshplan._search.predict.cost import Cost, predict
-from meshplan._search.predict.profiles import get_profile
+from meshplan._search.predict.profiles import get_profile, with_attention
 from meshplan._search.predict.trace import trace_workload
 from meshplan._spmd.rules import LogicalRules
 from meshplan._text import human_bytes
@@ -98,8 +98,8 @@ def step_memory(
     """
     # On an accelerator the scores count as fused away (attention="flash"): a step is
     # refused only when even a flash kernel's step could not fit.
-    fused = mesh.devices.flat[0].platform != "cpu"
-    profile = dataclasses.replace(get_profile("cpu", mesh.devices.size), fused_attention=fused)
+    attention = "xla" if mesh.devices.flat[0].platform == "cpu" else "flash"
+    profile = with_attention(get_profile("cpu", mesh.devices.size), attention)
     work = trace_workload(model.step, abstract, batch, rules)
     return predict(work, dict(mesh.shape), rules, profile)
 

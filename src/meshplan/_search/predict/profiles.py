@@ -292,6 +292,7 @@ class _Latency(TypedDict):
 class _Efficiency(TypedDict, total=False):
     matmul_efficiency: float
     attention_efficiency: float
+    attention_head_dim: int
 
 
 # A collective's latency on DGX-style GPU hosts, ~10 us within a host (NCCL), 20 across;
@@ -319,7 +320,9 @@ _TPU_EFF = _Efficiency(matmul_efficiency=_TPU_MATMUL)
 # 256 with the FLOPs, at 0.35. So 0.35 from a head dimension of 149 (0.35 x 128 / 0.30) and
 # in proportion below it. Measured on v5e only: the other TPUs keep their matmul efficiency
 # for attention (v5p's published rows are within 2% so).
-_V5E_EFF = _Efficiency(matmul_efficiency=_TPU_MATMUL, attention_efficiency=0.35)
+_V5E_EFF = _Efficiency(
+    matmul_efficiency=_TPU_MATMUL, attention_efficiency=0.35, attention_head_dim=149
+)
 
 PROFILES: dict[str, HardwareProfile] = {
     "a100": HardwareProfile(
@@ -397,7 +400,6 @@ PROFILES: dict[str, HardwareProfile] = {
         domain_devices=256,
         **_POD,
         **_V5E_EFF,
-        attention_head_dim=149,
         **BACKENDS["tpu"],
         source="Google Cloud TPU v5e documentation (system architecture)",
     ),

@@ -795,6 +795,7 @@ def _static_search(
         measure,
         measure_top,
         measure_steps,
+        False,  # static rows carry no prediction to refine
     )
     counts = SearchCounts(
         enumerated=len(candidates),
@@ -825,7 +826,7 @@ def _finish(
     measure: bool,
     measure_top: int,
     measure_steps: int,
-    here: bool = False,
+    here: bool,
 ) -> tuple[list[SearchRow], int, int]:
     """The one ranking of every search: the ``ok`` rows ranked (:func:`_rank`), the first
     ``compile_top`` compiled and ranked again with what the compile showed, the first
