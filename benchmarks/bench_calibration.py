@@ -14,6 +14,14 @@ profile prices a group of ``k`` as a ring: ``2 (k-1)/k`` of the bytes):
 
     .venv/bin/python benchmarks/bench_calibration.py --groups
 
+``--arrays`` measures what one all-reduce that XLA combined from several costs, by the
+number of arrays it carries (1 to 64, 64 KiB and 1 MiB a device in all) and the group (2, 4
+and 8 devices), against what the ``cpu`` profile prices for its latencies: ``k / devices``
+(``latency_per_device``) of the calibration's latency plus its ``array_latency_s`` for each
+array beyond the first:
+
+    .venv/bin/python benchmarks/bench_calibration.py --arrays
+
 ``--against REF`` also runs the procedure of ``src/meshplan/_search/measure/cpu.py`` as it
 was at git revision ``REF``, alternating process by process with this one, so both see the
 same load:
@@ -165,18 +173,82 @@ def groups(devices: int, rounds: int = 15) -> None:
             print(f"{g:5d} {4 * f:12,d} {each * 1e6:12.1f} {ring:10.2f}")
 
 
+def _summed(devices: int, group: int, arrays: int, floats: int, reduce: bool) -> Any:
+    """A program of ``arrays`` sums over a ``group``-sized axis that XLA combines into one
+    all-reduce of that many operands (``reduce``), or the same sums without it."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((devices // group, group), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
+    ins = NamedSharding(mesh, P("b" if reduce else None, "a"))
+    outs = NamedSharding(mesh, P(None, "a"))
+
+    def sums(*xs: Any) -> Any:
+        return tuple(jnp.sum(x * 0.5, axis=0, keepdims=True) for x in xs)
+
+    run = jax.jit(sums, in_shardings=(ins,) * arrays, out_shardings=(outs,) * arrays)
+    shape = (group if reduce else 1, devices // group * floats)
+    box = [jax.device_put(np.ones(shape, np.float32), ins) for _ in range(arrays)]
+    return lambda: run(*box)
+
+
+def arrays(devices: int, rounds: int = 15) -> None:
+    """Seconds of one combined all-reduce by its arrays and group (module docstring): the
+    program with it less the same without, medians over interleaved rounds, call seconds."""
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    import jax
+
+    from meshplan._search.measure.cpu import call_seconds, cpu_cores
+    from meshplan._search.predict.profiles import get_profile
+
+    sides = [g for g in (2, 4, 8, 16) if g <= devices and devices % g == 0]
+    keys = [(g, f, a) for g in sides for f in (1 << 14, 1 << 18) for a in (1, 4, 16, 64)]
+    kernels = {(*k, r): _summed(devices, k[0], k[2], k[1] // k[2], r) for k in keys for r in (0, 1)}
+    for k in kernels.values():
+        jax.block_until_ready(k())
+    seconds: dict[tuple[int, ...], list[float]] = {key: [] for key in kernels}
+    cores = cpu_cores()
+    for _ in range(rounds):
+        for key, k in kernels.items():
+            c0, t0 = time.process_time(), time.perf_counter()
+            jax.block_until_ready(k())
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            seconds[key].append(call_seconds(wall, cpu, devices, cores))
+    profile = get_profile("cpu", devices)
+    latency, array = profile.latency_s, profile.array_latency_s
+    print(
+        f"the cpu profile over all {devices} devices: latency {latency * 1e6:.1f} us, "
+        f"{array * 1e6:.1f} us per further array"
+    )
+    print(
+        f"{'group':>5} {'bytes/device':>12} {'arrays':>6} {'us':>9} {'us per array':>12} {'latency priced':>14}"
+    )
+    for g, f, a in keys:
+        each = statistics.median(seconds[(g, f, a, 1)]) - statistics.median(seconds[(g, f, a, 0)])
+        priced = (latency + (a - 1) * array) * g / devices
+        print(
+            f"{g:5d} {4 * f:12,d} {a:6d} {each * 1e6:9.1f} {each / a * 1e6:12.1f} {priced * 1e6:14.1f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--processes", type=int, default=10, help="fresh processes (>= 4)")
     parser.add_argument("--devices", type=int, default=8, help="emulated CPU devices")
     parser.add_argument("--against", metavar="REF", help="also the procedure at git REF")
     parser.add_argument("--groups", action="store_true", help="a psum's cost by group and size")
+    parser.add_argument("--arrays", action="store_true", help="a combined all-reduce by arrays")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
         return _child(args.child, args.devices)
     if args.groups:
         return groups(args.devices)
+    if args.arrays:
+        return arrays(args.devices)
     if args.processes < 4:
         parser.error("--processes must be at least 4 (quartiles of fewer mean little)")
     with tempfile.TemporaryDirectory() as folder:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import meshplan
-from meshplan._search.predict.collectives import collective_time
+from meshplan._search.predict.collectives import array_latency, collective_time
 from meshplan._search.predict.cost import predict
 from meshplan._search.predict.profiles import get_profile
 from meshplan._search.predict.trace import trace_workload
@@ -63,6 +63,28 @@ def _mlp_stack(devices: int):
         return jax.grad(loss)(state)
 
     return step, state, jax.ShapeDtypeStruct((4 * devices, 2048, d), jnp.bfloat16)
+
+
+def _threads(**fields: object) -> meshplan.HardwareProfile:
+    """A profile of 8 emulated devices meeting as XLA:CPU's threads do (BACKENDS['cpu'])."""
+    return meshplan.HardwareProfile(
+        name="threads", peak_flops=2e10, memory_bytes=8 << 30, memory_bandwidth=3e9,
+        fast_bandwidth=3e9, slow_bandwidth=3e9, domain_devices=8, latency_s=200e-6,
+        **fields,
+    )  # fmt: skip
+
+
+def test_a_group_of_threads_meets_in_its_share_of_the_latency():
+    threads = _threads(latency_per_device=True, array_latency_s=40e-6)
+    mesh = {"data": 4, "tensor": 2}
+    pair = collective_time(threads, "all-reduce", mesh, ("tensor",), 0)
+    four = collective_time(threads, "all-reduce", mesh, ("data",), 0)
+    eight = collective_time(threads, "all-reduce", mesh, ("data", "tensor"), 0)
+    assert (pair, four, eight) == pytest.approx((50e-6, 100e-6, 200e-6))
+    arrays = [array_latency(threads, mesh, axes) for axes in (("tensor",), ("data", "tensor"))]
+    assert arrays == pytest.approx([10e-6, 40e-6])
+    # a ring's latency does not grow with the group where the profile does not say so
+    assert collective_time(_threads(), "all-reduce", mesh, ("tensor",), 0) == 200e-6
 
 
 def test_per_device_throughput_falls_from_128_to_512_gpus_under_fsdp():

@@ -154,7 +154,7 @@ def test_a_norm_scale_is_gathered_under_fsdp_not_under_data_parallelism():
     work = trace_workload(step, state, tokens, read_constraints=True)
     # the layer's two layer norms and the final one read their [embed] scale and bias with
     # the activation
-    reads = [(n, s, a) for n, s, _, a, _, _ in work.weight_reads]
+    reads = [(n, s, a) for n, s, _, a, *_ in work.weight_reads]
     assert reads == [(("embed",), (64,), ("batch", "length", "embed"))] * 6
     h100 = get_profile("h100")
     dp = predict(work, {"data": 8}, DATA, h100)
@@ -162,7 +162,7 @@ def test_a_norm_scale_is_gathered_under_fsdp_not_under_data_parallelism():
     without = predict(dataclasses.replace(work, weight_reads=()), {"data": 8}, FSDP, h100)
     assert "all-gather" not in dp.comm_bytes
     # each a shard of an eighth; the backward pass's gathers again on a GPU (regather)
-    forward_only = sum(1 for *_, both in work.weight_reads if not both)
+    forward_only = sum(1 for *_, both, _ in work.weight_reads if not both)
     scales = (forward_only + 2 * (6 - forward_only)) * 64 * 4 // 8
     assert fsdp.comm_bytes["all-gather"] - without.comm_bytes["all-gather"] == scales
 
@@ -179,6 +179,30 @@ def test_gathers_pay_one_latency_each_where_the_backend_does_not_combine_them(
     work = trace_workload(step, state, tokens, read_constraints=True)
     cpu = dataclasses.replace(get_profile("cpu"), combines_gathers=combines_gathers)
     assert predict(work, {"data": 8}, FSDP, cpu).collectives == collectives
+
+
+def test_a_combined_all_reduce_pays_a_latency_per_array_where_xla_cpu_does():
+    """XLA:CPU reduces a combined all-reduce's operands one by one (bench_calibration.py
+    --arrays): the data-parallel gradients' one all-reduce pays for each array."""
+    step, state, tokens = _transformer_step()
+    work = trace_workload(step, state, tokens, read_constraints=True)
+    cpu = dataclasses.replace(get_profile("h100"), combine_bytes=0, overlap=0.0, hop_latency_s=0.0)
+    once = predict(work, {"data": 8}, DATA, cpu)
+    each = predict(work, {"data": 8}, DATA, dataclasses.replace(cpu, array_latency_s=3e-5))
+    arrays = len(jax.tree.leaves(state.params))  # the matmuls' weights and the norms'
+    assert once.collectives == each.collectives == 1  # one all-reduce, as compiled
+    assert each.comm_s - once.comm_s == pytest.approx((arrays - 1) * 3e-5)
+
+
+def test_xla_cpu_combines_every_data_parallel_gradient_into_one_all_reduce():
+    from meshplan._search.measure.hlo import compile_candidate
+
+    step, state, tokens = _transformer_step()
+    compiled, _, _ = compile_candidate(step, state, tokens, {"data": 8}, DATA)
+    reduces = [ln for ln in compiled.as_text().splitlines() if " all-reduce(" in ln]
+    assert len(reduces) == 1
+    operands = reduces[0].split(" all-reduce(")[0].count("f32[")
+    assert operands == len(jax.tree.leaves(state.params)) == 14
 
 
 @pytest.mark.parametrize(("layers", "rules"), [(1, FSDP), (1, DATA), (2, FSDP), (2, DATA)])

@@ -45,6 +45,7 @@ _CHAIN = 8  # matmuls per call: ~34 MFLOP per device per matmul, ~270 MFLOP a ca
 _STREAM = 1 << 20  # floats per device the elementwise op reads and writes: 4 MiB
 _STREAMS = 4  # operands it cycles through: 128 MiB on 8 devices, none still cached
 _CHAINED = 17  # all-reduces in the program whose per-collective cost is the latency
+_ARRAYS = 17  # arrays of one combined all-reduce whose per-array cost is array_latency_s
 _WARMUP = 2  # rounds not counted: compiled, operands placed, pages touched
 _ROUNDS, _MAX_ROUNDS, _BUDGET_S = 15, 60, 1.0  # 15 rounds, more while they take under 1 s
 
@@ -59,6 +60,8 @@ class CpuFigures:
         memory_bandwidth: Bytes read and written per second by an elementwise op.
         link_bandwidth: Bytes per second a ring all-reduce moves per device.
         latency_s: Seconds an all-reduce of 4 bytes takes.
+        array_latency_s: Seconds each array adds to an all-reduce XLA combined from several
+            (of 64 bytes each).
     """
 
     devices: int
@@ -66,6 +69,7 @@ class CpuFigures:
     memory_bandwidth: float
     link_bandwidth: float
     latency_s: float
+    array_latency_s: float
 
 
 def cpu_devices(devices: int | None = None) -> list[jax.Device]:
@@ -243,6 +247,21 @@ def _psums(split: jax.sharding.NamedSharding, times: int, floats: int) -> _Kerne
     return _Kernel(run, [jax.device_put(np.zeros((n, floats), np.float32), split)])
 
 
+def _combined(split: jax.sharding.NamedSharding, arrays: int) -> _Kernel:
+    """One all-reduce of ``arrays`` arrays (XLA combines their sums over the devices):
+    zeros of 16 floats per device each, summed, broadcast back (zeros stay zeros)."""
+    import jax.numpy as jnp
+
+    n = len(split.mesh.devices.flat)
+
+    def sums(ys: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        return tuple(jnp.broadcast_to(y.sum(0, keepdims=True), y.shape) for y in ys)
+
+    run = jax.jit(sums, out_shardings=(split,) * arrays, donate_argnums=0)
+    zeros = tuple(jax.device_put(np.zeros((n, 16), np.float32), split) for _ in range(arrays))
+    return _Kernel(run, [zeros])  # type: ignore[list-item]
+
+
 def measure_cpu(devices: int) -> CpuFigures:
     """Every figure of the first ``devices`` CPU devices, all busy at once (a second or two;
     once per process and count).
@@ -250,7 +269,8 @@ def measure_cpu(devices: int) -> CpuFigures:
     Matmul FLOP/s (float32), memory bandwidth (an elementwise op on 4 MiB per device), and a
     ``psum`` over all of them: its latency (of 4 bytes, inside a program: a chain of them
     less one) and bandwidth (1 MiB per device, as a ring would move it; the same chain's,
-    less the latency). Seconds are :func:`call_seconds`' (CPU time over the cores where the
+    less the latency), and what each array adds to an all-reduce XLA combined from
+    several (one of 17 arrays less one of one). Seconds are :func:`call_seconds`' (CPU time over the cores where the
     devices keep every core busy); the programs run interleaved, round by round, each
     figure the median over the rounds (:func:`_rounds`).
 
@@ -276,8 +296,10 @@ def _measure(n: int) -> CpuFigures:
         _psums(split, _CHAINED, 1),
         _psums(split, 1, chunk),
         _psums(split, _CHAINED, chunk),
+        _combined(split, 1),
+        _combined(split, _ARRAYS),
     ]
-    matmuls, elementwise, tiny_one, tiny_many, big_one, big_many = _rounds(kernels, n)
+    matmuls, elementwise, tiny_one, tiny_many, big_one, big_many, one, many = _rounds(kernels, n)
     latency = max(_per_extra(tiny_one, tiny_many, _CHAINED - 1), 1e-7)
     moving = _per_extra(
         [b - t for b, t in zip(big_one, tiny_one, strict=True)],
@@ -291,4 +313,5 @@ def _measure(n: int) -> CpuFigures:
         memory_bandwidth=2 * 4 * _STREAM / _median(elementwise),
         link_bandwidth=ring * 4 * chunk / max(moving, 1e-7),
         latency_s=latency,
+        array_latency_s=max(_per_extra(one, many, _ARRAYS - 1), 0.0),
     )

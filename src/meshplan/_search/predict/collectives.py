@@ -24,7 +24,10 @@ collective's start), and the latency of its steps, as NCCL's tuning model counts
 (two phases for an all-reduce), of which ``m - 1`` cross domains
 (``slow_hop_latency_s`` each) and the rest do not (``hop_latency_s`` each). So the time
 of a collective grows with its participants where the bytes per device do not: FSDP's
-gathers over 512 GPUs pay 511 steps each, over 128 GPUs 127.
+gathers over 512 GPUs pay 511 steps each, over 128 GPUs 127. Where the profile says
+``latency_per_device`` (XLA:CPU's threads), a group of ``k m`` of the domain's devices pays
+``k m / domain_devices`` of the latency instead, and of ``array_latency_s`` for each array a
+combined collective carries beyond its first (:func:`array_latency`).
 """
 
 from __future__ import annotations
@@ -83,6 +86,8 @@ def collective_time(
     fast, slow = profile.fast_bandwidth, profile.slow_bandwidth
     slow_lat = profile.slow_latency_s if profile.slow_latency_s is not None else profile.latency_s
     lat = (profile.latency_s if k > 1 else 0.0) + (slow_lat if m > 1 else 0.0)
+    if profile.latency_per_device:  # measured over the whole domain, met in turn
+        lat *= k * m / profile.domain_devices
     phases = {"all-reduce": 2, "reduce-scatter": 1, "all-gather": 1}.get(kind, 0)
     if phases:  # the ring's steps: those crossing domains and the others
         lat += phases * ((m - 1) * profile.slow_hop_latency_s + (k * m - m) * profile.hop_latency_s)
@@ -100,3 +105,23 @@ def collective_time(
     else:
         raise ValueError(f"unknown collective kind {kind!r}; one of {', '.join(COLLECTIVES)}")
     return t + lat
+
+
+def array_latency(profile: HardwareProfile, mesh: Mapping[str, int], axes: Sequence[str]) -> float:
+    """Seconds each array beyond the first adds to a collective combined over ``axes``.
+
+    Example:
+        >>> import dataclasses
+        >>> from meshplan._search.predict.collectives import array_latency
+        >>> from meshplan._search.predict.profiles import get_profile
+        >>> threads = dataclasses.replace(
+        ...     get_profile("h100"), array_latency_s=2e-4, latency_per_device=True
+        ... )
+        >>> round(array_latency(threads, {"data": 4, "tensor": 2}, ("data",)) * 1e6)  # 4 of 8
+        100
+    """
+    k, m = split_group(mesh, axes, profile.domain_devices)
+    if k * m == 1:
+        return 0.0
+    share = k * m / profile.domain_devices if profile.latency_per_device else 1.0
+    return profile.array_latency_s * share

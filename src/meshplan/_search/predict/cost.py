@@ -63,7 +63,7 @@ from typing import Any
 
 from meshplan._search.predict import attention
 from meshplan._search.predict import memory as memory_model
-from meshplan._search.predict.collectives import collective_time
+from meshplan._search.predict.collectives import array_latency, collective_time
 from meshplan._search.predict.lookups import lookup_notes
 from meshplan._search.predict.profiles import HardwareProfile
 from meshplan._search.predict.reshard import batch_first, reshard_collectives
@@ -671,13 +671,14 @@ def _predict_one(
             ind = independent.setdefault((kind, axes, trips * passes), [0, 0])
             ind[0] += nbytes * count * passes
             ind[1] += count * passes
-    for names, shape, item, act, trips, both in workload.weight_reads:
+    for names, shape, item, act, trips, both, _ in workload.weight_reads:
         axes = _weight_gather_axes(specs, names, len(shape), act)
         if axes:  # gathered where the op reads it, again for the backward (regather)
             passes = 2 if profile.regather and both else 1
             ind = independent.setdefault(("all-gather", axes, trips * passes), [0, 0])
             ind[0] += specs.shard_bytes(names, shape, item) * trips * passes
             ind[1] += trips * passes
+    also = _summed_with(workload, specs, independent) if profile.array_latency_s else {}
     n_coll, exposed, hidden = 0, 0.0, 0.0
     for kind, axes, nbytes, count in dependent:
         exposed += micro * count * collective_time(profile, kind, sizes, axes, nbytes)
@@ -686,12 +687,13 @@ def _predict_one(
     for (kind, axes, count), (nbytes, runs) in independent.items():  # count: runs in sequence
         # per microbatch but replicated gradients' reductions (accumulated, reduced once)
         reps = 1 if (kind, axes, count) in once else micro
+        summed_too = also.get((kind, axes, count), 0)  # norm scales', biases' gradients
         kind = kind.removesuffix(" once")
         per_run = nbytes / count if count else nbytes
+        n_arrays = max(1, round(runs / count)) if count else runs
         if kind != "all-reduce" and not profile.combines_gathers:  # one per array
-            groups = max(1, round(runs / count)) if count else runs
+            groups = n_arrays
         elif profile.combine_bytes:  # small arrays merged up to the threshold, never split
-            n_arrays = max(1, round(runs / count)) if count else runs
             groups = max(1, min(n_arrays, math.ceil(per_run / profile.combine_bytes)))
         else:
             groups = 0
@@ -701,6 +703,9 @@ def _predict_one(
         else:
             t = count * collective_time(profile, kind, sizes, axes, per_run)
             n_coll += reps * count
+        if profile.array_latency_s:  # each array of a combined one meets the group again
+            carried = n_arrays + summed_too
+            t += count * (carried - max(1, groups)) * array_latency(profile, sizes, axes)
         hidden += reps * t
         _tally(by_kind, by_axis, kind, axes, int(reps * nbytes))
     traffic = 0
@@ -778,6 +783,32 @@ def _weight_gather_axes(specs: _Specs, names: Names, ndim: int, act: Names) -> t
     for name, axes in zip(names, own, strict=True):
         out += [a for a in axes if a not in other.get(name, ()) and a not in out]
     return tuple(a for a in specs.sizes if a in out)
+
+
+def _summed_with(
+    workload: Workload,
+    specs: _Specs,
+    independent: Mapping[tuple[str, tuple[str, ...], int], Any],
+) -> dict[tuple[str, tuple[str, ...], int], int]:
+    """The parameters read by elementwise ops (a norm's scale, a bias) whose gradients
+    join the matmuls' combined all-reduce of the same axes and trips: how many per run.
+
+    Their gradients are sums over the activation's dimensions the parameter has not (the
+    batch, the sequence), so their partial sums are all-reduced over the axes splitting
+    those."""
+    also: dict[tuple[str, tuple[str, ...], int], int] = {}
+    for names, _, _, act, trips, _, forward in workload.weight_reads:
+        if not forward:  # a loop's recomputation's copy of one read in the forward too
+            continue
+        summed = specs(act, len(act))
+        split = {
+            a for name, axes in zip(act, summed, strict=True) if name not in names for a in axes
+        }
+        axes = tuple(a for a in specs.sizes if a in split)
+        for kind in ("all-reduce", "all-reduce once"):
+            if (kind, axes, trips) in independent:
+                also[(kind, axes, trips)] = also.get((kind, axes, trips), 0) + 1
+    return also
 
 
 def _tally(

@@ -119,6 +119,15 @@ class HardwareProfile:
             (:mod:`meshplan._search.predict.fusion_reads`): checked against XLA:CPU's
             ``cost_analysis()`` bytes on the suite of ``tests/xla_suite.py``; not yet on
             TPU or GPU (their published rows are priced without it).
+        array_latency_s: Seconds each array of a combined collective adds beyond the
+            first, over the whole domain: XLA:CPU reduces a combined all-reduce's operands
+            one after another, each a meeting of the group's threads (the ``cpu`` profile
+            measures it: ``benchmarks/bench_calibration.py --arrays``); 0: a combined
+            collective pays one latency, whatever it carries.
+        latency_per_device: A collective over ``k`` of a domain's devices pays
+            ``k / domain_devices`` of its latencies (``latency_s`` and ``array_latency_s``,
+            measured over all of them): XLA:CPU's device threads meet one after another,
+            so a pair meets about four times as fast as eight.
 
     Example:
         >>> import meshplan
@@ -157,6 +166,8 @@ class HardwareProfile:
     overlap_cost: float = 0.0
     late_gradients: bool = False
     fusion_reads: bool = False
+    array_latency_s: float = 0.0
+    latency_per_device: bool = False
 
     def __post_init__(self) -> None:
         if self.slow_latency_s is None:
@@ -207,6 +218,7 @@ class Backend(TypedDict, total=False):
     overlap_cost: float
     late_gradients: bool
     fusion_reads: bool
+    latency_per_device: bool
 
 
 # Physical parameters shared by a backend's profiles (never fitted per model or run):
@@ -254,12 +266,17 @@ BACKENDS: dict[str, Backend] = {
     # in any compiled step of tests/xla_suite.py).
     # Its memory-optimised scheduler runs the gradients' reductions over the batch last,
     # just before that one all-reduce (read in its buffer assignment: late_gradients).
+    # Its collectives are meetings of the devices' threads: a combined all-reduce meets once
+    # per operand (the profile measures what each costs: array_latency_s), and a meeting
+    # takes longer the more threads it waits for (on 8 devices, 13 cores: 47, 99 and 209 us
+    # per operand for groups of 2, 4 and 8).
     "cpu": Backend(
         combines_remat_collectives=True,
         combines_gathers=False,
         reduce_scatter=False,
         late_gradients=True,
         fusion_reads=True,
+        latency_per_device=True,
     ),
 }
 """What each backend does, by JAX platform name; a profile takes its backend's entry."""
@@ -440,7 +457,7 @@ PROFILES: dict[str, HardwareProfile] = {
 (:func:`get_profile`)."""
 
 _CPU: dict[int, HardwareProfile] = {}
-_CACHE_VERSION = "v4"  # v4: no first-touch faults in the figures, programs interleaved
+_CACHE_VERSION = "v5"  # v5: array_latency_s; v4: no first-touch faults, interleaved
 
 
 def calibrate_cpu(devices: int | None = None) -> HardwareProfile:
@@ -475,6 +492,7 @@ def calibrate_cpu(devices: int | None = None) -> HardwareProfile:
         slow_bandwidth=figures.link_bandwidth,
         domain_devices=n,
         latency_s=figures.latency_s,
+        array_latency_s=figures.array_latency_s,
         source=f"measured on this machine: {n} emulated devices (cpu)",
         **BACKENDS["cpu"],
     )

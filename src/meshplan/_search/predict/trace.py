@@ -112,9 +112,10 @@ class Workload:
     ``arrays``: per array ``(trips, whether both passes read it)``: the loop trips it is
     made in, and whether the forward and the backward pass (autodiff's transpose) both
     read it, where an accelerator gathers it again rather than keep the gathered copy;
-    ``weight_reads``: ``(names, shape, itemsize, activation names, trips, both passes)``
-    per parameter array an op other than a matmul reads with an activation (a norm's
-    scale, a bias): the partitioner gathers it where the activation is not split as it is;
+    ``weight_reads``: ``(names, shape, itemsize, activation names, trips, both passes,
+    forward)`` per parameter array an op other than a matmul reads with an activation (a
+    norm's scale, a bias): the partitioner gathers it where the activation is not split as
+    it is (a loop's recomputation in the backward pass reads its own copy: not forward);
     ``reshards``: ``{(names before, names after, shape, itemsize): count}`` of the
     model's logical constraints that rename a value (the dispatch of a mixture of
     experts: ``('batch', ..., 'embed')`` to ``('expert', 'expert_batch', ...)``), which
@@ -169,7 +170,7 @@ class Workload:
     dot_trips: dict[Dot, int] = dataclasses.field(default_factory=dict)
     operand_arrays: dict[tuple[Dot, int], frozenset[int]] = dataclasses.field(default_factory=dict)
     arrays: tuple[tuple[int, bool], ...] = ()
-    weight_reads: tuple[tuple[Names, tuple[int, ...], int, Names, int, bool], ...] = ()
+    weight_reads: tuple[tuple[Names, tuple[int, ...], int, Names, int, bool, bool], ...] = ()
     causal_masks: frozenset[tuple[int, int]] = frozenset()
     unpriced: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
     unpriced_flops: int = 0
@@ -1391,7 +1392,7 @@ def trace_workload(
         walker.operand_arrays,
         tuple(walker.arrays),
         tuple(
-            (n, s, i, act, t, fwd and bwd)
+            (n, s, i, act, t, fwd and bwd, fwd)
             for n, s, i, act, t, fwd, bwd in walker.weight_reads.values()
         ),
         frozenset(walker.causal_masks),
