@@ -120,6 +120,27 @@ def _at_revision(ref: str, folder: str) -> str:
     return path
 
 
+def _interleaved(kernels: dict[Any, Any], devices: int, rounds: int) -> dict[Any, list[float]]:
+    """Each kernel's call seconds (:func:`call_seconds`), ``rounds`` interleaved rounds
+    after two not counted."""
+    import jax
+
+    from meshplan._search.measure.cpu import call_seconds, cpu_cores
+
+    for k in kernels.values():
+        for _ in range(2):
+            jax.block_until_ready(k())
+    seconds: dict[Any, list[float]] = {key: [] for key in kernels}
+    cores = cpu_cores()
+    for _ in range(rounds):
+        for key, k in kernels.items():
+            c0, t0 = time.process_time(), time.perf_counter()
+            jax.block_until_ready(k())
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            seconds[key].append(call_seconds(wall, cpu, devices, cores))
+    return seconds
+
+
 def groups(devices: int, rounds: int = 15) -> None:
     """Seconds per ``psum`` over groups of 2, 4, ... ``devices`` (module docstring): a chain
     of 5 less a single one, the median over interleaved rounds, in call seconds."""
@@ -128,8 +149,6 @@ def groups(devices: int, rounds: int = 15) -> None:
     import numpy as np
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
-
-    from meshplan._search.measure.cpu import call_seconds, cpu_cores
 
     def kernel(group: int, times: int, floats: int) -> Any:
         mesh = jax.make_mesh((devices // group, group), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
@@ -151,19 +170,10 @@ def groups(devices: int, rounds: int = 15) -> None:
 
         return call
 
-    sizes, cores = (1, 1 << 18, 1 << 21), cpu_cores()
+    sizes = (1, 1 << 18, 1 << 21)
     sides = [g for g in (2, 4, 8, 16) if g <= devices and devices % g == 0]
     kernels = {(g, f, t): kernel(g, t, f) for g in sides for f in sizes for t in (1, 5)}
-    for k in kernels.values():
-        for _ in range(2):
-            jax.block_until_ready(k())
-    seconds: dict[tuple[int, int, int], list[float]] = {key: [] for key in kernels}
-    for _ in range(rounds):
-        for key, k in kernels.items():
-            c0, t0 = time.process_time(), time.perf_counter()
-            jax.block_until_ready(k())
-            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            seconds[key].append(call_seconds(wall, cpu, devices, cores))
+    seconds = _interleaved(kernels, devices, rounds)
     print(f"{'group':>5} {'bytes/device':>12} {'us per psum':>12} {'ring GB/s':>10}")
     for f in sizes:
         for g in sides:
@@ -199,24 +209,13 @@ def arrays(devices: int, rounds: int = 15) -> None:
     """Seconds of one combined all-reduce by its arrays and group (module docstring): the
     program with it less the same without, medians over interleaved rounds, call seconds."""
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    import jax
 
-    from meshplan._search.measure.cpu import call_seconds, cpu_cores
     from meshplan._search.predict.profiles import get_profile
 
     sides = [g for g in (2, 4, 8, 16) if g <= devices and devices % g == 0]
     keys = [(g, f, a) for g in sides for f in (1 << 14, 1 << 18) for a in (1, 4, 16, 64)]
     kernels = {(*k, r): _summed(devices, k[0], k[2], k[1] // k[2], r) for k in keys for r in (0, 1)}
-    for k in kernels.values():
-        jax.block_until_ready(k())
-    seconds: dict[tuple[int, ...], list[float]] = {key: [] for key in kernels}
-    cores = cpu_cores()
-    for _ in range(rounds):
-        for key, k in kernels.items():
-            c0, t0 = time.process_time(), time.perf_counter()
-            jax.block_until_ready(k())
-            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            seconds[key].append(call_seconds(wall, cpu, devices, cores))
+    seconds = _interleaved(kernels, devices, rounds)
     profile = get_profile("cpu", devices)
     latency, array = profile.latency_s, profile.array_latency_s
     print(
