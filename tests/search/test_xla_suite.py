@@ -37,7 +37,7 @@ _TABLE = (
 # fuses its computation into the transposed copy a weight gradient reads and again for the
 # input gradient, its sources alive until the second (moe-dp: exact GELU's input gradient,
 # the pre-activation, erfc, exp(-x^2) and the incoming gradient alive beside both expert
-# weights' held gradients, 0.85; scanned-fsdp: XLA's heap is 95% full at its peak, the MLP's
+# weights' held gradients, 0.93; scanned-fsdp: XLA's heap is 95% full at its peak, the MLP's
 # backward, read as the union of the buffers live there, not 71% as the live-range file's
 # 'peak' gave, 0.93).
 _TP_COMBINED = (

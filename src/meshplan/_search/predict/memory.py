@@ -672,10 +672,14 @@ def _activation(key: Any) -> bool:
 
 
 def _released(program: MemoryProgram, size: np.ndarray, held: Sequence[float]) -> np.ndarray:
-    """Per point, the bytes of the held matmul outputs that have run beyond the values without
-    a ``'batch'`` dimension the program keeps alive there (gradients, as made or transposed)."""
+    """Per point, the bytes of the held matmul outputs that have run, and the running one's,
+    beyond the values without a ``'batch'`` dimension the program keeps alive there
+    (gradients, as made or transposed: the running matmul's output among them)."""
     assert program.ran is not None
-    need = program.ran @ np.asarray(held, float)
+    per_dot = np.asarray(held, float)
+    need = program.ran @ per_dot
+    running = program.dot >= 0
+    need[running] += per_dot[program.dot[running]]
     params = np.array([0.0 if "batch" in (c[0] or ()) else 1.0 for c in program.cells])
     alive = (np.asarray(program.long) + np.asarray(program.short)) @ (size * params)
     return np.asarray(np.maximum(0.0, need - alive))
@@ -720,12 +724,13 @@ def peak(
 
     ``held``: per matmul, the bytes of its output where that output (a data parallel weight
     gradient, whole on every device) is held until the combined all-reduce runs (0: not
-    held): at every point, those made before it (in its loop iteration, or the step) are
-    alive, and what of them the program no longer keeps alive there (it lets a gradient
-    go into the update as it is made, or fuses away the transpose the update reads) is
-    counted alive: a gradient made early in the backward pass is held through the rest of
-    it (read in moe-dp's buffer assignment: both expert weights' gradients alive in the
-    experts' backward, from their matmuls to the combined all-reduce).
+    held): at every point, those made before it (in its loop iteration, or the step) and the
+    one it runs are alive, and what of them the program no longer keeps alive there (it
+    lets a gradient go into the update as it is made, or fuses away the transpose the
+    update reads) is counted alive: a gradient made early in the backward pass is held
+    through the rest of it (read in moe-dp's buffer assignment: both expert weights'
+    gradients alive in the experts' backward, from their matmuls to the combined
+    all-reduce; at the second's matmul, the first's beside the second's output).
     """
     size = program.sizes(bytes_of)
     lo, sh = program.long @ size, program.short @ size
