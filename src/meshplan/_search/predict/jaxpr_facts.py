@@ -26,7 +26,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
 from meshplan._search.predict.primitives import CALL_PARAMS, EXPENSIVE, FUSES_OPERANDS
 
-__all__ = ["Atom", "Facts", "aliases", "call_body", "facts", "is_alias"]
+__all__ = ["Atom", "Facts", "aliases", "call_body", "facts", "is_alias", "is_expensive"]
 
 Atom: TypeAlias = Var | Literal
 """An equation's operand: a variable or a literal."""
@@ -183,7 +183,7 @@ def _nested(eqn: JaxprEqn) -> list[Jaxpr]:
     return [sub for sub in out if sub is not None and hasattr(sub, "eqns")]
 
 
-def _expensive(eqn: JaxprEqn) -> bool:
+def is_expensive(eqn: JaxprEqn) -> bool:
     """An expensive elementwise op (:data:`meshplan._search.predict.primitives.EXPENSIVE`);
     a division by a constant is a multiplication by its reciprocal after XLA's simplifier."""
     if eqn.primitive.name not in EXPENSIVE:
@@ -301,7 +301,7 @@ class _Walk:
         self.recomputed(eqn, fused, None if fused else body)
         if not fused and (body is None or facts(body).splits):
             self.split_at.append(i)
-        if _expensive(eqn):
+        if is_expensive(eqn):
             self.expensive.append((i, eqn.outvars[0]))
         for sub in _nested(eqn):
             self.kept |= facts(sub).kept_expensive

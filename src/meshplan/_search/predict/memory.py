@@ -19,7 +19,9 @@ buffer the names XLA's sharding propagation would). Where the device has a memor
 XLA works to (``recompute``: TPU, GPU), the cheap elementwise values autodiff keeps (a
 norm's float32 copy, an activation's derivative, the targets' one-hot) are recomputed
 where they are used, from values kept anyway, instead of being kept
-(:func:`recompute_sources`); a scan's stacked outputs are always kept.
+(:func:`recompute_sources`); a scan's stacked outputs are always kept. On the CPU, a value
+cheap ops compute that a matmul reads transposed is made again for each of its readers
+from its sources, kept until the last (:func:`copied`).
 
 :func:`peak` prices the program on a candidate: each cell's bytes per device (its shape
 split by the mesh axes its names map to), plus, at each matmul, the all-gathered operand
@@ -39,21 +41,31 @@ from typing import Any
 import numpy as np
 from jax.extend.core import Literal
 
-from meshplan._search.predict.jaxpr_facts import call_body, facts, is_alias
-from meshplan._search.predict.primitives import CALL_PARAMS, FUSES_OPERANDS, MATMULS, REMAT
+from meshplan._search.predict.jaxpr_facts import Facts, call_body, facts, is_alias, is_expensive
+from meshplan._search.predict.primitives import (
+    CALL_PARAMS,
+    FUSES_OPERANDS,
+    KINDS,
+    MATMULS,
+    REMAT,
+)
 
 __all__ = [
     "Hoist",
     "MemoryProgram",
     "Peak",
     "build",
+    "copied",
     "kept_expensive",
     "late_gradients",
     "late_moves",
     "moves_late",
     "peak",
     "recompute_sources",
+    "transposed",
 ]
+
+REDUCTIONS = KINDS["reduction"]
 
 Cell = tuple[tuple[Any, ...], tuple[int, ...], int, bool]
 """(names, shape, itemsize, score)"""
@@ -175,6 +187,7 @@ class _Builder:
         # the values the equations late_gradients moved read: XLA recomputes those cheap
         # ops make in the moved ones' fusions (from what is kept until then), not keep them
         self.late_reads: set[Any] = set()
+        self.copies = False  # XLA:CPU makes a value a matmul reads transposed in that copy
         self.cells: dict[Cell, int] = {}
         self.points: dict[
             tuple[Any, ...],
@@ -225,6 +238,8 @@ class _Builder:
         recomputed = self._recomputed(jaxpr, alias, last, skip)
         if top and self.late_reads and not self.recompute:
             recomputed |= self._recomputed(jaxpr, alias, last, skip, self.late_reads)
+        if self.copies:
+            recomputed |= self._copied(jaxpr, last, skip, recomputed)
         alive: dict[Any, int] = {}  # var -> cell, defined here and still alive
         for v in jaxpr.invars:
             if v in skip or v not in last:
@@ -384,6 +399,24 @@ class _Builder:
             held[v] = sources
         return out
 
+    def _copied(
+        self, jaxpr: Any, last: dict[Any, float], skip: set[Any], done: set[Any]
+    ) -> set[Any]:
+        """The values of ``jaxpr`` XLA makes where each is read (:func:`copied`), not kept
+        between: their sources in memory stay alive until their last read (``last`` is
+        extended, as :meth:`_recomputed` does); ``done``: values recomputed already."""
+        found = facts(jaxpr)
+        out: set[Any] = set()
+        for v, sources in _copies(jaxpr, self.materialized).items():
+            if v in done or v not in last:
+                continue
+            reads = found.whole_reads[v]
+            until = last[v] - 0.5 if reads[-1] == last[v] else last[v]
+            for x in sources - skip:
+                last[x] = max(last.get(x, -1), until)
+            out.add(v)
+        return out
+
     def _sub(self, eqn: Any) -> tuple[Any, set[Any], bool] | None:
         p, prim = eqn.params, eqn.primitive.name
         if prim == "scan":
@@ -402,6 +435,127 @@ class _Builder:
                 if len(sub.invars) == len(eqn.invars):
                     return sub, set(sub.invars), False
         return None
+
+
+def transposed(eqn: Any) -> bool:
+    """Whether matmul ``eqn`` reads its left operand through a transposed copy: its
+    contracting dimensions before a free one (a weight gradient's activation gradient,
+    contracted over the batch), where XLA:CPU's row-major matmul reads them last.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from meshplan._search.predict.memory import transposed
+        >>> g, x = jnp.ones((8, 4)), jnp.ones((8, 3))       # [batch, out], [batch, in]
+        >>> grad = jax.make_jaxpr(lambda g, x: jnp.einsum("bo,bi->oi", g, x))(g, x)
+        >>> back = jax.make_jaxpr(lambda g, w: g @ w)(g, jnp.ones((4, 3)))
+        >>> transposed(grad.jaxpr.eqns[0]), transposed(back.jaxpr.eqns[0])
+        (True, False)
+    """
+    if eqn.primitive.name != "dot_general" or not eqn.invars:
+        return False
+    (contract, _), (batch, _) = eqn.params["dimension_numbers"]
+    ndim = len(getattr(eqn.invars[0].aval, "shape", ()))
+    free = [d for d in range(ndim) if d not in contract and d not in batch]
+    return bool(free) and bool(contract) and min(contract) < max(free)
+
+
+def copied(jaxpr: Any, materialized: set[Any] | None) -> bool:
+    """Whether any value of ``jaxpr`` (or of a body it calls or loops over) is one XLA:CPU
+    makes again where each reader reads it (:func:`_copies`); ``materialized``: the values
+    written to memory, as :func:`build` takes them."""
+    if materialized is not None:
+        materialized = materialized | facts(jaxpr).kept_expensive
+    stack, seen = [jaxpr], set()
+    while stack:
+        j = stack.pop()
+        if id(j) in seen:
+            continue
+        seen.add(id(j))
+        if _copies(j, materialized):
+            return True
+        stack.extend(sub for e in j.eqns for sub in _bodies(e))
+    return False
+
+
+def _bodies(eqn: Any) -> list[Any]:
+    """The jaxprs ``eqn`` runs: a loop's body, a cond's branches, a call's body."""
+    p = eqn.params
+    subs = [p.get("jaxpr"), p.get("body_jaxpr"), *(p.get("branches") or ()), call_body(eqn)]
+    return [getattr(s, "jaxpr", s) for s in subs if s is not None]
+
+
+def _copies(jaxpr: Any, materialized: set[Any] | None) -> dict[Any, frozenset[Any]]:
+    """``{value: its sources in memory}`` for the values of ``jaxpr`` that cheap ops compute
+    and a matmul reads transposed (:func:`transposed`): XLA:CPU fuses their computation into
+    that transposed copy, and again into a kernel of their own for their other readers (read
+    in moe-dp's buffer assignment: exact GELU's input gradient made twice, in the copy the
+    first expert weight's gradient reads and again for the input gradient, its sources
+    alive until the second; in the Llama decoder's the SiLU MLP's gate and up gradients),
+    so none is kept between its reads; its sources are (:func:`_in_memory`)."""
+    found = facts(jaxpr)
+    out: dict[Any, frozenset[Any]] = {}
+    for eqn in jaxpr.eqns:
+        if not transposed(eqn) or isinstance(eqn.invars[0], Literal):
+            continue
+        v = found.alias.get(eqn.invars[0], eqn.invars[0])
+        made = found.producer.get(v)
+        if v in out or v not in found.direct_sources or made is None or _never_copied(made):
+            continue  # an input, another op's result, or expensive (never made twice)
+        if materialized is None or v in materialized:
+            out[v] = _in_memory(jaxpr, v, found, materialized)
+    return out
+
+
+def _never_copied(eqn: Any) -> bool:
+    """An op XLA's fusion never makes twice: an expensive one, or a reduction."""
+    return is_expensive(eqn) or eqn.primitive.name in REDUCTIONS
+
+
+def _in_memory(jaxpr: Any, v: Any, found: Facts, materialized: set[Any] | None) -> frozenset[Any]:
+    """The values in memory XLA computes ``v`` from where it fuses ``v``'s computation: its
+    operands, through those fused away, up to values written to memory, those
+    :func:`_never_copied` makes, or inputs. Before ``v``'s own fusion (the equations since
+    the last that ends one), only through an op of one operand as large as its result (a
+    scale, a bias, a transpose XLA reads as a layout): a value of several made earlier (a
+    residual stream's sum) is one XLA writes to memory, not one it computes again from
+    every layer's."""
+    start = _fusion_start(jaxpr, found.defined[v])
+    out: set[Any] = set()
+    stack, seen = list(found.direct_sources[v]), set()
+    while stack:
+        x = stack.pop()
+        u = found.alias.get(x, x)
+        if u in seen:
+            continue
+        seen.add(u)
+        made = found.producer.get(u)
+        if materialized is None or u in materialized or made is None or _never_copied(made):
+            out.add(u)
+            continue
+        operands = [x for x in made.invars if not isinstance(x, Literal)]
+        if found.defined[u] < start and sum(_whole(x, u, found) for x in operands) > 1:
+            out.add(u)  # not in memory by the model: nothing counted for it
+            continue
+        stack.extend(operands)
+    return frozenset(out)
+
+
+def _whole(x: Any, u: Any, found: Facts) -> bool:
+    """Whether operand ``x`` of ``u`` is as large as ``u`` (not a broadcast of less)."""
+    made = found.producer.get(x)
+    if made is not None and made.primitive.name == "broadcast_in_dim":
+        x = made.invars[0]
+    return math.prod(getattr(x.aval, "shape", ())) >= math.prod(getattr(u.aval, "shape", ()))
+
+
+def _fusion_start(jaxpr: Any, at: int) -> int:
+    """The first equation of the fusion equation ``at`` is in: after the last before it that
+    ends one (neither fused with its operands nor a constraint)."""
+    for i in range(at - 1, -1, -1):
+        eqn = jaxpr.eqns[i]
+        if eqn.primitive.name not in FUSES_OPERANDS and not is_alias(eqn):
+            return i + 1
+    return 0
 
 
 def kept_expensive(jaxpr: Any) -> set[Any]:
@@ -448,12 +602,14 @@ def build(
     XLA does on a device with a memory limit to fit (GPU, TPU), not on the CPU; ``late``: the
     gradients' reductions over the batch that XLA defers run after the rest
     (:func:`late_gradients`), as it schedules them where one all-reduce combines every
-    gradient (on the CPU); ``moved``: :func:`late_moves` of the same arguments, where the
+    gradient (on the CPU), and the values a matmul reads transposed are made where each
+    is read (:func:`copied`), as XLA:CPU fuses them; ``moved``: :func:`late_moves` of the same arguments, where the
     caller has it.
     """
     if materialized is not None:
         materialized = materialized | facts(jaxpr).kept_expensive
     b = _Builder(names, scores, dot_of, materialized, recompute)
+    b.copies = late  # XLA:CPU's program: its late gradients and its transposed copies
     if late:
         if moved is None:
             moved = _late_moves(jaxpr, names, materialized)
@@ -516,10 +672,14 @@ def _activation(key: Any) -> bool:
 
 
 def _released(program: MemoryProgram, size: np.ndarray, held: Sequence[float]) -> np.ndarray:
-    """Per point, the bytes of the held matmul outputs that have run beyond the values without
-    a ``'batch'`` dimension the program keeps alive there (gradients, as made or transposed)."""
+    """Per point, the bytes of the held matmul outputs that have run, and the running one's,
+    beyond the values without a ``'batch'`` dimension the program keeps alive there
+    (gradients, as made or transposed: the running matmul's output among them)."""
     assert program.ran is not None
-    need = program.ran @ np.asarray(held, float)
+    per_dot = np.asarray(held, float)
+    need = program.ran @ per_dot
+    running = program.dot >= 0
+    need[running] += per_dot[program.dot[running]]
     params = np.array([0.0 if "batch" in (c[0] or ()) else 1.0 for c in program.cells])
     alive = (np.asarray(program.long) + np.asarray(program.short)) @ (size * params)
     return np.asarray(np.maximum(0.0, need - alive))
@@ -564,12 +724,13 @@ def peak(
 
     ``held``: per matmul, the bytes of its output where that output (a data parallel weight
     gradient, whole on every device) is held until the combined all-reduce runs (0: not
-    held): at every point, those made before it (in its loop iteration, or the step) are
-    alive, and what of them the program no longer keeps alive there (it lets a gradient
-    go into the update as it is made, or fuses away the transpose the update reads) is
-    counted alive: a gradient made early in the backward pass is held through the rest of
-    it (read in moe-dp's buffer assignment: both expert weights' gradients alive in the
-    experts' backward, from their matmuls to the combined all-reduce).
+    held): at every point, those made before it (in its loop iteration, or the step) and the
+    one it runs are alive, and what of them the program no longer keeps alive there (it
+    lets a gradient go into the update as it is made, or fuses away the transpose the
+    update reads) is counted alive: a gradient made early in the backward pass is held
+    through the rest of it (read in moe-dp's buffer assignment: both expert weights'
+    gradients alive in the experts' backward, from their matmuls to the combined
+    all-reduce; at the second's matmul, the first's beside the second's output).
     """
     size = program.sizes(bytes_of)
     lo, sh = program.long @ size, program.short @ size

@@ -113,7 +113,12 @@ class HardwareProfile:
             (:func:`meshplan._search.predict.memory.late_gradients`): XLA on CPU, whose
             memory-optimised scheduler works back from the one all-reduce combining every
             gradient (measured: its buffer assignment); on TPU and GPU the gradients'
-            reductions start as soon as each is made, to overlap the backward pass.
+            reductions start as soon as each is made, to overlap the backward pass. The
+            same program (XLA:CPU's) makes a value cheap ops compute that a matmul reads
+            transposed (a weight gradient's activation gradient) where each matmul reads
+            it, its sources alive until the last: XLA:CPU fuses its computation into the
+            transposed copy, and again for its other readers
+            (:func:`meshplan._search.predict.memory.copied`).
         fusion_reads: The memory traffic counts what each loop fusion reads, every buffer
             its computation starts from, once per kernel
             (:mod:`meshplan._search.predict.fusion_reads`): checked against XLA:CPU's

@@ -1348,11 +1348,12 @@ def trace_workload(
     batch = int(flat_batch[0].shape[0]) if flat_batch and flat_batch[0].shape else None
     params = tuple(dict.fromkeys(n for names, _, _ in state if names for n in names if n))
     var_names = {**walker.var_names, **walker.buffer_names}
-    # The third program (the gradients' reductions run last) only where any of them moves:
+    # The third program (XLA:CPU's: the gradients' reductions run last, the values matmuls
+    # read transposed made in those copies) only where any of them moves or is copied:
     # otherwise it is the second one, and the cost model takes that.
     variants = [(True, False), (False, False)]
     moved = memory.late_moves(jaxpr, var_names, walker.materialized)
-    if any(moved):
+    if any(moved) or memory.copied(jaxpr, walker.materialized):
         variants.append((False, True))
     programs = [
         memory.build(
