@@ -302,6 +302,32 @@ def test_gradient_reductions_run_last_where_one_all_reduce_combines_them():
     assert not any(get_profile(n).late_gradients for n in ("h100", "tpu_v5p"))
 
 
+def test_a_fused_value_a_late_gradient_reads_is_kept_from_where_it_is_made():
+    # t = a + c is fused where it is made (not in memory there), and read again by two
+    # reductions over the batch that share it, which run last (late_gradients): XLA's late
+    # fusions read t from memory, so it is written where it is made and kept until then,
+    # as recomputing it would keep both a and c alive instead.
+    from meshplan._search.predict.memory import build, late_moves, peak
+
+    def f(w, x):  # x: [batch, d]
+        a, c = x @ w, x @ (2.0 * w)
+        t = a + c
+        y = jnp.tanh(t) @ w  # t read in place too
+        return jnp.einsum("bi,bj->ij", x, t), t.sum(0), y
+
+    j = jax.make_jaxpr(f)(jnp.ones((64, 64), F32), jnp.ones((512, 64), F32)).jaxpr
+    e = j.eqns
+    names = {v: (None,) * len(v.aval.shape) for q in e for v in q.outvars}
+    for v in [j.invars[1]] + [e[k].outvars[0] for k in (0, 2, 3, 4, 5)]:
+        names[v] = ("batch", None)
+    t = e[3].outvars[0]
+    materialized = {v for q in e for v in q.outvars} - {t}
+    assert late_moves(j, names, materialized)[-2:] == [True, True]
+    program = build(j, names, set(), id, materialized, recompute=False, late=True)
+    got = peak(program, lambda c: int(np.prod(c[1])) * c[2])
+    assert got.total == 3 * 512 * 64 * 4  # a, c and t at the sum that makes t
+
+
 def test_a_value_a_call_returns_is_in_memory_only_where_its_readers_end_a_fusion():
     # jax.nn.one_hot is jitted: XLA inlines it, so the one-hot, read by the loss's
     # multiplies alone, is fused into them, never written; a call's output that a matmul

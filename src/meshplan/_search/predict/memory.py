@@ -188,6 +188,10 @@ class _Builder:
         # ops make in the moved ones' fusions (from what is kept until then), not keep them
         self.late_reads: set[Any] = set()
         self.copies = False  # XLA:CPU makes a value a matmul reads transposed in that copy
+        # the fused values the moved equations read that XLA writes to memory where they
+        # are made (:func:`_kept_late`): not recomputed in the late fusions
+        self.late_inputs: set[Any] = set()
+        self.kept_late: set[Any] = set()
         self.cells: dict[Cell, int] = {}
         self.points: dict[
             tuple[Any, ...],
@@ -202,7 +206,8 @@ class _Builder:
         self.hoists: list[tuple[int, list[tuple[int, int, dict[int, int]]]]] = []
 
     def cell(self, v: Any, outer: bool = False) -> int | None:
-        if not outer and self.materialized is not None and v not in self.materialized:
+        fused = self.materialized is not None and v not in self.materialized
+        if not outer and fused and v not in self.kept_late:
             return None  # fused into its consumers: never in memory
         shape = tuple(getattr(v.aval, "shape", ()))
         item = _itemsize(v)
@@ -238,8 +243,9 @@ class _Builder:
         recomputed = self._recomputed(jaxpr, alias, last, skip)
         if top and self.late_reads and not self.recompute:
             recomputed |= self._recomputed(jaxpr, alias, last, skip, self.late_reads)
-        if self.copies:
-            recomputed |= self._copied(jaxpr, last, skip, recomputed)
+            self.kept_late = _kept_late(self.late_inputs, self.materialized, recomputed)
+        if self.copies:  # what a late gradient reads is kept where made, not made again
+            recomputed |= self._copied(jaxpr, last, skip, recomputed | self.late_inputs)
         alive: dict[Any, int] = {}  # var -> cell, defined here and still alive
         for v in jaxpr.invars:
             if v in skip or v not in last:
@@ -602,9 +608,10 @@ def build(
     XLA does on a device with a memory limit to fit (GPU, TPU), not on the CPU; ``late``: the
     gradients' reductions over the batch that XLA defers run after the rest
     (:func:`late_gradients`), as it schedules them where one all-reduce combines every
-    gradient (on the CPU), and the values a matmul reads transposed are made where each
-    is read (:func:`copied`), as XLA:CPU fuses them; ``moved``: :func:`late_moves` of the same arguments, where the
-    caller has it.
+    gradient (on the CPU), and a fused value they read that is not recomputed there is kept
+    from where it is made (:func:`_kept_late`), and the values a matmul reads transposed are
+    made where each is read (:func:`copied`), as XLA:CPU fuses them; ``moved``:
+    :func:`late_moves` of the same arguments, where the caller has it.
     """
     if materialized is not None:
         materialized = materialized | facts(jaxpr).kept_expensive
@@ -614,6 +621,7 @@ def build(
         if moved is None:
             moved = _late_moves(jaxpr, names, materialized)
         b.late_reads = _late_reads(jaxpr, moved)
+        b.late_inputs = _late_inputs(jaxpr, moved)
         jaxpr = _run_last(jaxpr, moved)
     b.walk(jaxpr, {}, {}, True, set(jaxpr.invars) | set(jaxpr.outvars))
     outputs: dict[int, int] = {}
@@ -939,3 +947,26 @@ def _late_reads(jaxpr: Any, moved: Sequence[bool]) -> set[Any]:
         out.add(u)
         stack.extend(direct.get(u, ()))
     return out
+
+
+def _late_inputs(jaxpr: Any, moved: Sequence[bool]) -> set[Any]:
+    """The values the equations :func:`late_gradients` runs last (``moved``) read that the
+    others define."""
+    late = {v for e, m in zip(jaxpr.eqns, moved, strict=True) if m for v in e.outvars}
+    return {
+        u
+        for e, m in zip(jaxpr.eqns, moved, strict=True)
+        if m
+        for u in e.invars
+        if not isinstance(u, Literal) and u not in late
+    }
+
+
+def _kept_late(inputs: set[Any], materialized: set[Any] | None, recomputed: set[Any]) -> set[Any]:
+    """Of ``inputs`` (:func:`_late_inputs`), the fused values (not in ``materialized``) that
+    are not recomputed in the late fusions from values kept until then: kept in memory from
+    where they are made, as their sources would cost more kept (XLA's late fusion reads
+    what is in memory: a value fused where it is made is read late from a buffer)."""
+    if materialized is None:
+        return set()
+    return {u for u in inputs if u not in materialized and u not in recomputed}
