@@ -41,3 +41,15 @@ def test_a_chain_s_extra_cost_is_taken_round_by_round():
     once, many = [1.0, 1.0, 4.0], [8.0, 12.0, 11.0]
     assert cpu._per_extra(once, many, extra=7) == 1.0  # medians apart: (11 - 1) / 7
     assert cpu._median([3.0, 1.0, 100.0]) == 3.0
+
+
+def test_the_per_array_latency_is_timed_on_one_all_reduce_of_many_arrays():
+    """What ``array_latency_s`` measures is what the planner prices with it: one all-reduce
+    XLA combined from several (the data parallel gradients' on XLA:CPU)."""
+    kernel = cpu._combined(cpu._split(8), cpu._ARRAYS)
+    (zeros,) = kernel.operands
+    hlo = kernel.run.lower(zeros).compile().as_text()
+    reduces = [line for line in hlo.splitlines() if " all-reduce(" in line]
+    assert [r.split(" all-reduce(")[0].count("f32[") for r in reduces] == [cpu._ARRAYS]
+    out = kernel()
+    assert all(float(jnp.abs(x).sum()) == 0.0 for x in out)  # zeros stay zeros
