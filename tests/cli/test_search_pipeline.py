@@ -16,6 +16,7 @@ STACK = textwrap.dedent(
     import jax
     import jax.numpy as jnp
     import meshplan
+    from meshplan._spmd.pipeline import stage_axes
 
     def stack(layers=16, width=8192, rows=4096):
         w = meshplan.LogicallyPartitioned(
@@ -23,7 +24,13 @@ STACK = textwrap.dedent(
 
         def loss(w, x):
             x = meshplan.with_logical_constraint(x, ("batch", "embed"))
-            h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, w)[0]
+            _, stages = stage_axes()
+            if stages > 1:  # the layers as a pipeline where the rules give 'stage' an axis
+                schedule = meshplan.PipelineSchedule(stages, 2 * stages)
+                layer = lambda w, h: jnp.tanh(h @ w)
+                h = meshplan.pipeline_layers(layer, w, x, schedule, ("batch", "embed"))
+            else:
+                h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, w)[0]
             return h.astype(jnp.float32).sum()
 
         def step(state, x):

@@ -7,7 +7,13 @@ pipelined along its ``'layer'`` stack (the scanned blocks): the layouts
 :data:`~meshplan.layouts.pp_tp` on ``pipeline x data`` (and ``pipeline x data x model``)
 meshes whose stage count divides the layers, with the microbatch count that prices
 fastest among ``p``, ``2p``, ``4p`` and ``8p`` (those that split the batch over
-``data``). ``pipeline`` is the first mesh axis, so on more devices than one host or
+``data``). Only a step that runs its layers as a pipeline where the rules give ``'stage'`` an
+axis (:func:`meshplan.pipeline_layers`, as :mod:`meshplan.models.pipeline` calls it) is priced
+so (:func:`runs_stages`): a step that never reads ``'stage'`` (a plain ``nn.scan`` of its
+blocks) runs no pipeline under those rules, whatever the backend. Its ``'layer'`` stack split
+over ``pipeline`` is gathered whole for the loop (once for the forward pass and once for the
+backward, read in XLA's compiled step) and every device runs every layer on its share of the
+batch: no stage shifts, no ``collective-permute``. ``pipeline`` is the first mesh axis, so on more devices than one host or
 slice holds it is the axis that crosses the slow link (InfiniBand, DCN): a pipeline
 across slices.
 """
@@ -15,6 +21,7 @@ across slices.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from meshplan._search.predict.pipeline import predict_pipeline, stage_base
 from meshplan._search.predict.profiles import HardwareProfile
@@ -26,7 +33,14 @@ from meshplan._spmd.validate import validate
 from meshplan._text import human_bytes
 from meshplan.layouts import pipeline, pp_fsdp, pp_tp
 
-__all__ = ["PIPELINE_LAYOUTS", "PipelineRows", "layer_count", "pipeline_rows", "pipeline_verdict"]
+__all__ = [
+    "PIPELINE_LAYOUTS",
+    "PipelineRows",
+    "layer_count",
+    "pipeline_rows",
+    "pipeline_verdict",
+    "runs_stages",
+]
 
 PIPELINE_LAYOUTS: dict[str, RulePairs] = {"pipeline": pipeline, "pp_fsdp": pp_fsdp, "pp_tp": pp_tp}
 """The built-in pipeline layouts a search tries (:mod:`meshplan.layouts`)."""
@@ -53,6 +67,56 @@ def layer_count(workload: Workload) -> int | None:
     """
     sizes = {s[n.index("layer")] for n, s, _ in workload.state if n is not None and "layer" in n}
     return sizes.pop() if len(sizes) == 1 else None
+
+
+def runs_stages(
+    step_fn: Any, abstract_state: Any, example_batch: Any, rules: RulePairs = pipeline
+) -> bool:
+    """Whether ``step_fn`` computes anything else where ``rules`` give ``'stage'`` mesh axes:
+    it runs its layers as a pipeline (:func:`meshplan.pipeline_layers`), or refuses to.
+
+    Traced twice under an abstract mesh (no devices) where the stage axes have 2 devices and
+    the others 1: with ``rules``, and with ``'stage'`` on no axis; the two programs are
+    compared. A step that fails to trace under either is taken to read the stage (a
+    pipeline that cannot run on 2 stages refuses so).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, meshplan
+        >>> from meshplan._search.search.pipeline_verdict import runs_stages
+        >>> w = meshplan.LogicallyPartitioned(jax.ShapeDtypeStruct((4, 8, 8), jnp.float32),
+        ...                                   ("layer", "embed", "mlp"))
+        >>> def step(s, x):  # a plain scan of the layers: no pipeline
+        ...     return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, s["w"].value)[0]
+        >>> runs_stages(step, {"w": w}, jax.ShapeDtypeStruct((8, 8), jnp.float32))
+        False
+    """
+    import jax
+
+    from meshplan._spmd.pipeline import STAGE
+    from meshplan._spmd.rules import logical_axis_rules
+
+    pairs = normalize_rules(rules)
+    staged = {a for n, e in pairs if n == STAGE for a in mesh_axes_of(e)}
+    axes = tuple(dict.fromkeys(a for _, e in pairs for a in mesh_axes_of(e)))
+    if not staged:
+        return False
+    sizes = tuple(2 if a in staged else 1 for a in axes)
+    mesh = jax.sharding.AbstractMesh(
+        sizes, axes, axis_types=(jax.sharding.AxisType.Auto,) * len(axes)
+    )
+    off = tuple((n, None if n == STAGE else e) for n, e in pairs)
+    programs = []
+    for each in (pairs, off):
+        # A new function each time: JAX's trace cache does not know the active rules.
+        def step(state: Any, batch: Any) -> Any:
+            return step_fn(state, batch)
+
+        try:
+            with jax.sharding.use_abstract_mesh(mesh), logical_axis_rules(each):
+                programs.append(str(jax.make_jaxpr(step)(abstract_state, example_batch)))
+        except Exception:
+            return True
+    return programs[0] != programs[1]
 
 
 def _rules(layout: RulePairs, names: list[str]) -> Rules:
@@ -126,13 +190,15 @@ def pipeline_rows(
     *,
     microbatches: int = 1,
     layouts: Mapping[str, RulePairs] = PIPELINE_LAYOUTS,
+    staged: bool = True,
 ) -> PipelineRows:
     """The built-in pipeline layouts on every mesh of ``devices`` whose stages split the
     layers, each with its fastest microbatch count, as search rows: ``ok`` (within
     ``budget``) or pruned (``invalid``, ``batch``, ``memory``) with the reason.
     ``layouts``: the pipeline layouts tried (their axes ``pipeline``, ``data`` and, where
     they name it, ``model``); ``microbatches``: the search's gradient accumulation (a
-    pipeline is not priced with one).
+    pipeline is not priced with one); ``staged``: whether the step runs a pipeline where the
+    rules give ``'stage'`` an axis (:func:`runs_stages`; none is priced where it does not).
 
     Example:
         >>> from meshplan._search.predict.pipeline import example_stack
@@ -160,6 +226,13 @@ def pipeline_rows(
             "the model has no 'layer' stack of scanned blocks to cut into stages"
             if layers is None or layers < 2
             else "the batch size is unknown"
+        )
+        return found
+    if not staged:
+        found.absent = (
+            "the step runs no pipeline where the rules give 'stage' an axis (its layers are "
+            "not meshplan.pipeline_layers): its 'layer' stack would be gathered whole and "
+            "every layer run on every device"
         )
         return found
     names = [n for n in workload.names if n not in _KEEP]

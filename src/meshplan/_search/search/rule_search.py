@@ -52,7 +52,12 @@ from meshplan._search.search.options import (
     SearchSpace,
     search_options,
 )
-from meshplan._search.search.pipeline_verdict import PIPELINE_LAYOUTS, pipeline_rows
+from meshplan._search.search.pipeline_verdict import (
+    PIPELINE_LAYOUTS,
+    layer_count,
+    pipeline_rows,
+    runs_stages,
+)
 from meshplan._search.search.result import (
     PRUNE_REASONS,
     PruneKind,
@@ -656,8 +661,24 @@ def search_rules(
                 out.append(row)
             continue
         rows.append(row)
+    # A step traced here is asked whether it pipelines at all (a plain scan of its layers
+    # does not); a workload given alone is taken to (its step is not known).
+    staged = (
+        step_fn is None
+        or abstract_state is None
+        or not piped_layouts
+        or microbatches > 1
+        or (layer_count(workload) or 0) < 2
+        or runs_stages(step_fn, abstract_state, example_batch, next(iter(piped_layouts.values())))
+    )
     piped = pipeline_rows(
-        workload, devices, prof, budget, microbatches=microbatches, layouts=piped_layouts
+        workload,
+        devices,
+        prof,
+        budget,
+        microbatches=microbatches,
+        layouts=piped_layouts,
+        staged=staged,
     )
     rows += [r for r in piped.rows if r.status == "ok"]
     out += [r for r in piped.rows if r.status != "ok"]
