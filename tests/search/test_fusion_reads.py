@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -45,3 +48,71 @@ def test_only_a_profile_that_says_so_prices_what_fusions_read():
     total = sum(work.traffic.values()) + sum(work.fusion_reads.values())
     assert without.memory_s == sum(work.traffic.values()) / h100.memory_bandwidth
     assert with_reads.memory_s == total / h100.memory_bandwidth
+
+
+_EMBED_SPLIT = (
+    ("batch", ("data",)),
+    ("embed", "tensor"),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("kv", None),
+)
+
+
+def _array_bytes(text: str) -> int:
+    """Bytes of the arrays an HLO shape names (``f32[4,64,128]{1,0,2}``; tuples summed)."""
+    item = {"f32": 4, "s32": 4, "bf16": 2, "f16": 2, "pred": 1}
+    total = 0
+    for dtype, dims in re.findall(r"\b(f32|s32|bf16|f16|pred)\[([\d,]*)\]", text):
+        total += item[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def _copies_of_gathers(hlo: str) -> tuple[int, int]:
+    """``(copies, bytes)`` of the loop fusions that copy an all-gather's result, each
+    reading and writing it."""
+    shapes, copies, moved = {}, 0, 0
+    for line in hlo[hlo.index("\nENTRY") :].splitlines()[1:]:
+        m = re.match(r"\s*(?:ROOT )?(%[\w.\-]+) = (.+?) (all-gather|fusion)\((.*)", line)
+        if not m:
+            continue
+        name, shape, op, rest = m.groups()
+        if op == "all-gather":
+            shapes[name] = _array_bytes(shape)
+            continue
+        operands = re.findall(r"%[\w.\-]+", rest.split("), ")[0])
+        if "kind=kLoop" in rest and "copy" in name and len(operands) == 1 and operands[0] in shapes:
+            copies += 1
+            moved += shapes[operands[0]] + _array_bytes(shape)
+    return copies, moved
+
+
+def test_a_gathered_activation_is_copied_into_the_layout_its_matmul_reads():
+    # The suite's ViT with its activations' embed split over tensor (a searched layout):
+    # XLA:CPU gathers an activation split on a dimension inside it (heads, mlp, embed) with
+    # that dimension outermost, then copies it into the layout each reading matmul reads.
+    from meshplan._search.measure.hlo import compile_candidate
+    from meshplan._search.predict.cost import _dot_cost, _Specs, relayout_bytes
+    from xla_suite import suite_step
+
+    state, step, batch = suite_step("vit", 1)
+    mesh = {"tensor": 2, "data": 4}
+    work = trace_workload(step, state, batch)
+    specs = _Specs(mesh, _EMBED_SPLIT)
+    params = frozenset(work.param_names)
+    predicted = 0
+    for dot, count in work.dots.items():
+        _, colls, _ = _dot_cost(dot, specs, False, params, dot in work.backward_dots)
+        predicted += count * sum(relayout_bytes(specs, c[3], c[2]) for c in colls if c[3])
+    compiled, _, _ = compile_candidate(step, state, batch, mesh, _EMBED_SPLIT)
+    copies, xla = _copies_of_gathers(compiled.as_text())
+    assert copies >= 8, copies
+    assert abs(predicted / xla - 1) < 0.2, (predicted, xla)
+    # the same matmuls on data parallelism gather nothing: no copy priced
+    dp = _Specs({"data": 8}, (("batch", "data"),))
+    assert not any(
+        relayout_bytes(dp, c[3], c[2])
+        for dot in work.dots
+        for c in _dot_cost(dot, dp, False, params)[1]
+        if c[3]
+    )

@@ -584,6 +584,7 @@ def _predict_one(
     partial_sums: set[Dot] = set()  # activations all-reduced (a tensor-parallel projection)
     params = frozenset(workload.param_names)
     read: dict[Any, set[int]] = {}  # an activation's gather key: the arrays gathered
+    relaid = 0  # XLA:CPU: gathered arrays copied into the reading matmul's layout (bytes)
     scores = [0.0, 0.0]  # fused attention's seconds per device: [producing, reading] scores
     for dot, count in workload.dots.items():
         trips = workload.trips(dot)  # runs in sequence; count / trips appear side by side
@@ -612,6 +613,8 @@ def _predict_one(
                 g[4] += 1
                 g[5] = max(g[5], trips)
                 extra[key] = nbytes * (math.prod(sizes[a] for a in axes) - 1)
+                if profile.fusion_reads:
+                    relaid += count * relayout_bytes(specs, key, nbytes)
                 if workload.arrays and "batch" in (key[0] or ()):
                     for side, (names, shape) in enumerate(
                         ((dot.lhs_names, dot.lhs_shape), (dot.rhs_names, dot.rhs_shape))
@@ -714,6 +717,7 @@ def _predict_one(
         for (names, shape, score), nbytes in cells.items():
             if not (fused and score):
                 traffic += nbytes // specs.split(specs(names, len(shape)))
+    traffic += relaid
     memory_s = micro * traffic / profile.memory_bandwidth
     compute_s, flops = compute_s * micro, flops * micro
     flops += micro * workload.unpriced_flops  # whole on every device: not split
@@ -740,6 +744,37 @@ def _predict_one(
         unpriced=tuple(f"{p} at {w} ({n} runs)" for (p, w), n in workload.unpriced.items()),
         notes=lookup_notes(workload, specs),
     )
+
+
+def relayout_bytes(specs: _Specs, key: Any, nbytes: int) -> int:
+    """Bytes XLA:CPU's copy of a gathered array moves for one matmul that reads it.
+
+    ``key``: the gathered array's ``(names, shape, axes)``, ``nbytes``: one device's shard.
+    XLA:CPU gathers into a layout whose outermost dimension is the gathered one (the
+    shards then lie one after another); where that is not the array's outermost dimension
+    of more than one element, each matmul reading the gathered array reads it through a
+    copy into the row-major layout it reads (a loop fusion: the gathered bytes read and
+    written); else none.
+
+    Example:
+        >>> from meshplan._search.predict.cost import _Specs, relayout_bytes
+        >>> specs = _Specs({"data": 4, "tensor": 2}, (("batch", "data"), ("heads", "tensor")))
+        >>> names, shape = ("batch", None, "heads", "kv"), (16, 64, 4, 16)
+        >>> relayout_bytes(specs, (names, shape, ("tensor",)), 32768)  # heads: 2 * 64 KiB
+        131072
+        >>> relayout_bytes(specs, (("heads", "kv"), (4, 16), ("tensor",)), 128)  # outermost
+        0
+    """
+    names, shape, axes = key[:3]
+    if names is None:
+        return 0
+    spec = specs(names, len(shape))
+    gathered = [i for i, d in enumerate(spec) if any(a in axes for a in d)]
+    local = [s // specs.split((d,)) for s, d in zip(shape, spec, strict=True)]
+    outer = next((i for i, n in enumerate(local) if n > 1), 0)
+    if not gathered or gathered[0] <= outer:
+        return 0
+    return 2 * nbytes * math.prod(specs.sizes[a] for a in axes)
 
 
 def _attention_flops(dot: Dot, profile: HardwareProfile) -> float:

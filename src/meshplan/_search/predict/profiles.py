@@ -123,7 +123,9 @@ class HardwareProfile:
             its computation starts from, once per kernel
             (:mod:`meshplan._search.predict.fusion_reads`): checked against XLA:CPU's
             ``cost_analysis()`` bytes on the suite of ``tests/xla_suite.py``; not yet on
-            TPU or GPU (their published rows are priced without it).
+            TPU or GPU (their published rows are priced without it). With it, an array
+            gathered on a dimension inside it is copied for each matmul that reads it
+            (:func:`meshplan._search.predict.cost.relayout_bytes`).
         array_latency_s: Seconds each array of a combined collective adds beyond the
             first, over the whole domain: XLA:CPU reduces a combined all-reduce's operands
             one after another, each a meeting of the group's threads (the ``cpu`` profile
