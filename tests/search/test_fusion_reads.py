@@ -116,3 +116,26 @@ def test_a_gathered_activation_is_copied_into_the_layout_its_matmul_reads():
         for c in _dot_cost(dot, dp, False, params)[1]
         if c[3]
     )
+
+
+def test_xla_cpu_gathers_an_activation_no_constraint_names_again_for_the_backward():
+    # The same ViT and layout: each activation a matmul gathers (split on embed, heads or
+    # mlp) is gathered for the forward matmul and again for the weight gradient's, as no
+    # logical constraint names it (XLA:CPU keeps the gathered copy of a named one).
+    import dataclasses
+
+    from meshplan._search.measure.hlo import collective_bytes, compile_candidate
+    from meshplan._search.predict.cost import predict
+    from meshplan._search.predict.profiles import BACKENDS, get_profile
+    from xla_suite import suite_step
+
+    state, step, batch = suite_step("vit", 1)
+    mesh = {"tensor": 2, "data": 4}
+    work = trace_workload(step, state, batch, read_constraints=True)
+    assert not any(named for _, both, named in work.arrays if both)
+    cpu = dataclasses.replace(get_profile("h100"), **BACKENDS["cpu"], regather=False)
+    compiled, _, _ = compile_candidate(step, state, batch, mesh, _EMBED_SPLIT)
+    gathered = collective_bytes(compiled.as_text())["all-gather"]
+    assert predict(work, mesh, _EMBED_SPLIT, cpu).comm_bytes["all-gather"] == gathered
+    once = dataclasses.replace(cpu, regathers_unnamed=False)
+    assert predict(work, mesh, _EMBED_SPLIT, once).comm_bytes["all-gather"] < gathered

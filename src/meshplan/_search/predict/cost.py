@@ -666,9 +666,8 @@ def _predict_one(
         passes = min(2, ndots) if profile.regather else 1  # forward, again for the backward
         if "batch" in (key[0] or ()):
             if key in read:  # each array once per pass (again for the backward: regather)
-                again = 2 if profile.regather else 1
                 arrays = [workload.arrays[i] for i in read[key]]
-                count, passes = sum(t * (again if both else 1) for t, both in arrays), 1
+                count, passes = sum(t * _gathers(profile, *rest) for t, *rest in arrays), 1
             dependent.append((kind, axes, nbytes, count * passes))
         else:
             ind = independent.setdefault((kind, axes, trips * passes), [0, 0])
@@ -818,6 +817,14 @@ def _weight_gather_axes(specs: _Specs, names: Names, ndim: int, act: Names) -> t
     for name, axes in zip(names, own, strict=True):
         out += [a for a in axes if a not in other.get(name, ()) and a not in out]
     return tuple(a for a in specs.sizes if a in out)
+
+
+def _gathers(profile: HardwareProfile, both: bool, named: bool) -> int:
+    """How many times an activation read by matmuls of ``both`` passes or one is gathered:
+    again for the backward pass where the profile regathers, or where no logical
+    constraint ``named`` it and the backend gathers such an array again."""
+    again = profile.regather or (profile.regathers_unnamed and not named)
+    return 2 if both and again else 1
 
 
 def _summed_with(

@@ -126,6 +126,11 @@ class HardwareProfile:
             TPU or GPU (their published rows are priced without it). With it, an array
             gathered on a dimension inside it is copied for each matmul that reads it
             (:func:`meshplan._search.predict.cost.relayout_bytes`).
+        regathers_unnamed: An activation gathered for a matmul of the forward pass is
+            gathered again for the backward pass's where no logical constraint names it
+            (XLA:CPU: its propagation gives the backward's read a sharding of its own); a
+            named one is gathered once and its gathered copy kept (``regather`` gathers
+            every one again).
         array_latency_s: Seconds each array of a combined collective adds beyond the
             first, over the whole domain: XLA:CPU reduces a combined all-reduce's operands
             one after another, each a meeting of the group's threads (the ``cpu`` profile
@@ -175,6 +180,7 @@ class HardwareProfile:
     fusion_reads: bool = False
     array_latency_s: float = 0.0
     latency_per_device: bool = False
+    regathers_unnamed: bool = False
 
     def __post_init__(self) -> None:
         if self.slow_latency_s is None:
@@ -226,6 +232,7 @@ class Backend(TypedDict, total=False):
     late_gradients: bool
     fusion_reads: bool
     latency_per_device: bool
+    regathers_unnamed: bool
 
 
 # Physical parameters shared by a backend's profiles (never fitted per model or run):
@@ -284,6 +291,7 @@ BACKENDS: dict[str, Backend] = {
         late_gradients=True,
         fusion_reads=True,
         latency_per_device=True,
+        regathers_unnamed=True,
     ),
 }
 """What each backend does, by JAX platform name; a profile takes its backend's entry."""

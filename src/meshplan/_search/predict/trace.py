@@ -109,9 +109,10 @@ class Workload:
     ``dot_trips``: ``{Dot: trips}``, the loop trips of one run (:meth:`trips`);
     ``operand_arrays``: ``{(Dot, side): indices in arrays}``, the arrays each matmul's
     operand reads (one array read by several matmuls is gathered once for them), and
-    ``arrays``: per array ``(trips, whether both passes read it)``: the loop trips it is
-    made in, and whether the forward and the backward pass (autodiff's transpose) both
-    read it, where an accelerator gathers it again rather than keep the gathered copy;
+    ``arrays``: per array ``(trips, whether both passes read it, whether a logical
+    constraint names it)``: the loop trips it is made in, and whether the forward and the
+    backward pass (autodiff's transpose) both read it, where an accelerator gathers it
+    again rather than keep the gathered copy (XLA:CPU too, where no constraint names it);
     ``weight_reads``: ``(names, shape, itemsize, activation names, trips, both passes,
     forward)`` per parameter array an op other than a matmul reads with an activation (a
     norm's scale, a bias): the partitioner gathers it where the activation is not split as
@@ -169,7 +170,7 @@ class Workload:
     tokens_unit: ThroughputUnit = "examples"
     dot_trips: dict[Dot, int] = dataclasses.field(default_factory=dict)
     operand_arrays: dict[tuple[Dot, int], frozenset[int]] = dataclasses.field(default_factory=dict)
-    arrays: tuple[tuple[int, bool], ...] = ()
+    arrays: tuple[tuple[int, bool, bool], ...] = ()
     weight_reads: tuple[tuple[Names, tuple[int, ...], int, Names, int, bool, bool], ...] = ()
     causal_masks: frozenset[tuple[int, int]] = frozenset()
     unpriced: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
@@ -415,7 +416,7 @@ class _Walker:
         # array ``(trips, read in the forward and the backward pass)``: which arrays are
         # the same, so that one gathered for several matmuls is gathered once per pass.
         self.operand_arrays: dict[tuple[Dot, int], frozenset[int]] = {}
-        self.arrays: list[tuple[int, bool]] = []
+        self.arrays: list[tuple[int, bool, bool]] = []
         self.materialized: set[Any] = set()  # values XLA writes to memory (not fused away)
         self.fusion_reads = FusionReads()  # the buffers a fusion's kernel reads (fusion_reads)
         self.read_traffic: dict[tuple[Names, tuple[int, ...], bool], int] = {}  # their bytes
@@ -687,7 +688,9 @@ class _Walker:
                 operands.setdefault((dot, side), set()).add(a[0])
         self.dots, self.dot_trips = dots, trips
         self.operand_arrays = {k: frozenset(v) for k, v in operands.items()}
-        self.arrays = [(t, fwd and bwd) for _, t, fwd, bwd in arrays.values()]
+        self.arrays = [
+            (t, fwd and bwd, v in self.buffer_names) for v, (_, t, fwd, bwd) in arrays.items()
+        ]
 
     def buffer(self, v: Any) -> Names | None:
         """The names of ``v``'s buffer, where a constraint renamed it (else ``None``)."""
