@@ -22,6 +22,13 @@ array beyond the first:
 
     .venv/bin/python benchmarks/bench_calibration.py --arrays
 
+``--in-step`` times the same inside a training step: the suite's decoder
+(``tests/xla_suite.py``) data parallel in ``shard_map``, with and without a ``psum`` of its
+gradients (one all-reduce XLA combines from all of them), against what the ``cpu`` profile
+prices for that all-reduce's latencies and bytes:
+
+    .venv/bin/python benchmarks/bench_calibration.py --in-step
+
 ``--against REF`` also runs the procedure of ``src/meshplan/_search/measure/cpu.py`` as it
 was at git revision ``REF``, alternating process by process with this one, so both see the
 same load:
@@ -233,6 +240,54 @@ def arrays(devices: int, rounds: int = 15) -> None:
         )
 
 
+def in_step(devices: int, rounds: int = 40) -> None:
+    """The decoder's data parallel step with and without its gradients' ``psum`` (module
+    docstring): the medians of the round-by-round differences, in call seconds."""
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    sys.path.insert(0, str(ROOT / "tests"))
+    import jax
+    import numpy as np
+    from flax import linen as nn
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import xla_suite
+    from meshplan._search.predict.collectives import array_latency, collective_time
+    from meshplan._search.predict.profiles import get_profile
+
+    model = xla_suite.TakeDecoder(embed=64, mlp=128, layers=2)
+    tokens = np.zeros((2 * devices, 32), np.int32)
+    params = nn.unbox(model.init(jax.random.key(0), tokens[:2]))["params"]
+    mesh = jax.make_mesh((devices,), ("data",))
+
+    def program(reduce: bool) -> Any:
+        def local(p: Any, t: Any) -> Any:
+            loss = lambda q: xla_suite._next_token(model.apply({"params": q}, t), t)  # noqa: E731
+            g = jax.grad(loss)(p)
+            g = jax.lax.psum(g, "data") if reduce else g  # type: ignore[no-untyped-call]
+            return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+
+        specs = (P(), P("data"))
+        return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P()))
+
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    t = jax.device_put(tokens, NamedSharding(mesh, P("data")))
+    kernels = {r: (lambda f: lambda: f(p, t))(program(r)) for r in (False, True)}
+    seconds = _interleaved(kernels, devices, rounds)
+    extra = statistics.median(b - a for a, b in zip(seconds[False], seconds[True], strict=True))
+    leaves = jax.tree.leaves(params)
+    nbytes = sum(x.size * x.dtype.itemsize for x in leaves)
+    profile = get_profile("cpu", devices)
+    sizes, axes = {"data": devices}, ("data",)
+    priced = collective_time(profile, "all-reduce", sizes, axes, nbytes) + (
+        len(leaves) - 1
+    ) * array_latency(profile, sizes, axes)
+    print(
+        f"step without the psum {statistics.median(seconds[False]) * 1e3:.2f} ms; the psum of "
+        f"{len(leaves)} arrays ({nbytes:,} bytes) adds {extra * 1e6:.0f} us, priced {priced * 1e6:.0f} us"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--processes", type=int, default=10, help="fresh processes (>= 4)")
@@ -240,6 +295,7 @@ def main() -> None:
     parser.add_argument("--against", metavar="REF", help="also the procedure at git REF")
     parser.add_argument("--groups", action="store_true", help="a psum's cost by group and size")
     parser.add_argument("--arrays", action="store_true", help="a combined all-reduce by arrays")
+    parser.add_argument("--in-step", action="store_true", help="a step's combined all-reduce")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
@@ -248,6 +304,8 @@ def main() -> None:
         return groups(args.devices)
     if args.arrays:
         return arrays(args.devices)
+    if args.in_step:
+        return in_step(args.devices)
     if args.processes < 4:
         parser.error("--processes must be at least 4 (quartiles of fewer mean little)")
     with tempfile.TemporaryDirectory() as folder:

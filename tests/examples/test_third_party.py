@@ -136,3 +136,32 @@ def test_gpt2_memory_and_collective_kinds_are_predicted_as_xla_compiles(loaded, 
     assert {k for k, v in cost.comm_bytes.items() if v} == set(xla["collectives"])
     predicted = cost.activation_bytes + cost.temporary_bytes
     assert abs(predicted - xla["xla_temp_bytes"]) <= 0.2 * xla["xla_temp_bytes"]
+
+
+def test_gpt2_data_parallel_gradients_pay_about_one_latency_per_array_xla_combines(loaded):
+    """XLA:CPU reduces Hugging Face GPT-2's data parallel gradients in one all-reduce of
+    29 operands; the planner prices a latency for 27 of them (the matmuls' weights, the
+    norms' scales and biases; the embedding tables' scatter-added gradients are not
+    counted)."""
+    import dataclasses
+
+    from meshplan._search.measure.hlo import compile_candidate
+    from meshplan._search.predict.cost import predict
+    from meshplan._search.predict.profiles import BACKENDS, get_profile
+
+    model = loaded["gpt2"]
+    state, step, batch = model.abstract_state, model.step_fn, model.example_batch
+    mesh, rules = {"data": 8}, (("batch", "data"),)
+    compiled, _, _ = compile_candidate(step, state, batch, mesh, rules)
+    reduces = [ln for ln in compiled.as_text().splitlines() if " all-reduce(" in ln]
+    assert len(reduces) == 1
+    operands = reduces[0].split(" all-reduce(")[0].count("f32[")
+    work = meshplan.trace_workload(step, state, batch, read_constraints=True)
+    cpu = dataclasses.replace(
+        get_profile("h100"), **BACKENDS["cpu"], regather=False, overlap=0.0, hop_latency_s=0.0
+    )
+    once = predict(work, mesh, rules, cpu)
+    each = predict(work, mesh, rules, dataclasses.replace(cpu, array_latency_s=1e-3))
+    priced = round((each.comm_s - once.comm_s) / 1e-3) + 1
+    assert each.collectives == 1
+    assert abs(priced - operands) <= 0.1 * operands, (priced, operands)

@@ -270,9 +270,9 @@ def measure_cpu(devices: int) -> CpuFigures:
     ``psum`` over all of them: its latency (of 4 bytes, inside a program: a chain of them
     less one) and bandwidth (1 MiB per device, as a ring would move it; the same chain's,
     less the latency), and what each array adds to an all-reduce XLA combined from
-    several (one of 17 arrays less one of one). Seconds are :func:`call_seconds`' (CPU time over the cores where the
-    devices keep every core busy); the programs run interleaved, round by round, each
-    figure the median over the rounds (:func:`_rounds`).
+    several (one of 17 arrays less one of one). Seconds are :func:`call_seconds`' (CPU
+    time over the cores where the devices keep every core busy); the programs run
+    interleaved, round by round, each figure the median over the rounds (:func:`_rounds`).
 
     Example:
         >>> from meshplan._search.measure.cpu import measure_cpu

@@ -86,8 +86,7 @@ def collective_time(
     fast, slow = profile.fast_bandwidth, profile.slow_bandwidth
     slow_lat = profile.slow_latency_s if profile.slow_latency_s is not None else profile.latency_s
     lat = (profile.latency_s if k > 1 else 0.0) + (slow_lat if m > 1 else 0.0)
-    if profile.latency_per_device:  # measured over the whole domain, met in turn
-        lat *= k * m / profile.domain_devices
+    lat *= _met_share(profile, k, m)
     phases = {"all-reduce": 2, "reduce-scatter": 1, "all-gather": 1}.get(kind, 0)
     if phases:  # the ring's steps: those crossing domains and the others
         lat += phases * ((m - 1) * profile.slow_hop_latency_s + (k * m - m) * profile.hop_latency_s)
@@ -121,7 +120,10 @@ def array_latency(profile: HardwareProfile, mesh: Mapping[str, int], axes: Seque
         100
     """
     k, m = split_group(mesh, axes, profile.domain_devices)
-    if k * m == 1:
-        return 0.0
-    share = k * m / profile.domain_devices if profile.latency_per_device else 1.0
-    return profile.array_latency_s * share
+    return profile.array_latency_s * _met_share(profile, k, m) if k * m > 1 else 0.0
+
+
+def _met_share(profile: HardwareProfile, k: int, m: int) -> float:
+    """The share of a latency measured over the whole domain that a group of ``k m`` pays:
+    ``k m / domain_devices`` where the devices meet in turn (``latency_per_device``), else 1."""
+    return k * m / profile.domain_devices if profile.latency_per_device else 1.0

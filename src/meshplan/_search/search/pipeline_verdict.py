@@ -13,9 +13,9 @@ so (:func:`runs_stages`): a step that never reads ``'stage'`` (a plain ``nn.scan
 blocks) runs no pipeline under those rules, whatever the backend. Its ``'layer'`` stack split
 over ``pipeline`` is gathered whole for the loop (once for the forward pass and once for the
 backward, read in XLA's compiled step) and every device runs every layer on its share of the
-batch: no stage shifts, no ``collective-permute``. ``pipeline`` is the first mesh axis, so on more devices than one host or
-slice holds it is the axis that crosses the slow link (InfiniBand, DCN): a pipeline
-across slices.
+batch: no stage shifts, no ``collective-permute``. ``pipeline`` is the first mesh axis, so
+on more devices than one host or slice holds it is the axis that crosses the slow link
+(InfiniBand, DCN): a pipeline across slices.
 """
 
 from __future__ import annotations
