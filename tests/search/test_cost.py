@@ -221,3 +221,42 @@ def test_the_cpu_profile_counts_the_collectives_xla_runs_on_the_cpu(layers, rule
     assert cost.collectives == gathers + reductions
     # XLA:CPU all-reduces an FSDP gradient's partial sums whole (no reduce-scatter): so does the profile
     assert runs["reduce-scatter"] == 0 and "reduce-scatter" not in cost.comm_bytes
+
+
+def _norm_over_mlp_step():
+    """A projection into ``mlp`` with a norm's statistics over it; logits over ``vocab``
+    with their softmax."""
+    w = jax.ShapeDtypeStruct((WIDTH, 4 * WIDTH), jnp.float32)
+    v = jax.ShapeDtypeStruct((WIDTH, 8 * WIDTH), jnp.float32)
+    state = {
+        "w": meshplan.LogicallyPartitioned(w, ("embed", "mlp")),
+        "v": meshplan.LogicallyPartitioned(v, ("embed", "vocab")),
+    }
+
+    def step(state, x):
+        def loss(p):
+            h = x @ p["w"]
+            h = (h - h.mean(-1, keepdims=True)) * jax.lax.rsqrt((h * h).mean(-1, keepdims=True))
+            return jnp.tanh(h).sum() + jax.nn.log_softmax(x @ p["v"]).sum()
+
+        return jax.grad(loss)({k: b.value for k, b in state.items()})
+
+    return step, state, jax.ShapeDtypeStruct((32, WIDTH), jnp.float32)
+
+
+def test_a_reduction_over_a_split_dimension_is_all_reduced_as_compiled():
+    """A norm's statistics over a split ``mlp`` and a softmax's over a split ``vocab``:
+    XLA all-reduces each partial result over the axis (forward and backward), priced as
+    the compiled HLO's arrays (XLA:CPU pays a latency for each); none where nothing is
+    split."""
+    from meshplan._search.measure.hlo import compile_candidate
+
+    step, state, x = _norm_over_mlp_step()
+    work = trace_workload(step, state, x)
+    cpu = get_profile("cpu")
+    split = (("mlp", "model"), ("vocab", "model"))
+    for rules, mesh in ((split, {"model": 8}), ((("embed", "model"),), {"model": 8})):
+        compiled, _, _ = compile_candidate(step, state, x, mesh, rules)
+        reduces = [ln for ln in compiled.as_text().splitlines() if " all-reduce(" in ln]
+        arrays = sum(ln.split(" all-reduce(")[1].split(")")[0].count("%") for ln in reduces)
+        assert predict(work, mesh, rules, cpu).collectives == arrays

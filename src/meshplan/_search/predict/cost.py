@@ -36,7 +36,9 @@ bytes of its operands and output over ``memory_bandwidth``. Other ops cost only
 the bytes XLA's fusions read and write (:mod:`meshplan._search.predict.trace` counts what
 leaves a fusion); on a backend with fused attention the scores cost nothing but
 their matmuls' FLOPs. Collectives are priced by :mod:`meshplan._search.predict.collectives`
-(hierarchical where a group crosses domains); a logical constraint that moves a value's
+(hierarchical where a group crosses domains); a reduction over a split dimension (a
+norm's statistics over a split ``mlp``, a softmax's over a split ``vocab``) all-reduces
+its partial results (``Workload.reductions``); a logical constraint that moves a value's
 axes (a mixture of experts' dispatch and combine) is an all-to-all or a gather
 (:mod:`meshplan._search.predict.reshard`). Those on the critical path (tensor
 parallelism's activation reductions) add up; the independent ones (weight gathers
@@ -92,8 +94,8 @@ class Cost:
     ``activation_bytes``: values kept across layers at the peak (residuals for the
     backward pass, gradients); ``temporary_bytes``: the rest of the peak (the layer
     being computed, gathered weights, the optimizer update); ``accumulator_bytes``: the
-    gradients accumulated over microbatches (:func:`predict`'s ``microbatches``).
-    being computed, gathered weights, the optimizer update); ``unpriced``: the primitives
+    gradients accumulated over microbatches (:func:`predict`'s ``microbatches``);
+    ``unpriced``: the primitives
     the planner does not understand, each ``'primitive at where (n runs)'``, priced
     conservatively (outputs replicated, declared FLOPs on every device): the prediction is
     an upper bound there; ``notes``: what the layout does that a user would not expect
@@ -662,6 +664,10 @@ def _predict_one(
         for kind, axes in reshard_collectives(specs(made, len(shape)), specs(used, len(shape))):
             if kind == "all-to-all":
                 dependent.append((kind, axes, nbytes, count))
+    for key, count in workload.reductions.items():  # partial results over a split dimension
+        axes, nbytes = _reduced_over(specs, *key)
+        if axes:
+            dependent.append(("all-reduce", axes, nbytes, count))
     for key, (kind, axes, nbytes, count, ndots, trips) in gathers.items():
         passes = min(2, ndots) if profile.regather else 1  # forward, again for the backward
         if "batch" in (key[0] or ()):
@@ -851,6 +857,21 @@ def _summed_with(
             if (kind, axes, trips) in independent:
                 also[(kind, axes, trips)] = also.get((kind, axes, trips), 0) + 1
     return also
+
+
+def _reduced_over(
+    specs: _Specs, names: Names, shape: tuple[int, ...], dims: tuple[int, ...], item: int
+) -> tuple[tuple[str, ...], int]:
+    """The mesh axes splitting a reduction's reduced dimensions (its partial results are
+    all-reduced over them), and the bytes of one device's result."""
+    spec = specs(names, len(shape))
+    axes = tuple(a for a in specs.sizes if any(a in spec[d] for d in dims))
+    kept = [
+        -(-n // specs.split((s,)))
+        for i, (n, s) in enumerate(zip(shape, spec, strict=True))
+        if i not in dims
+    ]
+    return axes, item * math.prod(kept)
 
 
 def _tally(

@@ -142,7 +142,11 @@ class Workload:
     ``backward_dots``: the matmuls that run in the backward pass (autodiff's transpose);
     ``fusion_reads``: keyed as ``traffic``, the bytes XLA's loop fusions read besides
     (:mod:`meshplan._search.predict.fusion_reads`), priced where the profile says
-    (``HardwareProfile.fusion_reads``).
+    (``HardwareProfile.fusion_reads``);
+    ``reductions``: ``{(operand names, operand shape, reduced dimensions, itemsize): runs}``
+    of the reductions over named dimensions other than the batch (a norm's statistics over
+    a split ``mlp``, a softmax's over a split ``vocab``): where a mesh axis splits a reduced
+    dimension, the partial results are all-reduced over it.
 
     Example:
         >>> import jax, jax.numpy as jnp, meshplan
@@ -182,6 +186,9 @@ class Workload:
     backward_dots: frozenset[Dot] = frozenset()
     memory_late: MemoryProgram | None = None
     fusion_reads: dict[tuple[Names, tuple[int, ...], bool], int] = dataclasses.field(
+        default_factory=dict
+    )
+    reductions: dict[tuple[Names, tuple[int, ...], tuple[int, ...], int], int] = dataclasses.field(
         default_factory=dict
     )
 
@@ -318,6 +325,10 @@ def _replicated(name: Any, names: Names) -> bool:
     return isinstance(name, Carried) and name.whole and not _holds_table(name, names)
 
 
+def _batch_like(name: Any) -> bool:
+    return name == "batch" or isinstance(name, Carried)
+
+
 def _plain_batch(name: Any) -> bool:
     return name == "batch" and not isinstance(name, Carried)
 
@@ -423,6 +434,7 @@ class _Walker:
         self.constlike: set[Any] = set()  # computed from no input (iotas, masks): recomputed
         self.reshards: dict[tuple[Names, Names, tuple[int, ...], int], int] = {}
         self.moves: dict[tuple[Names, Names, tuple[int, ...], int], int] = {}
+        self.reductions: dict[tuple[Names, tuple[int, ...], tuple[int, ...], int], int] = {}
         # Values computed from one parameter alone (its broadcast, its cast): ``{var: root}``,
         # the root being the parameter's array (a scanned layer's slice of it); and the
         # parameters other ops than matmuls read with an activation (a norm's scale):
@@ -867,6 +879,7 @@ class _Walker:
         outs = [dedupe(n) for n in self.other(prim, p, ins, shapes, out_shapes)]
         if times:
             self._moved(eqn, ins, outs, shapes, times)
+            self._reduced(eqn, ins, shapes, times)
         score = prim not in BOUNDARY and self._score_input(eqn)
         for n, v in zip(outs, eqn.outvars, strict=True):
             if score:
@@ -960,6 +973,18 @@ class _Walker:
         self.lookup_of[eqn.outvars[0]] = len(self.lookups)
         indices = (ins[1], shapes[1], _itemsize(eqn.invars[1].aval))
         self.lookups.append([(made, picked, self.site), times, False, indices])
+
+    def _reduced(
+        self, eqn: Any, ins: list[Names], shapes: list[tuple[int, ...]], times: int
+    ) -> None:
+        """Notes a reduction over named dimensions, none the batch (:attr:`Workload.reductions`;
+        a sum over the batch is a gradient's, reduced with the weights' gradients)."""
+        dims = tuple(eqn.params.get("axes", ())) if eqn.primitive.name in REDUCTIONS else ()
+        names = ins[0] if ins else ()
+        over = [names[d] for d in dims if d < len(names)]
+        if any(n is not None for n in over) and not any(_batch_like(n) for n in over):
+            key = (names, shapes[0], dims, _itemsize(eqn.outvars[0].aval))
+            self.reductions[key] = self.reductions.get(key, 0) + times
 
     def _unpriced(self, eqn: Any, times: int) -> list[Names]:
         """A primitive the planner does not understand (a Pallas kernel, a custom call):
@@ -1407,6 +1432,7 @@ def trace_workload(
         frozenset(walker.backward_dots),
         memory_late=programs[2] if len(programs) > 2 else None,
         fusion_reads=walker.read_traffic,
+        reductions=walker.reductions,
     )
 
 
