@@ -86,7 +86,7 @@ def collective_time(
     fast, slow = profile.fast_bandwidth, profile.slow_bandwidth
     slow_lat = profile.slow_latency_s if profile.slow_latency_s is not None else profile.latency_s
     lat = (profile.latency_s if k > 1 else 0.0) + (slow_lat if m > 1 else 0.0)
-    lat *= _met_share(profile, k, m)
+    lat *= 1.0 if kind == "collective-permute" else _met_share(profile, k, m)
     phases = {"all-reduce": 2, "reduce-scatter": 1, "all-gather": 1}.get(kind, 0)
     if phases:  # the ring's steps: those crossing domains and the others
         lat += phases * ((m - 1) * profile.slow_hop_latency_s + (k * m - m) * profile.hop_latency_s)

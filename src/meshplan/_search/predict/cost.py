@@ -59,6 +59,7 @@ compiled step.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -668,6 +669,10 @@ def _predict_one(
         axes, nbytes = _reduced_over(specs, *key)
         if axes:
             dependent.append(("all-reduce", axes, nbytes, count))
+    for key, count in workload.realigned.items():  # a split dimension cut: pieces moved
+        axes, nbytes, shifts = _pieces_moved(specs, *key)
+        if shifts:  # one permute per piece and distance moved, its share of the bytes
+            dependent.append(("collective-permute", axes, nbytes // shifts, count * shifts))
     for key, (kind, axes, nbytes, count, ndots, trips) in gathers.items():
         passes = min(2, ndots) if profile.regather else 1  # forward, again for the backward
         if "batch" in (key[0] or ()):
@@ -872,6 +877,40 @@ def _reduced_over(
         if i not in dims
     ]
     return axes, item * math.prod(kept)
+
+
+def _pieces_moved(
+    specs: _Specs,
+    names: Names,
+    shape: tuple[int, ...],
+    dim: int,
+    cuts: tuple[int, ...],
+    item: int,
+) -> tuple[tuple[str, ...], int, int]:
+    """The mesh axes splitting a cut dimension, one device's shard's bytes, and how many
+    moves XLA makes: each piece is split over the same devices as the whole, so each
+    distance between where a part of a piece lies and where it goes is one
+    collective-permute (a fused q/k/v projection's ``split`` over split heads: 7 permutes
+    and 4 all-to-alls compiled in ``tests/search/test_cost.py``'s, 12 priced).
+
+    Example:
+        >>> from meshplan._search.predict.cost import _pieces_moved, _Specs
+        >>> specs = _Specs({"tensor": 4}, (("heads", "tensor"),))
+        >>> _pieces_moved(specs, ("batch", "heads"), (8, 192), 1, (64, 128), 4)  # fused q/k/v
+        (('tensor',), 1536, 6)
+    """
+    axes = specs(names, len(shape))[dim]
+    n = specs.split((axes,))
+    if n == 1:
+        return (), 0, 0
+    shard = -(-shape[dim] // n)
+    bounds = (0, *cuts, shape[dim])
+    shifts = 0
+    for lo, hi in itertools.pairwise(bounds):
+        part = -(-(hi - lo) // n)
+        moved = {(lo + j * part) // shard - j for j in range(n)} - {0}
+        shifts += len(moved)
+    return tuple(axes), specs.shard_bytes(names, shape, item), shifts
 
 
 def _tally(

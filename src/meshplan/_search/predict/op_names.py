@@ -19,6 +19,7 @@ the prediction, with where the model runs it (:func:`where`).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -214,3 +215,39 @@ def where(eqn: Any) -> str:
     if scope and line:
         return f"{scope} ({line})"
     return scope or line or "?"
+
+
+def cuts(
+    prim: str,
+    params: Any,
+    shapes: Sequence[tuple[int, ...]],
+    out_shapes: Sequence[tuple[int, ...]],
+) -> tuple[str, int, tuple[int, ...]] | None:
+    """Where a ``split``, ``slice`` or ``concatenate`` cuts one dimension: ``('in' or 'out':
+    the whole array's side, the dimension, the offsets of the cuts inside it)``.
+
+    Example:
+        >>> from meshplan._search.predict.op_names import cuts
+        >>> cuts("split", {"axis": 2, "sizes": (64, 64, 64)}, [(8, 32, 192)], [(8, 32, 64)] * 3)
+        ('in', 2, (64, 128))
+        >>> cuts("concatenate", {"dimension": 0}, [(3, 4), (5, 4)], [(8, 4)])
+        ('out', 0, (3,))
+    """
+    if prim == "split":
+        offsets = list(itertools.accumulate(int(s) for s in params["sizes"]))[:-1]
+        return "in", int(params["axis"]), tuple(offsets)
+    if prim == "concatenate":
+        dim = int(params["dimension"])
+        offsets = list(itertools.accumulate(s[dim] for s in shapes))[:-1]
+        return "out", dim, tuple(offsets)
+    if prim == "slice" and shapes and not any(s != 1 for s in params.get("strides") or ()):
+        cut = [
+            (d, tuple(b for b in (lo, hi) if 0 < b < n))
+            for d, (lo, hi, n) in enumerate(
+                zip(params["start_indices"], params["limit_indices"], shapes[0], strict=True)
+            )
+            if (lo, hi) != (0, n)
+        ]
+        if len(cut) == 1:
+            return "in", cut[0][0], cut[0][1]
+    return None

@@ -146,7 +146,11 @@ class Workload:
     ``reductions``: ``{(operand names, operand shape, reduced dimensions, itemsize): runs}``
     of the reductions over named dimensions other than the batch (a norm's statistics over
     a split ``mlp``, a softmax's over a split ``vocab``): where a mesh axis splits a reduced
-    dimension, the partial results are all-reduced over it.
+    dimension, the partial results are all-reduced over it;
+    ``realigned``: ``{(names, shape, dimension, cuts, itemsize): runs}`` of the splits,
+    slices and concatenations that cut a named dimension (a fused q/k/v projection's
+    ``split``): where a mesh axis splits it, XLA splits each piece over the same devices,
+    moving its parts between them (collective-permutes).
 
     Example:
         >>> import jax, jax.numpy as jnp, meshplan
@@ -190,6 +194,9 @@ class Workload:
     )
     reductions: dict[tuple[Names, tuple[int, ...], tuple[int, ...], int], int] = dataclasses.field(
         default_factory=dict
+    )
+    realigned: dict[tuple[Names, tuple[int, ...], int, tuple[int, ...], int], int] = (
+        dataclasses.field(default_factory=dict)
     )
 
     def trips(self, dot: Dot) -> int:
@@ -435,6 +442,7 @@ class _Walker:
         self.reshards: dict[tuple[Names, Names, tuple[int, ...], int], int] = {}
         self.moves: dict[tuple[Names, Names, tuple[int, ...], int], int] = {}
         self.reductions: dict[tuple[Names, tuple[int, ...], tuple[int, ...], int], int] = {}
+        self.realigned: dict[tuple[Names, tuple[int, ...], int, tuple[int, ...], int], int] = {}
         # Values computed from one parameter alone (its broadcast, its cast): ``{var: root}``,
         # the root being the parameter's array (a scanned layer's slice of it); and the
         # parameters other ops than matmuls read with an activation (a norm's scale):
@@ -880,6 +888,7 @@ class _Walker:
         if times:
             self._moved(eqn, ins, outs, shapes, times)
             self._reduced(eqn, ins, shapes, times)
+            self._cut(eqn, ins, outs, shapes, out_shapes, times)
         score = prim not in BOUNDARY and self._score_input(eqn)
         for n, v in zip(outs, eqn.outvars, strict=True):
             if score:
@@ -985,6 +994,27 @@ class _Walker:
         if any(n is not None for n in over) and not any(_batch_like(n) for n in over):
             key = (names, shapes[0], dims, _itemsize(eqn.outvars[0].aval))
             self.reductions[key] = self.reductions.get(key, 0) + times
+
+    def _cut(
+        self,
+        eqn: Any,
+        ins: list[Names],
+        outs: list[Names],
+        shapes: list[tuple[int, ...]],
+        out_shapes: list[tuple[int, ...]],
+        times: int,
+    ) -> None:
+        """Notes a split, slice or concatenation of a named dimension, with its cuts
+        (:attr:`Workload.realigned`)."""
+        found = op_names.cuts(eqn.primitive.name, eqn.params, shapes, out_shapes)
+        if found is None:
+            return
+        whole, dim, cuts = found
+        names = ins[0] if whole == "in" else outs[0]
+        shape = shapes[0] if whole == "in" else out_shapes[0]
+        if cuts and dim < len(names) and names[dim] is not None:
+            key = (names, shape, dim, cuts, _itemsize(eqn.outvars[0].aval))
+            self.realigned[key] = self.realigned.get(key, 0) + times
 
     def _unpriced(self, eqn: Any, times: int) -> list[Names]:
         """A primitive the planner does not understand (a Pallas kernel, a custom call):
@@ -1165,6 +1195,10 @@ class _Walker:
             return [_reshape(ins[0], shapes[0], out_shapes[0])]
         if prim == "slice" and ins and len(ins[0]) == len(out_shapes[0]):
             return [ins[0]]  # a slice keeps its dimensions (logits[:, :-1] is still 'length')
+        if prim == "split" and ins:  # each piece split as the whole (a fused q/k/v's)
+            return [ins[0]] * len(out_shapes)
+        if prim == "concatenate" and ins and all(n == ins[0] for n in ins):
+            return [ins[0]]  # pieces named alike: the whole as they are
         if prim == "squeeze" and ins:
             dims = set(p["dimensions"])
             return [tuple(n for i, n in enumerate(ins[0]) if i not in dims)]
@@ -1433,6 +1467,7 @@ def trace_workload(
         memory_late=programs[2] if len(programs) > 2 else None,
         fusion_reads=walker.read_traffic,
         reductions=walker.reductions,
+        realigned=walker.realigned,
     )
 
 
