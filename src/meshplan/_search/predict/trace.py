@@ -341,12 +341,27 @@ def _plain_batch(name: Any) -> bool:
 
 
 def _reshape(names: Names, old: tuple[int, ...], new: tuple[int, ...]) -> Names:
-    """Names of the dimensions a reshape leaves whole (same size, same prefix product)."""
+    """Names of the dimensions a reshape leaves whole (same size, same prefix product), and
+    of the major dimension where it splits one (``[.., 64]`` named ``heads`` to ``[.., 4,
+    16]``: ``heads`` on the 4, as XLA splits the major part) or merges several (the major
+    one's name).
+
+    Example:
+        >>> from meshplan._search.predict.trace import _reshape
+        >>> _reshape(("batch", None, "heads"), (8, 32, 64), (8, 32, 4, 16))
+        ('batch', None, 'heads', None)
+    """
     out: list[Any] = [None] * len(new)
     prefix_old = {math.prod(old[:i]): i for i in range(len(old))}
+    ends = {math.prod(old[: i + 1]) for i in range(len(old))}
     for j in range(len(new)):
         i = prefix_old.get(math.prod(new[:j]))
-        if i is not None and old[i] == new[j]:
+        if i is None or new[j] == 1:
+            continue
+        whole = old[i] == new[j]
+        split = old[i] % new[j] == 0 and new[j] < old[i]
+        merged = new[j] % old[i] == 0 and math.prod(new[: j + 1]) in ends
+        if whole or split or merged:
             out[j] = names[i]
     return tuple(out)
 
