@@ -297,3 +297,31 @@ def test_a_split_of_a_split_dimension_moves_its_pieces_as_compiled(pieces):
         priced = cost.comm_bytes.get("collective-permute", 0) and cost.collectives
         assert (compiled_moves > 0) == moved == (priced > 0)
         assert 0.5 * compiled_moves <= priced <= 1.5 * compiled_moves
+
+
+def test_a_shifted_slice_of_a_split_sequence_moves_its_boundary_as_compiled():
+    """``h[:, 1:]`` over a split ``length``: each device's new shard reaches into the next
+    device's, so XLA moves that part (a collective-permute); the slice's dropped part is
+    not priced, and ``h[:, :-1]`` moves nothing (compiled: 2 permutes; priced: 1)."""
+    from meshplan._search.measure.hlo import collective_counts, compile_candidate
+
+    w = jax.ShapeDtypeStruct((WIDTH, WIDTH), jnp.float32)
+    state = {"w": meshplan.LogicallyPartitioned(w, ("embed", "mlp"))}
+
+    def step(state, x):
+        def loss(p):
+            x_named = meshplan.with_logical_constraint(x, ("batch", "length", "embed"))
+            h = jnp.tanh(x_named @ p["w"])
+            return (h[:, 1:] * h[:, :-1]).sum()
+
+        return jax.grad(loss)({k: b.value for k, b in state.items()})
+
+    x = jax.ShapeDtypeStruct((8, 128, WIDTH), jnp.float32)
+    rules = (("length", "model"),)
+    compiled, _, _ = compile_candidate(step, state, x, {"model": 4}, rules)
+    permutes = collective_counts(compiled.as_text())["collective-permute"]
+    work = trace_workload(step, state, x, read_constraints=True)
+    cost = predict(work, {"model": 4}, rules, get_profile("cpu"))
+    priced = cost.collectives - 1  # besides the weight gradient's all-reduce
+    assert cost.comm_bytes["collective-permute"] > 0
+    assert 0 < priced <= permutes == 2

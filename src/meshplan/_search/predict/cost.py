@@ -59,7 +59,6 @@ compiled step.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -884,11 +883,11 @@ def _pieces_moved(
     names: Names,
     shape: tuple[int, ...],
     dim: int,
-    cuts: tuple[int, ...],
+    pieces: tuple[tuple[int, int], ...],
     item: int,
 ) -> tuple[tuple[str, ...], int, int]:
     """The mesh axes splitting a cut dimension, one device's shard's bytes, and how many
-    moves XLA makes: each piece is split over the same devices as the whole, so each
+    moves XLA makes: each piece (a slice's: the part it keeps) is split over the same devices as the whole, so each
     distance between where a part of a piece lies and where it goes is one
     collective-permute (a fused q/k/v projection's ``split`` over split heads: 7 permutes
     and 4 all-to-alls compiled in ``tests/search/test_cost.py``'s, 12 priced).
@@ -896,7 +895,8 @@ def _pieces_moved(
     Example:
         >>> from meshplan._search.predict.cost import _pieces_moved, _Specs
         >>> specs = _Specs({"tensor": 4}, (("heads", "tensor"),))
-        >>> _pieces_moved(specs, ("batch", "heads"), (8, 192), 1, (64, 128), 4)  # fused q/k/v
+        >>> qkv = ((0, 64), (64, 128), (128, 192))
+        >>> _pieces_moved(specs, ("batch", "heads"), (8, 192), 1, qkv, 4)  # fused q/k/v
         (('tensor',), 1536, 6)
     """
     axes = specs(names, len(shape))[dim]
@@ -904,12 +904,17 @@ def _pieces_moved(
     if n == 1:
         return (), 0, 0
     shard = -(-shape[dim] // n)
-    bounds = (0, *cuts, shape[dim])
     shifts = 0
-    for lo, hi in itertools.pairwise(bounds):
+    for lo, hi in pieces:  # a slice's one piece: the part it keeps
         part = -(-(hi - lo) // n)
-        moved = {(lo + j * part) // shard - j for j in range(n)} - {0}
-        shifts += len(moved)
+        moved = {
+            src - j  # where each part of device j's new shard lies now
+            for j in range(n)
+            for src in range(
+                (lo + j * part) // shard, (min(lo + (j + 1) * part, hi) - 1) // shard + 1
+            )
+        }
+        shifts += len(moved - {0})
     return tuple(axes), specs.shard_bytes(names, shape, item), shifts
 
 

@@ -222,27 +222,31 @@ def cuts(
     params: Any,
     shapes: Sequence[tuple[int, ...]],
     out_shapes: Sequence[tuple[int, ...]],
-) -> tuple[str, int, tuple[int, ...]] | None:
-    """Where a ``split``, ``slice`` or ``concatenate`` cuts one dimension: ``('in' or 'out':
-    the whole array's side, the dimension, the offsets of the cuts inside it)``.
+) -> tuple[str, int, tuple[tuple[int, int], ...]] | None:
+    """The pieces a ``split``, ``slice`` or ``concatenate`` cuts one dimension into:
+    ``('in' or 'out': the whole array's side, the dimension, each piece's (start, stop))``.
+    A slice has one piece, the part it keeps.
 
     Example:
         >>> from meshplan._search.predict.op_names import cuts
         >>> cuts("split", {"axis": 2, "sizes": (64, 64, 64)}, [(8, 32, 192)], [(8, 32, 64)] * 3)
-        ('in', 2, (64, 128))
+        ('in', 2, ((0, 64), (64, 128), (128, 192)))
         >>> cuts("concatenate", {"dimension": 0}, [(3, 4), (5, 4)], [(8, 4)])
-        ('out', 0, (3,))
+        ('out', 0, ((0, 3), (3, 8)))
+        >>> cuts("slice", {"start_indices": (0, 0), "limit_indices": (4, 128), "strides": None},
+        ...      [(4, 129)], [(4, 128)])
+        ('in', 1, ((0, 128),))
     """
     if prim == "split":
-        offsets = list(itertools.accumulate(int(s) for s in params["sizes"]))[:-1]
-        return "in", int(params["axis"]), tuple(offsets)
+        ends = list(itertools.accumulate(int(s) for s in params["sizes"]))
+        return "in", int(params["axis"]), tuple(itertools.pairwise([0, *ends]))
     if prim == "concatenate":
         dim = int(params["dimension"])
-        offsets = list(itertools.accumulate(s[dim] for s in shapes))[:-1]
-        return "out", dim, tuple(offsets)
+        ends = list(itertools.accumulate(s[dim] for s in shapes))
+        return "out", dim, tuple(itertools.pairwise([0, *ends]))
     if prim == "slice" and shapes and not any(s != 1 for s in params.get("strides") or ()):
         cut = [
-            (d, tuple(b for b in (lo, hi) if 0 < b < n))
+            (d, ((int(lo), int(hi)),))
             for d, (lo, hi, n) in enumerate(
                 zip(params["start_indices"], params["limit_indices"], shapes[0], strict=True)
             )

@@ -147,7 +147,7 @@ class Workload:
     of the reductions over named dimensions other than the batch (a norm's statistics over
     a split ``mlp``, a softmax's over a split ``vocab``): where a mesh axis splits a reduced
     dimension, the partial results are all-reduced over it;
-    ``realigned``: ``{(names, shape, dimension, cuts, itemsize): runs}`` of the splits,
+    ``realigned``: ``{(names, shape, dimension, pieces, itemsize): runs}`` of the splits,
     slices and concatenations that cut a named dimension (a fused q/k/v projection's
     ``split``): where a mesh axis splits it, XLA splits each piece over the same devices,
     moving its parts between them (collective-permutes).
@@ -195,7 +195,7 @@ class Workload:
     reductions: dict[tuple[Names, tuple[int, ...], tuple[int, ...], int], int] = dataclasses.field(
         default_factory=dict
     )
-    realigned: dict[tuple[Names, tuple[int, ...], int, tuple[int, ...], int], int] = (
+    realigned: dict[tuple[Names, tuple[int, ...], int, tuple[tuple[int, int], ...], int], int] = (
         dataclasses.field(default_factory=dict)
     )
 
@@ -457,7 +457,9 @@ class _Walker:
         self.reshards: dict[tuple[Names, Names, tuple[int, ...], int], int] = {}
         self.moves: dict[tuple[Names, Names, tuple[int, ...], int], int] = {}
         self.reductions: dict[tuple[Names, tuple[int, ...], tuple[int, ...], int], int] = {}
-        self.realigned: dict[tuple[Names, tuple[int, ...], int, tuple[int, ...], int], int] = {}
+        self.realigned: dict[
+            tuple[Names, tuple[int, ...], int, tuple[tuple[int, int], ...], int], int
+        ] = {}
         # Values computed from one parameter alone (its broadcast, its cast): ``{var: root}``,
         # the root being the parameter's array (a scanned layer's slice of it); and the
         # parameters other ops than matmuls read with an activation (a norm's scale):
@@ -1024,11 +1026,11 @@ class _Walker:
         found = op_names.cuts(eqn.primitive.name, eqn.params, shapes, out_shapes)
         if found is None:
             return
-        whole, dim, cuts = found
+        whole, dim, pieces = found
         names = ins[0] if whole == "in" else outs[0]
         shape = shapes[0] if whole == "in" else out_shapes[0]
-        if cuts and dim < len(names) and names[dim] is not None:
-            key = (names, shape, dim, cuts, _itemsize(eqn.outvars[0].aval))
+        if pieces and dim < len(names) and names[dim] is not None:
+            key = (names, shape, dim, pieces, _itemsize(eqn.outvars[0].aval))
             self.realigned[key] = self.realigned.get(key, 0) + times
 
     def _unpriced(self, eqn: Any, times: int) -> list[Names]:
