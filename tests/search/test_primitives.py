@@ -88,3 +88,16 @@ def test_every_primitive_of_the_example_models_is_understood():
     for remat in ("none", "full"):
         state, step, tokens = llama_step(LlamaConfig(remat=remat), 4, 32)
         assert trace_workload(step, state, tokens).unpriced == {}
+
+
+def test_a_call_returning_a_constant_is_traced():
+    """``jnp.var``'s backward calls a function that returns a literal (a constant, not a
+    variable): traced, its FLOPs counted (it stopped the trace with a TypeError)."""
+    state = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}
+
+    def step(state, x):
+        return jax.grad(lambda p: (x @ p["w"]).var())(state)
+
+    work = trace_workload(step, state, jax.ShapeDtypeStruct((8, 4), jnp.float32))
+    assert work.unpriced == {}
+    assert sum(dot.flops for dot in work.dots) >= 2 * 8 * 4 * 4

@@ -875,7 +875,8 @@ class _Walker:
                             self.buffer_names.setdefault(outer, got)
                         if not isinstance(inner, Literal) and inner in self.lookup_of:
                             self.lookup_of[outer] = self.lookup_of[inner]
-                        inner = alias.get(inner, inner)
+                        if not isinstance(inner, Literal):  # a constant returned
+                            inner = alias.get(inner, inner)
                         self.fusion_reads.same(outer, inner)
                         if not isinstance(inner, Literal) and inner in self.scores:
                             self.scores.add(outer)
