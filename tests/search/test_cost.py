@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -325,3 +326,45 @@ def test_a_shifted_slice_of_a_split_sequence_moves_its_boundary_as_compiled():
     priced = cost.collectives - 1  # besides the weight gradient's all-reduce
     assert cost.comm_bytes["collective-permute"] > 0
     assert 0 < priced <= permutes == 2
+
+
+def _in_and_out_step():
+    """A projection in and a head out, each with one named dimension (``embed``)."""
+    state = {
+        "w_in": meshplan.LogicallyPartitioned(
+            jax.ShapeDtypeStruct((32, 128), jnp.float32), (None, "embed")
+        ),
+        "w_out": meshplan.LogicallyPartitioned(
+            jax.ShapeDtypeStruct((128, 16), jnp.float32), ("embed", None)
+        ),
+    }
+
+    def step(state, x):
+        def loss(p):
+            x_named = meshplan.with_logical_constraint(x, ("batch", None))
+            return (jnp.tanh(x_named @ p["w_in"]) @ p["w_out"]).var()
+
+        return jax.grad(loss)({k: b.value for k, b in state.items()})
+
+    return step, state, jax.ShapeDtypeStruct((64, 32), jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "mesh", [{"data": 2, "model": 4}, {"data": 2, "model": 2, "x": 2}, {"data": 4, "model": 2}]
+)
+def test_a_gather_beside_idle_mesh_axes_moves_its_pieces_onto_them_as_compiled(mesh):
+    """FSDP (``batch`` and ``embed`` on 'data') on a mesh with axes neither operand uses:
+    where those have at least as many devices as 'data', XLA moves the gathered operand's
+    pieces onto them (collective-permutes) and gathers over them (2 x 4: 3 permutes
+    compiled, 4 priced); where they have fewer (4 x 2), it gathers over 'data' (none)."""
+    from meshplan._search.measure.hlo import collective_counts, compile_candidate
+
+    step, state, x = _in_and_out_step()
+    rules = (("batch", "data"), ("embed", "data"))
+    compiled, _, _ = compile_candidate(step, state, x, mesh, rules)
+    permutes = collective_counts(compiled.as_text())["collective-permute"]
+    work = trace_workload(step, state, x, read_constraints=True)
+    cost = predict(work, mesh, rules, get_profile("cpu"))
+    priced = cost.comm_bytes.get("collective-permute", 0)
+    idle = math.prod(n for a, n in mesh.items() if a != "data")
+    assert (permutes > 0) == (priced > 0) == (idle >= mesh["data"])

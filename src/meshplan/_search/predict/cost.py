@@ -342,8 +342,32 @@ def _dot_cost(
             colls.append(("all-to-all", moved, out_bytes, None))
         shape = dot.lhs_shape if side == 0 else dot.rhs_shape
         names = dot.lhs_names if side == 0 else dot.rhs_names
+        if idle := _idle_permute(specs, (ls, rs), axes, shard[side]):
+            colls.append(("collective-permute", *idle, (names, shape, axes, "permute")))
         colls.append(("all-gather", axes, shard[side], (names, shape, axes)))
     return flops, colls, out_bytes
+
+
+def _idle_permute(
+    specs: _Specs, operands: tuple[Spec, Spec], axes: tuple[str, ...], shard: int
+) -> tuple[tuple[str, ...], int] | None:
+    """Where an operand's gather over ``axes`` meets mesh axes neither operand uses (idle)
+    that together have at least as many devices, XLA first moves the operand's pieces onto
+    the idle axes (a collective-permute of ``shard`` spread over them), then gathers over
+    them: the idle axes and the bytes each device sends, or ``None``.
+
+    Read in compiled programs (``tests/search/test_cost.py``): ``x[batch: data] @ w[None,
+    embed: data]`` on a 2 x 4 mesh (data, model) permutes before the gather, and a weight's
+    gradient is permuted back to its shard after its all-reduce (:func:`_predict_one`
+    prices both); on 4 x 2, none."""
+    sizes = specs.sizes
+    taken = {a for spec in operands for d in spec for a in d}
+    idle = tuple(a for a, n in sizes.items() if n > 1 and a not in taken)
+    spread = math.prod(sizes[a] for a in idle)
+    need = math.prod(sizes[a] for a in axes)
+    if not idle or spread < need:
+        return None
+    return idle, shard * need // spread
 
 
 def _carried_input(dot: Dot, specs: _Specs, ls: Spec) -> tuple[Names, tuple[str, ...]] | None:
@@ -468,7 +492,8 @@ def _dot_key(
     into = () if dot.out_names is None else specs(dot.out_names, len(dot.out_names))
     sizes = specs.sizes
     axes = tuple(sorted({a for spec in (ls, rs, into) for d in spec for a in d}))
-    key = (dot, ls, rs, into, tuple(sizes[a] for a in axes), axes, reduce_scatter, params)
+    idle = math.prod(n for a, n in sizes.items() if a not in axes)  # :func:`_idle_permute`
+    key = (dot, ls, rs, into, tuple(sizes[a] for a in axes), axes, reduce_scatter, params, idle)
     return (*key, backward)
 
 
@@ -614,6 +639,8 @@ def _predict_one(
                 g[3] = max(g[3], count)
                 g[4] += 1
                 g[5] = max(g[5], trips)
+                if kind != "all-gather":  # a permute before a weight's gather adds nothing
+                    continue
                 extra[key] = nbytes * (math.prod(sizes[a] for a in axes) - 1)
                 if profile.fusion_reads:
                     relaid += count * relayout_bytes(specs, key, nbytes)
@@ -674,7 +701,11 @@ def _predict_one(
             dependent.append(("collective-permute", axes, nbytes // shifts, count * shifts))
     for key, (kind, axes, nbytes, count, ndots, trips) in gathers.items():
         passes = min(2, ndots) if profile.regather else 1  # forward, again for the backward
-        if "batch" in (key[0] or ()):
+        if kind == "collective-permute" and "batch" not in (key[0] or ()):
+            passes = 2  # the weight's, then its gradient's shard back
+        if kind == "collective-permute" and "batch" in (key[0] or ()):
+            dependent.append((kind, axes, nbytes, count * passes))
+        elif "batch" in (key[0] or ()):
             if key in read:  # each array once per pass (again for the backward: regather)
                 arrays = [workload.arrays[i] for i in read[key]]
                 count, passes = sum(t * _gathers(profile, *rest) for t, *rest in arrays), 1
