@@ -368,3 +368,40 @@ def test_a_gather_beside_idle_mesh_axes_moves_its_pieces_onto_them_as_compiled(m
     priced = cost.comm_bytes.get("collective-permute", 0)
     idle = math.prod(n for a, n in mesh.items() if a != "data")
     assert (permutes > 0) == (priced > 0) == (idle >= mesh["data"])
+
+
+def _lookup_step():
+    """An embedding lookup (``jnp.take``) into a projection."""
+    table = jax.ShapeDtypeStruct((256, 64), jnp.float32)
+    w = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+    state = {
+        "table": meshplan.LogicallyPartitioned(table, ("vocab", "embed")),
+        "w": meshplan.LogicallyPartitioned(w, ("embed", "mlp")),
+    }
+
+    def step(state, tokens):
+        def loss(p):
+            return jnp.tanh(jnp.take(p["table"], tokens, axis=0) @ p["w"]).var()
+
+        return jax.grad(loss)({k: b.value for k, b in state.items()})
+
+    return step, state, jax.ShapeDtypeStruct((16, 32), jnp.int32)
+
+
+@pytest.mark.parametrize("mesh", [{"data": 2, "model": 4}, {"data": 4, "model": 2}, {"data": 8}])
+def test_a_lookups_indices_are_moved_before_their_gather_as_compiled(mesh):
+    """FSDP's table split on ``embed`` over the batch's axis: XLA gathers the indices whole
+    to make the rows where the table lies, and permutes them first where the mesh has
+    another axis (one ``s32[16 / data, 32, 1]`` permute compiled on 2 x 4 and 4 x 2, one
+    priced; none on 8)."""
+    from meshplan._search.measure.hlo import collective_counts, compile_candidate
+
+    step, state, tokens = _lookup_step()
+    rules = (("batch", "data"), ("embed", "data"), ("vocab", "model"), ("mlp", "model"))
+    rules = tuple(r for r in rules if r[1] in mesh)
+    compiled, _, _ = compile_candidate(step, state, tokens, mesh, rules)
+    permutes = collective_counts(compiled.as_text())["collective-permute"]
+    work = trace_workload(step, state, tokens, read_constraints=True)
+    priced = predict(work, mesh, rules, get_profile("cpu")).comm_bytes.get("collective-permute")
+    assert permutes == (1 if len(mesh) > 1 else 0)
+    assert priced == (16 // mesh["data"] * 32 * 4 if len(mesh) > 1 else None)

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshplan._search.predict import attention
@@ -368,6 +368,17 @@ def _idle_permute(
     if not idle or spread < need:
         return None
     return idle, shard * need // spread
+
+
+def _beside_a_table(specs: _Specs, after: Names, src: Sequence[tuple[str, ...]], dst: Spec) -> bool:
+    """Whether a lookup's indices, gathered to make its rows where the table lies
+    (:class:`Carried`), are moved first: XLA permutes them where the mesh has an axis of
+    more than one device besides theirs (compiled: ``s32[8, 32, 1]`` on 2 x 4 and 4 x 2
+    meshes, none on 8; ``tests/search/test_cost.py``)."""
+    if not any(isinstance(n, Carried) for n in after):
+        return False
+    taken = {a for spec in (src, dst) for d in spec for a in d}
+    return any(n > 1 and a not in taken for a, n in specs.sizes.items())
 
 
 def _carried_input(dot: Dot, specs: _Specs, ls: Spec) -> tuple[Names, tuple[str, ...]] | None:
@@ -684,7 +695,10 @@ def _predict_one(
         order = batch_first(before)
         taken = specs(tuple(before[i] for i in order), len(shape))
         src = [taken[order.index(i)] for i in range(len(shape))]
-        for kind, axes in reshard_collectives(src, specs(after, len(shape))):
+        dst = specs(after, len(shape))
+        for kind, axes in reshard_collectives(src, dst):
+            if kind == "all-gather" and _beside_a_table(specs, after, src, dst):
+                dependent.append(("collective-permute", axes, nbytes, count))
             dependent.append((kind, axes, nbytes, count))
     for (made, used, shape, item), count in workload.moves.items():
         nbytes = specs.shard_bytes(made, shape, item)  # rows moved between shardings
