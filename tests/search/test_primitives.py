@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 
 import meshplan
 from meshplan._search.predict.cost import predict
@@ -101,3 +102,43 @@ def test_a_call_returning_a_constant_is_traced():
     work = trace_workload(step, state, jax.ShapeDtypeStruct((8, 4), jnp.float32))
     assert work.unpriced == {}
     assert sum(dot.flops for dot in work.dots) >= 2 * 8 * 4 * 4
+
+
+class _PoolCNN(nn.Module):
+    """Flax's MNIST example CNN: conv, ReLU and a 2x2 pool, twice, then two dense layers."""
+
+    pool: str = "avg"
+
+    @nn.compact
+    def __call__(self, x):
+        pool = nn.avg_pool if self.pool == "avg" else nn.max_pool
+        for features in (32, 64):
+            x = pool(nn.relu(nn.Conv(features, (3, 3))(x)), (2, 2), strides=(2, 2))
+        x = nn.relu(nn.Dense(256)(x.reshape((x.shape[0], -1))))
+        return nn.Dense(10)(x)
+
+
+@pytest.mark.parametrize("pool", ["avg", "max"])
+def test_pooling_is_understood_and_split_with_the_batch(pool):
+    """``nn.avg_pool`` and ``nn.max_pool`` (window reductions; the max-pool's gradient a
+    ``select_and_scatter_add``): priced, not named as unknown, their FLOPs split with the
+    batch; on 8 CPU devices, data parallel, the temporaries XLA's (within 5%), as the XLA
+    suite compiles its models (tests/xla_suite.py)."""
+    from meshplan._search.measure.hlo import measure_step
+    from xla_suite import AS_ON_ACCELERATORS, CPU_LIKE
+
+    images = jax.ShapeDtypeStruct((32, 28, 28, 1), jnp.float32)
+    labels = jax.ShapeDtypeStruct((32,), jnp.int32)
+
+    def loss(logits, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+
+    state, step, batch = linen_step(_PoolCNN(pool), (images, labels), loss, optax.adam(1e-3))
+    work = trace_workload(step, state, batch)
+    assert work.unpriced == {}
+    mesh, rules = {"data": 8}, (("batch", "data"),)
+    cost = predict(work, mesh, rules, CPU_LIKE)
+    assert cost.flops_per_device < 1.05 * work.flops / 8
+    xla = measure_step(step, state, batch, mesh, rules, True, AS_ON_ACCELERATORS)
+    predicted = cost.activation_bytes + cost.temporary_bytes
+    assert abs(predicted - xla["xla_temp_bytes"]) <= 0.05 * xla["xla_temp_bytes"]

@@ -71,6 +71,13 @@ KINDS: dict[str, frozenset[str]] = {
         "gather scatter scatter-add scatter_add dynamic_slice dynamic_update_slice sort cumsum"
         " cumprod cummax cumlogsumexp argsort top_k"
     ),
+    # Pooling: window reductions (``nn.max_pool``, ``nn.avg_pool``) and the max-pool's
+    # gradient, which scatters to the selected inputs: each a kernel of its own, its output
+    # in memory; a dimension the window leaves whole keeps its name (the batch, features).
+    "window": _named(
+        "reduce_window reduce_window_sum reduce_window_max reduce_window_min"
+        " select_and_scatter_add select_and_gather_add"
+    ),
     # The other ops whose names the trace gives as XLA would: structure, sharding, randomness.
     "structure": _named(
         "transpose concatenate rev split clamp scatter-mul scatter_mul scatter-min scatter_min"
@@ -123,12 +130,12 @@ what XLA may recompute: those ops and the reductions over them (a norm's statist
 EXPENSIVE = _union("costly", "costly_kept")
 """XLA's ``InstructionFusion::IsExpensive`` elementwise ops (``"costly"``)."""
 
-BOUNDARY = _union("matmul", "loop", "remat", "call", "indexing", "collective", "opaque")
+BOUNDARY = _union("matmul", "loop", "remat", "call", "indexing", "window", "collective", "opaque")
 """Ops after which XLA writes a value to memory: what a loop fusion cannot hold in registers
 (matmuls, control flow, calls, data movement, collectives). Elementwise ops, broadcasts,
 reshapes and reductions fuse into their neighbours."""
 
-UNDERSTOOD = _union("layout", "reduction", "indexing", "structure")
+UNDERSTOOD = _union("layout", "reduction", "indexing", "window", "structure")
 """The primitives besides elementwise ops, matmuls, loops and calls whose names the trace
 gives as XLA would."""
 
