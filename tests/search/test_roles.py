@@ -111,7 +111,10 @@ def test_a_short_sequence_is_not_split_by_context_and_the_reason_is_a_figure():
 
 @pytest.mark.slow
 def test_many_experts_are_split_over_an_expert_axis_with_all_to_alls():
-    v = role_verdict(_search(_moe(64), devices=64), "expert")
+    """64 experts on 32 devices. (On 64, the expert row leaves its 8-device 'tensor' axis
+    idle in the expert layers, whose combine XLA then moves onto it, collective-permutes
+    priced since session 16 and compiled on 8 devices: 3 a layer; that row no longer pays.)"""
+    v = role_verdict(_search(_moe(64), devices=32), "expert")
     assert v.proposed
     assert v.with_row.cost.comm_bytes.get("all-to-all", 0) > 0
     assert v.with_row.cost.step_s < v.without_row.cost.step_s

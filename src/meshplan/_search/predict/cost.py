@@ -503,7 +503,7 @@ def _dot_key(
     into = () if dot.out_names is None else specs(dot.out_names, len(dot.out_names))
     sizes = specs.sizes
     axes = tuple(sorted({a for spec in (ls, rs, into) for d in spec for a in d}))
-    idle = math.prod(n for a, n in sizes.items() if a not in axes)  # :func:`_idle_permute`
+    idle = tuple((a, n) for a, n in sizes.items() if n > 1 and a not in axes)  # _idle_permute
     key = (dot, ls, rs, into, tuple(sizes[a] for a in axes), axes, reduce_scatter, params, idle)
     return (*key, backward)
 
