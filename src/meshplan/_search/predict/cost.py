@@ -1010,10 +1010,14 @@ def _peak(
 def _held_gradients(
     program: memory_model.MemoryProgram, specs: _Specs, copies: list[int]
 ) -> list[float]:
-    """Per matmul, the bytes of its output where it is a weight gradient whole on every device
-    (data parallel) whose all-reduce has a result of its own (XLA on CPU, combined into one
-    all-reduce after the backward pass): XLA holds it until that runs (0: not held)."""
+    """Per matmul, the bytes of its output where it is a weight gradient whose all-reduce has
+    a result of its own (XLA on CPU, combined into one all-reduce after the backward pass):
+    XLA holds it until that runs (0: not held). Whole on every device (data parallel), or
+    its shard (FSDP, whose partial sums beyond it are the matmul's unreduced bytes): XLA
+    on CPU all-reduces an FSDP gradient's partial sums whole, then slices them, as a data
+    parallel one (16 unrolled Llama layers: the same temporaries under both, 162.3 and
+    162.6 MB), so the planner must not let the shard go into the update before then."""
     return [
-        float(copy) if copy and specs.shard_bytes(*_out_array(dot)) >= copy else 0.0
+        float(min(copy, specs.shard_bytes(*_out_array(dot)))) if copy else 0.0
         for dot, copy in zip(program.dots, copies, strict=True)
     ]

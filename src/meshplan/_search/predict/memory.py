@@ -606,9 +606,10 @@ def build(
     ``materialized``: the values XLA writes to memory (others are fused away; ``None``: all);
     ``recompute``: cheap residuals are recomputed where used (:func:`recompute_sources`), as
     XLA does on a device with a memory limit to fit (GPU, TPU), not on the CPU; ``late``: the
-    gradients' reductions over the batch that XLA defers run after the rest
-    (:func:`late_gradients`), as it schedules them where one all-reduce combines every
-    gradient (on the CPU), and a fused value they read that is not recomputed there is kept
+    top-level equations run in the order of XLA:CPU's depth-first scheduler from the one
+    all-reduce that combines every gradient (:func:`_dfs_order`), which defers the
+    gradients off the path to the first it reaches; a fused value read by the gradients'
+    reductions :func:`late_gradients` defers that is not recomputed there is kept
     from where it is made (:func:`_kept_late`), and the values a matmul reads transposed are
     made where each is read (:func:`copied`), as XLA:CPU fuses them; ``moved``:
     :func:`late_moves` of the same arguments, where the caller has it.
@@ -622,7 +623,8 @@ def build(
             moved = _late_moves(jaxpr, names, materialized)
         b.late_reads = _late_reads(jaxpr, moved)
         b.late_inputs = _late_inputs(jaxpr, moved)
-        jaxpr = _run_last(jaxpr, moved)
+        order = _dfs_order(jaxpr, names, materialized)
+        jaxpr = jaxpr.replace(eqns=[jaxpr.eqns[k] for k in order])
     b.walk(jaxpr, {}, {}, True, set(jaxpr.invars) | set(jaxpr.outvars))
     outputs: dict[int, int] = {}
     for v in dict.fromkeys(v for v in jaxpr.outvars if not isinstance(v, Literal)):
@@ -730,8 +732,8 @@ def peak(
     ``combine_bytes``): at the points of its loop iteration (or the step) where the most
     of them have run.
 
-    ``held``: per matmul, the bytes of its output where that output (a data parallel weight
-    gradient, whole on every device) is held until the combined all-reduce runs (0: not
+    ``held``: per matmul, the bytes of its output where that output (a weight gradient, whole
+    on every device or its FSDP shard) is held until the combined all-reduce runs (0: not
     held): at every point, those made before it (in its loop iteration, or the step) and the
     one it runs are alive, and what of them the program no longer keeps alive there (it
     lets a gradient go into the update as it is made, or fuses away the transpose the
@@ -810,8 +812,9 @@ def late_gradients(
     gradient's matmul or convolution, a bias's or a norm scale's sum) and what reads them
     run after everything else where XLA's memory-optimised scheduler defers them: where one
     all-reduce after the backward pass combines every gradient (XLA on CPU), nothing waits
-    for them before it, and its list scheduler runs an instruction early only when that
-    frees memory. A reduction whose gradient (the activation it reads that was made last)
+    for them before it. (:func:`build` walks XLA:CPU's program in its depth-first
+    scheduler's order, :func:`_dfs_order`; this rule still gives the values the late
+    fusions read.) A reduction whose gradient (the activation it reads that was made last)
     another reduction reads too (a weight's and its bias's, a norm's scale's) frees nothing
     by running, so it waits, and what it reads stays alive until the end of the backward
     pass; one that reads its gradient alone runs in place (read in XLA's schedules: the
@@ -871,13 +874,6 @@ def _run_last(jaxpr: Any, moved: Sequence[bool]) -> Any:
 def _late_moves(jaxpr: Any, names: Mapping[Any, Any], materialized: set[Any] | None) -> list[bool]:
     """Per equation, whether :func:`late_gradients` runs it last."""
     eqns, walked = jaxpr.eqns, facts(jaxpr)
-    # whether a value reaches one that carries the batch (an activation): not a gradient's
-    down: dict[Any, bool] = {}
-    for eqn in reversed(eqns):
-        reach = any(_has_batch(names, o) or down.get(o, False) for o in eqn.outvars)
-        for u in eqn.invars:
-            if not isinstance(u, Literal) and reach:
-                down[u] = True
     producer, defined = walked.producer, walked.defined
 
     found: dict[Any, set[Any]] = {}
@@ -893,13 +889,10 @@ def _late_moves(jaxpr: Any, names: Mapping[Any, Any], materialized: set[Any] | N
         return found[u]
 
     reads: dict[int, set[Any]] = {}  # a reduction over the batch: the activations it reads
-    for i, eqn in enumerate(eqns):
-        ins = [u for u in eqn.invars if not isinstance(u, Literal)]
-        if any(_has_batch(names, u) for u in ins) and not any(
-            o not in names or _has_batch(names, o) or down.get(o, False) for o in eqn.outvars
-        ):  # the batch summed away (the names of what it makes known, without it)
-            got = set().union(*(sources(u) for u in ins))
-            reads[i] = {u for u in got if _has_batch(names, u)}
+    for i in _gradient_reductions(jaxpr, names):
+        ins = [u for u in eqns[i].invars if not isinstance(u, Literal)]
+        got = set().union(*(sources(u) for u in ins))
+        reads[i] = {u for u in got if _has_batch(names, u)}
     shared: dict[Any, int] = {}
     for got in reads.values():
         for u in got:
@@ -970,3 +963,160 @@ def _kept_late(inputs: set[Any], materialized: set[Any] | None, recomputed: set[
     if materialized is None:
         return set()
     return {u for u in inputs if u not in materialized and u not in recomputed}
+
+
+def _gradient_reductions(jaxpr: Any, names: Mapping[Any, Any]) -> list[int]:
+    """The indices of ``jaxpr``'s equations that sum the batch away and reach only gradients
+    (a weight gradient's matmul, a bias's or a norm scale's sum): every value they make is
+    a gradient (:func:`_gradient_values`)."""
+    grads = _gradient_values(jaxpr, names)
+    return [
+        i
+        for i, eqn in enumerate(jaxpr.eqns)
+        if eqn.outvars and all(o in grads for o in eqn.outvars)
+    ]
+
+
+def _gradient_values(jaxpr: Any, names: Mapping[Any, Any]) -> set[Any]:
+    """The gradients ``jaxpr``'s equations make from values that carry the batch: their
+    names known, without the batch, and reaching no value that carries it (an activation):
+    a reduction's over the batch, or a call's or a loop's gradient outputs."""
+    down: set[Any] = set()  # the values that reach an activation
+    for eqn in reversed(jaxpr.eqns):
+        if any(_has_batch(names, o) or o in down for o in eqn.outvars):
+            down.update(u for u in eqn.invars if not isinstance(u, Literal))
+    return {
+        o
+        for eqn in jaxpr.eqns
+        if any(_has_batch(names, u) for u in eqn.invars if not isinstance(u, Literal))
+        for o in eqn.outvars
+        if o in names and not _has_batch(names, o) and o not in down
+    }
+
+
+def _dfs_order(jaxpr: Any, names: Mapping[Any, Any], materialized: set[Any] | None) -> list[int]:
+    """The order in which XLA:CPU's memory-optimised scheduler runs ``jaxpr``'s top-level
+    equations (``names``: each variable's logical names; ``materialized``: the values
+    written to memory, ``None``: all).
+
+    That scheduler is XLA's depth-first one (``DFSMemoryScheduler``, alone in this jaxlib):
+    from the root it visits each instruction's operands, those made from the most bytes
+    first, and runs an instruction after its operands. Its graph is the fused one
+    (:func:`_fused_operands`), whose root is the one all-reduce that combines every
+    gradient (the pass ``cpu-all-reduce-combiner``): its operands make the gradients
+    (:func:`_gradient_values`: the reductions over the batch, the calls and loops that
+    return gradients), and what reads a gradient (the update) reads it. The first layer's weight gradient, made from the most, is
+    visited first, and the whole backward pass runs on its way; a weight gradient off
+    that path waits until the all-reduce's walk reaches it, what it reads alive until
+    then. (XLA compares the count of an operand's extra users before its bytes; that count
+    saturates on a training step's graph, so the bytes decide: read in decoder-tp's
+    schedule, reproduced.) An equation fused into its readers runs just before the first.
+    """
+    eqns = jaxpr.eqns
+    defined = facts(jaxpr).defined
+    outs = [defined[v] for v in jaxpr.outvars if not isinstance(v, Literal) and v in defined]
+    grads = _gradient_values(jaxpr, names)
+    combined = len(eqns)  # the all-reduce of every gradient, virtual
+    kept = None if materialized is None else materialized | set(jaxpr.outvars)
+    direct = [
+        list(
+            dict.fromkeys(
+                combined if u in grads else defined[u]
+                for u in e.invars
+                if not isinstance(u, Literal) and u in defined
+            )
+        )
+        for e in eqns
+    ]
+    direct.append(sorted({defined[u] for u in grads}))
+    node = [
+        kept is None
+        or not e.outvars
+        or e.primitive.name not in FUSES_OPERANDS
+        or any(o in kept or o in grads for o in e.outvars)
+        for e in eqns
+    ] + [True]
+    preds = _fused_operands(direct, node)
+    size = {
+        i: sum(_nbytes(v) for v in eqns[i].outvars if type(v).__name__ != "DropVar")
+        for i in preds
+        if i != combined
+    }
+    size[combined] = sum(_nbytes(u) for u in grads)
+    total = _made_from(preds, size)
+    used = {k for ps in preds.values() for k in ps}
+    roots = [i for i in preds if i not in used and i not in outs]
+    roots += sorted(dict.fromkeys(outs), key=lambda k: (-total[k], k))
+    order: list[int] = []
+    done: set[int] = set()
+    for x in _post_order(roots, preds, lambda k: (-total[k], k)):
+        if x == combined:
+            continue
+        order += _fused_into(x, direct, node, done)
+    return order + [i for i in range(len(eqns)) if i not in done]
+
+
+def _fused_operands(direct: Sequence[Sequence[int]], node: Sequence[bool]) -> dict[int, list[int]]:
+    """Per node (``node[i]``: equation ``i``'s values are written to memory), the nodes it
+    reads, directly or through the fused equations it reads (``direct``: each equation's
+    operands' equations)."""
+    through: dict[int, list[int]] = {}  # a fused equation: the nodes it is made from
+    for k in range(len(direct)):
+        if not node[k]:
+            through[k] = list(
+                dict.fromkeys(q for p in direct[k] for q in ([p] if node[p] else through[p]))
+            )
+    return {
+        i: list(dict.fromkeys(q for p in direct[i] for q in ([p] if node[p] else through[p])))
+        for i in range(len(direct))
+        if node[i]
+    }
+
+
+def _made_from(preds: Mapping[int, Sequence[int]], size: Mapping[int, int]) -> dict[int, int]:
+    """Per node, its bytes and those of all it is made from (``preds``: its operands), an
+    operand counted once per path to it, as XLA's scheduler sums them."""
+    total: dict[int, int] = {}
+    for x in _post_order(list(preds), preds, lambda k: k):
+        total[x] = size[x] + sum(total[k] for k in preds[x])
+    return total
+
+
+def _post_order(
+    roots: Sequence[int], preds: Mapping[int, Sequence[int]], key: Callable[[int], Any]
+) -> list[int]:
+    """The nodes reached from ``roots`` depth first, each after its operands (``preds``),
+    which are visited in the order of ``key``."""
+    out: list[int] = []
+    seen: set[int] = set()
+    for root in roots:
+        stack: list[tuple[int, Any]] = [(root, None)]
+        while stack:
+            x, todo = stack.pop()
+            if todo is None:
+                if x in seen:
+                    continue
+                seen.add(x)
+                todo = iter(sorted(preds[x], key=key))
+            nxt = next((k for k in todo if k not in seen), None)
+            if nxt is None:
+                out.append(x)
+            else:
+                stack += [(x, todo), (nxt, None)]
+    return out
+
+
+def _fused_into(
+    x: int, direct: Sequence[Sequence[int]], node: Sequence[bool], done: set[int]
+) -> list[int]:
+    """Node ``x`` after the fused equations its fusion reads that have not run (``done``,
+    updated), in their order."""
+    fused: set[int] = set()
+    stack = [k for k in direct[x] if not node[k]]
+    while stack:
+        k = stack.pop()
+        if k not in fused and k not in done:
+            fused.add(k)
+            stack += [p for p in direct[k] if not node[p]]
+    done.update(fused | {x})
+    return [*sorted(fused), x]

@@ -112,7 +112,11 @@ class HardwareProfile:
             activation gradients and saved inputs they read stay alive until then
             (:func:`meshplan._search.predict.memory.late_gradients`): XLA on CPU, whose
             memory-optimised scheduler works back from the one all-reduce combining every
-            gradient (measured: its buffer assignment); on TPU and GPU the gradients'
+            gradient (measured: its buffer assignment). That scheduler is XLA's depth-first
+            one: the program walks the top-level equations in its order, each value's
+            operands those made from the most bytes first, so a weight gradient off the
+            path to the first gradient it reaches waits until the end of the backward
+            pass; on TPU and GPU the gradients'
             reductions start as soon as each is made, to overlap the backward pass. The
             same program (XLA:CPU's) makes a value cheap ops compute that a matmul reads
             transposed (a weight gradient's activation gradient) where each matmul reads
@@ -278,8 +282,9 @@ BACKENDS: dict[str, Backend] = {
     # only combiner is that one), and has no fused attention. It does not reduce-scatter:
     # an FSDP gradient's partial sums are all-reduced whole, then sliced (no reduce-scatter
     # in any compiled step of tests/xla_suite.py).
-    # Its memory-optimised scheduler runs the gradients' reductions over the batch last,
-    # just before that one all-reduce (read in its buffer assignment: late_gradients).
+    # Its memory-optimised scheduler is XLA's depth-first one (DFSMemoryScheduler), from
+    # that one all-reduce: the gradients off the path to the first it reaches run last,
+    # just before it (read in its schedules and buffer assignment: late_gradients).
     # Its collectives are meetings of the devices' threads: a combined all-reduce meets once
     # per operand (the profile measures what each costs: array_latency_s), and a meeting
     # takes longer the more threads it waits for (on 8 devices, 13 cores: 47, 99 and 209 us
