@@ -1005,8 +1005,9 @@ def _dfs_order(jaxpr: Any, names: Mapping[Any, Any], materialized: set[Any] | No
     (:func:`_fused_operands`), whose root is the one all-reduce that combines every
     gradient (the pass ``cpu-all-reduce-combiner``): its operands make the gradients
     (:func:`_gradient_values`: the reductions over the batch, the calls and loops that
-    return gradients), and what reads a gradient (the update) reads it. The first layer's weight gradient, made from the most, is
-    visited first, and the whole backward pass runs on its way; a weight gradient off
+    return gradients), and what reads a gradient (the update) reads it. The first layer's
+    weight gradient, made from the most, is visited first, and the whole backward pass
+    runs on its way; a weight gradient off
     that path waits until the all-reduce's walk reaches it, what it reads alive until
     then. (XLA compares the count of an operand's extra users before its bytes; that count
     saturates on a training step's graph, so the bytes decide: read in decoder-tp's
