@@ -360,14 +360,18 @@ def _idle_permute(
     embed: data]`` on a 2 x 4 mesh (data, model) permutes before the gather, and a weight's
     gradient is permuted back to its shard after its all-reduce (:func:`_predict_one`
     prices both); on 4 x 2, none."""
-    sizes = specs.sizes
-    taken = {a for spec in operands for d in spec for a in d}
-    idle = tuple(a for a, n in sizes.items() if n > 1 and a not in taken)
-    spread = math.prod(sizes[a] for a in idle)
-    need = math.prod(sizes[a] for a in axes)
+    idle = _idle_axes(specs.sizes, *operands)
+    spread = math.prod(specs.sizes[a] for a in idle)
+    need = math.prod(specs.sizes[a] for a in axes)
     if not idle or spread < need:
         return None
     return idle, shard * need // spread
+
+
+def _idle_axes(sizes: Mapping[str, int], *specs: Sequence[tuple[str, ...]]) -> tuple[str, ...]:
+    """The mesh axes of more than one device that none of ``specs`` uses, in mesh order."""
+    taken = {a for spec in specs for d in spec for a in d}
+    return tuple(a for a, n in sizes.items() if n > 1 and a not in taken)
 
 
 def _beside_a_table(specs: _Specs, after: Names, src: Sequence[tuple[str, ...]], dst: Spec) -> bool:
@@ -375,10 +379,7 @@ def _beside_a_table(specs: _Specs, after: Names, src: Sequence[tuple[str, ...]],
     (:class:`Carried`), are moved first: XLA permutes them where the mesh has an axis of
     more than one device besides theirs (compiled: ``s32[8, 32, 1]`` on 2 x 4 and 4 x 2
     meshes, none on 8; ``tests/search/test_cost.py``)."""
-    if not any(isinstance(n, Carried) for n in after):
-        return False
-    taken = {a for spec in (src, dst) for d in spec for a in d}
-    return any(n > 1 and a not in taken for a, n in specs.sizes.items())
+    return any(isinstance(n, Carried) for n in after) and bool(_idle_axes(specs.sizes, src, dst))
 
 
 def _carried_input(dot: Dot, specs: _Specs, ls: Spec) -> tuple[Names, tuple[str, ...]] | None:
@@ -503,7 +504,7 @@ def _dot_key(
     into = () if dot.out_names is None else specs(dot.out_names, len(dot.out_names))
     sizes = specs.sizes
     axes = tuple(sorted({a for spec in (ls, rs, into) for d in spec for a in d}))
-    idle = tuple((a, n) for a, n in sizes.items() if n > 1 and a not in axes)  # _idle_permute
+    idle = tuple((a, sizes[a]) for a in _idle_axes(sizes, ls, rs, into))  # _idle_permute's
     key = (dot, ls, rs, into, tuple(sizes[a] for a in axes), axes, reduce_scatter, params, idle)
     return (*key, backward)
 
@@ -715,11 +716,12 @@ def _predict_one(
             dependent.append(("collective-permute", axes, nbytes // shifts, count * shifts))
     for key, (kind, axes, nbytes, count, ndots, trips) in gathers.items():
         passes = min(2, ndots) if profile.regather else 1  # forward, again for the backward
-        if kind == "collective-permute" and "batch" not in (key[0] or ()):
+        activation = "batch" in (key[0] or ())
+        if kind == "collective-permute" and not activation:
             passes = 2  # the weight's, then its gradient's shard back
-        if kind == "collective-permute" and "batch" in (key[0] or ()):
+        if kind == "collective-permute" and activation:
             dependent.append((kind, axes, nbytes, count * passes))
-        elif "batch" in (key[0] or ()):
+        elif activation:
             if key in read:  # each array once per pass (again for the backward: regather)
                 arrays = [workload.arrays[i] for i in read[key]]
                 count, passes = sum(t * _gathers(profile, *rest) for t, *rest in arrays), 1
@@ -932,8 +934,9 @@ def _pieces_moved(
     item: int,
 ) -> tuple[tuple[str, ...], int, int]:
     """The mesh axes splitting a cut dimension, one device's shard's bytes, and how many
-    moves XLA makes: each piece (a slice's: the part it keeps) is split over the same devices as the whole, so each
-    distance between where a part of a piece lies and where it goes is one
+    moves XLA makes: each piece (a slice's: the part it keeps) is split over the same
+    devices as the whole, so each distance between where a part of a piece lies and where
+    it goes is one
     collective-permute (a fused q/k/v projection's ``split`` over split heads: 7 permutes
     and 4 all-to-alls compiled in ``tests/search/test_cost.py``'s, 12 priced).
 

@@ -57,9 +57,7 @@ __all__ = [
     "build",
     "copied",
     "kept_expensive",
-    "late_gradients",
     "late_moves",
-    "moves_late",
     "peak",
     "recompute_sources",
     "transposed",
@@ -184,7 +182,7 @@ class _Builder:
     ) -> None:
         self.names, self.scores, self.dot_of = names, scores, dot_of
         self.materialized, self.recompute = materialized, recompute
-        # the values the equations late_gradients moved read: XLA recomputes those cheap
+        # the values the equations late_moves defers read: XLA recomputes those cheap
         # ops make in the moved ones' fusions (from what is kept until then), not keep them
         self.late_reads: set[Any] = set()
         self.copies = False  # XLA:CPU makes a value a matmul reads transposed in that copy
@@ -609,7 +607,7 @@ def build(
     top-level equations run in the order of XLA:CPU's depth-first scheduler from the one
     all-reduce that combines every gradient (:func:`_dfs_order`), which defers the
     gradients off the path to the first it reaches; a fused value read by the gradients'
-    reductions :func:`late_gradients` defers that is not recomputed there is kept
+    reductions :func:`late_moves` defers that is not recomputed there is kept
     from where it is made (:func:`_kept_late`), and the values a matmul reads transposed are
     made where each is read (:func:`copied`), as XLA:CPU fuses them; ``moved``:
     :func:`late_moves` of the same arguments, where the caller has it.
@@ -805,27 +803,26 @@ def _has_batch(names: Mapping[Any, Any], v: Any) -> bool:
     return "batch" in (names.get(v) or ())
 
 
-def late_gradients(
-    jaxpr: Any, names: Mapping[Any, Any], materialized: set[Any] | None = None
-) -> Any:
-    """``jaxpr`` with the reductions over the batch that reach only the gradients (a weight
-    gradient's matmul or convolution, a bias's or a norm scale's sum) and what reads them
-    run after everything else where XLA's memory-optimised scheduler defers them: where one
-    all-reduce after the backward pass combines every gradient (XLA on CPU), nothing waits
-    for them before it. (:func:`build` walks XLA:CPU's program in its depth-first
-    scheduler's order, :func:`_dfs_order`; this rule still gives the values the late
-    fusions read.) A reduction whose gradient (the activation it reads that was made last)
-    another reduction reads too (a weight's and its bias's, a norm's scale's) frees nothing
-    by running, so it waits, and what it reads stays alive until the end of the backward
-    pass; one that reads its gradient alone runs in place (read in XLA's schedules: the
-    ViT's and the CNN's biased and normalised layers deferred, the bias-free Llama MLP's
-    and the experts' weight gradients in place). An equation whose outputs are fused into
-    such reductions alone (``materialized``: the values written to memory; ``None``: all)
-    moves with them. Top level only: a loop body's or call's equations keep their order.
+def late_moves(jaxpr: Any, names: Mapping[Any, Any], materialized: set[Any] | None) -> list[bool]:
+    """Per equation of ``jaxpr``, whether XLA:CPU's memory-optimised scheduler defers it to
+    the end of the backward pass: a reduction over the batch that reaches only the gradients
+    (a weight gradient's matmul or convolution, a bias's or a norm scale's sum), and what
+    reads it. One all-reduce after the backward pass combines every gradient (XLA on CPU),
+    so nothing waits for them before it. A reduction whose gradient (the activation it
+    reads that was made last) another reduction reads too (a weight's and its bias's, a
+    norm's scale's) frees nothing by running, so it waits, and what it reads stays alive
+    until the end of the backward pass; one that reads its gradient alone runs in place
+    (read in XLA's schedules: the ViT's and the CNN's biased and normalised layers
+    deferred, the bias-free Llama MLP's and the experts' weight gradients in place). An
+    equation whose outputs are fused into such reductions alone (``materialized``: the
+    values written to memory, with the expensive values XLA keeps; ``None``: all) moves
+    with them. Top level only. :func:`build` with ``late=True`` walks the program in the
+    scheduler's depth-first order (:func:`_dfs_order`); this rule gives the values the
+    deferred fusions read.
 
     Example:
         >>> import jax, jax.numpy as jnp
-        >>> from meshplan._search.predict.memory import late_gradients
+        >>> from meshplan._search.predict.memory import late_moves
         >>> def f(w, x):                             # x: [batch, d]
         ...     y = x @ w
         ...     grad = jnp.einsum("bi,bj->ij", x, y)     # sums over the batch, both
@@ -834,45 +831,16 @@ def late_gradients(
         >>> x, (y, grad, bias, t) = j.invars[1], (e.outvars[0] for e in j.eqns)
         >>> names = {x: ("batch", None), y: ("batch", None), t: ("batch", None),
         ...          grad: (None, None), bias: (None,)}
-        >>> [e.primitive.name for e in late_gradients(j, names).eqns]
-        ['dot_general', 'tanh', 'dot_general', 'reduce_sum']
-    """
-    return _run_last(jaxpr, _late_moves(jaxpr, names, materialized))
-
-
-def late_moves(jaxpr: Any, names: Mapping[Any, Any], materialized: set[Any] | None) -> list[bool]:
-    """Per equation of ``jaxpr``, whether :func:`build` with ``late=True`` runs it last
-    (:func:`late_gradients`, with the expensive values XLA keeps written to memory too).
-
-    Example:
-        >>> import jax, jax.numpy as jnp
-        >>> from meshplan._search.predict.memory import late_moves
-        >>> j = jax.make_jaxpr(lambda w, x: jnp.einsum("bi,bj->ij", x, x @ w))(
-        ...     jnp.ones((4, 4)), jnp.ones((8, 4))).jaxpr
-        >>> late_moves(j, {j.invars[1]: ("batch", None)}, None)   # reads its gradient alone
-        [False, False]
+        >>> late_moves(j, names, None)   # the weight's gradient and the bias's sum
+        [False, True, True, False]
     """
     if materialized is not None:
         materialized = materialized | facts(jaxpr).kept_expensive
     return _late_moves(jaxpr, names, materialized)
 
 
-def moves_late(jaxpr: Any, names: Mapping[Any, Any], materialized: set[Any] | None) -> bool:
-    """Whether :func:`build` with ``late=True`` would run any of ``jaxpr``'s equations last
-    (else its program is the one without ``late``)."""
-    return any(late_moves(jaxpr, names, materialized))
-
-
-def _run_last(jaxpr: Any, moved: Sequence[bool]) -> Any:
-    """``jaxpr`` with the equations ``moved`` marks after the others, each group in order."""
-    if not any(moved):
-        return jaxpr
-    order = [e for e, m in zip(jaxpr.eqns, moved, strict=True) if not m]
-    return jaxpr.replace(eqns=order + [e for e, m in zip(jaxpr.eqns, moved, strict=True) if m])
-
-
 def _late_moves(jaxpr: Any, names: Mapping[Any, Any], materialized: set[Any] | None) -> list[bool]:
-    """Per equation, whether :func:`late_gradients` runs it last."""
+    """:func:`late_moves` of ``materialized`` as given."""
     eqns, walked = jaxpr.eqns, facts(jaxpr)
     producer, defined = walked.producer, walked.defined
 

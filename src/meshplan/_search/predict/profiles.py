@@ -110,7 +110,7 @@ class HardwareProfile:
         late_gradients: The gradients' reductions over the batch (a weight gradient's matmul
             or convolution, a bias's sum) run after the rest of the backward pass, so the
             activation gradients and saved inputs they read stay alive until then
-            (:func:`meshplan._search.predict.memory.late_gradients`): XLA on CPU, whose
+            (:func:`meshplan._search.predict.memory.late_moves`): XLA on CPU, whose
             memory-optimised scheduler works back from the one all-reduce combining every
             gradient (measured: its buffer assignment). That scheduler is XLA's depth-first
             one: the program walks the top-level equations in its order, each value's

@@ -100,8 +100,9 @@ class Workload:
     every logical name seen, in order of first appearance (state first);
     ``memory``: the liveness program (:mod:`meshplan._search.predict.memory`) of the step, with
     cheap residuals recomputed where used (as XLA does on TPU and GPU), ``memory_kept``
-    the same with every residual kept (XLA on CPU), ``memory_late`` that with the gradients'
-    reductions over the batch run last (:func:`meshplan._search.predict.memory.late_gradients`);
+    the same with every residual kept (XLA on CPU), ``memory_late`` that in XLA:CPU's
+    depth-first order, the gradients' reductions off its path deferred
+    (:func:`meshplan._search.predict.memory.late_moves`);
     ``score_dots``: the dots that read or write attention scores; ``batch_state``: the
     batch arrays (names, shape, itemsize); ``tokens``: tokens (or examples) per step,
     ``tokens_unit`` says which (``'tokens'`` when the first batch array holds integer
@@ -1428,9 +1429,9 @@ def trace_workload(
     batch = int(flat_batch[0].shape[0]) if flat_batch and flat_batch[0].shape else None
     params = tuple(dict.fromkeys(n for names, _, _ in state if names for n in names if n))
     var_names = {**walker.var_names, **walker.buffer_names}
-    # The third program (XLA:CPU's: the gradients' reductions run last, the values matmuls
-    # read transposed made in those copies) only where any of them moves or is copied:
-    # otherwise it is the second one, and the cost model takes that.
+    # The third program (XLA:CPU's: its depth-first order, the gradients' reductions
+    # deferred, the values matmuls read transposed made in those copies) only where any of
+    # them moves or is copied: otherwise it is the second one, and the cost model takes that.
     variants = [(True, False), (False, False)]
     moved = memory.late_moves(jaxpr, var_names, walker.materialized)
     if any(moved) or memory.copied(jaxpr, walker.materialized):
