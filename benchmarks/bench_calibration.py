@@ -29,6 +29,14 @@ prices for that all-reduce's latencies and bytes:
 
     .venv/bin/python benchmarks/bench_calibration.py --in-step
 
+``--skew`` measures what a ``psum`` of 4 bytes costs when each device first runs some work
+(a segment of 10 or 40 small kernels, 64K floats each), by group, against the same chain
+with no work between (the calibration's setting): the difference is what synchronising
+after work adds (the wait for the group's slowest device, and more), printed with its share
+of the segment's time (docs/benchmarks.md, "Session 17"):
+
+    .venv/bin/python benchmarks/bench_calibration.py --skew
+
 ``--against REF`` also runs the procedure of ``src/meshplan/_search/measure/cpu.py`` as it
 was at git revision ``REF``, alternating process by process with this one, so both see the
 same load:
@@ -288,6 +296,65 @@ def in_step(devices: int, rounds: int = 40) -> None:
     )
 
 
+def skew(devices: int, rounds: int = 15) -> None:
+    """A ``psum``'s seconds after a segment of work, by group (module docstring): chains of
+    9 segments less chains of 1, with and without the ``psum``s, medians over rounds."""
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    def kernel(group: int, times: int, work: int, reduce: bool) -> Any:
+        mesh = jax.make_mesh((devices // group, group), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
+
+        def chain(y: Any, m: Any) -> Any:
+            for _ in range(times):
+                for _ in range(work):  # each its own kernel: the barrier stops fusion
+                    m = jax.lax.optimization_barrier(jnp.tanh(m) * 0.5 + 0.25)
+                y = y + m[:1] * 0  # the psum waits for the segment
+                if reduce:
+                    y = jax.lax.psum(y, "b")  # type: ignore[no-untyped-call]
+            return y, m
+
+        spec = P(("a", "b"))
+        run = jax.jit(
+            jax.shard_map(chain, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec)),
+            donate_argnums=(0, 1),
+        )
+        split = NamedSharding(mesh, spec)
+        y = jax.device_put(np.zeros(devices, np.float32), split)
+        box = [(y, jax.device_put(np.ones(devices << 16, np.float32), split))]
+
+        def call() -> Any:
+            box[0] = run(*box[0])
+            return box[0]
+
+        return call
+
+    sides = [g for g in (2, 4, 8, 16) if g <= devices and devices % g == 0]
+    cases = [
+        (g, w, r, t) for g in sides for w in (0, 10, 40) for r in (False, True) for t in (1, 9)
+    ]
+    seconds = _interleaved({c: kernel(c[0], c[3], c[1], c[2]) for c in cases}, devices, rounds)
+
+    def each(g: int, w: int, r: bool) -> float:
+        once, many = seconds[(g, w, r, 1)], seconds[(g, w, r, 9)]
+        return statistics.median(m - o for o, m in zip(once, many, strict=True)) / 8
+
+    print(
+        f"{'group':>5} {'kernels':>7} {'work us':>8} {'psum us':>8} {'added us':>8} {'of work':>7}"
+    )
+    for g in sides:
+        tight = each(g, 0, True) - each(g, 0, False)
+        for w in (0, 10, 40):
+            work, psum = each(g, w, False), each(g, w, True) - each(g, w, False)
+            share = (psum - tight) / work if w else float("nan")
+            added = (psum - tight) * 1e6
+            print(f"{g:5d} {w:7d} {work * 1e6:8.1f} {psum * 1e6:8.1f} {added:8.1f} {share:7.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--processes", type=int, default=10, help="fresh processes (>= 4)")
@@ -296,6 +363,7 @@ def main() -> None:
     parser.add_argument("--groups", action="store_true", help="a psum's cost by group and size")
     parser.add_argument("--arrays", action="store_true", help="a combined all-reduce by arrays")
     parser.add_argument("--in-step", action="store_true", help="a step's combined all-reduce")
+    parser.add_argument("--skew", action="store_true", help="a psum's wait after some work")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
@@ -306,6 +374,8 @@ def main() -> None:
         return arrays(args.devices)
     if args.in_step:
         return in_step(args.devices)
+    if args.skew:
+        return skew(args.devices)
     if args.processes < 4:
         parser.error("--processes must be at least 4 (quartiles of fewer mean little)")
     with tempfile.TemporaryDirectory() as folder:
