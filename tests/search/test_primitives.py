@@ -118,6 +118,16 @@ class _PoolCNN(nn.Module):
         return nn.Dense(10)(x)
 
 
+def _pool_cnn_step(pool: str, batch: int = 32):
+    images = jax.ShapeDtypeStruct((batch, 28, 28, 1), jnp.float32)
+    labels = jax.ShapeDtypeStruct((batch,), jnp.int32)
+
+    def loss(logits, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+
+    return linen_step(_PoolCNN(pool), (images, labels), loss, optax.adam(1e-3))
+
+
 @pytest.mark.parametrize("pool", ["avg", "max"])
 def test_pooling_is_understood_and_split_with_the_batch(pool):
     """``nn.avg_pool`` and ``nn.max_pool`` (window reductions; the max-pool's gradient a
@@ -127,13 +137,7 @@ def test_pooling_is_understood_and_split_with_the_batch(pool):
     from meshplan._search.measure.hlo import measure_step
     from xla_suite import AS_ON_ACCELERATORS, CPU_LIKE
 
-    images = jax.ShapeDtypeStruct((32, 28, 28, 1), jnp.float32)
-    labels = jax.ShapeDtypeStruct((32,), jnp.int32)
-
-    def loss(logits, batch):
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
-
-    state, step, batch = linen_step(_PoolCNN(pool), (images, labels), loss, optax.adam(1e-3))
+    state, step, batch = _pool_cnn_step(pool)
     work = trace_workload(step, state, batch)
     assert work.unpriced == {}
     mesh, rules = {"data": 8}, (("batch", "data"),)
@@ -142,3 +146,21 @@ def test_pooling_is_understood_and_split_with_the_batch(pool):
     xla = measure_step(step, state, batch, mesh, rules, True, AS_ON_ACCELERATORS)
     predicted = cost.activation_bytes + cost.temporary_bytes
     assert abs(predicted - xla["xla_temp_bytes"]) <= 0.05 * xla["xla_temp_bytes"]
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_max_pools_index_arrays_are_counted_as_xla_cpu_makes_them(devices):
+    """XLA:CPU computes a max-pool with its gradient's indices (memory.EXPANDED): an s32
+    array per dimension of the pooled operand, and the maxima's indices kept for the
+    backward pass. On 1 and 2 devices (32 and 16 images each) they are most of the step's
+    temporaries (2.3x and 2.0x XLA's with avg-pool); the planner's within 20% of XLA's
+    (0.97 and 0.86; 0.55 and 0.49 before they were counted)."""
+    from meshplan._search.measure.hlo import measure_step
+    from xla_suite import AS_ON_ACCELERATORS, CPU_LIKE
+
+    state, step, batch = _pool_cnn_step("max")
+    mesh, rules = {"data": devices}, (("batch", "data"),)
+    cost = predict(trace_workload(step, state, batch), mesh, rules, CPU_LIKE)
+    xla = measure_step(step, state, batch, mesh, rules, True, AS_ON_ACCELERATORS)
+    predicted = cost.activation_bytes + cost.temporary_bytes
+    assert abs(predicted - xla["xla_temp_bytes"]) <= 0.2 * xla["xla_temp_bytes"]

@@ -245,6 +245,7 @@ class _Builder:
         if self.copies:  # what a late gradient reads is kept where made, not made again
             recomputed |= self._copied(jaxpr, last, skip, recomputed | self.late_inputs)
         alive: dict[Any, int] = {}  # var -> cell, defined here and still alive
+        pooled = {e.invars[1] for e in jaxpr.eqns if e.primitive.name == EXPANDED}
         for v in jaxpr.invars:
             if v in skip or v not in last:
                 continue
@@ -305,12 +306,38 @@ class _Builder:
                 if prim in MATMULS:
                     d = self.dot_of(eqn)
                     dot = self.dots.setdefault(d, len(self.dots))
+                if self.copies:  # the arrays of the ops XLA:CPU expands
+                    for c, m in self._expansion(eqn, pooled).items():
+                        here_short[c] = here_short.get(c, 0) + m
                 self.add(here_long, here_short, dot)
                 if dot >= 0:
                     self.ran[dot] = self.ran.get(dot, 0) + 1
             for v in [v for v in alive if last.get(v, -1) <= i]:
                 del alive[v]
             alive.update(outs)
+
+    def _expansion(self, eqn: Any, pooled: set[Any]) -> dict[int, int]:
+        """The arrays XLA:CPU makes for a max-pool whose gradient it expands
+        (:data:`EXPANDED`) while ``eqn`` runs, as cells with their counts: at the forward
+        pool (its operand in ``pooled``), an ``s32`` index array per dimension of the
+        operand and the window maxima's indices (pooled-shaped); at the gradient, those
+        indices, concatenated."""
+        prim = eqn.primitive.name
+        if prim == EXPANDED:
+            source, operand = eqn.invars[:2]
+            arrays = [(source, len(operand.aval.shape))]
+        elif prim in POOLS and eqn.invars[0] in pooled:
+            operand, rank = eqn.invars[0], len(eqn.invars[0].aval.shape)
+            arrays = [(operand, rank), (eqn.outvars[0], rank)]
+        else:
+            return {}
+        made: dict[int, int] = {}
+        for v, count in arrays:
+            shape = tuple(v.aval.shape)
+            names = tuple(self.names.get(v, (None,) * len(shape)))
+            c = self.cells.setdefault((names, shape, 4, False), len(self.cells))
+            made[c] = made.get(c, 0) + count
+        return made
 
     def _hoist(self, eqn: Any, at: int) -> None:
         """Record the region of a top-level rematerialised call (:class:`Hoist`)."""
@@ -481,6 +508,38 @@ def copied(jaxpr: Any, materialized: set[Any] | None) -> bool:
     return False
 
 
+EXPANDED = "select_and_scatter_add"
+"""A max-pool's gradient, which XLA:CPU expands (its ``SelectAndScatterExpander``), and
+computes with the forward pool: a variadic reduce-window over the operand and an ``s32``
+index array per dimension of it (``iota``s, each the operand's size) gives each window's
+maximum and its indices; the backward pass concatenates the indices and scatters the
+incoming gradient into zeros at them. Read in the compiled HLO of Flax's MNIST example
+CNN with ``nn.max_pool`` (``tests/search/test_primitives.py``)."""
+
+POOLS = frozenset({"reduce_window_max", "reduce_window_min"})
+"""The forward pools whose gradient is :data:`EXPANDED`."""
+
+
+def expands(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` (or a body it calls or loops over) runs an op XLA:CPU expands into
+    arrays of its own (:data:`EXPANDED`).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, flax.linen as nn
+        >>> from meshplan._search.predict.memory import expands
+        >>> pool = lambda x: nn.max_pool(x, (2, 2), strides=(2, 2)).sum()
+        >>> expands(jax.make_jaxpr(jax.grad(pool))(jnp.ones((1, 4, 4, 1))).jaxpr)
+        True
+    """
+    stack = [jaxpr]
+    while stack:
+        j = stack.pop()
+        if any(e.primitive.name == EXPANDED for e in j.eqns):
+            return True
+        stack.extend(sub for e in j.eqns for sub in _bodies(e))
+    return False
+
+
 def _bodies(eqn: Any) -> list[Any]:
     """The jaxprs ``eqn`` runs: a loop's body, a cond's branches, a call's body."""
     p = eqn.params
@@ -608,8 +667,9 @@ def build(
     all-reduce that combines every gradient (:func:`_dfs_order`), which defers the
     gradients off the path to the first it reaches; a fused value read by the gradients'
     reductions :func:`late_moves` defers that is not recomputed there is kept
-    from where it is made (:func:`_kept_late`), and the values a matmul reads transposed are
-    made where each is read (:func:`copied`), as XLA:CPU fuses them; ``moved``:
+    from where it is made (:func:`_kept_late`), the values a matmul reads transposed are
+    made where each is read (:func:`copied`), as XLA:CPU fuses them, and a max-pool's index
+    arrays are counted where XLA:CPU makes them (:data:`EXPANDED`); ``moved``:
     :func:`late_moves` of the same arguments, where the caller has it.
     """
     if materialized is not None:

@@ -122,7 +122,9 @@ class HardwareProfile:
             transposed (a weight gradient's activation gradient) where each matmul reads
             it, its sources alive until the last: XLA:CPU fuses its computation into the
             transposed copy, and again for its other readers
-            (:func:`meshplan._search.predict.memory.copied`).
+            (:func:`meshplan._search.predict.memory.copied`); and it counts the index
+            arrays XLA:CPU makes for a max-pool and its gradient
+            (:data:`meshplan._search.predict.memory.EXPANDED`).
         fusion_reads: The memory traffic counts what each loop fusion reads, every buffer
             its computation starts from, once per kernel
             (:mod:`meshplan._search.predict.fusion_reads`): checked against XLA:CPU's

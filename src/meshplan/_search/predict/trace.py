@@ -1430,11 +1430,12 @@ def trace_workload(
     params = tuple(dict.fromkeys(n for names, _, _ in state if names for n in names if n))
     var_names = {**walker.var_names, **walker.buffer_names}
     # The third program (XLA:CPU's: its depth-first order, the gradients' reductions
-    # deferred, the values matmuls read transposed made in those copies) only where any of
-    # them moves or is copied: otherwise it is the second one, and the cost model takes that.
+    # deferred, the values matmuls read transposed made in those copies, the arrays of the
+    # ops it expands) only where any of them moves, is copied or is expanded: otherwise it
+    # is the second one, and the cost model takes that.
     variants = [(True, False), (False, False)]
     moved = memory.late_moves(jaxpr, var_names, walker.materialized)
-    if any(moved) or memory.copied(jaxpr, walker.materialized):
+    if any(moved) or memory.copied(jaxpr, walker.materialized) or memory.expands(jaxpr):
         variants.append((False, True))
     programs = [
         memory.build(
