@@ -150,6 +150,16 @@ def test_table_counts_rejections_and_the_command(here, capsys):
     assert "--size tiny --batch 8 --seq 16" in out
 
 
+def test_the_table_names_its_ties_where_a_faster_row_may_follow_a_slower_one(here, capsys):
+    args = ["--size", "tiny", "--batch", "32", "--profile", "h100", "--devices", "8"]
+    assert cli.main(["search", *args, "--rows", "4", "--top-k", "0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    tie = next(line for line in lines if line.startswith("tie: "))
+    assert tie.startswith("tie: #2 and #3 predicted within 3% (closer than the model tells")
+    rows = {line.split()[0]: line.split()[3] for line in lines if line[:1] in "23"}
+    assert float(rows["2"]) > float(rows["3"])  # ordered by a fixed order, not by time
+
+
 def test_rules_out_and_axes_names(here, capsys):
     data = search_json(
         capsys,

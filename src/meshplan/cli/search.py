@@ -457,6 +457,26 @@ def _table(result: Any, rows: int) -> Table:
     return table
 
 
+def _tie_lines(result: Any, rows: int) -> list[str]:
+    """A line for each tie among the rows the table shows: rows predicted within 3% of each
+    other, ordered by a fixed order, not by time (a faster row may follow a slower one)."""
+    from meshplan._search.search.rule_search import TIE, ties
+
+    if result.ranked_by != "predicted" or any(r.measured_s is not None for r in result.ok):
+        return []
+    shown = {g[0].rank for g in _groups([r for r in result.ok if r.cost is not None])[:rows]}
+    lines = []
+    for group in ties(result.ok):
+        ranks = [k for k in group if k in shown]
+        if len(ranks) > 1:
+            listed = ", ".join(f"#{k}" for k in ranks[:-1]) + f" and #{ranks[-1]}"
+            lines.append(
+                f"tie: {listed} predicted within {TIE:.0%} (closer than the model tells "
+                "apart): built-in layouts first, then fewer mesh axes, then less memory"
+            )
+    return lines
+
+
 def _schedule_lines(result: Any, rows: int) -> list[str]:
     """The schedule of each pipelined row the table shows: stages, microbatches, bubble and
     the sends between stages."""
@@ -664,6 +684,8 @@ def _print(
     )
     if result.ok:
         out.print(_table(result, args.rows))
+        for line in _tie_lines(result, args.rows):
+            say(out, line)
         schedules = _schedule_lines(result, args.rows)
         if schedules:
             say(out, ("pipelines", "bold"), " (the layers cut into stages over 'pipeline'):")

@@ -148,17 +148,8 @@ def _rank(rows: list[SearchRow], ranked_by: RankedBy = "predicted") -> list[Sear
     idle axes, then the bytes moved; measured bytes where compiled), stable."""
     if ranked_by == "static":
         return sorted(rows, key=SearchRow._static_key)
-    by_time = sorted(rows, key=lambda r: r.cost.step_s if r.cost else math.inf)
     out: list[SearchRow] = []
-    i = 0
-    while i < len(by_time):
-        first = by_time[i].cost
-        limit = first.step_s * (1 + TIE) if first else math.inf
-        j = i
-        while j < len(by_time) and _step(by_time[j]) <= limit:
-            j += 1
-        j = max(j, i + 1)
-        group = by_time[i:j]
+    for group in _time_groups(rows):
         group.sort(
             key=lambda r: (
                 r.layout == "searched",
@@ -170,8 +161,36 @@ def _rank(rows: list[SearchRow], ranked_by: RankedBy = "predicted") -> list[Sear
             )
         )
         out += group
-        i = j
     return out
+
+
+def _time_groups(rows: Sequence[SearchRow]) -> list[list[SearchRow]]:
+    """``rows`` by predicted time in groups of ties: each the rows within :data:`TIE` of the
+    fastest not in an earlier group."""
+    by_time = sorted(rows, key=_step)
+    groups: list[list[SearchRow]] = []
+    i = 0
+    while i < len(by_time):
+        limit = _step(by_time[i]) * (1 + TIE)
+        j = i + 1
+        while j < len(by_time) and _step(by_time[j]) <= limit:
+            j += 1
+        groups.append(by_time[i:j])
+        i = j
+    return groups
+
+
+def ties(rows: Sequence[SearchRow]) -> list[list[int]]:
+    """The ranks of the rows predicted within :data:`TIE` of each other (a tie, which
+    :func:`_rank` orders by a fixed order, not by time), for each tie of two or more.
+
+    Example:
+        >>> from meshplan._search.search.rule_search import example_search, ties
+        >>> ties(example_search().ok)
+        [[11, 12], [14, 15, 16]]
+    """
+    groups = _time_groups([r for r in rows if r.cost is not None and r.rank is not None])
+    return [sorted(r.rank for r in g if r.rank is not None) for g in groups if len(g) > 1]
 
 
 def _own_rules(rules: RulePairs, workload: Workload) -> RulePairs:
