@@ -46,6 +46,22 @@ def test_a_fused_qkv_kernel_split_into_heads_is_named_heads():
     assert names(rules, "out") == ("heads", "embed")
 
 
+def test_a_fused_qkv_kernel_split_heads_first_is_heads_not_grouped_query():
+    """Bloom's fused kernel: [heads, 3 x kv], split in three; heads x (3 x kv), not a
+    grouped query's kv_heads x group."""
+    state = {"qkv": sds(E, H * 3 * D), "out": sds(H * D, E)}
+
+    def loss(s, x):
+        q, k, v = jnp.split((x @ s["qkv"]).reshape(B, L, H, 3 * D), 3, axis=-1)
+        y = attention(q, k, v).reshape(B, L, H * D)
+        return ((x + y @ s["out"]) ** 2).mean()
+
+    rules = meshplan.infer_names(grad_step(loss), state, sds(B, L, E))
+    assert names(rules, "qkv") == ("embed", "heads")
+    assert names(rules, "out") == ("heads", "embed")
+    assert "kv_heads" not in rules.names_of()
+
+
 def test_an_einsum_over_heads_names_heads_and_kv():
     state = {k: sds(E, H, D) for k in ("q", "k", "v")} | {"o": sds(H, D, E)}
 

@@ -223,13 +223,7 @@ class _Namer:
             if side in (0, 1)
             for n in (fl if side == 0 else fr)
         }
-        todo = list(out)
-        while todo:
-            for factors in c.factors(todo.pop()):
-                new = [f for f in factors if f not in out]
-                out.update(new)
-                todo += new
-        return out
+        return self.made_of(list(out))
 
     def attention_dims(self, made: set[Node]) -> tuple[list[Node], set[Node], set[Node]]:
         """Of the products of two activations batched over the batch (attention): the
@@ -256,13 +250,14 @@ class _Namer:
         made = self.weight_free()
         batched, kv, value_kv = self.attention_dims(made)
         # Grouped-query attention batches q·kᵀ over kv_heads, the major factor of the
-        # query's heads (kv_heads x group, the group not a head dimension): the query's
-        # heads are the whole, the keys' the factor.
+        # query's heads (kv_heads x group, the group not a head dimension, nor made of
+        # one: Bloom's fused heads x (3 x kv) is not grouped): the query's heads are the
+        # whole, the keys' the factor.
         wholes = {self.c.find(w): tuple(map(self.c.find, f)) for w, f in self.c.products}
         split = {
             w: f
             for w, f in wholes.items()
-            if f[0] in batched and w in self.counts and not any(x in kv or x in value_kv for x in f)
+            if f[0] in batched and w in self.counts and not self.made_of(f) & (kv | value_kv)
         }
         parts = {x for f in split.values() for x in f}
         heads = [*split, *(r for r in batched if r not in parts)]
@@ -280,6 +275,15 @@ class _Namer:
                 )
         for r in [*kv, *value_kv]:
             self.give(r, "kv", "head dimension: q·kᵀ contracts it", factor=True)
+
+    def made_of(self, roots: Sequence[Node]) -> set[Node]:
+        """``roots`` and every class they are split into, transitively."""
+        out, todo = set(roots), list(roots)
+        while todo:
+            for factors in self.c.factors(todo.pop()):
+                todo += [f for f in factors if f not in out]
+                out.update(factors)
+        return out
 
     def mlp(self) -> None:
         c = self.c
