@@ -1275,16 +1275,32 @@ def constraint_names(state_names: Sequence[Names | None]) -> tuple[str, ...]:
     Example:
         >>> from meshplan._search.predict.trace import constraint_names
         >>> names = constraint_names([("embed", "mlp")])
-        >>> names[:3], "length" in names, "expert_batch" in names
-        (('embed', 'mlp', 'activation_embed'), True, True)
+        >>> names[:3], names[-2:], "length" in names, "expert_batch" in names
+        (('embed', 'mlp', 'batch'), ('activation_embed', 'activation_mlp'), True, True)
     """
     from meshplan._search.predict.role_names import CONTEXT_NAMES, EXPERT_BATCH_NAMES, EXPERT_NAMES
     from meshplan.layouts import ALL_LAYOUTS
 
     own = [n for names in state_names if names for n in names if isinstance(n, str)]
-    out = [*own, *(f"activation_{n}" for n in own), "batch", *CONTEXT_NAMES, *EXPERT_NAMES]
-    out += [*EXPERT_BATCH_NAMES, *(n for r in ALL_LAYOUTS.values() for n, _ in r)]
+    out = [*own, "batch", *CONTEXT_NAMES, *EXPERT_NAMES, *EXPERT_BATCH_NAMES]
+    out += [*(n for r in ALL_LAYOUTS.values() for n, _ in r), *(f"activation_{n}" for n in own)]
     return tuple(dict.fromkeys(n for n in out if isinstance(n, str)))
+
+
+_MESH_AXES = 32
+"""The most axes ``jax.make_mesh`` takes (a numpy array of the devices, one dimension each)."""
+
+
+def _name_mesh(
+    names: Sequence[str],
+) -> tuple[jax.sharding.Mesh, tuple[tuple[str, str | None], ...]]:
+    """A mesh of one device, an axis of size 1 per name, and rules naming each name's
+    axis; past :data:`_MESH_AXES`, the last names (MaxText's ``activation_`` forms
+    first) name none, and constraints by them read as unsplit."""
+    axes = tuple(names[:_MESH_AXES])
+    auto = (jax.sharding.AxisType.Auto,) * len(axes)
+    mesh = jax.make_mesh((1,) * len(axes), axes, axis_types=auto)
+    return mesh, tuple((n, n if n in axes else None) for n in names)
 
 
 def _make_jaxpr(
@@ -1300,11 +1316,9 @@ def _make_jaxpr(
     from meshplan._spmd.rules import logical_axis_rules
 
     if read_constraints and active_mesh() is None:
-        names = constraint_names([n for n, _, _ in state])
-        auto = (jax.sharding.AxisType.Auto,) * len(names)
-        mesh = jax.make_mesh((1,) * len(names), names, axis_types=auto)
+        mesh, rules = _name_mesh(constraint_names([n for n, _, _ in state]))
         try:
-            with jax.set_mesh(mesh), logical_axis_rules(tuple((n, n) for n in names)):
+            with jax.set_mesh(mesh), logical_axis_rules(rules):
                 return jax.make_jaxpr(step_fn)(abstract_state, example_batch), True
         except Exception:  # a step that names mesh axes itself: traced without
             pass
@@ -1379,7 +1393,8 @@ def trace_workload(
         read_constraints: Read the names of the model's logical constraints
             (:func:`meshplan.with_logical_constraint`): the step is traced under a mesh
             of one device with an axis of size 1 per logical name it may use
-            (:func:`constraint_names`) and rules mapping each name to its axis, so that
+            (:func:`constraint_names`, the first 32: ``jax.make_mesh``'s most) and rules
+            mapping each name to its axis, so that
             every constraint is left in the program with its names. Activations then
             carry ``length`` (context parallelism) and a mixture of experts' dispatch its
             ``expert``/``expert_batch``, which no parameter names (what
