@@ -108,6 +108,19 @@ def test_dimensions_of_size_one_are_unnamed():
     assert names(rules, "gain") == (None, "embed")
 
 
+def test_a_square_kernel_in_the_residual_stream_names_embed_once():
+    """BERT's MLM head transform: a name names one dimension of an array
+    (name_by_path rejects ('embed', 'embed'))."""
+    state = {"w": sds(E, E), "scale": sds(E)}
+
+    def loss(s, x):
+        return ((x + x @ s["w"]) * s["scale"]).sum()
+
+    rules = meshplan.infer_names(grad_step(loss), state, sds(B, E))
+    assert names(rules, "w") == ("embed", None)
+    assert meshplan.name_by_path(state, rules)["w"].names == ("embed", None)
+
+
 def test_a_scanned_stack_is_layer_and_a_token_lookup_is_vocab():
     state = {"table": sds(V, E), "up": sds(3, E, M), "down": sds(3, M, E)}
 

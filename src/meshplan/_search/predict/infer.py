@@ -22,8 +22,9 @@ dimensions by its role, where the program shows it:
 * any other: ``dim_<size>`` (``dim_<size>_<n>`` where several have that size).
 
 Biases, norms and the optimizer's moments share their class's name; a dimension of
-size 1 gets ``None``. The names come back as path rules (:class:`InferredNames`), the
-``(pattern, names)`` pairs :func:`meshplan.name_by_path` takes, one per parameter (a
+size 1 gets ``None``, and so does one whose name an earlier dimension of its array has
+(a square ``embed x embed`` kernel's output). The names come back as path rules
+(:class:`InferredNames`), the ``(pattern, names)`` pairs :func:`meshplan.name_by_path` takes, one per parameter (a
 layer index written ``\\d+`` where every layer has the same names), matching the
 optimizer's copies too.
 """
@@ -347,6 +348,12 @@ class _Namer:
 # -- path rules ------------------------------------------------------------------------
 
 
+def _once(names: Names) -> Names:
+    """``names`` with each name on its first dimension only: a name names one dimension
+    of an array (a square ``embed x embed`` kernel's output is left unnamed)."""
+    return tuple(None if n in names[:i] else n for i, n in enumerate(names))
+
+
 def _leaf_paths(abstract_state: Any) -> list[str | None]:
     """The path of each of ``jax.tree.leaves(abstract_state)`` as :func:`meshplan.explain`
     prints it (``None`` for a leaf that is not an array)."""
@@ -497,7 +504,7 @@ def infer_names(
         got = given.get(c.find(n))
         return got[0] if got else None
 
-    names = [tuple(name(n) for n in nodes) for nodes in c.state]
+    names = [_once(tuple(name(n) for n in nodes)) for nodes in c.state]
     rules = _rules(_leaf_paths(abstract_state), names)
     arrays: collections.Counter[str] = collections.Counter()
     for n in names:
