@@ -140,6 +140,18 @@ def test_a_scanned_stack_is_layer_and_a_token_lookup_is_vocab():
     assert names(rules, "down") == ("layer", "mlp", "embed")
 
 
+def test_an_untied_head_under_an_integer_label_loss_is_vocab():
+    """optax's integer-label loss picks the logits by the token ids (take_along_axis)."""
+    state = {"table": sds(V, E), "head": sds(E, V)}
+
+    def loss(s, tokens):
+        logits = jnp.take(s["table"], tokens, axis=0) @ s["head"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
+
+    rules = meshplan.infer_names(grad_step(loss), state, sds(B, L, dtype=jnp.int32))
+    assert names(rules, "head") == ("embed", "vocab")
+
+
 def test_grouped_query_attention_names_kv_heads():
     kv_heads = 2
     state = {"q": sds(E, H * D), "kv": sds(E, 2 * kv_heads * D), "o": sds(H * D, E)}

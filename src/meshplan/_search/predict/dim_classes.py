@@ -91,7 +91,8 @@ class DimClasses:
     array's dimensions, in ``jax.tree.leaves`` order; ``batch``: the batch's first
     dimension (``None`` without a batch); ``id_dims``: the dimensions of the values
     computed from the batch's token ids and constants alone (a one-hot of them: its
-    ``vocab``); ``batch_dims``: the batch arrays' own dimensions.
+    ``vocab``), and of the logits an integer-label loss picks by them (``vocab``: an
+    untied head's); ``batch_dims``: the batch arrays' own dimensions.
     """
 
     uf: _UnionFind
@@ -420,7 +421,17 @@ class _Links(_Walker):
         for k, j in enumerate(batch_out):
             if k < len(_shape(indices)) - 1:
                 self.join(indices, k, out, j)
-        if not isinstance(table, Literal) and not self.has(self.from_batch, table):
+        batching = zip(
+            getattr(dn, "operand_batching_dims", ()),
+            getattr(dn, "start_indices_batching_dims", ()),
+            strict=True,
+        )
+        for i, k in batching:  # take_along_axis: the table's batch dimensions, the indices'
+            self.join(table, i, indices, k)
+        if self.has(self.from_batch, table) and self.has(self.from_ids, indices):
+            # the logits an integer-label loss picks by the token ids: their vocab
+            self.id_dims += [self.node(table, i) for i in dn.collapsed_slice_dims]
+        elif not isinstance(table, Literal) and not self.has(self.from_batch, table):
             by_ids = self.has(self.from_ids, indices)
             dims = range(len(_shape(table)))
             for i in dn.collapsed_slice_dims:

@@ -191,7 +191,8 @@ class _Namer:
 
     def lookups(self) -> None:
         """``vocab``: the rows a lookup of token ids reads, and a dimension of a one-hot of
-        them (a lookup as a matmul, the loss's targets: the logits) that the batch lacks."""
+        them (a lookup as a matmul, the loss's targets: the logits) or of the logits an
+        integer-label loss picks by them, that the batch lacks."""
         c = self.c
         for n, by_ids, _ in c.rows:
             if by_ids:
@@ -199,7 +200,7 @@ class _Namer:
         own = {c.find(n) for n in c.batch_dims}
         for r in dict.fromkeys(c.find(n) for n in c.id_dims):
             if r not in own:
-                self.give(r, "vocab", "vocabulary: a one-hot of the token ids has it")
+                self.give(r, "vocab", "vocabulary: a one-hot of the token ids, or logits they pick")
         self._features = next((rest for _, by_ids, rest in c.rows if by_ids), None)
 
     def embed(self) -> None:
