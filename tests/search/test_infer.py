@@ -140,6 +140,20 @@ def test_a_scanned_stack_is_layer_and_a_token_lookup_is_vocab():
     assert names(rules, "down") == ("layer", "mlp", "embed")
 
 
+def test_a_position_table_indexed_by_counted_token_ids_is_not_vocab():
+    """RoBERTa's positions: a cumsum of the ids' padding mask, from the token ids alone."""
+    state = {"table": sds(V, E), "positions": sds(L + 2, E)}
+
+    def loss(s, tokens):
+        mask = (tokens != 1).astype(jnp.int32)
+        x = s["table"][tokens] + s["positions"][jnp.cumsum(mask, axis=1) * mask + 1]
+        return (x @ s["table"].T).mean()
+
+    rules = meshplan.infer_names(grad_step(loss), state, sds(B, L, dtype=jnp.int32))
+    assert names(rules, "table") == ("vocab", "embed")
+    assert names(rules, "positions") == (f"dim_{L + 2}", "embed")
+
+
 def test_an_untied_head_under_an_integer_label_loss_is_vocab():
     """optax's integer-label loss picks the logits by the token ids (take_along_axis)."""
     state = {"table": sds(V, E), "head": sds(E, V)}

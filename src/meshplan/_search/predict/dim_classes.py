@@ -140,6 +140,9 @@ class _Links(_Walker):
         # (a one-hot), and the dimensions they have
         self.from_ids: set[Any] = set()
         self.const: set[Any] = set()  # computed from no input (the jaxpr's constants, iotas)
+        # token ids counted along the sequence (RoBERTa's positions: a cumsum of the ids'
+        # mask), which index a position table, not the vocabulary
+        self.counted: set[Any] = set()
         self.id_dims: list[Node] = []
         self.made = itertools.count()
         self.entries = itertools.count(1)
@@ -199,20 +202,28 @@ class _Links(_Walker):
         finally:
             self.ctx = outer
         for out, res in self.outputs(eqn):  # what the body computes, the call gives
-            for group in (self.from_batch, self.from_state, self.from_ids, self.const):
+            for group in self.groups():
                 if self.has(group, res, inner):
                     group.add(self.key(out))
         return outs
 
+    def groups(self) -> tuple[set[Any], ...]:
+        """The sets of values :meth:`flow` keeps, which a body's values share with a call's."""
+        return (self.from_batch, self.from_state, self.from_ids, self.const, self.counted)
+
     def flow(self, eqn: Any) -> None:
         """Which values come from the batch, which from the state alone, which from token
-        ids alone, and which from no input."""
+        ids alone (and which of those count them: positions), and which from no input."""
         vs = [v for v in eqn.invars if not isinstance(v, Literal)]
         outs = [self.key(v) for v in eqn.outvars]
         if any(self.has(self.from_batch, v) for v in vs):
             self.from_batch.update(outs)
         elif vs and all(self.has(self.from_state, v) for v in vs):
             self.from_state.update(outs)
+        if any(self.has(self.counted, v) for v in vs) or (
+            eqn.primitive.name.startswith("cum") and any(self.has(self.from_ids, v) for v in vs)
+        ):
+            self.counted.update(outs)
         if all(self.has(self.const, v) for v in vs) and eqn.primitive.name not in _BODIES:
             self.const.update(outs)
         elif any(self.has(self.from_ids, v) for v in vs) and all(
@@ -222,7 +233,7 @@ class _Links(_Walker):
             for out in eqn.outvars:
                 self.id_dims += [self.node(out, d) for d, s in enumerate(_shape(out)) if s > 1]
         for outer, inner in self.inputs(eqn):
-            for group in (self.from_batch, self.from_state, self.from_ids, self.const):
+            for group in self.groups():
                 if self.has(group, outer):
                     group.add(self.key(inner, self.inner))
 
@@ -432,7 +443,7 @@ class _Links(_Walker):
             # the logits an integer-label loss picks by the token ids: their vocab
             self.id_dims += [self.node(table, i) for i in dn.collapsed_slice_dims]
         elif not isinstance(table, Literal) and not self.has(self.from_batch, table):
-            by_ids = self.has(self.from_ids, indices)
+            by_ids = self.has(self.from_ids, indices) and not self.has(self.counted, indices)
             dims = range(len(_shape(table)))
             for i in dn.collapsed_slice_dims:
                 if _shape(table)[i] > 1:
