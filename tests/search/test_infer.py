@@ -121,6 +121,29 @@ def test_a_square_kernel_in_the_residual_stream_names_embed_once():
     assert meshplan.name_by_path(state, rules)["w"].names == ("embed", None)
 
 
+def test_a_second_towers_residual_stream_and_mlp_are_embed_and_mlp():
+    """CLIP's vision tower, Whisper's encoder: no lookup names their stream; a norm
+    reduces it and a weight contracts it."""
+    state = {"table": sds(V, E), "up": sds(E, M), "down": sds(M, E), "patch": sds(12, 32)}
+    state |= {"v_up": sds(32, 96), "v_down": sds(96, 32), "proj": sds(32, E)}
+
+    def loss(s, batch):
+        tokens, pixels = batch
+        t = s["table"][tokens]
+        t = t + jax.nn.relu(t @ s["up"]) @ s["down"]
+        v = pixels @ s["patch"]
+        v = v * jax.lax.rsqrt((v * v).mean(-1, keepdims=True))
+        v = v + jax.nn.relu(v @ s["v_up"]) @ s["v_down"]
+        return (t.mean(1) * (v.mean(1) @ s["proj"])).sum()
+
+    batch = (sds(B, L, dtype=jnp.int32), sds(B, 9, 12))
+    rules = meshplan.infer_names(grad_step(loss), state, batch)
+    assert names(rules, "v_up") == ("embed", "mlp")
+    assert names(rules, "v_down") == ("mlp", "embed")
+    assert names(rules, "patch") == ("dim_12", "embed")
+    assert names(rules, "up") == ("embed", "mlp")
+
+
 def test_a_scanned_stack_is_layer_and_a_token_lookup_is_vocab():
     state = {"table": sds(V, E), "up": sds(3, E, M), "down": sds(3, M, E)}
 

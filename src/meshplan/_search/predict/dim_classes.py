@@ -92,7 +92,8 @@ class DimClasses:
     dimension (``None`` without a batch); ``id_dims``: the dimensions of the values
     computed from the batch's token ids and constants alone (a one-hot of them: its
     ``vocab``), and of the logits an integer-label loss picks by them (``vocab``: an
-    untied head's); ``batch_dims``: the batch arrays' own dimensions.
+    untied head's); ``batch_dims``: the batch arrays' own dimensions; ``reduced``: the
+    dimensions a reduction of an activation runs over (a norm's: the residual stream).
     """
 
     uf: _UnionFind
@@ -104,6 +105,7 @@ class DimClasses:
     batch: Node | None
     id_dims: list[Node] = dataclasses.field(default_factory=list)
     batch_dims: list[Node] = dataclasses.field(default_factory=list)
+    reduced: list[Node] = dataclasses.field(default_factory=list)
 
     def find(self, node: Node) -> Node:
         """The class of ``node`` (its root)."""
@@ -143,6 +145,7 @@ class _Links(_Walker):
         # token ids counted along the sequence (RoBERTa's positions: a cumsum of the ids'
         # mask), which index a position table, not the vocabulary
         self.counted: set[Any] = set()
+        self.reduced: list[Node] = []  # what a reduction of an activation runs over
         self.id_dims: list[Node] = []
         self.made = itertools.count()
         self.entries = itertools.count(1)
@@ -368,6 +371,8 @@ class _Links(_Walker):
     def reduce(self, eqn: Any) -> None:
         x = eqn.invars[0]
         kept = [i for i in range(len(_shape(x))) if i not in set(eqn.params["axes"])]
+        if self.has(self.from_batch, x):
+            self.reduced += [self.node(x, i) for i in eqn.params["axes"] if _shape(x)[i] > 1]
         for out in eqn.outvars:
             for j, i in enumerate(kept):
                 self.join(x, i, out, j)
@@ -629,5 +634,14 @@ def dim_classes(step_fn: Callable[..., Any], abstract_state: Any, example_batch:
     _close(uf, links.products)
     inputs = [links.node(v, d) for v in batch_in for d in range(len(_shape(v))) if _shape(v)[d] > 1]
     return DimClasses(
-        uf, links.products, links.scans, links.rows, dots, state, batch, links.id_dims, inputs
+        uf,
+        links.products,
+        links.scans,
+        links.rows,
+        dots,
+        state,
+        batch,
+        links.id_dims,
+        inputs,
+        links.reduced,
     )

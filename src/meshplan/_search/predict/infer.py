@@ -184,6 +184,7 @@ class _Namer:
         self.embed()
         self.attention()
         self.merged()  # a merge of heads x kv is heads, before it looks like an MLP's hidden
+        self.streams()
         self.mlp()
         self.merged()
         self.rest()
@@ -287,10 +288,20 @@ class _Namer:
                 out.update(factors)
         return out
 
+    def streams(self) -> None:
+        """Another residual stream (a second tower's, an encoder's with no lookup): a class
+        an activation's reduction (a norm) runs over and a weight's matmul contracts."""
+        c = self.c
+        reduced = {c.find(n) for n in c.reduced}
+        contracted = {c.find(n) for con, _, _, _, side in c.dots if side in (0, 1) for n in con}
+        if any(n == "embed" for n, _ in self.names.values()):
+            for r in self.free([r for r in self.order if r in reduced & contracted]):
+                self.give(r, "embed", "residual stream: a norm reduces it, a weight contracts it")
+
     def mlp(self) -> None:
         c = self.c
-        embed = next((r for r, (n, _) in self.names.items() if n == "embed"), None)
-        if embed is None:
+        embeds = {r for r, (n, _) in self.names.items() if n == "embed"}
+        if not embeds:
             return
         up: set[Node] = set()
         down: set[Node] = set()
@@ -299,9 +310,9 @@ class _Namer:
                 continue
             weight_free = {c.find(n) for n in (fl if side == 0 else fr)}
             contracted = {c.find(n) for n in contract}
-            if embed in contracted:
+            if embeds & contracted:
                 up |= weight_free
-            if embed in weight_free:
+            if embeds & weight_free:
                 down |= contracted
         for r in self.free([r for r in self.order if r in up & down]):
             self.give(r, "mlp", "MLP hidden: a weight's output contracted back into embed")
