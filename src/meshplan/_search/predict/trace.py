@@ -455,6 +455,9 @@ class _Walker:
         self.fusion_reads = FusionReads()  # the buffers a fusion's kernel reads (fusion_reads)
         self.read_traffic: dict[tuple[Names, tuple[int, ...], bool], int] = {}  # their bytes
         self.constlike: set[Any] = set()  # computed from no input (iotas, masks): recomputed
+        # names of the activations a gather picks from, by shape (a loss's logits): the
+        # zeros its transpose scatters into are named as they are
+        self.picked_from: dict[tuple[int, ...], Names] = {}
         self.reshards: dict[tuple[Names, Names, tuple[int, ...], int], int] = {}
         self.moves: dict[tuple[Names, Names, tuple[int, ...], int], int] = {}
         self.reductions: dict[tuple[Names, tuple[int, ...], tuple[int, ...], int], int] = {}
@@ -903,6 +906,7 @@ class _Walker:
             self.causal_masks.add(shapes[0][-2:])
         if prim not in UNDERSTOOD and prim not in ELEMENTWISE:
             return self._unpriced(eqn, times)
+        ins = self._picked(eqn, ins, shapes)
         outs = [dedupe(n) for n in self.other(prim, p, ins, shapes, out_shapes)]
         if times:
             self._moved(eqn, ins, outs, shapes, times)
@@ -1187,6 +1191,18 @@ class _Walker:
             seen.add(v)
             got = [c for c in got if c != "return"] + self.consumers.get(v, [])
         return got
+
+    def _picked(self, eqn: Any, ins: list[Names], shapes: list[tuple[int, ...]]) -> list[Names]:
+        """``ins``, the zeros a gather's transpose scatters into (the integer-label loss's
+        logits' cotangent) named as the activation the gather picked from: XLA splits it
+        so (by vocab, where a tensor axis splits the logits), not whole."""
+        prim = eqn.primitive.name
+        if prim == "gather" and ins and "batch" in ins[0]:
+            self.picked_from[shapes[0]] = ins[0]
+        scatter = prim.startswith("scatter") and len(ins) == 3 and not any(ins[0])
+        if scatter and eqn.invars[0] in self.constlike:
+            return [self.picked_from.get(shapes[0], ins[0]), *ins[1:]]
+        return ins
 
     @staticmethod
     def other(
