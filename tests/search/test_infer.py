@@ -144,6 +144,20 @@ def test_a_second_towers_residual_stream_and_mlp_are_embed_and_mlp():
     assert names(rules, "up") == ("embed", "mlp")
 
 
+def test_a_norm_over_the_mlp_hidden_leaves_it_mlp():
+    """A norm reduces a residual stream, and may reduce an MLP's hidden too (the suite's
+    GELU MLP: Dense, LayerNorm, GELU, Dense)."""
+    state = {"up": sds(E, M), "down": sds(M, E)}
+
+    def loss(s, x):
+        h = x @ s["up"]
+        h = h * jax.lax.rsqrt((h * h).mean(-1, keepdims=True))
+        return ((x + jax.nn.gelu(h) @ s["down"]) ** 2).mean()
+
+    rules = meshplan.infer_names(grad_step(loss), state, sds(B, E))
+    assert names(rules, "up") == ("embed", "mlp")
+
+
 def test_a_scanned_stack_is_layer_and_a_token_lookup_is_vocab():
     state = {"table": sds(V, E), "up": sds(3, E, M), "down": sds(3, M, E)}
 

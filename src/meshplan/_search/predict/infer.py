@@ -184,6 +184,7 @@ class _Namer:
         self.embed()
         self.attention()
         self.merged()  # a merge of heads x kv is heads, before it looks like an MLP's hidden
+        self.mlp()  # before another stream: a norm may reduce an MLP's hidden too
         self.streams()
         self.mlp()
         self.merged()
