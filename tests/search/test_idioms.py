@@ -39,6 +39,7 @@ IDIOMS = {
         lambda c, a: (c + a, None), jnp.zeros(h.shape[1:]), h, reverse=True
     )[0].mean(),
     "pad": lambda h: jnp.pad(h, ((0, 0), (1, 1), (0, 0))).mean(),
+    "tile": lambda h: (jnp.tile(h[:1], (16, 1, 1)) * h).mean(),  # CLIP's class token
     "roll": lambda h: (jnp.roll(h, 1, axis=1) * h).mean(),
     "fft": lambda h: jnp.abs(jnp.fft.rfft(h, axis=1)).mean(),
     "var": lambda h: h.var(),

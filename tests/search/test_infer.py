@@ -46,6 +46,22 @@ def test_a_fused_qkv_kernel_split_into_heads_is_named_heads():
     assert names(rules, "out") == ("heads", "embed")
 
 
+def test_a_fused_qkv_kernel_split_heads_first_is_heads_not_grouped_query():
+    """Bloom's fused kernel: [heads, 3 x kv], split in three; heads x (3 x kv), not a
+    grouped query's kv_heads x group."""
+    state = {"qkv": sds(E, H * 3 * D), "out": sds(H * D, E)}
+
+    def loss(s, x):
+        q, k, v = jnp.split((x @ s["qkv"]).reshape(B, L, H, 3 * D), 3, axis=-1)
+        y = attention(q, k, v).reshape(B, L, H * D)
+        return ((x + y @ s["out"]) ** 2).mean()
+
+    rules = meshplan.infer_names(grad_step(loss), state, sds(B, L, E))
+    assert names(rules, "qkv") == ("embed", "heads")
+    assert names(rules, "out") == ("heads", "embed")
+    assert "kv_heads" not in rules.names_of()
+
+
 def test_an_einsum_over_heads_names_heads_and_kv():
     state = {k: sds(E, H, D) for k in ("q", "k", "v")} | {"o": sds(H, D, E)}
 
@@ -92,6 +108,56 @@ def test_dimensions_of_size_one_are_unnamed():
     assert names(rules, "gain") == (None, "embed")
 
 
+def test_a_square_kernel_in_the_residual_stream_names_embed_once():
+    """BERT's MLM head transform: a name names one dimension of an array
+    (name_by_path rejects ('embed', 'embed'))."""
+    state = {"w": sds(E, E), "scale": sds(E)}
+
+    def loss(s, x):
+        return ((x + x @ s["w"]) * s["scale"]).sum()
+
+    rules = meshplan.infer_names(grad_step(loss), state, sds(B, E))
+    assert names(rules, "w") == ("embed", None)
+    assert meshplan.name_by_path(state, rules)["w"].names == ("embed", None)
+
+
+def test_a_second_towers_residual_stream_and_mlp_are_embed_and_mlp():
+    """CLIP's vision tower, Whisper's encoder: no lookup names their stream; a norm
+    reduces it and a weight contracts it."""
+    state = {"table": sds(V, E), "up": sds(E, M), "down": sds(M, E), "patch": sds(12, 32)}
+    state |= {"v_up": sds(32, 96), "v_down": sds(96, 32), "proj": sds(32, E)}
+
+    def loss(s, batch):
+        tokens, pixels = batch
+        t = s["table"][tokens]
+        t = t + jax.nn.relu(t @ s["up"]) @ s["down"]
+        v = pixels @ s["patch"]
+        v = v * jax.lax.rsqrt((v * v).mean(-1, keepdims=True))
+        v = v + jax.nn.relu(v @ s["v_up"]) @ s["v_down"]
+        return (t.mean(1) * (v.mean(1) @ s["proj"])).sum()
+
+    batch = (sds(B, L, dtype=jnp.int32), sds(B, 9, 12))
+    rules = meshplan.infer_names(grad_step(loss), state, batch)
+    assert names(rules, "v_up") == ("embed", "mlp")
+    assert names(rules, "v_down") == ("mlp", "embed")
+    assert names(rules, "patch") == ("dim_12", "embed")
+    assert names(rules, "up") == ("embed", "mlp")
+
+
+def test_a_norm_over_the_mlp_hidden_leaves_it_mlp():
+    """A norm reduces a residual stream, and may reduce an MLP's hidden too (the suite's
+    GELU MLP: Dense, LayerNorm, GELU, Dense)."""
+    state = {"up": sds(E, M), "down": sds(M, E)}
+
+    def loss(s, x):
+        h = x @ s["up"]
+        h = h * jax.lax.rsqrt((h * h).mean(-1, keepdims=True))
+        return ((x + jax.nn.gelu(h) @ s["down"]) ** 2).mean()
+
+    rules = meshplan.infer_names(grad_step(loss), state, sds(B, E))
+    assert names(rules, "up") == ("embed", "mlp")
+
+
 def test_a_scanned_stack_is_layer_and_a_token_lookup_is_vocab():
     state = {"table": sds(V, E), "up": sds(3, E, M), "down": sds(3, M, E)}
 
@@ -109,6 +175,32 @@ def test_a_scanned_stack_is_layer_and_a_token_lookup_is_vocab():
     assert names(rules, "table") == ("vocab", "embed")
     assert names(rules, "up") == ("layer", "embed", "mlp")
     assert names(rules, "down") == ("layer", "mlp", "embed")
+
+
+def test_a_position_table_indexed_by_counted_token_ids_is_not_vocab():
+    """RoBERTa's positions: a cumsum of the ids' padding mask, from the token ids alone."""
+    state = {"table": sds(V, E), "positions": sds(L + 2, E)}
+
+    def loss(s, tokens):
+        mask = (tokens != 1).astype(jnp.int32)
+        x = s["table"][tokens] + s["positions"][jnp.cumsum(mask, axis=1) * mask + 1]
+        return (x @ s["table"].T).mean()
+
+    rules = meshplan.infer_names(grad_step(loss), state, sds(B, L, dtype=jnp.int32))
+    assert names(rules, "table") == ("vocab", "embed")
+    assert names(rules, "positions") == (f"dim_{L + 2}", "embed")
+
+
+def test_an_untied_head_under_an_integer_label_loss_is_vocab():
+    """optax's integer-label loss picks the logits by the token ids (take_along_axis)."""
+    state = {"table": sds(V, E), "head": sds(E, V)}
+
+    def loss(s, tokens):
+        logits = jnp.take(s["table"], tokens, axis=0) @ s["head"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
+
+    rules = meshplan.infer_names(grad_step(loss), state, sds(B, L, dtype=jnp.int32))
+    assert names(rules, "head") == ("embed", "vocab")
 
 
 def test_grouped_query_attention_names_kv_heads():

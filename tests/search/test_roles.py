@@ -69,6 +69,24 @@ def test_the_trace_reads_length_and_the_experts_names_from_the_models_constraint
     assert any(after[:2] == ("expert", "expert_batch") for _, after, _, _ in moe.reshards)
 
 
+def test_a_state_with_more_names_than_a_mesh_may_have_axes_is_traced():
+    """The trace's mesh has an axis per name, and jax.make_mesh takes 32 at most (CLIP's
+    two towers, named by infer_names: 13 names, 40 axes with the layouts' and MaxText's)."""
+    names = [f"dim_{i}" for i in range(2, 22)]
+    state = {
+        n: meshplan.LogicallyPartitioned(jax.ShapeDtypeStruct((8, i + 2), jnp.float32), (None, n))
+        for i, n in enumerate(names)
+    }
+
+    def step(s, x):
+        return jax.grad(lambda s: sum((x @ w.value).sum() for w in s.values()))(s)
+
+    work = trace_workload(
+        step, state, jax.ShapeDtypeStruct((4, 8), jnp.float32), read_constraints=True
+    )
+    assert set(names) <= set(work.names)
+
+
 def test_reading_the_constraints_leaves_the_memory_predicted_as_without_them():
     # A constraint is its input's buffer, and so is a residual a scan passes through it.
     state, step, tokens = llama_step(LLAMA, batch=8, seq=256)

@@ -91,7 +91,9 @@ class DimClasses:
     array's dimensions, in ``jax.tree.leaves`` order; ``batch``: the batch's first
     dimension (``None`` without a batch); ``id_dims``: the dimensions of the values
     computed from the batch's token ids and constants alone (a one-hot of them: its
-    ``vocab``); ``batch_dims``: the batch arrays' own dimensions.
+    ``vocab``), and of the logits an integer-label loss picks by them (``vocab``: an
+    untied head's); ``batch_dims``: the batch arrays' own dimensions; ``reduced``: the
+    dimensions a reduction of an activation runs over (a norm's: the residual stream).
     """
 
     uf: _UnionFind
@@ -103,6 +105,7 @@ class DimClasses:
     batch: Node | None
     id_dims: list[Node] = dataclasses.field(default_factory=list)
     batch_dims: list[Node] = dataclasses.field(default_factory=list)
+    reduced: list[Node] = dataclasses.field(default_factory=list)
 
     def find(self, node: Node) -> Node:
         """The class of ``node`` (its root)."""
@@ -139,6 +142,10 @@ class _Links(_Walker):
         # (a one-hot), and the dimensions they have
         self.from_ids: set[Any] = set()
         self.const: set[Any] = set()  # computed from no input (the jaxpr's constants, iotas)
+        # token ids counted along the sequence (RoBERTa's positions: a cumsum of the ids'
+        # mask), which index a position table, not the vocabulary
+        self.counted: set[Any] = set()
+        self.reduced: list[Node] = []  # what a reduction of an activation runs over
         self.id_dims: list[Node] = []
         self.made = itertools.count()
         self.entries = itertools.count(1)
@@ -198,20 +205,28 @@ class _Links(_Walker):
         finally:
             self.ctx = outer
         for out, res in self.outputs(eqn):  # what the body computes, the call gives
-            for group in (self.from_batch, self.from_state, self.from_ids, self.const):
+            for group in self.groups():
                 if self.has(group, res, inner):
                     group.add(self.key(out))
         return outs
 
+    def groups(self) -> tuple[set[Any], ...]:
+        """The sets of values :meth:`flow` keeps, which a body's values share with a call's."""
+        return (self.from_batch, self.from_state, self.from_ids, self.const, self.counted)
+
     def flow(self, eqn: Any) -> None:
         """Which values come from the batch, which from the state alone, which from token
-        ids alone, and which from no input."""
+        ids alone (and which of those count them: positions), and which from no input."""
         vs = [v for v in eqn.invars if not isinstance(v, Literal)]
         outs = [self.key(v) for v in eqn.outvars]
         if any(self.has(self.from_batch, v) for v in vs):
             self.from_batch.update(outs)
         elif vs and all(self.has(self.from_state, v) for v in vs):
             self.from_state.update(outs)
+        if any(self.has(self.counted, v) for v in vs) or (
+            eqn.primitive.name.startswith("cum") and any(self.has(self.from_ids, v) for v in vs)
+        ):
+            self.counted.update(outs)
         if all(self.has(self.const, v) for v in vs) and eqn.primitive.name not in _BODIES:
             self.const.update(outs)
         elif any(self.has(self.from_ids, v) for v in vs) and all(
@@ -221,7 +236,7 @@ class _Links(_Walker):
             for out in eqn.outvars:
                 self.id_dims += [self.node(out, d) for d, s in enumerate(_shape(out)) if s > 1]
         for outer, inner in self.inputs(eqn):
-            for group in (self.from_batch, self.from_state, self.from_ids, self.const):
+            for group in self.groups():
                 if self.has(group, outer):
                     group.add(self.key(inner, self.inner))
 
@@ -356,6 +371,8 @@ class _Links(_Walker):
     def reduce(self, eqn: Any) -> None:
         x = eqn.invars[0]
         kept = [i for i in range(len(_shape(x))) if i not in set(eqn.params["axes"])]
+        if self.has(self.from_batch, x):
+            self.reduced += [self.node(x, i) for i in eqn.params["axes"] if _shape(x)[i] > 1]
         for out in eqn.outvars:
             for j, i in enumerate(kept):
                 self.join(x, i, out, j)
@@ -420,8 +437,18 @@ class _Links(_Walker):
         for k, j in enumerate(batch_out):
             if k < len(_shape(indices)) - 1:
                 self.join(indices, k, out, j)
-        if not isinstance(table, Literal) and not self.has(self.from_batch, table):
-            by_ids = self.has(self.from_ids, indices)
+        batching = zip(
+            getattr(dn, "operand_batching_dims", ()),
+            getattr(dn, "start_indices_batching_dims", ()),
+            strict=True,
+        )
+        for i, k in batching:  # take_along_axis: the table's batch dimensions, the indices'
+            self.join(table, i, indices, k)
+        if self.has(self.from_batch, table) and self.has(self.from_ids, indices):
+            # the logits an integer-label loss picks by the token ids: their vocab
+            self.id_dims += [self.node(table, i) for i in dn.collapsed_slice_dims]
+        elif not isinstance(table, Literal) and not self.has(self.from_batch, table):
+            by_ids = self.has(self.from_ids, indices) and not self.has(self.counted, indices)
             dims = range(len(_shape(table)))
             for i in dn.collapsed_slice_dims:
                 if _shape(table)[i] > 1:
@@ -607,5 +634,14 @@ def dim_classes(step_fn: Callable[..., Any], abstract_state: Any, example_batch:
     _close(uf, links.products)
     inputs = [links.node(v, d) for v in batch_in for d in range(len(_shape(v))) if _shape(v)[d] > 1]
     return DimClasses(
-        uf, links.products, links.scans, links.rows, dots, state, batch, links.id_dims, inputs
+        uf,
+        links.products,
+        links.scans,
+        links.rows,
+        dots,
+        state,
+        batch,
+        links.id_dims,
+        inputs,
+        links.reduced,
     )

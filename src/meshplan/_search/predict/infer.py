@@ -22,8 +22,9 @@ dimensions by its role, where the program shows it:
 * any other: ``dim_<size>`` (``dim_<size>_<n>`` where several have that size).
 
 Biases, norms and the optimizer's moments share their class's name; a dimension of
-size 1 gets ``None``. The names come back as path rules (:class:`InferredNames`), the
-``(pattern, names)`` pairs :func:`meshplan.name_by_path` takes, one per parameter (a
+size 1 gets ``None``, and so does one whose name an earlier dimension of its array has
+(a square ``embed x embed`` kernel's output). The names come back as path rules
+(:class:`InferredNames`), the ``(pattern, names)`` pairs :func:`meshplan.name_by_path` takes, one per parameter (a
 layer index written ``\\d+`` where every layer has the same names), matching the
 optimizer's copies too.
 """
@@ -183,6 +184,8 @@ class _Namer:
         self.embed()
         self.attention()
         self.merged()  # a merge of heads x kv is heads, before it looks like an MLP's hidden
+        self.mlp()  # before another stream: a norm may reduce an MLP's hidden too
+        self.streams()
         self.mlp()
         self.merged()
         self.rest()
@@ -190,7 +193,8 @@ class _Namer:
 
     def lookups(self) -> None:
         """``vocab``: the rows a lookup of token ids reads, and a dimension of a one-hot of
-        them (a lookup as a matmul, the loss's targets: the logits) that the batch lacks."""
+        them (a lookup as a matmul, the loss's targets: the logits) or of the logits an
+        integer-label loss picks by them, that the batch lacks."""
         c = self.c
         for n, by_ids, _ in c.rows:
             if by_ids:
@@ -198,7 +202,7 @@ class _Namer:
         own = {c.find(n) for n in c.batch_dims}
         for r in dict.fromkeys(c.find(n) for n in c.id_dims):
             if r not in own:
-                self.give(r, "vocab", "vocabulary: a one-hot of the token ids has it")
+                self.give(r, "vocab", "vocabulary: a one-hot of the token ids, or logits they pick")
         self._features = next((rest for _, by_ids, rest in c.rows if by_ids), None)
 
     def embed(self) -> None:
@@ -223,13 +227,7 @@ class _Namer:
             if side in (0, 1)
             for n in (fl if side == 0 else fr)
         }
-        todo = list(out)
-        while todo:
-            for factors in c.factors(todo.pop()):
-                new = [f for f in factors if f not in out]
-                out.update(new)
-                todo += new
-        return out
+        return self.made_of(list(out))
 
     def attention_dims(self, made: set[Node]) -> tuple[list[Node], set[Node], set[Node]]:
         """Of the products of two activations batched over the batch (attention): the
@@ -256,13 +254,14 @@ class _Namer:
         made = self.weight_free()
         batched, kv, value_kv = self.attention_dims(made)
         # Grouped-query attention batches q·kᵀ over kv_heads, the major factor of the
-        # query's heads (kv_heads x group, the group not a head dimension): the query's
-        # heads are the whole, the keys' the factor.
+        # query's heads (kv_heads x group, the group not a head dimension, nor made of
+        # one: Bloom's fused heads x (3 x kv) is not grouped): the query's heads are the
+        # whole, the keys' the factor.
         wholes = {self.c.find(w): tuple(map(self.c.find, f)) for w, f in self.c.products}
         split = {
             w: f
             for w, f in wholes.items()
-            if f[0] in batched and w in self.counts and not any(x in kv or x in value_kv for x in f)
+            if f[0] in batched and w in self.counts and not self.made_of(f) & (kv | value_kv)
         }
         parts = {x for f in split.values() for x in f}
         heads = [*split, *(r for r in batched if r not in parts)]
@@ -281,10 +280,29 @@ class _Namer:
         for r in [*kv, *value_kv]:
             self.give(r, "kv", "head dimension: q·kᵀ contracts it", factor=True)
 
+    def made_of(self, roots: Sequence[Node]) -> set[Node]:
+        """``roots`` and every class they are split into, transitively."""
+        out, todo = set(roots), list(roots)
+        while todo:
+            for factors in self.c.factors(todo.pop()):
+                todo += [f for f in factors if f not in out]
+                out.update(factors)
+        return out
+
+    def streams(self) -> None:
+        """Another residual stream (a second tower's, an encoder's with no lookup): a class
+        an activation's reduction (a norm) runs over and a weight's matmul contracts."""
+        c = self.c
+        reduced = {c.find(n) for n in c.reduced}
+        contracted = {c.find(n) for con, _, _, _, side in c.dots if side in (0, 1) for n in con}
+        if any(n == "embed" for n, _ in self.names.values()):
+            for r in self.free([r for r in self.order if r in reduced & contracted]):
+                self.give(r, "embed", "residual stream: a norm reduces it, a weight contracts it")
+
     def mlp(self) -> None:
         c = self.c
-        embed = next((r for r, (n, _) in self.names.items() if n == "embed"), None)
-        if embed is None:
+        embeds = {r for r, (n, _) in self.names.items() if n == "embed"}
+        if not embeds:
             return
         up: set[Node] = set()
         down: set[Node] = set()
@@ -293,9 +311,9 @@ class _Namer:
                 continue
             weight_free = {c.find(n) for n in (fl if side == 0 else fr)}
             contracted = {c.find(n) for n in contract}
-            if embed in contracted:
+            if embeds & contracted:
                 up |= weight_free
-            if embed in weight_free:
+            if embeds & weight_free:
                 down |= contracted
         for r in self.free([r for r in self.order if r in up & down]):
             self.give(r, "mlp", "MLP hidden: a weight's output contracted back into embed")
@@ -341,6 +359,12 @@ class _Namer:
 
 
 # -- path rules ------------------------------------------------------------------------
+
+
+def _once(names: Names) -> Names:
+    """``names`` with each name on its first dimension only: a name names one dimension
+    of an array (a square ``embed x embed`` kernel's output is left unnamed)."""
+    return tuple(None if n in names[:i] else n for i, n in enumerate(names))
 
 
 def _leaf_paths(abstract_state: Any) -> list[str | None]:
@@ -493,7 +517,7 @@ def infer_names(
         got = given.get(c.find(n))
         return got[0] if got else None
 
-    names = [tuple(name(n) for n in nodes) for nodes in c.state]
+    names = [_once(tuple(name(n) for n in nodes)) for nodes in c.state]
     rules = _rules(_leaf_paths(abstract_state), names)
     arrays: collections.Counter[str] = collections.Counter()
     for n in names:

@@ -57,10 +57,11 @@ KINDS: dict[str, frozenset[str]] = {
         " regularized_incomplete_beta rem round shift_left shift_right_arithmetic"
         " shift_right_logical sinh zeta bessel_i0e bessel_i1e random_gamma_grad"
     ),
-    # Broadcasts, casts, slices and reshapes around elementwise ops: fused, recomputed too.
+    # Broadcasts, casts, slices and reshapes around elementwise ops: fused, recomputed too
+    # (``tile``, ``jnp.tile``'s primitive: CLIP's class token, a broadcast XLA fuses).
     "layout": _named(
         "broadcast_in_dim convert_element_type copy copy_p expand_dims iota reshape select_n"
-        " slice squeeze stop_gradient pad"
+        " slice squeeze stop_gradient pad tile"
     ),
     # Reductions that read a recomputed operand inside their own fusion (a norm's statistic).
     "reduction": _named(

@@ -455,6 +455,9 @@ class _Walker:
         self.fusion_reads = FusionReads()  # the buffers a fusion's kernel reads (fusion_reads)
         self.read_traffic: dict[tuple[Names, tuple[int, ...], bool], int] = {}  # their bytes
         self.constlike: set[Any] = set()  # computed from no input (iotas, masks): recomputed
+        # names of the activations a gather picks from, by shape (a loss's logits): the
+        # zeros its transpose scatters into are named as they are
+        self.picked_from: dict[tuple[int, ...], Names] = {}
         self.reshards: dict[tuple[Names, Names, tuple[int, ...], int], int] = {}
         self.moves: dict[tuple[Names, Names, tuple[int, ...], int], int] = {}
         self.reductions: dict[tuple[Names, tuple[int, ...], tuple[int, ...], int], int] = {}
@@ -903,6 +906,7 @@ class _Walker:
             self.causal_masks.add(shapes[0][-2:])
         if prim not in UNDERSTOOD and prim not in ELEMENTWISE:
             return self._unpriced(eqn, times)
+        ins = self._picked(eqn, ins, shapes)
         outs = [dedupe(n) for n in self.other(prim, p, ins, shapes, out_shapes)]
         if times:
             self._moved(eqn, ins, outs, shapes, times)
@@ -1188,6 +1192,18 @@ class _Walker:
             got = [c for c in got if c != "return"] + self.consumers.get(v, [])
         return got
 
+    def _picked(self, eqn: Any, ins: list[Names], shapes: list[tuple[int, ...]]) -> list[Names]:
+        """``ins``, the zeros a gather's transpose scatters into (the integer-label loss's
+        logits' cotangent) named as the activation the gather picked from: XLA splits it
+        so (by vocab, where a tensor axis splits the logits), not whole."""
+        prim = eqn.primitive.name
+        if prim == "gather" and ins and "batch" in ins[0]:
+            self.picked_from[shapes[0]] = ins[0]
+        scatter = prim.startswith("scatter") and len(ins) == 3 and not any(ins[0])
+        if scatter and eqn.invars[0] in self.constlike:
+            return [self.picked_from.get(shapes[0], ins[0]), *ins[1:]]
+        return ins
+
     @staticmethod
     def other(
         prim: str,
@@ -1275,16 +1291,32 @@ def constraint_names(state_names: Sequence[Names | None]) -> tuple[str, ...]:
     Example:
         >>> from meshplan._search.predict.trace import constraint_names
         >>> names = constraint_names([("embed", "mlp")])
-        >>> names[:3], "length" in names, "expert_batch" in names
-        (('embed', 'mlp', 'activation_embed'), True, True)
+        >>> names[:3], names[-2:], "length" in names, "expert_batch" in names
+        (('embed', 'mlp', 'batch'), ('activation_embed', 'activation_mlp'), True, True)
     """
     from meshplan._search.predict.role_names import CONTEXT_NAMES, EXPERT_BATCH_NAMES, EXPERT_NAMES
     from meshplan.layouts import ALL_LAYOUTS
 
     own = [n for names in state_names if names for n in names if isinstance(n, str)]
-    out = [*own, *(f"activation_{n}" for n in own), "batch", *CONTEXT_NAMES, *EXPERT_NAMES]
-    out += [*EXPERT_BATCH_NAMES, *(n for r in ALL_LAYOUTS.values() for n, _ in r)]
+    out = [*own, "batch", *CONTEXT_NAMES, *EXPERT_NAMES, *EXPERT_BATCH_NAMES]
+    out += [*(n for r in ALL_LAYOUTS.values() for n, _ in r), *(f"activation_{n}" for n in own)]
     return tuple(dict.fromkeys(n for n in out if isinstance(n, str)))
+
+
+_MESH_AXES = 32
+"""The most axes ``jax.make_mesh`` takes (a numpy array of the devices, one dimension each)."""
+
+
+def _name_mesh(
+    names: Sequence[str],
+) -> tuple[jax.sharding.Mesh, tuple[tuple[str, str | None], ...]]:
+    """A mesh of one device, an axis of size 1 per name, and rules naming each name's
+    axis; past :data:`_MESH_AXES`, the last names (MaxText's ``activation_`` forms
+    first) name none, and constraints by them read as unsplit."""
+    axes = tuple(names[:_MESH_AXES])
+    auto = (jax.sharding.AxisType.Auto,) * len(axes)
+    mesh = jax.make_mesh((1,) * len(axes), axes, axis_types=auto)
+    return mesh, tuple((n, n if n in axes else None) for n in names)
 
 
 def _make_jaxpr(
@@ -1300,11 +1332,9 @@ def _make_jaxpr(
     from meshplan._spmd.rules import logical_axis_rules
 
     if read_constraints and active_mesh() is None:
-        names = constraint_names([n for n, _, _ in state])
-        auto = (jax.sharding.AxisType.Auto,) * len(names)
-        mesh = jax.make_mesh((1,) * len(names), names, axis_types=auto)
+        mesh, rules = _name_mesh(constraint_names([n for n, _, _ in state]))
         try:
-            with jax.set_mesh(mesh), logical_axis_rules(tuple((n, n) for n in names)):
+            with jax.set_mesh(mesh), logical_axis_rules(rules):
                 return jax.make_jaxpr(step_fn)(abstract_state, example_batch), True
         except Exception:  # a step that names mesh axes itself: traced without
             pass
@@ -1379,7 +1409,8 @@ def trace_workload(
         read_constraints: Read the names of the model's logical constraints
             (:func:`meshplan.with_logical_constraint`): the step is traced under a mesh
             of one device with an axis of size 1 per logical name it may use
-            (:func:`constraint_names`) and rules mapping each name to its axis, so that
+            (:func:`constraint_names`, the first 32: ``jax.make_mesh``'s most) and rules
+            mapping each name to its axis, so that
             every constraint is left in the program with its names. Activations then
             carry ``length`` (context parallelism) and a mixture of experts' dispatch its
             ``expert``/``expert_batch``, which no parameter names (what
