@@ -105,3 +105,38 @@ def test_remat_keeps_less_than_no_remat_and_fused_attention_keeps_no_scores():
     assert kept["full"].activation_bytes < kept["none"].activation_bytes / 2
     unfused = predict(none, mesh, rules, get_profile("cpu"))
     assert kept["none"].activation_bytes < unfused.activation_bytes  # no [b, h, s, s] scores
+
+
+def test_a_layer_inputs_partial_sums_are_held_for_one_combined_all_reduce():
+    """Under tensor parallelism the gradient of an input three projections read (q/k/v) is
+    three partial sums; XLA:CPU all-reduces them in one combined all-reduce (a tuple of
+    three, compiled), so all three are alive until it runs, and its three results beside
+    them: the planner's temporaries within 20% of XLA's (1.10; 0.70 before it held them)."""
+    import jax
+    import jax.numpy as jnp
+
+    import meshplan
+    from meshplan._search.measure.hlo import compile_candidate
+
+    w = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+    state = {p: meshplan.LogicallyPartitioned(w, ("embed", "heads")) for p in "qkv"}
+    state["in"] = meshplan.LogicallyPartitioned(
+        jax.ShapeDtypeStruct((64, 64), jnp.float32), (None, "embed")
+    )
+
+    def step(state, x):
+        def loss(p):
+            y = jnp.tanh(x @ p["in"])  # the layer input whose gradient is summed
+            h = jnp.tanh(y @ p["q"]) * jnp.tanh(y @ p["k"]) * jnp.tanh(y @ p["v"])
+            return (h**2).sum()
+
+        return jax.grad(loss)({k: b.value for k, b in state.items()})
+
+    x = jax.ShapeDtypeStruct((256, 64), jnp.float32)
+    mesh, rules = {"data": 2, "tensor": 4}, (("batch", "data"), ("heads", "tensor"))
+    hlo = compile_candidate(step, state, x, mesh, rules)[0].as_text()
+    assert "all-reduce(" in hlo and "(f32[128,64]{1,0}, f32[128,64]{1,0}, f32[128,64]" in hlo
+    cost = predict(trace_workload(step, state, x), mesh, rules, CPU_LIKE)
+    xla = measure_step(step, state, x, mesh, rules, True, AS_ON_ACCELERATORS)
+    predicted = cost.activation_bytes + cost.temporary_bytes
+    assert abs(predicted - xla["xla_temp_bytes"]) <= 0.2 * xla["xla_temp_bytes"]

@@ -1005,8 +1005,10 @@ def _peak(
     )
     copies = [(results or {}).get(d, 0) for d in program.dots]
     held = _held_gradients(program, specs, copies)
+    # XLA:CPU's program: the partial sums summed into one value, all-reduced together
+    combined = [d in partial_sums for d in program.dots] if program.sums else []
     return memory_model.peak(
-        program, bytes_of, extra, partial, profile.combine_bytes, hoisted, copies, held
+        program, bytes_of, extra, partial, profile.combine_bytes, hoisted, copies, held, combined
     )
 
 

@@ -82,7 +82,9 @@ class MemoryProgram:
     has run before the point since the start of its loop iteration (or of the step, outside
     loops): the gradients whose reductions XLA may still be combining; ``hoists``: the
     rematerialised regions of unrolled layers (:class:`Hoist`), which a collective combiner
-    may run in the forward pass.
+    may run in the forward pass; ``sums``: the matmuls whose outputs are summed into one
+    value (a layer input's gradient from its q/k/v or gate/up projections), each as ``(the
+    point of the last of them, their indices in dots, the cell of one output)``.
     """
 
     cells: list[Cell]
@@ -95,6 +97,7 @@ class MemoryProgram:
     scopes: list[list[int]] = dataclasses.field(default_factory=list)
     ran: np.ndarray | None = None
     hoists: list[Hoist] = dataclasses.field(default_factory=list)
+    sums: list[tuple[int, tuple[int, ...], int]] = dataclasses.field(default_factory=list)
 
     def sizes(self, bytes_of: Callable[[Cell], int]) -> np.ndarray:
         """Bytes per device of each cell, by ``bytes_of``."""
@@ -202,6 +205,7 @@ class _Builder:
         self.top = -1  # the top-level equation being walked
         self.defined: dict[Any, int] = {}  # a top-level value: the equation defining it
         self.hoists: list[tuple[int, list[tuple[int, int, dict[int, int]]]]] = []
+        self.sums: list[tuple[tuple[Any, ...], tuple[int, ...], int]] = []
 
     def cell(self, v: Any, outer: bool = False) -> int | None:
         fused = self.materialized is not None and v not in self.materialized
@@ -215,13 +219,14 @@ class _Builder:
         key = (tuple(names), shape, item, v in self.scores)
         return self.cells.setdefault(key, len(self.cells))
 
-    def add(self, long: dict[int, int], short: dict[int, int], dot: int) -> None:
+    def add(self, long: dict[int, int], short: dict[int, int], dot: int) -> tuple[Any, ...]:
         ran = tuple(sorted(self.ran.items()))
         key = (tuple(sorted(long.items())), tuple(sorted(short.items())), dot, self.scope, ran)
         # the top-level equations a point occurs at, for the hoisted regions (:class:`Hoist`)
         self.points.setdefault(key, (long, short, dot, self.scope, ran, set()))[5].add(self.top)
         if dot >= 0 and self.scope >= 0 and dot not in self.scopes[self.scope]:
             self.scopes[self.scope].append(dot)
+        return key
 
     def walk(
         self,
@@ -246,6 +251,7 @@ class _Builder:
             recomputed |= self._copied(jaxpr, last, skip, recomputed | self.late_inputs)
         alive: dict[Any, int] = {}  # var -> cell, defined here and still alive
         pooled = {e.invars[1] for e in jaxpr.eqns if e.primitive.name == EXPANDED}
+        summed = _summed_matmuls(jaxpr) if self.copies else {}
         for v in jaxpr.invars:
             if v in skip or v not in last:
                 continue
@@ -309,7 +315,12 @@ class _Builder:
                 if self.copies:  # the arrays of the ops XLA:CPU expands
                     for c, m in self._expansion(eqn, pooled).items():
                         here_short[c] = here_short.get(c, 0) + m
-                self.add(here_long, here_short, dot)
+                key = self.add(here_long, here_short, dot)
+                if i in summed and outs:
+                    made = tuple(
+                        self.dots.setdefault(self.dot_of(e), len(self.dots)) for e in summed[i]
+                    )
+                    self.sums.append((key, made, next(iter(outs.values()))))
                 if dot >= 0:
                     self.ran[dot] = self.ran.get(dot, 0) + 1
             for v in [v for v in alive if last.get(v, -1) <= i]:
@@ -540,6 +551,41 @@ def expands(jaxpr: Any) -> bool:
     return False
 
 
+def _summed_matmuls(jaxpr: Any) -> dict[int, list[Any]]:
+    """The matmuls of ``jaxpr`` whose outputs are summed into one value (``add_any`` chains:
+    a layer input's gradient from the projections that read it), two or more, by the index
+    of the last of them.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from meshplan._search.predict.memory import _summed_matmuls
+        >>> def loss(x, q, k):
+        ...     return (x @ q).sum() + (x @ k).sum()
+        >>> g = jax.make_jaxpr(jax.grad(loss))(jnp.ones((2, 4)), jnp.ones((4, 3)), jnp.ones((4, 3)))
+        >>> [len(dots) for dots in _summed_matmuls(g.jaxpr).values()]  # x's gradient
+        [2]
+    """
+    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    chained = {
+        u for e in jaxpr.eqns if e.primitive.name == "add_any" for u in e.invars if u in producer
+    }
+    out: dict[int, list[Any]] = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name != "add_any" or eqn.outvars[0] in chained:
+            continue
+        leaves, stack = [], list(eqn.invars)
+        while stack:
+            u = stack.pop()
+            e = jaxpr.eqns[producer[u]] if u in producer else None
+            if e is not None and e.primitive.name == "add_any":
+                stack.extend(e.invars)
+            elif e is not None and e.primitive.name in MATMULS:
+                leaves.append(producer[u])
+        if len(leaves) > 1:
+            out[max(leaves)] = [jaxpr.eqns[k] for k in sorted(leaves)]
+    return out
+
+
 def _bodies(eqn: Any) -> list[Any]:
     """The jaxprs ``eqn`` runs: a loop's body, a cond's branches, a call's body."""
     p = eqn.params
@@ -720,6 +766,8 @@ def build(
             between = np.array([any(earliest < t < at for t in p[5]) for p in pts])
             rows.append((dot, between, row))
         hoists.append(Hoist(at, rows))
+    index = {key: k for k, key in enumerate(b.points)}
+    sums = [(index[key], made, c) for key, made, c in b.sums]
     return MemoryProgram(
         cells,
         long,
@@ -731,6 +779,7 @@ def build(
         b.scopes,
         ran,
         hoists,
+        sums,
     )
 
 
@@ -762,6 +811,7 @@ def peak(
     partial_sums: Sequence[bool] = (),
     results: Sequence[float] = (),
     held: Sequence[float] = (),
+    combined: Sequence[bool] = (),
 ) -> Peak:
     """The largest point of ``program`` with cells sized by ``bytes_of``.
 
@@ -799,6 +849,13 @@ def peak(
     through the rest of it (read in moe-dp's buffer assignment: both expert weights'
     gradients alive in the experts' backward, from their matmuls to the combined
     all-reduce; at the second's matmul, the first's beside the second's output).
+
+    ``combined``: per matmul, whether its output is a partial sum XLA all-reduces where
+    the all-reduces of the outputs summed into one value are combined into one (XLA on
+    CPU: a layer input's gradient from its q/k/v projections, under tensor parallelism):
+    at the last of them (``program.sums``), every one of those partial sums is alive, and
+    the combined all-reduce's results beside them, where the program holds two (the last
+    output and the sum so far): ``2 n - 2`` more outputs for ``n`` matmuls.
     """
     size = program.sizes(bytes_of)
     lo, sh = program.long @ size, program.short @ size
@@ -854,6 +911,10 @@ def peak(
             if first is not None:
                 _, between, row = first
                 lo = lo + np.where(between, row @ size, 0.0)
+    if any(combined):
+        for at, made, cell in program.sums:
+            if all(combined[d] for d in made):
+                extra[at] += (2 * len(made) - 2) * size[cell]
     total = lo + sh + extra
     k = int(np.argmax(total)) if len(total) else 0
     return Peak(int(lo[k]), int(sh[k] + extra[k]), int(program.output @ size))
