@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import math
 
 import flax.linen as nn
 import jax
@@ -339,3 +340,28 @@ def test_a_rules_record_answers_as_each_generated_candidate_alone():
             assert signature_key(c.mesh, record.place, hierarchical) == sig
     assert {"ok", "invalid", "batch"} <= reasons
     assert len(records) < len(cands[1::3]) / 2  # found once per rules
+
+
+def test_a_split_of_a_reshaped_dimension_that_does_not_divide_is_pruned_by_name():
+    # A projection stored [64, 128] as ('embed', 'heads') and reshaped to 4 heads of 32
+    # (as Hugging Face's attention does): its stored 128 divides by 8, its 4 heads do not.
+    w = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+    state = {"wq": meshplan.LogicallyPartitioned(w, ("embed", "heads"))}
+
+    def step(state, x):
+        def loss(p):
+            q = (x @ p["wq"]).reshape(x.shape[0], 4, 32)
+            return jnp.einsum("bhd,bgd->bhg", q, q).sum()
+
+        return jax.grad(loss)({k: b.value for k, b in state.items()})
+
+    x = jax.ShapeDtypeStruct((16, 64), jnp.float32)
+    result = meshplan.search_rules(8, state, step, x, profile="h100", compile_top=0)
+    pruned = [r for r in result.rows if r.status == "pruned" and "inside the step" in r.reason]
+    assert pruned and all(r.pruned_by == "invalid" for r in pruned)
+    assert "'heads' has size 4 inside the step" in pruned[0].reason
+    assert "does not divide by 8" in pruned[0].reason
+    for r in result.ok:  # every layout that passes splits the 4 heads evenly
+        axes = dict(r.rules).get("heads") or ()
+        axes = (axes,) if isinstance(axes, str) else axes
+        assert 4 % math.prod(r.mesh[a] for a in axes) == 0

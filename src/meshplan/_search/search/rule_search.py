@@ -391,6 +391,45 @@ def _prune(
     return None
 
 
+def _reshaped_dims(workload: Workload) -> list[tuple[str, int]]:
+    """``(name, size)`` of the matmuls' operand dimensions a state name names at a size no
+    state array has it at: a part of a reshaped dimension (Mistral's 2 key/value heads of
+    its 64-wide key projection, GPT-2's 12 heads of its 2,304-wide fused one)."""
+    held = {
+        (n, s)
+        for names, shape, _ in workload.state
+        if names
+        for n, s in zip(names, shape, strict=False)
+    }
+    params = set(workload.param_names)
+    found = {
+        (n, s)
+        for dot in workload.dots
+        for names, shape in ((dot.lhs_names, dot.lhs_shape), (dot.rhs_names, dot.rhs_shape))
+        for n, s in zip(names or (), shape, strict=False)
+        if type(n) is str and n in params and (n, s) not in held
+    }
+    return sorted(found)
+
+
+def _uneven(dims: Sequence[tuple[str, int]], specs: _Specs) -> Pruned | None:
+    """Why a candidate splits a reshaped dimension (:func:`_reshaped_dims`) over more
+    devices than divide it, or ``None``: XLA pads it and moves it between devices, which
+    the planner does not price."""
+    for name, size in dims:
+        axes = specs((name,), 1)[0]
+        split = math.prod(specs.sizes[a] for a in axes)
+        if size % split:
+            where = ", ".join(f"{a!r} of size {specs.sizes[a]}" for a in axes)
+            return _pruned(
+                "invalid",
+                f"{name!r} has size {size} inside the step (a reshape of a state array's "
+                f"dimension), which does not divide by {split} (mesh axis {where}): XLA "
+                "would pad it and move it between devices",
+            )
+    return None
+
+
 def search_rules(
     devices: int,
     abstract_state: Any = None,
@@ -613,6 +652,7 @@ def search_rules(
     pruned: dict[PruneKind, int] = dict.fromkeys(PRUNE_REASONS, 0)
     acts = tuple(n for n in workload.names if n in CONTEXT_NAMES or n.startswith("activation_"))
     sig_arrays = [*leaves, (acts, (0,) * len(acts))] if acts else leaves
+    reshaped = _reshaped_dims(workload)
     seen: set[Any] = set()
     rows: list[SearchRow] = []
     out: list[SearchRow] = []
@@ -651,6 +691,7 @@ def search_rules(
             why: Pruned | None = _SYMMETRIC
         else:
             why = _prune(c, batch, batch_names, leaves, acts, specs, validity, record)
+            why = why or _uneven(reshaped, specs)
             if why is None and sig in seen:
                 why = _SYMMETRIC
             if searched or why is None:
