@@ -8,6 +8,7 @@ import ast
 import inspect
 from pathlib import Path
 
+import jax
 import pytest
 
 import meshplan
@@ -34,15 +35,22 @@ def _problems(request: TrainRequest) -> list[meshplan.Problem]:
     return list(e.value.problems)
 
 
-def _budget(monkeypatch, spec: str, mesh: dict[str, int], rules: str) -> int:
-    """A device that holds the factory's state and half of its step's activations."""
+def _budget(monkeypatch, spec: str, mesh: dict[str, int], rules: str, half: bool) -> int:
+    """A device that holds the step of half the factory's batch (``half``), or its state and
+    half of the rest of its step."""
     trainable = load_factory(spec).trainable
     settings = TrainSettings()
     abstract = trainable.model.abstract_state(make_optimizer(settings))
-    cost = step_memory(
-        trainable.model, abstract, trainable.example_batch, make_mesh(mesh), get_layout(rules)
+    batch = trainable.example_batch
+    if half:
+        rows = jax.tree.leaves(batch)[0].shape[0] // 2
+        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), batch)
+    cost = step_memory(trainable.model, abstract, batch, make_mesh(mesh), get_layout(rules))
+    limit = (
+        cost.memory_bytes
+        if half
+        else cost.state_bytes + (cost.memory_bytes - cost.state_bytes) // 2
     )
-    limit = cost.state_bytes + (cost.memory_bytes - cost.state_bytes) // 2
     monkeypatch.setattr(memory, "device_memory", lambda mesh: (limit, "a small test device"))
     return limit
 
@@ -63,7 +71,7 @@ def test_a_factory_whose_step_does_not_fit_gets_the_built_in_model_s_memory_advi
     monkeypatch, spec, mesh, rules
 ):
     sizes = dict(zip(("data", "model"), map(int, mesh.split("x")), strict=True))
-    _budget(monkeypatch, spec, sizes, rules)
+    _budget(monkeypatch, spec, sizes, rules, half=spec != GPT2)
     [problem] = _problems(TrainRequest(model=spec, mesh=mesh, rules=rules))
     assert problem.code == "out-of-memory"
     assert f"a batch of --model {spec} (" in problem.message
@@ -75,7 +83,7 @@ def test_a_factory_whose_step_does_not_fit_gets_the_built_in_model_s_memory_advi
         assert problem.fix.startswith("Not one of the examples fits beside the state")
     else:
         largest = int(problem.fix.split("Return batches of ")[1].split()[0])
-        assert 0 < largest < rows  # half the activations fit: a smaller batch does
+        assert rows // 2 <= largest < rows  # the step of half the batch fits
         assert "--grad-accum 2 (the same batch in microbatches" in problem.fix  # 2 rows a device
         assert "split 'batch' over more devices" in problem.fix
     # The built-in Transformer on the same small device: the same code, the same advice's form.

@@ -25,7 +25,7 @@ from meshplan._text import human_bytes
 from meshplan._types import PyTree
 from meshplan.train.model import TrainModel
 
-__all__ = ["MemoryShortfall", "device_memory", "memory_shortfall", "step_memory"]
+__all__ = ["MemoryShortfall", "device_memory", "largest_batch", "memory_shortfall", "step_memory"]
 
 _HOST_BASELINE = 1 << 30
 """Host memory a CPU run needs besides its arrays (Python, JAX, XLA's compiler): about 1 GiB."""
@@ -41,6 +41,8 @@ class MemoryShortfall:
             (activations, gradients, temporaries and the batch) grows with the batch.
         limit: What a device holds.
         source: Where ``limit`` comes from, in words.
+        fits: The largest batch (rows of one step) whose step the planner fits in
+            ``limit``, checked by predicting it (0: not one row); ``None``: not found.
     """
 
     need: int
@@ -48,6 +50,7 @@ class MemoryShortfall:
     limit: int
     source: str
     code: str = "out-of-memory"
+    fits: int | None = None
 
 
 def device_memory(mesh: Mesh) -> tuple[int, str] | None:
@@ -133,4 +136,68 @@ def memory_shortfall(
     cost = step_memory(model, abstract, batch, mesh, rules)
     if cost.memory_bytes <= limit:
         return None
-    return MemoryShortfall(cost.memory_bytes, cost.state_bytes, limit, source)
+    fits = largest_batch(model, abstract, batch, mesh, rules, limit, cost.memory_bytes)
+    return MemoryShortfall(cost.memory_bytes, cost.state_bytes, limit, source, fits=fits)
+
+
+def largest_batch(
+    model: TrainModel,
+    abstract: PyTree,
+    batch: PyTree,
+    mesh: Mesh,
+    rules: LogicalRules,
+    limit: int,
+    need: int,
+) -> int:
+    """The largest batch (rows, the first dimension of ``batch``'s arrays) whose step the
+    planner fits in ``limit`` bytes per device; ``need``: the step's at ``batch``.
+
+    A line through the step's need at ``batch`` and at half of it (what does not grow with
+    the batch, the state and the gradients, and what does), then the batch it gives is
+    predicted, and made smaller while it does not fit (the largest point of a smaller step
+    may be another one): at most four predictions more.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, flax.linen as nn, optax
+        >>> from meshplan.train.memory import largest_batch, step_memory
+        >>> from meshplan.train.model import TrainModel
+        >>> net = nn.Dense(64)
+        >>> def loss(params, x):
+        ...     return jnp.mean(net.apply({"params": params}, x) ** 2)
+        >>> x = jax.ShapeDtypeStruct((4096, 64), jnp.float32)
+        >>> model = TrainModel(net, loss, x)
+        >>> state, mesh = model.abstract_state(optax.sgd(0.1)), jax.make_mesh((2, 4), ("data", "model"))
+        >>> need = step_memory(model, state, x, mesh, (("batch", "data"),)).memory_bytes
+        >>> rows = largest_batch(model, state, x, mesh, (("batch", "data"),), need // 2, need)
+        >>> 0 < rows < 4096
+        True
+        >>> fit = jax.ShapeDtypeStruct((rows, 64), jnp.float32)
+        >>> step_memory(model, state, fit, mesh, (("batch", "data"),)).memory_bytes <= need // 2
+        True
+    """
+    n = _rows(batch)
+    half = max(n // 2, 1)
+    at_half = step_memory(model, abstract, _resized(batch, half), mesh, rules).memory_bytes
+    slope = (need - at_half) / max(n - half, 1)
+    fixed = need - slope * n
+    if slope <= 0 or fixed >= limit:
+        return 0
+    rows = min(int((limit - fixed) // slope), n - 1)
+    for _ in range(3):
+        if rows <= 0:
+            return 0
+        got = step_memory(model, abstract, _resized(batch, rows), mesh, rules).memory_bytes
+        if got <= limit:
+            return rows
+        rows = min(rows - 1, int(rows * (limit - fixed) / max(got - fixed, 1)))
+    return 0
+
+
+def _rows(batch: PyTree) -> int:
+    """The rows of a batch: its arrays' first dimension."""
+    return int(jax.tree.leaves(batch)[0].shape[0])
+
+
+def _resized(batch: PyTree, rows: int) -> PyTree:
+    """``batch`` as abstract arrays of ``rows`` rows."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), batch)

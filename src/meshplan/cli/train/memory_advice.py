@@ -63,8 +63,10 @@ def memory_problem(
     micro = max(settings.batch // settings.grad_accum, 1)
     rest = need - state  # activations, gradients, temporaries and the batch: they grow with it
     rows = math.ceil(micro / shards)
-    per_row = max(rest // max(rows, 1), 1)
-    room = max(limit - state, 0) // per_row
+    if shortfall.fits is not None:  # predicted and checked (train.memory.largest_batch)
+        room = shortfall.fits // shards
+    else:  # the state fixed, the rest in proportion to the rows
+        room = max(limit - state, 0) // max(rest // max(rows, 1), 1)
     largest = room * shards * settings.grad_accum
     accum = next(
         (
