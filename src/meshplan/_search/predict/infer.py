@@ -157,8 +157,8 @@ class _Namer:
         self.c = c
         self.names: dict[Node, tuple[str, str]] = {}  # root -> (name, role)
         counts: collections.Counter[Node] = collections.Counter()
-        for nodes in c.state:
-            counts.update({c.find(n) for n in nodes if c.size(n) > 1})
+        for nodes in c.state:  # each class once an array, in the order of its dimensions
+            counts.update(dict.fromkeys(c.find(n) for n in nodes if c.size(n) > 1).keys())
         self.counts = counts
         self.batch = c.find(c.batch) if c.batch is not None else None
         self.order = list(counts)  # in order of first appearance
