@@ -13,7 +13,7 @@ from meshplan import cli
 from meshplan._search.predict.cost import Cost
 from meshplan._search.predict.profiles import get_profile
 from meshplan._search.search.result import SearchResult, SearchRow
-from meshplan.cli.search import _groups, _table
+from meshplan.cli.search import _groups, _shown, _table
 
 
 def test_plan_prices_llama_7b_on_256_v5e_chips_without_allocating_it(capsys):
@@ -98,14 +98,14 @@ def test_rows_of_one_layout_with_one_prediction_collapse_into_one_listing_their_
     groups = _groups(rows)
     assert [[r.mesh_text for r in g] for g in groups] == [["1x8", "2x4", "8x1"], ["4x2"]]
     result = SearchResult(rows, 8, get_profile("h100"), 80 << 30, tokens=1024)
-    text = _render(_table(result, 10))
+    text = _render(_table(result, _shown(result, 10)))
     assert "1x8, 2x4, 8x1" in text and "4x2" in text
 
 
 def test_measured_rows_get_measured_throughput_and_mfu_columns():
     rows = [_row({"data": 8}, step=1.0, measured=2.0), _row({"data": 4, "model": 2}, rank=2)]
     result = SearchResult(rows, 8, get_profile("h100"), 80 << 30, tokens=1000)
-    text = _render(_table(result, 10))
+    text = _render(_table(result, _shown(result, 10)))
     header = text.splitlines()[0]
     assert "measured tokens/s" in header and "measured MFU" in header
     first = text.splitlines()[1]

@@ -63,3 +63,25 @@ def test_the_prediction_grows_with_the_batch_and_keeps_the_state():
     assert small.state_bytes == large.state_bytes > 0
     assert large.memory_bytes > small.memory_bytes
     assert device_memory(mesh) is not None  # emulated CPU devices share the host's memory
+
+
+def test_a_step_that_traces_only_at_its_own_batch_still_gets_its_advice(monkeypatch):
+    # The largest batch is found by predicting the step at other batches; a step that
+    # reshapes its batch to a fixed size cannot be traced there: the shortfall comes
+    # without it (the advice estimates it from the one step), not as a crash.
+    import flax.linen as nn
+    import optax
+
+    from meshplan.train.model import TrainModel
+
+    net = nn.Dense(64)
+
+    def loss(params, x):
+        return jnp.mean(net.apply({"params": params}, x.reshape(256, 64)) ** 2)
+
+    x = jax.ShapeDtypeStruct((256, 64), jnp.float32)
+    model = TrainModel(net, loss, x)
+    monkeypatch.setattr(memory, "device_memory", lambda mesh: (1000, "a tiny device"))
+    mesh = make_mesh({"data": 2, "model": 4})
+    found = memory_shortfall(model, model.abstract_state(optax.sgd(0.1)), x, mesh, ())
+    assert found is not None and found.need > found.limit == 1000 and found.fits is None

@@ -380,11 +380,15 @@ def _groups(rows: list[Any]) -> list[list[Any]]:
     return list(groups.values())
 
 
-def _table(result: Any, rows: int) -> Table:
+def _shown(result: Any, rows: int) -> list[list[Any]]:
+    """The groups of rows the table shows (:func:`_groups`), the first ``rows``."""
+    return _groups([r for r in result.ok if r.cost is not None])[:rows]
+
+
+def _table(result: Any, groups: list[list[Any]]) -> Table:
     from meshplan._search.predict.report import prediction_fields
     from meshplan._text import human_bytes
 
-    groups = _groups([r for r in result.ok if r.cost is not None])[:rows]
     ok = [g[0] for g in groups]
     measured_any = any(r.measured_s is not None for r in ok)
     # A pipeline's sends between stages are listed under the table, with its schedule.
@@ -457,14 +461,14 @@ def _table(result: Any, rows: int) -> Table:
     return table
 
 
-def _tie_lines(result: Any, rows: int) -> list[str]:
+def _tie_lines(result: Any, groups: list[list[Any]]) -> list[str]:
     """A line for each tie among the rows the table shows: rows predicted within 3% of each
     other, ordered by a fixed order, not by time (a faster row may follow a slower one)."""
     from meshplan._search.search.rule_search import TIE, ties
 
     if result.ranked_by != "predicted" or any(r.measured_s is not None for r in result.ok):
         return []
-    shown = {g[0].rank for g in _groups([r for r in result.ok if r.cost is not None])[:rows]}
+    shown = {g[0].rank for g in groups}
     lines = []
     for group in ties(result.ok):
         ranks = [k for k in group if k in shown]
@@ -477,10 +481,10 @@ def _tie_lines(result: Any, rows: int) -> list[str]:
     return lines
 
 
-def _schedule_lines(result: Any, rows: int) -> list[str]:
+def _schedule_lines(groups: list[list[Any]]) -> list[str]:
     """The schedule of each pipelined row the table shows: stages, microbatches, bubble and
     the sends between stages."""
-    shown = [g[0] for g in _groups([r for r in result.ok if r.cost is not None])[:rows]]
+    shown = [g[0] for g in groups]
     return [
         f"  #{r.rank} {r.mesh_text} {r.axes_text} {r.layout}: {r.schedule_text}"
         for r in shown
@@ -683,10 +687,11 @@ def _print(
         f"{human_bytes(result.budget_bytes)}/device{batch}",
     )
     if result.ok:
-        out.print(_table(result, args.rows))
-        for line in _tie_lines(result, args.rows):
+        groups = _shown(result, args.rows)
+        out.print(_table(result, groups))
+        for line in _tie_lines(result, groups):
             say(out, line)
-        schedules = _schedule_lines(result, args.rows)
+        schedules = _schedule_lines(groups)
         if schedules:
             say(out, ("pipelines", "bold"), " (the layers cut into stages over 'pipeline'):")
             for line in schedules:

@@ -136,7 +136,12 @@ def memory_shortfall(
     cost = step_memory(model, abstract, batch, mesh, rules)
     if cost.memory_bytes <= limit:
         return None
-    fits = largest_batch(model, abstract, batch, mesh, rules, limit, cost.memory_bytes)
+    try:
+        fits: int | None = largest_batch(
+            model, abstract, batch, mesh, rules, limit, cost.memory_bytes
+        )
+    except Exception:  # a step that traces only at its own batch (a fixed reshape of it):
+        fits = None  # the advice estimates the largest batch from this one step instead
     return MemoryShortfall(cost.memory_bytes, cost.state_bytes, limit, source, fits=fits)
 
 

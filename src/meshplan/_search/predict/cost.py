@@ -936,8 +936,7 @@ def _pieces_moved(
     """The mesh axes splitting a cut dimension, one device's shard's bytes, and how many
     moves XLA makes: each piece (a slice's: the part it keeps) is split over the same
     devices as the whole, so each distance between where a part of a piece lies and where
-    it goes is one
-    collective-permute (a fused q/k/v projection's ``split`` over split heads: 7 permutes
+    it goes is one collective-permute (a fused q/k/v projection's ``split`` over split heads: 7 permutes
     and 4 all-to-alls compiled in ``tests/search/test_cost.py``'s, 12 priced).
 
     Example:

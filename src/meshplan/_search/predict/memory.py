@@ -215,9 +215,12 @@ class _Builder:
         item = _itemsize(v)
         if not math.prod(shape) * item:
             return None
-        names = self.names.get(v, (None,) * len(shape))
-        key = (tuple(names), shape, item, v in self.scores)
-        return self.cells.setdefault(key, len(self.cells))
+        return self._cell_of(v, shape, item, v in self.scores)
+
+    def _cell_of(self, v: Any, shape: tuple[int, ...], item: int, score: bool = False) -> int:
+        """The cell of an array of ``v``'s names, of ``shape`` and ``item`` bytes an element."""
+        names = tuple(self.names.get(v, (None,) * len(shape)))
+        return self.cells.setdefault((names, shape, item, score), len(self.cells))
 
     def add(self, long: dict[int, int], short: dict[int, int], dot: int) -> tuple[Any, ...]:
         ran = tuple(sorted(self.ran.items()))
@@ -250,7 +253,9 @@ class _Builder:
         if self.copies:  # what a late gradient reads is kept where made, not made again
             recomputed |= self._copied(jaxpr, last, skip, recomputed | self.late_inputs)
         alive: dict[Any, int] = {}  # var -> cell, defined here and still alive
-        pooled = {e.invars[1] for e in jaxpr.eqns if e.primitive.name == EXPANDED}
+        # XLA:CPU's program only: the max-pools it expands, the partial sums it combines
+        expanded = [e for e in jaxpr.eqns if e.primitive.name == EXPANDED] if self.copies else []
+        pooled = {e.invars[1] for e in expanded}
         summed = _summed_matmuls(jaxpr) if self.copies else {}
         for v in jaxpr.invars:
             if v in skip or v not in last:
@@ -344,9 +349,7 @@ class _Builder:
             return {}
         made: dict[int, int] = {}
         for v, count in arrays:
-            shape = tuple(v.aval.shape)
-            names = tuple(self.names.get(v, (None,) * len(shape)))
-            c = self.cells.setdefault((names, shape, 4, False), len(self.cells))
+            c = self._cell_of(v, tuple(v.aval.shape), 4)  # s32 indices, f32 maxima
             made[c] = made.get(c, 0) + count
         return made
 

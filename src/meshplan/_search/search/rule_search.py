@@ -425,7 +425,8 @@ def _uneven(dims: Sequence[tuple[str, int]], specs: _Specs) -> Pruned | None:
                 "invalid",
                 f"{name!r} has size {size} inside the step (a reshape of a state array's "
                 f"dimension), which does not divide by {split} (mesh axis {where}): XLA "
-                "would pad it and move it between devices",
+                f"would pad it and move it between devices; split {name!r} over axes whose "
+                f"devices divide {size}, or leave it unsplit",
             )
     return None
 
