@@ -619,6 +619,7 @@ def _predict_one(
     once: set[tuple[str, tuple[str, ...], int]] = set()  # reductions a step makes once
     gathered_extra: dict[Dot, dict[Any, int]] = {}
     unreduced: dict[Dot, int] = {}  # a weight gradient's partial sums beyond its shard
+    summed: dict[Dot, int] = {}  # an activation's partial sums beyond its shard
     results: dict[Dot, int] = {}  # a weight gradient's all-reduced copy
     partial_sums: set[Dot] = set()  # activations all-reduced (a tensor-parallel projection)
     params = frozenset(workload.param_names)
@@ -670,8 +671,8 @@ def _predict_one(
                 # partial sums of more than its shard (of the whole batch, where the operand
                 # carries a table's split: Carried), all-reduced, then sliced to it
                 kept = specs.shard_bytes(*_out_array(dot))
-                if nbytes > kept:
-                    unreduced[dot] = unreduced.get(dot, 0) + nbytes - kept
+                if nbytes > kept:  # reduced as it is made: never held for a combined one
+                    summed[dot] = summed.get(dot, 0) + nbytes - kept
             elif _independent(kind, key, dot):  # combined with those of the same trips
                 if kind == "reduce-scatter":  # the partial sums beyond its reduced shard
                     kept = specs.shard_bytes(*_out_array(dot))
@@ -780,7 +781,7 @@ def _predict_one(
     compute_s += micro * workload.unpriced_flops / eff_flops
     covered = profile.overlap * (compute_s + memory_s)  # what compute can hide
     comm_s = exposed + max(0.0, hidden - covered) + profile.overlap_cost * min(hidden, covered)
-    peak = _peak(workload, specs, profile, gathered_extra, unreduced, partial_sums, results)
+    peak = _peak(workload, specs, profile, gathered_extra, unreduced, partial_sums, results, summed)
     batch_bytes = micro * sum(specs.shard_bytes(n, s, i) for n, s, i in workload.batch_state)
     return Cost(
         step_s=compute_s + memory_s + comm_s,
@@ -981,6 +982,7 @@ def _peak(
     unreduced: Mapping[Dot, int] | None = None,
     partial_sums: set[Dot] | frozenset[Dot] = frozenset(),
     results: Mapping[Dot, int] | None = None,
+    summed: Mapping[Dot, int] | None = None,
 ) -> memory_model.Peak:
     fused = profile.fused_attention
     program = workload.memory
@@ -999,6 +1001,7 @@ def _peak(
 
     extra = [gathered.get(d, {}) for d in program.dots]
     partial = [(unreduced or {}).get(d, 0) for d in program.dots]
+    running = [(summed or {}).get(d, 0) for d in program.dots]
     hoisted = (
         [d in partial_sums for d in program.dots] if profile.combines_remat_collectives else []
     )
@@ -1007,7 +1010,16 @@ def _peak(
     # XLA:CPU's program: the partial sums summed into one value, all-reduced together
     combined = [d in partial_sums for d in program.dots] if program.sums else []
     return memory_model.peak(
-        program, bytes_of, extra, partial, profile.combine_bytes, hoisted, copies, held, combined
+        program,
+        bytes_of,
+        extra,
+        partial,
+        profile.combine_bytes,
+        hoisted,
+        copies,
+        held,
+        combined,
+        running,
     )
 
 

@@ -815,6 +815,7 @@ def peak(
     results: Sequence[float] = (),
     held: Sequence[float] = (),
     combined: Sequence[bool] = (),
+    summed: Sequence[float] = (),
 ) -> Peak:
     """The largest point of ``program`` with cells sized by ``bytes_of``.
 
@@ -859,6 +860,10 @@ def peak(
     at the last of them (``program.sums``), every one of those partial sums is alive, and
     the combined all-reduce's results beside them, where the program holds two (the last
     output and the sum so far): ``2 n - 2`` more outputs for ``n`` matmuls.
+
+    ``summed``: per matmul, the bytes its output holds beyond its shard where it is an
+    activation's partial sums, all-reduced as they are made (a projection out of an FSDP
+    table's split): alive while it runs, never held for a combined collective.
     """
     size = program.sizes(bytes_of)
     lo, sh = program.long @ size, program.short @ size
@@ -898,6 +903,9 @@ def peak(
         if combine_bytes and program.ran is not None:
             pending = program.ran @ np.where(own <= combine_bytes, own, 0.0)
             extra += np.minimum(pending, combine_bytes)
+    if len(summed) and any(summed):
+        has = program.dot >= 0
+        extra[has] += np.array([float(u) for u in summed])[program.dot[has]]
     if len(results) and any(results) and combine_bytes and program.ran is not None:
         copies = program.ran @ np.where(np.array(results) <= combine_bytes, results, 0.0)
         scope = program.scope if program.scope is not None else np.zeros(len(copies), int)

@@ -234,6 +234,11 @@ class Workload:
 _READ_AS_LOGICAL = (("meshplan.search: names are logical", None),)
 
 
+_BIASED = frozenset({"add", "sub", "mul", "convert_element_type"})
+"""Ops that carry a value kept whole to their result where every other operand is
+broadcast into it (a bias, a scale): :meth:`_Walker._follow_held`."""
+
+
 class Carried(str):
     """``'batch'`` of a value XLA makes where an embedding table lies: its batch is not split
     over the axes of the table's names ``by`` (FSDP's ``embed``), which the value's own
@@ -289,27 +294,36 @@ def _merge(a: Any, b: Any) -> Any:
     return a if a is not None else b
 
 
-def _elementwise(out_shape: tuple[int, ...], ins: Sequence[tuple[Names, tuple[int, ...]]]) -> Names:
+def _elementwise(
+    out_shape: tuple[int, ...], ins: Sequence[tuple[Names, tuple[int, ...]]], forward: bool = False
+) -> Names:
     names: list[Any] = [None] * len(out_shape)
     ranks = [-1] * len(out_shape)
     for n, shape in ins:
         if len(shape) != len(out_shape):
             continue
         for i, (name, size) in enumerate(zip(n, shape, strict=True)):
-            if size == out_shape[i] and name is not None and _rank(name, n) > ranks[i]:
-                names[i], ranks[i] = name, _rank(name, n)
+            rank = _rank(name, n, forward)
+            if size == out_shape[i] and name is not None and rank > ranks[i]:
+                names[i], ranks[i] = name, rank
     return tuple(names)
 
 
-def _rank(name: Any, names: Names) -> int:
+def _rank(name: Any, names: Names, forward: bool = False) -> int:
     """Which sharding XLA's propagation gives the result where operands meet (the first of
     the highest rank): a batch kept whole in a table's split (:class:`Carried`'s ``whole``)
     by a value that holds the table's names (the stream, its cotangent: split by them) over
     the plain ``'batch'``, which is over one that holds none of them (replicated: a
     projection's all-reduced output, the logits), sliced to the batch where it meets one
-    split by it (the loss's targets)."""
-    if isinstance(name, Carried) and name.whole:
-        return 2 if _holds_table(name, names) else 0
+    split by it (the loss's targets). In the forward pass a batch in the table's split
+    (:class:`Carried`) is over the plain ``'batch'`` too: a residual sum written
+    ``block(x) + x`` stays in the stream's split, as XLA keeps it (GPT-Neo's ``attn_output +
+    residual``: its second layer's projections all-reduce the whole batch); the backward
+    pass's cotangent arrives split by the batch, and is moved into the split later."""
+    if isinstance(name, Carried):
+        if name.whole:
+            return 3 if _holds_table(name, names) else 0
+        return 2 if forward else 1
     return 1
 
 
@@ -429,6 +443,9 @@ class _Walker:
         # (a matmul's partial sums reduce-scattered into it), so its buffer, and a
         # residual saved from it for the backward pass, is that shard.
         self.buffer_names: dict[Any, Names] = {}
+        # Forward projections' outputs kept whole where they leave a table's split
+        # (:meth:`_held_whole`): their buffers' names, for the memory programs only.
+        self.held_whole: dict[Any, Names] = {}
         self.scores: set[Any] = set()  # vars holding attention scores
         self.score_dots: set[Dot] = set()
         # (queries, keys) of score arrays a mask that is no function of the batch selects
@@ -530,6 +547,8 @@ class _Walker:
             outs = [dedupe(n) for n in self.eqn(eqn, ins, times)]
             if self.keep_whole:
                 self._follow_whole(eqn, ins, outs)
+            if self.held_whole and not self.backward:
+                self._follow_held(eqn)
             self.site = site
             self._weights(eqn, ins, outs, times)
             self.backward = backward
@@ -551,6 +570,31 @@ class _Walker:
                 self.buffer_names.setdefault(out, env[out])
                 self._constrain_back(root, env[out], producer)
         return [read(v) for v in jaxpr.outvars]
+
+    def _held_whole(self, out: Any, names: Names, lhs: Names, bound: set[int]) -> None:
+        """Notes a forward projection out of a table's split (:class:`Carried`), its partial
+        sums all-reduced whole, then sliced to the batch: XLA fuses the slice into the
+        output's readers, so its buffer is the whole all-reduced result, alive while they
+        are, the backward pass's among them (read in GPT-Neo's, Bloom's, BERT's compiled
+        FSDP steps: each layer's ``c_fc`` f32[16,32,256] and ``k`` f32[16,32,128], whole)."""
+        free = [n for i, n in enumerate(lhs) if i not in bound]  # the left operand's free dims
+        carrier = next((n for n in free if isinstance(n, Carried) and not n.whole), None)
+        if carrier is None or any(isinstance(n, Carried) for n in names):
+            return
+        self.held_whole[out] = tuple(carrier if n == "batch" else n for n in names)
+
+    def _follow_held(self, eqn: Any) -> None:
+        """A bias added to (or a scale multiplied into) a value kept whole
+        (:meth:`_held_whole`): XLA fuses it into the readers too, so the whole buffer is
+        what stays alive for them (GPT-Neo's ``c_fc`` with its bias: ``all-reduce.7``
+        f32[16,32,256] alive into the backward pass)."""
+        if eqn.primitive.name not in _BIASED or len(eqn.outvars) != 1:
+            return
+        shape = eqn.outvars[0].aval.shape
+        vs = [v for v in eqn.invars if not isinstance(v, Literal)]
+        held = [v for v in vs if v in self.held_whole and v.aval.shape == shape]
+        if len(held) == 1 and all(v.aval.shape != shape for v in vs if v is not held[0]):
+            self.held_whole[eqn.outvars[0]] = self.held_whole[held[0]]
 
     def _whole_dot(
         self,
@@ -605,6 +649,13 @@ class _Walker:
         for o, i in zip(outer, inner, strict=False):
             if not isinstance(o, Literal) and o in self.origin and not isinstance(i, Literal):
                 self.origin[i] = self.origin[o]
+
+    def _pass_held(self, outer: Sequence[Any], inner: Sequence[Any]) -> None:
+        """A value kept whole (:meth:`_held_whole`) is so inside the call that reads it (a
+        jitted ``gelu``), and so is what the call returns of it (its residuals)."""
+        for o, i in zip(outer, inner, strict=False):
+            if not isinstance(o, Literal) and o in self.held_whole and not isinstance(i, Literal):
+                self.held_whole[i] = self.held_whole[o]
 
     def _into(self, outer: Sequence[Any], inner: Sequence[Any], sliced: int = -1) -> None:
         """A call's (a loop's) inner inputs are the outer parameters' arrays; from index
@@ -811,6 +862,8 @@ class _Walker:
                 self.score_dots.add(dot)
             names = dot_out_names(lhs, rhs, (lc, rc), (lb, rb))
             self._count(eqn.outvars[0], names, times, eqn.outvars[0] in self.scores, dot_out=True)
+            if not self.backward:
+                self._held_whole(eqn.outvars[0], names, lhs, set(lc) | set(lb))
             return [names]
         if prim == "conv_general_dilated":
             return [self._conv(eqn, ins, times)]
@@ -869,9 +922,11 @@ class _Walker:
                             self.scores.add(inner)
                     self._into(eqn.invars, sub.invars)
                     self._pass_origin(eqn.invars, sub.invars)
+                    self._pass_held(eqn.invars, sub.invars)
                     self._returns(sub, eqn.outvars)
                     result = self.walk(sub, ins, times)
                     self._pass_origin(sub.outvars, eqn.outvars)
+                    self._pass_held(sub.outvars, eqn.outvars)
                     alias = facts(sub).alias
                     for outer, inner in zip(eqn.outvars, sub.outvars, strict=True):
                         got = self.buffer(inner)
@@ -907,7 +962,7 @@ class _Walker:
         if prim not in UNDERSTOOD and prim not in ELEMENTWISE:
             return self._unpriced(eqn, times)
         ins = self._picked(eqn, ins, shapes)
-        outs = [dedupe(n) for n in self.other(prim, p, ins, shapes, out_shapes)]
+        outs = [dedupe(n) for n in self.other(prim, p, ins, shapes, out_shapes, not self.backward)]
         if times:
             self._moved(eqn, ins, outs, shapes, times)
             self._reduced(eqn, ins, shapes, times)
@@ -1211,6 +1266,7 @@ class _Walker:
         ins: list[Names],
         shapes: list[tuple[int, ...]],
         out_shapes: list[tuple[int, ...]],
+        forward: bool = False,
     ) -> list[Names]:
         if prim == "transpose" and ins:
             return [tuple(ins[0][i] for i in p["permutation"])]
@@ -1241,7 +1297,7 @@ class _Walker:
             axes = set(p["axes"])
             return [tuple(n for i, n in enumerate(ins[0]) if i not in axes)] * len(out_shapes)
         pairs = list(zip(ins, shapes, strict=True))
-        return [_elementwise(shape, pairs) for shape in out_shapes]
+        return [_elementwise(shape, pairs, forward) for shape in out_shapes]
 
 
 def _elementwise_op(eqn: Any) -> bool:
@@ -1468,10 +1524,11 @@ def trace_workload(
     moved = memory.late_moves(jaxpr, var_names, walker.materialized)
     if any(moved) or memory.copied(jaxpr, walker.materialized) or memory.expands(jaxpr):
         variants.append((False, True))
+    held = {**walker.var_names, **walker.held_whole, **walker.buffer_names}
     programs = [
         memory.build(
             jaxpr,
-            var_names,
+            held,
             walker.scores,
             lambda e: walker.dot_by_eqn[id(e)],
             walker.materialized,
