@@ -93,35 +93,18 @@ def test_hugging_face_on_an_explicit_mesh_is_refused_naming_the_call_and_auto_ax
 # restored: docs/any_model.md's blocks, run by tests/test_docs.py (slow).
 
 
-# GPT-2 under FSDP (batch and embed over one axis) predicts 0.59 of XLA's temporaries (the
-# kinds match; 1,055,872 of 1,797,328 bytes). Read from the compiled step's live ranges at
-# XLA's peak (the head): the residual stream stays in the embedding table's split through
-# every layer, so c_attn's, c_fc's and the logits' partial sums are all-reduced whole
-# (f32[8, 32, 192], f32[8, 32, 256]: 1,179,648 bytes alive) and kept whole for the backward,
-# their slice to the batch fused into each reader. The planner carries the split only into
-# the first c_attn: an elementwise sum takes its first operand's names, and Hugging Face adds
-# the projection to the residual (`attn_output + residual`), the plain batch first. Tried,
-# not landed: the stream's split ranked above the plain batch in a sum gives GPT-2 1.39 (the
-# suite's decoder-fsdp 1.24, its all-to-all lost); with the sliced projections' outputs also
-# priced whole, GPT-2 0.89 but decoder-fsdp 1.39, moe-fsdp 0.73, both losing the all-to-all.
-_GPT2_FSDP_MISS = (
-    "0.59: the residual stream kept in the table's split through every layer, the "
-    "projections' all-reduced whole partial sums kept as residuals (c_fc, c_attn, the logits)"
-)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",
-    [
-        "dp",
-        pytest.param("fsdp", marks=pytest.mark.xfail(reason=_GPT2_FSDP_MISS, strict=True)),
-    ],
+    ["dp", "fsdp"],
 )
 def test_gpt2_memory_and_collective_kinds_are_predicted_as_xla_compiles(loaded, layout):
     """Hugging Face's GPT-2 (its ``wte`` lookup and tied head) through ``predict`` against
     ``measure_step`` on 8 CPU devices, as the XLA suite checks its models: the arguments
-    exactly, the temporaries within 20%, the collective kinds equal."""
+    exactly, the temporaries within 20%, the collective kinds equal. Under FSDP the stream
+    stays in the table's split through every layer (``attn_output + residual``), and the
+    projections' all-reduced outputs are kept whole for the backward pass (0.59 before
+    both were priced, 1.02 now)."""
     from meshplan._search.measure.hlo import measure_step
     from meshplan._search.predict.cost import predict
     from xla_suite import AS_ON_ACCELERATORS, CPU_LIKE, LAYOUTS

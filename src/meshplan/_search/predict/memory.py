@@ -182,8 +182,10 @@ class _Builder:
         dot_of: Callable[[Any], Any],
         materialized: set[Any] | None,
         recompute: bool = True,
+        whole: frozenset[Any] = frozenset(),
     ) -> None:
         self.names, self.scores, self.dot_of = names, scores, dot_of
+        self.whole = whole
         self.materialized, self.recompute = materialized, recompute
         # the values the equations late_moves defers read: XLA recomputes those cheap
         # ops make in the moved ones' fusions (from what is kept until then), not keep them
@@ -247,6 +249,7 @@ class _Builder:
         skip = skip | {alias[v] for v in skip if v in alias}
         last: dict[Any, float] = dict(found.last_use)  # extended where values are recomputed
         recomputed = self._recomputed(jaxpr, alias, last, skip)
+        self._fused_sources(jaxpr, last, skip)
         if top and self.late_reads and not self.recompute:
             recomputed |= self._recomputed(jaxpr, alias, last, skip, self.late_reads)
             self.kept_late = _kept_late(self.late_inputs, self.materialized, recomputed)
@@ -443,6 +446,29 @@ class _Builder:
             out.add(v)
             held[v] = sources
         return out
+
+    def _fused_sources(self, jaxpr: Any, last: dict[Any, float], skip: set[Any]) -> None:
+        """A value fused into its readers (not materialized) computed from one XLA keeps
+        whole (``self.whole``: a projection's all-reduced result, sliced to the batch in
+        the fusions that read it) keeps that one alive until its last read, the backward
+        pass's too (``last`` is extended): GPT-Neo's and Bloom's ``gelu`` inputs under FSDP,
+        their slices and biases recomputed where the backward reads them."""
+        if self.materialized is None or not self.whole:
+            return
+        made, direct = self.materialized, facts(jaxpr).direct_sources
+        read: dict[Any, frozenset[Any]] = {}  # a fused value: the values in memory it reads
+        for v, operands in direct.items():
+            if v in made:
+                continue
+            read[v] = frozenset().union(
+                *(
+                    read.get(u, frozenset()) if u in direct and u not in made else {u}
+                    for u in operands
+                )
+            )
+            for u in read[v] & self.whole if v in last else ():
+                if u not in skip and last.get(u, -1) < last[v]:
+                    last[u] = last[v]
 
     def _copied(
         self, jaxpr: Any, last: dict[Any, float], skip: set[Any], done: set[Any]
@@ -704,6 +730,7 @@ def build(
     recompute: bool = True,
     late: bool = False,
     moved: Sequence[bool] | None = None,
+    whole: frozenset[Any] = frozenset(),
 ) -> MemoryProgram:
     """The liveness program of a step's (closed) ``jaxpr`` (module docstring).
 
@@ -719,11 +746,14 @@ def build(
     from where it is made (:func:`_kept_late`), the values a matmul reads transposed are
     made where each is read (:func:`copied`), as XLA:CPU fuses them, and a max-pool's index
     arrays are counted where XLA:CPU makes them (:data:`EXPANDED`); ``moved``:
-    :func:`late_moves` of the same arguments, where the caller has it.
+    :func:`late_moves` of the same arguments, where the caller has it; ``whole``: the
+    values XLA keeps whole where it fuses their slices into their readers (a projection's
+    all-reduced result out of an FSDP table's split), alive until the last read of any
+    value fused from them.
     """
     if materialized is not None:
         materialized = materialized | facts(jaxpr).kept_expensive
-    b = _Builder(names, scores, dot_of, materialized, recompute)
+    b = _Builder(names, scores, dot_of, materialized, recompute, whole)
     b.copies = late  # XLA:CPU's program: its late gradients and its transposed copies
     if late:
         if moved is None:

@@ -446,6 +446,10 @@ class _Walker:
         # Forward projections' outputs kept whole where they leave a table's split
         # (:meth:`_held_whole`): their buffers' names, for the memory programs only.
         self.held_whole: dict[Any, Names] = {}
+        # The names of the weight of the first forward matmul that reads one position of a
+        # sequence (a class token's head): XLA runs the layers before it in its split.
+        self.head_by: Names | None = None
+        self.producer: dict[Any, Any] = {}
         self.scores: set[Any] = set()  # vars holding attention scores
         self.score_dots: set[Dot] = set()
         # (queries, keys) of score arrays a mask that is no function of the batch selects
@@ -540,7 +544,7 @@ class _Walker:
         backward = self.backward
         for eqn in jaxpr.eqns:
             ins = [read(v) for v in eqn.invars]
-            self.alias = alias
+            self.alias, self.producer = alias, producer
             self.backward = backward or "transpose(" in str(eqn.source_info.name_stack)
             site, here = self.site, op_names.where(eqn)
             self.site = here if here != "?" else site  # inside a library's jit: the caller's
@@ -582,6 +586,24 @@ class _Walker:
         if carrier is None or any(isinstance(n, Carried) for n in names):
             return
         self.held_whole[out] = tuple(carrier if n == "batch" else n for n in names)
+
+    def _a_token_of(self, v: Any) -> bool:
+        """Whether ``v`` is one position of a sequence of activations (``x[:, 0]``, a class
+        token), sliced from them, as it is (reshaped, cast)."""
+        while not isinstance(v, Literal):
+            eqn = self.producer.get(v)
+            if eqn is None:
+                return False
+            prim = eqn.primitive.name
+            if prim in ("slice", "dynamic_slice"):
+                before, after = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+                one = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b]
+                names = self.var_names.get(eqn.invars[0], ())
+                return len(one) == 1 and after[one[0]] == 1 and "batch" in names
+            if prim not in ("squeeze", "reshape", "convert_element_type"):
+                return False
+            v = eqn.invars[0]
+        return False
 
     def _follow_held(self, eqn: Any) -> None:
         """A bias added to (or a scale multiplied into) a value kept whole
@@ -864,6 +886,8 @@ class _Walker:
             self._count(eqn.outvars[0], names, times, eqn.outvars[0] in self.scores, dot_out=True)
             if not self.backward:
                 self._held_whole(eqn.outvars[0], names, lhs, set(lc) | set(lb))
+                if self.head_by is None and self._a_token_of(eqn.invars[0]) and "batch" not in rhs:
+                    self.head_by = rhs
             return [names]
         if prim == "conv_general_dilated":
             return [self._conv(eqn, ins, times)]
@@ -1420,6 +1444,10 @@ def _walk(
     return walker
 
 
+def _carried_by(names: Names, by: Names) -> Names:
+    return tuple(Carried(by) if n == "batch" else n for n in names)
+
+
 def _is_tokens(leaf: Any) -> bool:
     """Token ids: an integer ``[batch, length]`` array."""
     shape = getattr(leaf, "shape", ())
@@ -1501,6 +1529,13 @@ def trace_workload(
         name_of = _token_names
         in_names = [*state_names, *(tuple(name_of(b)) for b in flat_batch)]
         walker = _walk(jaxpr, in_names, sees)
+    if walker.head_by is not None and not walker.lookups:
+        # A head on one position of the sequence (a class token): XLA's propagation carries
+        # its weight's split back into the layers, which run on the whole batch in it, the
+        # inputs gathered whole (Hugging Face's ViT under FSDP: f32[16,32,32,3] gathered).
+        by = walker.head_by
+        in_names = [*state_names, *(_carried_by(tuple(name_of(b)), by) for b in flat_batch)]
+        walker = _walk(jaxpr, in_names, sees)
     if any(not lookup[2] for lookup in walker.lookups) and not walker.batch_indexed:
         # Nothing indexes an activation by the batch (a one-hot loss): the logits' cotangent
         # is made whole, where the head's partial sums left the logits, and the backward pass
@@ -1535,6 +1570,7 @@ def trace_workload(
             recompute,
             late,
             moved,
+            frozenset(walker.held_whole),
         )
         for recompute, late in variants
     ]
