@@ -75,6 +75,13 @@ def _masked_lm(cls: Any, cfg: Any) -> Built:
     )
 
 
+def _classified(cls: Any, cfg: Any) -> Built:
+    """A sequence classifier: its head reads the class token's position (BERT's pooler)."""
+    m = cls(cfg, seed=0, _do_init=False)
+    batch = {"input_ids": SDS((B, S), jnp.int32), "labels": SDS((B,), jnp.int32)}
+    return _trained(m, lambda p, b: _xent(m(b["input_ids"], params=p).logits, b["labels"]), batch)
+
+
 def _causal_lm(cls: Any, cfg: Any) -> Built:
     m = cls(cfg, seed=0, _do_init=False)
     return _trained(
@@ -199,6 +206,10 @@ MODELS: dict[str, Callable[[], Built]] = {
     "bert": lambda: _masked_lm(
         tf.FlaxBertForMaskedLM,
         tf.BertConfig(**_layers(num_hidden_layers=2, max_position_embeddings=64)),
+    ),
+    "bert-cls": lambda: _classified(
+        tf.FlaxBertForSequenceClassification,
+        tf.BertConfig(**_layers(num_hidden_layers=2, max_position_embeddings=64, num_labels=4)),
     ),
     "roberta": lambda: _masked_lm(
         tf.FlaxRobertaForMaskedLM,
