@@ -198,7 +198,10 @@ def test_the_projections_out_of_the_tables_split_are_held_whole_as_xla_holds_the
 
 
 class _ClassToken(nn.Module):
-    """Patches projected, a class token in front, two blocks, a head on the class token."""
+    """Patches projected, a class token in front, two blocks, a head on the class token; the
+    stream constrained to the batch or not."""
+
+    constrain: bool = False
 
     @nn.compact
     def __call__(self, images):
@@ -208,6 +211,8 @@ class _ClassToken(nn.Module):
         )
         cls = jnp.broadcast_to(self.param("cls", init, (1, 1, 64)), (x.shape[0], 1, 64))
         x = jnp.concatenate([cls, x], axis=1)
+        if self.constrain:
+            x = meshplan.with_logical_constraint(x, ("batch", None, "embed"))
         for _ in range(2):
             x = x + _dense(64, ("mlp", "embed"))(nn.relu(_dense(128, ("embed", "mlp"))(x)))
         return _dense(16, ("embed", "vocab"))(x[:, 0])
@@ -224,20 +229,48 @@ def test_a_class_tokens_head_carries_its_weights_split_into_the_layers():
     from meshplan._search.measure.hlo import measure_step
     from xla_suite import AS_ON_ACCELERATORS, CPU_LIKE
 
-    images = jax.ShapeDtypeStruct((16, 32, 32, 3), jnp.float32)
-    labels = jax.ShapeDtypeStruct((16,), jnp.int32)
-    state, step, batch = linen_step(
-        _ClassToken(),
-        (images, labels),
-        lambda logits, b: optax.softmax_cross_entropy_with_integer_labels(logits, b[1]).mean(),
-    )
+    state, step, batch = _class_token_step(False)
     compiled, _, _ = compile_candidate(step, state, batch, *FSDP, True)
     assert re.search(r"= f32\[16,64,48\][^=]* all-gather\(", compiled.as_text() or "")
     work = trace_workload(step, state, batch, read_constraints=True)
-    [first] = [d for d in work.dots if d.rhs_names == ("embed", "mlp") and d.contract[1] == (0,)]
-    assert _Specs(*FSDP)(first.lhs_names, 3) == ((), (), ("fsdp",))
+    assert _first_projections_input(work) == ((), (), ("fsdp",))
     cost = predict(work, *FSDP, CPU_LIKE)
     xla = measure_step(step, state, batch, *FSDP, True, AS_ON_ACCELERATORS)
     assert {k for k, v in cost.comm_bytes.items() if v} == set(xla["collectives"])
     ratio = (cost.activation_bytes + cost.temporary_bytes) / xla["xla_temp_bytes"]
     assert 0.8 <= ratio <= 1.45, ratio
+
+
+def _class_token_step(constrain: bool):
+    images = jax.ShapeDtypeStruct((16, 32, 32, 3), jnp.float32)
+    labels = jax.ShapeDtypeStruct((16,), jnp.int32)
+    return linen_step(
+        _ClassToken(constrain),
+        (images, labels),
+        lambda logits, b: optax.softmax_cross_entropy_with_integer_labels(logits, b[1]).mean(),
+    )
+
+
+def _first_projections_input(work):
+    [first] = [d for d in work.dots if d.rhs_names == ("embed", "mlp") and d.contract[1] == (0,)]
+    return _Specs(*FSDP)(first.lhs_names, 3)
+
+
+def test_a_class_tokens_head_is_named_with_its_fix():
+    state, step, batch = _class_token_step(False)
+    work = trace_workload(step, state, batch, read_constraints=True)
+    [note] = predict(work, *FSDP, get_profile("h100")).notes
+    assert "one position of the sequence (a class token)" in note
+    assert "constrain the layers' activations to ('batch', None, 'embed')" in note
+    assert predict(work, *DP, get_profile("h100")).notes == ()
+
+
+def test_no_class_token_rule_where_the_model_constrains_its_activations():
+    """The fix the note names, as XLA compiles it: the images are not gathered, the layers
+    run split by the batch; so the planner prices them, and says nothing."""
+    state, step, batch = _class_token_step(True)
+    compiled, _, _ = compile_candidate(step, state, batch, *FSDP, True)
+    assert not re.search(r"= f32\[16,64,48\][^=]* all-gather\(", compiled.as_text() or "")
+    work = trace_workload(step, state, batch, read_constraints=True)
+    assert _first_projections_input(work) == (("fsdp",), (), ())
+    assert predict(work, *FSDP, get_profile("h100")).notes == ()

@@ -1,4 +1,5 @@
-"""The note a prediction carries where an embedding lookup's table split spreads into the layers.
+"""The notes a prediction carries where a weight's split spreads into the layers: an
+embedding lookup's table, a class token's head.
 
 Under FSDP (``('batch', 'fsdp'), ('embed', 'fsdp')``) an embedding table is split on
 ``embed`` over the axis the batch is split over. XLA's sharding propagation gives the
@@ -59,4 +60,27 @@ def lookup_notes(workload: Workload, resolve: Resolve) -> tuple[str, ...]:
             f"(nn.with_logical_constraint), or give the activations' {name!r} a logical name "
             f"of its own that no rule maps to {over!r}"
         )
-    return tuple(notes)
+    return (*notes, *_head_note(workload, resolve))
+
+
+def _head_note(workload: Workload, resolve: Resolve) -> tuple[str, ...]:
+    """A note where a class token's head reads a weight split over the batch's mesh axes."""
+    if workload.head is None:
+        return ()
+    names, where = workload.head
+    batch = {a for axes in resolve(("batch",), 1) for a in axes}
+    split = zip(names, resolve(names, len(names)), strict=True)
+    shared = [(n, axes) for n, axes in split if set(axes) & batch]
+    if not shared:
+        return ()
+    name, axes = shared[0]
+    over = "+".join(axes)
+    return (
+        f"the head at {where} reads one position of the sequence (a class token) with a "
+        f"weight split on {name!r} over {over!r}, the mesh axis its batch is split over: "
+        f"XLA's sharding propagation carries that split back into the layers, which run "
+        f"on the whole batch split by {name!r} (the inputs gathered whole); constrain the "
+        f"layers' activations to ('batch', None, {name!r}) (nn.with_logical_constraint), or "
+        f"give the activations' {name!r} a logical name of its own that no rule maps to "
+        f"{over!r}",
+    )

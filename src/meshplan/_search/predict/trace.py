@@ -151,7 +151,10 @@ class Workload:
     ``realigned``: ``{(names, shape, dimension, pieces, itemsize): runs}`` of the splits,
     slices and concatenations that cut a named dimension (a fused q/k/v projection's
     ``split``): where a mesh axis splits it, XLA splits each piece over the same devices,
-    moving its parts between them (collective-permutes).
+    moving its parts between them (collective-permutes);
+    ``head``: ``(its weight's names, where)`` of a head that reads one position of the
+    sequence (a class token): where its weight's names and the batch share a mesh axis,
+    XLA's propagation carries the weight's split back into the layers (``Cost.notes``).
 
     Example:
         >>> import jax, jax.numpy as jnp, meshplan
@@ -199,6 +202,7 @@ class Workload:
     realigned: dict[tuple[Names, tuple[int, ...], int, tuple[tuple[int, int], ...], int], int] = (
         dataclasses.field(default_factory=dict)
     )
+    head: tuple[Names, str] | None = None
 
     def trips(self, dot: Dot) -> int:
         """How many times one run of ``dot`` repeats in sequence: the trips of the loops
@@ -449,6 +453,8 @@ class _Walker:
         # The names of the weight of the first forward matmul that reads one position of a
         # sequence (a class token's head): XLA runs the layers before it in its split.
         self.head_by: Names | None = None
+        self.head_site = "?"
+        self.batch_named = False  # a logical constraint names an activation's batch (floats)
         self.producer: dict[Any, Any] = {}
         self.scores: set[Any] = set()  # vars holding attention scores
         self.score_dots: set[Dot] = set()
@@ -570,6 +576,7 @@ class _Walker:
                 self._constrain_forward(eqn, env, alias, producer)
                 self._carry_back(eqn, outs, producer)
         for out, root in alias.items():  # the first constraint of a value names its buffer
+            self.batch_named |= _an_activation(out) and "batch" in env.get(out, ())
             if out in env and env[out] != env.get(root):
                 self.buffer_names.setdefault(out, env[out])
                 self._constrain_back(root, env[out], producer)
@@ -887,7 +894,7 @@ class _Walker:
             if not self.backward:
                 self._held_whole(eqn.outvars[0], names, lhs, set(lc) | set(lb))
                 if self.head_by is None and self._a_token_of(eqn.invars[0]) and "batch" not in rhs:
-                    self.head_by = rhs
+                    self.head_by, self.head_site = rhs, self.site
             return [names]
         if prim == "conv_general_dilated":
             return [self._conv(eqn, ins, times)]
@@ -1444,6 +1451,11 @@ def _walk(
     return walker
 
 
+def _an_activation(v: Any) -> bool:
+    """A floating-point value: an activation, not token ids or a mask."""
+    return bool(jax.numpy.issubdtype(getattr(v.aval, "dtype", np.int32), jax.numpy.floating))
+
+
 def _carried_by(names: Names, by: Names) -> Names:
     return tuple(Carried(by) if n == "batch" else n for n in names)
 
@@ -1529,15 +1541,16 @@ def trace_workload(
         name_of = _token_names
         in_names = [*state_names, *(tuple(name_of(b)) for b in flat_batch)]
         walker = _walk(jaxpr, in_names, sees)
-    if walker.head_by is not None and not walker.lookups:
+    head = None if walker.batch_named else walker.head_by
+    if head is not None and not walker.lookups:
         # A head on one position of the sequence (a class token): XLA's propagation carries
         # its weight's split back into the layers, which run on the whole batch in it, the
-        # inputs gathered whole (Hugging Face's ViT under FSDP: f32[16,32,32,3] gathered).
-        by = walker.head_by
-        in_names = [*state_names, *(_carried_by(tuple(name_of(b)), by) for b in flat_batch)]
+        # inputs gathered whole (Hugging Face's ViT under FSDP: f32[16,32,32,3] gathered),
+        # unless the model constrains its activations to the batch (XLA then keeps them so).
+        in_names = [*state_names, *(_carried_by(tuple(name_of(b)), head) for b in flat_batch)]
         walker = _walk(jaxpr, in_names, sees)
     unconstrained = any(not lookup[2] for lookup in walker.lookups)
-    if unconstrained and (not walker.batch_indexed or walker.head_by is not None):
+    if unconstrained and (not walker.batch_indexed or head is not None):
         # Nothing indexes an activation by the batch (a one-hot loss): the logits' cotangent
         # is made whole, where the head's partial sums left the logits, and the backward pass
         # runs in the lookups' split as the forward does; XLA keeps the layers' values whole
@@ -1615,6 +1628,7 @@ def trace_workload(
         fusion_reads=walker.read_traffic,
         reductions=walker.reductions,
         realigned=walker.realigned,
+        head=None if head is None else (head, walker.head_site),
     )
 
 
