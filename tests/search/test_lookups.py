@@ -202,6 +202,7 @@ class _ClassToken(nn.Module):
     stream constrained to the batch or not."""
 
     constrain: bool = False
+    pool: str = "token"  # the head reads: the class token, its LayerNorm, the mean
 
     @nn.compact
     def __call__(self, images):
@@ -215,7 +216,10 @@ class _ClassToken(nn.Module):
             x = meshplan.with_logical_constraint(x, ("batch", None, "embed"))
         for _ in range(2):
             x = x + _dense(64, ("mlp", "embed"))(nn.relu(_dense(128, ("embed", "mlp"))(x)))
-        return _dense(16, ("embed", "vocab"))(x[:, 0])
+        pooled = x.mean(1) if self.pool == "mean" else x[:, 0]
+        if self.pool == "norm":
+            pooled = nn.LayerNorm(use_scale=False, use_bias=False)(pooled)
+        return _dense(16, ("embed", "vocab"))(pooled)
 
 
 def test_a_class_tokens_head_carries_its_weights_split_into_the_layers():
@@ -241,11 +245,11 @@ def test_a_class_tokens_head_carries_its_weights_split_into_the_layers():
     assert 0.8 <= ratio <= 1.45, ratio
 
 
-def _class_token_step(constrain: bool):
+def _class_token_step(constrain: bool, pool: str = "token"):
     images = jax.ShapeDtypeStruct((16, 32, 32, 3), jnp.float32)
     labels = jax.ShapeDtypeStruct((16,), jnp.int32)
     return linen_step(
-        _ClassToken(constrain),
+        _ClassToken(constrain, pool),
         (images, labels),
         lambda logits, b: optax.softmax_cross_entropy_with_integer_labels(logits, b[1]).mean(),
     )
@@ -274,3 +278,17 @@ def test_no_class_token_rule_where_the_model_constrains_its_activations():
     work = trace_workload(step, state, batch, read_constraints=True)
     assert _first_projections_input(work) == (("fsdp",), (), ())
     assert predict(work, *FSDP, get_profile("h100")).notes == ()
+
+
+@pytest.mark.parametrize("pool", ["norm", "mean"])
+def test_a_class_token_is_found_through_its_norm_and_a_mean_is_no_class_token(pool):
+    """A LayerNorm between the class token and the head (CLIP's vision tower) sets the same
+    trap: XLA gathers the images whole. A mean over the sequence does not: the layers stay
+    split by the batch. The planner follows both."""
+    state, step, batch = _class_token_step(False, pool)
+    compiled, _, _ = compile_candidate(step, state, batch, *FSDP, True)
+    gathered = re.search(r"= f32\[16,64,48\][^=]* all-gather\(", compiled.as_text() or "")
+    assert bool(gathered) == (pool == "norm")
+    work = trace_workload(step, state, batch, read_constraints=True)
+    expected = ((), (), ("fsdp",)) if pool == "norm" else (("fsdp",), (), ())
+    assert _first_projections_input(work) == expected

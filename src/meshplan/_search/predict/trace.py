@@ -596,21 +596,35 @@ class _Walker:
 
     def _a_token_of(self, v: Any) -> bool:
         """Whether ``v`` is one position of a sequence of activations (``x[:, 0]``, a class
-        token), sliced from them, as it is (reshaped, cast)."""
-        while not isinstance(v, Literal):
-            eqn = self.producer.get(v)
+        token), sliced from them, as it is (reshaped, cast) or through elementwise ops of
+        its shape (a norm of it: CLIP's vision tower's post-LayerNorm); not a reduction over
+        the sequence (a mean-pooled head)."""
+        todo: list[Any] = [v]
+        seen: set[Any] = set()
+        while todo and len(seen) < 64:
+            u = todo.pop()
+            eqn = None if isinstance(u, Literal) or u in seen else self.producer.get(u)
+            seen.add(u)
             if eqn is None:
-                return False
+                continue
             prim = eqn.primitive.name
-            if prim in ("slice", "dynamic_slice"):
-                before, after = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
-                one = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b]
-                names = self.var_names.get(eqn.invars[0], ())
-                return len(one) == 1 and after[one[0]] == 1 and "batch" in names
-            if prim not in ("squeeze", "reshape", "convert_element_type"):
-                return False
-            v = eqn.invars[0]
+            if prim in ("slice", "dynamic_slice") and self._one_position(eqn):
+                return True
+            if prim in ("squeeze", "reshape"):
+                todo.append(eqn.invars[0])
+            elif prim in ELEMENTWISE:
+                shape = u.aval.shape
+                todo += [
+                    x for x in eqn.invars if not isinstance(x, Literal) and x.aval.shape == shape
+                ]
         return False
+
+    def _one_position(self, eqn: Any) -> bool:
+        """A slice of one position of one dimension of an array of the batch."""
+        before, after = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+        cut = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b]
+        names = self.var_names.get(eqn.invars[0], ())
+        return len(cut) == 1 and after[cut[0]] == 1 and "batch" in names
 
     def _follow_held(self, eqn: Any) -> None:
         """A bias added to (or a scale multiplied into) a value kept whole
@@ -1453,7 +1467,11 @@ def _walk(
 
 def _an_activation(v: Any) -> bool:
     """A floating-point value: an activation, not token ids or a mask."""
-    return bool(jax.numpy.issubdtype(getattr(v.aval, "dtype", np.int32), jax.numpy.floating))
+    return _floating(v.aval)
+
+
+def _floating(x: Any) -> bool:
+    return bool(jax.numpy.issubdtype(getattr(x, "dtype", np.int32), jax.numpy.floating))
 
 
 def _carried_by(names: Names, by: Names) -> Names:
@@ -1542,12 +1560,21 @@ def trace_workload(
         in_names = [*state_names, *(tuple(name_of(b)) for b in flat_batch)]
         walker = _walk(jaxpr, in_names, sees)
     head = None if walker.batch_named else walker.head_by
-    if head is not None and not walker.lookups:
+    if head is not None and (not walker.lookups or any(map(_floating, flat_batch))):
         # A head on one position of the sequence (a class token): XLA's propagation carries
         # its weight's split back into the layers, which run on the whole batch in it, the
         # inputs gathered whole (Hugging Face's ViT under FSDP: f32[16,32,32,3] gathered),
         # unless the model constrains its activations to the batch (XLA then keeps them so).
-        in_names = [*state_names, *(_carried_by(tuple(name_of(b)), head) for b in flat_batch)]
+        # Beside lookups (CLIP's text tower), only the inputs they do not read: the images.
+        in_names = [
+            *state_names,
+            *(
+                _carried_by(tuple(name_of(b)), head)
+                if not walker.lookups or _floating(b)
+                else tuple(name_of(b))
+                for b in flat_batch
+            ),
+        ]
         walker = _walk(jaxpr, in_names, sees)
     unconstrained = any(not lookup[2] for lookup in walker.lookups)
     if unconstrained and (not walker.batch_indexed or head is not None):
