@@ -599,11 +599,11 @@ class _Walker:
         token), sliced from them, as it is (reshaped, cast) or through elementwise ops of
         its shape (a norm of it: CLIP's vision tower's post-LayerNorm); not a reduction over
         the sequence (a mean-pooled head)."""
-        todo: list[Any] = [v]
+        todo: list[Any] = [] if isinstance(v, Literal) else [v]
         seen: set[Any] = set()
         while todo and len(seen) < 64:
             u = todo.pop()
-            eqn = None if isinstance(u, Literal) or u in seen else self.producer.get(u)
+            eqn = None if u in seen else self.producer.get(u)
             seen.add(u)
             if eqn is None:
                 continue
