@@ -626,12 +626,9 @@ def _predict_one(
     read: dict[Any, set[int]] = {}  # an activation's gather key: the arrays gathered
     relaid = 0  # XLA:CPU: gathered arrays copied into the reading matmul's layout (bytes)
     scores = [0.0, 0.0]  # fused attention's seconds per device: [producing, reading] scores
-    # The layers kept whole in a table's split (both passes): a backward matmul's output is
-    # used in that split, not moved back to the batch (_batch_moved)
-    whole = any(isinstance(n, Carried) and n.whole for d in workload.dots for n in d.lhs_names)
     for dot, count in workload.dots.items():
         trips = workload.trips(dot)  # runs in sequence; count / trips appear side by side
-        moved_back = dot in workload.backward_dots and not whole
+        moved_back = dot in workload.backward_dots and not workload.kept_whole
         f, colls, out_bytes = _dot_cost_cached(
             dot, specs, profile.reduce_scatter, cache, params, moved_back
         )

@@ -204,6 +204,13 @@ class Workload:
     )
     head: tuple[Names, str] | None = None
 
+    @functools.cached_property
+    def kept_whole(self) -> bool:
+        """Whether the layers run whole in a table's split in both passes (a matmul reads a
+        :class:`Carried` batch that is ``whole``): a backward matmul's output is used there,
+        not moved back to the batch (:mod:`.cost`)."""
+        return any(isinstance(n, Carried) and n.whole for d in self.dots for n in d.lhs_names)
+
     def trips(self, dot: Dot) -> int:
         """How many times one run of ``dot`` repeats in sequence: the trips of the loops
         around it (``dots[dot]`` divided by this is how often it appears in the unrolled
@@ -576,7 +583,7 @@ class _Walker:
                 self._constrain_forward(eqn, env, alias, producer)
                 self._carry_back(eqn, outs, producer)
         for out, root in alias.items():  # the first constraint of a value names its buffer
-            self.batch_named |= _an_activation(out) and "batch" in env.get(out, ())
+            self.batch_named |= _floating(out.aval) and "batch" in env.get(out, ())
             if out in env and env[out] != env.get(root):
                 self.buffer_names.setdefault(out, env[out])
                 self._constrain_back(root, env[out], producer)
@@ -1465,12 +1472,8 @@ def _walk(
     return walker
 
 
-def _an_activation(v: Any) -> bool:
-    """A floating-point value: an activation, not token ids or a mask."""
-    return _floating(v.aval)
-
-
 def _floating(x: Any) -> bool:
+    """A floating-point array (an activation, images), not token ids or a mask."""
     return bool(jax.numpy.issubdtype(getattr(x, "dtype", np.int32), jax.numpy.floating))
 
 
