@@ -85,12 +85,20 @@ def install_hook() -> None:
 # -- after a failed save --------------------------------------------------------
 
 
-_NEVER_RETRIEVED = ("Task exception was never retrieved", "Future exception was never retrieved")
-"""How asyncio's log starts its message for a task's, or a plain future's, lost exception."""
+_NEVER_RETRIEVED = (
+    "Task exception was never retrieved",
+    "Future exception was never retrieved",
+    "unhandled exception during asyncio.run() shutdown",
+)
+"""How asyncio's log starts its message for a task's, or a plain future's, lost exception,
+and for one of the tasks ``asyncio.run`` cancels as it ends: the writes still in flight
+when the save's first write failed (a full disk: a ``FileNotFoundError`` from
+``write_fragment`` once the step's folder was removed)."""
 
 
 class _OrphanedOrbaxTasks(logging.Filter):
-    """asyncio's "Task (or Future) exception was never retrieved" for Orbax's writes: left out.
+    """asyncio's "Task (or Future) exception was never retrieved" for Orbax's writes, and its
+    "unhandled exception during asyncio.run() shutdown": left out.
 
     The writes still in flight when a save fails end with an exception nobody awaits; when
     collected, asyncio logs each with a screen of TensorStore traceback (at exit, or in the
