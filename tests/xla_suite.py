@@ -528,6 +528,22 @@ SUITE: dict[str, Case] = {
 """The suite's models by name."""
 
 
+def against_xla(
+    work: Any, step: Any, state: Any, batch: Any, layout: str
+) -> tuple[float, set[str], set[str]]:
+    """The planner's temporaries per device (``work`` priced with :data:`CPU_LIKE`) over
+    XLA's (``memory_analysis()`` of ``step`` compiled :data:`AS_ON_ACCELERATORS`) under
+    ``layout``, and the collective kinds it predicts and the compiled HLO's."""
+    from meshplan._search.measure.hlo import measure_step
+    from meshplan._search.predict.cost import predict
+
+    mesh, rules = LAYOUTS[layout]
+    cost = predict(work, mesh, rules, CPU_LIKE)
+    xla = measure_step(step, state, batch, mesh, rules, True, AS_ON_ACCELERATORS)
+    ratio = (cost.activation_bytes + cost.temporary_bytes) / xla["xla_temp_bytes"]
+    return ratio, {k for k, v in cost.comm_bytes.items() if v}, set(xla["collectives"])
+
+
 @functools.cache
 def suite_step(name: str, scale: int = 1) -> tuple[Any, Callable[[Any, Any], Any], Any]:
     """``(abstract state, step, example batch)`` of the suite's model ``name`` at ``scale``

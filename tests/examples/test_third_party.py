@@ -163,10 +163,8 @@ def test_a_bert_classifiers_fsdp_memory_counts_the_whole_batch_its_class_token_h
     import transformers as tf
     from flax.training import train_state
 
-    from meshplan._search.measure.hlo import measure_step
-    from meshplan._search.predict.cost import predict
     from meshplan._search.predict.infer import name_unnamed
-    from xla_suite import AS_ON_ACCELERATORS, CPU_LIKE, LAYOUTS
+    from xla_suite import against_xla
 
     cfg = tf.BertConfig(
         vocab_size=1024,
@@ -194,9 +192,6 @@ def test_a_bert_classifiers_fsdp_memory_counts_the_whole_batch_its_class_token_h
     sds = jax.ShapeDtypeStruct
     batch = {"input_ids": sds((16, 32), jnp.int32), "labels": sds((16,), jnp.int32)}
     _, named, named_step, work = name_unnamed(step, state, batch)
-    mesh, rules = LAYOUTS["fsdp"]
-    cost = predict(work, mesh, rules, CPU_LIKE)
-    xla = measure_step(named_step, named, batch, mesh, rules, True, AS_ON_ACCELERATORS)
-    ratio = (cost.activation_bytes + cost.temporary_bytes) / xla["xla_temp_bytes"]
+    ratio, predicted, compiled = against_xla(work, named_step, named, batch, "fsdp")
     assert 0.7 <= ratio <= 1.2, ratio
-    assert {k for k, v in cost.comm_bytes.items() if v} == set(xla["collectives"])
+    assert predicted == compiled

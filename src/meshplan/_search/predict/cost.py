@@ -205,6 +205,12 @@ class _Specs:
         """A value made where an embedding table lies (:class:`Carried`): its other names
         resolved first, its batch split over what is left of the batch's axes once the
         table's are taken (none, under FSDP)."""
+        batch = set(self(("batch",), 1)[0])
+        if not any(
+            batch & {a for d in self(n.by, len(n.by)) for a in d} for n in _carried_in(names)
+        ):
+            # the table's (a weight's) names take none of the batch's axes: a plain batch
+            return self(tuple("batch" if isinstance(n, Carried) else n for n in names), ndim)
         plain = tuple(None if isinstance(n, Carried) else n for n in names)
         spec = list(self(plain, ndim))
         for i, n in enumerate(names):
@@ -229,6 +235,10 @@ class _Specs:
                 got *= -(-s // split)
             self.bytes_cache[key] = got
         return got
+
+
+def _carried_in(names: Names) -> list[Carried]:
+    return [n for n in names if isinstance(n, Carried)]
 
 
 Coll = tuple[str, tuple[str, ...], int, Any]
@@ -301,8 +311,13 @@ def _dot_cost(
         gathered = sum(shard[s] for s in set(sides)) * (n - 1)
         if reduce_scatter and weight_out and a in out_axes and out_bytes * (n - 1) < gathered:
             scatter.append(a)  # partial sums over ``a``, reduce-scattered into the output
-        elif not reduce_scatter and weight_out and a in out_axes:
-            whole.append(a)  # partial sums of the whole output all-reduced, then sliced
+        elif (
+            not reduce_scatter
+            and weight_out
+            and a in out_axes
+            and (len(set(sides)) > 1 or out_bytes * n <= gathered)
+        ):  # one operand split there: gathered where that moves fewer bytes (an MLP's
+            whole.append(a)  # gradient); partial sums of the whole output all-reduced, sliced
         else:
             for side in set(sides):
                 gather[(side, a)] = None
@@ -338,7 +353,11 @@ def _dot_cost(
         axes = tuple(a for s, a in gather if s == side)
         if not axes:
             continue
-        if backward and (moved := _batch_moved(dot, side, (ls, rs)[side], axes, out_axes)):
+        if (
+            backward
+            and not any(isinstance(n, Carried) for n in dot.out_names or ())
+            and (moved := _batch_moved(dot, side, (ls, rs)[side], axes, out_axes))
+        ):
             colls.append(("all-to-all", moved, out_bytes, None))
         shape = dot.lhs_shape if side == 0 else dot.rhs_shape
         names = dot.lhs_names if side == 0 else dot.rhs_names
@@ -391,6 +410,11 @@ def _carried_input(dot: Dot, specs: _Specs, ls: Spec) -> tuple[Names, tuple[str,
     carrier = next((n for n in out or () if isinstance(n, Carried)), None)
     if carrier is None or any(isinstance(n, Carried) for n in dot.lhs_names):
         return None
+    taken = {a for axes in specs(carrier.by, len(carrier.by)) for a in axes}
+    if not any(
+        a in taken for n, axes in zip(dot.lhs_names, ls, strict=True) if n == "batch" for a in axes
+    ):
+        return None  # the table's (the weight's) names take none of the batch's axes here
     names = tuple(carrier if n == "batch" else n for n in dot.lhs_names)
     spec = specs(names, len(names))
     lost = tuple(a for old, new in zip(ls, spec, strict=True) for a in old if a not in new)

@@ -294,6 +294,10 @@ def _renamed(a: Names, b: Names | None) -> bool:
     )
 
 
+def _nbytes(aval: Any) -> int:
+    return int(np.prod(getattr(aval, "shape", ()))) * _itemsize(aval)
+
+
 def _itemsize(aval: Any) -> int:
     try:
         return int(np.dtype(aval.dtype).itemsize)
@@ -460,6 +464,18 @@ class _Walker:
         # The names of the weight of the first forward matmul that reads one position of a
         # sequence (a class token's head): XLA runs the layers before it in its split.
         self.head_by: Names | None = None
+        # The weights (their parameters' arrays) a forward matmul made its output by in their
+        # split (:meth:`_in_weights_split`): the backward's matmuls by them make theirs there.
+        self.weights_split: set[Any] = set()
+        # The forward matmuls (ids of their equations) that may (found by a first walk:
+        # :func:`_walk`), those that would (their weights' free names), the values made from
+        # each (``made_from``), and those whose values a later matmul contracts over them.
+        self.split_eqns: frozenset[int] = frozenset()
+        self.candidates: dict[int, Names] = {}
+        self.made_from: dict[Any, frozenset[int]] = {}
+        self.confirmed: set[int] = set()
+        self.loop_whole = False  # a forward loop ran whole in a table's split (_loop_whole)
+        self.anchored: set[int] = set()  # of those: held by a residual sum, a loop's carry
         self.head_site = "?"
         self.batch_named = False  # a logical constraint names an activation's batch (floats)
         self.producer: dict[Any, Any] = {}
@@ -566,6 +582,8 @@ class _Walker:
                 self._follow_whole(eqn, ins, outs)
             if self.held_whole and not self.backward:
                 self._follow_held(eqn)
+            if self.made_from and not self.backward and eqn.primitive.name != "dot_general":
+                self._made_from(eqn, ins)
             self.site = site
             self._weights(eqn, ins, outs, times)
             self.backward = backward
@@ -588,6 +606,91 @@ class _Walker:
                 self.buffer_names.setdefault(out, env[out])
                 self._constrain_back(root, env[out], producer)
         return [read(v) for v in jaxpr.outvars]
+
+    def _in_weights_split(
+        self,
+        eqn: Any,
+        names: Names,
+        operands: tuple[Names, Names],
+        contract: tuple[Sequence[int], Sequence[int]],
+        batch: tuple[Sequence[int], Sequence[int]],
+    ) -> Names:
+        """A matmul of an activation split by the batch by a larger weight whose output
+        dimensions are named, whose output a later matmul contracts over those names: XLA
+        makes the output where the weight lies (the activation gathered over the weight's
+        axes: :func:`meshplan._search.predict.cost._right_first`) and keeps it there into
+        that projection, which all-reduces its partial sums (read in a plain MLP's compiled
+        FSDP step: ``x`` all-gathered f32[64,256], the hidden layer split by its units, its
+        projection all-reduced f32[64,512]; Equinox's ``w @ x`` alike). Its batch is then
+        :class:`Carried` in the weight's names; in the backward pass, where the forward made
+        a value by that weight so (its cotangent is there too). A head into the loss is not:
+        its output meets the targets, split by the batch; nor is one a residual sum or a
+        loop's carry holds (:meth:`_made_from`)."""
+        weights = [not isinstance(v, Literal) and v in self.weight_of for v in eqn.invars]
+        if weights.count(True) != 1:
+            return names
+        side = weights.index(True)
+        w, x = eqn.invars[side], eqn.invars[1 - side]
+        if not self.backward and not isinstance(x, Literal):
+            self._confirm(x, operands[1 - side], contract[1 - side])
+        bound = {*contract[side], *batch[side]}
+        free = tuple(n for j, n in enumerate(operands[side]) if j not in bound and n is not None)
+        if (
+            not free
+            or isinstance(x, Literal)
+            or not any(_plain_batch(n) for n in names)
+            or any(isinstance(n, Carried) for n in names)
+            or _nbytes(x.aval) >= _nbytes(w.aval)
+        ):
+            return names
+        if self.backward:
+            if self.weight_of[w] not in self.weights_split:
+                return names
+        else:
+            self.candidates[id(eqn)] = free
+            self.made_from[eqn.outvars[0]] = frozenset({id(eqn)})
+            if id(eqn) not in self.split_eqns:
+                return names
+            self.weights_split.add(self.weight_of[w])
+        return tuple(Carried(free, self.keep_whole) if _plain_batch(n) else n for n in names)
+
+    def _confirm(self, x: Any, names: Names, contract: Sequence[int]) -> None:
+        """Notes the candidate matmuls (:meth:`_in_weights_split`) whose output ``x`` is
+        made from, where this matmul contracts ``x`` over their weights' free names."""
+        over = {names[j] for j in contract}
+        for made in self.made_from.get(x, ()):
+            if over & set(self.candidates[made]):
+                self.confirmed.add(made)
+
+    def _made_from(self, eqn: Any, ins: list[Names]) -> None:
+        """What a forward op's outputs are made from (:attr:`made_from`), as its inputs; an
+        elementwise op that meets such a value with another activation split by the batch
+        (a residual sum) anchors it there (:attr:`anchored`): XLA's propagation gives the
+        sum the batch's split, and the matmul's output with it."""
+        table = self.made_from
+        made = [
+            table.get(v, frozenset()) if not isinstance(v, Literal) else frozenset()
+            for v in eqn.invars
+        ]
+        got = frozenset().union(*made)
+        if not got:
+            return
+        for o in eqn.outvars:
+            table[o] = table.get(o, frozenset()) | got
+        if _elementwise_op(eqn):
+            for v, m, n in zip(eqn.invars, made, ins, strict=True):
+                if (
+                    not isinstance(v, Literal)
+                    and v not in self.weight_of
+                    and v not in self.constlike
+                    and any(_plain_batch(a) for a in n)
+                ):
+                    self.anchored.update(got - m)
+
+    def _pass_made(self, outer: Sequence[Any], inner: Sequence[Any]) -> None:
+        for o, i in zip(outer, inner, strict=False):
+            if not isinstance(o, Literal) and o in self.made_from and not isinstance(i, Literal):
+                self.made_from[i] = self.made_from[o]
 
     def _held_whole(self, out: Any, names: Names, lhs: Names, bound: set[int]) -> None:
         """Notes a forward projection out of a table's split (:class:`Carried`), its partial
@@ -887,6 +990,8 @@ class _Walker:
             lhs, rhs = ins
             if self.keep_whole:
                 lhs, rhs = self._whole_dot(eqn, lhs, rhs, (lc, rc), (lb, rb))
+            plain = dot_out_names(lhs, rhs, (lc, rc), (lb, rb))
+            names = self._in_weights_split(eqn, plain, (lhs, rhs), (lc, rc), (lb, rb))
             dot = Dot(
                 lhs,
                 rhs,
@@ -897,6 +1002,7 @@ class _Walker:
                 _itemsize(eqn.outvars[0].aval),
                 _itemsize(eqn.invars[0].aval),
                 _itemsize(eqn.invars[1].aval),
+                out_names=None if names is plain else names,
             )
             self.dots[dot] = self.dots.get(dot, 0) + times
             self.dot_trips[dot] = max(self.dot_trips.get(dot, 0), times)
@@ -910,7 +1016,6 @@ class _Walker:
                 self.score_dots.add(dot)
             elif any(v in self.scores for v in eqn.invars if not isinstance(v, Literal)):
                 self.score_dots.add(dot)
-            names = dot_out_names(lhs, rhs, (lc, rc), (lb, rb))
             self._count(eqn.outvars[0], names, times, eqn.outvars[0] in self.scores, dot_out=True)
             if not self.backward:
                 self._held_whole(eqn.outvars[0], names, lhs, set(lc) | set(lb))
@@ -930,7 +1035,11 @@ class _Walker:
                     self.scores.add(inner)
             self._into(eqn.invars, body.jaxpr.invars, nc + ncarry)
             self._pass_origin(eqn.invars, body.jaxpr.invars)
+            self._pass_made(eqn.invars, body.jaxpr.invars)
             body_out = self.walk(body.jaxpr, body_in, times * length)
+            for inner in body.jaxpr.outvars[:ncarry]:  # a carry: one sharding every trip,
+                if not isinstance(inner, Literal):  # the one it enters with
+                    self.anchored.update(self.made_from.get(inner, ()))
             self._pass_origin(body.jaxpr.outvars, eqn.outvars)
             if not self.keep_whole:  # outside the loop, sliced to the batch by a projection
                 body_out = [_unwhole(n) for n in body_out]
@@ -975,10 +1084,12 @@ class _Walker:
                     self._into(eqn.invars, sub.invars)
                     self._pass_origin(eqn.invars, sub.invars)
                     self._pass_held(eqn.invars, sub.invars)
+                    self._pass_made(eqn.invars, sub.invars)
                     self._returns(sub, eqn.outvars)
                     result = self.walk(sub, ins, times)
                     self._pass_origin(sub.outvars, eqn.outvars)
                     self._pass_held(sub.outvars, eqn.outvars)
+                    self._pass_made(sub.outvars, eqn.outvars)
                     alias = facts(sub).alias
                     for outer, inner in zip(eqn.outvars, sub.outvars, strict=True):
                         got = self.buffer(inner)
@@ -1038,10 +1149,16 @@ class _Walker:
         partitions the body once for every trip, its carry in one sharding (read from the
         scanned stack's compiled step: the rematerialised attention scores and the backward's
         all-reduced f32[16,32,4,16] the whole batch's). A carry that enters split by the
-        batch (the backward's cotangent) takes that split, moved into it (an all-to-all)."""
-        carried = next((n for names in body_in for n in names if isinstance(n, Carried)), None)
-        if carried is None:
+        batch (the backward's cotangent) takes that split, moved into it (an all-to-all).
+        In the forward pass, a carry (or a constant) in the split does it; a scanned input
+        alone does not (an LSTM over a lookup's rows: XLA all-reduces each step's input
+        projection f32[16,512] whole and slices it to the batch, its carry split by the
+        batch); in the backward pass, where a forward loop ran whole."""
+        held = body_in if self.backward else body_in[: nc + ncarry]
+        carried = next((n for names in held for n in names if isinstance(n, Carried)), None)
+        if carried is None or (self.backward and not self.loop_whole):
             return body_in
+        self.loop_whole = True
         whole = Carried(carried.by, True)
         out = [tuple(whole if n == "batch" else n for n in names) for names in body_in]
         for j in range(nc, nc + ncarry):
@@ -1455,11 +1572,31 @@ def _walk(
     sees_constraints: bool,
     keep_whole: bool = False,
     sliced: frozenset[int] = frozenset(),
+    split: frozenset[int] | None = None,
+) -> _Walker:
+    """One walk of the step; ``split``: the forward matmuls (ids of their equations) that
+    make their output in their weight's split (:meth:`_Walker._in_weights_split`).
+    ``None``: found by a first walk, then walked again with them where there are any."""
+    walker = _walk_once(jaxpr, in_names, sees_constraints, keep_whole, sliced, split)
+    found = frozenset(walker.confirmed - walker.anchored)
+    if split is None and found:
+        return _walk(jaxpr, in_names, sees_constraints, keep_whole, sliced, found)
+    return walker
+
+
+def _walk_once(
+    jaxpr: Any,
+    in_names: list[Names],
+    sees_constraints: bool,
+    keep_whole: bool,
+    sliced: frozenset[int],
+    split: frozenset[int] | None,
 ) -> _Walker:
     walker = _Walker()
     walker.sees_constraints = sees_constraints
     walker.keep_whole = keep_whole
     walker.sliced = sliced
+    walker.split_eqns = split or frozenset()
     for n in in_names:
         walker.note(n)
     if len(jaxpr.invars) != len(in_names):  # leaves JAX did not make inputs: names unknown
@@ -1578,7 +1715,7 @@ def trace_workload(
                 for b in flat_batch
             ),
         ]
-        walker = _walk(jaxpr, in_names, sees)
+        walker = _walk(jaxpr, in_names, sees, split=walker.split_eqns)
     unconstrained = any(not lookup[2] for lookup in walker.lookups)
     if unconstrained and (not walker.batch_indexed or head is not None):
         # Nothing indexes an activation by the batch (a one-hot loss): the logits' cotangent
@@ -1588,12 +1725,14 @@ def trace_workload(
         # f32[16,4,32,32], the whole batch's, saved for the backward). So does a class
         # token's head (Hugging Face's BERT classifier under FSDP: 8.5 MB of temporaries,
         # 3.2 data parallel).
-        walker = _walk(jaxpr, in_names, sees, keep_whole=True)
+        walker = _walk(jaxpr, in_names, sees, keep_whole=True, split=walker.split_eqns)
         for _ in range(3):  # the matmuls whose values meet the batch's split, sliced there
             sliced = walker.sliced | walker.to_slice
             if sliced == walker.sliced:
                 break
-            walker = _walk(jaxpr, in_names, sees, keep_whole=True, sliced=sliced)
+            walker = _walk(
+                jaxpr, in_names, sees, keep_whole=True, sliced=sliced, split=walker.split_eqns
+            )
     batch = int(flat_batch[0].shape[0]) if flat_batch and flat_batch[0].shape else None
     params = tuple(dict.fromkeys(n for names, _, _ in state if names for n in names if n))
     var_names = {**walker.var_names, **walker.buffer_names}
