@@ -323,15 +323,21 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--names", action="store_true", help="print each model's inferred names")
     args = parser.parse_args()
+    print_table("model | names found | unpriced", args.models, lambda n: _row(n, args.names))
+
+
+def print_table(columns: str, names: list[str], row: Callable[[str], str]) -> None:
+    """The table's header (``columns``, then the layouts) and each model's ``row``; a
+    crash is a row of the table."""
     print(
-        "model | names found | unpriced | "
+        f"{columns} | "
         + " | ".join(LAYOUTS)
         + "  (predicted/XLA temporaries, MiB; '=': collective kinds match)"
     )
-    for name in args.models:
+    for name in names:
         try:
-            print(_row(name, args.names), flush=True)
-        except Exception as e:  # a crash is a row of the table
+            print(row(name), flush=True)
+        except Exception as e:
             print(f"{name} | CRASH {type(e).__name__}: {str(e)[:200]}", flush=True)
 
 
