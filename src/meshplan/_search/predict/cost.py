@@ -202,14 +202,13 @@ class _Specs:
         return spec
 
     def _carried(self, names: Names, ndim: int) -> Spec:
-        """A value made where an embedding table lies (:class:`Carried`): its other names
-        resolved first, its batch split over what is left of the batch's axes once the
-        table's are taken (none, under FSDP)."""
+        """A value made where an embedding table (or a weight) lies (:class:`Carried`): its
+        other names resolved first, its batch split over what is left of the batch's axes
+        once the table's are taken (none, under FSDP). Where the table's names take none of
+        the batch's axes, resolved as a plain batch."""
         batch = set(self(("batch",), 1)[0])
-        if not any(
-            batch & {a for d in self(n.by, len(n.by)) for a in d} for n in _carried_in(names)
-        ):
-            # the table's (a weight's) names take none of the batch's axes: a plain batch
+        carriers = [n for n in names if isinstance(n, Carried)]
+        if not any(batch & {a for d in self(n.by, len(n.by)) for a in d} for n in carriers):
             return self(tuple("batch" if isinstance(n, Carried) else n for n in names), ndim)
         plain = tuple(None if isinstance(n, Carried) else n for n in names)
         spec = list(self(plain, ndim))
@@ -235,10 +234,6 @@ class _Specs:
                 got *= -(-s // split)
             self.bytes_cache[key] = got
         return got
-
-
-def _carried_in(names: Names) -> list[Carried]:
-    return [n for n in names if isinstance(n, Carried)]
 
 
 Coll = tuple[str, tuple[str, ...], int, Any]
@@ -410,11 +405,6 @@ def _carried_input(dot: Dot, specs: _Specs, ls: Spec) -> tuple[Names, tuple[str,
     carrier = next((n for n in out or () if isinstance(n, Carried)), None)
     if carrier is None or any(isinstance(n, Carried) for n in dot.lhs_names):
         return None
-    taken = {a for axes in specs(carrier.by, len(carrier.by)) for a in axes}
-    if not any(
-        a in taken for n, axes in zip(dot.lhs_names, ls, strict=True) if n == "batch" for a in axes
-    ):
-        return None  # the table's (the weight's) names take none of the batch's axes here
     names = tuple(carrier if n == "batch" else n for n in dot.lhs_names)
     spec = specs(names, len(names))
     lost = tuple(a for old, new in zip(ls, spec, strict=True) for a in old if a not in new)

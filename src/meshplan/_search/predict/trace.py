@@ -667,16 +667,15 @@ class _Walker:
         elementwise op that meets such a value with another activation split by the batch
         (a residual sum) anchors it there (:attr:`anchored`): XLA's propagation gives the
         sum the batch's split, and the matmul's output with it."""
-        table = self.made_from
         made = [
-            table.get(v, frozenset()) if not isinstance(v, Literal) else frozenset()
+            self.made_from.get(v, frozenset()) if not isinstance(v, Literal) else frozenset()
             for v in eqn.invars
         ]
         got = frozenset().union(*made)
         if not got:
             return
         for o in eqn.outvars:
-            table[o] = table.get(o, frozenset()) | got
+            self.made_from[o] = self.made_from.get(o, frozenset()) | got
         if _elementwise_op(eqn):
             for v, m, n in zip(eqn.invars, made, ins, strict=True):
                 if (
@@ -1578,8 +1577,7 @@ def _walk(
     make their output in their weight's split (:meth:`_Walker._in_weights_split`).
     ``None``: found by a first walk, then walked again with them where there are any."""
     walker = _walk_once(jaxpr, in_names, sees_constraints, keep_whole, sliced, split)
-    found = frozenset(walker.confirmed - walker.anchored)
-    if split is None and found:
+    if split is None and (found := frozenset(walker.confirmed - walker.anchored)):
         return _walk(jaxpr, in_names, sees_constraints, keep_whole, sliced, found)
     return walker
 
