@@ -1,12 +1,13 @@
 """Models written with no meshplan in mind, priced against XLA: plain JAX, Equinox, unnamed Flax.
 
-Six small models as people write them, with no logical names (named by
+Seven small models as people write them, with no logical names (named by
 :func:`meshplan.infer_names`' machinery, as a new user's are): a plain-JAX MLP (params as
-dicts), Equinox's ``eqx.nn.MLP`` (``jax.vmap`` of ``weight @ x``), a Flax LSTM then GRU
-over an embedding lookup (``nn.RNN``), an MLP-Mixer, a small U-Net (max-pool,
-``ConvTranspose``, ``jax.image.resize``, skip concatenations), and a decoder with grouped
-key-value heads, rotary embeddings, a causal mask and dropout. Each with AdamW (the plain
-ones with SGD) and optax's integer-label loss. Under data parallel, FSDP and tensor
+dicts), Equinox's ``eqx.nn.MLP`` (``jax.vmap`` of ``weight @ x``), Flax's own MNIST
+example's CNN, a Flax LSTM then GRU over an embedding lookup (``nn.RNN``), an MLP-Mixer,
+a small U-Net (max-pool, ``ConvTranspose``, ``jax.image.resize``, skip concatenations),
+and a decoder with grouped key-value heads, rotary embeddings, a causal mask and dropout.
+Each with AdamW (the plain MLP with SGD, Equinox's with Adam) and optax's integer-label
+loss. Under data parallel, FSDP and tensor
 parallel 2 x 4 (``tests/xla_suite.py``'s layouts) the planner's temporaries per device are
 compared with ``compiled.memory_analysis()`` on 8 emulated CPU devices, and its collective
 kinds with the compiled HLO's, as ``benchmarks/bench_hf_models.py`` does.
@@ -110,6 +111,23 @@ def _equinox() -> Built:
     return state, step, {"x": SDS((64, 256), jnp.float32), "y": SDS((64,), jnp.int32)}
 
 
+class _MnistCnn(nn.Module):
+    """Flax's own MNIST example's CNN (``examples/mnist/train.py``), as written there."""
+
+    @nn.compact
+    def __call__(self, x: Any) -> Any:
+        x = nn.Conv(features=32, kernel_size=(3, 3))(x)
+        x = nn.relu(x)
+        x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+        x = nn.Conv(features=64, kernel_size=(3, 3))(x)
+        x = nn.relu(x)
+        x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+        x = x.reshape((x.shape[0], -1))  # flatten
+        x = nn.Dense(features=256)(x)
+        x = nn.relu(x)
+        return nn.Dense(features=CLASSES)(x)
+
+
 class _Recurrent(nn.Module):
     @nn.compact
     def __call__(self, ids: Any) -> Any:
@@ -188,6 +206,9 @@ class _Gqa(nn.Module):
 MODELS: dict[str, Callable[[], Built]] = {
     "mlp": _mlp,
     "equinox": _equinox,
+    "mnist": lambda: _flax(
+        _MnistCnn(), (SDS((32, 28, 28, 1), jnp.float32),), SDS((32,), jnp.int32)
+    ),
     "lstm": lambda: _flax(_Recurrent(), (SDS((B, S), jnp.int32),), SDS((B,), jnp.int32)),
     "mixer": lambda: _flax(_Mixer(), (SDS((B, 32, 32, 3), jnp.float32),), SDS((B,), jnp.int32)),
     "unet": lambda: _flax(

@@ -467,6 +467,7 @@ class _Walker:
         # The weights (their parameters' arrays) a forward matmul made its output by in their
         # split (:meth:`_in_weights_split`): the backward's matmuls by them make theirs there.
         self.weights_split: set[Any] = set()
+        self.split_by: set[Names] = set()  # the free names those outputs are Carried by
         # The forward matmuls (ids of their equations) that may (found by a first walk:
         # :func:`_walk`), those that would (their weights' free names), the values made from
         # each (``made_from``), and those whose values a later matmul contracts over them.
@@ -633,6 +634,8 @@ class _Walker:
         w, x = eqn.invars[side], eqn.invars[1 - side]
         if not self.backward and not isinstance(x, Literal):
             self._confirm(x, operands[1 - side], contract[1 - side])
+            if self._reads_split(operands[1 - side], contract[1 - side]):
+                self.weights_split.add(self.weight_of[w])  # its cotangent made there too
         bound = {*contract[side], *batch[side]}
         free = tuple(n for j, n in enumerate(operands[side]) if j not in bound and n is not None)
         if (
@@ -652,7 +655,18 @@ class _Walker:
             if id(eqn) not in self.split_eqns:
                 return names
             self.weights_split.add(self.weight_of[w])
+            self.split_by.add(free)
         return tuple(Carried(free, self.keep_whole) if _plain_batch(n) else n for n in names)
+
+    def _reads_split(self, names: Names, contract: Sequence[int]) -> bool:
+        """Whether a forward matmul contracts a value made in a weight's split (by
+        :meth:`_in_weights_split`) over that weight's names: the next layer of a plain MLP,
+        whose backward makes the hidden layer's cotangent in the same split (a classifier
+        head's: no all-to-all back to the batch)."""
+        over = {names[j] for j in contract}
+        return any(
+            isinstance(n, Carried) and n.by in self.split_by and over & set(n.by) for n in names
+        )
 
     def _confirm(self, x: Any, names: Names, contract: Sequence[int]) -> None:
         """Notes the candidate matmuls (:meth:`_in_weights_split`) whose output ``x`` is
