@@ -1,16 +1,17 @@
 """Models written with no meshplan in mind, priced against XLA: plain JAX, Equinox, unnamed Flax.
 
-Seven small models as people write them, with no logical names (named by
+Eight small models as people write them, with no logical names (named by
 :func:`meshplan.infer_names`' machinery, as a new user's are): a plain-JAX MLP (params as
-dicts), Equinox's ``eqx.nn.MLP`` (``jax.vmap`` of ``weight @ x``), Flax's own MNIST
-example's CNN, a Flax LSTM then GRU over an embedding lookup (``nn.RNN``), an MLP-Mixer,
-a small U-Net (max-pool, ``ConvTranspose``, ``jax.image.resize``, skip concatenations),
-and a decoder with grouped key-value heads, rotary embeddings, a causal mask and dropout.
-Each with AdamW (the plain MLP with SGD, Equinox's with Adam) and optax's integer-label
-loss. Under data parallel, FSDP and tensor
-parallel 2 x 4 (``tests/xla_suite.py``'s layouts) the planner's temporaries per device are
-compared with ``compiled.memory_analysis()`` on 8 emulated CPU devices, and its collective
-kinds with the compiled HLO's, as ``benchmarks/bench_hf_models.py`` does.
+dicts), Equinox's ``eqx.nn.MLP`` (``jax.vmap`` of ``weight @ x``), a small Equinox
+transformer (``eqx.nn.MultiheadAttention``, called per sequence under ``jax.vmap``),
+Flax's own MNIST example's CNN, a Flax LSTM then GRU over an embedding lookup
+(``nn.RNN``), an MLP-Mixer, a small U-Net (max-pool, ``ConvTranspose``,
+``jax.image.resize``, skip concatenations), and a decoder with grouped key-value heads,
+rotary embeddings, a causal mask and dropout. Each with AdamW (the plain MLP with SGD,
+Equinox's MLP with Adam) and optax's integer-label loss. Under data parallel, FSDP and
+tensor parallel 2 x 4 (``tests/xla_suite.py``'s layouts) the planner's temporaries per
+device are compared with ``compiled.memory_analysis()`` on 8 emulated CPU devices, and its
+collective kinds with the compiled HLO's, as ``benchmarks/bench_hf_models.py`` does.
 
     .venv/bin/python benchmarks/bench_plain_models.py
     .venv/bin/python benchmarks/bench_plain_models.py --models mlp lstm
@@ -69,6 +70,59 @@ def _flax(
         return {"params": optax.apply_updates(s["params"], updates), "opt": opt, **new}
 
     return state, step, {"x": inputs, "y": labels}
+
+
+def _equinox_transformer() -> Built:
+    """Equinox: an embedding, two pre-norm blocks (``eqx.nn.MultiheadAttention``, an
+    ``eqx.nn.MLP``), a head; the model called per sequence under ``jax.vmap``, AdamW."""
+    import equinox as eqx
+
+    class Block(eqx.Module):
+        attn: eqx.nn.MultiheadAttention
+        ln1: eqx.nn.LayerNorm
+        ln2: eqx.nn.LayerNorm
+        mlp: eqx.nn.MLP
+
+        def __init__(self, key: Any) -> None:
+            k1, k2 = jax.random.split(key)
+            self.attn = eqx.nn.MultiheadAttention(4, D, key=k1)
+            self.ln1, self.ln2 = eqx.nn.LayerNorm(D), eqx.nn.LayerNorm(D)
+            self.mlp = eqx.nn.MLP(D, D, 2 * D, 1, key=k2)
+
+        def __call__(self, x: Any) -> Any:
+            h = jax.vmap(self.ln1)(x)
+            x = x + self.attn(h, h, h)
+            return x + jax.vmap(self.mlp)(jax.vmap(self.ln2)(x))
+
+    class Model(eqx.Module):
+        embed: eqx.nn.Embedding
+        blocks: list[Block]
+        head: eqx.nn.Linear
+
+        def __init__(self, key: Any) -> None:
+            keys = jax.random.split(key, 4)
+            self.embed = eqx.nn.Embedding(1000, D, key=keys[0])
+            self.blocks = [Block(k) for k in keys[1:3]]
+            self.head = eqx.nn.Linear(D, 1000, key=keys[3])
+
+        def __call__(self, ids: Any) -> Any:
+            x = jax.vmap(self.embed)(ids)
+            for block in self.blocks:
+                x = block(x)
+            return jax.vmap(self.head)(x)
+
+    abstract = eqx.filter_eval_shape(Model, jax.random.key(0))
+    params, static = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    tx = optax.adamw(1e-3)
+
+    def step(s: Any, b: Any) -> Any:
+        logits = lambda p: jax.vmap(eqx.combine(p, static))(b[:, :-1])  # noqa: E731
+        grads = jax.grad(lambda p: _xent(logits(p), b[:, 1:]))(s["p"])
+        updates, opt = tx.update(grads, s["opt"], s["p"])
+        return {"p": optax.apply_updates(s["p"], updates), "opt": opt}
+
+    state = {"p": params, "opt": jax.eval_shape(tx.init, params)}
+    return state, step, SDS((B, S + 1), jnp.int32)
 
 
 def _mlp() -> Built:
@@ -206,6 +260,7 @@ class _Gqa(nn.Module):
 MODELS: dict[str, Callable[[], Built]] = {
     "mlp": _mlp,
     "equinox": _equinox,
+    "equinox-transformer": _equinox_transformer,
     "mnist": lambda: _flax(
         _MnistCnn(), (SDS((32, 28, 28, 1), jnp.float32),), SDS((32,), jnp.int32)
     ),
