@@ -705,13 +705,22 @@ class _Walker:
             if not isinstance(o, Literal) and o in self.made_from and not isinstance(i, Literal):
                 self.made_from[i] = self.made_from[o]
 
-    def _held_whole(self, out: Any, names: Names, lhs: Names, bound: set[int]) -> None:
+    def _held_whole(
+        self, out: Any, names: Names, operands: tuple[Names, Names], bound: tuple[set[int], ...]
+    ) -> None:
         """Notes a forward projection out of a table's split (:class:`Carried`), its partial
         sums all-reduced whole, then sliced to the batch: XLA fuses the slice into the
         output's readers, so its buffer is the whole all-reduced result, alive while they
         are, the backward pass's among them (read in GPT-Neo's, Bloom's, BERT's compiled
-        FSDP steps: each layer's ``c_fc`` f32[16,32,256] and ``k`` f32[16,32,128], whole)."""
-        free = [n for i, n in enumerate(lhs) if i not in bound]  # the left operand's free dims
+        FSDP steps: each layer's ``c_fc`` f32[16,32,256] and ``k`` f32[16,32,128], whole;
+        an Equinox head's ``w @ x`` under ``jax.vmap``, the activation on the right: its
+        logits f32[1000,16,32], whole)."""
+        free = [
+            n
+            for side, names_ in enumerate(operands)
+            for i, n in enumerate(names_)
+            if i not in bound[side]
+        ]
         carrier = next((n for n in free if isinstance(n, Carried) and not n.whole), None)
         if carrier is None or any(isinstance(n, Carried) for n in names):
             return
@@ -1031,7 +1040,9 @@ class _Walker:
                 self.score_dots.add(dot)
             self._count(eqn.outvars[0], names, times, eqn.outvars[0] in self.scores, dot_out=True)
             if not self.backward:
-                self._held_whole(eqn.outvars[0], names, lhs, set(lc) | set(lb))
+                self._held_whole(
+                    eqn.outvars[0], names, (lhs, rhs), (set(lc) | set(lb), set(rc) | set(rb))
+                )
                 if self.head_by is None and self._a_token_of(eqn.invars[0]) and "batch" not in rhs:
                     self.head_by, self.head_site = rhs, self.site
             return [names]
