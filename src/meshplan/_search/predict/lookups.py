@@ -43,24 +43,37 @@ def lookup_notes(workload: Workload, resolve: Resolve) -> tuple[str, ...]:
     """
     notes = []
     for (made, picked, where), runs in workload.lookups.items():
-        table = resolve(made, len(made))
         batch = {a for axes in resolve(picked, len(picked)) for a in axes}
-        shared = {made[i]: axes for i, axes in enumerate(table) if set(axes) & batch}
-        if not shared:
+        shared = _split_with(made, resolve, batch)
+        if shared is None:
             continue
-        name, axes = next(iter(shared.items()))
-        over = "+".join(axes)
+        name, over = shared
         wanted = tuple(p if p is not None else m for p, m in zip(picked, made, strict=True))
+        fix = _fix("the lookup's output", wanted, name, over)
         notes.append(
             f"the embedding lookup at {where} ({runs} runs) reads a table split on {name!r} "
             f"over {over!r}, the mesh axis its batch is split over: XLA's sharding propagation "
             f"gives its rows the table's split, and the layers after it run on the whole batch "
             f"split by {name!r} (each projection's partial sums all-reduced whole, its input "
-            f"gathered whole); constrain the lookup's output to {wanted!r} "
-            f"(nn.with_logical_constraint), or give the activations' {name!r} a logical name "
-            f"of its own that no rule maps to {over!r}"
+            f"gathered whole); {fix}"
         )
     return (*notes, *_head_note(workload, resolve))
+
+
+def _split_with(names: Names, resolve: Resolve, batch: set[str]) -> tuple[str, str] | None:
+    """The first of ``names`` split over a mesh axis of ``batch``, and its axes (``a+b``)."""
+    for name, axes in zip(names, resolve(names, len(names)), strict=True):
+        if set(axes) & batch:
+            return name, "+".join(axes)
+    return None
+
+
+def _fix(what: str, wanted: Names, name: str, over: str) -> str:
+    """The fix both notes name: a constraint, or a name no rule maps to the batch's axes."""
+    return (
+        f"constrain {what} to {wanted!r} (nn.with_logical_constraint), or give the "
+        f"activations' {name!r} a logical name of its own that no rule maps to {over!r}"
+    )
 
 
 def _head_note(workload: Workload, resolve: Resolve) -> tuple[str, ...]:
@@ -68,19 +81,14 @@ def _head_note(workload: Workload, resolve: Resolve) -> tuple[str, ...]:
     if workload.head is None:
         return ()
     names, where = workload.head
-    batch = {a for axes in resolve(("batch",), 1) for a in axes}
-    split = zip(names, resolve(names, len(names)), strict=True)
-    shared = [(n, axes) for n, axes in split if set(axes) & batch]
-    if not shared:
+    shared = _split_with(names, resolve, {a for axes in resolve(("batch",), 1) for a in axes})
+    if shared is None:
         return ()
-    name, axes = shared[0]
-    over = "+".join(axes)
+    name, over = shared
+    fix = _fix("the layers' activations", ("batch", None, name), name, over)
     return (
         f"the head at {where} reads one position of the sequence (a class token) with a "
         f"weight split on {name!r} over {over!r}, the mesh axis its batch is split over: "
         f"XLA's sharding propagation carries that split back into the layers, which run "
-        f"on the whole batch split by {name!r} (the inputs gathered whole); constrain the "
-        f"layers' activations to ('batch', None, {name!r}) (nn.with_logical_constraint), or "
-        f"give the activations' {name!r} a logical name of its own that no rule maps to "
-        f"{over!r}",
+        f"on the whole batch split by {name!r} (the inputs gathered whole); {fix}",
     )
