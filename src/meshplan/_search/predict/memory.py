@@ -508,10 +508,16 @@ class _Builder:
         return None
 
 
-def transposed(eqn: Any) -> bool:
-    """Whether matmul ``eqn`` reads its left operand through a transposed copy: its
-    contracting dimensions before a free one (a weight gradient's activation gradient,
-    contracted over the batch), where XLA:CPU's row-major matmul reads them last.
+def transposed(eqn: Any) -> tuple[Any, ...]:
+    """The operands matmul ``eqn`` reads through a transposed copy: XLA:CPU's row-major
+    matmul reads the left operand's contracting dimensions last and the right one's first.
+    So a left operand contracted before a free dimension is copied (a weight gradient's
+    activation gradient, contracted over the batch), and so is a right one of a matmul
+    without batch dimensions contracted after a free one: the input of Equinox's
+    ``Linear`` under ``jax.vmap`` (``w @ x``, the features x's last dimension), its
+    LayerNorm made in that copy (read in its compiled HLO). Attention's batched matmuls
+    read their right operand as laid out (Hugging Face's ViT: its FSDP temporaries
+    1.12 -> 1.28 of XLA's when counted as copies).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -519,15 +525,29 @@ def transposed(eqn: Any) -> bool:
         >>> g, x = jnp.ones((8, 4)), jnp.ones((8, 3))       # [batch, out], [batch, in]
         >>> grad = jax.make_jaxpr(lambda g, x: jnp.einsum("bo,bi->oi", g, x))(g, x)
         >>> back = jax.make_jaxpr(lambda g, w: g @ w)(g, jnp.ones((4, 3)))
-        >>> transposed(grad.jaxpr.eqns[0]), transposed(back.jaxpr.eqns[0])
-        (True, False)
+        >>> w_at_x = jax.make_jaxpr(lambda w, x: jnp.einsum("oi,bi->ob", w, x))(
+        ...     jnp.ones((4, 3)), x
+        ... )
+        >>> [len(transposed(j.jaxpr.eqns[0])) for j in (grad, back, w_at_x)]
+        [1, 0, 1]
     """
-    if eqn.primitive.name != "dot_general" or not eqn.invars:
-        return False
-    (contract, _), (batch, _) = eqn.params["dimension_numbers"]
-    ndim = len(getattr(eqn.invars[0].aval, "shape", ()))
-    free = [d for d in range(ndim) if d not in contract and d not in batch]
-    return bool(free) and bool(contract) and min(contract) < max(free)
+    if eqn.primitive.name != "dot_general" or len(eqn.invars) != 2:
+        return ()
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs, rhs = eqn.invars
+    lfree, rfree = _free(lhs, lc, lb), _free(rhs, rc, rb)
+    out = []
+    if lfree and lc and min(lc) < max(lfree):
+        out.append(lhs)
+    if rfree and rc and not rb and max(rc) > min(rfree):
+        out.append(rhs)
+    return tuple(v for v in out if not isinstance(v, Literal))
+
+
+def _free(v: Any, contract: Sequence[int], batch: Sequence[int]) -> list[int]:
+    """The free dimensions of matmul operand ``v``."""
+    ndim = len(getattr(v.aval, "shape", ()))
+    return [d for d in range(ndim) if d not in contract and d not in batch]
 
 
 def copied(jaxpr: Any, materialized: set[Any] | None) -> bool:
@@ -632,10 +652,7 @@ def _copies(jaxpr: Any, materialized: set[Any] | None) -> dict[Any, frozenset[An
     so none is kept between its reads; its sources are (:func:`_in_memory`)."""
     found = facts(jaxpr)
     out: dict[Any, frozenset[Any]] = {}
-    for eqn in jaxpr.eqns:
-        if not transposed(eqn) or isinstance(eqn.invars[0], Literal):
-            continue
-        v = found.alias.get(eqn.invars[0], eqn.invars[0])
+    for v in (found.alias.get(u, u) for eqn in jaxpr.eqns for u in transposed(eqn)):
         made = found.producer.get(v)
         if v in out or v not in found.direct_sources or made is None or _never_copied(made):
             continue  # an input, another op's result, or expensive (never made twice)
