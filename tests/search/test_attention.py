@@ -30,7 +30,8 @@ def _attention_step(causal: bool):
     def step(state, x):
         def loss(p):
             q, k, v = (jnp.einsum("bse,ehd->bshd", x, p[n].value) for n in ("q", "k", "v"))
-            return jax.nn.dot_product_attention(q, k, v, is_causal=causal).astype(jnp.float32).sum()
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=causal).astype(jnp.float32)
+            return jnp.square(out).sum()  # not linear in p·v: its forward is no dead code
 
         return jax.grad(loss)(state)
 

@@ -26,7 +26,16 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
 from meshplan._search.predict.primitives import CALL_PARAMS, EXPENSIVE, FUSES_OPERANDS
 
-__all__ = ["Atom", "Facts", "aliases", "call_body", "facts", "is_alias", "is_expensive"]
+__all__ = [
+    "Atom",
+    "Facts",
+    "aliases",
+    "call_body",
+    "facts",
+    "is_alias",
+    "is_expensive",
+    "live",
+]
 
 Atom: TypeAlias = Var | Literal
 """An equation's operand: a variable or a literal."""
@@ -57,6 +66,26 @@ def is_alias(eqn: JaxprEqn) -> bool:
         p = eqn.params
         return bool(p.get("exponent_bits") == info.nexp and p.get("mantissa_bits") == info.nmant)
     return bool(name == "sharding_constraint")
+
+
+def live(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """``closed`` without the equations whose values nothing reads, as XLA runs it (its
+    dead-code elimination): the loss a ``jax.grad`` step computes and drops, the primal
+    outputs of a ``jax.vjp`` nobody uses. Every input is kept, read or not.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from meshplan._search.predict.jaxpr_facts import live
+        >>> step = lambda w, x: jax.grad(lambda w: jnp.tanh(x @ w).sum())(w)
+        >>> j = jax.make_jaxpr(step)(jnp.ones((4, 4)), jnp.ones((8, 4)))
+        >>> "reduce_sum" in str(j), "reduce_sum" in str(live(j)), len(live(j).jaxpr.invars)
+        (True, False, 2)
+    """
+    from jax._src.interpreters import partial_eval as pe
+
+    used = [True] * len(closed.jaxpr.outvars)
+    jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, used, instantiate=True)
+    return ClosedJaxpr(jaxpr, closed.consts)
 
 
 def call_body(eqn: JaxprEqn) -> Jaxpr | None:

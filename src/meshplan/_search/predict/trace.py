@@ -33,7 +33,7 @@ from jax.extend.core import Literal
 
 from meshplan._search.predict import memory, op_names
 from meshplan._search.predict.fusion_reads import REDUCTIONS, FusionReads
-from meshplan._search.predict.jaxpr_facts import call_body, facts, is_alias
+from meshplan._search.predict.jaxpr_facts import call_body, facts, is_alias, live
 from meshplan._search.predict.memory import MemoryProgram
 from meshplan._search.predict.primitives import (
     BOUNDARY,
@@ -539,6 +539,9 @@ class _Walker:
         # backward pass arrives split by the batch; and whether the lookups' split is kept
         # whole through the layers (:class:`Carried`'s ``whole``: when none is).
         self.batch_indexed = False
+        # the names of the forward pass's last activation of each shape: what a scatter
+        # into zeros of that shape makes (:meth:`_picked`)
+        self.by_shape: dict[tuple[int, ...], Names] = {}
         self.keep_whole = False
         # Where the split is kept whole: the matmuls (ids of their equations) whose partial
         # sums over the table's names made a value whole, by value (``origin``); those whose
@@ -1220,6 +1223,11 @@ class _Walker:
                 outs[0] = tuple(carried if n == "batch" else n for n in outs[0])
             key = (made, outs[0], tuple(eqn.outvars[0].aval.shape), item)
         elif prim.startswith("scatter") and len(ins) == 3:
+            if "batch" in outs[0] and "batch" in ins[1]:
+                # an activation's cotangent written at the batch's indices: the transpose
+                # of a gather that read it so (the integer-label loss's, where the loss
+                # itself is dead code and gone: a step that drops it)
+                self.batch_indexed = True
             target = dedupe(op_names.scatter_update_names(p, outs[0], shapes))
             key = (ins[2], target, shapes[2], _itemsize(eqn.invars[2].aval))
         elif prim in ("top_k", "sort") and ins and any(n is not None for n in ins[0]):
@@ -1441,15 +1449,22 @@ class _Walker:
         return got
 
     def _picked(self, eqn: Any, ins: list[Names], shapes: list[tuple[int, ...]]) -> list[Names]:
-        """``ins``, the zeros a gather's transpose scatters into (the integer-label loss's
-        logits' cotangent) named as the activation the gather picked from: XLA splits it
-        so (by vocab, where a tensor axis splits the logits), not whole."""
+        """``ins``, the zeros a gather's transpose scatters into named as what the gather
+        picked from: the integer-label loss's logits' cotangent as the logits (XLA splits
+        it by vocab, where a tensor axis splits the logits, not whole), found by the
+        forward's last activation of that shape where the loss, its gather with it, is
+        dead code (a step that drops it)."""
         prim = eqn.primitive.name
         if prim == "gather" and ins and "batch" in ins[0]:
             self.picked_from[shapes[0]] = ins[0]
+        elif not self.backward:  # the forward's values of each shape: the logits, where the
+            for v, n, shape in zip(eqn.invars, ins, shapes, strict=False):  # loss is dead
+                if "batch" in n and not isinstance(v, Literal) and _floating(v.aval):
+                    self.by_shape[shape] = n
         scatter = prim.startswith("scatter") and len(ins) == 3 and not any(ins[0])
         if scatter and eqn.invars[0] in self.constlike:
-            return [self.picked_from.get(shapes[0], ins[0]), *ins[1:]]
+            picked = self.picked_from.get(shapes[0], self.by_shape.get(shapes[0], ins[0]))
+            return [picked, *ins[1:]]
         return ins
 
     @staticmethod
@@ -1575,7 +1590,8 @@ def _make_jaxpr(
     state: Sequence[tuple[Names | None, tuple[int, ...], int]],
     read_constraints: bool,
 ) -> tuple[Any, bool]:
-    """``jax.make_jaxpr`` of the step; under the name mesh (``read_constraints``) when no
+    """``jax.make_jaxpr`` of the step without its dead code (:func:`live`: XLA runs none of
+    it; a ``jax.grad`` step's loss); under the name mesh (``read_constraints``) when no
     mesh is active; and whether it was (the model's constraints are in it, by name)."""
     from meshplan._spmd.place import active_mesh
     from meshplan._spmd.rules import logical_axis_rules
@@ -1584,10 +1600,10 @@ def _make_jaxpr(
         mesh, rules = _name_mesh(constraint_names([n for n, _, _ in state]))
         try:
             with jax.set_mesh(mesh), logical_axis_rules(rules):
-                return jax.make_jaxpr(step_fn)(abstract_state, example_batch), True
+                return live(jax.make_jaxpr(step_fn)(abstract_state, example_batch)), True
         except Exception:  # a step that names mesh axes itself: traced without
             pass
-    return jax.make_jaxpr(step_fn)(abstract_state, example_batch), False
+    return live(jax.make_jaxpr(step_fn)(abstract_state, example_batch)), False
 
 
 def _walk(
