@@ -637,7 +637,9 @@ class _Walker:
         w, x = eqn.invars[side], eqn.invars[1 - side]
         if not self.backward and not isinstance(x, Literal):
             self._confirm(x, operands[1 - side], contract[1 - side])
-            if self._reads_split(operands[1 - side], contract[1 - side]):
+            if self._reads_split(operands[1 - side], contract[1 - side]) or self._reads_rows(
+                x, operands[1 - side], contract[1 - side]
+            ):
                 self.weights_split.add(self.weight_of[w])  # its cotangent made there too
         bound = {*contract[side], *batch[side]}
         free = tuple(n for j, n in enumerate(operands[side]) if j not in bound and n is not None)
@@ -670,6 +672,20 @@ class _Walker:
         return any(
             isinstance(n, Carried) and n.by in self.split_by and over & set(n.by) for n in names
         )
+
+    def _reads_rows(self, x: Any, names: Names, contract: Sequence[int]) -> bool:
+        """Whether a forward matmul contracts a lookup's rows, made in its table's split
+        (:class:`Carried` by the table's names), over those names, where only matmuls read
+        them: the input projection of an LSTM over an embedding (Flax's ``nn.RNN``). Its
+        backward makes the rows' cotangent there too, gathering the small gates' cotangent
+        whole (read in its compiled FSDP step: f32[16,512] all-gathered each step, no
+        all-to-all before the table's scatter-add). Rows a residual sum or a norm reads
+        meet the batch's split there, and their cotangent does too."""
+        over = {names[j] for j in contract}
+        tables = {lookup[0][0] for lookup in self.lookups}
+        return any(
+            isinstance(n, Carried) and n.by in tables and over & set(n.by) for n in names
+        ) and all(c == "dot_general" for c in self.readers(x))
 
     def _confirm(self, x: Any, names: Names, contract: Sequence[int]) -> None:
         """Notes the candidate matmuls (:meth:`_in_weights_split`) whose output ``x`` is
@@ -865,6 +881,9 @@ class _Walker:
             root = next(iter(roots))
             for o in eqn.outvars:
                 self.weight_of[o] = root
+        elif roots and not acts:  # several parameters joined (an LSTM's gate kernels)
+            for o in eqn.outvars:
+                self.weight_of[o] = o
         elif roots and times and _elementwise_op(eqn) and any("batch" in n for n in acts):
             for root in roots:
                 shape = tuple(getattr(root.aval, "shape", ()))
