@@ -125,3 +125,51 @@ def test_flaxs_mnist_cnn_under_fsdp_is_priced_as_xla_compiles_it():
     ratio, predicted, compiled = against_xla(work, named_step, named, batch, "fsdp")
     assert 0.8 <= ratio <= 1.2, ratio
     assert predicted == compiled
+
+
+class _Lstm(nn.Module):
+    """An LSTM over an embedding, mean-pooled into a classifier (Flax's ``nn.RNN`` of the
+    ``OptimizedLSTMCell``, whose four gate kernels are concatenated before one matmul)."""
+
+    @nn.compact
+    def __call__(self, ids):
+        x = nn.RNN(nn.OptimizedLSTMCell(128))(nn.Embed(1000, 128)(ids))
+        return nn.Dense(16)(x.mean(1))
+
+
+def _lstm_step():
+    model, sds = _Lstm(), jax.ShapeDtypeStruct
+    ids = sds((16, 32), jnp.int32)
+    params = jax.eval_shape(
+        lambda k: model.init(k, jnp.zeros(ids.shape, ids.dtype)), jax.random.key(0)
+    )
+
+    def step(ps, batch):
+        loss = lambda q: _xent(model.apply(q, batch["x"]), batch["y"])  # noqa: E731
+        return jax.tree.map(lambda a, g: a - 1e-3 * g, ps, jax.grad(loss)(ps))
+
+    return params, step, {"x": ids, "y": sds((16,), jnp.int32)}
+
+
+def test_an_lstms_rows_cotangent_is_made_in_the_tables_split():
+    """Only the input projection reads the lookup's rows, its weight split as the table is:
+    its backward gathers the gates' cotangent and makes the rows' there, so no all-to-all
+    precedes the scatter into the table's gradient (one was predicted before)."""
+    from meshplan._search.predict.cost import predict
+    from xla_suite import CPU_LIKE, LAYOUTS
+
+    params, step, batch = _lstm_step()
+    *_, work = name_unnamed(step, params, batch)
+    cost = predict(work, *LAYOUTS["fsdp"], CPU_LIKE)
+    assert not cost.comm_bytes.get("all-to-all"), cost.comm_bytes
+
+
+@pytest.mark.slow
+def test_an_lstms_fsdp_memory_and_collectives_are_xlas():
+    from xla_suite import against_xla
+
+    params, step, batch = _lstm_step()
+    _, named, named_step, work = name_unnamed(step, params, batch)
+    ratio, predicted, compiled = against_xla(work, named_step, named, batch, "fsdp")
+    assert 0.8 <= ratio <= 1.2, ratio
+    assert predicted == compiled
