@@ -277,6 +277,37 @@ def test_equinox_modules_are_named_through_their_linear_layers():
     assert named.up.weight.names == ("mlp", "embed")
 
 
+def test_an_equinox_embedding_under_vmap_is_vocab_and_embed():
+    """``eqx.nn.Embedding`` indexes ``weight[x]`` per token: under ``jax.vmap`` a gather of
+    ``(1, features)`` slices whose row dimension is kept, of size 1, not collapsed (its rows
+    were named ``dim_<vocab>`` then, and the head's ``vocab`` alone)."""
+    eqx = pytest.importorskip("equinox")
+
+    class Model(eqx.Module):
+        embed: eqx.nn.Embedding
+        head: eqx.nn.Linear
+
+        def __init__(self, key):
+            k = jax.random.split(key)
+            self.embed = eqx.nn.Embedding(V, E, key=k[0])
+            self.head = eqx.nn.Linear(E, V, key=k[1])
+
+        def __call__(self, ids):  # ids: [length], vmapped over the batch
+            return jax.vmap(self.head)(jnp.tanh(jax.vmap(self.embed)(ids)))
+
+    model = jax.eval_shape(Model, jax.random.key(0))
+
+    def step(model, ids):
+        loss = lambda m: optax.softmax_cross_entropy_with_integer_labels(  # noqa: E731
+            jax.vmap(m)(ids), ids
+        ).mean()
+        return jax.grad(loss)(model)
+
+    rules = meshplan.infer_names(step, model, sds(B, L, dtype=jnp.int32))
+    assert names(rules, "embed/weight") == ("vocab", "embed")
+    assert names(rules, "head/weight") == ("vocab", "embed")
+
+
 def test_rules_match_the_optimizer_copies_and_write_layer_indices_as_patterns():
     from flax.training import train_state
 

@@ -450,7 +450,10 @@ class _Links(_Walker):
         elif not isinstance(table, Literal) and not self.has(self.from_batch, table):
             by_ids = self.has(self.from_ids, indices) and not self.has(self.counted, indices)
             dims = range(len(_shape(table)))
-            for i in dn.collapsed_slice_dims:
+            # a row indexed is collapsed, or kept of size 1 (Equinox's ``weight[x]`` under
+            # ``jax.vmap``: slices (1, features) at (id, 0))
+            one = [i for i in dn.start_index_map if sizes[i] == 1 and i not in skipped]
+            for i in [*dn.collapsed_slice_dims, *one]:
                 if _shape(table)[i] > 1:
                     rest = tuple(
                         self.node(table, d) for d in dims if d != i and _shape(table)[d] > 1
