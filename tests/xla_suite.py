@@ -45,7 +45,9 @@ AS_ON_ACCELERATORS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIM
 # the forward's own, so that recomputation runs in the forward; it does not reduce-scatter
 # (an FSDP gradient's partial sums are all-reduced whole, then sliced), and it combines
 # every gradient's all-reduce into one (one all-reduce in the compiled 16-layer step, 66 MiB):
-# all of them held unreduced until it runs, its result a buffer beside them.
+# all of them held unreduced until it runs, its result a buffer beside them. A weight FSDP
+# gathers for the forward pass is not gathered again for the backward: the forward's gather
+# is kept until the backward reads it (an MLP-Mixer's, one f32[128,256] gather per block).
 CPU_LIKE = dataclasses.replace(
     get_profile("h100"),
     fused_attention=False,
@@ -54,6 +56,7 @@ CPU_LIKE = dataclasses.replace(
     reduce_scatter=False,
     combine_bytes=1 << 30,
     late_gradients=True,
+    regather=False,
 )
 
 LAYOUTS: dict[str, tuple[dict[str, int], tuple[tuple[str, Any], ...]]] = {

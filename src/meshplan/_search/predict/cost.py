@@ -1023,6 +1023,10 @@ def _peak(
     held = _held_gradients(program, specs, copies)
     # XLA:CPU's program: the partial sums summed into one value, all-reduced together
     combined = [d in partial_sums for d in program.dots] if program.sums else []
+    # XLA on CPU keeps a weight it gathered for the forward pass until the backward's read
+    kept: Sequence[float] = (
+        () if profile.regather else list(memory_model.kept_gathers(program, extra))
+    )
     return memory_model.peak(
         program,
         bytes_of,
@@ -1034,6 +1038,7 @@ def _peak(
         held,
         combined,
         running,
+        kept,
     )
 
 

@@ -84,7 +84,8 @@ class MemoryProgram:
     rematerialised regions of unrolled layers (:class:`Hoist`), which a collective combiner
     may run in the forward pass; ``sums``: the matmuls whose outputs are summed into one
     value (a layer input's gradient from its q/k/v or gate/up projections), each as ``(the
-    point of the last of them, their indices in dots, the cell of one output)``.
+    point of the last of them, their indices in dots, the cell of one output)``; ``at``:
+    per point, the places in the walk's order of top-level equations it occurs at.
     """
 
     cells: list[Cell]
@@ -98,6 +99,7 @@ class MemoryProgram:
     ran: np.ndarray | None = None
     hoists: list[Hoist] = dataclasses.field(default_factory=list)
     sums: list[tuple[int, tuple[int, ...], int]] = dataclasses.field(default_factory=list)
+    at: list[frozenset[int]] = dataclasses.field(default_factory=list)
 
     def sizes(self, bytes_of: Callable[[Cell], int]) -> np.ndarray:
         """Bytes per device of each cell, by ``bytes_of``."""
@@ -830,7 +832,52 @@ def build(
         ran,
         hoists,
         sums,
+        [frozenset(p[5]) for p in pts],
     )
+
+
+def kept_gathers(program: MemoryProgram, gathered: Sequence[Mapping[Any, int]]) -> np.ndarray:
+    """Per point of ``program``, the bytes of gathered weights alive between their readers
+    (XLA on CPU: the backward pass's gather of a weight is the forward's, kept): per weight
+    (``gathered``'s keys, as :func:`peak` takes them) read at places ``t1 < ... < tn`` of the
+    step's top-level order, a point at ``t`` holds ``min(reads before t, reads after t)``
+    of them, the layers' reads nested (a layer's forward and its input gradient's matmul
+    read its weight; the last layer's are the innermost pair). Read in the compiled FSDP
+    step of an MLP-Mixer: each block's gathered up-projection f32[128,256] alive from its
+    forward matmul to its backward one. Not inside loops (a scanned layer gathers its
+    slice in each trip).
+
+    Example:
+        >>> import numpy as np
+        >>> from meshplan._search.predict.memory import MemoryProgram, kept_gathers
+        >>> empty = np.zeros((5, 1))
+        >>> at = [{1, 8}, {2}, {4, 6}, {5}, {9}]     # where each point occurs
+        >>> program = MemoryProgram([((), (), 4, False)], empty, empty,
+        ...     np.array([0, -1, 0, -1, -1]), ["w @ x: two layers' forward and backward"],
+        ...     np.zeros(1), np.array([-1] * 5), at=[frozenset(t) for t in at])
+        >>> kept_gathers(program, [{("embed", "mlp"): 100}])    # read at 1, 4, 6 and 8
+        array([  0., 100., 100., 200.,   0.])
+    """
+    out = np.zeros(len(program.dot))
+    if not program.at or not len(gathered):
+        return out
+    reads: dict[Any, list[int]] = {}
+    size: dict[Any, int] = {}
+    for d, g in enumerate(gathered):
+        rows = np.flatnonzero(program.dot == d)
+        if program.scope is not None and (program.scope[rows] >= 0).any():
+            continue
+        times = sorted({t for r in rows for t in program.at[r]})
+        for key, nbytes in g.items():
+            if not _activation(key) and nbytes:
+                reads.setdefault(key, []).extend(times)
+                size[key] = max(size.get(key, 0), nbytes)
+    for key, times in reads.items():
+        ts = np.array(sorted(set(times)))
+        for p, at in enumerate(program.at):
+            held = max((min(int((ts < t).sum()), int((ts > t).sum())) for t in at), default=0)
+            out[p] += held * size[key]
+    return out
 
 
 def _activation(key: Any) -> bool:
@@ -863,6 +910,7 @@ def peak(
     held: Sequence[float] = (),
     combined: Sequence[bool] = (),
     summed: Sequence[float] = (),
+    kept: Sequence[float] = (),
 ) -> Peak:
     """The largest point of ``program`` with cells sized by ``bytes_of``.
 
@@ -911,6 +959,9 @@ def peak(
     ``summed``: per matmul, the bytes its output holds beyond its shard where it is an
     activation's partial sums, all-reduced as they are made (a projection out of an FSDP
     table's split): alive while it runs, never held for a combined collective.
+
+    ``kept``: per point, the bytes of gathered weights kept between their readers
+    (:func:`kept_gathers`; ``[]``: none, each gathered again where it is read).
     """
     size = program.sizes(bytes_of)
     lo, sh = program.long @ size, program.short @ size
@@ -950,6 +1001,8 @@ def peak(
         if combine_bytes and program.ran is not None:
             pending = program.ran @ np.where(own <= combine_bytes, own, 0.0)
             extra += np.minimum(pending, combine_bytes)
+    if len(kept):
+        extra += np.asarray(kept, dtype=float)
     if len(summed) and any(summed):
         has = program.dot >= 0
         extra[has] += np.array([float(u) for u in summed])[program.dot[has]]
