@@ -34,6 +34,7 @@ values, gathered weights, the optimizer update's intermediates).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -104,6 +105,24 @@ class MemoryProgram:
     def sizes(self, bytes_of: Callable[[Cell], int]) -> np.ndarray:
         """Bytes per device of each cell, by ``bytes_of``."""
         return np.array([float(bytes_of(c)) for c in self.cells])
+
+    @functools.cached_property
+    def places(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(starts, place)``: the places each point occurs at (``at``), flattened in the
+        points' order, and where each point's begin (points that occur nowhere left out)."""
+        counts = np.array([len(at) for at in self.at], dtype=int)
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        return starts, np.array([t for at in self.at for t in sorted(at)], dtype=float)
+
+    @functools.cached_property
+    def dot_places(self) -> list[np.ndarray | None]:
+        """Per matmul of ``dots``, the places it runs at (``None``: inside a loop)."""
+        out: list[np.ndarray | None] = []
+        for d in range(len(self.dots)):
+            rows = np.flatnonzero(self.dot == d)
+            inside = self.scope is not None and bool((self.scope[rows] >= 0).any())
+            out.append(None if inside else np.unique([t for r in rows for t in self.at[r]]))
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -861,22 +880,21 @@ def kept_gathers(program: MemoryProgram, gathered: Sequence[Mapping[Any, int]]) 
     out = np.zeros(len(program.dot))
     if not program.at or not len(gathered):
         return out
-    reads: dict[Any, list[int]] = {}
+    reads: dict[Any, list[np.ndarray]] = {}
     size: dict[Any, int] = {}
-    for d, g in enumerate(gathered):
-        rows = np.flatnonzero(program.dot == d)
-        if program.scope is not None and (program.scope[rows] >= 0).any():
-            continue
-        times = sorted({t for r in rows for t in program.at[r]})
+    for runs, g in zip(program.dot_places, gathered, strict=True):
         for key, nbytes in g.items():
-            if not _activation(key) and nbytes:
-                reads.setdefault(key, []).extend(times)
+            if runs is not None and nbytes and not _activation(key):
+                reads.setdefault(key, []).append(runs)
                 size[key] = max(size.get(key, 0), nbytes)
-    for key, times in reads.items():
-        ts = np.array(sorted(set(times)))
-        for p, at in enumerate(program.at):
-            held = max((min(int((ts < t).sum()), int((ts > t).sum())) for t in at), default=0)
-            out[p] += held * size[key]
+    starts, place = program.places
+    occurs = np.array([bool(at) for at in program.at])
+    for key, read in reads.items():
+        ts = np.unique(np.concatenate(read))
+        before = np.searchsorted(ts, place, "left")
+        after = len(ts) - np.searchsorted(ts, place, "right")
+        held = np.maximum.reduceat(np.minimum(before, after), starts[occurs])
+        out[occurs] += held * size[key]
     return out
 
 
