@@ -153,7 +153,7 @@ def block_fraction(workload: Workload) -> float:
         >>> state = {"w": box((3, 64, 64), ("layer", "embed", "mlp")), "head": box((64, 64), ("embed", "vocab"))}
         >>> def loss(p, x):
         ...     h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["w"])[0]
-        ...     return (h @ p["head"]).sum()
+        ...     return jnp.square(h @ p["head"]).sum()
         >>> work = trace_workload(lambda s, x: jax.grad(loss)(meshplan.unbox(s), x), state,
         ...                       jax.ShapeDtypeStruct((8, 64), jnp.float32))
         >>> round(block_fraction(work), 2)
