@@ -86,19 +86,20 @@ def install_hook() -> None:
 
 
 _NEVER_RETRIEVED = (
-    "Task exception was never retrieved",
-    "Future exception was never retrieved",
+    " exception was never retrieved",
     "unhandled exception during asyncio.run() shutdown",
 )
-"""How asyncio's log starts its message for a task's, or a plain future's, lost exception,
-and for one of the tasks ``asyncio.run`` cancels as it ends: the writes still in flight
-when the save's first write failed (a full disk: a ``FileNotFoundError`` from
-``write_fragment`` once the step's folder was removed)."""
+"""What asyncio's log says on the first line of its message for a future's lost exception
+(``f"{type(future).__name__} exception was never retrieved"``: a ``Task``, a plain
+``Future``, the ``_GatheringFuture`` of an ``asyncio.gather``), and for one of the tasks
+``asyncio.run`` cancels as it ends: the writes still in flight when the save's first
+write failed (a full disk: a ``FileNotFoundError`` from ``write_fragment`` once the step's
+folder was removed)."""
 
 
 class _OrphanedOrbaxTasks(logging.Filter):
-    """asyncio's "Task (or Future) exception was never retrieved" for Orbax's writes, and its
-    "unhandled exception during asyncio.run() shutdown": left out.
+    """asyncio's "Task (Future, _GatheringFuture) exception was never retrieved" for Orbax's
+    writes, and its "unhandled exception during asyncio.run() shutdown": left out.
 
     The writes still in flight when a save fails end with an exception nobody awaits; when
     collected, asyncio logs each with a screen of TensorStore traceback (at exit, or in the
@@ -118,7 +119,8 @@ class _OrphanedOrbaxTasks(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         try:
-            if not str(record.msg).startswith(self._starts):
+            first = str(record.msg).partition("\n")[0]
+            if not any(said in first for said in self._starts):
                 return True
             exc = record.exc_info[1] if record.exc_info else None
             tb = exc.__traceback__ if exc is not None else None
