@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import math
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -668,10 +668,7 @@ class _Walker:
         :meth:`_in_weights_split`) over that weight's names: the next layer of a plain MLP,
         whose backward makes the hidden layer's cotangent in the same split (a classifier
         head's: no all-to-all back to the batch)."""
-        over = {names[j] for j in contract}
-        return any(
-            isinstance(n, Carried) and n.by in self.split_by and over & set(n.by) for n in names
-        )
+        return _contracts_carried(names, contract, self.split_by)
 
     def _reads_rows(self, x: Any, names: Names, contract: Sequence[int]) -> bool:
         """Whether a forward matmul contracts a lookup's rows, made in its table's split
@@ -681,11 +678,10 @@ class _Walker:
         whole (read in its compiled FSDP step: f32[16,512] all-gathered each step, no
         all-to-all before the table's scatter-add). Rows a residual sum or a norm reads
         meet the batch's split there, and their cotangent does too."""
-        over = {names[j] for j in contract}
         tables = {lookup[0][0] for lookup in self.lookups}
-        return any(
-            isinstance(n, Carried) and n.by in tables and over & set(n.by) for n in names
-        ) and all(c == "dot_general" for c in self.readers(x))
+        return _contracts_carried(names, contract, tables) and all(
+            c == "dot_general" for c in self.readers(x)
+        )
 
     def _confirm(self, x: Any, names: Names, contract: Sequence[int]) -> None:
         """Notes the candidate matmuls (:meth:`_in_weights_split`) whose output ``x`` is
@@ -1525,6 +1521,13 @@ class _Walker:
             return [tuple(n for i, n in enumerate(ins[0]) if i not in axes)] * len(out_shapes)
         pairs = list(zip(ins, shapes, strict=True))
         return [_elementwise(shape, pairs, forward) for shape in out_shapes]
+
+
+def _contracts_carried(names: Names, contract: Sequence[int], by: Collection[Names]) -> bool:
+    """Whether a matmul operand named ``names`` holds a :class:`Carried` batch made in one of
+    the splits ``by`` and is contracted (dimensions ``contract``) over a name of it."""
+    over = {names[j] for j in contract}
+    return any(isinstance(n, Carried) and n.by in by and over & set(n.by) for n in names)
 
 
 def _elementwise_op(eqn: Any) -> bool:
