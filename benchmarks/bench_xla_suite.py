@@ -10,10 +10,13 @@ first of a turn dropped), the median per layout (and the fastest step, the one l
 disturbed by other load on a shared machine, and the median CPU time over the cores, as the
 ``cpu`` profile counts a call: :func:`meshplan._search.measure.cpu.call_seconds`, the work
 itself, which other processes' load barely moves); printed: top-1 / best built-in (target
-<= 1.10 on every model) by each.
+<= 1.10 on every model) by each. ``--top N`` also times the next ``N - 1`` ranked rows
+(searched rule sets too) and prints how well the predicted order matches the measured one
+(Spearman's rank correlation over every program timed).
 
     .venv/bin/python benchmarks/bench_xla_suite.py                   # every model
     .venv/bin/python benchmarks/bench_xla_suite.py --models cnn vit --rounds 3
+    .venv/bin/python benchmarks/bench_xla_suite.py --models moe --top 6   # the ranking
     .venv/bin/python benchmarks/bench_xla_suite.py --memory   # the test's figures, printed
 
 ``--memory`` prints what ``tests/search/test_xla_suite.py`` checks, per model and layout at
@@ -45,29 +48,43 @@ SCALES = {"vit": 1, "cnn": 2, "encdec": 1, "moe": 1, "decoder": 1, "scanned": 1,
 """Each model's ``scale`` (``xla_suite.suite_step``): steps of 40-90 ms on 8 CPU devices."""
 
 
-def _candidates(result: meshplan.SearchResult) -> list[Any]:
-    """The top-1 and each built-in layout's rows that passed (one per distinct prediction of
-    a layout: mesh shapes its rules do not tell apart run the same program)."""
-    top = result.best
-    rows = [top] if top is not None else []
-    seen: set[tuple[str, float]] = set()
+def _candidates(result: meshplan.SearchResult, top: int = 1) -> list[Any]:
+    """The top-1, the next ``top - 1`` ranked rows that fit (searched ones too), and each
+    built-in layout's rows that passed (one per distinct prediction of a layout: mesh shapes
+    its rules do not tell apart run the same program)."""
+    first = result.best
+    rows = [first] if first is not None else []
+    rows += [r for r in result.ok if r.fits is not False and r is not first][: top - 1]
+    taken = {(r.mesh_text, r.rules) for r in rows}
+    seen = {(r.layout, round(r.predicted_s, 7)) for r in rows if r.predicted_s is not None}
     for row in result.ok:
         if row.layout == "searched" or row.predicted_s is None:
             continue
         key = (row.layout, round(row.predicted_s, 7))
-        if key in seen or (top is not None and (row.mesh, row.rules) == (top.mesh, top.rules)):
+        if key in seen or (row.mesh_text, row.rules) in taken:
             continue
         seen.add(key)
         rows.append(row)
     return rows
 
 
-def bench(name: str, scale: int, rounds: int, turn: int) -> dict[str, Any]:
+def _spearman(a: list[float], b: list[float]) -> float:
+    """The rank correlation of ``a`` and ``b`` (no ties expected: times)."""
+    ra, rb = (sorted(range(len(x)), key=x.__getitem__) for x in (a, b))
+    pos_a, pos_b = [0] * len(a), [0] * len(b)
+    for i, (x, y) in enumerate(zip(ra, rb, strict=True)):
+        pos_a[x], pos_b[y] = i, i
+    n = len(a)
+    d2 = sum((x - y) ** 2 for x, y in zip(pos_a, pos_b, strict=True))
+    return 1 - 6 * d2 / (n * (n * n - 1)) if n > 1 else float("nan")
+
+
+def bench(name: str, scale: int, rounds: int, turn: int, top: int = 1) -> dict[str, Any]:
     state, step, batch = suite_step(name, scale)
     t0 = time.perf_counter()
     result = meshplan.search_rules(8, state, step, batch, profile="cpu", compile_top=0)
     search_s = time.perf_counter() - t0
-    rows = _candidates(result)
+    rows = _candidates(result, top)
     prepared = [prepare_step(step, state, batch, r.mesh, r.rules) for r in rows]
     times: list[list[StepTime]] = [[] for _ in rows]
     for _ in range(rounds):  # interleaved: each round runs every layout once
@@ -82,11 +99,13 @@ def bench(name: str, scale: int, rounds: int, turn: int) -> dict[str, Any]:
     best_fast = min(builtin, key=lambda i: fastest[i])
     best_cpu = min(builtin, key=lambda i: cpu[i])
     for i, r in enumerate(rows):
-        mark = "top-1" if i == 0 else ("best built-in" if i == best else "")
+        mark = f"top-{i + 1}" if i < top else ""
+        mark += (", " if mark else "") + "best built-in" if i == best else ""
         print(
             f"  {r.mesh_text:>5} {r.layout:15} predicted {1e3 * (r.predicted_s or 0):7.1f} ms  "
             f"measured median {1e3 * medians[i]:7.1f} ms, fastest {1e3 * fastest[i]:7.1f} ms, "
             f"CPU/cores {1e3 * cpu[i]:7.1f} ms  {mark}"
+            + (f" ({r.short_rules})" if r.layout == "searched" else "")
         )
     ratio, ratio_fast = medians[0] / medians[best], fastest[0] / fastest[best_fast]
     ratio_cpu = cpu[0] / cpu[best_cpu]
@@ -94,7 +113,8 @@ def bench(name: str, scale: int, rounds: int, turn: int) -> dict[str, Any]:
         f"{name} (scale {scale}): top-1 {rows[0].mesh_text} {rows[0].layout} / best built-in "
         f"{rows[best].mesh_text} {rows[best].layout}: {ratio:.2f} (medians), {ratio_fast:.2f} "
         f"(fastest steps), {ratio_cpu:.2f} (CPU time)  (search {search_s:.1f} s, "
-        f"{len(rows)} programs timed)\n",
+        f"{len(rows)} programs timed; predicted against measured order: Spearman "
+        f"{_spearman([r.predicted_s or 0 for r in rows], medians):.2f})\n",
         flush=True,
     )
     return {
@@ -131,12 +151,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--turn", type=int, default=6, help="steps per turn (the first dropped)")
     parser.add_argument("--scale", type=int, help="one scale for every model (default SCALES)")
+    parser.add_argument("--top", type=int, default=1, help="also time the next ranked rows")
     parser.add_argument("--memory", action="store_true", help="the test's memory and kinds")
     args = parser.parse_args()
     if args.memory:
         memory(args.models)
         return
-    out = [bench(m, args.scale or SCALES[m], args.rounds, args.turn) for m in args.models]
+    out = [bench(m, args.scale or SCALES[m], args.rounds, args.turn, args.top) for m in args.models]
     worst = max(out, key=lambda r: r["ratio"])
     print("model       top-1 ms   top-1 / best built-in: medians  fastest steps  CPU time")
     for r in out:
