@@ -37,6 +37,15 @@ of the segment's time (docs/benchmarks.md, "Session 17"):
 
     .venv/bin/python benchmarks/bench_calibration.py --skew
 
+``--written`` measures whether a ``psum`` costs more when a kernel has just written its
+operand, as an activation's all-reduce in a step follows the matmul that made it: per
+group, at 64 KiB and 256 KiB per device (the suite's activations), a chain of ``psum``s
+alone, of ``tanh`` kernels alone, and of each ``tanh`` then a ``psum`` of its result, the
+``psum`` after the kernel being the third less the second, beside what the ``cpu`` profile
+prices for it (docs/benchmarks.md, "Session 21"):
+
+    .venv/bin/python benchmarks/bench_calibration.py --written
+
 ``--against REF`` also runs the procedure of ``src/meshplan/_search/measure/cpu.py`` as it
 was at git revision ``REF``, alternating process by process with this one, so both see the
 same load:
@@ -355,6 +364,59 @@ def skew(devices: int, rounds: int = 15) -> None:
             print(f"{g:5d} {w:7d} {work * 1e6:8.1f} {psum * 1e6:8.1f} {added:8.1f} {share:7.2f}")
 
 
+def written(devices: int, rounds: int = 15) -> None:
+    """A ``psum``'s seconds alone and right after a kernel that writes its operand, by group
+    and size (module docstring): chains of 5 less chains of 1, medians over rounds."""
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from meshplan._search.predict.collectives import collective_time
+    from meshplan._search.predict.profiles import get_profile
+
+    def kernel(group: int, floats: int, times: int, work: bool, reduce: bool) -> Any:
+        mesh = jax.make_mesh((devices // group, group), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
+
+        def chain(y: Any) -> Any:
+            for _ in range(times):  # zeros stay zeros: tanh(0) and sums of 0
+                y = jnp.tanh(y) if work else y
+                y = jax.lax.psum(y, "b") if reduce else y  # type: ignore[no-untyped-call]
+            return y
+
+        spec = P(("a", "b"))
+        run = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=spec, out_specs=spec))
+        box = [jax.device_put(np.zeros((devices, floats), np.float32), NamedSharding(mesh, spec))]
+
+        def call() -> Any:
+            box[0] = run(box[0])
+            return box[0]
+
+        return call
+
+    sides = [g for g in (2, 4, 8, 16) if g <= devices and devices % g == 0]
+    sizes = (1 << 14, 1 << 16)
+    ways = ((False, True), (True, False), (True, True))  # psum alone, tanh alone, both
+    cases = [(g, f, t, w, r) for g in sides for f in sizes for t in (1, 5) for w, r in ways]
+    seconds = _interleaved({c: kernel(*c) for c in cases}, devices, rounds)
+
+    def each(g: int, f: int, w: bool, r: bool) -> float:
+        once, many = seconds[(g, f, 1, w, r)], seconds[(g, f, 5, w, r)]
+        return statistics.median(m - o for o, m in zip(once, many, strict=True)) / 4
+
+    profile = get_profile("cpu", devices)
+    print(f"{'group':>5} {'KiB/device':>10} {'psum us':>8} {'after tanh us':>13} {'priced us':>9}")
+    for g in sides:
+        for f in sizes:
+            alone, after = each(g, f, False, True), each(g, f, True, True) - each(g, f, True, False)
+            priced = collective_time(profile, "all-reduce", {"b": g}, ("b",), 4 * f)
+            print(
+                f"{g:5d} {4 * f // 1024:10d} {alone * 1e6:8.1f} {after * 1e6:13.1f} {priced * 1e6:9.1f}"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--processes", type=int, default=10, help="fresh processes (>= 4)")
@@ -364,6 +426,7 @@ def main() -> None:
     parser.add_argument("--arrays", action="store_true", help="a combined all-reduce by arrays")
     parser.add_argument("--in-step", action="store_true", help="a step's combined all-reduce")
     parser.add_argument("--skew", action="store_true", help="a psum's wait after some work")
+    parser.add_argument("--written", action="store_true", help="a psum of a kernel's result")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
@@ -376,6 +439,8 @@ def main() -> None:
         return in_step(args.devices)
     if args.skew:
         return skew(args.devices)
+    if args.written:
+        return written(args.devices)
     if args.processes < 4:
         parser.error("--processes must be at least 4 (quartiles of fewer mean little)")
     with tempfile.TemporaryDirectory() as folder:
