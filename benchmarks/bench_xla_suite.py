@@ -36,6 +36,8 @@ import statistics
 import time
 from typing import Any
 
+from scipy.stats import spearmanr
+
 import meshplan
 from meshplan._search.measure.cpu import call_seconds, cpu_cores
 from meshplan._search.measure.hlo import measure_step
@@ -68,17 +70,6 @@ def _candidates(result: meshplan.SearchResult, top: int = 1) -> list[Any]:
     return rows
 
 
-def _spearman(a: list[float], b: list[float]) -> float:
-    """The rank correlation of ``a`` and ``b`` (no ties expected: times)."""
-    ra, rb = (sorted(range(len(x)), key=x.__getitem__) for x in (a, b))
-    pos_a, pos_b = [0] * len(a), [0] * len(b)
-    for i, (x, y) in enumerate(zip(ra, rb, strict=True)):
-        pos_a[x], pos_b[y] = i, i
-    n = len(a)
-    d2 = sum((x - y) ** 2 for x, y in zip(pos_a, pos_b, strict=True))
-    return 1 - 6 * d2 / (n * (n * n - 1)) if n > 1 else float("nan")
-
-
 def bench(name: str, scale: int, rounds: int, turn: int, top: int = 1) -> dict[str, Any]:
     state, step, batch = suite_step(name, scale)
     t0 = time.perf_counter()
@@ -99,12 +90,12 @@ def bench(name: str, scale: int, rounds: int, turn: int, top: int = 1) -> dict[s
     best_fast = min(builtin, key=lambda i: fastest[i])
     best_cpu = min(builtin, key=lambda i: cpu[i])
     for i, r in enumerate(rows):
-        mark = f"top-{i + 1}" if i < top else ""
-        mark += (", " if mark else "") + "best built-in" if i == best else ""
+        marks = [f"top-{i + 1}"] if i < top else []
+        marks += ["best built-in"] if i == best else []
         print(
             f"  {r.mesh_text:>5} {r.layout:15} predicted {1e3 * (r.predicted_s or 0):7.1f} ms  "
             f"measured median {1e3 * medians[i]:7.1f} ms, fastest {1e3 * fastest[i]:7.1f} ms, "
-            f"CPU/cores {1e3 * cpu[i]:7.1f} ms  {mark}"
+            f"CPU/cores {1e3 * cpu[i]:7.1f} ms  {', '.join(marks)}"
             + (f" ({r.short_rules})" if r.layout == "searched" else "")
         )
     ratio, ratio_fast = medians[0] / medians[best], fastest[0] / fastest[best_fast]
@@ -114,7 +105,7 @@ def bench(name: str, scale: int, rounds: int, turn: int, top: int = 1) -> dict[s
         f"{rows[best].mesh_text} {rows[best].layout}: {ratio:.2f} (medians), {ratio_fast:.2f} "
         f"(fastest steps), {ratio_cpu:.2f} (CPU time)  (search {search_s:.1f} s, "
         f"{len(rows)} programs timed; predicted against measured order: Spearman "
-        f"{_spearman([r.predicted_s or 0 for r in rows], medians):.2f})\n",
+        f"{spearmanr([r.predicted_s or 0 for r in rows], medians).statistic:.2f})\n",
         flush=True,
     )
     return {
@@ -154,6 +145,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=1, help="also time the next ranked rows")
     parser.add_argument("--memory", action="store_true", help="the test's memory and kinds")
     args = parser.parse_args()
+    if args.top < 1:
+        parser.error(f"--top requires at least 1 row, got --top {args.top}.")
     if args.memory:
         memory(args.models)
         return
