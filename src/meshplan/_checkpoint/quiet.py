@@ -114,13 +114,13 @@ class _OrphanedOrbaxTasks(logging.Filter):
 
     def __init__(self) -> None:
         super().__init__()
-        self._starts = _NEVER_RETRIEVED
+        self._said = _NEVER_RETRIEVED
         self._orbax_dir = _ORBAX_DIR
 
     def filter(self, record: logging.LogRecord) -> bool:
         try:
             first = str(record.msg).partition("\n")[0]
-            if not any(said in first for said in self._starts):
+            if not any(said in first for said in self._said):
                 return True
             exc = record.exc_info[1] if record.exc_info else None
             tb = exc.__traceback__ if exc is not None else None
