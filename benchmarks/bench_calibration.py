@@ -165,34 +165,47 @@ def _interleaved(kernels: dict[Any, Any], devices: int, rounds: int) -> dict[Any
     return seconds
 
 
+def _chained(devices: int, group: int, chain: Any, *arrays: Any) -> Any:
+    """A call running ``chain`` (in ``shard_map``, over ``'b'``: groups of ``group`` of the
+    ``devices``; ``'a'``: the rest, running the same at once) on ``arrays`` split over every
+    device, each call on the last one's results (donated: no call allocates)."""
+    import jax
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((devices // group, group), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
+    spec = P(("a", "b"))
+    specs = (spec,) * len(arrays)
+    run = jax.jit(
+        jax.shard_map(
+            chain, mesh=mesh, in_specs=specs, out_specs=specs if len(arrays) > 1 else spec
+        ),
+        donate_argnums=tuple(range(len(arrays))),
+    )
+    box = [tuple(jax.device_put(a, NamedSharding(mesh, spec)) for a in arrays)]
+
+    def call() -> Any:
+        out = run(*box[0])
+        box[0] = out if isinstance(out, tuple) else (out,)
+        return out
+
+    return call
+
+
 def groups(devices: int, rounds: int = 15) -> None:
     """Seconds per ``psum`` over groups of 2, 4, ... ``devices`` (module docstring): a chain
     of 5 less a single one, the median over interleaved rounds, in call seconds."""
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     import jax
     import numpy as np
-    from jax.sharding import AxisType, NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     def kernel(group: int, times: int, floats: int) -> Any:
-        mesh = jax.make_mesh((devices // group, group), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
-
         def total(y: Any) -> Any:
             for _ in range(times):
                 y = jax.lax.psum(y, "b")  # type: ignore[no-untyped-call]
             return y
 
-        spec = P(("a", "b"))
-        run = jax.jit(
-            jax.shard_map(total, mesh=mesh, in_specs=spec, out_specs=spec), donate_argnums=0
-        )
-        box = [jax.device_put(np.zeros((devices, floats), np.float32), NamedSharding(mesh, spec))]
-
-        def call() -> Any:
-            box[0] = run(box[0])
-            return box[0]
-
-        return call
+        return _chained(devices, group, total, np.zeros((devices, floats), np.float32))
 
     sizes = (1, 1 << 18, 1 << 21)
     sides = [g for g in (2, 4, 8, 16) if g <= devices and devices % g == 0]
@@ -312,12 +325,8 @@ def skew(devices: int, rounds: int = 15) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import AxisType, NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     def kernel(group: int, times: int, work: int, reduce: bool) -> Any:
-        mesh = jax.make_mesh((devices // group, group), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
-
         def chain(y: Any, m: Any) -> Any:
             for _ in range(times):
                 for _ in range(work):  # each its own kernel: the barrier stops fusion
@@ -327,20 +336,8 @@ def skew(devices: int, rounds: int = 15) -> None:
                     y = jax.lax.psum(y, "b")  # type: ignore[no-untyped-call]
             return y, m
 
-        spec = P(("a", "b"))
-        run = jax.jit(
-            jax.shard_map(chain, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec)),
-            donate_argnums=(0, 1),
-        )
-        split = NamedSharding(mesh, spec)
-        y = jax.device_put(np.zeros(devices, np.float32), split)
-        box = [(y, jax.device_put(np.ones(devices << 16, np.float32), split))]
-
-        def call() -> Any:
-            box[0] = run(*box[0])
-            return box[0]
-
-        return call
+        zeros, ones = np.zeros(devices, np.float32), np.ones(devices << 16, np.float32)
+        return _chained(devices, group, chain, zeros, ones)
 
     sides = [g for g in (2, 4, 8, 16) if g <= devices and devices % g == 0]
     cases = [
@@ -371,15 +368,11 @@ def written(devices: int, rounds: int = 15) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import AxisType, NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     from meshplan._search.predict.collectives import collective_time
     from meshplan._search.predict.profiles import get_profile
 
     def kernel(group: int, floats: int, times: int, work: bool, reduce: bool) -> Any:
-        mesh = jax.make_mesh((devices // group, group), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
-
         def chain(y: Any) -> Any:
             for _ in range(times):  # zeros stay zeros: tanh(0) and sums of 0
                 # each tanh its own kernel, in both chains: the barrier stops fusion
@@ -387,15 +380,7 @@ def written(devices: int, rounds: int = 15) -> None:
                 y = jax.lax.psum(y, "b") if reduce else y  # type: ignore[no-untyped-call]
             return y
 
-        spec = P(("a", "b"))
-        run = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=spec, out_specs=spec))
-        box = [jax.device_put(np.zeros((devices, floats), np.float32), NamedSharding(mesh, spec))]
-
-        def call() -> Any:
-            box[0] = run(box[0])
-            return box[0]
-
-        return call
+        return _chained(devices, group, chain, np.zeros((devices, floats), np.float32))
 
     sides = [g for g in (2, 4, 8, 16) if g <= devices and devices % g == 0]
     sizes = (1 << 14, 1 << 16)
