@@ -46,6 +46,16 @@ prices for it (docs/benchmarks.md, "Session 21"):
 
     .venv/bin/python benchmarks/bench_calibration.py --written
 
+``--after-matmul`` measures the same with a matmul as the kernel (``[rows, 1024] @ [1024,
+1024]`` per device, 128 and 512 KiB results), as a tensor-parallel layer's all-reduce follows
+the matmul whose partial sums it adds: XLA:CPU's matmuls run on threads the devices share,
+so the devices reach the ``psum`` at different times and it waits for the last. Printed
+with the matmul's own seconds and the wait over them, and that share over the expected
+largest of ``group`` standard normal draws (the wait for the slowest of ``group`` devices
+whose times scatter alike; docs/benchmarks.md, "Session 22"):
+
+    .venv/bin/python benchmarks/bench_calibration.py --after-matmul
+
 ``--against REF`` also runs the procedure of ``src/meshplan/_search/measure/cpu.py`` as it
 was at git revision ``REF``, alternating process by process with this one, so both see the
 same load:
@@ -361,9 +371,10 @@ def skew(devices: int, rounds: int = 15) -> None:
             print(f"{g:5d} {w:7d} {work * 1e6:8.1f} {psum * 1e6:8.1f} {added:8.1f} {share:7.2f}")
 
 
-def written(devices: int, rounds: int = 15) -> None:
+def written(devices: int, rounds: int = 15, matmul: bool = False) -> None:
     """A ``psum``'s seconds alone and right after a kernel that writes its operand, by group
-    and size (module docstring): chains of 5 less chains of 1, medians over rounds."""
+    and size (module docstring): chains of 5 less chains of 1, medians over rounds. The
+    kernel: a ``tanh``, or with ``matmul`` a matmul by a ``[1024, 1024]`` matrix."""
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     import jax
     import jax.numpy as jnp
@@ -372,19 +383,30 @@ def written(devices: int, rounds: int = 15) -> None:
     from meshplan._search.predict.collectives import collective_time
     from meshplan._search.predict.profiles import get_profile
 
-    def kernel(group: int, floats: int, times: int, work: bool, reduce: bool) -> Any:
-        def chain(y: Any) -> Any:
-            for _ in range(times):  # zeros stay zeros: tanh(0) and sums of 0
-                # each tanh its own kernel, in both chains: the barrier stops fusion
-                y = jax.lax.optimization_barrier(jnp.tanh(y)) if work else y
-                y = jax.lax.psum(y, "b") if reduce else y  # type: ignore[no-untyped-call]
-            return y
+    side = 1024  # the matmul's [side, side] matrix per device (tanh: one float, unread)
+    rng = np.random.default_rng(0)
+    if matmul:
+        weights = rng.standard_normal((devices * side, side), np.float32) / side
+    else:
+        weights = np.zeros((devices, 1), np.float32)
 
-        return _chained(devices, group, chain, np.zeros((devices, floats), np.float32))
+    def kernel(group: int, floats: int, times: int, work: bool, reduce: bool) -> Any:
+        def chain(y: Any, m: Any) -> Any:
+            for _ in range(times):  # zeros stay zeros: tanh(0), 0 @ m and sums of 0
+                # each kernel its own, in both chains: the barrier stops fusion
+                made = (y @ m) if matmul else jnp.tanh(y)
+                y = jax.lax.optimization_barrier(made) if work else y
+                y = jax.lax.psum(y, "b") if reduce else y  # type: ignore[no-untyped-call]
+            return y, m
+
+        rows = np.zeros(
+            (devices * floats // side, side) if matmul else (devices, floats), np.float32
+        )
+        return _chained(devices, group, chain, rows, weights)
 
     sides = [g for g in (2, 4, 8, 16) if g <= devices and devices % g == 0]
-    sizes = (1 << 14, 1 << 16)
-    ways = ((False, True), (True, False), (True, True))  # psum alone, tanh alone, both
+    sizes = (1 << 15, 1 << 17) if matmul else (1 << 14, 1 << 16)
+    ways = ((False, True), (True, False), (True, True))  # psum alone, kernel alone, both
     cases = [(g, f, t, w, r) for g in sides for f in sizes for t in (1, 5) for w, r in ways]
     seconds = _interleaved({c: kernel(*c) for c in cases}, devices, rounds)
 
@@ -393,14 +415,30 @@ def written(devices: int, rounds: int = 15) -> None:
         return statistics.median(m - o for o, m in zip(once, many, strict=True)) / 4
 
     profile = get_profile("cpu", devices)
-    print(f"{'group':>5} {'KiB/device':>10} {'psum us':>8} {'after tanh us':>13} {'priced us':>9}")
+    name = "matmul" if matmul else "tanh"
+    print(
+        f"{'group':>5} {'KiB/device':>10} {name + ' us':>9} {'psum us':>8} "
+        f"{'after ' + name + ' us':>15} {'priced us':>9} {'wait/' + name:>11} {'/ E[max]':>8}"
+    )
     for g in sides:
         for f in sizes:
-            alone, after = each(g, f, False, True), each(g, f, True, True) - each(g, f, True, False)
+            alone, work = each(g, f, False, True), each(g, f, True, False)
+            after = each(g, f, True, True) - work
             priced = collective_time(profile, "all-reduce", {"b": g}, ("b",), 4 * f)
+            share = (after - alone) / work
             print(
-                f"{g:5d} {4 * f // 1024:10d} {alone * 1e6:8.1f} {after * 1e6:13.1f} {priced * 1e6:9.1f}"
+                f"{g:5d} {4 * f // 1024:10d} {work * 1e6:9.1f} {alone * 1e6:8.1f} "
+                f"{after * 1e6:15.1f} {priced * 1e6:9.1f} {share:11.3f} "
+                f"{share / _expected_max(g):8.3f}"
             )
+
+
+def _expected_max(k: int) -> float:
+    """The expected largest of ``k`` standard normal draws (2: 0.564, 4: 1.029, 8: 1.424)."""
+    from scipy import integrate, stats
+
+    density = lambda x: x * k * stats.norm.pdf(x) * stats.norm.cdf(x) ** (k - 1)  # noqa: E731
+    return float(integrate.quad(density, -10, 10)[0])
 
 
 def main() -> None:
@@ -413,6 +451,7 @@ def main() -> None:
     parser.add_argument("--in-step", action="store_true", help="a step's combined all-reduce")
     parser.add_argument("--skew", action="store_true", help="a psum's wait after some work")
     parser.add_argument("--written", action="store_true", help="a psum of a kernel's result")
+    parser.add_argument("--after-matmul", action="store_true", help="a psum of a matmul's result")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
@@ -425,8 +464,8 @@ def main() -> None:
         return in_step(args.devices)
     if args.skew:
         return skew(args.devices)
-    if args.written:
-        return written(args.devices)
+    if args.written or args.after_matmul:
+        return written(args.devices, matmul=args.after_matmul)
     if args.processes < 4:
         parser.error("--processes must be at least 4 (quartiles of fewer mean little)")
     with tempfile.TemporaryDirectory() as folder:

@@ -11,6 +11,15 @@ collective kinds with the compiled HLO's, as ``tests/search/test_xla_suite.py`` 
 
     .venv/bin/python benchmarks/bench_hf_models.py                  # every model
     .venv/bin/python benchmarks/bench_hf_models.py --models bert t5 --names
+
+``--time`` prices and times instead: at a larger size (batch 64, sequence 64, hidden 256,
+8 heads, MLP 1024), each model's step under data parallelism and tensor parallelism on
+2 x 4 and 4 x 2 meshes (the rules of ``tests/xla_suite.py``'s ``tp``), predicted with the
+calibrated ``cpu`` profile and timed interleaved (``--rounds`` turns of 6 steps, the first
+of a turn dropped; medians), with the two meshes' ratio predicted and measured (which of
+the two a search would rank first, and by how much; docs/benchmarks.md, "Session 22"):
+
+    .venv/bin/python benchmarks/bench_hf_models.py --time --models gpt-neo bert --rounds 3
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import argparse
+import statistics
 import types
 from collections.abc import Callable
 from typing import Any
@@ -35,8 +45,10 @@ from flax.training import train_state
 
 import meshplan
 from meshplan._search.measure.hlo import measure_step
+from meshplan._search.measure.timing import prepare_step
 from meshplan._search.predict.cost import predict
 from meshplan._search.predict.infer import name_unnamed
+from meshplan._search.predict.profiles import get_profile
 from xla_suite import AS_ON_ACCELERATORS, CPU_LIKE, LAYOUTS
 
 B, S, V, D, H, F = 16, 32, 1024, 128, 4, 256
@@ -322,8 +334,39 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--names", action="store_true", help="print each model's inferred names")
+    parser.add_argument("--time", action="store_true", help="predicted and measured steps")
+    parser.add_argument("--rounds", type=int, default=7, help="--time's interleaved rounds")
     args = parser.parse_args()
+    if args.time:
+        return time_meshes(args.models, args.rounds)
     print_table("model | names found | unpriced", args.models, lambda n: _row(n, args.names))
+
+
+def time_meshes(names: list[str], rounds: int) -> None:
+    """Each model's step predicted (calibrated ``cpu`` profile) and timed (medians of
+    ``rounds`` interleaved turns) under data parallelism and tensor parallelism on 2 x 4
+    and 4 x 2, at larger sizes (steps of 0.1-0.7 s on 8 CPU devices)."""
+    global B, S, D, H, F  # the builders read the module's sizes when called
+    B, S, D, H, F = 64, 64, 256, 8, 1024
+    profile = get_profile("cpu", 8)
+    _, tp = LAYOUTS["tp"]
+    meshes = {"dp": LAYOUTS["dp"], "2x4": ({"data": 2, "tensor": 4}, tp)}
+    meshes["4x2"] = ({"data": 4, "tensor": 2}, tp)
+    print("model       " + "".join(f"{k:>5} predicted, measured ms " for k in meshes), end="")
+    print("  2x4 / 4x2: predicted, measured")
+    for name in names:
+        state, step, batch = MODELS[name]()
+        _, named, named_step, work = name_unnamed(step, state, batch)
+        predicted = {k: predict(work, m, r, profile).step_s for k, (m, r) in meshes.items()}
+        ready = {k: prepare_step(named_step, named, batch, m, r) for k, (m, r) in meshes.items()}
+        walls: dict[str, list[float]] = {k: [] for k in meshes}
+        for _ in range(rounds):  # interleaved: each round runs every mesh once
+            for k, p in ready.items():
+                walls[k] += [t.wall_s for t in p.run_timed(6)[1:]]
+        measured = {k: statistics.median(v) for k, v in walls.items()}
+        cells = "".join(f"{1e3 * predicted[k]:16.1f} {1e3 * measured[k]:11.1f}" for k in meshes)
+        pair = predicted["2x4"] / predicted["4x2"], measured["2x4"] / measured["4x2"]
+        print(f"{name:11}{cells}  {pair[0]:10.2f} {pair[1]:9.2f}", flush=True)
 
 
 def print_table(columns: str, names: list[str], row: Callable[[str], str]) -> None:
