@@ -405,3 +405,16 @@ def test_a_lookups_indices_are_moved_before_their_gather_as_compiled(mesh):
     priced = predict(work, mesh, rules, get_profile("cpu")).comm_bytes.get("collective-permute")
     assert permutes == (1 if len(mesh) > 1 else 0)
     assert priced == (16 // mesh["data"] * 32 * 4 if len(mesh) > 1 else None)
+
+
+def test_the_largest_group_a_waited_for_collective_meets_is_counted():
+    # A two-matmul MLP split by `mlp`: the second matmul's partial sums are all-reduced
+    # over the tensor axis before the next layer reads them; the weights' gradients are
+    # reduced over `data` beside the rest (not counted).
+    work = trace_workload(_unrolled, _weights(2), _batch())
+    tp = (("batch", "data"), ("mlp", "tensor"))
+    profile = get_profile("h100")
+    wide = predict(work, {"data": 2, "tensor": 4}, tp, profile)
+    narrow = predict(work, {"data": 4, "tensor": 2}, tp, profile)
+    data = predict(work, {"data": 8}, DATA, profile)
+    assert (wide.meeting_devices, narrow.meeting_devices, data.meeting_devices) == (4, 2, 1)

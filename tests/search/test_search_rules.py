@@ -18,11 +18,12 @@ import pytest
 import meshplan
 import meshplan.layouts
 from meshplan._search.measure.hlo import measure_step
-from meshplan._search.predict.cost import predict
+from meshplan._search.predict.cost import Cost, predict
 from meshplan._search.predict.profiles import PROFILES, calibrate_cpu, get_profile
 from meshplan._search.predict.trace import trace_workload
 from meshplan._search.search.candidates import generate, mesh_factorizations
-from meshplan._search.search.rule_search import TIE
+from meshplan._search.search.result import SearchRow
+from meshplan._search.search.rule_search import TIE, _rank
 from meshplan.models.mlp import LogicalMLP, init_fn
 from meshplan.models.transformer import Transformer, config_from_name, loss_fn
 from meshplan.train.settings import TrainSettings
@@ -365,3 +366,16 @@ def test_a_split_of_a_reshaped_dimension_that_does_not_divide_is_pruned_by_name(
         axes = dict(r.rules).get("heads") or ()
         axes = (axes,) if isinstance(axes, str) else axes
         assert 4 % math.prod(r.mesh[a] for a in axes) == 0
+
+
+def test_tied_rows_rank_the_smaller_waited_for_group_first():
+    def row(tensor: int, meeting: int, step: float) -> SearchRow:
+        cost = Cost(step, step, 0.0, 0.0, 1e12, {}, {}, 1 << 20, 1 << 20, 1)
+        cost = dataclasses.replace(cost, meeting_devices=meeting)
+        mesh = {"data": 8 // tensor, "tensor": tensor}
+        return SearchRow(mesh, (("batch", "data"),), "tensor_parallel", cost=cost)
+
+    wide, narrow = row(4, 4, 1.0), row(2, 2, 1.0 + TIE / 2)  # a tie: within TIE
+    assert _rank([wide, narrow]) == [narrow, wide]
+    apart = row(2, 2, 1.0 + 2 * TIE)  # not a tie: by time
+    assert _rank([apart, wide]) == [wide, apart]

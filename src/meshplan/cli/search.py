@@ -476,7 +476,8 @@ def _tie_lines(result: Any, groups: list[list[Any]]) -> list[str]:
             listed = ", ".join(f"#{k}" for k in ranks[:-1]) + f" and #{ranks[-1]}"
             lines.append(
                 f"tie: {listed} predicted within {TIE:.0%} (closer than the model tells "
-                "apart): built-in layouts first, then fewer mesh axes, then less memory"
+                "apart): built-in layouts first, then fewer mesh axes, smaller waited-on "
+                "groups, less memory"
             )
     return lines
 

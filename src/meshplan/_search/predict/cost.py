@@ -100,7 +100,10 @@ class Cost:
     conservatively (outputs replicated, declared FLOPs on every device): the prediction is
     an upper bound there; ``notes``: what the layout does that a user would not expect
     (an embedding lookup whose table's split XLA carries into the layers:
-    :mod:`meshplan._search.predict.lookups`), each naming where and the fix.
+    :mod:`meshplan._search.predict.lookups`), each naming where and the fix;
+    ``meeting_devices``: the devices of the largest group that a collective the step waits
+    for meets (an activation's all-reduce, gather or all-to-all; not the weights' gathers
+    and gradients' reductions, which can run beside compute); 1: none.
     """
 
     step_s: float
@@ -119,6 +122,7 @@ class Cost:
     accumulator_bytes: int = 0
     unpriced: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    meeting_devices: int = 1
 
     @property
     def memory_bytes(self) -> int:
@@ -814,6 +818,9 @@ def _predict_one(
         accumulator_bytes=_accumulator_bytes(workload, specs) if micro > 1 else 0,
         unpriced=tuple(f"{p} at {w} ({n} runs)" for (p, w), n in workload.unpriced.items()),
         notes=lookup_notes(workload, specs),
+        meeting_devices=max(
+            (math.prod(sizes[a] for a in axes) for _, axes, _, n in dependent if n), default=1
+        ),
     )
 
 

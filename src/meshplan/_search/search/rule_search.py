@@ -141,9 +141,11 @@ def _step(row: SearchRow) -> float:
 
 def _rank(rows: list[SearchRow], ranked_by: RankedBy = "predicted") -> list[SearchRow]:
     """Rows by predicted time; ties (:data:`TIE`) broken deterministically: built-in layouts,
-    fewer mesh axes, less memory, then the mesh and rules' text; rows just compiled again
-    by their refined times, with the same ties (a compile pins the collective bytes, not
-    the time model's precision). ``'static'``: by
+    fewer mesh axes, smaller groups for the collectives the step waits for
+    (``Cost.meeting_devices``: such a collective waits for the slowest device of its group,
+    which the time model does not count), less memory, then the mesh and rules' text; rows
+    just compiled again by their refined times, with the same ties (a compile pins the
+    collective bytes, not the time model's precision). ``'static'``: by
     :meth:`~meshplan._search.search.result.SearchRow._static_key` (within the budget, state bytes,
     idle axes, then the bytes moved; measured bytes where compiled), stable."""
     if ranked_by == "static":
@@ -154,6 +156,7 @@ def _rank(rows: list[SearchRow], ranked_by: RankedBy = "predicted") -> list[Sear
             key=lambda r: (
                 r.layout == "searched",
                 len(r.mesh),
+                r.cost.meeting_devices if r.cost else 1,
                 r.cost.memory_bytes if r.cost else 0,
                 r.mesh_text,
                 r.axes_text,
