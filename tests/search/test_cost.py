@@ -408,9 +408,9 @@ def test_a_lookups_indices_are_moved_before_their_gather_as_compiled(mesh):
 
 
 def test_the_largest_group_a_waited_for_collective_meets_is_counted():
-    # A two-matmul MLP split by `mlp`: the second matmul's partial sums are all-reduced
-    # over the tensor axis before the next layer reads them; the weights' gradients are
-    # reduced over `data` beside the rest (not counted).
+    # Two layers of `(embed, mlp)` weights, `mlp` split over `tensor`: the second reads the
+    # first's output over its `embed`, so the step waits for a collective over `tensor`; the
+    # weights' gradients are reduced over `data` beside the rest (not counted).
     work = trace_workload(_unrolled, _weights(2), _batch())
     tp = (("batch", "data"), ("mlp", "tensor"))
     profile = get_profile("h100")
