@@ -729,7 +729,11 @@ class _Walker:
         are, the backward pass's among them (read in GPT-Neo's, Bloom's, BERT's compiled
         FSDP steps: each layer's ``c_fc`` f32[16,32,256] and ``k`` f32[16,32,128], whole;
         an Equinox head's ``w @ x`` under ``jax.vmap``, the activation on the right: its
-        logits f32[1000,16,32], whole)."""
+        logits f32[1000,16,32], whole). Where the layers stay in the table's split
+        (``keep_whole``), a projection's all-reduced output is held the same way: a bias
+        added to it is fused into its readers, so the all-reduced buffer, not the sum, stays
+        alive for the backward pass (BERT's classifier under FSDP: each layer's
+        ``all-reduce.7`` f32[16,32,256], whole, from the forward pass into the backward)."""
         free = [
             n
             for side, names_ in enumerate(operands)
@@ -737,6 +741,9 @@ class _Walker:
             if i not in bound[side]
         ]
         carrier = next((n for n in free if isinstance(n, Carried) and not n.whole), None)
+        if carrier is None and self.keep_whole and _replicated_whole(names):
+            self.held_whole[out] = names
+            return
         if carrier is None or any(isinstance(n, Carried) for n in names):
             return
         self.held_whole[out] = tuple(carrier if n == "batch" else n for n in names)
