@@ -384,9 +384,9 @@ def written(devices: int, rounds: int = 15, matmul: bool = False) -> None:
     from meshplan._search.predict.profiles import get_profile
 
     side = 1024  # the matmul's [side, side] matrix per device (tanh: one float, unread)
-    rng = np.random.default_rng(0)
     if matmul:
-        weights = rng.standard_normal((devices * side, side), np.float32) / side
+        weights = np.random.default_rng(0).standard_normal((devices * side, side), np.float32)
+        weights /= side
     else:
         weights = np.zeros((devices, 1), np.float32)
 

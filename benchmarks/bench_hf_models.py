@@ -20,6 +20,13 @@ of a turn dropped; medians), with the two meshes' ratio predicted and measured (
 the two a search would rank first, and by how much; docs/benchmarks.md, "Session 22"):
 
     .venv/bin/python benchmarks/bench_hf_models.py --time --models gpt-neo bert --rounds 3
+
+``--time --collectives`` also traces each mesh's step (``jax.profiler``) and prints every
+collective's measured milliseconds per device and step (the wait for the group's slowest
+device included) beside the ``cpu`` profile's price
+(``bench_xla_suite_profile.py``'s table):
+
+    .venv/bin/python benchmarks/bench_hf_models.py --time --collectives --models opt --rounds 3
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import sys
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.dirname(__file__))
 
 import argparse
 import statistics
@@ -336,16 +344,20 @@ def main() -> None:
     parser.add_argument("--names", action="store_true", help="print each model's inferred names")
     parser.add_argument("--time", action="store_true", help="predicted and measured steps")
     parser.add_argument("--rounds", type=int, default=7, help="--time's interleaved rounds")
+    parser.add_argument("--collectives", action="store_true", help="--time: each one, traced")
     args = parser.parse_args()
+    if args.collectives and not args.time:
+        parser.error("--collectives traces the steps --time runs: pass --time too.")
     if args.time:
-        return time_meshes(args.models, args.rounds)
+        return time_meshes(args.models, args.rounds, args.collectives)
     print_table("model | names found | unpriced", args.models, lambda n: _row(n, args.names))
 
 
-def time_meshes(names: list[str], rounds: int) -> None:
+def time_meshes(names: list[str], rounds: int, collectives: bool = False) -> None:
     """Each model's step predicted (calibrated ``cpu`` profile) and timed (medians of
     ``rounds`` interleaved turns) under data parallelism and tensor parallelism on 2 x 4
-    and 4 x 2, at larger sizes (steps of 0.1-0.7 s on 8 CPU devices)."""
+    and 4 x 2, at larger sizes (steps of 0.1-0.7 s on 8 CPU devices); with
+    ``collectives``, each mesh's collectives traced, measured against their prices."""
     global B, S, D, H, F  # the builders read the module's sizes when called
     B, S, D, H, F = 64, 64, 256, 8, 1024
     profile = get_profile("cpu", 8)
@@ -367,6 +379,23 @@ def time_meshes(names: list[str], rounds: int) -> None:
         cells = "".join(f"{1e3 * predicted[k]:16.1f} {1e3 * measured[k]:11.1f}" for k in meshes)
         pair = predicted["2x4"] / predicted["4x2"], measured["2x4"] / measured["4x2"]
         print(f"{name:11}{cells}  {pair[0]:10.2f} {pair[1]:9.2f}", flush=True)
+        for k, p in ready.items() if collectives else ():
+            print(f"  {name} {k}:")
+            _traced_collectives(p, profile)
+
+
+def _traced_collectives(prepared: Any, profile: Any, steps: int = 3) -> None:
+    """``prepared``'s collectives, traced over ``steps`` steps, beside their prices."""
+    import tempfile
+
+    from bench_xla_suite_profile import _print_collectives, op_times
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+        prepared.run(steps)
+        jax.profiler.stop_trace()
+        times = op_times(trace_dir, steps)
+    _print_collectives(times, prepared.compiled.as_text(), profile)
 
 
 def print_table(columns: str, names: list[str], row: Callable[[str], str]) -> None:

@@ -369,13 +369,12 @@ def test_a_split_of_a_reshaped_dimension_that_does_not_divide_is_pruned_by_name(
 
 
 def test_tied_rows_rank_the_smaller_waited_for_group_first():
-    def row(tensor: int, meeting: int, step: float) -> SearchRow:
-        cost = Cost(step, step, 0.0, 0.0, 1e12, {}, {}, 1 << 20, 1 << 20, 1)
-        cost = dataclasses.replace(cost, meeting_devices=meeting)
+    def row(tensor: int, step: float) -> SearchRow:  # its all-reduces meet `tensor` devices
+        cost = Cost(step, step, 0.0, 0.0, 1e12, {}, {}, 1 << 20, 1 << 20, 1, meeting_devices=tensor)
         mesh = {"data": 8 // tensor, "tensor": tensor}
         return SearchRow(mesh, (("batch", "data"),), "tensor_parallel", cost=cost)
 
-    wide, narrow = row(4, 4, 1.0), row(2, 2, 1.0 + TIE / 2)  # a tie: within TIE
+    wide, narrow = row(4, 1.0), row(2, 1.0 + TIE / 2)  # a tie: within TIE
     assert _rank([wide, narrow]) == [narrow, wide]
-    apart = row(2, 2, 1.0 + 2 * TIE)  # not a tie: by time
+    apart = row(2, 1.0 + 2 * TIE)  # not a tie: by time
     assert _rank([apart, wide]) == [wide, apart]
