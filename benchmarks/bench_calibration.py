@@ -56,6 +56,16 @@ whose times scatter alike; docs/benchmarks.md, "Session 22"):
 
     .venv/bin/python benchmarks/bench_calibration.py --after-matmul
 
+``--fresh`` times a tensor-parallel MLP's step (two blocks of LayerNorm, a Dense to 1024,
+GELU and a Dense back to 256, sequence 64) at batches 32, 64 and 128 under data parallelism
+and tensor parallelism on 2 x 4, 4 x 2 and 1 x 8, beside XLA's temporaries of the program
+timed (its state donated, as a training loop runs it) and the planner's: from 32 MiB a
+device, XLA:CPU's temporaries are new memory every step (the page faults a step are
+printed), and their first touch (``first_touch_s``, measured by the calibration) is priced
+(docs/benchmarks.md, "Session 23"):
+
+    .venv/bin/python benchmarks/bench_calibration.py --fresh
+
 ``--against REF`` also runs the procedure of ``src/meshplan/_search/measure/cpu.py`` as it
 was at git revision ``REF``, alternating process by process with this one, so both see the
 same load:
@@ -70,6 +80,7 @@ import argparse
 import importlib.util
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -328,6 +339,81 @@ def in_step(devices: int, rounds: int = 40) -> None:
     )
 
 
+def fresh(devices: int, rounds: int = 5) -> None:
+    """A tensor-parallel MLP's step by batch and mesh (module docstring): XLA's temporaries
+    of the program timed and the planner's, the step predicted (its first touch apart) and
+    measured (median of ``rounds`` interleaved turns of 5 steps, the first of each dropped),
+    and the minor page faults a step (``getrusage``: 0 where the system does not count
+    them)."""
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    import meshplan
+    from meshplan._search.measure.timing import prepare_step
+    from meshplan._search.predict.cost import predict
+    from meshplan._search.predict.profiles import get_profile
+    from meshplan._search.predict.step import linen_step
+    from meshplan._search.predict.trace import trace_workload
+
+    def dense(features: int, names: tuple[str | None, str]) -> nn.Dense:
+        init = meshplan.with_logical_partitioning(nn.initializers.lecun_normal(), names)
+        zeros = meshplan.with_logical_partitioning(nn.initializers.zeros, names[1:])
+        return nn.Dense(features, kernel_init=init, bias_init=zeros)
+
+    class Mlp(nn.Module):  # two residual blocks: LayerNorm, Dense, GELU, Dense
+        @nn.compact
+        def __call__(self, x: Any) -> Any:
+            x = dense(256, (None, "embed"))(x)
+            for _ in range(2):
+                h = nn.gelu(dense(1024, ("embed", "mlp"))(nn.LayerNorm()(x)))
+                x = x + dense(256, ("mlp", "embed"))(h)
+            return x.mean(1)
+
+    def loss(out: Any, batch: Any) -> Any:
+        return jnp.mean(jnp.square(out - jax.nn.one_hot(batch[1], out.shape[-1])))
+
+    tp = (("batch", "data"), ("mlp", "tensor"))
+    meshes = {
+        "dp": ({"data": devices}, (("batch", "data"),)),
+        "2x4": ({"data": 2, "tensor": devices // 2}, tp),
+        "4x2": ({"data": devices // 2, "tensor": 2}, tp),
+        "1x8": ({"data": 1, "tensor": devices}, tp),
+    }
+    profile = get_profile("cpu", devices)
+    print(f"first touch: {profile.first_touch_s * 2**20 * 1e3:.2f} ms a MiB a device")
+    print(
+        "batch mesh  XLA temporaries MiB  predicted MiB  predicted ms (first touch)  "
+        "measured ms  page faults"
+    )
+    for batch in (32, 64, 128):
+        inputs = (
+            jax.ShapeDtypeStruct((batch, 64, 32), jnp.float32),
+            jax.ShapeDtypeStruct((batch,), jnp.int32),
+        )
+        state, step, example = linen_step(Mlp(), inputs, loss)
+        work = trace_workload(step, state, example, read_constraints=True)
+        costs = {k: predict(work, m, r, profile) for k, (m, r) in meshes.items()}
+        ready = {k: prepare_step(step, state, example, m, r) for k, (m, r) in meshes.items()}
+        walls: dict[str, list[float]] = {k: [] for k in meshes}
+        faults = dict.fromkeys(meshes, 0)
+        for _ in range(rounds):
+            for k, p in ready.items():
+                before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                walls[k] += [t.wall_s for t in p.run_timed(5)[1:]]
+                faults[k] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        for k, c in costs.items():
+            xla = ready[k].compiled.memory_analysis().temp_size_in_bytes / 2**20
+            mine = (c.activation_bytes + c.temporary_bytes) / 2**20
+            print(
+                f"{batch:5d} {k:4} {xla:20.1f} {mine:14.1f} {c.step_s * 1e3:13.1f} "
+                f"({c.first_touch_s * 1e3:5.1f}) {statistics.median(walls[k]) * 1e3:12.1f} "
+                f"{faults[k] / (5 * rounds):12.0f}",
+                flush=True,
+            )
+
+
 def skew(devices: int, rounds: int = 15) -> None:
     """A ``psum``'s seconds after a segment of work, by group (module docstring): chains of
     9 segments less chains of 1, with and without the ``psum``s, medians over rounds."""
@@ -452,6 +538,7 @@ def main() -> None:
     parser.add_argument("--skew", action="store_true", help="a psum's wait after some work")
     parser.add_argument("--written", action="store_true", help="a psum of a kernel's result")
     parser.add_argument("--after-matmul", action="store_true", help="a psum of a matmul's result")
+    parser.add_argument("--fresh", action="store_true", help="steps whose temporaries are new")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
@@ -464,6 +551,8 @@ def main() -> None:
         return in_step(args.devices)
     if args.skew:
         return skew(args.devices)
+    if args.fresh:
+        return fresh(args.devices)
     if args.written or args.after_matmul:
         return written(args.devices, matmul=args.after_matmul)
     if args.processes < 4:

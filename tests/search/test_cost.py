@@ -418,3 +418,24 @@ def test_the_largest_group_a_waited_for_collective_meets_is_counted():
     narrow = predict(work, {"data": 4, "tensor": 2}, tp, profile)
     data = predict(work, {"data": 8}, DATA, profile)
     assert (wide.meeting_devices, narrow.meeting_devices, data.meeting_devices) == (4, 2, 1)
+
+
+def test_temporaries_from_the_fresh_threshold_on_pay_their_first_touch_once_a_step():
+    # XLA:CPU's temporaries are one buffer a call; from 32 MiB a device on, glibc maps it
+    # afresh each call, and the step writes it into new pages (here the threshold scaled
+    # down to the small step's temporaries).
+    work = trace_workload(_unrolled, _weights(4), _batch())
+    h100 = get_profile("h100")
+    plain = predict(work, {"data": 8}, DATA, h100)
+    temps = plain.activation_bytes + plain.temporary_bytes
+    fresh = dataclasses.replace(h100, fresh_bytes=temps, first_touch_s=1e-9)
+    paid = predict(work, {"data": 8}, DATA, fresh)
+    assert paid.first_touch_s == pytest.approx(temps * 1e-9) and plain.first_touch_s == 0.0
+    assert paid.memory_s - plain.memory_s == pytest.approx(paid.first_touch_s)
+    assert paid.step_s == pytest.approx(plain.step_s + paid.first_touch_s)
+    below = dataclasses.replace(fresh, fresh_bytes=temps + 1)
+    assert predict(work, {"data": 8}, DATA, below).first_touch_s == 0.0
+    any_size = dataclasses.replace(fresh, fresh_bytes=1)
+    micro = predict(work, {"data": 8}, DATA, any_size, microbatches=2)  # once a step
+    held = micro.activation_bytes + micro.temporary_bytes + micro.accumulator_bytes
+    assert micro.accumulator_bytes and micro.first_touch_s == pytest.approx(held * 1e-9)

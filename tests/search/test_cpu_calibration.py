@@ -53,3 +53,15 @@ def test_the_per_array_latency_is_timed_on_one_all_reduce_of_many_arrays():
     assert [r.split(" all-reduce(")[0].count("f32[") for r in reduces] == [cpu._ARRAYS]
     out = kernel()
     assert all(float(jnp.abs(x).sum()) == 0.0 for x in out)  # zeros stay zeros
+
+
+def test_first_touch_is_a_new_output_past_the_mmap_threshold_against_a_reused_one():
+    fresh, reused, nbytes = cpu._fresh_and_reused(cpu._split(2))
+    assert nbytes > cpu.FRESH_BYTES  # past glibc's largest threshold: new memory each call
+    (kept,) = reused.operands
+    out, again = fresh(), fresh()  # its operand kept: each call a new output
+    assert out.nbytes == again.nbytes == 2 * nbytes
+    assert not out.is_deleted() and not again.is_deleted()
+    reused()
+    assert kept.is_deleted()  # written in place
+    np.testing.assert_array_equal(np.asarray(reused.operands[0][:, :4]), np.ones((2, 4)))

@@ -11,7 +11,9 @@ the median over the rounds, and the collectives' are medians of round-by-round
 differences (a chain less its single call), so a change in what else runs on the machine
 moves the terms of a difference together. Each program donates its operand and runs on
 its last result: no call allocates, so none pays the first touch of fresh pages (which
-was half the elementwise call's CPU time). Only this process's devices take part.
+was half the elementwise call's CPU time). That first touch is measured on its own
+(:func:`first_touch_seconds`): a step whose temporaries reach 32 MiB a device pays it on
+every call. Only this process's devices take part.
 ``benchmarks/bench_calibration.py`` measures how far the figures move from one process
 to the next (docs/benchmarks.md).
 
@@ -38,7 +40,15 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-__all__ = ["CpuFigures", "call_seconds", "cpu_cores", "cpu_devices", "matmul_flops", "measure_cpu"]
+__all__ = [
+    "CpuFigures",
+    "call_seconds",
+    "cpu_cores",
+    "cpu_devices",
+    "first_touch_seconds",
+    "matmul_flops",
+    "measure_cpu",
+]
 
 _SIDE = 256  # a matrix of 256 KiB (float32): three per device stay in a core's cache
 _CHAIN = 8  # matmuls per call: ~34 MFLOP per device per matmul, ~270 MFLOP a call
@@ -62,6 +72,8 @@ class CpuFigures:
         latency_s: Seconds an all-reduce of 4 bytes takes.
         array_latency_s: Seconds each array adds to an all-reduce XLA combined from several
             (of 64 bytes each).
+        first_touch_s: Seconds per byte a device's write into memory just allocated adds to
+            the same write into memory it has written before (:func:`first_touch_seconds`).
     """
 
     devices: int
@@ -70,6 +82,7 @@ class CpuFigures:
     link_bandwidth: float
     latency_s: float
     array_latency_s: float
+    first_touch_s: float = 0.0
 
 
 def cpu_devices(devices: int | None = None) -> list[jax.Device]:
@@ -270,7 +283,8 @@ def measure_cpu(devices: int) -> CpuFigures:
     ``psum`` over all of them: its latency (of 4 bytes, inside a program: a chain of them
     less one) and bandwidth (1 MiB per device, as a ring would move it; the same chain's,
     less the latency), and what each array adds to an all-reduce XLA combined from
-    several (one of 17 arrays less one of one). Seconds are :func:`call_seconds`' (CPU
+    several (one of 17 arrays less one of one), and what writing new memory adds
+    (:func:`first_touch_seconds`). Seconds are :func:`call_seconds`' (CPU
     time over the cores where the devices keep every core busy); the programs run
     interleaved, round by round, each figure the median over the rounds (:func:`_rounds`).
 
@@ -314,4 +328,61 @@ def _measure(n: int) -> CpuFigures:
         link_bandwidth=ring * 4 * chunk / max(moving, 1e-7),
         latency_s=latency,
         array_latency_s=max(_per_extra(one, many, _ARRAYS - 1), 0.0),
+        first_touch_s=first_touch_seconds(n),
     )
+
+
+FRESH_BYTES = 32 << 20
+"""glibc's ``malloc`` takes a block of at least 32 MiB straight from the kernel (``mmap``)
+and gives it back when freed (``munmap``): its ``M_MMAP_THRESHOLD`` rises to the size of the
+blocks a program frees, up to ``DEFAULT_MMAP_THRESHOLD_MAX``, 32 MiB on 64-bit machines
+(``man mallopt``). So XLA:CPU's one temporary buffer of a step, allocated per call, is new
+memory each call from that size on, its pages faulted in as the step first writes them."""
+
+
+def first_touch_seconds(devices: int, rounds: int = 5) -> float:
+    """Seconds per byte a device's write into memory just allocated adds, all of the first
+    ``devices`` writing at once, over writing memory written before: a program whose
+    output (a little over :data:`FRESH_BYTES` a device) is new on every call, less the same
+    program donating its operand to its output, the median over ``rounds`` rounds of their
+    difference. On a 13-core machine, 8 devices: about 3 ms a MiB; a few hundred ms in all.
+
+    Example:
+        >>> from meshplan._search.measure.cpu import first_touch_seconds
+        >>> first_touch_seconds(2) >= 0.0
+        True
+    """
+    fresh, reused, nbytes = _fresh_and_reused(_split(devices))
+    n, cores = len(cpu_devices(devices)), cpu_cores()
+    extra = []
+    for i in range(rounds + 1):  # the first round compiles
+        seconds = []
+        for kernel in (fresh, reused):
+            c0, t0 = time.process_time(), time.perf_counter()
+            jax.block_until_ready(kernel())  # the fresh output freed here, given back
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            seconds.append(call_seconds(wall, cpu, n, cores))
+        if i:
+            extra.append(seconds[0] - seconds[1])
+    return max(_median(extra), 0.0) / nbytes
+
+
+def _fresh_and_reused(
+    split: jax.sharding.NamedSharding,
+) -> tuple[Callable[[], jax.Array], _Kernel, int]:
+    """Two calls of one elementwise program on every device, of a little over
+    :data:`FRESH_BYTES` a device: one whose output is new memory on every call (its operand
+    kept), one writing into its operand's memory (donated); and those bytes."""
+    import jax.numpy as jnp
+
+    n = len(split.mesh.devices.flat)
+    floats = (FRESH_BYTES + (4 << 20)) // 4  # 36 MiB a device: always new from the kernel
+
+    def scale(x: jax.Array) -> jax.Array:
+        out: jax.Array = x * jnp.float32(0.5) + jnp.float32(0.5)  # ones stay ones
+        return out
+
+    ones = [jax.device_put(np.ones((n, floats), np.float32), split) for _ in range(2)]
+    fresh = jax.jit(scale, out_shardings=split)
+    reused = _Kernel(jax.jit(scale, out_shardings=split, donate_argnums=0), ones[1:])
+    return (lambda: fresh(ones[0])), reused, 4 * floats

@@ -103,7 +103,10 @@ class Cost:
     :mod:`meshplan._search.predict.lookups`), each naming where and the fix;
     ``meeting_devices``: the devices of the largest group that a collective the step waits
     for meets (an activation's all-reduce, gather or all-to-all; not the weights' gathers
-    and gradients' reductions, which can run beside compute); 1: none.
+    and gradients' reductions, which can run beside compute); 1: none;
+    ``first_touch_s``: of ``memory_s``, the seconds the step's temporaries cost as new
+    memory (the profile's ``fresh_bytes`` and ``first_touch_s``: XLA:CPU's from 32 MiB a
+    device); 0: none.
     """
 
     step_s: float
@@ -123,6 +126,7 @@ class Cost:
     unpriced: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     meeting_devices: int = 1
+    first_touch_s: float = 0.0
 
     @property
     def memory_bytes(self) -> int:
@@ -800,6 +804,9 @@ def _predict_one(
     covered = profile.overlap * (compute_s + memory_s)  # what compute can hide
     comm_s = exposed + max(0.0, hidden - covered) + profile.overlap_cost * min(hidden, covered)
     peak = _peak(workload, specs, profile, gathered_extra, unreduced, partial_sums, results, summed)
+    accumulator = _accumulator_bytes(workload, specs) if micro > 1 else 0
+    touched = first_touch(profile, peak.activations + peak.temporaries + accumulator)
+    memory_s += touched
     batch_bytes = micro * sum(specs.shard_bytes(n, s, i) for n, s, i in workload.batch_state)
     return Cost(
         step_s=compute_s + memory_s + comm_s,
@@ -815,13 +822,33 @@ def _predict_one(
         temporary_bytes=peak.temporaries,
         batch_bytes=batch_bytes,
         comm_total_s=exposed + hidden,
-        accumulator_bytes=_accumulator_bytes(workload, specs) if micro > 1 else 0,
+        accumulator_bytes=accumulator,
         unpriced=tuple(f"{p} at {w} ({n} runs)" for (p, w), n in workload.unpriced.items()),
         notes=lookup_notes(workload, specs),
         meeting_devices=max(
             (math.prod(sizes[a] for a in axes) for _, axes, _, n in dependent if n), default=1
         ),
+        first_touch_s=touched,
     )
+
+
+def first_touch(profile: HardwareProfile, temporaries: int) -> float:
+    """Seconds a step's ``temporaries`` (bytes a device) cost as new memory: all of them
+    where they reach the profile's ``fresh_bytes`` (XLA:CPU allocates them as one buffer a
+    call, new from the kernel from 32 MiB on), at its ``first_touch_s`` a byte; else 0.
+
+    Example:
+        >>> import dataclasses, meshplan
+        >>> from meshplan._search.predict.cost import first_touch
+        >>> cpu = dataclasses.replace(
+        ...     meshplan.get_profile("h100"), fresh_bytes=32 << 20, first_touch_s=2e-9
+        ... )
+        >>> first_touch(cpu, 24 << 20), round(first_touch(cpu, 40 << 20), 4)
+        (0.0, 0.0839)
+    """
+    if not profile.fresh_bytes or temporaries < profile.fresh_bytes:
+        return 0.0
+    return temporaries * profile.first_touch_s
 
 
 def relayout_bytes(specs: _Specs, key: Any, nbytes: int) -> int:

@@ -24,7 +24,7 @@ from typing import TypedDict
 import jax
 
 from meshplan._errors import ArgumentError, error_for
-from meshplan._search.measure.cpu import cpu_devices, measure_cpu
+from meshplan._search.measure.cpu import FRESH_BYTES, cpu_devices, measure_cpu
 from meshplan._search.measure.machine_load import load_per_core, same_load
 from meshplan._search.predict.chips import CHIPS, GiB
 from meshplan._search.predict.inputs import check_profile, check_profile_arg, profile_fields
@@ -146,6 +146,16 @@ class HardwareProfile:
             ``k / domain_devices`` of its latencies (``latency_s`` and ``array_latency_s``,
             measured over all of them): XLA:CPU's device threads meet one after another,
             so a pair meets about four times as fast as eight.
+        fresh_bytes: A step whose temporaries take at least this many bytes of a device
+            gets them as new memory on every call (XLA:CPU allocates them as one buffer per
+            call, and glibc's ``malloc`` maps a block of 32 MiB or more from the kernel
+            afresh: :data:`meshplan._search.measure.cpu.FRESH_BYTES`); 0: never (an
+            accelerator's allocator keeps its memory).
+        first_touch_s: Seconds per byte that writing new memory adds (its pages faulted in,
+            every device at once), paid once a step on the temporaries where ``fresh_bytes``
+            says they are new: the ``cpu`` profile measures it
+            (:func:`meshplan._search.measure.cpu.first_touch_seconds`; ``benchmarks/
+            bench_calibration.py --fresh`` checks it in steps).
 
     Example:
         >>> import meshplan
@@ -187,6 +197,8 @@ class HardwareProfile:
     array_latency_s: float = 0.0
     latency_per_device: bool = False
     regathers_unnamed: bool = False
+    fresh_bytes: int = 0
+    first_touch_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.slow_latency_s is None:
@@ -239,6 +251,7 @@ class Backend(TypedDict, total=False):
     fusion_reads: bool
     latency_per_device: bool
     regathers_unnamed: bool
+    fresh_bytes: int
 
 
 # Physical parameters shared by a backend's profiles (never fitted per model or run):
@@ -290,7 +303,8 @@ BACKENDS: dict[str, Backend] = {
     # Its collectives are meetings of the devices' threads: a combined all-reduce meets once
     # per operand (the profile measures what each costs: array_latency_s), and a meeting
     # takes longer the more threads it waits for (on 8 devices, 13 cores: 47, 99 and 209 us
-    # per operand for groups of 2, 4 and 8).
+    # per operand for groups of 2, 4 and 8). Its temporaries are one buffer, allocated per
+    # call: from 32 MiB a device on, new memory each step (fresh_bytes).
     "cpu": Backend(
         combines_remat_collectives=True,
         combines_gathers=False,
@@ -299,6 +313,7 @@ BACKENDS: dict[str, Backend] = {
         fusion_reads=True,
         latency_per_device=True,
         regathers_unnamed=True,
+        fresh_bytes=FRESH_BYTES,
     ),
 }
 """What each backend does, by JAX platform name; a profile takes its backend's entry."""
@@ -479,7 +494,9 @@ PROFILES: dict[str, HardwareProfile] = {
 (:func:`get_profile`)."""
 
 _CPU: dict[int, HardwareProfile] = {}
-_CACHE_VERSION = "v5"  # v5: array_latency_s; v4: no first-touch faults, interleaved
+_CACHE_VERSION = (
+    "v6"  # v6: first_touch_s; v5: array_latency_s; v4: no first-touch faults, interleaved
+)
 
 
 def calibrate_cpu(devices: int | None = None) -> HardwareProfile:
@@ -487,7 +504,7 @@ def calibrate_cpu(devices: int | None = None) -> HardwareProfile:
     (:func:`meshplan._search.measure.cpu.measure_cpu`: matmul FLOP/s and memory bandwidth
     per device, a ``psum``'s latency and bandwidth), as the ``cpu`` profile.
 
-    Cached per device count, in this process and in ``~/.cache/meshplan/cpu-profile-v4-N.json``
+    Cached per device count, in this process and in ``~/.cache/meshplan/cpu-profile-v6-N.json``
     with the machine's load, and measured again under another load
     (:mod:`meshplan._search.measure.machine_load`) or with ``MESHPLAN_RECALIBRATE=1``.
 
@@ -515,6 +532,7 @@ def calibrate_cpu(devices: int | None = None) -> HardwareProfile:
         domain_devices=n,
         latency_s=figures.latency_s,
         array_latency_s=figures.array_latency_s,
+        first_touch_s=figures.first_touch_s,
         source=f"measured on this machine: {n} emulated devices (cpu)",
         **BACKENDS["cpu"],
     )
