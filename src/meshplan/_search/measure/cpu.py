@@ -371,8 +371,9 @@ def _fresh_and_reused(
     split: jax.sharding.NamedSharding,
 ) -> tuple[Callable[[], jax.Array], _Kernel, int]:
     """Two calls of one elementwise program on every device, of a little over
-    :data:`FRESH_BYTES` a device: one whose output is new memory on every call (its operand
-    kept), one writing into its operand's memory (donated); and those bytes."""
+    :data:`FRESH_BYTES` a device, on one operand: one writing new memory on every call (the
+    operand kept), one writing into the operand's memory (donated); and those bytes. Both
+    read what they write, as a step's kernels do."""
     import jax.numpy as jnp
 
     n = len(split.mesh.devices.flat)
@@ -382,7 +383,7 @@ def _fresh_and_reused(
         out: jax.Array = x * jnp.float32(0.5) + jnp.float32(0.5)  # ones stay ones
         return out
 
-    ones = [jax.device_put(np.ones((n, floats), np.float32), split) for _ in range(2)]
     fresh = jax.jit(scale, out_shardings=split)
-    reused = _Kernel(jax.jit(scale, out_shardings=split, donate_argnums=0), ones[1:])
-    return (lambda: fresh(ones[0])), reused, 4 * floats
+    ones = [jax.device_put(np.ones((n, floats), np.float32), split)]
+    reused = _Kernel(jax.jit(scale, out_shardings=split, donate_argnums=0), ones)
+    return (lambda: fresh(reused.operands[0])), reused, 4 * floats
