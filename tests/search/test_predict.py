@@ -127,3 +127,24 @@ def test_a_step_predicted_within_5_percent_of_the_budget_is_said_to_fit_only_nar
     assert "(fits, within 5% of the budget: XLA may need more)" in memory_line(15.4)
     assert "(fits):" in memory_line(12.0)
     assert "(OVER the budget)" in memory_line(16.0)
+
+
+def test_a_step_writing_new_memory_says_how_much_and_why():
+    import dataclasses
+
+    from meshplan._search.predict.cost import Cost
+    from meshplan._search.predict.profiles import get_profile
+    from meshplan._search.predict.report import prediction_fields, prediction_lines
+
+    cpu = dataclasses.replace(get_profile("h100"), name="cpu", fresh_bytes=32 << 20)
+    acts, temps = 30 << 20, 10 << 20
+    touched = Cost(1.0, 0.5, 0.3, 0.2, 1e12, {}, {}, 0, acts, 1, temps, first_touch_s=0.25)
+    lines = prediction_lines(prediction_fields(touched, 0, 8, cpu, 8 << 30))
+    assert "memory traffic 300.000 ms, 250.000 ms of it writing new memory" in lines[0]
+    assert lines[-1].startswith("note: the step's activations and temporaries (40.00 MiB")
+    assert "reach 32.00 MiB" in lines[-1] and "a smaller batch a device" in lines[-1]
+    plain = dataclasses.replace(touched, first_touch_s=0.0)
+    assert not any(
+        "new memory" in line
+        for line in prediction_lines(prediction_fields(plain, 0, 8, cpu, 8 << 30))
+    )

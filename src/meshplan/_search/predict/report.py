@@ -48,6 +48,8 @@ def prediction_fields(
         "mfu": None if step <= 0 else cost.flops_per_device / (step * profile.peak_flops),
         "compute_s": cost.compute_s,
         "memory_s": cost.memory_s,
+        "first_touch_s": cost.first_touch_s,
+        "fresh_bytes": profile.fresh_bytes,
         "comm_s": cost.comm_s,
         "comm_total_s": cost.comm_total_s,
         "memory_bytes_per_device": cost.memory_bytes,
@@ -102,12 +104,14 @@ def prediction_lines(fields: dict[str, Any]) -> list[str]:
         memory/device 11.00 GiB of 16.00 GiB (fits): state 4.00 GiB, batch 0 B, activations 6.00 GiB, temporaries 1.00 GiB
     """
     f = fields
+    touched = f.get("first_touch_s") or 0.0
+    fresh = f", {human_seconds(touched)} of it writing new memory" if touched else ""
     lines = [
         f"predicted step {human_seconds(f['predicted_step_s'])} on {f['devices']} "
         f"{f['profile']}{' (flash attention)' if f.get('attention') == 'flash' else ''} "
         f"(compute {human_seconds(f['compute_s'])}, memory traffic "
-        f"{human_seconds(f['memory_s'])}, exposed communication {human_seconds(f['comm_s'])} "
-        f"of {human_seconds(f['comm_total_s'])})"
+        f"{human_seconds(f['memory_s'])}{fresh}, exposed communication "
+        f"{human_seconds(f['comm_s'])} of {human_seconds(f['comm_total_s'])})"
     ]
     tps = "-" if f["tokens_per_s"] is None else f"{f['tokens_per_s']:,.0f}"
     mfu = "-" if f["mfu"] is None else f"{f['mfu']:.1%}"
@@ -122,6 +126,14 @@ def prediction_lines(fields: dict[str, Any]) -> list[str]:
         f"{human_bytes(f['activation_bytes_per_device'])}, temporaries "
         f"{human_bytes(f['temporary_bytes_per_device'])}"
     )
+    if touched:
+        held = f["activation_bytes_per_device"] + f["temporary_bytes_per_device"]
+        lines.append(
+            f"note: the step's activations and temporaries ({human_bytes(held)} a device) "
+            f"reach {human_bytes(f['fresh_bytes'])}, from which XLA:CPU allocates them "
+            "afresh every step, their pages written for the first time; a smaller batch a "
+            "device, or more devices, avoids it"
+        )
     if f.get("unpriced"):
         lines.append(unpriced_line(f["unpriced"]))
     lines += [f"note: {n}" for n in f.get("notes", ())]
