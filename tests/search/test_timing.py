@@ -6,7 +6,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
+import meshplan
 from meshplan._search.measure.timing import prepare_step
 
 RULES = (("batch", "data"),)
@@ -39,3 +41,16 @@ def test_a_step_returning_something_else_runs_each_time_on_the_same_state():
     kept = prepared.state["w"]
     assert not prepared.donated and len(prepared.run(2)) == 2
     assert not kept.is_deleted() and prepared.state["w"] is kept
+
+
+def test_a_new_state_placed_apart_from_the_old_runs_undonated_on_the_same_state():
+    def replicated(state, x):  # its new state comes back whole, the old one was split
+        w = state["w"].value + 1.0 + 0.0 * x.sum()
+        return {"w": jax.lax.with_sharding_constraint(w, P())}
+
+    split = {"w": meshplan.LogicallyPartitioned(_state()["w"], ("batch", None))}
+    x = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+    prepared = prepare_step(replicated, split, x, {"data": 8}, RULES)
+    kept = prepared.state["w"]
+    assert not prepared.donated and len(prepared.run(2)) == 2
+    assert prepared.state["w"] is kept and not jax.tree.leaves(kept)[0].is_deleted()
