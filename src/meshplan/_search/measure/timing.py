@@ -50,31 +50,35 @@ class Prepared:
     def __init__(
         self, compiled: jax.stages.Compiled, state: PyTree, batch: PyTree, donated: bool = False
     ) -> None:
+        import jax
+
         self.compiled, self.state, self.batch = compiled, state, batch
-        self.donated = donated
+        self.donated, self._boxes = donated, jax.tree.structure(state)
 
     def run(self, n: int = 1) -> list[float]:
         """Seconds of each of ``n`` steps (a donated state: each from the last's new state;
         else each from the same state)."""
         return [t.wall_s for t in self.run_timed(n)]
 
-    def _step(self) -> PyTree:
+    def _take(self, out: PyTree) -> None:
+        """A donated step's new state as the next step's: its arrays, in the state's boxes
+        (a step may return them unboxed)."""
         import jax
 
-        out = self.compiled(self.state, self.batch)
-        if self.donated:  # its arrays, in the state's boxes (a step may return them unboxed)
-            self.state = jax.tree.unflatten(jax.tree.structure(self.state), jax.tree.leaves(out))
-        return out
+        if self.donated:
+            self.state = jax.tree.unflatten(self._boxes, jax.tree.leaves(out))
 
     def run_timed(self, n: int = 1) -> list[StepTime]:
-        """Wall and CPU seconds of each of ``n`` steps (:class:`StepTime`)."""
+        """Wall and CPU seconds of each of ``n`` steps (:class:`StepTime`); the new state is
+        taken up outside the time."""
         import jax
 
         times = []
         for _ in range(n):
             c0, t0 = time.process_time(), time.perf_counter()
-            jax.block_until_ready(self._step())
+            out = jax.block_until_ready(self.compiled(self.state, self.batch))
             times.append(StepTime(time.perf_counter() - t0, time.process_time() - c0))
+            self._take(out)
         return times
 
 
@@ -108,7 +112,7 @@ def prepare_step(
     state = jax.jit(lambda: zeros(abstract_state), out_shardings=shardings)()
     batch = jax.jit(lambda: zeros(example_batch), out_shardings=batch_sh)()
     prepared = Prepared(compiled, state, batch, donated)
-    jax.block_until_ready(prepared._step())
+    prepared.run_timed(1)  # the warm-up
     return prepared
 
 
