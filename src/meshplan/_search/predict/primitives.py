@@ -61,7 +61,7 @@ KINDS: dict[str, frozenset[str]] = {
     # (``tile``, ``jnp.tile``'s primitive: CLIP's class token, a broadcast XLA fuses).
     "layout": _named(
         "broadcast_in_dim convert_element_type copy copy_p expand_dims iota reshape select_n"
-        " slice squeeze stop_gradient pad tile"
+        " slice split squeeze stop_gradient pad tile"
     ),
     # Reductions that read a recomputed operand inside their own fusion (a norm's statistic).
     "reduction": _named(
@@ -81,7 +81,7 @@ KINDS: dict[str, frozenset[str]] = {
     ),
     # The other ops whose names the trace gives as XLA would: structure, sharding, randomness.
     "structure": _named(
-        "transpose concatenate rev split clamp scatter-mul scatter_mul scatter-min scatter_min"
+        "transpose concatenate rev clamp scatter-mul scatter_mul scatter-min scatter_min"
         " scatter-max scatter_max cummin reduce_xor reduce_precision bitcast_convert_type"
         " optimization_barrier sharding_constraint mesh_cast reshard pvary random_bits"
         " random_seed random_wrap random_unwrap random_fold_in random_split threefry2x32"
