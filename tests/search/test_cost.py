@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
@@ -439,3 +440,48 @@ def test_temporaries_from_the_fresh_threshold_on_pay_their_first_touch_once_a_st
     micro = predict(work, {"data": 8}, DATA, any_size, microbatches=2)  # once a step
     held = micro.activation_bytes + micro.temporary_bytes + micro.accumulator_bytes
     assert micro.accumulator_bytes and micro.first_touch_s == pytest.approx(held * 1e-9)
+
+
+class _NormedMlp(nn.Module):
+    """Two residual blocks of a norm, a Dense to 256, GELU and a Dense back to 64."""
+
+    norm: type[nn.Module]
+
+    @nn.compact
+    def __call__(self, x):
+        def dense(features, names):
+            init = meshplan.with_logical_partitioning(nn.initializers.lecun_normal(), names)
+            return nn.Dense(features, kernel_init=init)
+
+        for _ in range(2):
+            x = x + dense(64, ("mlp", "embed"))(
+                nn.gelu(dense(256, ("embed", "mlp"))(self.norm()(x)))
+            )
+        return x.mean(1)
+
+
+@pytest.mark.parametrize("norm", [nn.LayerNorm, nn.RMSNorm])
+def test_xla_cpus_default_schedule_holds_each_norms_broadcasts_until_the_backward_pass(norm):
+    """Flax's norms multiply the ``rsqrt`` ([b, s, 1]) by the scale ([1, 1, d]). XLA:CPU's
+    default schedule (every ``jax.jit`` on CPU, and the steps meshplan times) writes both
+    out at the activation's shape in the forward pass and holds them until the backward
+    reads them: the ``cpu`` backend counts them (``holds_broadcasts``). Against that
+    program, donated, on 8 devices (2 x 4 tensor parallel), the planner's memory is 0.94
+    (LayerNorm) and 0.87 (RMSNorm) of XLA's with them; without, 0.69 and 0.60."""
+    from meshplan._search.measure.hlo import compile_candidate
+    from meshplan._search.predict.step import linen_step
+    from xla_suite import CPU_LIKE
+
+    x = jax.ShapeDtypeStruct((32, 64, 64), jnp.float32)
+    state, step, batch = linen_step(_NormedMlp(norm), x)
+    work = trace_workload(step, state, batch, read_constraints=True)
+    assert sum(work.held_broadcasts.values()) == 4  # two norms, two broadcasts each
+    mesh, rules = {"data": 2, "tensor": 4}, (("batch", "data"), ("mlp", "tensor"))
+    compiled, _, _ = compile_candidate(step, state, batch, mesh, rules, donate=True)
+    xla = compiled.memory_analysis().temp_size_in_bytes
+    held, plain = (
+        predict(work, mesh, rules, dataclasses.replace(CPU_LIKE, holds_broadcasts=on))
+        for on in (True, False)
+    )
+    assert held.activation_bytes - plain.activation_bytes == 4 * 16 * 64 * 64 * 4
+    assert abs(held.activation_bytes + held.temporary_bytes - xla) <= 0.2 * xla

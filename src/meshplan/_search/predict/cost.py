@@ -804,8 +804,11 @@ def _predict_one(
     covered = profile.overlap * (compute_s + memory_s)  # what compute can hide
     comm_s = exposed + max(0.0, hidden - covered) + profile.overlap_cost * min(hidden, covered)
     peak = _peak(workload, specs, profile, gathered_extra, unreduced, partial_sums, results, summed)
+    activations = peak.activations + (
+        held_broadcasts(workload, specs) if profile.holds_broadcasts else 0
+    )
     accumulator = _accumulator_bytes(workload, specs) if micro > 1 else 0
-    touched = first_touch(profile, peak.activations + peak.temporaries + accumulator)
+    touched = first_touch(profile, activations + peak.temporaries + accumulator)
     memory_s += touched
     batch_bytes = micro * sum(specs.shard_bytes(n, s, i) for n, s, i in workload.batch_state)
     return Cost(
@@ -817,7 +820,7 @@ def _predict_one(
         comm_bytes=by_kind,
         comm_by_axis=by_axis,
         state_bytes=state_bytes(workload, specs),
-        activation_bytes=peak.activations,
+        activation_bytes=activations,
         collectives=n_coll,
         temporary_bytes=peak.temporaries,
         batch_bytes=batch_bytes,
@@ -830,6 +833,26 @@ def _predict_one(
         ),
         first_touch_s=touched,
     )
+
+
+def held_broadcasts(workload: Workload, specs: _Specs) -> int:
+    """Bytes a device holds of the broadcast operands of the forward pass's outer
+    products (``Workload.held_broadcasts``: a norm's ``rsqrt`` and scale at the
+    activation's shape), each split as the product is: XLA:CPU's default schedule writes
+    them out and keeps them from the forward pass until the backward reads them.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, flax.linen as nn
+        >>> from meshplan._search.predict.cost import _Specs, held_broadcasts
+        >>> from meshplan._search.predict.step import linen_step
+        >>> from meshplan._search.predict.trace import trace_workload
+        >>> x = jax.ShapeDtypeStruct((8, 16, 32), jnp.float32)
+        >>> state, step, batch = linen_step(nn.LayerNorm(), x)
+        >>> work = trace_workload(step, state, batch)
+        >>> held_broadcasts(work, _Specs({"data": 2}, (("batch", "data"),)))  # 2 x 16 KiB
+        16384
+    """
+    return sum(n * specs.shard_bytes(*key) for key, n in workload.held_broadcasts.items())
 
 
 def first_touch(profile: HardwareProfile, temporaries: int) -> float:

@@ -156,6 +156,14 @@ class HardwareProfile:
             says they are new: the ``cpu`` profile measures it
             (:func:`meshplan._search.measure.cpu.first_touch_seconds`; ``benchmarks/
             bench_calibration.py --fresh`` checks it in steps).
+        holds_broadcasts: The memory a step holds is its program's under XLA:CPU's default
+            schedule, the one every ``jax.jit`` on CPU runs: it writes out both operands of
+            each outer product of the forward pass (a norm's ``rsqrt`` times its scale,
+            ``[b, s, 1] * [1, 1, d]``) broadcast to the product's shape, and holds them
+            until the backward pass reads them (:attr:`meshplan._search.predict.trace.
+            Workload.held_broadcasts`; read in its buffer live ranges: Hugging Face's
+            GPT-Neo, and an MLP of LayerNorms). The memory-optimised schedule, which the
+            rest of the memory model follows, makes each just before its reader.
 
     Example:
         >>> import meshplan
@@ -199,6 +207,7 @@ class HardwareProfile:
     regathers_unnamed: bool = False
     fresh_bytes: int = 0
     first_touch_s: float = 0.0
+    holds_broadcasts: bool = False
 
     def __post_init__(self) -> None:
         if self.slow_latency_s is None:
@@ -252,6 +261,7 @@ class Backend(TypedDict, total=False):
     latency_per_device: bool
     regathers_unnamed: bool
     fresh_bytes: int
+    holds_broadcasts: bool
 
 
 # Physical parameters shared by a backend's profiles (never fitted per model or run):
@@ -304,7 +314,9 @@ BACKENDS: dict[str, Backend] = {
     # per operand (the profile measures what each costs: array_latency_s), and a meeting
     # takes longer the more threads it waits for (on 8 devices, 13 cores: 47, 99 and 209 us
     # per operand for groups of 2, 4 and 8). Its temporaries are one buffer, allocated per
-    # call: from 32 MiB a device on, new memory each step (fresh_bytes).
+    # call: from 32 MiB a device on, new memory each step (fresh_bytes). Its default
+    # schedule holds an outer product's broadcast operands from the forward pass to the
+    # backward (holds_broadcasts).
     "cpu": Backend(
         combines_remat_collectives=True,
         combines_gathers=False,
@@ -314,6 +326,7 @@ BACKENDS: dict[str, Backend] = {
         latency_per_device=True,
         regathers_unnamed=True,
         fresh_bytes=FRESH_BYTES,
+        holds_broadcasts=True,
     ),
 }
 """What each backend does, by JAX platform name; a profile takes its backend's entry."""

@@ -154,7 +154,12 @@ class Workload:
     moving its parts between them (collective-permutes);
     ``head``: ``(its weight's names, where)`` of a head that reads one position of the
     sequence (a class token): where its weight's names and the batch share a mesh axis,
-    XLA's propagation carries the weight's split back into the layers (``Cost.notes``).
+    XLA's propagation carries the weight's split back into the layers (``Cost.notes``);
+    ``held_broadcasts``: ``{(names, shape, itemsize): arrays}`` of the forward pass's
+    outer products outside loops (:func:`_outer_product`: a norm's ``rsqrt`` times its
+    scale), two arrays of the product's shape each: their broadcast operands, which
+    XLA:CPU's default schedule writes out and holds for the backward pass
+    (``HardwareProfile.holds_broadcasts``).
 
     Example:
         >>> import jax, jax.numpy as jnp, meshplan
@@ -203,6 +208,9 @@ class Workload:
         dataclasses.field(default_factory=dict)
     )
     head: tuple[Names, str] | None = None
+    held_broadcasts: dict[tuple[Names, tuple[int, ...], int], int] = dataclasses.field(
+        default_factory=dict
+    )
 
     @functools.cached_property
     def kept_whole(self) -> bool:
@@ -243,6 +251,28 @@ class Workload:
 
 
 _READ_AS_LOGICAL = (("meshplan.search: names are logical", None),)
+
+
+def _outer_product(eqn: Any) -> bool:
+    """Whether ``eqn`` multiplies two operands each broadcast into its result: a size-1
+    dimension of each where the result's is larger (``[b, s, 1] * [1, 1, d]``: a norm's
+    ``rsqrt`` times its scale, as Flax's ``LayerNorm`` and ``RMSNorm`` compute it).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from meshplan._search.predict.trace import _outer_product
+        >>> f = lambda r, w, x: (r * w, x * r)
+        >>> j = jax.make_jaxpr(f)(jnp.ones((2, 3, 1)), jnp.ones((1, 1, 4)), jnp.ones((2, 3, 4)))
+        >>> [_outer_product(e) for e in j.jaxpr.eqns]
+        [True, False]
+    """
+    if eqn.primitive.name != "mul" or len(eqn.invars) != 2:
+        return False
+    out = eqn.outvars[0].aval.shape
+    shapes = [getattr(v.aval, "shape", ()) for v in eqn.invars]
+    return all(
+        len(s) == len(out) and any(a == 1 < b for a, b in zip(s, out, strict=True)) for s in shapes
+    )
 
 
 _BIASED = frozenset({"add", "sub", "mul", "convert_element_type"})
@@ -510,6 +540,10 @@ class _Walker:
         # zeros its transpose scatters into are named as they are
         self.picked_from: dict[tuple[int, ...], Names] = {}
         self.reshards: dict[tuple[Names, Names, tuple[int, ...], int], int] = {}
+        # The broadcast operands of the forward pass's outer products outside loops, by
+        # (names, shape, itemsize) of the product: Workload.held_broadcasts.
+        self.held_broadcasts: dict[tuple[Names, tuple[int, ...], int], int] = {}
+        self.looping = False  # walking a loop's body
         self.moves: dict[tuple[Names, Names, tuple[int, ...], int], int] = {}
         self.reductions: dict[tuple[Names, tuple[int, ...], tuple[int, ...], int], int] = {}
         self.realigned: dict[
@@ -582,6 +616,9 @@ class _Walker:
             site, here = self.site, op_names.where(eqn)
             self.site = here if here != "?" else site  # inside a library's jit: the caller's
             outs = [dedupe(n) for n in self.eqn(eqn, ins, times)]
+            if not self.backward and not self.looping and _outer_product(eqn):
+                key = (outs[0], tuple(eqn.outvars[0].aval.shape), _itemsize(eqn.outvars[0].aval))
+                self.held_broadcasts[key] = self.held_broadcasts.get(key, 0) + 2
             if self.keep_whole:
                 self._follow_whole(eqn, ins, outs)
             if self.held_whole and not self.backward:
@@ -1085,7 +1122,9 @@ class _Walker:
             self._into(eqn.invars, body.jaxpr.invars, nc + ncarry)
             self._pass_origin(eqn.invars, body.jaxpr.invars)
             self._pass_made(eqn.invars, body.jaxpr.invars)
+            looping, self.looping = self.looping, True
             body_out = self.walk(body.jaxpr, body_in, times * length)
+            self.looping = looping
             for inner in body.jaxpr.outvars[:ncarry]:  # a carry: one sharding every trip,
                 if not isinstance(inner, Literal):  # the one it enters with
                     self.anchored.update(self.made_from.get(inner, ()))
@@ -1115,7 +1154,10 @@ class _Walker:
             consts = ins[p["cond_nconsts"] : p["cond_nconsts"] + nc]
             carry = _carry_fixpoint(body, [*consts, *carry], nc, len(carry))
             self._into(eqn.invars[p["cond_nconsts"] : p["cond_nconsts"] + nc], body.invars)
-            return self.walk(body, [*consts, *carry], times)
+            looping, self.looping = self.looping, True
+            out = self.walk(body, [*consts, *carry], times)
+            self.looping = looping
+            return out
         if prim == "cond":
             branch = p["branches"][-1].jaxpr
             self._into(eqn.invars[1:], branch.invars)
@@ -1866,6 +1908,7 @@ def trace_workload(
         reductions=walker.reductions,
         realigned=walker.realigned,
         head=None if head is None else (head, walker.head_site),
+        held_broadcasts=walker.held_broadcasts,
     )
 
 
