@@ -177,7 +177,8 @@ class _FusedQkvDecoder(nn.Module):
 
     @nn.compact
     def __call__(self, tokens):
-        from xla_suite import _init
+        def _init(names, init=_INIT):
+            return meshplan.with_logical_partitioning(init, names)
 
         table = self.param(
             "embedding",
