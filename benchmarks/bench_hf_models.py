@@ -27,6 +27,14 @@ device included) beside the ``cpu`` profile's price
 (``bench_xla_suite_profile.py``'s table):
 
     .venv/bin/python benchmarks/bench_hf_models.py --time --collectives --models opt --rounds 3
+
+``--schedules`` compares, at ``--time``'s sizes and data parallel, the ``cpu`` profile's
+temporaries (activations and temporaries a device) with XLA's in the donated step under
+its two schedules: the default one, which every ``jax.jit`` on CPU runs (and ``--time``
+times), and the memory-optimised one the table above compiles (docs/benchmarks.md,
+"Session 24"):
+
+    .venv/bin/python benchmarks/bench_hf_models.py --schedules --models gpt-neo bert
 """
 
 from __future__ import annotations
@@ -345,11 +353,16 @@ def main() -> None:
     parser.add_argument("--time", action="store_true", help="predicted and measured steps")
     parser.add_argument("--rounds", type=int, default=7, help="--time's interleaved rounds")
     parser.add_argument("--collectives", action="store_true", help="--time: each one, traced")
+    parser.add_argument(
+        "--schedules", action="store_true", help="temporaries under XLA:CPU's two schedules"
+    )
     args = parser.parse_args()
     if args.collectives and not args.time:
         parser.error("--collectives traces the steps --time runs: pass --time too.")
     if args.time:
         return time_meshes(args.models, args.rounds, args.collectives)
+    if args.schedules:
+        return schedules(args.models)
     print_table("model | names found | unpriced", args.models, lambda n: _row(n, args.names))
 
 
@@ -382,6 +395,32 @@ def time_meshes(names: list[str], rounds: int, collectives: bool = False) -> Non
         for k, p in ready.items() if collectives else ():
             print(f"  {name} {k}:")
             _traced_collectives(p, profile)
+
+
+def schedules(names: list[str]) -> None:
+    """Each model's temporaries a device at ``--time``'s sizes, data parallel, donated
+    (MiB): the ``cpu`` profile's, and XLA's under its default and memory-optimised
+    schedules, with the profile's over each."""
+    global B, S, D, H, F  # the builders read the module's sizes when called
+    B, S, D, H, F = 64, 64, 256, 8, 1024
+    profile = get_profile("cpu", 8)
+    mesh, rules = LAYOUTS["dp"]
+    print("model       planner  XLA default  XLA memory-optimised  (MiB; planner / XLA)")
+    for name in names:
+        state, step, batch = MODELS[name]()
+        _, named, named_step, work = name_unnamed(step, state, batch)
+        cost = predict(work, mesh, rules, profile)
+        mine = (cost.activation_bytes + cost.temporary_bytes) / 2**20
+        default, optimised = (
+            measure_step(named_step, named, batch, mesh, rules, True, options)["xla_temp_bytes"]
+            / 2**20
+            for options in (None, AS_ON_ACCELERATORS)
+        )
+        print(
+            f"{name:11}{mine:8.1f} {default:8.1f} ({mine / default:.2f})"
+            f" {optimised:10.1f} ({mine / optimised:.2f})",
+            flush=True,
+        )
 
 
 def _traced_collectives(prepared: Any, profile: Any, steps: int = 3) -> None:
