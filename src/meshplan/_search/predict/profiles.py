@@ -156,14 +156,14 @@ class HardwareProfile:
             says they are new: the ``cpu`` profile measures it
             (:func:`meshplan._search.measure.cpu.first_touch_seconds`; ``benchmarks/
             bench_calibration.py --fresh`` checks it in steps).
-        holds_broadcasts: The memory a step holds is its program's under XLA:CPU's default
-            schedule, the one every ``jax.jit`` on CPU runs: it writes out both operands of
-            each outer product of the forward pass (a norm's ``rsqrt`` times its scale,
-            ``[b, s, 1] * [1, 1, d]``) broadcast to the product's shape, and holds them
-            until the backward pass reads them (:attr:`meshplan._search.predict.trace.
-            Workload.held_broadcasts`; read in its buffer live ranges: Hugging Face's
-            GPT-Neo, and an MLP of LayerNorms). The memory-optimised schedule, which the
-            rest of the memory model follows, makes each just before its reader.
+        holds_broadcasts: A step also holds what XLA:CPU's default schedule, the one
+            every ``jax.jit`` on CPU runs, keeps beyond the memory-optimised one the rest of
+            the memory model follows: both operands of each outer product of the forward
+            pass (a norm's ``rsqrt`` times its scale, ``[b, s, 1] * [1, 1, d]``), written
+            out at the product's shape and held until the backward pass reads them
+            (:attr:`meshplan._search.predict.trace.Workload.held_broadcasts`; read in its
+            buffer live ranges: Hugging Face's GPT-Neo, and an MLP of LayerNorms). The
+            memory-optimised schedule makes each just before its reader.
 
     Example:
         >>> import meshplan
