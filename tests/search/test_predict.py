@@ -143,6 +143,9 @@ def test_a_step_writing_new_memory_says_how_much_and_why():
     assert "memory traffic 300.000 ms, 250.000 ms of it writing new memory" in lines[0]
     assert lines[-1].startswith("note: the step's activations and temporaries (40.00 MiB")
     assert "reach 32.00 MiB" in lines[-1] and "a smaller batch a device" in lines[-1]
+    accumulated = dataclasses.replace(touched, accumulator_bytes=8 << 20)  # priced on it too
+    note = prediction_lines(prediction_fields(accumulated, 0, 8, cpu, 8 << 30))[-1]
+    assert "(48.00 MiB a device, its gradient accumulator included)" in note
     plain = dataclasses.replace(touched, first_touch_s=0.0)
     assert not any(
         "new memory" in line

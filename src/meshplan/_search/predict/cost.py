@@ -839,7 +839,8 @@ def held_broadcasts(workload: Workload, specs: _Specs) -> int:
     """Bytes a device holds of the broadcast operands of the forward pass's outer
     products (``Workload.held_broadcasts``: a norm's ``rsqrt`` and scale at the
     activation's shape), each split as the product is: XLA:CPU's default schedule writes
-    them out and keeps them from the forward pass until the backward reads them.
+    them out and keeps them from the forward pass until the backward reads them. They are
+    added to the peak's activations: all of them are alive where the forward pass ends.
 
     Example:
         >>> import jax, jax.numpy as jnp, flax.linen as nn

@@ -126,10 +126,13 @@ def prediction_lines(fields: dict[str, Any]) -> list[str]:
         f"{human_bytes(f['activation_bytes_per_device'])}, temporaries "
         f"{human_bytes(f['temporary_bytes_per_device'])}"
     )
-    if touched:
-        held = f["activation_bytes_per_device"] + f["temporary_bytes_per_device"]
+    if touched:  # what the first touch was priced on: all but the state and the batch
+        step = f["activation_bytes_per_device"] + f["temporary_bytes_per_device"]
+        held = f["memory_bytes_per_device"] - f["state_bytes_per_device"]
+        held -= f["batch_bytes_per_device"]
+        more = ", its gradient accumulator included" if held > step else ""
         lines.append(
-            f"note: the step's activations and temporaries ({human_bytes(held)} a device) "
+            f"note: the step's activations and temporaries ({human_bytes(held)} a device{more}) "
             f"reach {human_bytes(f['fresh_bytes'])}, from which XLA:CPU allocates them "
             "afresh every step, their pages written for the first time; a smaller batch a "
             "device, or more devices, avoids it"
