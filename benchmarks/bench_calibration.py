@@ -56,6 +56,15 @@ whose times scatter alike; docs/benchmarks.md, "Session 22"):
 
     .venv/bin/python benchmarks/bench_calibration.py --after-matmul
 
+``--arrival`` measures what a ``psum`` of 4 bytes adds after work, by group, when every
+device did the same work (``tanh`` kernels in a loop, 3 or 10 of them) and when only the
+group's first device did (the others arrive at once and wait): each against the chain with
+no work between, printed with the wait over the work and that share over the expected
+largest of ``group`` standard normal draws: the relative scatter of the devices' arrivals,
+if they scatter normally (docs/benchmarks.md, "Session 25"):
+
+    .venv/bin/python benchmarks/bench_calibration.py --arrival
+
 ``--fresh`` times a tensor-parallel MLP's step (two blocks of LayerNorm, a Dense to 1024,
 GELU and a Dense back to 256, sequence 64) at batches 32, 64 and 128 under data parallelism
 and tensor parallelism on 2 x 4, 4 x 2 and 1 x 8, beside XLA's temporaries of the program
@@ -414,26 +423,38 @@ def fresh(devices: int, rounds: int = 5) -> None:
             )
 
 
+def _segments(devices: int, group: int, times: int, segment: Any, reduce: bool) -> Any:
+    """A call of ``times`` segments: ``segment`` on 64K floats per device, then (with
+    ``reduce``) a ``psum`` of 4 bytes over the group that waits for it."""
+    import jax
+    import numpy as np
+
+    def chain(y: Any, m: Any) -> Any:
+        for _ in range(times):
+            m = segment(m)
+            y = y + m[:1] * 0  # the psum waits for the segment
+            if reduce:
+                y = jax.lax.psum(y, "b")  # type: ignore[no-untyped-call]
+        return y, m
+
+    zeros, ones = np.zeros(devices, np.float32), np.ones(devices << 16, np.float32)
+    return _chained(devices, group, chain, zeros, ones)
+
+
 def skew(devices: int, rounds: int = 15) -> None:
     """A ``psum``'s seconds after a segment of work, by group (module docstring): chains of
     9 segments less chains of 1, with and without the ``psum``s, medians over rounds."""
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     def kernel(group: int, times: int, work: int, reduce: bool) -> Any:
-        def chain(y: Any, m: Any) -> Any:
-            for _ in range(times):
-                for _ in range(work):  # each its own kernel: the barrier stops fusion
-                    m = jax.lax.optimization_barrier(jnp.tanh(m) * 0.5 + 0.25)
-                y = y + m[:1] * 0  # the psum waits for the segment
-                if reduce:
-                    y = jax.lax.psum(y, "b")  # type: ignore[no-untyped-call]
-            return y, m
+        def segment(m: Any) -> Any:
+            for _ in range(work):  # each its own kernel: the barrier stops fusion
+                m = jax.lax.optimization_barrier(jnp.tanh(m) * 0.5 + 0.25)
+            return m
 
-        zeros, ones = np.zeros(devices, np.float32), np.ones(devices << 16, np.float32)
-        return _chained(devices, group, chain, zeros, ones)
+        return _segments(devices, group, times, segment, reduce)
 
     sides = [g for g in (2, 4, 8, 16) if g <= devices and devices % g == 0]
     cases = [
@@ -455,6 +476,48 @@ def skew(devices: int, rounds: int = 15) -> None:
             share = (psum - tight) / work if w else float("nan")
             added = (psum - tight) * 1e6
             print(f"{g:5d} {w:7d} {work * 1e6:8.1f} {psum * 1e6:8.1f} {added:8.1f} {share:7.2f}")
+
+
+def arrival(devices: int, rounds: int = 15) -> None:
+    """A ``psum``'s seconds after the same work on every device, and after work on the
+    group's first device alone, by group (module docstring): chains of 9 less chains of 1,
+    with and without the ``psum``s, medians over rounds."""
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    import jax
+    import jax.numpy as jnp
+
+    def kernel(group: int, times: int, who: str, loops: int, reduce: bool) -> Any:
+        def segment(m: Any) -> Any:
+            first = jax.lax.axis_index("b") == 0
+            n = {"all": loops, "first": jnp.where(first, loops, 0), "none": 0}[who]
+            return jax.lax.fori_loop(0, n, lambda _, m: jnp.tanh(m) * 0.5 + 0.25, m)
+
+        return _segments(devices, group, times, segment, reduce)
+
+    sides = [g for g in (2, 4, 8, 16) if g <= devices and devices % g == 0]
+    ways = [("none", 0), ("all", 3), ("first", 3), ("all", 10), ("first", 10)]
+    cases = [(g, t, w, n, r) for g in sides for t in (1, 9) for w, n in ways for r in (0, 1)]
+    seconds = _interleaved({c: kernel(*c) for c in cases}, devices, rounds)
+
+    def each(g: int, w: str, n: int, r: bool) -> float:
+        once, many = seconds[(g, 1, w, n, r)], seconds[(g, 9, w, n, r)]
+        return statistics.median(m - o for o, m in zip(once, many, strict=True)) / 8
+
+    print(
+        f"{'group':>5} {'work':>6} {'loops':>5} {'work us':>8} {'psum us':>8} "
+        f"{'added us':>8} {'of work':>7} {'/ E[max]':>8}"
+    )
+    for g in sides:
+        tight = each(g, "none", 0, True) - each(g, "none", 0, False)
+        print(f"{g:5d} {'none':>6} {0:5d} {0.0:8.1f} {tight * 1e6:8.1f}")
+        for w, n in ways[1:]:
+            work = each(g, w, n, False)
+            added = each(g, w, n, True) - work - tight
+            share = added / work
+            print(
+                f"{g:5d} {w:>6} {n:5d} {work * 1e6:8.1f} {(added + tight) * 1e6:8.1f} "
+                f"{added * 1e6:8.1f} {share:7.2f} {share / _expected_max(g):8.2f}"
+            )
 
 
 def written(devices: int, rounds: int = 15, matmul: bool = False) -> None:
@@ -539,6 +602,7 @@ def main() -> None:
     parser.add_argument("--written", action="store_true", help="a psum of a kernel's result")
     parser.add_argument("--after-matmul", action="store_true", help="a psum of a matmul's result")
     parser.add_argument("--fresh", action="store_true", help="steps whose temporaries are new")
+    parser.add_argument("--arrival", action="store_true", help="a psum after even, uneven work")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
@@ -553,6 +617,8 @@ def main() -> None:
         return skew(args.devices)
     if args.fresh:
         return fresh(args.devices)
+    if args.arrival:
+        return arrival(args.devices)
     if args.written or args.after_matmul:
         return written(args.devices, matmul=args.after_matmul)
     if args.processes < 4:

@@ -123,6 +123,52 @@ def op_times(trace_dir: str, steps: int, devices: int = 8) -> dict[str, list[flo
     return total
 
 
+def arrivals(trace_dir: str) -> dict[str, list[tuple[float, float, float]]]:
+    """Each collective's calls, as ``(seconds, seconds waiting for the group, seconds since
+    the device's previous collective ended)``: from the profile's ``Rendezvous`` events
+    (XLA:CPU's wait for every participant's thread to arrive) within each call, and each
+    call's ``device_ordinal``."""
+    path = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]
+    with gzip.open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    waits = collections.defaultdict(list)  # thread -> [(start, dur)] of its rendezvous
+    for e in events:
+        if e["name"] == "Rendezvous":
+            waits[e["tid"]].append((e["ts"], e["dur"]))
+    calls = sorted(
+        (
+            e
+            for e in events
+            if any(c in e["name"] for c in COLLECTIVES)
+            and "args" in e
+            and "device_ordinal" in e["args"]
+        ),
+        key=lambda e: e["ts"],
+    )
+    found: dict[str, list[tuple[float, float, float]]] = collections.defaultdict(list)
+    last: dict[str, float] = {}
+    for e in calls:
+        start, end, device = e["ts"], e["ts"] + e["dur"], e["args"]["device_ordinal"]
+        wait = sum(d for t, d in waits[e["tid"]] if start <= t <= end)
+        since = start - last[device] if device in last else math.nan
+        found[e["name"]].append((e["dur"] / 1e6, wait / 1e6, since / 1e6))
+        last[device] = end
+    return found
+
+
+def _print_arrivals(found: dict[str, list[tuple[float, float, float]]]) -> None:
+    """Per collective: medians over devices and steps of its time, the part spent waiting
+    for the group's last thread to arrive, the rest, and the time since the device's
+    previous collective (its kernels, and what it waited for between them)."""
+    print("   collective         ms   waiting   rest   since previous  wait / since")
+    for name, calls in found.items():
+        t, w, since = (statistics.median(c[i] for c in calls) for i in range(3))
+        print(
+            f"   {name:16s} {t * 1e3:6.3f} {w * 1e3:8.3f} {(t - w) * 1e3:7.3f}"
+            f" {since * 1e3:14.3f} {w / since if since else math.nan:13.2f}"
+        )
+
+
 def op_seconds(times: dict[str, list[float]]) -> dict[str, float]:
     """Seconds per device and step of the kernels (matmuls and fusions) and the collectives
     among :func:`op_times`."""
@@ -195,6 +241,7 @@ def main() -> None:
     ap.add_argument("--layouts", nargs="+", default=["tensor_parallel"])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--ops", type=int, default=0, help="also print the N slowest ops and kinds")
+    ap.add_argument("--arrivals", action="store_true", help="each collective's wait for its group")
     args = ap.parse_args()
     print(
         "model     layout          mesh  predicted c+m  kernels  predicted comm  collectives  step"
@@ -206,12 +253,15 @@ def main() -> None:
         found = meshplan.search_rules(8, state, step, batch, profile="cpu", compile_top=0)
         for row in (r for r in _candidates(found) if r.layout in args.layouts):
             prepared = prepare_step(step, state, batch, row.mesh, row.rules)
-            median = statistics.median(prepared.run(20)[2:])
+            timed = prepared.run_timed(20)[2:]
+            median = statistics.median(t.wall_s for t in timed)
+            busy = statistics.median(t.cpu_s / t.wall_s for t in timed)
             with tempfile.TemporaryDirectory() as trace_dir:
                 jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
                 prepared.run(args.steps)
                 jax.profiler.stop_trace()
                 times = op_times(trace_dir, args.steps)
+                waited = arrivals(trace_dir) if args.arrivals else {}
                 ops = op_seconds(times)
             c = row.cost
             mesh = "x".join(str(n) for n in row.mesh.values())
@@ -223,6 +273,9 @@ def main() -> None:
             if args.ops:
                 _print_ops(times, prepared.compiled.as_text(), args.ops)
                 _print_collectives(times, prepared.compiled.as_text(), profile)
+            if waited:
+                print(f"   cores busy during a step (CPU time / wall, median): {busy:.1f}")
+                _print_arrivals(waited)
 
 
 if __name__ == "__main__":
