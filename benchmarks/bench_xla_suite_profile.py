@@ -15,7 +15,14 @@ the source op each was made for, and every collective's measured milliseconds be
 ``cpu`` profile's price for its kind, group, arrays and bytes
 (:func:`~meshplan._search.predict.collectives.collective_time`).
 
+``--arrivals`` also prints, per layout, the cores a step keeps busy (its CPU time over its
+wall time) and each collective's medians over devices and steps: its time, the part its
+thread waited for the group's last thread to arrive (XLA:CPU's ``Rendezvous`` in the
+profile), the rest, and the time since the device's previous collective ended
+(docs/benchmarks.md, "Session 25").
+
     .venv/bin/python benchmarks/bench_xla_suite_profile.py --models moe vit
+    .venv/bin/python benchmarks/bench_xla_suite_profile.py --models moe --arrivals
     .venv/bin/python benchmarks/bench_xla_suite_profile.py --models vit --ops 10
 """
 
