@@ -170,9 +170,10 @@ def _print_arrivals(found: dict[str, list[tuple[float, float, float]]]) -> None:
     print("   collective         ms   waiting   rest   since previous  wait / since")
     for name, calls in found.items():
         t, w, since = (statistics.median(c[i] for c in calls) for i in range(3))
+        share = f"{w / since:13.2f}" if since > 1e-5 else f"{'-':>13s}"  # right after another
         print(
             f"   {name:16s} {t * 1e3:6.3f} {w * 1e3:8.3f} {(t - w) * 1e3:7.3f}"
-            f" {since * 1e3:14.3f} {w / since if since else math.nan:13.2f}"
+            f" {since * 1e3:14.3f} {share}"
         )
 
 
