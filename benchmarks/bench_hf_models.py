@@ -23,8 +23,8 @@ the two a search would rank first, and by how much; docs/benchmarks.md, "Session
 
 ``--time --collectives`` also traces each mesh's step (``jax.profiler``) and prints every
 collective's measured milliseconds per device and step (the wait for the group's slowest
-device included) beside the ``cpu`` profile's price
-(``bench_xla_suite_profile.py``'s table):
+device included) beside the ``cpu`` profile's price, then each one's wait for its group's
+last thread and the rest (``bench_xla_suite_profile.py``'s tables, ``--arrivals``'s too):
 
     .venv/bin/python benchmarks/bench_hf_models.py --time --collectives --models opt --rounds 3
 
@@ -427,14 +427,16 @@ def _traced_collectives(prepared: Any, profile: Any, steps: int = 3) -> None:
     """``prepared``'s collectives, traced over ``steps`` steps, beside their prices."""
     import tempfile
 
-    from bench_xla_suite_profile import _print_collectives, op_times
+    from bench_xla_suite_profile import _print_arrivals, _print_collectives, arrivals, op_times
 
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
         prepared.run(steps)
         jax.profiler.stop_trace()
         times = op_times(trace_dir, steps)
+        waited = arrivals(trace_dir)
     _print_collectives(times, prepared.compiled.as_text(), profile)
+    _print_arrivals(waited)
 
 
 def print_table(columns: str, names: list[str], row: Callable[[str], str]) -> None:
