@@ -90,14 +90,16 @@ def hf_llama(
     vocab: int = 1024,
     batch: int = 16,
     seq: int = 128,
+    kv_heads: int | None = None,
 ) -> tuple[Any, Any, Any]:
-    """``FlaxLlamaForCausalLM`` from a config."""
+    """``FlaxLlamaForCausalLM`` from a config (``kv_heads``: grouped-query attention's key and
+    value heads; as many as ``heads`` if not given)."""
     from transformers import FlaxLlamaForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(
         hidden_size=embed,
         num_attention_heads=heads,
-        num_key_value_heads=heads,
+        num_key_value_heads=kv_heads or heads,
         intermediate_size=mlp,
         num_hidden_layers=layers,
         vocab_size=vocab,

@@ -152,6 +152,10 @@ class Workload:
     slices and concatenations that cut a named dimension (a fused q/k/v projection's
     ``split``): where a mesh axis splits it, XLA splits each piece over the same devices,
     moving its parts between them (collective-permutes);
+    ``parts``: ``(name, size)`` of the major part a forward reshape splits a named dimension
+    into (Mistral's 64-wide key projection, ``kv_heads``, reshaped to 2 heads of 32:
+    ``('kv_heads', 2)``): a mesh axis that does not divide the part cuts inside it (the
+    backward pass's splits undo the forward's merges: not parts);
     ``head``: ``(its weight's names, where)`` of a head that reads one position of the
     sequence (a class token): where its weight's names and the batch share a mesh axis,
     XLA's propagation carries the weight's split back into the layers (``Cost.notes``);
@@ -207,6 +211,7 @@ class Workload:
     realigned: dict[tuple[Names, tuple[int, ...], int, tuple[tuple[int, int], ...], int], int] = (
         dataclasses.field(default_factory=dict)
     )
+    parts: frozenset[tuple[str, int]] = frozenset()
     head: tuple[Names, str] | None = None
     held_broadcasts: dict[tuple[Names, tuple[int, ...], int], int] = dataclasses.field(
         default_factory=dict
@@ -426,6 +431,25 @@ def _reshape(names: Names, old: tuple[int, ...], new: tuple[int, ...]) -> Names:
     return tuple(out)
 
 
+def _parts(
+    names: Names, shape: tuple[int, ...], out: Names, out_shape: tuple[int, ...]
+) -> set[tuple[str, int]]:
+    """``(name, size)`` of each named dimension a reshape splits, its name on the major part
+    (:attr:`Workload.parts`).
+
+    Example:
+        >>> from meshplan._search.predict.trace import _parts
+        >>> _parts(("batch", "kv_heads"), (8, 64), ("batch", "kv_heads", None), (8, 2, 32))
+        {('kv_heads', 2)}
+    """
+    sizes = {n: s for n, s in zip(names, shape, strict=True) if type(n) is str}
+    return {
+        (n, s)
+        for n, s in zip(out, out_shape, strict=True)
+        if type(n) is str and n in sizes and s < sizes[n]
+    }
+
+
 def dot_out_names(
     lhs: Names,
     rhs: Names,
@@ -549,6 +573,7 @@ class _Walker:
         self.realigned: dict[
             tuple[Names, tuple[int, ...], int, tuple[tuple[int, int], ...], int], int
         ] = {}
+        self.parts: set[tuple[str, int]] = set()  # Workload.parts
         # Values computed from one parameter alone (its broadcast, its cast): ``{var: root}``,
         # the root being the parameter's array (a scanned layer's slice of it); and the
         # parameters other ops than matmuls read with an activation (a norm's scale):
@@ -1221,6 +1246,8 @@ class _Walker:
             self._moved(eqn, ins, outs, shapes, times)
             self._reduced(eqn, ins, shapes, times)
             self._cut(eqn, ins, outs, shapes, out_shapes, times)
+            if prim == "reshape" and not self.backward:  # the backward's undo its merges
+                self.parts |= _parts(ins[0], shapes[0], outs[0], out_shapes[0])
         score = prim not in BOUNDARY and self._score_input(eqn)
         for n, v in zip(outs, eqn.outvars, strict=True):
             if score:
@@ -1907,6 +1934,7 @@ def trace_workload(
         fusion_reads=walker.read_traffic,
         reductions=walker.reductions,
         realigned=walker.realigned,
+        parts=frozenset(walker.parts),
         head=None if head is None else (head, walker.head_site),
         held_broadcasts=walker.held_broadcasts,
     )

@@ -395,9 +395,10 @@ def _prune(
 
 
 def _reshaped_dims(workload: Workload) -> list[tuple[str, int]]:
-    """``(name, size)`` of the matmuls' operand dimensions a state name names at a size no
-    state array has it at: a part of a reshaped dimension (Mistral's 2 key/value heads of
-    its 64-wide key projection, GPT-2's 12 heads of its 2,304-wide fused one)."""
+    """``(name, size)`` of the dimensions a state name names at a size no state array has it
+    at, where a reshape splits it (:attr:`Workload.parts`: Mistral's 2 key/value heads of its
+    64-wide key projection) or a matmul reads it (GPT-2's 12 heads of its 2,304-wide fused
+    one)."""
     held = {
         (n, s)
         for names, shape, _ in workload.state
@@ -405,7 +406,8 @@ def _reshaped_dims(workload: Workload) -> list[tuple[str, int]]:
         for n, s in zip(names, shape, strict=False)
     }
     params = set(workload.param_names)
-    found = {
+    parts = {(n, s) for n, s in workload.parts if n in params and (n, s) not in held}
+    found = parts | {
         (n, s)
         for dot in workload.dots
         for names, shape in ((dot.lhs_names, dot.lhs_shape), (dot.rhs_names, dot.rhs_shape))
@@ -418,9 +420,11 @@ def _reshaped_dims(workload: Workload) -> list[tuple[str, int]]:
 def _uneven(dims: Sequence[tuple[str, int]], specs: _Specs) -> Pruned | None:
     """Why a candidate splits a reshaped dimension (:func:`_reshaped_dims`) over more
     devices than divide it, or ``None``: XLA pads it and moves it between devices, which
-    the planner does not price."""
+    the planner does not price. An axis that splits the batch does not split them there
+    (FSDP's: the step's arrays give it to the batch, their first dimension)."""
+    batch = set(specs(("batch",), 1)[0])
     for name, size in dims:
-        axes = specs((name,), 1)[0]
+        axes = [a for a in specs((name,), 1)[0] if a not in batch]
         split = math.prod(specs.sizes[a] for a in axes)
         if size % split:
             where = ", ".join(f"{a!r} of size {specs.sizes[a]}" for a in axes)
