@@ -615,6 +615,14 @@ class _Walker:
             if isinstance(n, str):
                 self.seen.setdefault(n)
 
+    def walk_loop(self, body: Any, in_names: Sequence[Names], times: int) -> list[Names]:
+        """:meth:`walk` of a loop's ``body`` (a scan's, a while's), :attr:`looping` set."""
+        looping, self.looping = self.looping, True
+        try:
+            return self.walk(body, in_names, times)
+        finally:
+            self.looping = looping
+
     def walk(self, jaxpr: Any, in_names: Sequence[Names], times: int) -> list[Names]:
         env: dict[Any, Names] = {}
 
@@ -1147,9 +1155,7 @@ class _Walker:
             self._into(eqn.invars, body.jaxpr.invars, nc + ncarry)
             self._pass_origin(eqn.invars, body.jaxpr.invars)
             self._pass_made(eqn.invars, body.jaxpr.invars)
-            looping, self.looping = self.looping, True
-            body_out = self.walk(body.jaxpr, body_in, times * length)
-            self.looping = looping
+            body_out = self.walk_loop(body.jaxpr, body_in, times * length)
             for inner in body.jaxpr.outvars[:ncarry]:  # a carry: one sharding every trip,
                 if not isinstance(inner, Literal):  # the one it enters with
                     self.anchored.update(self.made_from.get(inner, ()))
@@ -1179,10 +1185,7 @@ class _Walker:
             consts = ins[p["cond_nconsts"] : p["cond_nconsts"] + nc]
             carry = _carry_fixpoint(body, [*consts, *carry], nc, len(carry))
             self._into(eqn.invars[p["cond_nconsts"] : p["cond_nconsts"] + nc], body.invars)
-            looping, self.looping = self.looping, True
-            out = self.walk(body, [*consts, *carry], times)
-            self.looping = looping
-            return out
+            return self.walk_loop(body, [*consts, *carry], times)
         if prim == "cond":
             branch = p["branches"][-1].jaxpr
             self._into(eqn.invars[1:], branch.invars)
