@@ -5,9 +5,10 @@ batch 16; abstract weights, nothing downloaded) with an AdamW train step and its
 loss (optax's integer-label cross-entropy; CLIP's contrastive loss). For each:
 :func:`meshplan.infer_names` names it, :func:`meshplan.search_rules` searches it
 (``profile='cpu'``, analytic), and under data parallel, FSDP and tensor parallel 2 x 4
-(``tests/xla_suite.py``'s layouts) the planner's temporaries per device (CPU-like profile)
-are compared with ``compiled.memory_analysis()`` on 8 emulated CPU devices, and its
-collective kinds with the compiled HLO's, as ``tests/search/test_xla_suite.py`` does.
+(``tests/xla_suite.py``'s layouts), and under the search's top-1, the planner's temporaries
+per device (CPU-like profile) are compared with ``compiled.memory_analysis()`` on 8 emulated
+CPU devices, and its collective kinds with the compiled HLO's, as
+``tests/search/test_xla_suite.py`` does.
 
     .venv/bin/python benchmarks/bench_hf_models.py                  # every model
     .venv/bin/python benchmarks/bench_hf_models.py --models bert t5 --names
@@ -315,10 +316,13 @@ MODELS: dict[str, Callable[[], Built]] = {
 """Each model's ``(abstract state, train step, batch)``, built from a tiny config."""
 
 
-def _against_xla(step: Any, named: Any, batch: Any, work: Any, layout: str) -> str:
-    """``ratio (predicted/XLA MiB) kinds`` of one layout: the temporaries' ratio, the
-    arguments' check (``args!`` where they differ) and the collective kinds'."""
-    mesh, rules = LAYOUTS[layout]
+def _against_xla(
+    step: Any, named: Any, batch: Any, work: Any, layout: str | tuple[dict[str, int], Any]
+) -> str:
+    """``ratio (predicted/XLA MiB) kinds`` of one layout (a name in ``LAYOUTS``, or a mesh and
+    its rules): the temporaries' ratio, the arguments' check (``args!`` where they differ)
+    and the collective kinds'."""
+    mesh, rules = LAYOUTS[layout] if isinstance(layout, str) else layout
     cost = predict(work, mesh, rules, CPU_LIKE)
     xla = measure_step(step, named, batch, mesh, rules, True, AS_ON_ACCELERATORS)
     predicted = cost.activation_bytes + cost.temporary_bytes
@@ -333,6 +337,13 @@ def _against_xla(step: Any, named: Any, batch: Any, work: Any, layout: str) -> s
     return f"{predicted / temp:.2f} ({predicted / 2**20:.2f}/{temp / 2**20:.2f}){args}{same}"
 
 
+def top1_against_xla(result: Any, step: Any, named: Any, batch: Any, work: Any) -> str:
+    """The search's analytic top-1 (its mesh and rules), then its cell as a layout's."""
+    best = result.best
+    cell = _against_xla(step, named, batch, work, (best.mesh, best.rules))
+    return f"{best.mesh_text} {best.short_rules}: {cell}"
+
+
 def _row(name: str, show_names: bool) -> str:
     state, step, batch = MODELS[name]()
     inferred = meshplan.infer_names(step, state, batch)
@@ -343,7 +354,8 @@ def _row(name: str, show_names: bool) -> str:
     _, named, named_step, work = name_unnamed(step, state, batch)
     found = sorted({c.name for c in inferred.classes} & {"vocab", "embed", "heads", "mlp"})
     cells = [_against_xla(named_step, named, batch, work, layout) for layout in LAYOUTS]
-    return " | ".join([name, ",".join(found), unpriced, *cells])
+    top1 = top1_against_xla(result, named_step, named, batch, work)
+    return " | ".join([name, ",".join(found), unpriced, *cells, top1])
 
 
 def main() -> None:
@@ -444,7 +456,7 @@ def print_table(columns: str, names: list[str], row: Callable[[str], str]) -> No
     crash is a row of the table."""
     print(
         f"{columns} | "
-        + " | ".join(LAYOUTS)
+        + " | ".join([*LAYOUTS, "search top-1"])
         + "  (predicted/XLA temporaries, MiB; '=': collective kinds match)"
     )
     for name in names:

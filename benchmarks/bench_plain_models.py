@@ -9,8 +9,8 @@ Flax's own MNIST example's CNN, a Flax LSTM then GRU over an embedding lookup
 ``jax.image.resize``, skip concatenations), and a decoder with grouped key-value heads,
 rotary embeddings, a causal mask and dropout. Each with AdamW (the plain MLP with SGD,
 Equinox's MLP with Adam) and optax's integer-label loss. Under data parallel, FSDP and
-tensor parallel 2 x 4 (``tests/xla_suite.py``'s layouts) the planner's temporaries per
-device are compared with ``compiled.memory_analysis()`` on 8 emulated CPU devices, and its
+tensor parallel 2 x 4 (``tests/xla_suite.py``'s layouts), and under the search's analytic
+top-1, the planner's temporaries per device are compared with ``compiled.memory_analysis()`` on 8 emulated CPU devices, and its
 collective kinds with the compiled HLO's, as ``benchmarks/bench_hf_models.py`` does.
 
     .venv/bin/python benchmarks/bench_plain_models.py
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import optax
 
 import meshplan
-from bench_hf_models import _against_xla, _xent, print_table
+from bench_hf_models import _against_xla, _xent, print_table, top1_against_xla
 from meshplan._search.predict.infer import name_unnamed
 from xla_suite import LAYOUTS
 
@@ -287,6 +287,7 @@ def _row(name: str) -> str:
             cells.append(_against_xla(named_step, named, batch, work, layout))
         except ValueError as e:  # a name split over more devices than its size divides by
             cells.append(f"n/a ({str(e)[:60]})")
+    cells.append(top1_against_xla(result, named_step, named, batch, work))
     return " | ".join([name, unpriced, *cells])
 
 
