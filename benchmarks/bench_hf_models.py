@@ -341,7 +341,7 @@ def top1_against_xla(result: Any, step: Any, named: Any, batch: Any, work: Any) 
     """The search's analytic top-1 (its mesh and rules), then its cell as a layout's."""
     best = result.best
     cell = _against_xla(step, named, batch, work, (best.mesh, best.rules))
-    return f"{best.mesh_text} {best.short_rules}: {cell}"
+    return f"{best.mesh_text} {best.axes_text} {best.short_rules}: {cell}"
 
 
 def _row(name: str, show_names: bool) -> str:
