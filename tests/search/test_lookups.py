@@ -23,6 +23,7 @@ from meshplan._search.predict.step import linen_step
 from meshplan._search.predict.trace import trace_workload
 
 FSDP = ({"fsdp": 8}, (("batch", "fsdp"), ("embed", "fsdp")))
+HYBRID = ({"fsdp": 2, "data": 4}, (("batch", ("fsdp", "data")), ("embed", "fsdp")))
 DP = ({"data": 8}, (("batch", "data"),))
 
 
@@ -88,9 +89,9 @@ def test_the_note_is_printed_with_the_prediction():
     assert [line for line in lines if line.startswith("note: the embedding lookup at")]
 
 
-def _lookup_hlo(constrain: bool) -> str:
+def _lookup_hlo(constrain: bool, layout=FSDP) -> str:
     state, step, batch = _step(constrain)
-    compiled, _, _ = compile_candidate(step, state, batch, *FSDP, True)
+    compiled, _, _ = compile_candidate(step, state, batch, *layout, True)
     text = compiled.as_text()
     assert text is not None
     return text
@@ -135,6 +136,25 @@ def test_the_activations_after_the_lookup_carry_the_tables_split_until_constrain
     assert specs(first.lhs_names, 3) == expected
     reduced = [nbytes for kind, _, nbytes, _ in _dot_cost(first, specs)[1] if kind == "all-reduce"]
     assert reduced == ([] if constrain else [16 * 32 * 128 * 4])  # the whole batch's sums
+
+
+def test_a_table_split_over_part_of_the_batchs_axes_runs_the_layers_on_the_whole_batch():
+    """FSDP over 2 devices beside data parallelism over 4, the table's ``embed`` over the
+    FSDP axis alone (GPT-Neo's search top-1 once): XLA replicates the rows over ``data``
+    too, so each device runs the layers on the whole batch, split by ``embed`` alone."""
+    collectives = re.findall(
+        r"= \(?(\w+)\[([\d,]+)\][^=]* (all-gather|all-reduce|all-to-all)\(",
+        _lookup_hlo(False, HYBRID),
+    )
+    assert any(d == "f32" and shape.startswith("16,32,") for d, shape, _ in collectives)
+    state, step, batch = _step(False)
+    work = trace_workload(step, state, batch, read_constraints=True)
+    [first] = [
+        d
+        for d in work.dots
+        if d.rhs_names == ("embed", "mlp") and "batch" in d.lhs_names and d.contract == ((2,), (0,))
+    ]
+    assert _Specs(*HYBRID)(first.lhs_names, 3) == ((), (), ("fsdp",))
 
 
 class _Residual(nn.Module):

@@ -211,20 +211,16 @@ class _Specs:
 
     def _carried(self, names: Names, ndim: int) -> Spec:
         """A value made where an embedding table (or a weight) lies (:class:`Carried`): its
-        other names resolved first, its batch split over what is left of the batch's axes
-        once the table's are taken (none, under FSDP). Where the table's names take none of
-        the batch's axes, resolved as a plain batch."""
+        other names resolved, its batch whole. XLA gives the rows the table's sharding,
+        which is replicated over the batch's other axes too: with the batch over ``fsdp``
+        and ``data`` and the table's ``embed`` over ``fsdp`` alone, every device holds the
+        whole batch (GPT-Neo's step, compiled). Where the table's names take none of the
+        batch's axes, resolved as a plain batch."""
         batch = set(self(("batch",), 1)[0])
         carriers = [n for n in names if isinstance(n, Carried)]
         if not any(batch & {a for d in self(n.by, len(n.by)) for a in d} for n in carriers):
             return self(tuple("batch" if isinstance(n, Carried) else n for n in names), ndim)
-        plain = tuple(None if isinstance(n, Carried) else n for n in names)
-        spec = list(self(plain, ndim))
-        for i, n in enumerate(names):
-            if isinstance(n, Carried):
-                taken = {a for axes in (*spec, *self(n.by, len(n.by))) for a in axes}
-                spec[i] = tuple(a for a in self(("batch",), 1)[0] if a not in taken)
-        return tuple(spec)
+        return self(tuple(None if isinstance(n, Carried) else n for n in names), ndim)
 
     def split(self, spec: Spec) -> int:
         return math.prod(self.sizes[a] for axes in spec for a in axes)
