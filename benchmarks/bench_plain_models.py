@@ -10,8 +10,9 @@ Flax's own MNIST example's CNN, a Flax LSTM then GRU over an embedding lookup
 rotary embeddings, a causal mask and dropout. Each with AdamW (the plain MLP with SGD,
 Equinox's MLP with Adam) and optax's integer-label loss. Under data parallel, FSDP and
 tensor parallel 2 x 4 (``tests/xla_suite.py``'s layouts), and under the search's analytic
-top-1, the planner's temporaries per device are compared with ``compiled.memory_analysis()`` on 8 emulated CPU devices, and its
-collective kinds with the compiled HLO's, as ``benchmarks/bench_hf_models.py`` does.
+top-1, the planner's temporaries per device are compared with
+``compiled.memory_analysis()`` on 8 emulated CPU devices, and its collective kinds with the
+compiled HLO's, as ``benchmarks/bench_hf_models.py`` does.
 
     .venv/bin/python benchmarks/bench_plain_models.py
     .venv/bin/python benchmarks/bench_plain_models.py --models mlp lstm

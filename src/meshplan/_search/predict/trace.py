@@ -286,9 +286,10 @@ broadcast into it (a bias, a scale): :meth:`_Walker._follow_held`."""
 
 
 class Carried(str):
-    """``'batch'`` of a value XLA makes where an embedding table lies: its batch is not split
-    over the axes of the table's names ``by`` (FSDP's ``embed``), which the value's own
-    ``embed`` takes. Equal to ``'batch'`` (a batch dimension to every rule that asks), hashed
+    """``'batch'`` of a value XLA makes where an embedding table lies: where the table's names
+    ``by`` (FSDP's ``embed``) share a mesh axis with the batch, its batch is whole (XLA gives
+    the value the table's sharding, replicated over the batch's other axes too), and the
+    value's own ``embed`` takes the table's split. Equal to ``'batch'`` (a batch dimension to every rule that asks), hashed
     apart from it (a key of its own wherever names are one).
 
     ``whole``: the split is kept through the layers' projections out of it (their partial

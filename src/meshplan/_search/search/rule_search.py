@@ -405,13 +405,16 @@ def _reshaped_dims(workload: Workload) -> list[tuple[str, int]]:
         if names
         for n, s in zip(names, shape, strict=False)
     }
-    params = set(workload.param_names)
-    parts = {(n, s) for n, s in workload.parts if n in params and (n, s) not in held}
-    found = parts | {
+    read = {
         (n, s)
         for dot in workload.dots
         for names, shape in ((dot.lhs_names, dot.lhs_shape), (dot.rhs_names, dot.rhs_shape))
         for n, s in zip(names or (), shape, strict=False)
+    }
+    params = set(workload.param_names)
+    found = {
+        (n, s)
+        for n, s in read | workload.parts
         if type(n) is str and n in params and (n, s) not in held
     }
     return sorted(found)
