@@ -49,11 +49,9 @@ CASES = [
     for layout in LAYOUTS
 ]
 # Full remat of unrolled layers keeps each layer's input for the backward pass: deeper.
-DEEP = [
-    pytest.param(layers, layout, id=f"full-loop-{layers}-layers-{layout}")
-    for layers in (8, 16)
-    for layout in ("dp", "fsdp")
-]
+# With CASES' 4 layers, a prediction flat in the depth fails here (it once gave 4, 8 and 16
+# layers alike); 16 layers checked nothing more, at 25-35 s of a test run.
+DEEP = [pytest.param(8, layout, id=f"full-loop-8-layers-{layout}") for layout in ("dp", "fsdp")]
 
 
 @functools.cache
