@@ -289,8 +289,8 @@ class Carried(str):
     """``'batch'`` of a value XLA makes where an embedding table lies: where the table's names
     ``by`` (FSDP's ``embed``) share a mesh axis with the batch, its batch is whole (XLA gives
     the value the table's sharding, replicated over the batch's other axes too), and the
-    value's own ``embed`` takes the table's split. Equal to ``'batch'`` (a batch dimension to every rule that asks), hashed
-    apart from it (a key of its own wherever names are one).
+    value's own ``embed`` takes the table's split. Equal to ``'batch'`` (a batch dimension
+    to every rule that asks), hashed apart from it (a key of its own wherever names are one).
 
     ``whole``: the split is kept through the layers' projections out of it (their partial
     sums all-reduced whole and used whole, not sliced back to the batch): where both passes
