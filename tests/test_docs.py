@@ -38,6 +38,7 @@ import doctest
 import importlib
 import io
 import json
+import math
 import re
 import subprocess
 import sys
@@ -53,6 +54,12 @@ from docblocks import SHELL, Block, Command, blocks_of, commands_of
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
+TOGETHER = {"docs/training.md": "README.md"}
+"""Pages run in one test after the page named, in its session: the README's quick start is
+the training page's first commands, trained once (each page's shown output checked)."""
+RUNS = [
+    "+".join([p, *(k for k, v in TOGETHER.items() if v == p)]) for p in PAGES if p not in TOGETHER
+]
 LANGS = {"python", "json", "text", "", *SHELL}
 MAX_NOT_RUN = 2  # blocks skipped by a marker, in all pages together: keep them rare
 
@@ -68,7 +75,7 @@ class Session:
     """What the pages share: a folder standing for /tmp, and the small runs made so far."""
 
     root: Path
-    runs: set[tuple[str, ...]] = dataclasses.field(default_factory=set)
+    runs: dict[tuple[str, ...], str] = dataclasses.field(default_factory=dict)  # -> printed
     steps: dict[str, int] = dataclasses.field(default_factory=dict)  # small checkpoints
     # Folders of commands shown with several processes, made here by one.
     one_for_many: set[str] = dataclasses.field(default_factory=set)
@@ -102,6 +109,45 @@ def cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=300,
     )
+
+
+SESSION_DEVICES = 8  # the test session's emulated CPU devices (the root conftest.py)
+
+
+def in_this_process(args: list[str]) -> bool:
+    """Whether a small ``meshplan train ARGS`` can run in this process rather than a fresh one.
+
+    It can when a fresh process would see what this one has: the session's 8 CPU devices
+    (a mesh of 8, or none given), no ``--platform`` or ``--devices`` of its own, and a model
+    that is built in or importable from here (a module of the reader's folder is not). The
+    tests of ``tests/cli`` run ``meshplan`` this way too; it saves a process's start (about
+    3 s of a 10 s small run).
+
+    Example:
+        >>> in_this_process(["train", "--rules", "fsdp", "--mesh", "2x4"])
+        True
+        >>> in_this_process(["train", "--mesh", "1x1"])
+        False
+        >>> in_this_process(["train", "--model", "mymodels:make_model"])
+        False
+    """
+    parsed = parses(args)
+    mesh = getattr(parsed, "mesh", None)
+    if mesh is not None and math.prod(int(n) for n in str(mesh).split("x")) != SESSION_DEVICES:
+        return False
+    model = getattr(parsed, "model", None) or ""
+    own = any(a.startswith(("--platform", "--devices")) for a in args)
+    return not own and (":" not in model or model.startswith("meshplan."))
+
+
+def cli_here(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``meshplan ARGS`` run in this process (:func:`in_this_process`), as :func:`cli` gives it."""
+    from meshplan.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(args)
+    return subprocess.CompletedProcess(["meshplan", *args], code, out.getvalue(), err.getvalue())
 
 
 def _shown(result: subprocess.CompletedProcess[str]) -> str:
@@ -196,8 +242,11 @@ def check_shown_output(shown: list[str], printed: str, args: list[str]) -> None:
 
 def small_run(args: list[str], session: Session, cwd: Path, shown: list[str] = ()) -> None:
     """Trains as ``args`` ask, at the tiniest size and in one process: 2 steps per command."""
-    if tuple(args) in session.runs:
-        return  # the same command on an earlier page: its checkpoint is there
+    many = any(arg in MULTI for arg in args)
+    if tuple(args) in session.runs:  # the same command on an earlier page: its checkpoint is
+        if shown and not many and parses(args).ckpt_dir not in session.one_for_many:  # there
+            check_shown_output(shown, session.runs[tuple(args)], args)  # (output as printed)
+        return
     small: list[str] = []
     skip = 0
     for arg in args:
@@ -222,15 +271,14 @@ def small_run(args: list[str], session: Session, cwd: Path, shown: list[str] = (
         small += [*FAST, "--steps", str(step)]
         if not parsed.resume:
             small += [*TINY, "--data", str(Path(__file__))]
-    result = cli(small, cwd)
+    result = (cli_here if in_this_process(args) else cli)(small, cwd)
     failed = f"the small run `meshplan {' '.join(small)}` failed:\n"
     assert result.returncode == 0, failed + _shown(result)
-    many = any(arg in MULTI for arg in args)
     if many and folder:
         session.one_for_many.add(folder)
     if shown and not many and folder not in session.one_for_many:  # run as it was shown
         check_shown_output(shown, result.stdout + result.stderr, args)
-    session.runs.add(tuple(args))
+    session.runs[tuple(args)] = result.stdout + result.stderr
     if folder:
         session.steps[folder] = step
 
@@ -370,27 +418,33 @@ def page_blocks(page: str) -> list[Block]:
     return blocks_of((ROOT / page).read_text(), page)
 
 
-@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("pages", RUNS)
 @pytest.mark.slow
-def test_blocks_run(page, session, tmp_path, monkeypatch):
-    """Every block of the page, in order, in one namespace, in a fresh folder."""
-    monkeypatch.chdir(tmp_path)
-    # A real module, as dataclasses (and so Flax modules) look their class's module up.
-    module = types.ModuleType("docs_" + re.sub(r"\W", "_", page))
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    namespace = module.__dict__
-    for block in page_blocks(page):
-        if block.not_run:
-            continue
-        failure = None
-        try:
-            run_block(block, namespace, session, tmp_path)
-        except AssertionError as e:
-            failure = str(e)
-        except Exception:
-            failure = traceback.format_exc()
-        if failure is not None:
-            pytest.fail(f"{block.where} failed:\n{failure}", pytrace=False)
+def test_blocks_run(pages, session, tmp_path, monkeypatch):
+    """Every block of the page, in order, in one namespace, in a fresh folder (pages joined
+    by ``+``: one after the other, each in its own namespace and folder)."""
+    for page in pages.split("+"):
+        cwd = tmp_path / re.sub(r"\W", "_", page)
+        cwd.mkdir()
+        monkeypatch.chdir(cwd)
+        # A real module, as dataclasses (and so Flax modules) look their class's module up.
+        module = types.ModuleType("docs_" + re.sub(r"\W", "_", page))
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+        for block in page_blocks(page):
+            if not block.not_run:
+                _run_or_fail(block, module.__dict__, session, cwd)
+
+
+def _run_or_fail(block: Block, namespace: dict[str, Any], session: Session, cwd: Path) -> None:
+    failure = None
+    try:
+        run_block(block, namespace, session, cwd)
+    except AssertionError as e:
+        failure = str(e)
+    except Exception:
+        failure = traceback.format_exc()
+    if failure is not None:
+        pytest.fail(f"{block.where} failed:\n{failure}", pytrace=False)
 
 
 def test_blocks_skipped_only_by_marker_and_rarely():
