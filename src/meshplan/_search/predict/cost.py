@@ -32,7 +32,8 @@ partitioned the way XLA's SPMD partitioner does in the common cases:
 
 Per device, a matmul runs at the roofline: the larger of its FLOPs (divided by the
 product of the axes that split it) over ``peak_flops * matmul_efficiency`` and the
-bytes of its operands and output over ``memory_bandwidth``. Other ops cost only
+bytes of its operands and output over ``memory_bandwidth`` (their sum where the
+backend does not overlap them: ``HardwareProfile.matmul_bytes_serial``, XLA:CPU). Other ops cost only
 the bytes XLA's fusions read and write (:mod:`meshplan._search.predict.trace` counts what
 leaves a fusion); on a backend with fused attention the scores cost nothing but
 their matmuls' FLOPs. Collectives are priced by :mod:`meshplan._search.predict.collectives`
@@ -615,6 +616,24 @@ def _accumulator_bytes(workload: Workload, specs: _Specs) -> int:
     )
 
 
+def _matmul_seconds(arithmetic_s: float, bytes_s: float, profile: HardwareProfile) -> float:
+    """A matmul's seconds on one device: its arithmetic's and its bytes' (operands read, output
+    written), overlapped (the roofline's larger) or one after the other
+    (:attr:`HardwareProfile.matmul_bytes_serial`).
+
+    Example:
+        >>> import dataclasses
+        >>> from meshplan._search.predict.profiles import get_profile
+        >>> h100 = get_profile("h100")
+        >>> serial = dataclasses.replace(h100, matmul_bytes_serial=True)
+        >>> _matmul_seconds(2.0, 1.0, h100), _matmul_seconds(2.0, 1.0, serial)
+        (2.0, 3.0)
+    """
+    if profile.matmul_bytes_serial:
+        return arithmetic_s + bytes_s
+    return max(arithmetic_s, bytes_s)
+
+
 def _predict_one(
     workload: Workload,
     specs: _Specs,
@@ -662,7 +681,8 @@ def _predict_one(
                 + specs.shard_bytes(dot.rhs_names, dot.rhs_shape, dot.rhs_itemsize)
                 + out_bytes
             )
-            compute_s += count * max(f / eff_flops, moved / profile.memory_bandwidth)
+            bytes_s = moved / profile.memory_bandwidth
+            compute_s += count * _matmul_seconds(f / eff_flops, bytes_s, profile)
         extra: dict[Any, int] = {}  # gathered arrays: the bytes each adds on a device
         for kind, axes, nbytes, key in colls:
             if key is not None:

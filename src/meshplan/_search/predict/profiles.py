@@ -164,6 +164,14 @@ class HardwareProfile:
             (:attr:`meshplan._search.predict.trace.Workload.held_broadcasts`; read in its
             buffer live ranges: Hugging Face's GPT-Neo, and an MLP of LayerNorms). The
             memory-optimised schedule makes each just before its reader.
+        matmul_bytes_serial: A matmul takes its arithmetic's time plus its bytes' (operands
+            read, output written over ``memory_bandwidth``), not the larger of the two:
+            XLA:CPU's dot kernels do not overlap them. Measured on the suite of
+            ``tests/xla_suite.py``: its mixture of experts contracts its experts' output
+            through an intermediate twice as large under 2x4 as under 4x2, for the same
+            FLOPs, and that matmul takes 1.15x as long (docs/benchmarks.md, sessions 27
+            and 28); priced by the larger alone, 2x4 ranked first and ran 1.08-1.14x as
+            long as 4x2.
 
     Example:
         >>> import meshplan
@@ -208,6 +216,7 @@ class HardwareProfile:
     fresh_bytes: int = 0
     first_touch_s: float = 0.0
     holds_broadcasts: bool = False
+    matmul_bytes_serial: bool = False
 
     def __post_init__(self) -> None:
         if self.slow_latency_s is None:
@@ -262,6 +271,7 @@ class Backend(TypedDict, total=False):
     regathers_unnamed: bool
     fresh_bytes: int
     holds_broadcasts: bool
+    matmul_bytes_serial: bool
 
 
 # Physical parameters shared by a backend's profiles (never fitted per model or run):
@@ -316,7 +326,9 @@ BACKENDS: dict[str, Backend] = {
     # per operand for groups of 2, 4 and 8). Its temporaries are one buffer, allocated per
     # call: from 32 MiB a device on, new memory each step (fresh_bytes). Its default
     # schedule holds an outer product's broadcast operands from the forward pass to the
-    # backward (holds_broadcasts).
+    # backward (holds_broadcasts). Its dot kernels' arithmetic does not hide their operands'
+    # reads and output's writes: a matmul costs both (matmul_bytes_serial; measured on the
+    # suite's models, docs/benchmarks.md, session 28).
     "cpu": Backend(
         combines_remat_collectives=True,
         combines_gathers=False,
@@ -327,6 +339,7 @@ BACKENDS: dict[str, Backend] = {
         regathers_unnamed=True,
         fresh_bytes=FRESH_BYTES,
         holds_broadcasts=True,
+        matmul_bytes_serial=True,
     ),
 }
 """What each backend does, by JAX platform name; a profile takes its backend's entry."""
