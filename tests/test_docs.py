@@ -44,6 +44,7 @@ import subprocess
 import sys
 import traceback
 import types
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,7 @@ the training page's first commands, trained once (each page's shown output check
 RUNS = [
     "+".join([p, *(k for k, v in TOGETHER.items() if v == p)]) for p in PAGES if p not in TOGETHER
 ]
+assert sorted(p for run in RUNS for p in run.split("+")) == sorted(PAGES), (RUNS, PAGES)
 LANGS = {"python", "json", "text", "", *SHELL}
 MAX_NOT_RUN = 2  # blocks skipped by a marker, in all pages together: keep them rare
 
@@ -126,14 +128,14 @@ def in_this_process(args: list[str]) -> bool:
     Example:
         >>> in_this_process(["train", "--rules", "fsdp", "--mesh", "2x4"])
         True
-        >>> in_this_process(["train", "--mesh", "1x1"])
-        False
+        >>> in_this_process(["train", "--mesh", "1x1"]), in_this_process(["train", "--mesh", "2x2x2"])
+        (False, True)
         >>> in_this_process(["train", "--model", "mymodels:make_model"])
         False
     """
     parsed = parses(args)
-    mesh = getattr(parsed, "mesh", None)
-    if mesh is not None and math.prod(int(n) for n in str(mesh).split("x")) != SESSION_DEVICES:
+    mesh = getattr(parsed, "mesh", None)  # '2x4', '2x2x2', '4×2', '8'
+    if mesh is not None and math.prod(map(int, re.split("[x×]", mesh))) != SESSION_DEVICES:
         return False
     model = getattr(parsed, "model", None) or ""
     own = any(a.startswith(("--platform", "--devices")) for a in args)
@@ -141,13 +143,36 @@ def in_this_process(args: list[str]) -> bool:
 
 
 def cli_here(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    """``meshplan ARGS`` run in this process (:func:`in_this_process`), as :func:`cli` gives it."""
+    """``meshplan ARGS`` run in this process (:func:`in_this_process`), as :func:`cli` gives it:
+    its warnings printed after its error output, as a fresh process prints them (once each),
+    and ``sys.path`` as it was (a factory's folder is put there for its import)."""
     from meshplan.cli import main
 
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(args)
-    return subprocess.CompletedProcess(["meshplan", *args], code, out.getvalue(), err.getvalue())
+    out, err, path = io.StringIO(), io.StringIO(), list(sys.path)
+    try:
+        with (
+            contextlib.chdir(cwd),
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+            warnings.catch_warnings(record=True) as caught,
+        ):
+            warnings.simplefilter("default")  # Python's own filters, as a fresh process has
+            for quiet in (
+                DeprecationWarning,
+                PendingDeprecationWarning,
+                ImportWarning,
+                ResourceWarning,
+            ):
+                warnings.simplefilter("ignore", quiet)
+            code = main(args)
+    finally:
+        sys.path[:] = path
+    said = "".join(
+        warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught
+    )
+    return subprocess.CompletedProcess(
+        ["meshplan", *args], code, out.getvalue(), err.getvalue() + said
+    )
 
 
 def _shown(result: subprocess.CompletedProcess[str]) -> str:

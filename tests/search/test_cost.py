@@ -12,7 +12,7 @@ import pytest
 
 import meshplan
 from meshplan._search.predict.cost import predict
-from meshplan._search.predict.profiles import get_profile
+from meshplan._search.predict.profiles import BACKENDS, get_profile
 from meshplan._search.predict.trace import trace_workload
 
 DEPTH = 12
@@ -485,3 +485,25 @@ def test_xla_cpus_default_schedule_holds_each_norms_broadcasts_until_the_backwar
     )
     assert held.activation_bytes - plain.activation_bytes == 4 * 16 * 64 * 64 * 4
     assert abs(held.activation_bytes + held.temporary_bytes - xla) <= 0.2 * xla
+
+
+def test_a_matmul_pays_its_bytes_after_its_flops_where_the_backend_does_not_overlap_them():
+    """The ``cpu`` backend's ``matmul_bytes_serial``: the suite's MoE contracts its experts'
+    output through an intermediate twice as large under 2x4 as under 4x2, for the same
+    FLOPs, and that matmul runs slower there (docs/benchmarks.md, sessions 27 and 28)."""
+    from xla_suite import LAYOUTS, suite_step
+
+    state, step, batch = suite_step("moe")
+    work = trace_workload(step, state, batch, read_constraints=True)
+    rules = LAYOUTS["tp"][1]
+    assert BACKENDS["cpu"]["matmul_bytes_serial"] and not get_profile("h100").matmul_bytes_serial
+    compute = {}
+    for serial in (False, True):  # a CPU's figures (the 2-core machine's calibration)
+        cpu = dict(peak_flops=30e9, matmul_efficiency=1.0, memory_bandwidth=10e9)
+        profile = dataclasses.replace(get_profile("h100"), **cpu, matmul_bytes_serial=serial)
+        for mesh in ({"data": 2, "tensor": 4}, {"data": 4, "tensor": 2}):
+            compute[serial, mesh["data"]] = predict(work, mesh, rules, profile).compute_s
+    assert compute[True, 2] > compute[False, 2] and compute[True, 4] > compute[False, 4]
+    # the 2x4 intermediate's bytes hid behind its FLOPs; added, 2x4 costs more over 4x2
+    excess = {s: compute[s, 2] / compute[s, 4] for s in (False, True)}
+    assert excess[True] > excess[False] + 0.02, excess

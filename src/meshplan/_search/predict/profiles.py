@@ -170,8 +170,8 @@ class HardwareProfile:
             ``tests/xla_suite.py``: its mixture of experts contracts its experts' output
             through an intermediate twice as large under 2x4 as under 4x2, for the same
             FLOPs, and that matmul takes 1.15x as long (docs/benchmarks.md, sessions 27
-            and 28); priced by the larger alone, 2x4 ranked first and ran 1.08-1.14x as
-            long as 4x2.
+            and 28); priced by the larger alone, 2x4 ranked first and ran 1.08-1.11x as
+            long as 4x2 (with the sum, the two are within the search's tie).
 
     Example:
         >>> import meshplan
