@@ -128,13 +128,16 @@ def in_this_process(args: list[str]) -> bool:
     Example:
         >>> in_this_process(["train", "--rules", "fsdp", "--mesh", "2x4"])
         True
-        >>> in_this_process(["train", "--mesh", "1x1"]), in_this_process(["train", "--mesh", "2x2x2"])
-        (False, True)
+        >>> in_this_process(["train", "--mesh", "1x1"])
+        False
+        >>> in_this_process(["train", "--rules", "pp_tp", "--mesh", "2x2x2"])
+        True
         >>> in_this_process(["train", "--model", "mymodels:make_model"])
         False
     """
     parsed = parses(args)
-    mesh = getattr(parsed, "mesh", None)  # '2x4', '2x2x2', '4×2', '8'
+    # '2x4', '2x2x2', '4×2', '8': only the device count (parse_mesh_shape wants 3 axes named)
+    mesh = getattr(parsed, "mesh", None)
     if mesh is not None and math.prod(map(int, re.split("[x×]", mesh))) != SESSION_DEVICES:
         return False
     model = getattr(parsed, "model", None) or ""

@@ -35,9 +35,10 @@ product of the axes that split it) over ``peak_flops * matmul_efficiency`` and t
 bytes of its operands and output over ``memory_bandwidth`` (their sum where the
 backend does not overlap them: ``HardwareProfile.matmul_bytes_serial``, XLA:CPU).
 Other ops cost only the bytes XLA's fusions read and write
-(:mod:`meshplan._search.predict.trace` counts what leaves a fusion); on a backend with fused attention the scores cost nothing but
-their matmuls' FLOPs. Collectives are priced by :mod:`meshplan._search.predict.collectives`
-(hierarchical where a group crosses domains); a reduction over a split dimension (a
+(:mod:`meshplan._search.predict.trace` counts what leaves a fusion); on a backend with
+fused attention the scores cost nothing but their matmuls' FLOPs. Collectives are priced
+by :mod:`meshplan._search.predict.collectives` (hierarchical where a group crosses
+domains); a reduction over a split dimension (a
 norm's statistics over a split ``mlp``, a softmax's over a split ``vocab``) all-reduces
 its partial results (``Workload.reductions``); a logical constraint that moves a value's
 axes (a mixture of experts' dispatch and combine) is an all-to-all or a gather
