@@ -16,8 +16,10 @@ working folder:
     made small, below);
   - training (hundreds of steps, several processes) runs at the tiniest size
     instead (2 steps of a 1-layer model, one process), so that the blocks after
-    it find the checkpoint they need; ``search --measure``, ``demo`` and
-    commands for several hosts are only parsed;
+    it find the checkpoint they need; a training command with no output shown and
+    no ``--ckpt-dir`` is checked as ``meshplan train`` checks it before it compiles
+    (:func:`prepared_here`); ``search --measure``, ``demo`` and commands for several
+    hosts are only parsed;
 
   ``make X`` must be a target (``make -n X``), ``.venv/bin/python script.py`` a
   script that exists;
@@ -178,6 +180,29 @@ def cli_here(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+def prepared_here(args: list[str], cwd: Path) -> None:
+    """``meshplan train ARGS`` checked in this process as the command checks it before it
+    compiles anything (``prepare_run``): the flags, the model they build, the layout against
+    its dimensions and the mesh, the batches, and the step's memory. A command that fails
+    there fails here with the message the reader would see.
+
+    For a command whose output the page does not show and whose checkpoint no later block
+    reads: what could rot is its flags and their combination, all checked here. Each
+    layout's training is the behaviour tests' (``tests/models``, ``tests/cli``); compiling
+    it once more here cost about 6 s a command.
+    """
+    from meshplan._errors import MeshplanError
+    from meshplan.cli.devices import found_devices
+    from meshplan.cli.train.command import _request
+    from meshplan.cli.train.prepare import prepare_run
+
+    try:
+        with contextlib.chdir(cwd), contextlib.redirect_stdout(io.StringIO()):
+            prepare_run(_request(parses(args), found_devices()))
+    except MeshplanError as e:
+        raise AssertionError(f"`meshplan {' '.join(args)}` is refused:\n{e}") from None
+
+
 def _shown(result: subprocess.CompletedProcess[str]) -> str:
     out, err = result.stdout[-3000:], result.stderr[-3000:]
     return f"exit status {result.returncode}\nstdout:\n{out}\nstderr:\n{err}"
@@ -299,6 +324,9 @@ def small_run(args: list[str], session: Session, cwd: Path, shown: list[str] = (
         small += [*FAST, "--steps", str(step)]
         if not parsed.resume:
             small += [*TINY, "--data", str(Path(__file__))]
+    if not shown and folder is None and not many and in_this_process(args):
+        prepared_here(small, cwd)  # nothing of it shown or read later: checked, not compiled
+        return
     result = (cli_here if in_this_process(args) else cli)(small, cwd)
     failed = f"the small run `meshplan {' '.join(small)}` failed:\n"
     assert result.returncode == 0, failed + _shown(result)
