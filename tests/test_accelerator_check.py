@@ -29,6 +29,7 @@ def test_the_accelerator_check_runs_in_cpu_mode(tmp_path):
     assert "2-train: ok" in results and "3-resume: ok" in results
     assert "4-context: ok" in results and "5-experts: ok" in results
     assert "6-pipeline: ok" in results
+    assert "4 stages vmapped on one device" in results  # the accelerator's own command, here
     assert "7-overhead: ok" in results
     assert "ratio" in next(line for line in results.splitlines() if line.startswith("own "))
     lines_of = {line.split(":", 1)[0]: line for line in results.splitlines()}
