@@ -67,7 +67,7 @@ assert sorted(p for run in RUNS for p in run.split("+")) == sorted(PAGES), (RUNS
 LANGS = {"python", "json", "text", "", *SHELL}
 MAX_NOT_RUN = 2  # blocks skipped by a marker, in all pages together: keep them rare
 
-# Training at the tiniest size: what replaces a doc's long run (see tests/cli/test_train_command.py).
+# Training at the tiniest size, what replaces a doc's long run: see tests/cli/test_train_command.py.
 FAST = ["--batch", "8", "--seq", "16", "--eval-every", "0", "--eval-batches", "1"]
 TINY = ["--layers", "1", "--embed", "32", "--mlp", "64", "--max-len", "64"]
 MULTI = {"--processes": 1, "--coordinator": 1, "--num-processes": 1, "--process-id": 1}
@@ -193,12 +193,15 @@ def prepared_here(args: list[str], cwd: Path) -> None:
     """
     from meshplan._errors import MeshplanError
     from meshplan.cli.devices import found_devices
+    from meshplan.cli.names_file import refuse_names
     from meshplan.cli.train.command import _request
     from meshplan.cli.train.prepare import prepare_run
 
     try:
         with contextlib.chdir(cwd), contextlib.redirect_stdout(io.StringIO()):
-            prepare_run(_request(parses(args), found_devices()))
+            request = _request(parses(args), found_devices())
+            refuse_names(request.names, request.model)  # the command's first check, as in run()
+            prepare_run(request)
     except MeshplanError as e:
         raise AssertionError(f"`meshplan {' '.join(args)}` is refused:\n{e}") from None
 
