@@ -206,6 +206,15 @@ def prepared_here(args: list[str], cwd: Path) -> None:
         raise AssertionError(f"`meshplan {' '.join(args)}` is refused:\n{e}") from None
 
 
+def test_the_pre_compile_check_fails_on_a_command_train_refuses(tmp_path):
+    args = ["train", "--rules", "context_parallel", "--mesh", "2x4", "--seq", "20", *TINY]
+    with pytest.raises(AssertionError, match="--seq 20 cannot be striped over the 4 context"):
+        prepared_here(args, tmp_path)
+    prepared_here(
+        ["train", "--rules", "context_parallel", "--mesh", "2x4", "--seq", "32"], tmp_path
+    )
+
+
 def _shown(result: subprocess.CompletedProcess[str]) -> str:
     out, err = result.stdout[-3000:], result.stderr[-3000:]
     return f"exit status {result.returncode}\nstdout:\n{out}\nstderr:\n{err}"
