@@ -11,7 +11,7 @@ def fresh_env(*drop: str, **extra: str) -> dict[str, str]:
     """This process's environment without the test session's device count, for a process
     that sets its own (``meshplan --devices``, or one CPU device).
 
-    ``XLA_FLAGS`` keeps the session's other flags (its CPU code generation level, see the
+    ``XLA_FLAGS`` keeps the session's other flags (its CPU code generation settings, see the
     root ``conftest.py``); ``drop`` names variables to leave out; ``extra`` sets others.
     """
     env = {k: v for k, v in os.environ.items() if k not in drop}
