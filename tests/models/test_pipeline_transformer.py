@@ -45,24 +45,18 @@ def _one_device(shape):
     return dict.fromkeys(shape, 1)  # 'stage' on an axis of size 1: no pipeline
 
 
+# Each front end, schedule and pipelined layout once, remat with and without a policy.
 CASES = {
     # name: (front end, config, mesh, layout)
-    "gpipe": (_linen, dict(num_layers=4, microbatches=4), {"pipeline": 4, "data": 2}, "pipeline"),
-    "circular-pp_fsdp-remat": (
+    "linen-circular-pp_fsdp-remat": (
         _linen,
         dict(num_layers=8, microbatches=4, pipeline_repeats=2, remat=True),
         {"pipeline": 4, "data": 2},
         "pp_fsdp",
     ),
-    "nnx-circular": (
+    "nnx-gpipe-pp_tp-dots": (
         _nnx,
-        dict(num_layers=4, microbatches=2, pipeline_repeats=2),
-        {"pipeline": 2, "data": 4},
-        "pipeline",
-    ),
-    "pp_tp-dots": (
-        _linen,
-        dict(num_layers=2, microbatches=2, remat=True, remat_policy="dots_saveable"),
+        dict(num_layers=4, microbatches=2, remat=True, remat_policy="dots_saveable"),
         {"pipeline": 2, "data": 2, "model": 2},
         "pp_tp",
     ),
