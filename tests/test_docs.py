@@ -118,14 +118,36 @@ def cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 SESSION_DEVICES = 8  # the test session's emulated CPU devices (the root conftest.py)
 
 
+def checkable_here(args: list[str]) -> bool:
+    """Whether :func:`prepared_here` sees what ``meshplan train ARGS`` would see in a fresh
+    process: this session's 8 CPU devices (the command's default ``--devices`` on a machine
+    without an accelerator) and a model importable from here (a module of the reader's
+    folder is not). Any mesh: one of fewer devices or more is the command's check to allow
+    or refuse, here as there.
+
+    Example:
+        >>> checkable_here(["train", "--mesh", "1x1"])
+        True
+        >>> checkable_here(["train", "--platform", "cpu", "--devices", "8", "--mesh", "2x4"])
+        True
+        >>> checkable_here(["train", "--devices", "4", "--mesh", "2x2"])
+        False
+        >>> checkable_here(["train", "--model", "mymodels:make_model"])
+        False
+    """
+    parsed = parses(args)
+    model = parsed.model or ""
+    importable = ":" not in model or model.startswith("meshplan.")
+    return importable and parsed.platform in ("auto", "cpu") and parsed.devices == SESSION_DEVICES
+
+
 def in_this_process(args: list[str]) -> bool:
     """Whether a small ``meshplan train ARGS`` can run in this process rather than a fresh one.
 
-    It can when a fresh process would see what this one has: the session's 8 CPU devices
-    (a mesh of 8, or none given), no ``--platform`` or ``--devices`` of its own, and a model
-    that is built in or importable from here (a module of the reader's folder is not). The
-    tests of ``tests/cli`` run ``meshplan`` this way too; it saves a process's start (about
-    3 s of a 10 s small run).
+    It can when a fresh process would print what this one does: :func:`checkable_here`, a
+    mesh of the session's 8 devices (or none given), and no ``--platform`` or ``--devices``
+    of its own (a run's output names them). The tests of ``tests/cli`` run ``meshplan``
+    this way too; it saves a process's start (about 3 s of a 10 s small run).
 
     Example:
         >>> in_this_process(["train", "--rules", "fsdp", "--mesh", "2x4"])
@@ -134,17 +156,13 @@ def in_this_process(args: list[str]) -> bool:
         False
         >>> in_this_process(["train", "--rules", "pp_tp", "--mesh", "2x2x2"])
         True
-        >>> in_this_process(["train", "--model", "mymodels:make_model"])
-        False
     """
-    parsed = parses(args)
     # '2x4', '2x2x2', '4×2', '8': only the device count (parse_mesh_shape wants 3 axes named)
-    mesh = getattr(parsed, "mesh", None)
+    mesh = parses(args).mesh
     if mesh is not None and math.prod(map(int, re.split("[x×]", mesh))) != SESSION_DEVICES:
         return False
-    model = getattr(parsed, "model", None) or ""
     own = any(a.startswith(("--platform", "--devices")) for a in args)
-    return not own and (":" not in model or model.startswith("meshplan."))
+    return not own and checkable_here(args)
 
 
 def cli_here(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -336,7 +354,7 @@ def small_run(args: list[str], session: Session, cwd: Path, shown: list[str] = (
         small += [*FAST, "--steps", str(step)]
         if not parsed.resume:
             small += [*TINY, "--data", str(Path(__file__))]
-    if not shown and folder is None and not many and in_this_process(args):
+    if not shown and folder is None and not many and checkable_here(args):
         prepared_here(small, cwd)  # nothing of it shown or read later: checked, not compiled
         return
     result = (cli_here if in_this_process(args) else cli)(small, cwd)
