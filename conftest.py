@@ -20,10 +20,12 @@ import tempfile
 # get (the same HLO, SPMD partitioning and buffer assignment; tests/search/test_memory.py reads
 # memory_analysis()), only their machine code is less optimised, which the tests' tiny models
 # do not notice, and a train step compiles in half the time (a sharded init in a quarter).
-# Its fusions are emitted by XLA's older LLVM emitters, not the MLIR fusion emitters: a train
-# step compiles in 0.4 of the time, with the same memory_analysis() and collectives (the
-# memory-against-XLA suite's figures, `benchmarks/bench_xla_suite.py --memory`, are the same
-# to the digit with and without it, and as with XLA's defaults).
+# Its fusions are emitted by XLA's older LLVM emitters, not the MLIR fusion emitters, which
+# also groups some ops differently (a small step's 264 fusions become 208): a train step
+# compiles in 0.4 of the time, with the same memory_analysis() and collectives
+# (benchmarks/bench_test_flags.py; the memory-against-XLA suite's figures,
+# `benchmarks/bench_xla_suite.py --memory`, are the same with and without it, and with XLA's
+# defaults).
 # Processes the tests start keep both (tests/child_env.py drops only the device count).
 _flags = os.environ.get("XLA_FLAGS", "")
 if "--xla_backend_optimization_level" not in _flags:
