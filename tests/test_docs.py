@@ -211,15 +211,11 @@ def prepared_here(args: list[str], cwd: Path) -> None:
     """
     from meshplan._errors import MeshplanError
     from meshplan.cli.devices import found_devices
-    from meshplan.cli.names_file import refuse_names
-    from meshplan.cli.train.command import _request
-    from meshplan.cli.train.prepare import prepare_run
+    from meshplan.cli.train import checked_request, prepare_run
 
     try:
         with contextlib.chdir(cwd), contextlib.redirect_stdout(io.StringIO()):
-            request = _request(parses(args), found_devices())
-            refuse_names(request.names, request.model)  # the command's first check, as in run()
-            prepare_run(request)
+            prepare_run(checked_request(parses(args), found_devices()))  # as run() does
     except MeshplanError as e:
         raise AssertionError(f"`meshplan {' '.join(args)}` is refused:\n{e}") from None
 

@@ -4,10 +4,10 @@ The command line's front door for training: :mod:`meshplan.cli.app` runs ``HELP`
 ``add_arguments`` and ``run``; Python callers build a :class:`TrainRequest` and
 :func:`prepare` a trainer from it (:func:`prepare_run`: with the source the command
 describes). Every model source (:class:`ModelSource`) goes through the same
-:func:`prepare_run`.
+:func:`prepare_run`. :func:`checked_request` reads a parsed command line as ``run`` does.
 """
 
-from meshplan.cli.train.command import HELP, add_arguments, run
+from meshplan.cli.train.command import HELP, add_arguments, checked_request, run
 from meshplan.cli.train.prepare import PreparedRun, prepare, prepare_run
 from meshplan.cli.train.request import TrainRequest
 from meshplan.cli.train.source import ModelSource
@@ -18,6 +18,7 @@ __all__ = [
     "PreparedRun",
     "TrainRequest",
     "add_arguments",
+    "checked_request",
     "prepare",
     "prepare_run",
     "run",

@@ -245,6 +245,23 @@ def _request(args: argparse.Namespace, devices: DeviceChoice | None = None) -> T
     )
 
 
+def checked_request(args: argparse.Namespace, devices: DeviceChoice | None = None) -> TrainRequest:
+    """The run ``meshplan train`` is asked for, after its first check: a names file is
+    refused for a built-in model, which carries its own names. Then ``prepare_run`` checks
+    the rest before anything compiles.
+
+    Example:
+        >>> from meshplan.cli import build_parser
+        >>> args = build_parser().parse_args(["train", "--rules", "fsdp", "--steps", "5"])
+        >>> request = checked_request(args)
+        >>> request.rules, request.settings["steps"]
+        ('fsdp', 5)
+    """
+    request = _request(args, devices)
+    refuse_names(request.names, request.model)
+    return request
+
+
 def _console(main: bool) -> Console:
     if not main:
         return Console(quiet=True)  # process 0 speaks for a multi-process run
@@ -280,9 +297,8 @@ def run(args: argparse.Namespace) -> int:
     from meshplan.train.records import StepRecord
 
     console = _console(jax.process_index() == 0)
-    request = _request(args, devices)
     try:
-        refuse_names(request.names, request.model)  # a built-in model carries its own names
+        request = checked_request(args, devices)
     except MeshplanError as e:
         print_error(e)
         return 2
