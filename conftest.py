@@ -16,22 +16,23 @@ import os
 import shutil
 import tempfile
 
+from child_env import SESSION_XLA_FLAGS  # tests/ is on the path (pyproject's pythonpath)
+
 # CPU code generation at LLVM's lowest optimisation level: the programs are the ones users
 # get (the same HLO, SPMD partitioning and buffer assignment; tests/search/test_memory.py reads
 # memory_analysis()), only their machine code is less optimised, which the tests' tiny models
 # do not notice, and a train step compiles in half the time (a sharded init in a quarter).
 # Its fusions are emitted by XLA's older LLVM emitters, not the MLIR fusion emitters, which
-# also groups some ops differently (a small step's 264 fusions become 208): a train step
-# compiles in 0.4 of the time, with the same memory_analysis() and collectives
-# (benchmarks/bench_test_flags.py; the memory-against-XLA suite's figures,
-# `benchmarks/bench_xla_suite.py --memory`, are the same with and without it, and with XLA's
-# defaults).
-# Processes the tests start keep both (tests/child_env.py drops only the device count).
+# also group some ops differently (a small step's 264 fusions become 208): a train step
+# compiles in half the time again. The collectives are the same and memory_analysis()'s
+# temporaries move by bytes (benchmarks/bench_test_flags.py: 128 B of 8.9 MB); the
+# memory-against-XLA suite's figures (`benchmarks/bench_xla_suite.py --memory`) are the same
+# with and without it, and with XLA's defaults. Both flags: SESSION_XLA_FLAGS.
+# Processes the tests start keep them (tests/child_env.py drops only the device count).
 _flags = os.environ.get("XLA_FLAGS", "")
-if "--xla_backend_optimization_level" not in _flags:
-    _flags += " --xla_backend_optimization_level=0"
-if "--xla_cpu_use_fusion_emitters" not in _flags:
-    _flags += " --xla_cpu_use_fusion_emitters=false"
+for _flag, _value in SESSION_XLA_FLAGS.items():
+    if _flag not in _flags:  # one the environment sets wins
+        _flags += f" {_flag}={_value}"
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

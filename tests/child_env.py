@@ -5,6 +5,12 @@ from __future__ import annotations
 import os
 
 COUNT_FLAG = "--xla_force_host_platform_device_count"
+SESSION_XLA_FLAGS = {
+    "--xla_backend_optimization_level": "0",
+    "--xla_cpu_use_fusion_emitters": "false",
+}
+"""The test session's CPU code generation (the root ``conftest.py`` says why), by flag: what
+``benchmarks/bench_test_flags.py`` compares with XLA's defaults."""
 
 
 def fresh_env(*drop: str, **extra: str) -> dict[str, str]:
